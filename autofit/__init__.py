@@ -1,0 +1,37 @@
+"""autofit: fit PyTorch training into a memory budget.
+
+The Python API (each name is imported on first use):
+
+- ``autofit.probe(spec, micro_batch_size=..., ...)``: measure one configuration.
+- ``autofit.plan(model, example_batch, budget="16GB", batch_size=256)``: search and verify a plan.
+- ``autofit.fit(model, budget="16GB", train_data=..., ...)``: plan, then train.
+- ``autofit.apply_plan(model, plan)``: the plan's strategies for your own loop.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "probe": "autofit.probing",
+    "load_spec": "autofit.spec",
+    "spec_from_model": "autofit.spec",
+    "Plan": "autofit.plan_file",
+    "load_plan": "autofit.plan_file",
+    "save_plan": "autofit.plan_file",
+    "parse_budget": "autofit.units",
+    "UserError": "autofit.errors",
+    "plan": "autofit.planner",
+    "fit": "autofit.api",
+    "apply_plan": "autofit.apply",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'autofit' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,16 @@
+"""Every private PyTorch API autofit uses, in one place.
+
+A PyTorch release that moves one of these can only break this file.
+"""
+from __future__ import annotations
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["FakeTensorMode", "TorchDispatchMode", "new_fake_mode", "tree_leaves", "tree_map"]
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A fake-tensor mode that accepts real tensors (they are converted on use)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)

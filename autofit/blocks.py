@@ -1,0 +1,140 @@
+"""Per-block costs: the bytes each checkpoint candidate saves for backward and
+its share of forward time. This is what checkpointing a block trades.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from autofit._torch_private import tree_leaves
+from autofit.meters import make_meter
+from autofit.spec import ModelSpec
+from strategies import Precision, PrecisionConfig, checkpoint_candidates
+from autofit.step import to_device
+
+
+@dataclass(kw_only=True, slots=True)
+class BlockProfile:
+    name: str
+    saved_bytes: int
+    """Bytes of non-parameter tensors autograd saves inside the block (what checkpointing drops, less its input)."""
+    input_bytes: int
+    """Bytes of the block's input: checkpointing keeps these."""
+    forward_seconds: float | None
+    """Wall time of the block's forward (None when simulated)."""
+    forward_flops: int
+    forward_share: float
+    """The block's share of the whole forward: of time when measured, of FLOPs when simulated."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def profile_blocks(
+    spec: ModelSpec,
+    *,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    device: str = "cpu",
+    simulate: bool = False,
+    seed: int = 0,
+) -> list[BlockProfile]:
+    """Measure every checkpoint candidate during one forward of a micro-batch."""
+    meter = make_meter(device_type=device, simulate=simulate)
+    torch.manual_seed(seed)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        names = checkpoint_candidates(model)
+        modules = dict(model.named_modules())
+        step_precision = Precision(PrecisionConfig(precision=precision), device_type=meter.device.type, use_scaler=False)
+        inputs, targets = spec.example_batch(micro_batch_size)
+        inputs, targets = to_device(inputs, meter.device), to_device(targets, meter.device)
+        stats = {name: {"saved": set(), "saved_bytes": 0, "input_bytes": 0, "seconds": 0.0} for name in names}
+        active: list[str] = []
+        # Parameters are saved by reference and stay alive anyway: not activations.
+        persistent = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
+        starts: dict[str, float] = {}
+
+        def sync() -> None:
+            if meter.device.type == "cuda":
+                torch.cuda.synchronize(meter.device)
+
+        def pre_hook(name):
+            def hook(module, args):
+                active.append(name)
+                stats[name]["input_bytes"] += sum(_nbytes(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+                if not simulate:
+                    sync()
+                    starts[name] = time.perf_counter()
+            return hook
+
+        def post_hook(name):
+            def hook(module, args, output):
+                if not simulate:
+                    sync()
+                    stats[name]["seconds"] += time.perf_counter() - starts[name]
+                active.pop()
+            return hook
+
+        def pack(tensor):
+            if active:
+                block = stats[active[-1]]
+                storage = tensor.untyped_storage()
+                if id(storage) not in block["saved"] and id(storage) not in persistent:
+                    block["saved"].add(id(storage))
+                    block["saved_bytes"] += storage.nbytes()
+            return tensor
+
+        hooks = []
+        for name in names:
+            hooks.append(modules[name].register_forward_pre_hook(pre_hook(name)))
+            hooks.append(modules[name].register_forward_hook(post_hook(name)))
+        flop_counter = FlopCounterMode(display=False)
+        # Warm up once so that one-time costs (allocator, kernels) stay out of the times.
+        if not simulate:
+            with step_precision.forward_context():
+                model(inputs)
+            for stat in stats.values():
+                stat["seconds"] = 0.0
+                stat["input_bytes"] = 0
+        sync()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, step_precision.forward_context():
+            model(inputs)
+        sync()
+        total_seconds = time.perf_counter() - start
+        for hook in hooks:
+            hook.remove()
+        flops_by_module = flop_counter.get_flop_counts()
+        total_flops = sum(flops_by_module.get("Global", {}).values()) or 1
+    profiles = []
+    for name in names:
+        stat = stats[name]
+        flops = _module_flops(flops_by_module, name)
+        profiles.append(
+            BlockProfile(
+                name=name,
+                saved_bytes=stat["saved_bytes"],
+                input_bytes=stat["input_bytes"],
+                forward_seconds=None if simulate else stat["seconds"],
+                forward_flops=flops,
+                forward_share=(flops / total_flops) if simulate else (stat["seconds"] / total_seconds),
+            )
+        )
+    return profiles
+
+
+def _module_flops(flops_by_module: dict, name: str) -> int:
+    # FlopCounterMode names modules by their dotted path below the root's class name.
+    for key, counts in flops_by_module.items():
+        if key.endswith("." + name) or key == name:
+            return int(sum(counts.values()))
+    return 0
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()

@@ -1,0 +1,78 @@
+"""The `autofit` command line. Commands live in autofit/commands/, one module each;
+this file owns the app and turns a UserError into one line and a non-zero exit.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+import typer
+
+from autofit.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Fit PyTorch training into a memory budget: probe, plan, train.",
+)
+
+
+
+@app.callback()
+def _root() -> None:
+    """Fit PyTorch training into a memory budget: probe, plan, train."""
+
+
+COMMAND_MODULES = ("probe",)
+"""Modules under autofit/commands/ that register their command on ``app``."""
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"autofit.commands.{_name}")
+
+
+def _click_types(name: str) -> tuple[type, ...]:
+    """click's exception class, and typer's vendored twin where typer carries its own click."""
+    found = [getattr(click.exceptions, name)]
+    try:
+        from typer._click import exceptions as vendored
+
+        found.append(getattr(vendored, name))
+    except (ImportError, AttributeError):
+        pass
+    return tuple(found)
+
+
+_USAGE_ERRORS = _click_types("UsageError")
+_CLICK_ERRORS = _click_types("ClickException")
+_ABORTS = _click_types("Abort")
+
+
+def main() -> None:
+    """Entry point: user errors are one line on stderr and exit code 2."""
+    if len(sys.argv) <= 1:
+        app()  # prints the help
+        return
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(standalone_mode=False)
+    except UserError as error:
+        _fail(str(error))
+    except _USAGE_ERRORS as error:
+        where = f"autofit {error.ctx.info_name}" if error.ctx is not None and error.ctx.parent is not None else "autofit"
+        _fail(f"{error.format_message()}; see `{where} --help`".replace("\n", " "))
+    except _CLICK_ERRORS as error:
+        _fail(error.format_message())
+    except _ABORTS:
+        print("autofit: aborted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("autofit: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str) -> None:
+    print(f"autofit: error: {message}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,52 @@
+"""One optimizer step over a global batch: the code the probe measures and the loop runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autofit._torch_private import tree_map
+from strategies import BatchSplit, Precision
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: torch.Tensor
+    """Mean loss over the global batch (detached, still on the device: no sync)."""
+    stepped: bool
+    """False when fp16's GradScaler skipped the step (inf/nan gradients)."""
+
+
+def to_device(tree, device: torch.device | str):
+    """Copy a batch to the device. On the CPU too, so memory counts the same as on a GPU."""
+    return tree_map(lambda t: t.to(device, copy=True, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def train_step(
+    model: nn.Module,
+    inputs,
+    targets,
+    *,
+    loss_fn,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    split: BatchSplit,
+    device: torch.device | str,
+) -> StepResult:
+    """Forward and backward every micro-batch, then one optimizer step.
+
+    ``inputs``/``targets`` are the whole global batch on the host; each
+    micro-batch is copied to the device only when it is used.
+    """
+    total_loss = None
+    for micro_inputs, micro_targets, weight in split.micro_batches(inputs, targets):
+        micro_inputs, micro_targets = to_device(micro_inputs, device), to_device(micro_targets, device)
+        with precision.forward_context():
+            output = model(micro_inputs)
+            loss = loss_fn(output, micro_targets).float() * weight
+        precision.backward(loss)
+        total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
+    stepped = precision.optimizer_step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=total_loss, stepped=stepped)

@@ -1,0 +1,118 @@
+"""Peak live tensor bytes, counted as storages are created and freed.
+
+A dispatch mode sees every ATen op's outputs (forward, backward and optimizer
+alike, also over fake tensors); each new storage is counted once, and a
+finalizer subtracts it when PyTorch frees it. This is the CPU analogue of
+``torch.cuda.max_memory_allocated``.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from autofit._torch_private import TorchDispatchMode, tree_leaves
+
+ACTIVATIONS = "activations"
+CATEGORIES = ("parameters", "gradients", "optimizer_state", ACTIVATIONS)
+
+
+@dataclass(slots=True)
+class _Record:
+    nbytes: int
+    born: int
+    died: int | None = None
+    category: str = ACTIVATIONS
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live storage bytes while active.
+
+    Args:
+        round_bytes: round each storage up to a multiple of this (1 on the CPU;
+            512 mimics the CUDA caching allocator's block size).
+
+    Example:
+        >>> tracker = StorageTracker()
+        >>> tracker.track(model.parameters())   # tensors that existed before
+        >>> with tracker:
+        ...     loss = model(x).sum(); loss.backward()
+        >>> tracker.peak_bytes
+    """
+
+    def __init__(self, *, round_bytes: int = 1) -> None:
+        super().__init__()
+        self.round_bytes = round_bytes
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._clock = 0
+        self._peak_clock = 0
+        self._live: dict[int, _Record] = {}
+        self._records: list[_Record] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._track_one(leaf)
+        return out
+
+    def track(self, tensors: Iterable[torch.Tensor], category: str = ACTIVATIONS) -> None:
+        """Count tensors made outside the mode (parameters, inputs) and label them."""
+        for tensor in tensors:
+            if tensor is not None:
+                self._track_one(tensor).category = category
+
+    def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Name what already-counted tensors are, for the breakdown."""
+        self.track(tensors, category)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+        self._peak_clock = self._clock
+
+    def breakdown_at_peak(self) -> dict[str, int]:
+        """Bytes by category of the storages that were live at the peak."""
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for record in self._records:
+            if record.born <= self._peak_clock and (record.died is None or record.died > self._peak_clock):
+                totals[record.category] += record.nbytes
+        return totals
+
+    def _track_one(self, tensor: torch.Tensor) -> _Record:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        record = self._live.get(key)
+        nbytes = _round_up(storage.nbytes(), self.round_bytes)
+        if record is not None:
+            if record.nbytes != nbytes:  # resized in place
+                self._grow(nbytes - record.nbytes)
+                record.nbytes = nbytes
+            return record
+        self._clock += 1
+        record = _Record(nbytes=nbytes, born=self._clock)
+        self._live[key] = record
+        self._records.append(record)
+        weakref.finalize(storage, self._free, key)
+        self._grow(nbytes)
+        return record
+
+    def _grow(self, nbytes: int) -> None:
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self._peak_clock = self._clock
+
+    def _free(self, key: int) -> None:
+        record = self._live.pop(key, None)
+        if record is None:
+            return
+        self._clock += 1
+        record.died = self._clock
+        self.current_bytes -= record.nbytes
+
+
+def _round_up(nbytes: int, multiple: int) -> int:
+    return -(-nbytes // multiple) * multiple

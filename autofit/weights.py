@@ -1,0 +1,71 @@
+"""Training checkpoints (last.pt / best.pt): weights plus what is needed to rebuild the model.
+
+A checkpoint is a dict saved with ``torch.save``:
+    {"format": "autofit-checkpoint", "version": 1,
+     "model_source": {"source": path or "torchvision:NAME", "input_shape": "3x32x32", "num_classes": 10},
+     "fingerprint": model_fingerprint(model), "classes": [names] or None,
+     "model_state": state_dict, "plan": Plan.to_dict(),
+     "training": {...}   # optimizer/scaler/scheduler/RNG/data position, for --resume}
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autofit.errors import UserError
+from autofit.spec import ModelSpec, load_spec, model_fingerprint
+
+FORMAT = "autofit-checkpoint"
+VERSION = 1
+
+
+def save_checkpoint(path: str | Path, checkpoint: dict) -> Path:
+    """Save atomically (write a temporary file, then rename): an interrupt never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save({"format": FORMAT, "version": VERSION, **checkpoint}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Load a checkpoint written by ``save_checkpoint``.
+
+    Raises:
+        UserError: the file is missing, unreadable, or not an autofit checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"weights file {str(path)!r} does not exist; train first with `autofit train --plan plan.json`")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # any unpickling failure means a corrupt or foreign file
+        raise UserError(f"weights file {str(path)!r} cannot be read ({type(error).__name__}); is it a file written by `autofit train`?") from error
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise UserError(f"weights file {str(path)!r} is not an autofit checkpoint; use runs/NAME/best.pt or last.pt from `autofit train`")
+    return checkpoint
+
+
+def model_from_checkpoint(checkpoint: dict, *, where: str = "weights") -> tuple[nn.Module, ModelSpec]:
+    """Rebuild the model named in the checkpoint and load its weights (on the CPU).
+
+    Raises:
+        UserError: the model source is gone, or the weights belong to another model.
+    """
+    source = checkpoint["model_source"]
+    spec = load_spec(source["source"], input_shape=source.get("input_shape") or "3x224x224", num_classes=source.get("num_classes") or 1000)
+    model = spec.build_model()
+    if model_fingerprint(model) != checkpoint.get("fingerprint"):
+        raise UserError(f"{where} were saved from another model than {source['source']!r} builds now (parameter names or shapes differ); use the model file they were trained with")
+    model.load_state_dict(checkpoint["model_state"])
+    return model, spec

@@ -1,0 +1,66 @@
+"""Precision: fp32, bf16 autocast, or fp16 autocast with a GradScaler."""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from autofit.errors import UserError
+from strategies.base import Strategy
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    precision: str = "fp32"
+    """One of "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise UserError(f"precision {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}")
+
+
+class Precision(Strategy):
+    """Autocast for the forward, loss scaling for backward and step.
+
+    fp32 is the same object with autocast disabled and the scaler disabled, so
+    a step never asks which precision it runs.
+
+    Args:
+        config: which precision.
+        device_type: "cpu" or "cuda".
+        use_scaler: False keeps fp16's scaler off (the simulated meter cannot
+            run its data-dependent inf check; its memory is a few scalars).
+    """
+
+    def __init__(self, config: PrecisionConfig, *, device_type: str, use_scaler: bool = True) -> None:
+        self.config = config
+        self.device_type = device_type
+        self.dtype = _DTYPES.get(config.precision)
+        self.scaler = torch.amp.GradScaler(device_type, enabled=(config.precision == "fp16" and use_scaler))
+
+    def forward_context(self) -> AbstractContextManager:
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (unless fp16 found inf/nan gradients) and update the scale.
+
+        Returns:
+            True when the optimizer stepped.
+        """
+        if not self.scaler.is_enabled():
+            optimizer.step()
+            return True
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # GradScaler lowers the scale exactly when it skipped the step.
+        return self.scaler.get_scale() >= scale_before
