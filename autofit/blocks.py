@@ -93,22 +93,25 @@ def profile_blocks(
         for name in names:
             hooks.append(modules[name].register_forward_pre_hook(pre_hook(name)))
             hooks.append(modules[name].register_forward_hook(post_hook(name)))
-        flop_counter = FlopCounterMode(display=False)
         # Warm up once so that one-time costs (allocator, kernels) stay out of the times.
         if not simulate:
             with step_precision.forward_context():
                 model(inputs)
             for stat in stats.values():
-                stat["seconds"] = 0.0
                 stat["input_bytes"] = 0
+                stat["seconds"] = 0.0
         sync()
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, step_precision.forward_context():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), step_precision.forward_context():
             model(inputs)
         sync()
         total_seconds = time.perf_counter() - start
         for hook in hooks:
             hook.remove()
+        # FLOPs in a pass of their own: the counter's overhead must not distort the times.
+        flop_counter = FlopCounterMode(display=False)
+        with torch.no_grad(), flop_counter, step_precision.forward_context():
+            model(inputs)
         flops_by_module = flop_counter.get_flop_counts()
         total_flops = sum(flops_by_module.get("Global", {}).values()) or 1
     profiles = []

@@ -1,0 +1,37 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """Run `autofit ARGS` in this process; returns (exit_code, stdout, stderr)."""
+    from autofit.cli import main
+
+    def run(*args: str):
+        monkeypatch.setattr(sys, "argv", ["autofit", *map(str, args)])
+        try:
+            main()
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run

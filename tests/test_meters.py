@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from autofit.probing import probe
+from tests.models import resnet_spec, transformer_spec
+
+SPECS = {
+    "resnet18": resnet_spec,
+    "transformer-mha": lambda: transformer_spec("mha"),
+    "transformer-sdpa": lambda: transformer_spec("sdpa"),
+}
+
+
+@pytest.mark.parametrize("model", sorted(SPECS))
+@pytest.mark.parametrize("checkpoint", ["none", "all"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_simulated_equals_cpu_tracked(model, checkpoint, precision):
+    spec = SPECS[model]()
+    settings = dict(micro_batch_size=4, grad_accum_steps=2, precision=precision, checkpoint=checkpoint, steps=2)
+    real = probe(spec, **settings)
+    simulated = probe(spec, simulate=True, **settings)
+    assert real.meter == "cpu" and simulated.meter == "simulated"
+    assert simulated.samples_per_s is None and real.samples_per_s > 0
+    assert simulated.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
+    for category, value in real.breakdown.items():
+        assert simulated.breakdown[category] == pytest.approx(value, rel=0.01, abs=4096)
+
+
+def test_breakdown_adds_up_and_names_the_parts():
+    spec = resnet_spec()
+    result = probe(spec, micro_batch_size=4, steps=2)
+    model = spec.build_model()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    assert result.breakdown["parameters"] == param_bytes
+    assert result.breakdown["optimizer_state"] >= 2 * sum(p.numel() * 4 for p in model.parameters())  # AdamW: m and v
+    assert sum(result.breakdown.values()) == result.peak_bytes
+
+
+def test_checkpointing_and_smaller_micro_batches_lower_activations():
+    spec = transformer_spec("sdpa")
+    base = probe(spec, micro_batch_size=8, simulate=True, steps=2)
+    checkpointed = probe(spec, micro_batch_size=8, checkpoint="all", simulate=True, steps=2)
+    smaller = probe(spec, micro_batch_size=2, grad_accum_steps=4, simulate=True, steps=2)
+    assert checkpointed.breakdown["activations"] < 0.6 * base.breakdown["activations"]
+    assert smaller.breakdown["activations"] < 0.5 * base.breakdown["activations"]
+    assert smaller.global_batch_size == base.global_batch_size == 8
+
+
+def test_simulating_a_big_model_allocates_nothing_real():
+    spec = resnet_spec()
+    # 4096 images of 3x32x32 would need gigabytes of activations for real.
+    result = probe(spec, micro_batch_size=4096, simulate=True, steps=1)
+    assert result.peak_bytes > 1.5 * 2**30
+
+
+@pytest.mark.gpu
+def test_cuda_meter_counts_the_allocator_and_the_context():
+    spec = resnet_spec()
+    cuda = probe(spec, micro_batch_size=32, device="cuda", steps=3)
+    simulated = probe(spec, micro_batch_size=32, device="cuda", simulate=True, steps=3)
+    assert cuda.meter == "cuda"
+    assert cuda.breakdown["context"] > 0
+    allocated = cuda.peak_bytes - cuda.breakdown["allocator_cache"] - cuda.breakdown["context"]
+    assert allocated == pytest.approx(simulated.peak_bytes, rel=0.25)
+    assert torch.cuda.max_memory_allocated() > 0

@@ -1,0 +1,149 @@
+import copy
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from autofit.errors import UserError
+from autofit.step import train_step
+from strategies import (
+    BatchSplit,
+    BatchSplitConfig,
+    CheckpointConfig,
+    Checkpointing,
+    Precision,
+    PrecisionConfig,
+    checkpoint_candidates,
+)
+from tests.models import transformer_module
+
+
+class GradRecorder(torch.optim.SGD):
+    """SGD that keeps a copy of the gradients it stepped with."""
+
+    def step(self, closure=None):
+        self.grads = [p.grad.detach().clone() for group in self.param_groups for p in group["params"]]
+        return super().step(closure)
+
+
+def tiny_transformer():
+    torch.manual_seed(0)
+    module = transformer_module("sdpa")
+    return module.TinyTransformer("sdpa"), module.example_batch
+
+
+def plain_gradients(model, inputs, targets):
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def autofit_gradients(model, inputs, targets, *, micro_batch_size, blocks=(), precision="fp32"):
+    model = Checkpointing(CheckpointConfig(blocks=list(blocks))).apply(model)
+    optimizer = GradRecorder(model.parameters(), lr=0.0)
+    split = BatchSplit(BatchSplitConfig(global_batch_size=len(targets), micro_batch_size=micro_batch_size))
+    train_step(
+        model, inputs, targets,
+        loss_fn=torch.nn.functional.cross_entropy, optimizer=optimizer,
+        precision=Precision(PrecisionConfig(precision=precision), device_type="cpu"),
+        split=split, device="cpu",
+    )
+    return optimizer.grads
+
+
+def assert_all_close(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 2, 3])  # 8x1, 2x4, 3+3+2
+def test_batch_split_gives_the_global_batch_gradient(micro_batch_size):
+    model, example_batch = tiny_transformer()
+    inputs, targets = example_batch(8)
+    expected = plain_gradients(model, inputs, targets)
+    assert_all_close(autofit_gradients(copy.deepcopy(model), inputs, targets, micro_batch_size=micro_batch_size), expected)
+
+
+def test_split_sizes_and_weights():
+    config = BatchSplitConfig(global_batch_size=8, micro_batch_size=3)
+    assert config.sizes() == [3, 3, 2] and config.grad_accum_steps == 3
+    pieces = list(BatchSplit(config).micro_batches(torch.arange(8), torch.arange(8)))
+    assert [len(p[0]) for p in pieces] == [3, 3, 2]
+    assert [p[2] for p in pieces] == [3 / 8, 3 / 8, 2 / 8]
+
+
+@pytest.mark.parametrize("pick", ["one", "every-other", "all"])
+def test_checkpointing_any_blocks_keeps_gradients(pick):
+    model, example_batch = tiny_transformer()
+    inputs, targets = example_batch(4)
+    candidates = checkpoint_candidates(model)
+    blocks = {"one": candidates[1:2], "every-other": candidates[::2], "all": candidates}[pick]
+    expected = plain_gradients(model, inputs, targets)
+    ours = autofit_gradients(copy.deepcopy(model), inputs, targets, micro_batch_size=2, blocks=blocks)
+    assert_all_close(ours, expected)
+
+
+def test_checkpointing_keeps_parameter_names():
+    model, _ = tiny_transformer()
+    keys = list(model.state_dict())
+    Checkpointing(CheckpointConfig(blocks=checkpoint_candidates(model))).apply(model)
+    assert list(model.state_dict()) == keys
+
+
+def test_candidates_are_the_repeated_blocks():
+    import torchvision
+
+    assert checkpoint_candidates(tiny_transformer()[0]) == ["layers.0", "layers.1", "layers.2"]
+    resnet = torchvision.models.resnet18(num_classes=10)
+    assert checkpoint_candidates(resnet) == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+
+
+def test_unknown_block_lists_the_candidates():
+    model, _ = tiny_transformer()
+    with pytest.raises(UserError, match="layers.0, layers.1, layers.2"):
+        Checkpointing(CheckpointConfig(blocks=["nope"])).apply(model)
+
+
+def test_flop_counter_shows_the_recompute():
+    model, example_batch = tiny_transformer()
+    inputs, targets = example_batch(4)
+
+    def step_flops(blocks):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            autofit_gradients(copy.deepcopy(model), inputs, targets, micro_batch_size=4, blocks=blocks)
+        return counter.get_total_flops()
+
+    with FlopCounterMode(display=False) as forward_counter:
+        model(inputs)
+    forward = forward_counter.get_total_flops()
+    blocks = checkpoint_candidates(model)
+    extra = step_flops(blocks) - step_flops([])
+    # Every checkpointed block runs its forward again in backward, up to its last saved
+    # tensor (non-reentrant checkpointing stops early): two thirds of each block here.
+    assert 0.6 * forward < extra <= forward
+
+
+def test_precision_is_an_object_not_a_branch():
+    fp32 = Precision(PrecisionConfig(precision="fp32"), device_type="cpu")
+    bf16 = Precision(PrecisionConfig(precision="bf16"), device_type="cpu")
+    fp16 = Precision(PrecisionConfig(precision="fp16"), device_type="cpu")
+    layer = torch.nn.Linear(4, 4)
+    with fp32.forward_context():
+        assert layer(torch.ones(1, 4)).dtype == torch.float32
+    with bf16.forward_context():
+        assert layer(torch.ones(1, 4)).dtype == torch.bfloat16
+    assert not fp32.scaler.is_enabled() and not bf16.scaler.is_enabled() and fp16.scaler.is_enabled()
+    with pytest.raises(UserError, match="fp8"):
+        PrecisionConfig(precision="fp8")
+
+
+def test_fp16_scaler_skips_a_step_with_inf_gradients():
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    fp16 = Precision(PrecisionConfig(precision="fp16"), device_type="cpu")
+    before = layer.weight.detach().clone()
+    fp16.backward(layer(torch.tensor([[float("inf"), 1.0]])).sum())
+    assert fp16.optimizer_step(optimizer) is False
+    assert torch.equal(layer.weight, before)
