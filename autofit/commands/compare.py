@@ -1,0 +1,48 @@
+"""`autofit compare`: the before/after memory table for any model."""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from autofit.cli import app
+from autofit.commands.common import INPUT_SHAPE, MODEL_ARG, NUM_CLASSES
+from autofit.errors import UserError
+
+
+@app.command()
+def compare(
+    model: str = MODEL_ARG,
+    batch_size: int = typer.Option(..., "--batch-size", "-b", help="Global batch: samples per optimizer step, the same in every row."),
+    budget: str = typer.Option(None, "--budget", help='Adds autofit\'s own plan at this budget, e.g. "64MB" or "16GiB".'),
+    data: str = typer.Option(None, "--data", help="An image folder (train/ and val/ inside, or class folders) to train each row on."),
+    train_steps: int = typer.Option(0, "--train-steps", help="Optimizer steps each row trains with --data."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    steps: int = typer.Option(5, help="Probe steps per row; the first is a warm-up."),
+    out_dir: str = typer.Option("compare", "--out-dir", help="Where compare.md, compare.json and compare.png go."),
+    input_shape: str = INPUT_SHAPE,
+    num_classes: int = NUM_CLASSES,
+) -> None:
+    """fp32, AMP, checkpointing every block, both, and autofit's plan: peak memory and speed side by side."""
+    from autofit.compare import compare as run_compare
+    from autofit.compare import format_table, save_comparison
+    from autofit.meters import device_info
+    from autofit.spec import load_spec
+    from autofit.units import parse_budget
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+    info = device_info(device)  # one line when no GPU is visible
+    budget_bytes = None if budget is None else parse_budget(budget, device_total_bytes=info.total_bytes)
+    if data is not None and train_steps < 1:
+        raise UserError(f"--train-steps {train_steps} must be at least 1 with --data; e.g. --train-steps 50")
+    if data is None and train_steps:
+        raise UserError("--train-steps needs --data DIR (an image folder to train on)")
+    spec = load_spec(model, input_shape=input_shape, num_classes=num_classes)
+    comparison = run_compare(
+        spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
+        train_steps=train_steps, probe_steps=steps, progress=lambda line: print(f"  {line}", file=sys.stderr),
+    )
+    print(format_table(comparison))
+    paths = save_comparison(comparison, out_dir)
+    print(f"\nwrote {paths['markdown']}, {paths['json']}, {paths['png']}")

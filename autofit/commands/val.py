@@ -1,0 +1,32 @@
+"""`autofit val`: score trained weights on a validation image folder."""
+from __future__ import annotations
+
+import typer
+
+from autofit.cli import app
+from autofit.commands.common import print_json
+from autofit.errors import UserError
+
+
+@app.command()
+def val(
+    weights: str = typer.Option(..., "--weights", help="A checkpoint from `autofit train`, e.g. runs/NAME/best.pt."),
+    data: str = typer.Option(..., "--data", help="An image folder of class folders, e.g. data/digits/val."),
+    batch_size: int = typer.Option(256, "--batch-size", help="Samples per forward."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Accuracy, macro and per-class precision/recall/F1, and the confusion matrix."""
+    from autofit.evaluate import format_evaluation, validate_weights
+    from autofit.meters import device_info
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+    if device == "cuda":
+        device_info("cuda")  # one line when no GPU is visible
+    evaluation = validate_weights(weights, data, batch_size=batch_size, device=device)
+    if as_json:
+        print_json({"weights": weights, "data": data, **evaluation.to_dict()})
+        return
+    print(f"{weights} on {data}")
+    print(format_evaluation(evaluation))

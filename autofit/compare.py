@@ -1,0 +1,413 @@
+"""The before/after table: what each memory technique costs and saves on one model.
+
+Every configuration keeps the same global batch and is measured by the same
+probe in the same run, so the ratios against fp32 are side by side:
+
+- fp32 (the baseline), AMP with bf16 and fp16 where the device runs them,
+- checkpointing every block (fp32, then with each AMP),
+- autofit's own plan at a budget (when one is given).
+
+With data, each configuration also trains ``train_steps`` optimizer steps from
+the same seed on the same batches, and the loss and accuracy it reached are
+reported: checkpointing must not change them, precision may.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from autofit.errors import UserError
+from autofit.spec import ModelSpec
+
+AMP_PRECISIONS = ("bf16", "fp16")
+
+
+@dataclass(kw_only=True, slots=True)
+class Configuration:
+    name: str
+    precision: str = "fp32"
+    checkpoint: str | list[str] = field(default_factory=list)
+    """"all" or block names; [] checkpoints nothing."""
+    micro_batch_size: int
+    """Samples per forward/backward; the global batch is fixed by the comparison."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Row:
+    """One configuration, measured."""
+
+    name: str
+    precision: str
+    checkpoint_blocks: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    peak_bytes: int | None = None
+    samples_per_s: float | None = None
+    memory_ratio: float | None = None
+    """peak_bytes / fp32's peak_bytes."""
+    speed_ratio: float | None = None
+    """samples_per_s / fp32's samples_per_s."""
+    fits_budget: bool | None = None
+    train_loss: float | None = None
+    """Mean training loss over the last (up to 10) steps."""
+    eval_loss: float | None = None
+    eval_accuracy: float | None = None
+    note: str = ""
+    """Why a number is missing (e.g. the configuration ran out of memory)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Comparison:
+    model: str
+    device: str
+    global_batch_size: int
+    budget_bytes: int | None = None
+    data: str | None = None
+    eval_data: str | None = None
+    """The folder the accuracy was measured on."""
+    train_steps: int = 0
+    rows: list[Row] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def runnable_amp_precisions(device: str) -> list[str]:
+    """The AMP precisions this device runs: a tiny forward and backward under each autocast."""
+    from autofit.probing import check_precision_supported
+
+    runnable = []
+    for precision in AMP_PRECISIONS:
+        try:
+            check_precision_supported(precision, device)
+            layer = torch.nn.Linear(4, 4).to(device)
+            with torch.autocast(device_type=device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision]):
+                out = layer(torch.ones(2, 4, device=device))
+            out.float().sum().backward()
+        except (UserError, RuntimeError):
+            continue
+        runnable.append(precision)
+    return runnable
+
+
+def configurations(*, global_batch_size: int, amp_precisions: list[str]) -> list[Configuration]:
+    """fp32, each AMP, checkpointing every block, and each AMP with it: all at the full batch."""
+    full = global_batch_size
+    configs = [Configuration(name="fp32", micro_batch_size=full)]
+    configs += [Configuration(name=f"{p} AMP", precision=p, micro_batch_size=full) for p in amp_precisions]
+    configs.append(Configuration(name="checkpoint all", checkpoint="all", micro_batch_size=full))
+    configs += [Configuration(name=f"{p} AMP + checkpoint all", precision=p, checkpoint="all", micro_batch_size=full) for p in amp_precisions]
+    return configs
+
+
+def plan_configuration(spec: ModelSpec, *, budget_bytes: int, global_batch_size: int, device: str) -> Configuration:
+    """autofit's own choice at the budget, from the planner."""
+    from autofit.planner import make_plan
+
+    plan = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device)
+    blocks = list(plan.checkpoint)
+    split = f"{plan.micro_batch_size} x {plan.grad_accum_steps}"
+    return Configuration(
+        name=f"autofit plan ({plan.precision}, m={split}, {len(blocks)} ckpt)",
+        precision=plan.precision,
+        checkpoint=blocks,
+        micro_batch_size=plan.micro_batch_size,
+    )
+
+
+def compare(
+    spec: ModelSpec,
+    *,
+    global_batch_size: int,
+    device: str = "cpu",
+    budget_bytes: int | None = None,
+    data: str | Path | None = None,
+    train_steps: int = 0,
+    probe_steps: int = 5,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda message: None,
+) -> Comparison:
+    """Measure every configuration on ``spec`` and, with data, train each for ``train_steps``.
+
+    Args:
+        spec: the model.
+        global_batch_size: samples per optimizer step, the same for every row.
+        device: "cpu" or "cuda".
+        budget_bytes: when given, adds autofit's plan at this budget and marks
+            which rows fit it.
+        data: an image folder (with train/ and val/ inside, or class folders
+            directly); requires ``train_steps`` >= 1.
+        train_steps: optimizer steps each configuration trains on ``data``.
+        probe_steps: probe steps per configuration (the first is a warm-up).
+        seed: the same model initialisation and batch order for every row.
+        progress: called with a line before each configuration runs.
+
+    Raises:
+        UserError: a bad setting, a missing data folder, or data the model cannot take.
+    """
+    from autofit.probing import probe
+
+    if global_batch_size < 1:
+        raise UserError(f"--batch-size {global_batch_size} must be at least 1")
+    if data is not None and train_steps < 1:
+        raise UserError(f"--train-steps {train_steps} must be at least 1 when --data is given")
+    if probe_steps < 2:
+        raise UserError(f"--steps {probe_steps} must be at least 2 (the first is a warm-up)")
+    comparison = Comparison(
+        model=spec.source, device=device, global_batch_size=global_batch_size, budget_bytes=budget_bytes,
+        data=None if data is None else str(data), train_steps=train_steps if data is not None else 0,
+    )
+    training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
+    if training is not None:
+        comparison.eval_data = training.eval_dir
+    configs = configurations(global_batch_size=global_batch_size, amp_precisions=runnable_amp_precisions(device))
+    plan_failure = None
+    if budget_bytes is not None:
+        progress("planning at the budget")
+        try:
+            configs.append(plan_configuration(spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device))
+        except UserError as error:  # no plan fits: the other rows still stand
+            plan_failure = Row(name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0, note=f"no plan: {error}")
+    for config in configs:
+        progress(f"measuring {config.name}")
+        row = Row(
+            name=config.name, precision=config.precision, checkpoint_blocks=0,
+            micro_batch_size=config.micro_batch_size, grad_accum_steps=math.ceil(global_batch_size / config.micro_batch_size),
+        )
+        try:
+            result = probe(
+                spec, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size,
+                precision=config.precision, checkpoint=config.checkpoint, device=device, steps=probe_steps, seed=seed,
+            )
+        except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
+            row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            _release(device)
+        else:
+            row.peak_bytes, row.samples_per_s, row.checkpoint_blocks = result.peak_bytes, result.samples_per_s, len(result.checkpoint)
+            if training is not None:
+                progress(f"training {config.name} for {train_steps} steps")
+                row.train_loss, row.eval_loss, row.eval_accuracy = training.train_and_score(spec, config, device=device, seed=seed)
+        comparison.rows.append(row)
+    if plan_failure is not None:
+        comparison.rows.append(plan_failure)
+    _fill_ratios(comparison)
+    return comparison
+
+
+def _fill_ratios(comparison: Comparison) -> None:
+    base = next((r for r in comparison.rows if r.name == "fp32"), None)
+    for row in comparison.rows:
+        if row.peak_bytes is None:
+            continue
+        if comparison.budget_bytes is not None:
+            row.fits_budget = row.peak_bytes <= comparison.budget_bytes
+        if base is None or base.peak_bytes is None:
+            continue
+        row.memory_ratio = row.peak_bytes / base.peak_bytes
+        if row.samples_per_s and base.samples_per_s:
+            row.speed_ratio = row.samples_per_s / base.samples_per_s
+
+
+class _TrainingData:
+    """The batches every configuration trains on, decoded once, and the set it is scored on."""
+
+    def __init__(self, *, batches: list[tuple[torch.Tensor, torch.Tensor]], eval_set, classes: list[str], eval_dir: str) -> None:
+        self.batches = batches
+        self.eval_set = eval_set
+        self.classes = classes
+        self.eval_dir = eval_dir
+
+    @classmethod
+    def load(cls, spec: ModelSpec, data: str | Path, *, global_batch_size: int, steps: int, seed: int) -> "_TrainingData":
+        from autofit.evaluate import image_folder, input_shape_of
+
+        root = Path(data)
+        if not root.is_dir():
+            raise UserError(f"--data {str(data)!r} is not a directory; give an image folder (with train/ and val/ inside, or class folders)")
+        train_dir = root / "train" if (root / "train").is_dir() else root
+        eval_dir = root / "val" if (root / "val").is_dir() else train_dir
+        shape = input_shape_of(None, spec)
+        train_set = image_folder(train_dir, input_shape=shape)
+        eval_set = image_folder(eval_dir, input_shape=shape, classes=train_set.classes) if eval_dir != train_dir else train_set
+        # The same batch order for every configuration: seeded permutations, epoch after epoch.
+        generator = torch.Generator().manual_seed(seed)
+        size = min(global_batch_size, len(train_set))
+        order: list[list[int]] = []
+        while len(order) < steps:
+            permutation = torch.randperm(len(train_set), generator=generator).tolist()
+            order += [permutation[i:i + size] for i in range(0, len(permutation) - size + 1, size)]
+        order = order[:steps]
+        cache = {i: train_set[i] for i in sorted({i for batch in order for i in batch})}
+        batches = [
+            (torch.stack([cache[i][0] for i in batch]), torch.tensor([cache[i][1] for i in batch])) for batch in order
+        ]
+        images, targets = zip(*(eval_set[i] for i in range(len(eval_set))))
+        eval_tensors = torch.utils.data.TensorDataset(torch.stack(images), torch.tensor(targets))
+        return cls(batches=batches, eval_set=eval_tensors, classes=list(train_set.classes), eval_dir=str(eval_dir))
+
+    def train_and_score(self, spec: ModelSpec, config: Configuration, *, device: str, seed: int) -> tuple[float, float | None, float]:
+        """Train a fresh model (same seed) for the prepared batches; score it in fp32 eval mode.
+
+        Returns:
+            (mean training loss of the last steps, eval loss, eval accuracy).
+        """
+        from autofit.evaluate import evaluate
+        from autofit.step import train_step
+        from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig
+
+        torch.manual_seed(seed)
+        model = spec.build_model().to(device)
+        model.train()
+        model = Checkpointing(CheckpointConfig(blocks=config.checkpoint)).apply(model)
+        optimizer = spec.build_optimizer(model.parameters())
+        precision = Precision(PrecisionConfig(precision=config.precision), device_type=torch.device(device).type)
+        split = BatchSplit(BatchSplitConfig(global_batch_size=len(self.batches[0][1]), micro_batch_size=min(config.micro_batch_size, len(self.batches[0][1]))))
+        losses = []
+        for inputs, targets in self.batches:
+            result = train_step(
+                model, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, split=split, device=device,
+            )
+            losses.append(result.loss)
+        model.eval()
+        scored = evaluate(model, self.eval_set, classes=self.classes, device=device, loss_fn=spec.loss_fn)
+        tail = torch.stack(losses[-10:]).float().cpu()
+        del model, optimizer
+        _release(device)
+        return float(tail.mean()), scored.loss, scored.accuracy
+
+
+def _release(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- output: a printed table, markdown and a bar chart ----------------------------------------
+
+def _columns(comparison: Comparison) -> list[tuple[str, Callable[[Row], str]]]:
+    from autofit.units import format_bytes
+
+    def ratio(value: float | None, text: str) -> str:
+        return "-" if value is None else text.format(value)
+
+    columns: list[tuple[str, Callable[[Row], str]]] = [
+        ("configuration", lambda r: r.name),
+        ("micro-batch", lambda r: f"{r.micro_batch_size} x {r.grad_accum_steps}" if r.micro_batch_size else "-"),
+        ("peak memory", lambda r: "-" if r.peak_bytes is None else format_bytes(r.peak_bytes)),
+        ("% of fp32", lambda r: ratio(r.memory_ratio and 100 * r.memory_ratio, "{:.0f}%")),
+        ("samples/s", lambda r: ratio(r.samples_per_s, "{:.1f}")),
+        ("vs fp32", lambda r: ratio(r.speed_ratio, "{:.2f}x")),
+    ]
+    if comparison.budget_bytes is not None:
+        columns.append((f"fits {format_bytes(comparison.budget_bytes)}", lambda r: "-" if r.fits_budget is None else ("yes" if r.fits_budget else "no")))
+    if comparison.data is not None:
+        columns += [
+            (f"loss @{comparison.train_steps}", lambda r: ratio(r.eval_loss, "{:.4f}")),
+            (f"accuracy @{comparison.train_steps}", lambda r: ratio(r.eval_accuracy, "{:.2%}")),
+        ]
+    return columns
+
+
+def _cells(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
+    columns = _columns(comparison)
+    return [name for name, _ in columns], [[cell(row) for _, cell in columns] for row in comparison.rows]
+
+
+def _caption(comparison: Comparison) -> str:
+    from autofit.units import format_bytes
+
+    text = f"{comparison.model} on {comparison.device}, global batch {comparison.global_batch_size}"
+    if comparison.budget_bytes is not None:
+        text += f", budget {format_bytes(comparison.budget_bytes)}"
+    if comparison.data is not None:
+        text += f"; loss and accuracy on {comparison.eval_data} after {comparison.train_steps} training steps from the same seed"
+    return text
+
+
+def _notes(comparison: Comparison) -> list[str]:
+    return [f"{row.name}: {row.note}" for row in comparison.rows if row.note]
+
+
+def format_table(comparison: Comparison) -> str:
+    """The comparison as an aligned text table with a caption."""
+    header, body = _cells(comparison)
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+    align = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    lines = [_caption(comparison), "", align(header), "  ".join("-" * w for w in widths)]
+    lines += [align(cells) for cells in body]
+    if _notes(comparison):
+        lines += [""] + _notes(comparison)
+    return "\n".join(lines)
+
+
+def to_markdown(comparison: Comparison) -> str:
+    """The comparison as a markdown table with a caption."""
+    header, body = _cells(comparison)
+    lines = [_caption(comparison), "", "| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    if _notes(comparison):
+        lines += [""] + [f"- {note}" for note in _notes(comparison)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(comparison: Comparison, out: str | Path) -> Path:
+    """Bar charts: peak memory (with the budget), samples/s against fp32, and accuracy when trained."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in comparison.rows if r.peak_bytes is not None]
+    names = [r.name for r in rows]
+    panels = 3 if comparison.data is not None else 2
+    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    bar_colours = [colours[i % len(colours)] for i in range(len(rows))]
+    positions = list(range(len(rows)))
+    mib = [r.peak_bytes / 2**20 for r in rows]
+    axes[0].bar(positions, mib, color=bar_colours)
+    axes[0].set_ylabel("peak memory (MiB)")
+    axes[0].set_title("peak memory")
+    if comparison.budget_bytes is not None:
+        axes[0].axhline(comparison.budget_bytes / 2**20, color="black", linestyle="--", label="budget")
+        axes[0].legend()
+    axes[1].bar(positions, [r.speed_ratio or 0.0 for r in rows], color=bar_colours)
+    axes[1].axhline(1.0, color="grey", linewidth=1)
+    axes[1].set_ylabel("samples/s relative to fp32")
+    axes[1].set_title("speed")
+    if comparison.data is not None:
+        axes[2].bar(positions, [100 * (r.eval_accuracy or 0.0) for r in rows], color=bar_colours)
+        axes[2].set_ylabel("accuracy (%)")
+        axes[2].set_title(f"accuracy after {comparison.train_steps} steps")
+    for ax in axes:
+        ax.set_xticks(positions)
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    figure.suptitle(_caption(comparison), fontsize=9)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out
+
+
+def save_comparison(comparison: Comparison, out_dir: str | Path) -> dict[str, Path]:
+    """Write compare.md, compare.json and compare.png into ``out_dir``."""
+    import json
+
+    from autofit.plan_file import write_atomic
+
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": folder / "compare.md", "json": folder / "compare.json", "png": folder / "compare.png"}
+    write_atomic(paths["markdown"], to_markdown(comparison))
+    write_atomic(paths["json"], json.dumps(comparison.to_dict(), indent=2) + "\n")
+    plot_comparison(comparison, paths["png"])
+    return paths

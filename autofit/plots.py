@@ -1,0 +1,148 @@
+"""Training curves from ``metrics.jsonl``: loss, accuracy, learning rate, samples/s, memory.
+
+A run is a folder holding ``metrics.jsonl`` (one JSON object per line, written
+by ``autofit train``): ``{"kind": "step"|"epoch", "epoch", "step", "loss",
+"lr", "samples_per_s", "memory_bytes", "peak_bytes", "budget_bytes"}`` and, for
+epochs, ``"train_loss", "val_loss", "val_accuracy"``. Any key may be missing;
+a panel without data says so. Several runs are overlaid, one colour each.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autofit.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+MIB = 2**20
+
+
+@dataclass(kw_only=True, slots=True)
+class Run:
+    name: str
+    """The run folder, relative to the log dir ("." when the log dir is the run)."""
+    steps: list[dict] = field(default_factory=list)
+    epochs: list[dict] = field(default_factory=list)
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """Step and epoch records of one metrics.jsonl.
+
+    Lines that are not JSON objects are skipped: the last line of a run that
+    was killed mid-write may be cut short.
+    """
+    steps, epochs = [], []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        (epochs if record.get("kind") == "epoch" else steps).append(record)
+    return steps, epochs
+
+
+def find_runs(log_dir: str | Path) -> list[Run]:
+    """Every folder at or below ``log_dir`` that holds a metrics.jsonl.
+
+    Raises:
+        UserError: the folder is missing or holds no run.
+    """
+    root = Path(log_dir)
+    if not root.is_dir():
+        raise UserError(f"--log-dir {str(log_dir)!r} is not a directory; give the folder `autofit train` wrote (e.g. runs or runs/NAME)")
+    runs = []
+    for path in sorted(root.rglob(METRICS_FILE)):
+        steps, epochs = read_metrics(path)
+        if steps or epochs:
+            name = path.parent.relative_to(root).as_posix()
+            runs.append(Run(name=name if name != "." else root.name or ".", steps=steps, epochs=epochs))
+    if not runs:
+        raise UserError(f"--log-dir {str(log_dir)!r} holds no {METRICS_FILE} with records; train first with `autofit train`")
+    return runs
+
+
+def _series(records: list[dict], y_key: str, *, x_keys=("step", "epoch"), scale: float = 1.0) -> tuple[list[float], list[float]]:
+    """(x, y) of the records that have ``y_key`` and one of ``x_keys``; x falls back to the record's position."""
+    xs, ys = [], []
+    for position, record in enumerate(records):
+        y = record.get(y_key)
+        if not isinstance(y, (int, float)) or isinstance(y, bool):
+            continue
+        x = next((record[k] for k in x_keys if isinstance(record.get(k), (int, float))), position)
+        xs.append(float(x))
+        ys.append(float(y) / scale)
+    return xs, ys
+
+
+def plot_runs(runs: list[Run], out: str | Path, *, title: str | None = None) -> Path:
+    """Draw the curves of ``runs`` into a PNG at ``out``.
+
+    Panels: loss (steps, and train/validation loss per epoch), validation
+    accuracy, learning rate, samples/s, and memory (peak bytes per step
+    against the budget, dashed). The x axis is the optimizer step.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out {str(out)!r} must end in .png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    loss_ax, acc_ax, lr_ax, speed_ax, memory_ax, legend_ax = axes.flat
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = {ax: False for ax in axes.flat}
+
+    def draw(ax, xy, *, colour, label, **style):
+        xs, ys = xy
+        if xs:
+            ax.plot(xs, ys, color=colour, label=label, **style)
+            drawn[ax] = True
+
+    for index, run in enumerate(runs):
+        colour = colours[index % len(colours)]
+        name = run.name
+        draw(loss_ax, _series(run.steps, "loss"), colour=colour, label=f"{name} step", alpha=0.45, linewidth=1)
+        draw(loss_ax, _series(run.epochs, "train_loss"), colour=colour, label=f"{name} train", marker="o", linewidth=1.5)
+        draw(loss_ax, _series(run.epochs, "val_loss"), colour=colour, label=f"{name} val", marker="s", linestyle="--")
+        draw(acc_ax, _series(run.epochs, "val_accuracy"), colour=colour, label=name, marker="o")
+        draw(lr_ax, _series(run.steps or run.epochs, "lr"), colour=colour, label=name)
+        draw(speed_ax, _series(run.steps, "samples_per_s"), colour=colour, label=name)
+        draw(memory_ax, _series(run.steps, "peak_bytes", scale=MIB), colour=colour, label=f"{name} peak")
+        draw(memory_ax, _series(run.steps, "memory_bytes", scale=MIB), colour=colour, label=f"{name} in use", alpha=0.5, linestyle=":")
+        budgets = [r["budget_bytes"] for r in run.steps + run.epochs if isinstance(r.get("budget_bytes"), (int, float)) and r["budget_bytes"] > 0]
+        if budgets:
+            memory_ax.axhline(budgets[-1] / MIB, color=colour, linestyle="--", linewidth=1.5, label=f"{name} budget")
+            drawn[memory_ax] = True
+
+    for ax, heading, y_label in (
+        (loss_ax, "loss", "loss"),
+        (acc_ax, "validation accuracy", "accuracy"),
+        (lr_ax, "learning rate", "lr"),
+        (speed_ax, "throughput", "samples/s"),
+        (memory_ax, "memory against the budget", "MiB"),
+    ):
+        ax.set_title(heading)
+        ax.set_xlabel("step")
+        ax.set_ylabel(y_label)
+        ax.grid(True, alpha=0.3)
+        if drawn[ax]:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no data in metrics.jsonl", ha="center", va="center", transform=ax.transAxes, color="grey")
+    legend_ax.axis("off")
+    summary = [f"{run.name}: {len(run.steps)} steps, {len(run.epochs)} epochs" for run in runs]
+    legend_ax.text(0.0, 1.0, "runs\n" + "\n".join(summary), va="top", ha="left", fontsize=10, family="monospace")
+    figure.suptitle(title or ("training curves: " + ", ".join(run.name for run in runs)))
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out
