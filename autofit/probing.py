@@ -91,7 +91,10 @@ def probe(
         model = checkpointing.apply(model)
         blocks = [name for name, m in model.named_modules() if getattr(m, "_autofit_checkpointed", False)]
         optimizer = spec.build_optimizer(model.parameters())
-        step_precision = Precision(precision_config, device_type=meter.device.type, use_scaler=not simulate)
+        _create_optimizer_state(model, optimizer)
+        # A small first loss scale: the probe must step like steady training does, not
+        # spend its few steps skipping while GradScaler searches down from 2^16.
+        step_precision = Precision(precision_config, device_type=meter.device.type, use_scaler=not simulate, init_scale=1.0)
         # The global batch lives on the host; train_step copies each micro-batch to the device.
         inputs, targets = spec.example_batch(split.config.global_batch_size)
         step_seconds = []
@@ -129,6 +132,19 @@ def check_precision_supported(precision: str, device: str) -> None:
     """Raise when the device cannot run this precision, saying which can."""
     if device == "cuda" and torch.cuda.is_available() and precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError("precision bf16 is not supported on this GPU; use fp16 or fp32")
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer's lazily created state now, as any real step would.
+
+    fp16's GradScaler skips the first steps while it finds its scale; without
+    this a short probe could end before the state exists and under-count it.
+    """
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _release(device: str) -> None:

@@ -34,13 +34,18 @@ class Precision(Strategy):
         device_type: "cpu" or "cuda".
         use_scaler: False keeps fp16's scaler off (the simulated meter cannot
             run its data-dependent inf check; its memory is a few scalars).
+        init_scale: fp16's first loss scale (GradScaler's default 2^16).
     """
 
-    def __init__(self, config: PrecisionConfig, *, device_type: str, use_scaler: bool = True) -> None:
+    def __init__(
+        self, config: PrecisionConfig, *, device_type: str, use_scaler: bool = True, init_scale: float = 2.0**16
+    ) -> None:
         self.config = config
         self.device_type = device_type
         self.dtype = _DTYPES.get(config.precision)
-        self.scaler = torch.amp.GradScaler(device_type, enabled=(config.precision == "fp16" and use_scaler))
+        self.scaler = torch.amp.GradScaler(
+            device_type, init_scale=init_scale, enabled=(config.precision == "fp16" and use_scaler)
+        )
 
     def forward_context(self) -> AbstractContextManager:
         if self.dtype is None:
