@@ -51,6 +51,15 @@ def example_batch(n):
 REGION_CLASSES = ["top", "bottom", "left"]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared two-core machine two threads spin against other jobs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pattern(kind: str, size: int = 8, seed: int = 0) -> np.ndarray:
     """A grayscale picture bright in one region, with a little noise."""
     rng = np.random.default_rng(seed)

@@ -1,0 +1,156 @@
+"""`autofit compare`: the before/after table on a tiny CNN, its files, and equal numerics."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.image import imread
+
+from autofit.compare import compare, configurations, format_table, to_markdown
+from autofit.spec import load_spec
+from tests.test_evaluate import write_image_folder
+
+TINY_CNN = '''
+import torch
+from torch import nn
+
+INPUT_SHAPE = (1, 8, 8)
+
+
+class Block(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class TinyCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.blocks = nn.Sequential(Block(8), Block(8))
+        self.head = nn.Linear(8 * 8 * 8, 3)
+
+    def forward(self, x):  # (B, 1, 8, 8)
+        return self.head(self.blocks(self.stem(x)).flatten(1))
+
+
+def build_model():
+    return TinyCNN()
+
+
+def example_batch(n):
+    return torch.rand(n, 1, 8, 8), torch.randint(0, 3, (n,))
+'''
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared two-core machine two threads spin against other jobs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cnn_file(tmp_path):
+    path = tmp_path / "tiny_cnn.py"
+    path.write_text(TINY_CNN)
+    return path
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    kinds = ["top", "bottom", "left"]
+    write_image_folder(tmp_path / "data" / "train", {k: [k] * 8 for k in kinds})
+    write_image_folder(tmp_path / "data" / "val", {k: [k] * 3 for k in kinds})
+    return tmp_path / "data"
+
+
+def test_rows_cover_each_technique():
+    names = [c.name for c in configurations(global_batch_size=16, amp_precisions=["bf16", "fp16"])]
+    assert names == ["fp32", "bf16 AMP", "fp16 AMP", "checkpoint all", "bf16 AMP + checkpoint all", "fp16 AMP + checkpoint all"]
+    assert [c.name for c in configurations(global_batch_size=16, amp_precisions=[])] == ["fp32", "checkpoint all"]
+
+
+def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_cli):
+    out_dir = tmp_path / "out"
+    code, stdout, stderr = run_cli(
+        "compare", cnn_file, "--batch-size", 8, "--data", data_dir, "--train-steps", 4, "--steps", 2, "--out-dir", out_dir,
+    )
+    assert code == 0, stderr
+    for header in ("configuration", "peak memory", "% of fp32", "vs fp32", "loss @4", "accuracy @4"):
+        assert header in stdout
+    rows = {row["name"]: row for row in json.loads((out_dir / "compare.json").read_text())["rows"]}
+    assert {"fp32", "bf16 AMP", "fp16 AMP", "checkpoint all", "bf16 AMP + checkpoint all"} <= set(rows)  # the CPU runs both AMPs
+    fp32 = rows["fp32"]
+    assert fp32["memory_ratio"] == 1.0 and fp32["speed_ratio"] == 1.0
+    # what each technique is for, measured
+    assert rows["checkpoint all"]["peak_bytes"] < fp32["peak_bytes"]
+    assert rows["bf16 AMP"]["peak_bytes"] < fp32["peak_bytes"]
+    assert rows["bf16 AMP + checkpoint all"]["peak_bytes"] < min(rows["bf16 AMP"]["peak_bytes"], rows["checkpoint all"]["peak_bytes"])
+    assert rows["checkpoint all"]["checkpoint_blocks"] == 2
+    # checkpointing recomputes, it does not change the training: the same loss and accuracy from the same seed
+    for name in ("fp32", "bf16 AMP"):
+        plain, checkpointed = rows[name], rows[f"{name} + checkpoint all" if name != "fp32" else "checkpoint all"]
+        assert checkpointed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+        assert checkpointed["eval_accuracy"] == plain["eval_accuracy"]
+    for row in rows.values():
+        assert 0.0 <= row["eval_accuracy"] <= 1.0 and np.isfinite(row["eval_loss"]) and row["samples_per_s"] > 0
+    markdown = (out_dir / "compare.md").read_text()
+    assert "| configuration |" in markdown and "| fp32 | 8 x 1 |" in markdown and markdown.count("\n| ") >= 6
+    image = imread(out_dir / "compare.png")[..., :3]
+    assert image.var() > 0 and len(np.unique(image.reshape(-1, 3), axis=0)) > 1
+
+
+def test_training_sees_the_same_batches_for_every_row(cnn_file, data_dir):
+    from autofit.compare import Configuration, _TrainingData
+
+    spec = load_spec(str(cnn_file))
+    first = _TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
+    again = _TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
+    assert len(first.batches) == 5 and all(len(targets) == 8 for _, targets in first.batches)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first.batches, again.batches))
+    # micro-batches of 3 (3 + 3 + 2) train the same model as the full batch of 8, up to float rounding
+    whole = first.train_and_score(spec, Configuration(name="full", micro_batch_size=8), device="cpu", seed=0)
+    split = first.train_and_score(spec, Configuration(name="split", micro_batch_size=3), device="cpu", seed=0)
+    assert split == pytest.approx(whole, rel=1e-4)
+
+
+def test_without_data_there_are_no_training_columns(cnn_file):
+    comparison = compare(load_spec(str(cnn_file)), global_batch_size=4, probe_steps=2)
+    table = format_table(comparison)
+    assert "accuracy" not in table and "loss" not in table and "fits" not in table
+    assert all(row.eval_accuracy is None for row in comparison.rows)
+    assert to_markdown(comparison).count("\n| ") == len(comparison.rows) + 1
+
+
+def test_plan_row_at_the_budget(cnn_file):
+    pytest.importorskip("autofit.planner")
+    spec = load_spec(str(cnn_file))
+    baseline = compare(spec, global_batch_size=8, probe_steps=2).rows[0]
+    budget = int(baseline.peak_bytes * 0.8)  # fp32 does not fit
+    comparison = compare(spec, global_batch_size=8, budget_bytes=budget, probe_steps=2)
+    plan = comparison.rows[-1]
+    assert plan.name.startswith("autofit plan"), [r.name for r in comparison.rows]
+    assert plan.note == "" and plan.fits_budget is True
+    assert comparison.rows[0].fits_budget is False
+    assert "fits" in format_table(comparison)
+
+
+def test_bad_inputs_are_one_line_errors(cnn_file, data_dir, tmp_path, run_cli):
+    cases = [
+        (("--batch-size", 8, "--train-steps", 3), "needs --data"),
+        (("--batch-size", 8, "--data", data_dir), "--train-steps 0 must be at least 1"),
+        (("--batch-size", 8, "--data", tmp_path / "nowhere", "--train-steps", 2), "is not a directory"),
+        (("--batch-size", 0), "must be at least 1"),
+        (("--batch-size", 8, "--budget", "lots"), "not a memory size"),
+        (("--batch-size", 8, "--device", "tpu"), "unknown"),
+    ]
+    for args, message in cases:
+        code, stdout, stderr = run_cli("compare", cnn_file, *args, "--out-dir", tmp_path / "o")
+        assert code == 2, (args, stdout, stderr)
+        assert message in stderr and len(stderr.strip().splitlines()) == 1, (args, stderr)
