@@ -56,6 +56,8 @@ class Row:
     """Mean training loss over the last (up to 10) steps."""
     eval_loss: float | None = None
     eval_accuracy: float | None = None
+    skipped_steps: int | None = None
+    """Steps fp16's GradScaler skipped (inf/nan gradients) while it found its scale."""
     note: str = ""
     """Why a number is missing (e.g. the configuration ran out of memory)."""
 
@@ -190,7 +192,11 @@ def compare(
             row.peak_bytes, row.samples_per_s, row.checkpoint_blocks = result.peak_bytes, result.samples_per_s, len(result.checkpoint)
             if training is not None:
                 progress(f"training {config.name} for {train_steps} steps")
-                row.train_loss, row.eval_loss, row.eval_accuracy = training.train_and_score(spec, config, device=device, seed=seed)
+                outcome = training.train_and_score(spec, config, device=device, seed=seed)
+                row.train_loss, row.eval_loss, row.eval_accuracy = outcome.train_loss, outcome.eval_loss, outcome.eval_accuracy
+                row.skipped_steps = outcome.skipped_steps
+                if outcome.skipped_steps:
+                    row.note = f"GradScaler skipped {outcome.skipped_steps} of {train_steps} steps (inf/nan gradients) while finding its scale"
         comparison.rows.append(row)
     if plan_failure is not None:
         comparison.rows.append(plan_failure)
@@ -210,6 +216,16 @@ def _fill_ratios(comparison: Comparison) -> None:
         row.memory_ratio = row.peak_bytes / base.peak_bytes
         if row.samples_per_s and base.samples_per_s:
             row.speed_ratio = row.samples_per_s / base.samples_per_s
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingOutcome:
+    train_loss: float
+    """Mean training loss over the last (up to 10) steps."""
+    eval_loss: float | None
+    eval_accuracy: float
+    skipped_steps: int
+    """Optimizer steps fp16's GradScaler skipped."""
 
 
 class _TrainingData:
@@ -249,12 +265,8 @@ class _TrainingData:
         eval_tensors = torch.utils.data.TensorDataset(torch.stack(images), torch.tensor(targets))
         return cls(batches=batches, eval_set=eval_tensors, classes=list(train_set.classes), eval_dir=str(eval_dir))
 
-    def train_and_score(self, spec: ModelSpec, config: Configuration, *, device: str, seed: int) -> tuple[float, float | None, float]:
-        """Train a fresh model (same seed) for the prepared batches; score it in fp32 eval mode.
-
-        Returns:
-            (mean training loss of the last steps, eval loss, eval accuracy).
-        """
+    def train_and_score(self, spec: ModelSpec, config: Configuration, *, device: str, seed: int) -> TrainingOutcome:
+        """Train a fresh model (same seed) on the prepared batches as `autofit train` would; score it in fp32 eval mode."""
         from autofit.evaluate import evaluate
         from autofit.step import train_step
         from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig
@@ -266,18 +278,19 @@ class _TrainingData:
         optimizer = spec.build_optimizer(model.parameters())
         precision = Precision(PrecisionConfig(precision=config.precision), device_type=torch.device(device).type)
         split = BatchSplit(BatchSplitConfig(global_batch_size=len(self.batches[0][1]), micro_batch_size=min(config.micro_batch_size, len(self.batches[0][1]))))
-        losses = []
+        losses, skipped = [], 0
         for inputs, targets in self.batches:
             result = train_step(
                 model, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, split=split, device=device,
             )
             losses.append(result.loss)
+            skipped += not result.stepped
         model.eval()
         scored = evaluate(model, self.eval_set, classes=self.classes, device=device, loss_fn=spec.loss_fn)
         tail = torch.stack(losses[-10:]).float().cpu()
         del model, optimizer
         _release(device)
-        return float(tail.mean()), scored.loss, scored.accuracy
+        return TrainingOutcome(train_loss=float(tail.mean()), eval_loss=scored.loss, eval_accuracy=scored.accuracy, skipped_steps=skipped)
 
 
 def _release(device: str) -> None:
@@ -371,18 +384,21 @@ def plot_comparison(comparison: Comparison, out: str | Path) -> Path:
     bar_colours = [colours[i % len(colours)] for i in range(len(rows))]
     positions = list(range(len(rows)))
     mib = [r.peak_bytes / 2**20 for r in rows]
-    axes[0].bar(positions, mib, color=bar_colours)
+    bars = axes[0].bar(positions, mib, color=bar_colours)
+    axes[0].bar_label(bars, labels=[f"{100 * (r.memory_ratio or 0):.0f}%" if r.memory_ratio else "" for r in rows], fontsize=8)
     axes[0].set_ylabel("peak memory (MiB)")
     axes[0].set_title("peak memory")
     if comparison.budget_bytes is not None:
         axes[0].axhline(comparison.budget_bytes / 2**20, color="black", linestyle="--", label="budget")
         axes[0].legend()
-    axes[1].bar(positions, [r.speed_ratio or 0.0 for r in rows], color=bar_colours)
+    bars = axes[1].bar(positions, [r.speed_ratio or 0.0 for r in rows], color=bar_colours)
+    axes[1].bar_label(bars, labels=[f"{r.speed_ratio:.2f}x" if r.speed_ratio else "" for r in rows], fontsize=8)
     axes[1].axhline(1.0, color="grey", linewidth=1)
     axes[1].set_ylabel("samples/s relative to fp32")
     axes[1].set_title("speed")
     if comparison.data is not None:
-        axes[2].bar(positions, [100 * (r.eval_accuracy or 0.0) for r in rows], color=bar_colours)
+        bars = axes[2].bar(positions, [100 * (r.eval_accuracy or 0.0) for r in rows], color=bar_colours)
+        axes[2].bar_label(bars, labels=[f"{100 * r.eval_accuracy:.1f}" if r.eval_accuracy is not None else "" for r in rows], fontsize=8)
         axes[2].set_ylabel("accuracy (%)")
         axes[2].set_title(f"accuracy after {comparison.train_steps} steps")
     for ax in axes:

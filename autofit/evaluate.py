@@ -1,12 +1,14 @@
 """Validation of a trained classifier: accuracy, precision/recall/F1 and the confusion matrix.
 
 Data is an image folder (``DIR/<class>/*.png``) read with torchvision's
-``ImageFolder``, resized to the model's input shape (grayscale when it has one
-channel) and turned into tensors in [0, 1]. Class indices follow the order the
-checkpoint was trained with; a folder whose class set differs is refused.
+``ImageFolder``, converted to the model's channels (grayscale, RGB or RGBA, as
+training reads them), resized to its input size and turned into tensors in
+[0, 1]. Class indices follow the order the checkpoint was trained with; a
+folder whose class set differs is refused.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,10 +105,12 @@ def image_folder(
     if not path.is_dir():
         raise UserError(f"{option} {str(data_dir)!r} is not a directory; give a folder of class folders of images (e.g. data/digits/val)")
     channels, height, width = input_shape
-    steps = [transforms.Grayscale(num_output_channels=1)] if channels == 1 else []
-    steps += [transforms.Resize((height, width)), transforms.ToTensor()]
+    if channels not in _IMAGE_MODES:
+        raise UserError(f"the model takes {channels}-channel images; image folders hold 1 (grayscale), 3 (RGB) or 4 (RGBA) channels")
+    transform = transforms.Compose([transforms.Resize((height, width)), transforms.ToTensor()])
+    loader = functools.partial(_load_image, mode=_IMAGE_MODES[channels])
     try:
-        dataset = datasets.ImageFolder(str(path), transform=transforms.Compose(steps))
+        dataset = datasets.ImageFolder(str(path), transform=transform, loader=loader)
     except (FileNotFoundError, RuntimeError) as error:
         raise UserError(f"{option} {str(data_dir)!r} holds no images in class folders ({error}); expected {path}/<class>/*.png") from error
     if classes is not None:
@@ -124,6 +128,20 @@ def image_folder(
         dataset.target_transform = folder_to_model.__getitem__
         dataset.classes = classes
     return dataset
+
+
+_IMAGE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+"""PIL mode per channel count, as training reads the images."""
+
+
+def _load_image(path: str, *, mode: str):
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.convert(mode)
+    except (OSError, ValueError) as error:
+        raise UserError(f"image {path!r} cannot be read ({error}); replace or remove it") from error
 
 
 def load_model_for_eval(weights: str | Path) -> tuple[dict, nn.Module, ModelSpec]:

@@ -19,7 +19,7 @@ def compare(
     train_steps: int = typer.Option(0, "--train-steps", help="Optimizer steps each row trains with --data."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     steps: int = typer.Option(5, help="Probe steps per row; the first is a warm-up."),
-    out_dir: str = typer.Option("compare", "--out-dir", help="Where compare.md, compare.json and compare.png go."),
+    out_dir: str = typer.Option("runs/compare", "--out-dir", help="Where compare.md, compare.json and compare.png go."),
     input_shape: str = INPUT_SHAPE,
     num_classes: int = NUM_CLASSES,
 ) -> None:
