@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-import click
 import typer
 
 from autofit.errors import UserError
@@ -33,14 +32,14 @@ for _name in COMMAND_MODULES:
 
 
 def _click_types(name: str) -> tuple[type, ...]:
-    """click's exception class, and typer's vendored twin where typer carries its own click."""
-    found = [getattr(click.exceptions, name)]
-    try:
-        from typer._click import exceptions as vendored
-
-        found.append(getattr(vendored, name))
-    except (ImportError, AttributeError):
-        pass
+    """The click exception class that typer raises: from its vendored click
+    (typer >= 0.20 carries its own) and/or from the click package."""
+    found = []
+    for module_name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(getattr(importlib.import_module(module_name), name))
+        except (ImportError, AttributeError):
+            continue
     return tuple(found)
 
 
