@@ -46,6 +46,8 @@ class Row:
     micro_batch_size: int
     grad_accum_steps: int
     peak_bytes: int | None = None
+    activation_bytes: int | None = None
+    """The activations' share of the peak (the part these techniques shrink)."""
     samples_per_s: float | None = None
     memory_ratio: float | None = None
     """peak_bytes / fp32's peak_bytes."""
@@ -106,15 +108,17 @@ def configurations(*, global_batch_size: int, amp_precisions: list[str]) -> list
     return configs
 
 
-def plan_configuration(spec: ModelSpec, *, budget_bytes: int, global_batch_size: int, device: str) -> Configuration:
+def plan_configuration(
+    spec: ModelSpec, *, budget_bytes: int, global_batch_size: int, device: str, log: Callable[[str], None] | None = None,
+) -> Configuration:
     """autofit's own choice at the budget, from the planner."""
     from autofit.planner import make_plan
 
-    plan = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device)
+    plan = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device, log=log)
     blocks = list(plan.checkpoint)
-    split = f"{plan.micro_batch_size} x {plan.grad_accum_steps}"
+    checkpointed = f" + checkpoint {len(blocks)} block{'s' if len(blocks) != 1 else ''}" if blocks else ""
     return Configuration(
-        name=f"autofit plan ({plan.precision}, m={split}, {len(blocks)} ckpt)",
+        name=f"autofit plan: {plan.precision}{checkpointed}",
         precision=plan.precision,
         checkpoint=blocks,
         micro_batch_size=plan.micro_batch_size,
@@ -171,7 +175,9 @@ def compare(
     if budget_bytes is not None:
         progress("planning at the budget")
         try:
-            configs.append(plan_configuration(spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device))
+            configs.append(plan_configuration(
+                spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device, log=lambda line: progress(f"  plan: {line}"),
+            ))
         except UserError as error:  # no plan fits: the other rows still stand
             plan_failure = Row(name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0, note=f"no plan: {error}")
     for config in configs:
@@ -190,6 +196,7 @@ def compare(
             _release(device)
         else:
             row.peak_bytes, row.samples_per_s, row.checkpoint_blocks = result.peak_bytes, result.samples_per_s, len(result.checkpoint)
+            row.activation_bytes = result.breakdown.get("activations")
             if training is not None:
                 progress(f"training {config.name} for {train_steps} steps")
                 outcome = training.train_and_score(spec, config, device=device, seed=seed)
@@ -314,6 +321,7 @@ def _columns(comparison: Comparison) -> list[tuple[str, Callable[[Row], str]]]:
         ("micro-batch", lambda r: f"{r.micro_batch_size} x {r.grad_accum_steps}" if r.micro_batch_size else "-"),
         ("peak memory", lambda r: "-" if r.peak_bytes is None else format_bytes(r.peak_bytes)),
         ("% of fp32", lambda r: ratio(r.memory_ratio and 100 * r.memory_ratio, "{:.0f}%")),
+        ("activations", lambda r: "-" if r.activation_bytes is None else format_bytes(r.activation_bytes)),
         ("samples/s", lambda r: ratio(r.samples_per_s, "{:.1f}")),
         ("vs fp32", lambda r: ratio(r.speed_ratio, "{:.2f}x")),
     ]

@@ -93,6 +93,7 @@ def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_c
     assert rows["bf16 AMP"]["peak_bytes"] < fp32["peak_bytes"]
     assert rows["bf16 AMP + checkpoint all"]["peak_bytes"] < min(rows["bf16 AMP"]["peak_bytes"], rows["checkpoint all"]["peak_bytes"])
     assert rows["checkpoint all"]["checkpoint_blocks"] == 2
+    assert rows["checkpoint all"]["activation_bytes"] < fp32["activation_bytes"]
     # checkpointing recomputes, it does not change the training: the same loss and accuracy from the same seed
     for name in ("fp32", "bf16 AMP"):
         plain, checkpointed = rows[name], rows[f"{name} + checkpoint all" if name != "fp32" else "checkpoint all"]
