@@ -63,7 +63,7 @@ class ExportReport:
     quantized_layers: int
     """Linear layers now int8 (0 without --quantize, or when the model has none)."""
     checkpoint_bytes: int
-    """The training checkpoint (weights plus optimizer state), for reference."""
+    """The checkpoint file exported from, for reference (it may also hold optimizer state)."""
     size_before_bytes: int
     """The unchanged model exported in the same format."""
     size_after_bytes: int
@@ -250,7 +250,7 @@ def format_report(report: ExportReport) -> str:
         f"  quantization   {f'int8 dynamic, {report.quantized_layers} Linear layer(s)' if report.quantized_layers else 'none'}",
         f"  file size      {change(report.size_before_bytes, report.size_after_bytes)}",
         f"  gzip size      {change(report.gzip_before_bytes, report.gzip_after_bytes)}",
-        f"  (training checkpoint with optimizer state: {format_bytes(report.checkpoint_bytes)})",
+        f"  (checkpoint file: {format_bytes(report.checkpoint_bytes)})",
     ]
     if report.accuracy_before is not None:
         lines.append(f"  val accuracy   {report.accuracy_before:.2%} -> {report.accuracy_after:.2%}")

@@ -5,6 +5,11 @@ by ``autofit train``): ``{"kind": "step"|"epoch", "epoch", "step", "loss",
 "lr", "samples_per_s", "memory_bytes", "peak_bytes", "budget_bytes"}`` and, for
 epochs, ``"train_loss", "val_loss", "val_accuracy"``. Any key may be missing;
 a panel without data says so. Several runs are overlaid, one colour each.
+
+The run's plan.json, when present, adds the planned peak (the probe's measured
+bytes, the number the budget was compared with). On the CPU the training loop
+logs the process's resident set, which includes the interpreter, while the
+budget counts tensor bytes: the panel says so rather than suggest an overrun.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from pathlib import Path
 from autofit.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
+PLAN_FILE = "plan.json"
 MIB = 2**20
 
 
@@ -24,6 +30,19 @@ class Run:
     """The run folder, relative to the log dir ("." when the log dir is the run)."""
     steps: list[dict] = field(default_factory=list)
     epochs: list[dict] = field(default_factory=list)
+    plan: dict = field(default_factory=dict)
+    """The run's plan.json ({} when absent or unreadable)."""
+
+    @property
+    def device_type(self) -> str | None:
+        device = self.plan.get("device")
+        return device.get("type") if isinstance(device, dict) else None
+
+    @property
+    def planned_peak_bytes(self) -> int | None:
+        measured = self.plan.get("measured")
+        peak = measured.get("peak_bytes") if isinstance(measured, dict) else None
+        return peak if isinstance(peak, (int, float)) and peak > 0 else None
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
@@ -58,10 +77,18 @@ def find_runs(log_dir: str | Path) -> list[Run]:
         steps, epochs = read_metrics(path)
         if steps or epochs:
             name = path.parent.relative_to(root).as_posix()
-            runs.append(Run(name=name if name != "." else root.name or ".", steps=steps, epochs=epochs))
+            runs.append(Run(name=name if name != "." else root.name or ".", steps=steps, epochs=epochs, plan=_read_plan(path.parent / PLAN_FILE)))
     if not runs:
         raise UserError(f"--log-dir {str(log_dir)!r} holds no {METRICS_FILE} with records; train first with `autofit train`")
     return runs
+
+
+def _read_plan(path: Path) -> dict:
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
 
 
 def _series(records: list[dict], y_key: str, *, x_keys=("step", "epoch"), scale: float = 1.0) -> tuple[list[float], list[float]]:
@@ -122,13 +149,19 @@ def plot_runs(runs: list[Run], out: str | Path, *, title: str | None = None) -> 
         if budgets:
             memory_ax.axhline(budgets[-1] / MIB, color=colour, linestyle="--", linewidth=1.5, label=f"{name} budget")
             drawn[memory_ax] = True
+        if run.planned_peak_bytes:
+            memory_ax.axhline(run.planned_peak_bytes / MIB, color=colour, linestyle="-.", linewidth=1, label=f"{name} planned peak")
+            drawn[memory_ax] = True
 
+    memory_heading = "memory against the budget"
+    if any(run.device_type == "cpu" for run in runs):
+        memory_heading += "\n(cpu: curves = process resident set; dashed lines = tensor bytes)"
     for ax, heading, y_label in (
         (loss_ax, "loss", "loss"),
         (acc_ax, "validation accuracy", "accuracy"),
         (lr_ax, "learning rate", "lr"),
         (speed_ax, "throughput", "samples/s"),
-        (memory_ax, "memory against the budget", "MiB"),
+        (memory_ax, memory_heading, "MiB"),
     ):
         ax.set_title(heading)
         ax.set_xlabel("step")

@@ -81,6 +81,16 @@ def test_missing_keys_are_tolerated(tmp_path):
     assert image.var() > 0 and has_colour(image, BLUE)
 
 
+def test_the_runs_plan_adds_the_planned_peak(two_runs, tmp_path):
+    plan = {"device": {"type": "cpu"}, "budget_bytes": 64_000_000, "measured": {"peak_bytes": 50_000_000}}
+    (two_runs / "beta" / "plan.json").write_text(json.dumps(plan))
+    (two_runs / "alpha" / "plan.json").write_text("{not json")
+    runs = {run.name: run for run in find_runs(two_runs)}
+    assert runs["beta"].planned_peak_bytes == 50_000_000 and runs["beta"].device_type == "cpu"
+    assert runs["alpha"].plan == {} and runs["alpha"].planned_peak_bytes is None
+    assert decoded(plot_runs(list(runs.values()), tmp_path / "p.png")).var() > 0
+
+
 def test_bad_log_dirs_are_one_line_errors(tmp_path, run_cli):
     (tmp_path / "empty").mkdir()
     for log_dir, message in ((tmp_path / "missing", "is not a directory"), (tmp_path / "empty", "holds no metrics.jsonl")):
