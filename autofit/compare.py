@@ -270,6 +270,7 @@ class _TrainingData:
         ]
         images, targets = zip(*(eval_set[i] for i in range(len(eval_set))))
         eval_tensors = torch.utils.data.TensorDataset(torch.stack(images), torch.tensor(targets))
+        _check_outputs(spec, batches[0][0][:1], num_classes=len(train_set.classes), data=train_dir)
         return cls(batches=batches, eval_set=eval_tensors, classes=list(train_set.classes), eval_dir=str(eval_dir))
 
     def train_and_score(self, spec: ModelSpec, config: Configuration, *, device: str, seed: int) -> TrainingOutcome:
@@ -298,6 +299,22 @@ class _TrainingData:
         del model, optimizer
         _release(device)
         return TrainingOutcome(train_loss=float(tail.mean()), eval_loss=scored.loss, eval_accuracy=scored.accuracy, skipped_steps=skipped)
+
+
+def _check_outputs(spec: ModelSpec, inputs: torch.Tensor, *, num_classes: int, data: Path) -> None:
+    """Fail before any training when the model cannot classify this data."""
+    model = spec.build_model().eval()
+    try:
+        with torch.no_grad():
+            logits = model(inputs)
+    except RuntimeError as error:
+        raise UserError(f"{spec.source} cannot take the images of {str(data)!r} (shape {tuple(inputs.shape[1:])}): {str(error).splitlines()[0]}") from error
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[1] < num_classes:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise UserError(
+            f"{spec.source} gives outputs of shape {shape} but {str(data)!r} has {num_classes} classes; "
+            "use a model with that many outputs (torchvision: --num-classes)"
+        )
 
 
 def _release(device: str) -> None:

@@ -133,8 +133,9 @@ def test_without_data_there_are_no_training_columns(cnn_file):
 def test_plan_row_at_the_budget(cnn_file):
     pytest.importorskip("autofit.planner")
     spec = load_spec(str(cnn_file))
-    baseline = compare(spec, global_batch_size=8, probe_steps=2).rows[0]
-    budget = int(baseline.peak_bytes * 0.8)  # fp32 does not fit
+    from autofit.probing import probe
+
+    budget = int(probe(spec, micro_batch_size=8, steps=2).peak_bytes * 0.8)  # fp32 does not fit
     comparison = compare(spec, global_batch_size=8, budget_bytes=budget, probe_steps=2)
     plan = comparison.rows[-1]
     assert plan.name.startswith("autofit plan"), [r.name for r in comparison.rows]
@@ -152,6 +153,8 @@ def test_bad_inputs_are_one_line_errors(cnn_file, data_dir, tmp_path, run_cli):
         (("--batch-size", 8, "--budget", "lots"), "not a memory size"),
         (("--batch-size", 8, "--device", "tpu"), "unknown"),
     ]
+    write_image_folder(tmp_path / "four", {k: [k] for k in ("a", "b", "c", "d")})
+    cases.append((("--batch-size", 2, "--data", tmp_path / "four", "--train-steps", 1), "has 4 classes"))
     for args, message in cases:
         code, stdout, stderr = run_cli("compare", cnn_file, *args, "--out-dir", tmp_path / "o")
         assert code == 2, (args, stdout, stderr)
