@@ -8,9 +8,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["FakeTensorMode", "TorchDispatchMode", "new_fake_mode", "tree_leaves", "tree_map"]
+__all__ = ["FakeTensorMode", "TorchDispatchMode", "fake_process_group_store", "new_fake_mode", "tree_leaves", "tree_map"]
 
 
 def new_fake_mode() -> FakeTensorMode:
     """A fake-tensor mode that accepts real tensors (they are converted on use)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_process_group_store():
+    """A store for ``init_process_group("fake", ...)``: this process plays one rank, nothing is sent.
+
+    Importing the module registers the "fake" backend.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
