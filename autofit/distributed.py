@@ -763,17 +763,24 @@ def simulate_fsdp_peak_bytes(
     checkpoint: list[str] | None = None,
     steps: int = 2,
     defer_gradient_sync: bool = True,
+    backend: str = "nccl",
 ):
     """One rank's peak bytes under FSDP2, by running FSDP2 in this one process.
 
     A fake process group (no communication) makes this process rank 0 of
     ``world_size``, and fake tensors (no arithmetic) stand in for data, so
     FSDP2 allocates exactly what one rank would: its shards, the gathered
-    units, the reduce-scatter buffers, the micro-batch's activations. On the
-    CPU this equals the peak a real rank measures (less what the gloo backend
-    allocates inside its own reduce-scatter); for a GPU it is an estimate
-    like the simulated meter's. Nothing else may use torch.distributed in
-    this process meanwhile.
+    units, the reduce-scatter buffers, the micro-batch's activations. Rank 0
+    holds the largest shards (FSDP2 pads at the end), so this is the highest
+    rank. For a GPU it is an estimate like the simulated meter's.
+
+    gloo's reduce-scatter (the CPU backend) makes a full-size copy of its
+    input inside itself, which a fake process group does not: with
+    ``backend="gloo"`` one such copy of the largest unit (fp32) is added, as
+    it may be alive at the peak. Measured on the CPU, a real rank's peak lies
+    between the simulation without it and with it.
+
+    Nothing else may use torch.distributed in this process meanwhile.
 
     Args:
         spec: the model, its example batches, loss and optimizer.
@@ -784,9 +791,11 @@ def simulate_fsdp_peak_bytes(
         checkpoint: block names recomputed in backward.
         steps: optimizer steps; the peak is over all but the first.
         defer_gradient_sync: reduce gradients after the last micro-batch only.
+        backend: "nccl" (CUDA) or "gloo" (CPU).
 
     Returns:
-        An ``autofit.meters.Measurement`` (peak bytes and breakdown at the peak).
+        An ``autofit.meters.Measurement``: peak bytes and the breakdown at the peak
+        (with "gloo_reduce_scatter_copy" for gloo).
 
     Raises:
         UserError: torch.distributed is already in use in this process.
@@ -832,7 +841,14 @@ def simulate_fsdp_peak_bytes(
                 for _ in range(steps - 1):
                     step()
             tracker.label(_optimizer_tensors(optimizer), "optimizer_state")
-        return Measurement(peak_bytes=tracker.peak_bytes, breakdown=tracker.breakdown_at_peak())
+            layout = fsdp_layout(model, world_size=world_size)
+        # (Storages FSDP2 resizes count in the breakdown at their last size, not their size at the peak.)
+        breakdown = tracker.breakdown_at_peak()
+        peak_bytes = tracker.peak_bytes
+        if backend == "gloo":
+            breakdown["gloo_reduce_scatter_copy"] = layout.largest_unit_numel * 4  # reduce dtype: fp32
+            peak_bytes += breakdown["gloo_reduce_scatter_copy"]
+        return Measurement(peak_bytes=peak_bytes, breakdown=breakdown)
     finally:
         dist.destroy_process_group()
 

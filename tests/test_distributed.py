@@ -154,7 +154,7 @@ def test_per_rank_peak_matches_the_simulation_and_stays_under_the_estimate(runs)
         example_batch=lambda n: dist_worker.global_batch(0, global_batch_size=n),
         loss_fn=F.cross_entropy, build_optimizer=dist_worker.build_optimizer,
     )
-    simulated = simulate_fsdp_peak_bytes(spec, world_size=WORLD_SIZE, micro_batch_size=micro_batch_size).peak_bytes
+    simulated = simulate_fsdp_peak_bytes(spec, world_size=WORLD_SIZE, micro_batch_size=micro_batch_size, backend="gloo").peak_bytes
 
     model = dist_worker.build_model()
     layout = fsdp_layout(model, world_size=WORLD_SIZE)
@@ -167,18 +167,20 @@ def test_per_rank_peak_matches_the_simulation_and_stays_under_the_estimate(runs)
         layout=layout, world_size=WORLD_SIZE, precision="fp32",
     ).peak_bytes
     print(
-        f"\nper-rank peak bytes measured {measured}, simulated {simulated} (measured/simulated "
+        f"\nper-rank peak bytes measured {measured}, simulated with gloo's copy {simulated} (measured/simulated "
         f"{[round(m / simulated, 4) for m in measured]}), estimated {estimate} "
         f"(measured/estimated {[round(m / estimate, 3) for m in measured]})"
     )
-    # The simulation runs FSDP2 itself on a fake process group: it differs from a real gloo
-    # rank only by what gloo's reduce-scatter copies inside itself (at most one unit, fp32).
+    # The simulation runs FSDP2 itself on a fake process group, plus one copy of the largest
+    # unit (fp32) that gloo's reduce-scatter may hold inside itself at the peak: a real rank
+    # lies between the simulation without that copy and with it.
+    # Rank 0 holds the largest shards (FSDP2 pads at the end): the simulation is of rank 0.
     gloo_copy_bytes = layout.largest_unit_numel * 4
-    for rank_bytes in measured:
-        assert abs(rank_bytes - simulated) <= gloo_copy_bytes
-        assert abs(rank_bytes - simulated) <= 0.05 * rank_bytes
-        # The formula adds every maximum as if they coincided: never below, and not far above.
-        assert rank_bytes <= estimate <= 1.2 * rank_bytes
+    assert all(rank_bytes <= simulated for rank_bytes in measured)
+    assert max(measured) >= simulated - gloo_copy_bytes
+    assert max(measured) >= 0.95 * simulated
+    # The formula adds every maximum as if they coincided: never below, and not far above.
+    assert max(measured) <= estimate <= 1.2 * max(measured)
 
 
 # ------------------------------------------------------------------------------------------------
