@@ -22,6 +22,7 @@ from autofit.distributed import (
     estimate_fsdp_peak_bytes,
     fsdp_layout,
     init_distributed,
+    load_sharded_checkpoint,
     mixed_precision_policy,
     rank_slice,
     shard_model,
@@ -85,6 +86,9 @@ def runs(tmp_path_factory):
         for s in scenarios if "save_at" in s
     ]
     second = _torchrun(tmp_path, "second", resumes)
+    for scenario in scenarios:
+        if "save_to" in scenario:
+            first[scenario["name"]]["save_to"] = scenario["save_to"]
     return {**first, **second}
 
 
@@ -142,6 +146,22 @@ def test_resume_after_restart_continues_exactly(runs, name):
     """Saved with DCP after step 3, restarted as 2 new processes: steps 4-5 as if never stopped."""
     resumed, uninterrupted = runs[name + "_resumed"], runs[name]
     _assert_same_training(resumed, uninterrupted, rtol=1e-6)
+
+
+@needs_gloo
+def test_one_process_resumes_a_two_process_fsdp_save(runs):
+    """DCP reshards: the 2-rank FSDP save at step 3 continues in one plain process as it did on two."""
+    scenario = {**next(s for s in SCENARIOS if s["name"] == "fsdp_saved"), "sharding": "none"}
+    del scenario["save_at"]
+    scenario["resume_from"] = runs["fsdp_saved"]["save_to"]
+    resumed = dist_worker.run_scenario(scenario, env=init_distributed(device_type="cpu"))
+    _assert_same_training(resumed, runs["fsdp_saved"], rtol=1e-5)
+
+
+def test_loading_a_missing_sharded_checkpoint_names_it(tmp_path):
+    model = dist_worker.build_model()
+    with pytest.raises(UserError, match="holds no complete sharded checkpoint"):
+        load_sharded_checkpoint(tmp_path / "nothing", model=model, optimizer=dist_worker.build_optimizer(model.parameters()))
 
 
 @needs_gloo
