@@ -16,17 +16,20 @@ The pieces the shared loop calls when a plan has ``world_size > 1``:
 - ``save_sharded_checkpoint`` / ``load_sharded_checkpoint`` write and read
   model and optimizer with ``torch.distributed.checkpoint`` (each rank its
   shards); ``full_model_state_dict`` gathers plain weights for best.pt.
-- ``estimate_fsdp_peak_bytes`` is the planner's per-rank memory for a
-  sharded plan, and ``ShardAwareTracker`` measures it on the CPU.
+- ``simulate_fsdp_peak_bytes`` runs FSDP2 in one process on a fake process
+  group over fake tensors: one rank's peak without N devices (what a plan
+  should record); ``estimate_fsdp_peak_bytes`` is a quick conservative
+  formula for searching; ``ShardAwareTracker`` measures a real rank on the CPU.
 
 Example (run with ``torchrun --nproc-per-node 2 script.py``)::
 
-    env = init_distributed()
+    env = init_distributed(device_type="cpu")
     model = Checkpointing(CheckpointConfig(blocks=plan.checkpoint)).apply(model).to(env.device)
     model = shard_model(model, sharding="fsdp", precision="bf16", device=env.device)
     optimizer = torch.optim.AdamW(model.parameters())
     split = RankSplit(BatchSplitConfig(global_batch_size=64, micro_batch_size=8),
                       rank=env.rank, world_size=env.world_size, sync=gradient_sync(model, sharding="fsdp"))
+    precision = sharded_precision("bf16", sharding="fsdp", device_type=env.device.type)
     result = train_step(model, inputs, targets, loss_fn=loss_fn, optimizer=optimizer,
                         precision=precision, split=split, device=env.device)
     loss = mean_across_ranks(result.loss)       # the global batch's mean loss, on every rank
