@@ -1,0 +1,145 @@
+"""``autofit.fit``: plan (unless a plan is given), then train with the shared loop."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from autofit.errors import UserError
+from autofit.plan_file import Plan, load_plan
+
+
+@dataclass(kw_only=True, slots=True)
+class FitResult:
+    plan: Plan
+    """The plan trained with (its ``history`` lists changes made while training)."""
+    history: list[dict]
+    """One record per epoch: train_loss, val_loss, val_accuracy, samples_per_s, peak_bytes, ..."""
+    best_path: Path | None
+    """best.pt (best validation accuracy); load it with ``autofit.weights.load_checkpoint``."""
+    last_path: Path
+    log_dir: Path
+
+
+def fit(
+    model: nn.Module,
+    *,
+    train_data,
+    val_data=None,
+    batch_size: int | None = None,
+    budget: str | int = "16GB",
+    epochs: int = 1,
+    plan: Plan | str | Path | None = None,
+    example_batch: Callable[[int], tuple] | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: Callable | None = None,
+    lr: float | None = None,
+    device: str = "cpu",
+    input_shape: str | None = None,
+    log_dir: str | Path | None = None,
+    resume: bool = False,
+    num_workers: int = 0,
+    seed: int = 0,
+    max_steps: int | None = None,
+    verbose: bool = True,
+) -> FitResult:
+    """Fit ``model``'s training into ``budget`` and train it.
+
+    Without ``plan``, it plans first (``autofit.planner.make_plan``): probes
+    the model on example batches, searches precision, checkpointing and
+    micro-batch size for ``batch_size`` samples per step under ``budget``.
+
+    Args:
+        model: the model; trained in place.
+        train_data: a map-style dataset of (input, target), or an image folder
+            path holding train/<class>/* and val/<class>/* (then ``val_data``
+            is its val/ and ``input_shape`` or the plan gives the image size).
+        val_data: a dataset for validation after each epoch (best.pt follows
+            its accuracy); None validates nothing.
+        batch_size: samples per optimizer step (the global batch); needed to plan.
+        budget: memory budget, e.g. "16GB", "512MiB" (ignored with ``plan``).
+        epochs: passes over ``train_data``.
+        plan: a Plan or a plan.json path to train with instead of planning.
+        example_batch: batch_size -> (inputs, targets) for the planner's probes;
+            default: the first samples of ``train_data``.
+        loss_fn: (output, target) -> loss; default cross-entropy.
+        optimizer: params -> Optimizer; default AdamW(lr=1e-3).
+        lr: peak learning rate (cosine decay to a tenth); default the optimizer's.
+        device: "cpu" or "cuda", where to plan (and so train).
+        input_shape: "CxHxW" images from a folder are resized to.
+        log_dir: where metrics, plan.json, last.pt and best.pt go; default runs/<time>.
+        resume: continue the run in ``log_dir`` from its last.pt.
+        num_workers: DataLoader worker processes.
+        seed: fixes the data order and the RNG.
+        max_steps: stop (after saving last.pt) after this many optimizer steps.
+        verbose: progress bar and a line per epoch.
+
+    Returns:
+        A ``FitResult``: ``.plan``, ``.history``, ``.best_path``.
+
+    Raises:
+        UserError: a bad argument, data or plan; the message names it and the way out.
+
+    Example:
+        >>> result = autofit.fit(model, budget="8GB", train_data=train, val_data=val, batch_size=256, epochs=10)
+        >>> result.history[-1]["val_accuracy"], result.best_path
+    """
+    from autofit.data import datasets_data, image_folder_data, input_shape_from
+    from autofit.loop import TrainSettings, default_log_dir, train
+    from autofit.spec import default_optimizer, model_fingerprint, spec_from_model
+
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(plan, (str, Path)):
+        plan = load_plan(plan)
+    if isinstance(train_data, (str, Path)):
+        if val_data is not None:
+            raise UserError(f"train_data is the image folder {str(train_data)!r}: its val/ is the validation data; drop val_data")
+        shape = input_shape_from(input_shape or (plan.model.get("input_shape") if plan else None))
+        data = image_folder_data(train_data, input_shape=shape)
+    else:
+        data = datasets_data(train_data, val_data)
+        shape = input_shape_from(input_shape) if input_shape else None
+    if plan is None:
+        if batch_size is None:
+            raise UserError("fit() needs batch_size (samples per optimizer step) to plan, or a plan=")
+        from autofit.planner import make_plan
+
+        spec = spec_from_model(model, example_batch or _examples_from(data.train), loss_fn=loss_fn, optimizer=optimizer)
+        plan = make_plan(spec, budget=budget, batch_size=batch_size, device=device)
+    elif batch_size is not None and batch_size != plan.global_batch_size:
+        raise UserError(
+            f"batch_size {batch_size} differs from the plan's global batch {plan.global_batch_size}; "
+            "drop batch_size or re-plan for it"
+        )
+    plan.model.setdefault("fingerprint", model_fingerprint(model))
+    if shape is not None:
+        plan.model.setdefault("input_shape", list(shape))
+    model_source = {
+        "source": plan.model.get("source") or f"python:{type(model).__name__}",
+        "input_shape": "x".join(map(str, shape)) if shape else None,
+        "num_classes": len(data.classes) if data.classes else plan.model.get("num_classes"),
+    }
+    settings = TrainSettings(
+        epochs=epochs, log_dir=Path(log_dir) if log_dir else default_log_dir(), lr=lr, resume=resume, seed=seed,
+        num_workers=num_workers, max_steps=max_steps, verbose=verbose,
+    )
+    result = train(
+        model, plan=plan, data=data, loss_fn=loss_fn or nn.functional.cross_entropy,
+        build_optimizer=optimizer or default_optimizer, model_source=model_source, settings=settings,
+    )
+    return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
+                     last_path=result.last_path, log_dir=result.log_dir)
+
+
+def _examples_from(dataset) -> Callable[[int], tuple]:
+    """example_batch for the planner: the first ``batch_size`` samples of the dataset (repeated if short)."""
+    from torch.utils.data import default_collate
+
+    def example_batch(batch_size: int) -> tuple:
+        inputs, targets = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
+        return inputs, targets
+
+    return example_batch

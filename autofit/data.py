@@ -1,0 +1,216 @@
+"""Training data for the loop: an image folder, the model file's datasets, or datasets you pass.
+
+An image folder is ``DIR/train/<class>/<image>`` and ``DIR/val/<class>/<image>``
+(torchvision's ImageFolder layout); images are resized to the plan's input
+shape (C, H, W) and scaled to [0, 1]. Files that PIL cannot read are skipped
+and counted when the folder is scanned.
+
+Batches come in a fixed order per (seed, epoch), so a resumed run sees exactly
+the batches an uninterrupted one would: ``epoch_order`` is that order, and
+``make_loader`` starts it at any batch.
+"""
+from __future__ import annotations
+
+import functools
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from autofit.errors import UserError
+from autofit.spec import ModelSpec, parse_shape
+
+_IMAGE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+"""PIL mode for each channel count an image folder can be read as."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainData:
+    """The datasets one run trains and validates on."""
+
+    train: Dataset
+    val: Dataset | None
+    """None: no validation; best.pt then follows the training loss."""
+    classes: list[str] | None = None
+    """Class names by label index, when known (saved with the weights)."""
+    skipped_images: int = 0
+    """Files with an image extension that could not be read, left out."""
+    source: str = "datasets"
+    """Where the data came from, for messages."""
+
+
+def input_shape_from(value, *, fallback: Sequence[int] | None = None) -> tuple[int, ...]:
+    """A plan's ``model["input_shape"]`` ([1, 8, 8], (1, 8, 8) or "1x8x8") as a tuple.
+
+    Raises:
+        UserError: neither the value nor the fallback names a shape.
+    """
+    if isinstance(value, str):
+        return parse_shape(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(n, int) and n > 0 for n in value):
+        return tuple(value)
+    if fallback:
+        return tuple(fallback)
+    raise UserError(
+        f"the plan's model input_shape {value!r} is not a shape like [1, 32, 32]; "
+        "set INPUT_SHAPE in the model file and re-plan, or give input_shape=\"CxHxW\""
+    )
+
+
+def image_folder_data(root: str | Path, *, input_shape: Sequence[int]) -> TrainData:
+    """Read ``root/train/<class>/*`` and ``root/val/<class>/*`` as image datasets.
+
+    Args:
+        root: the folder holding train/ and val/.
+        input_shape: (C, H, W) every image is converted and resized to; C is 1
+            (grayscale), 3 (RGB) or 4 (RGBA).
+
+    Raises:
+        UserError: the folder or train/ or val/ is missing, a class folder holds
+            no readable image, or train/ and val/ hold different classes.
+    """
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    root = Path(root)
+    channels, height, width = _image_shape(input_shape)
+    if not root.is_dir():
+        raise UserError(
+            f"data folder {str(root)!r} does not exist; give a folder with train/<class>/<image> and "
+            f"val/<class>/<image> (e.g. `python examples/make_digits.py {root}`)"
+        )
+    class_sets = {}
+    for split in ("train", "val"):
+        folder = root / split
+        if not folder.is_dir():
+            raise UserError(f"data folder {str(root)!r} has no {split}/ folder; expected {root / split}/<class>/<image>")
+        class_sets[split] = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+        if not class_sets[split]:
+            raise UserError(f"{str(folder)!r} holds no class folders; expected {folder}/<class>/<image>")
+    if class_sets["train"] != class_sets["val"]:
+        only_train = sorted(set(class_sets["train"]) - set(class_sets["val"]))
+        only_val = sorted(set(class_sets["val"]) - set(class_sets["train"]))
+        raise UserError(
+            f"train/ and val/ in {str(root)!r} hold different classes (only in train/: {', '.join(only_train) or '-'}; "
+            f"only in val/: {', '.join(only_val) or '-'}); give both the same class folders"
+        )
+
+    transform = transforms.Compose([transforms.Resize((height, width)), transforms.ToTensor()])
+    loader = functools.partial(_load_image, mode=_IMAGE_MODES[channels])
+    datasets, skipped = {}, 0
+    for split in ("train", "val"):
+        check = _ReadableImage()
+        dataset = ImageFolder(root / split, transform=transform, loader=loader, is_valid_file=check, allow_empty=True)
+        counts = torch.bincount(torch.tensor(dataset.targets, dtype=torch.long), minlength=len(dataset.classes))
+        empty = [name for name, count in zip(dataset.classes, counts.tolist()) if count == 0]
+        if empty:
+            raise UserError(
+                f"class folder {str(root / split / empty[0])!r} holds no readable image"
+                f"{f' (nor do {len(empty) - 1} more)' if len(empty) > 1 else ''}; add images or remove the folder"
+            )
+        datasets[split], skipped = dataset, skipped + check.unreadable
+    return TrainData(
+        train=datasets["train"], val=datasets["val"], classes=list(datasets["train"].classes),
+        skipped_images=skipped, source=str(root),
+    )
+
+
+def model_file_data(spec: ModelSpec) -> TrainData:
+    """The model file's ``train_dataset()`` and (optional) ``val_dataset()``.
+
+    Raises:
+        UserError: the model file defines no ``train_dataset()``.
+    """
+    if spec.train_dataset is None:
+        raise UserError(
+            f"no training data: give --data DIR (DIR/train/<class>/<image>, DIR/val/<class>/<image>) "
+            f"or define train_dataset() in {spec.source}"
+        )
+    return datasets_data(spec.train_dataset(), spec.val_dataset() if spec.val_dataset else None, source=spec.source)
+
+
+def datasets_data(train, val=None, *, source: str = "datasets") -> TrainData:
+    """Wrap map-style datasets (``len`` and ``[i]`` -> (input, target)).
+
+    Raises:
+        UserError: a dataset is a DataLoader, not indexable, or empty.
+    """
+    for name, dataset in (("train_data", train), ("val_data", val)):
+        if dataset is None and name == "val_data":
+            continue
+        if isinstance(dataset, DataLoader):
+            raise UserError(f"{name} is a DataLoader; pass its dataset (loader.dataset): autofit batches by the plan's batch size")
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise UserError(f"{name} ({type(dataset).__name__}) is not a map-style dataset with len() and [i]; wrap it in a torch Dataset")
+        if len(dataset) == 0:
+            raise UserError(f"{name} is empty; give at least one sample")
+    classes = getattr(train, "classes", None)
+    return TrainData(train=train, val=val, classes=list(classes) if classes is not None else None, source=source)
+
+
+def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
+    """The sample order of one epoch: a permutation fixed by (seed, epoch)."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_workers: int) -> DataLoader:
+    """Batches of ``dataset`` taken in ``order`` (indices; start mid-epoch by slicing it).
+
+    Workers ignore Ctrl-C: the main process finishes its step and saves.
+    """
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=order,
+        num_workers=num_workers,
+        worker_init_fn=_ignore_interrupts if num_workers else None,
+        # A fixed generator: creating the iterator does not draw from the global RNG,
+        # which a resumed run must find exactly where it was saved.
+        generator=torch.Generator().manual_seed(0),
+        persistent_workers=False,
+    )
+
+
+def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
+    if len(input_shape) != 3 or input_shape[0] not in _IMAGE_MODES:
+        raise UserError(
+            f"input shape {'x'.join(map(str, input_shape))} is not an image shape CxHxW with C in 1, 3 or 4; "
+            "image folders need one (set INPUT_SHAPE in the model file)"
+        )
+    return tuple(input_shape)
+
+
+def _load_image(path: str, *, mode: str):
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.convert(mode)
+
+
+class _ReadableImage:
+    """ImageFolder's file filter: image extensions PIL can open and verify; counts the rest."""
+
+    def __init__(self) -> None:
+        self.unreadable = 0
+
+    def __call__(self, path: str) -> bool:
+        from PIL import Image
+        from torchvision.datasets.folder import IMG_EXTENSIONS
+
+        if not path.lower().endswith(IMG_EXTENSIONS):
+            return False
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except Exception:  # PIL raises many types for a bad file; any means unreadable
+            self.unreadable += 1
+            return False
+        return True
+
+
+def _ignore_interrupts(worker_id: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
