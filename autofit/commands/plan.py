@@ -1,0 +1,118 @@
+"""`autofit plan`: the fastest configuration measured to fit a budget, written to plan.json."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from autofit.cli import app
+from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, print_json
+from autofit.errors import UserError
+from autofit.units import format_bytes
+
+
+@app.command()
+def plan(
+    model: str = MODEL_ARG,
+    budget: str = typer.Option(..., "--budget", "-b", help='Memory budget: "16GB", "16GiB", "512MiB", "90%" of the device, or bytes.'),
+    batch_size: int = typer.Option(..., "--batch-size", "-n", help="Global batch: samples per optimizer step (every plan keeps it)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    simulate: bool = typer.Option(False, help="Plan with the simulated meter and FLOP-based speeds; the plan is marked estimated."),
+    device_memory: str = typer.Option(None, "--device-memory", help='Total memory of a device that is not here (with --simulate), e.g. "24GiB".'),
+    out: Path = typer.Option(Path("plan.json"), "--out", "-o", help="Where to write the plan."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (progress goes to stderr)."),
+    study: str = typer.Option(None, "--study", help="Optuna storage to keep the search and resume it, e.g. sqlite:///plans.db."),
+    precisions: str = typer.Option("fp32,bf16,fp16", "--precisions", help="Precisions to search, separated by commas."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    input_shape: str = INPUT_SHAPE,
+    num_classes: int = NUM_CLASSES,
+) -> None:
+    """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
+    from autofit.plan_file import save_plan
+    from autofit.planner import plan_with_report, print_progress
+    from autofit.spec import load_spec
+
+    if device not in DEVICES:
+        raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size} must be at least 1")
+    if device_memory is not None and not simulate and device == "cuda":
+        raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
+    wanted = [p.strip() for p in precisions.split(",") if p.strip()]
+    spec = load_spec(model, input_shape=input_shape, num_classes=num_classes)
+    report = plan_with_report(
+        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
+        study=study, precisions=wanted, num_classes=num_classes if model.startswith("torchvision:") else None,
+        log=None if quiet else print_progress,
+    )
+    path = save_plan(report.plan, out)
+    if as_json:
+        print_json(report.plan.to_dict())
+        return
+    print("\n".join(summary_lines(report, path=path)))
+
+
+def summary_lines(report, *, path: Path | None = None) -> list[str]:
+    """The readable summary of a planning run."""
+    plan = report.plan
+    lines = [
+        f"plan for {plan.model['source']}: batch {plan.global_batch_size}, budget {format_bytes(plan.budget_bytes)} "
+        f"({plan.budget_kind}) on {plan.device['name']}" + (" [estimated: simulated meter, FLOP-based speed]" if plan.estimated else ""),
+        f"  chosen      {plan.precision}, micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s), "
+        f"checkpoint {_blocks(plan.checkpoint)}",
+    ]
+    measured, predicted = plan.measured, plan.predicted
+    meter = measured.get("meter")
+    lines.append(f"  memory      {'predicted':>12} {f'measured ({meter})':>20}")
+    for name, value in measured.get("breakdown", {}).items():
+        lines.append(f"    {name.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
+    lines.append(f"    {'peak':<18}{format_bytes(predicted['peak_bytes']):>12} {format_bytes(measured['peak_bytes']):>20}")
+    for cause, value in plan.headroom.items():
+        lines.append(f"    {'+ ' + cause.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
+    total = measured["peak_bytes"] + sum(plan.headroom.values())
+    lines.append(
+        f"    {'= needed':<18}{'':>12} {format_bytes(total):>20}  of {format_bytes(plan.budget_bytes)} "
+        f"({total / plan.budget_bytes:.0%})"
+    )
+    speed = measured.get("samples_per_s")
+    unconstrained = report.unconstrained
+    text = f"{speed:.1f} samples/s measured" if speed else "not measured (simulated)"
+    lines.append(f"  speed       {text}, {predicted['samples_per_s']:.1f} predicted")
+    if unconstrained:
+        reference = unconstrained.get("samples_per_s") or unconstrained["predicted_samples_per_s"]
+        mine = speed or predicted["samples_per_s"]
+        kind = "measured" if unconstrained.get("samples_per_s") else "predicted"
+        peak = unconstrained.get("peak_bytes") or unconstrained["predicted_peak_bytes"]
+        lines.append(
+            f"              {mine / reference:.2f}x the unconstrained configuration ({unconstrained['precision']}, micro-batch "
+            f"{unconstrained['micro_batch_size']}, no checkpointing: {reference:.1f} samples/s {kind}, peak {format_bytes(peak)})"
+        )
+    for precision, why in report.excluded_precisions.items():
+        lines.append(f"  left out    {precision}: {why}")
+    for precision, note in report.precision_notes.items():
+        lines.append(f"  note        {precision}: {note}")
+    lines.append("  alternatives (Pareto front of memory vs samples/s, as predicted; * chosen):")
+    lines.append(f"    {'peak':>12} {'samples/s':>10}  {'precision':<9} {'micro-batch':>14}  checkpoint")
+    for alt in plan.alternatives:
+        mark = "*" if alt["chosen"] else (" " if alt["fits_budget"] else "!")
+        split = f"{alt['micro_batch_size']} x {alt['grad_accum_steps']}"
+        lines.append(
+            f"  {mark} {format_bytes(alt['predicted_peak_bytes']):>12} {alt['predicted_samples_per_s']:>10.1f}  "
+            f"{alt['precision']:<9} {split:>14}  {_blocks(alt['checkpoint'])}"
+        )
+    lines.append("    (! = does not fit the budget)")
+    where = f"wrote {path}; " if path else ""
+    lines.append(
+        f"  {where}planned in {report.seconds:.1f} s: {report.evaluations} points by {report.sampler}, "
+        f"{report.simulated_checks} simulated checks, {report.real_probes} real probes"
+        + (" (resumed from the stored study)" if report.resumed else "")
+    )
+    return lines
+
+
+def _blocks(names: list[str]) -> str:
+    if not names:
+        return "none"
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{len(names)} blocks ({names[0]} .. {names[-1]})"

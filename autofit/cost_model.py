@@ -1,0 +1,523 @@
+"""The planner's cost model: peak bytes and step time of any configuration.
+
+Memory comes from two simulated traces per precision (``memory_model``):
+linear in the micro-batch size, exact in the structure of where blocks free
+and recompute their activations. Time comes from real timings on the device
+(forward, forward+backward and each block's forward at a few micro-batch
+sizes, the optimizer step, and what checkpointing really costs per second of
+recomputed forward); with ``simulate`` it comes from FLOPs instead and is an
+estimate. Everything here is plain data, so a study can store it and resume.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from autofit.memory_model import MemoryTrace, Segment, trace_memory
+from autofit.spec import ModelSpec
+from autofit.step import to_device
+from strategies import BatchSplitConfig, Checkpointing, CheckpointConfig, Precision, PrecisionConfig, checkpoint_candidates
+
+SLOW_PRECISION_RATIO = 3.0
+"""A precision this many times slower than the fastest at the same micro-batch is timed at one size only."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryCosts:
+    """Two traces of one precision; bytes at any micro-batch size are linear between them."""
+
+    low: MemoryTrace
+    high: MemoryTrace
+
+    def at(self, micro_batch_size: int, *, global_batch_size: int) -> tuple[list[Segment], list[float]]:
+        """The segments that bound the peak at this size, and each block's dropped bytes.
+
+        Args:
+            micro_batch_size: samples per micro-batch.
+            global_batch_size: samples per optimizer step; gradients of earlier
+                micro-batches are alive when it is larger than the micro-batch.
+        """
+        low, high = self.low, self.high
+        accumulating = micro_batch_size < global_batch_size
+        span = max(high.micro_batch_size - low.micro_batch_size, 1)
+        weight = (micro_batch_size - low.micro_batch_size) / span
+
+        def interpolate(a: float, b: float) -> float:
+            return max(a + (b - a) * weight, 0.0)
+
+        # The traces held a global batch of 2 micro-batches on the host; the real one holds G samples.
+        host = (global_batch_size - 2 * micro_batch_size) * high.host_sample_bytes
+        segments = [
+            Segment(peak_bytes=interpolate(a.peak_bytes, b.peak_bytes) + host, dropped=a.dropped, phase=a.phase, recomputes=a.recomputes)
+            for a, b in zip(low.segments, high.segments)
+            if accumulating or a.phase != "later"
+        ]
+        drops = [interpolate(a, b) for a, b in zip(low.drop_bytes, high.drop_bytes)]
+        return segments, drops
+
+    def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int]) -> float:
+        segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
+        return max(
+            (
+                s.peak_bytes - sum(drops[b] for b in s.dropped if b in checkpoint)
+                for s in segments
+                if s.recomputes is None or s.recomputes in checkpoint
+            ),
+            default=0.0,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class SpeedCosts:
+    """Times of one precision at a few micro-batch sizes; other sizes interpolate in log-log."""
+
+    sizes: list[int]
+    step_seconds: list[float]
+    """Forward + backward of one micro-batch (host copy included)."""
+    forward_seconds: list[float]
+    block_seconds: list[list[float]]
+    """Per size, each block's forward seconds."""
+    optimizer_seconds: float
+    recompute_factor: float = 1.0
+    """Measured seconds checkpointing adds per second of the blocks' plain forward."""
+    note: str = ""
+
+    def micro_step_seconds(self, micro_batch_size: int) -> float:
+        return _loglog(self.sizes, self.step_seconds, micro_batch_size)
+
+    def recompute_seconds(self, micro_batch_size: int) -> list[float]:
+        columns = list(zip(*self.block_seconds)) if self.block_seconds else []
+        return [self.recompute_factor * _loglog(self.sizes, list(col), micro_batch_size) for col in columns]
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionCosts:
+    precision: str
+    memory: MemoryCosts
+    speed: SpeedCosts
+
+
+@dataclass(kw_only=True)
+class CostModel:
+    """Predicted peak bytes and samples/s of any (precision, micro-batch, checkpoint set)."""
+
+    blocks: list[str]
+    global_batch_size: int
+    device_type: str
+    estimated: bool
+    """True when times come from FLOPs (simulate), not from the device."""
+    precisions: dict[str, PrecisionCosts] = field(default_factory=dict)
+    output_shape: list[int] = field(default_factory=list)
+    memory_scale: float = 1.0
+    """Measured/simulated peak ratio on a real GPU (the allocator's rounding and cache); 1 on the CPU."""
+
+    def micro_sizes(self, micro_batch_size: int) -> list[int]:
+        return BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size).sizes()
+
+    def peak_bytes(self, precision: str, micro_batch_size: int, checkpoint: set[int]) -> float:
+        memory = self.precisions[precision].memory
+        raw = memory.peak_bytes(micro_batch_size, global_batch_size=self.global_batch_size, checkpoint=checkpoint)
+        return raw * self.memory_scale
+
+    def recompute_seconds(self, precision: str, micro_batch_size: int) -> list[float]:
+        """Per block: seconds one optimizer step spends recomputing it if checkpointed."""
+        speed = self.precisions[precision].speed
+        totals = [0.0] * len(self.blocks)
+        for size in self.micro_sizes(micro_batch_size):
+            for index, seconds in enumerate(speed.recompute_seconds(size)):
+                totals[index] += seconds
+        return totals
+
+    def step_seconds(self, precision: str, micro_batch_size: int, checkpoint: set[int]) -> float:
+        speed = self.precisions[precision].speed
+        seconds = speed.optimizer_seconds
+        for size in self.micro_sizes(micro_batch_size):
+            seconds += speed.micro_step_seconds(size)
+        recompute = self.recompute_seconds(precision, micro_batch_size)
+        return seconds + sum(recompute[b] for b in checkpoint)
+
+    def samples_per_s(self, precision: str, micro_batch_size: int, checkpoint: set[int]) -> float:
+        return self.global_batch_size / self.step_seconds(precision, micro_batch_size, checkpoint)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        precisions = {}
+        for name, costs in data["precisions"].items():
+            memory = costs["memory"]
+            precisions[name] = PrecisionCosts(
+                precision=costs["precision"],
+                memory=MemoryCosts(low=_trace_from_dict(memory["low"]), high=_trace_from_dict(memory["high"])),
+                speed=SpeedCosts(**costs["speed"]),
+            )
+        rest = {k: v for k, v in data.items() if k != "precisions"}
+        return cls(precisions=precisions, **rest)
+
+
+def _trace_from_dict(data: dict) -> MemoryTrace:
+    fields_ = dict(data)
+    fields_["segments"] = [Segment(**s) for s in data["segments"]]
+    return MemoryTrace(**fields_)
+
+
+def memory_costs(
+    spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None
+) -> MemoryCosts:
+    """Trace one precision at two micro-batch sizes (simulated: no arithmetic).
+
+    Args:
+        low_trace: an existing trace at ``low`` for this precision, to reuse.
+    """
+    if low_trace is None:
+        low_trace = trace_memory(spec, micro_batch_size=low, precision=precision, device_type=device_type)
+    if high == low:
+        return MemoryCosts(low=low_trace, high=low_trace)
+    high_trace = trace_memory(spec, micro_batch_size=high, precision=precision, device_type=device_type)
+    if [(s.dropped, s.phase, s.recomputes) for s in low_trace.segments] != [
+        (s.dropped, s.phase, s.recomputes) for s in high_trace.segments
+    ]:
+        # The step's structure depends on the batch size (rare): trust the larger trace, scaled.
+        return MemoryCosts(low=_scaled(high_trace, low), high=high_trace)
+    return MemoryCosts(low=low_trace, high=high_trace)
+
+
+def _scaled(trace: MemoryTrace, micro_batch_size: int) -> MemoryTrace:
+    ratio = micro_batch_size / trace.micro_batch_size
+    return MemoryTrace(
+        micro_batch_size=micro_batch_size,
+        blocks=trace.blocks,
+        drop_bytes=[int(b * ratio) for b in trace.drop_bytes],
+        segments=trace.segments,
+        prefix_shaped=trace.prefix_shaped,
+        output_shape=trace.output_shape,
+    )
+
+
+def time_precisions(
+    spec: ModelSpec,
+    *,
+    precisions: list[str],
+    sizes: list[int],
+    device: str,
+    repeats: int = 2,
+    time_limit_s: float = 20.0,
+) -> dict[str, SpeedCosts]:
+    """Time forward, backward, each block and the optimizer step on the device.
+
+    One model serves every precision (autocast is a context, not a change of
+    the model). Sizes are timed smallest first, after one warm-up each
+    (kernels and allocator are set up per shape). A precision that turns out
+    far slower than the fastest so far, or whose remaining sizes would take
+    more than ``time_limit_s``, stops there and follows the fastest one's
+    curve scaled: it costs seconds to learn that fp16 on a CPU is slow, not
+    minutes. The verification probes measure whatever is chosen for real.
+    """
+    device_ = torch.device(device)
+    torch.manual_seed(0)
+    model = spec.build_model().to(device_)
+    model.train()
+    blocks = checkpoint_candidates(model)
+    modules = dict(model.named_modules())
+    optimizer = spec.build_optimizer(model.parameters())
+    sizes = sorted(set(sizes))
+    block_times: dict[str, float] = {}
+    starts: dict[str, float] = {}
+
+    def sync() -> None:
+        if device_.type == "cuda":
+            torch.cuda.synchronize(device_)
+
+    def pre_hook(name):
+        def hook(module, args):
+            sync()
+            starts[name] = time.perf_counter()
+        return hook
+
+    def post_hook(name):
+        def hook(module, args, output):
+            sync()
+            block_times[name] = block_times.get(name, 0.0) + time.perf_counter() - starts[name]
+        return hook
+
+    handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in blocks]
+    handles += [modules[n].register_forward_hook(post_hook(n)) for n in blocks]
+
+    def one_step(precision: Precision, inputs, targets) -> tuple[float, float, list[float]]:
+        block_times.clear()
+        sync()
+        start = time.perf_counter()
+        micro_inputs, micro_targets = to_device(inputs, device_), to_device(targets, device_)
+        with precision.forward_context():
+            loss = spec.loss_fn(model(micro_inputs), micro_targets).float()
+        sync()
+        forward_done = time.perf_counter()
+        precision.backward(loss)
+        sync()
+        done = time.perf_counter()
+        return forward_done - start, done - start, [block_times.get(n, 0.0) for n in blocks]
+
+    results: dict[str, SpeedCosts] = {}
+    reference: SpeedCosts | None = None
+    for name in precisions:
+        precision = Precision(PrecisionConfig(precision=name), device_type=device_.type, init_scale=1.0)
+        best: dict[int, tuple] = {}
+        batches: dict[int, tuple] = {}
+        note = ""
+        spent = 0.0
+        for index, size in enumerate(sizes):
+            if best:
+                # The next size costs about its share of the last one's time (twice: warm-up and timing).
+                last = max(best)
+                projected = 2 * best[last][1] * size / last
+                if spent + projected > time_limit_s:
+                    note = f"timed up to micro-batch {last} (the next size would pass {time_limit_s:.0f} s); larger sizes extrapolated"
+                    break
+            batches[size] = spec.example_batch(size)
+            started = time.perf_counter()
+            one_step(precision, *batches[size])  # warm-up: kernels and allocator are set up per shape
+            optimizer.zero_grad(set_to_none=True)
+            best[size] = one_step(precision, *batches[size])
+            optimizer.zero_grad(set_to_none=True)
+            spent += time.perf_counter() - started
+            if reference is not None:
+                ratio = best[size][1] / reference.micro_step_seconds(size)
+                if ratio > SLOW_PRECISION_RATIO:
+                    note = f"{ratio:.1f}x slower than {reference_name} at micro-batch {size}; timed up to there"
+                    break
+        timed = sorted(best)
+        # Repeats interleave the sizes, so that a burst of load elsewhere does not skew one size.
+        for _ in range(repeats - 1):
+            for size in timed:
+                measured = one_step(precision, *batches[size])
+                optimizer.zero_grad(set_to_none=True)
+                if measured[1] < best[size][1]:
+                    best[size] = measured
+        costs = SpeedCosts(
+            sizes=timed,
+            step_seconds=[best[size][1] for size in timed],
+            forward_seconds=[best[size][0] for size in timed],
+            block_seconds=[best[size][2] for size in timed],
+            optimizer_seconds=_optimizer_seconds(model, optimizer, precision, one_step, spec, timed[0]),
+            note=note,
+        )
+        if note and reference is not None and len(timed) < len(sizes):
+            # Untimed sizes follow the reference's shape, scaled by how this precision compared at the largest timed size.
+            ratio = costs.step_seconds[-1] / reference.micro_step_seconds(timed[-1])
+            scaled = _scaled_speed(reference, ratio, note=note)
+            scaled.optimizer_seconds = costs.optimizer_seconds
+            costs = scaled
+        results[name] = costs
+        if reference is None or costs.micro_step_seconds(sizes[-1]) < reference.micro_step_seconds(sizes[-1]):
+            reference, reference_name = costs, name
+    for handle in handles:
+        handle.remove()
+    _measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, optimizer=optimizer)
+    del model, optimizer
+    if device_.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def _optimizer_seconds(model, optimizer, precision: Precision, one_step, spec: ModelSpec, size: int) -> float:
+    """The optimizer step's time (its first call creates state: not timed)."""
+    inputs, targets = spec.example_batch(size)
+    best = math.inf
+    for attempt in range(3):
+        one_step(precision, inputs, targets)
+        device = next(model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        precision.optimizer_step(optimizer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+        optimizer.zero_grad(set_to_none=True)
+    return best
+
+
+def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, optimizer) -> None:
+    """Time one step with every block checkpointed: the real price of a second of recompute."""
+    if not blocks:
+        return
+    Checkpointing(CheckpointConfig(blocks=blocks)).apply(model)
+    size = sizes[len(sizes) // 2]
+    inputs, targets = spec.example_batch(size)
+    for name, costs in results.items():
+        if costs.note:  # timed at one size only: keep the reference's factor
+            continue
+        precision = Precision(PrecisionConfig(precision=name), device_type=device.type, init_scale=1.0)
+        one_step(precision, inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        seconds = min(one_step(precision, inputs, targets)[1] for _ in range(2))
+        optimizer.zero_grad(set_to_none=True)
+        plain_forward = sum(costs.recompute_seconds(size))
+        if plain_forward > 0:
+            extra = seconds - costs.micro_step_seconds(size)
+            costs.recompute_factor = min(max(extra / plain_forward, 0.5), 3.0)
+    factors = [c.recompute_factor for c in results.values() if not c.note]
+    for costs in results.values():
+        if costs.note and factors:
+            costs.recompute_factor = factors[0]
+
+
+def _scaled_speed(reference: SpeedCosts, ratio: float, *, note: str) -> SpeedCosts:
+    return SpeedCosts(
+        sizes=list(reference.sizes),
+        step_seconds=[s * ratio for s in reference.step_seconds],
+        forward_seconds=[s * ratio for s in reference.forward_seconds],
+        block_seconds=[[s * ratio for s in row] for row in reference.block_seconds],
+        optimizer_seconds=reference.optimizer_seconds,
+        recompute_factor=reference.recompute_factor,
+        note=note,
+    )
+
+
+def flop_speed_costs(
+    spec: ModelSpec, *, precisions: list[str], sizes: list[int], device_type: str, device_name: str
+) -> dict[str, SpeedCosts]:
+    """Times estimated from FLOPs (``--simulate``): nothing runs on the device.
+
+    A micro-step costs 3x its forward FLOPs (forward + backward) at the
+    device's assumed throughput for the precision, plus a fixed cost per
+    operator launch; the optimizer step reads and writes its state at an
+    assumed memory bandwidth.
+    """
+    from autofit.blocks import profile_blocks
+
+    size = max(sizes)
+    profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
+    forward_flops = _forward_flops(spec, size)
+    param_bytes = _parameter_bytes(spec)
+    results = {}
+    for name in precisions:
+        flops_per_s, launch_s, bytes_per_s = _assumed_throughput(device_type, device_name, name)
+        per_sample = forward_flops / size
+        step, forward, per_block = [], [], []
+        for s in sizes:
+            fwd = per_sample * s / flops_per_s + launch_s
+            forward.append(fwd)
+            step.append(3 * fwd)
+            per_block.append([p.forward_flops / size * s / flops_per_s for p in profiles])
+        results[name] = SpeedCosts(
+            sizes=list(sizes),
+            step_seconds=step,
+            forward_seconds=forward,
+            block_seconds=per_block,
+            optimizer_seconds=4 * param_bytes / bytes_per_s,
+            note="estimated from FLOPs",
+        )
+    return results
+
+
+def _forward_flops(spec: ModelSpec, size: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autofit.meters import SimulatedMeter
+
+    meter = SimulatedMeter(for_device="cpu")
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        inputs, _ = spec.example_batch(size)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model(inputs)
+    return max(int(counter.get_total_flops()), 1)
+
+
+def _parameter_bytes(spec: ModelSpec) -> int:
+    with torch.device("meta"):
+        model = spec.build_model()
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# Assumed dense throughputs (FLOP/s) and memory bandwidths for estimates only.
+_GPU_TABLE = {
+    "H200": (60e12, 700e12, 4.8e12),
+    "H100": (55e12, 700e12, 3.3e12),
+    "A100": (17e12, 250e12, 1.5e12),
+    "L4": (25e12, 100e12, 0.3e12),
+    "V100": (13e12, 100e12, 0.9e12),
+}
+
+
+def _assumed_throughput(device_type: str, device_name: str, precision: str) -> tuple[float, float, float]:
+    """(FLOP/s, seconds per micro-step launch overhead, bytes/s) assumed for an estimate."""
+    if device_type == "cuda":
+        fp32, half, bandwidth = next((v for k, v in _GPU_TABLE.items() if k in device_name.upper()), (15e12, 100e12, 1e12))
+        return (fp32 if precision == "fp32" else half) * 0.4, 2e-3, bandwidth * 0.5
+    # A CPU: measure a matmul's fp32 throughput (a tenth of a second, not the model).
+    a = torch.randn(512, 512)
+    start = time.perf_counter()
+    for _ in range(8):
+        a @ a
+    fp32 = 8 * 2 * 512**3 / (time.perf_counter() - start)
+    return fp32 * 0.5, 1e-3, 5e9
+
+
+def _loglog(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear interpolation in log-log space; beyond the ends, the end piece's
+    slope clamped to [0, 1] (time never falls with the batch, nor grows faster than it)."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    points = [(math.log(a), math.log(max(b, 1e-12))) for a, b in zip(xs, ys)]
+    lx = math.log(x)
+    if lx <= points[0][0]:
+        (x0, y0), (x1, y1), anchor = points[0], points[1], points[0]
+    elif lx >= points[-1][0]:
+        (x0, y0), (x1, y1), anchor = points[-2], points[-1], points[-1]
+    else:
+        index = next(i for i in range(1, len(points)) if lx <= points[i][0])
+        (x0, y0), (x1, y1) = points[index - 1], points[index]
+        return math.exp(y0 + (y1 - y0) * (lx - x0) / (x1 - x0))
+    slope = min(max((y1 - y0) / (x1 - x0), 0.0), 1.0)
+    return math.exp(anchor[1] + slope * (lx - anchor[0]))
+
+
+def time_configuration(
+    spec: ModelSpec,
+    *,
+    precision: str,
+    micro_batch_size: int,
+    global_batch_size: int,
+    checkpoint: list[str],
+    device: str,
+    steps: int = 3,
+    seed: int = 0,
+) -> float:
+    """Samples/s of plain training steps of one configuration (no meter running).
+
+    The memory meter's bookkeeping costs time on every operator; the speed a
+    plan promises is that of training, so it is timed here without it. The
+    first step is a warm-up and is not timed.
+    """
+    from autofit.step import train_step
+    from strategies import BatchSplit
+
+    device_ = torch.device(device)
+    torch.manual_seed(seed)
+    model = Checkpointing(CheckpointConfig(blocks=list(checkpoint))).apply(spec.build_model().to(device_))
+    model.train()
+    optimizer = spec.build_optimizer(model.parameters())
+    step_precision = Precision(PrecisionConfig(precision=precision), device_type=device_.type, init_scale=1.0)
+    split = BatchSplit(BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size))
+    inputs, targets = spec.example_batch(global_batch_size)
+    seconds = []
+    for _ in range(max(steps, 2)):
+        start = time.perf_counter()
+        result = train_step(
+            model, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer, precision=step_precision,
+            split=split, device=device_,
+        )
+        result.loss.item()  # waits for the device
+        seconds.append(time.perf_counter() - start)
+    del model, optimizer, result
+    if device_.type == "cuda":
+        torch.cuda.empty_cache()
+    return global_batch_size * (len(seconds) - 1) / sum(seconds[1:])

@@ -1,0 +1,317 @@
+"""The planner's memory model: one simulated training trace, cut at block boundaries.
+
+A training step's memory over time is recorded once (over fake tensors, so no
+arithmetic runs) together with where each checkpoint candidate's forward ends
+and where its backward begins. Checkpointing block ``b`` drops the bytes its
+forward saved for backward (less its input and output, which stay alive
+anyway) exactly between those two points, and recomputes them in its own
+backward. So the peak of any checkpoint set is a max over the trace's
+segments of "bytes in the segment minus the bytes of the checkpointed blocks
+that are dropped there". Everything is linear in the micro-batch size, so two
+traces (two micro-batch sizes) give the model for every size.
+
+The planner verifies what this model predicts with the exact simulated meter
+and with real probes; the model only has to rank configurations well.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from autofit._torch_private import tree_leaves
+from autofit.meters import SimulatedMeter
+from autofit.spec import ModelSpec
+from autofit.step import train_step
+from autofit.tracker import StorageTracker
+from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig, checkpoint_candidates
+
+# Micro-steps of the traced run (2 optimizer steps of 2 micro-batches each).
+# Step 2's first micro-step is what a step without accumulation looks like
+# (optimizer state alive, no gradients yet); its second is what every later
+# micro-step of an accumulating step looks like (gradients alive).
+_FIRST_MICRO, _LATER_MICRO = 2, 3
+
+
+@dataclass(kw_only=True, slots=True)
+class Segment:
+    """A stretch of the trace between two block events."""
+
+    peak_bytes: int
+    """Highest live bytes inside the segment."""
+    dropped: list[int]
+    """Indices of the blocks whose forward has ended and whose backward has not begun: checkpointing them frees bytes here."""
+    phase: str
+    """"first" (first micro-step of an optimizer step), "later" (a micro-step with gradients alive), "optimizer"."""
+    recomputes: int | None = None
+    """Set for the stretch where a checkpointed block recomputes its forward: it exists only when that block is checkpointed."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryTrace:
+    """One simulated trace at one micro-batch size."""
+
+    micro_batch_size: int
+    blocks: list[str]
+    """Checkpoint candidates in forward order."""
+    drop_bytes: list[int]
+    """Bytes each block's checkpointing frees between its forward and its backward."""
+    segments: list[Segment]
+    prefix_shaped: bool
+    """True when every segment's dropped blocks are a prefix of ``blocks`` (the usual case)."""
+    host_sample_bytes: int = 0
+    """Bytes of one sample of the example batch: the meter counts the whole global batch once it is sliced."""
+    output_shape: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _TimelineTracker(StorageTracker):
+    """A StorageTracker that also keeps the highest live bytes since the last mark."""
+
+    def __init__(self, *, round_bytes: int) -> None:
+        super().__init__(round_bytes=round_bytes)
+        self.segment_peaks: list[int] = []
+        self.marks: list[tuple] = []
+        self._segment_peak = 0
+
+    def _grow(self, nbytes: int) -> None:
+        StorageTracker._grow(self, nbytes)
+        if self.current_bytes > self._segment_peak:
+            self._segment_peak = self.current_bytes
+
+    def mark(self, event: tuple) -> None:
+        self.segment_peaks.append(self._segment_peak)
+        self.marks.append(event)
+        self._segment_peak = self.current_bytes
+
+
+def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str = "cpu") -> MemoryTrace:
+    """Trace two simulated optimizer steps of two micro-batches each, plain and all-checkpointed.
+
+    The traced global batch is 2 x micro_batch_size; a step's memory depends on
+    the global batch only through its host copy (``host_sample_bytes``). The
+    plain run gives every segment and each block's dropped bytes; a second run
+    with every block checkpointed measures what each block's recomputation
+    holds at its peak.
+
+    Args:
+        spec: the model, its example batches, loss and optimizer.
+        micro_batch_size: samples per micro-batch.
+        precision: "fp32", "bf16" or "fp16".
+        device_type: the device planned for ("cuda" rounds storages like its allocator).
+
+    Returns:
+        The segments of the trace and the bytes each block's checkpointing drops.
+    """
+    plain = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=False)
+    segments, prefix_shaped = _segments(plain.marks, plain.peaks, plain.drop_bytes)
+    if plain.names:
+        checkpointed = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=True)
+        segments += _recompute_segments(checkpointed.marks, checkpointed.peaks, plain.drop_bytes)
+    return MemoryTrace(
+        micro_batch_size=micro_batch_size,
+        blocks=plain.names,
+        drop_bytes=plain.drop_bytes,
+        segments=segments,
+        prefix_shaped=prefix_shaped,
+        host_sample_bytes=plain.host_bytes // (2 * micro_batch_size),
+        output_shape=plain.output_shape,
+    )
+
+
+@dataclass(slots=True)
+class _RawTrace:
+    names: list[str]
+    marks: list[tuple]
+    peaks: list[int]
+    drop_bytes: list[int]
+    host_bytes: int
+    output_shape: list[int]
+
+
+def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, checkpoint_all: bool) -> _RawTrace:
+    meter = SimulatedMeter(for_device=device_type)
+    torch.manual_seed(0)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        names = checkpoint_candidates(model)
+        if checkpoint_all:
+            Checkpointing(CheckpointConfig(blocks=names)).apply(model)
+        modules = dict(model.named_modules())
+        optimizer = spec.build_optimizer(model.parameters())
+        step_precision = Precision(PrecisionConfig(precision=precision), device_type=meter.device.type, use_scaler=False)
+        split = BatchSplit(BatchSplitConfig(global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size))
+        inputs, targets = spec.example_batch(2 * micro_batch_size)
+        host_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor))
+        tracker = _TimelineTracker(round_bytes=meter.round_bytes)
+        tracker.track(model.parameters(), "parameters")
+        tracker.track(model.buffers(), "parameters")
+        persistent = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
+        state = {"micro": -1, "active": [], "saved": {name: {} for name in names}, "output_shape": []}
+
+        def root_pre_hook(module, args):
+            state["micro"] += 1
+            tracker.mark(("micro", state["micro"]))
+
+        def root_post_hook(module, args, output):
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            if tensors:
+                state["output_shape"] = list(tensors[0].shape)
+
+        def pre_hook(index):
+            def hook(module, args):
+                state["active"].append(index)
+                tracker.mark(("fwd_start", index, state["micro"]))
+                state["inputs"] = {id(t.untyped_storage()) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+            return hook
+
+        def post_hook(index):
+            def hook(module, args, output):
+                state["active"].pop()
+                micro = state["micro"]
+                tracker.mark(("fwd_end", index, micro))
+                inputs_ = {id(t.untyped_storage()) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+                outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+                kept = inputs_ | {id(t.untyped_storage()) for t in outputs}
+                saved = state["saved"][names[index]].setdefault(micro, {})
+                state["dropped_" + str(micro) + "_" + str(index)] = sum(n for key, n in saved.items() if key not in kept)
+                for tensor in outputs:
+                    if tensor.requires_grad:
+                        tensor.register_hook(lambda grad, index=index, micro=micro: tracker.mark(("bwd_start", index, micro)))
+                        break
+            return hook
+
+        def pack(tensor):
+            if state["active"]:
+                storage = tensor.untyped_storage()
+                key = id(storage)
+                if key not in persistent:
+                    saved = state["saved"][names[state["active"][-1]]].setdefault(state["micro"], {})
+                    saved[key] = _round_up(storage.nbytes(), meter.round_bytes)
+            return tensor
+
+        hooks = [model.register_forward_pre_hook(root_pre_hook), model.register_forward_hook(root_post_hook)]
+        for index, name in enumerate(names):
+            hooks.append(modules[name].register_forward_pre_hook(pre_hook(index)))
+            hooks.append(modules[name].register_forward_hook(post_hook(index)))
+        hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
+        hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
+        # The checkpointed run's blocks keep their own saved-tensor hooks: nothing to count there.
+        saved_hooks = nullcontext() if checkpoint_all else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with tracker, saved_hooks:
+            for _ in range(2):
+                train_step(
+                    model, inputs, targets,
+                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=step_precision,
+                    split=split, device=meter.device,
+                )
+        tracker.mark(("end",))
+        for hook in hooks:
+            hook.remove()
+        drop_bytes = [state.get(f"dropped_{_LATER_MICRO}_{i}", 0) for i in range(len(names))]
+    return _RawTrace(
+        names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
+        host_bytes=host_bytes, output_shape=state["output_shape"],
+    )
+
+
+def _segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int]) -> tuple[list[Segment], bool]:
+    """The plain trace's segments of step 2, and whether their dropped blocks are always a prefix."""
+    segments = [segment for segment, _ in _labelled(marks, peaks, len(drop_bytes))]
+    prefix_shaped = all(s.dropped == list(range(len(s.dropped))) for s in segments)
+    return segments, prefix_shaped
+
+
+def _recompute_segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int]) -> list[Segment]:
+    """From the all-checkpointed trace: the stretch after each block's backward begins (its recompute).
+
+    That trace had every block before it dropped; the segment's bytes are
+    stated as if none were (adding their drops back), like every other segment,
+    and it counts only when its block is checkpointed.
+    """
+    found = []
+    for segment, opener in _labelled(marks, peaks, len(drop_bytes)):
+        if opener[0] == "bwd_start" and segment.phase in ("first", "later"):
+            segment.peak_bytes += sum(drop_bytes[b] for b in segment.dropped)
+            segment.recomputes = opener[1]
+            found.append(segment)
+    return found
+
+
+def _labelled(marks: list[tuple], peaks: list[int], num_blocks: int):
+    """Yield (segment, the mark that opened it) for step 2's micro-steps and optimizer step.
+
+    Segment i lies between marks[i-1] and marks[i]; it belongs to the micro-step
+    (or optimizer step) that the last "micro"/"optimizer" mark before it opened.
+    A block is dropped in it when its forward ended before and its backward
+    begins after.
+    """
+    fwd_end: dict[tuple[int, int], int] = {}
+    bwd_start: dict[tuple[int, int], int] = {}
+    for position, mark in enumerate(marks):
+        if mark[0] == "fwd_end":
+            fwd_end.setdefault((mark[2], mark[1]), position)
+        elif mark[0] == "bwd_start":
+            bwd_start[(mark[2], mark[1])] = position
+    phase, micro = None, None
+    for i in range(1, len(marks)):
+        opener = marks[i - 1]
+        if opener[0] == "micro":
+            micro = opener[1]
+            phase = {_FIRST_MICRO: "first", _LATER_MICRO: "later"}.get(micro)
+        elif opener[0] == "optimizer":
+            phase = "optimizer" if micro == _LATER_MICRO else None
+        elif opener[0] == "optimizer_end":
+            phase = None
+        if phase is None:
+            continue
+        # The stretch that ends where the next micro-step begins holds all gradients and
+        # the next micro-batch's copy: it belongs to the accumulating regime.
+        segment_phase = "later" if marks[i] == ("micro", _LATER_MICRO) else phase
+        active = []
+        if phase != "optimizer":
+            for block in range(num_blocks):
+                end, start = fwd_end.get((micro, block)), bwd_start.get((micro, block))
+                if end is not None and end <= i - 1 and (start is None or start >= i):
+                    active.append(block)
+        yield Segment(peak_bytes=peaks[i], dropped=active, phase=segment_phase), opener
+
+
+def _round_up(nbytes: int, multiple: int) -> int:
+    return -(-nbytes // multiple) * multiple
+
+
+def simulation_spec(spec: ModelSpec) -> ModelSpec:
+    """A spec whose model the simulated meter can build.
+
+    Models from files and torchvision build under the meta device. A model
+    object from the Python API is copied by ``deepcopy``, which fails under fake tensors;
+    its copy is then made from a meta template with fresh empty tensors
+    (fake ones when built inside the simulated meter).
+    """
+    import copy
+    import dataclasses
+
+    from torch import nn
+
+    meter = SimulatedMeter(for_device="cpu")
+    try:
+        with meter.environment():
+            meter.build_model(spec.build_model)
+        return spec
+    except Exception:  # a copy of a real model: deepcopy refuses fake and meta storage
+        pass
+    template = spec.build_model().to("meta")
+
+    def build_model() -> nn.Module:
+        memo = {}
+        for tensor in list(template.parameters()) + list(template.buffers()):
+            fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            memo[id(tensor)] = nn.Parameter(fresh, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fresh
+        return copy.deepcopy(template, memo)
+
+    return dataclasses.replace(spec, build_model=build_model)

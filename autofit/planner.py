@@ -1,0 +1,781 @@
+"""The planner: the fastest configuration that was measured to fit a budget.
+
+1. Memory: two simulated traces per precision (no arithmetic) give every
+   configuration's peak (``memory_model``); the floor (micro-batch as small as
+   the model runs, every block checkpointed) is checked first, so an
+   impossible budget fails in seconds with what would lower it.
+2. Speed: real timings on the device at a few micro-batch sizes per precision
+   (``cost_model``); with ``simulate``, FLOPs instead.
+3. Search: Optuna over precision x micro-batch (``search``); for each point an
+   exact knapsack picks the cheapest checkpoint set that fits.
+4. Verification: the best candidates are re-measured exactly with the
+   simulated meter (equal to the CPU meter) and then with real probes; only a
+   configuration whose measured peak plus headroom fits is ever emitted.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autofit.errors import UserError
+from autofit.memory_model import simulation_spec
+from autofit.plan_file import Plan
+from autofit.spec import ModelSpec
+from autofit.units import format_bytes, parse_budget
+from strategies import PRECISIONS
+
+SAFETY_MARGIN = 0.02
+"""Share of the budget kept free on every device: the meters are exact, the data may not be."""
+CUDA_FRAGMENTATION = 0.05
+"""Share of the allocator's peak kept for fragmentation growth over a long run on a GPU."""
+ESTIMATED_CUDA_FRAGMENTATION = 0.10
+ESTIMATED_CUDA_CONTEXT = 512 * 2**20
+"""CUDA context and library workspaces assumed when planning for a GPU that is not here."""
+MODEL_SLACK = 0.01
+"""The memory model may be this pessimistic; candidates within it are checked exactly rather than dropped."""
+VERIFY_TOP = 3
+"""Candidates verified with real probes."""
+VERIFY_WITHIN = 0.75
+"""Only candidates predicted at least this fraction of the best candidate's speed are worth a real probe."""
+NOISE = 0.03
+"""Measured speeds this close are a tie (timing noise); the simpler configuration wins a tie."""
+
+
+class InfeasibleBudget(UserError):
+    """The budget is below the floor: nothing can train in it."""
+
+    def __init__(self, message: str, *, floor_bytes: int, breakdown: dict[str, int]) -> None:
+        super().__init__(message)
+        self.floor_bytes = floor_bytes
+        self.breakdown = breakdown
+
+
+@dataclass(kw_only=True, slots=True)
+class Headroom:
+    """Bytes kept free beyond a measured peak, by cause (see README "plan.json")."""
+
+    device_type: str
+    estimated: bool
+    budget_bytes: int
+    context_bytes: int = 0
+    """On a GPU: what the process holds outside the allocator (measured, or assumed when estimated)."""
+
+    def for_peak(self, peak_bytes: float) -> dict[str, int]:
+        causes = {"safety_margin": math.ceil(SAFETY_MARGIN * self.budget_bytes)}
+        if self.device_type == "cuda":
+            fragmentation = ESTIMATED_CUDA_FRAGMENTATION if self.estimated else CUDA_FRAGMENTATION
+            causes = {"context": self.context_bytes, "fragmentation": math.ceil(fragmentation * peak_bytes), **causes}
+        return causes
+
+    def usable_bytes(self) -> float:
+        """The largest peak whose headroom still fits the budget."""
+        fixed = math.ceil(SAFETY_MARGIN * self.budget_bytes) + (self.context_bytes if self.device_type == "cuda" else 0)
+        fragmentation = 0.0
+        if self.device_type == "cuda":
+            fragmentation = ESTIMATED_CUDA_FRAGMENTATION if self.estimated else CUDA_FRAGMENTATION
+        # fragmentation is rounded up per peak: keep one byte spare for it
+        return (self.budget_bytes - fixed - 1) / (1 + fragmentation)
+
+    def fits(self, peak_bytes: float) -> bool:
+        return peak_bytes + sum(self.for_peak(peak_bytes).values()) <= self.budget_bytes
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    precision: str
+    micro_batch_size: int
+    checkpoint: tuple[str, ...] = ()
+
+    def key(self) -> str:
+        return f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
+
+
+@dataclass(kw_only=True)
+class PlanReport:
+    """What the summary shows beyond plan.json: how the plan was found."""
+
+    plan: Plan
+    floor_bytes: int = 0
+    floor_breakdown: dict[str, int] = field(default_factory=dict)
+    excluded_precisions: dict[str, str] = field(default_factory=dict)
+    """Precision -> why it was left out."""
+    precision_notes: dict[str, str] = field(default_factory=dict)
+    unconstrained: dict = field(default_factory=dict)
+    """The fastest configuration with no budget, and its measured speed."""
+    sampler: str = ""
+    evaluations: int = 0
+    simulated_checks: int = 0
+    real_probes: int = 0
+    resumed: bool = False
+    seconds: float = 0.0
+    rejected: list[dict] = field(default_factory=list)
+    """Candidates that failed verification, with why."""
+    cost_model: dict = field(default_factory=dict)
+    """The cost model the search used (``CostModel.from_dict`` reads it)."""
+
+
+def plan(
+    model: torch.nn.Module,
+    example_batch: Callable[[int], tuple],
+    *,
+    budget: str | int,
+    batch_size: int,
+    loss_fn: Callable | None = None,
+    optimizer: Callable | None = None,
+    device: str = "cpu",
+    simulate: bool = False,
+    device_memory: str | int | None = None,
+    study: str | None = None,
+    precisions: Sequence[str] | None = None,
+) -> Plan:
+    """Find the fastest way to train ``model`` inside ``budget``, verified by real probes.
+
+    Args:
+        model: the model; it is never modified (probes train copies).
+        example_batch: batch_size -> (inputs, targets), e.g. random tensors of the right shapes.
+        budget: "16GB", "16GiB", "512MiB", "90%" (of the device) or bytes.
+        batch_size: the global batch (samples per optimizer step); every plan keeps it.
+        loss_fn: (output, target) -> loss; default cross-entropy.
+        optimizer: params -> Optimizer; default AdamW(lr=1e-3).
+        device: "cpu" or "cuda".
+        simulate: plan with the simulated meter and FLOP-based speeds (marked estimated).
+        device_memory: the device's total memory when simulating a GPU that is not here.
+        study: an Optuna storage URL ("sqlite:///plans.db") to keep the search and resume it.
+        precisions: restrict the precisions searched (default: all the device runs).
+
+    Returns:
+        The Plan (``autofit.save_plan(plan, "plan.json")`` writes it).
+
+    Raises:
+        UserError: a bad argument, or a budget below the floor (the message gives the floor).
+
+    Example:
+        >>> plan = autofit.plan(model, lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
+        ...                     budget="2GB", batch_size=256)
+        >>> plan.micro_batch_size, plan.checkpoint, plan.precision
+    """
+    from autofit.spec import spec_from_model
+
+    spec = spec_from_model(model, example_batch, loss_fn=loss_fn, optimizer=optimizer)
+    return make_plan(
+        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate,
+        device_memory=device_memory, study=study, precisions=precisions,
+    )
+
+
+def make_plan(
+    spec: ModelSpec,
+    *,
+    budget: str | int,
+    batch_size: int,
+    device: str = "cpu",
+    simulate: bool = False,
+    device_memory: str | int | None = None,
+    study: str | None = None,
+    precisions: Sequence[str] | None = None,
+    num_classes: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Plan:
+    """Plan for a ModelSpec: see ``plan`` for the arguments; ``log`` receives progress lines."""
+    return plan_with_report(
+        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
+        study=study, precisions=precisions, num_classes=num_classes, log=log,
+    ).plan
+
+
+def plan_with_report(
+    spec: ModelSpec,
+    *,
+    budget: str | int,
+    batch_size: int,
+    device: str = "cpu",
+    simulate: bool = False,
+    device_memory: str | int | None = None,
+    study: str | None = None,
+    precisions: Sequence[str] | None = None,
+    num_classes: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> PlanReport:
+    """``make_plan``, also returning how the plan was found (for the CLI's summary)."""
+    return _Planner(
+        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate,
+        device_memory=device_memory, study=study, precisions=precisions, num_classes=num_classes, log=log,
+    ).run()
+
+
+class _Planner:
+    """One planning run; its steps read top to bottom in ``run``."""
+
+    def __init__(
+        self, spec: ModelSpec, *, budget, batch_size, device, simulate, device_memory, study, precisions, num_classes, log
+    ) -> None:
+        from autofit.meters import device_info
+
+        if device not in ("cpu", "cuda"):
+            raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
+        total = parse_budget(device_memory) if device_memory is not None else None
+        if device == "cuda" and not simulate and not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is visible; use --device cpu, or --simulate --device-memory 24GiB to plan for a GPU you do not have")
+        self.info = device_info(device, total_bytes=total)
+        self.spec = spec
+        self.sim_spec = simulation_spec(spec)
+        self.budget_bytes = parse_budget(budget, device_total_bytes=self.info.total_bytes)
+        self.global_batch_size = batch_size
+        self.device = device
+        self.simulate = simulate
+        self.study = study
+        self.num_classes = num_classes
+        self._started = time.perf_counter()
+        user_log = log or (lambda line: None)
+        self.log = lambda line: user_log(f"[{time.perf_counter() - self._started:5.1f} s] {line}")
+        self.precisions, self.excluded = _usable_precisions(device, simulate=simulate, wanted=precisions)
+        self.report = PlanReport(plan=None, excluded_precisions=self.excluded)  # type: ignore[arg-type]
+        # On a real GPU the context is measured by the first probe; until then it is assumed.
+        context = ESTIMATED_CUDA_CONTEXT if device == "cuda" else 0
+        self.headroom = Headroom(
+            device_type=device, estimated=simulate, budget_bytes=self.budget_bytes, context_bytes=context
+        )
+        self.exact_cache: dict[str, tuple[int, dict]] = {}
+        self.real_peak_cache: dict[str, tuple[int, dict, int]] = {}
+        self.measured: dict[str, dict] = {}
+
+    def run(self) -> PlanReport:
+        from autofit.cost_model import CostModel
+
+        start = time.perf_counter()
+        G = self.global_batch_size
+        self.log(f"planning {self.spec.source} for a batch of {G} within {format_bytes(self.budget_bytes)} on {self.device}")
+        self.study_name = self._study_name()
+        stored = self._stored("cost_model")
+        if stored is not None:
+            model = CostModel.from_dict(stored)
+            self.report.resumed = True
+            self.sizes = _micro_batch_sizes(G, smallest=model.precisions[self.precisions[0]].memory.low.micro_batch_size)
+            self.log("cost model loaded from the stored study")
+        else:
+            model = self._memory_model()
+        self.model = model
+        self._check_floor()
+        if stored is None:
+            self._speed_model()
+        self._verified = self._stored("verified") or {}
+        evaluations = self._search()
+        chosen = self._verify(evaluations)
+        unconstrained = self._unconstrained(evaluations, chosen)
+        self.report.plan = self._plan(chosen, evaluations, unconstrained)
+        self.report.cost_model = self.model.to_dict()
+        self.report.seconds = time.perf_counter() - start
+        self._store("verified", self._verified)
+        self.log(f"planned in {self.report.seconds:.1f} s")
+        return self.report
+
+    # -- 1. memory -----------------------------------------------------------------
+    def _memory_model(self):
+        from autofit.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+
+        G = self.global_batch_size
+        smallest, low_trace = self._smallest_runnable()
+        self.sizes = _micro_batch_sizes(G, smallest=smallest)
+        model = CostModel(blocks=low_trace.blocks, global_batch_size=G, device_type=self.device, estimated=self.simulate)
+        model.output_shape = low_trace.output_shape
+        self.log(f"memory: tracing {len(self.precisions)} precision(s) at micro-batch {smallest} and {G} (simulated)")
+        for precision in self.precisions:
+            reuse = low_trace if precision == self.precisions[0] else None
+            memory = memory_costs(self.sim_spec, precision=precision, low=smallest, high=G, device_type=self.device, low_trace=reuse)
+            empty = SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[1.0], block_seconds=[[]], optimizer_seconds=0.0)
+            model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=empty)
+        return model
+
+    def _smallest_runnable(self):
+        """The smallest micro-batch the model trains with (BatchNorm refuses 1 sample per channel)."""
+        from autofit.memory_model import trace_memory
+
+        errors = []
+        for size in _micro_batch_sizes(self.global_batch_size, smallest=1)[::-1]:
+            try:
+                trace = trace_memory(self.sim_spec, micro_batch_size=size, precision=self.precisions[0], device_type=self.device)
+            except Exception as error:  # the user's model refused this batch size
+                errors.append(f"micro-batch {size}: {type(error).__name__}: {error}")
+                continue
+            if errors:
+                self.log(f"the model does not train below micro-batch {size} ({errors[0]})")
+            return size, trace
+        raise UserError(f"the model fails to train even at micro-batch {self.global_batch_size}: {errors[-1]}; fix the model file or the batch size")
+
+    # -- floor -----------------------------------------------------------------------
+    def _check_floor(self) -> None:
+        """Fail early, with the floor and what would lower it, when nothing can fit."""
+        blocks = frozenset(range(len(self.model.blocks)))
+        smallest = self.sizes[-1]
+        options = []
+        for precision in self.precisions:
+            for checkpoint in (blocks, frozenset()):
+                options.append((self.model.peak_bytes(precision, smallest, checkpoint), precision, checkpoint))
+        _, precision, checkpoint = min(options, key=lambda option: option[0])
+        config = Config(precision=precision, micro_batch_size=smallest, checkpoint=tuple(self.model.blocks[b] for b in sorted(checkpoint)))
+        peak, breakdown = self._exact_peak(config)
+        if not self.simulate:
+            # The device's own meter has the last word (on a GPU it also measures the context).
+            real_peak, real_breakdown, context = self._real_peak(config)
+            if self.device == "cuda":
+                self.headroom.context_bytes = context
+            if real_peak >= peak:
+                peak, breakdown = real_peak, real_breakdown
+        headroom = self.headroom.for_peak(peak)
+        floor = _smallest_budget(peak, self.headroom)
+        self.floor_config = config
+        self.report.floor_bytes = floor
+        self.report.floor_breakdown = {**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in headroom.items()}}
+        if self.budget_bytes >= floor:
+            return
+        parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in breakdown.items() if v)
+        optimizer = self._optimizer_name()
+        state = breakdown.get("optimizer_state", 0)
+        what = f"micro-batch {smallest}, {precision}, " + ("every block checkpointed" if checkpoint else "no checkpointing")
+        message = (
+            f"budget {format_bytes(self.budget_bytes)} is below the floor {format_bytes(floor)} for a batch of "
+            f"{self.global_batch_size} ({what}: {parts} + headroom {format_bytes(sum(headroom.values()))}); "
+            f"to lower it use an optimizer with less state than {optimizer} ({format_bytes(state)} here; e.g. SGD "
+            f"without momentum keeps none) or more GPUs (sharding divides parameters, gradients and optimizer state)"
+        )
+        raise InfeasibleBudget(message, floor_bytes=floor, breakdown=self.report.floor_breakdown)
+
+    def _optimizer_name(self) -> str:
+        with torch.device("meta"):
+            try:
+                model = self.sim_spec.build_model()
+                return type(self.spec.build_optimizer(model.parameters())).__name__
+            except Exception:  # a model that cannot be built on meta: the name is cosmetic
+                return "the optimizer"
+
+    # -- 2. speed ----------------------------------------------------------------------
+    def _speed_model(self) -> None:
+        from autofit.cost_model import flop_speed_costs, time_precisions
+
+        sizes = _timing_sizes(self.sizes)
+        if self.simulate:
+            self.log(f"speed: estimating from FLOPs at micro-batch {', '.join(map(str, sizes))}")
+            speeds = flop_speed_costs(
+                self.sim_spec, precisions=self.precisions, sizes=sizes, device_type=self.device, device_name=self.info.name
+            )
+        else:
+            self.log(f"speed: timing {', '.join(self.precisions)} at micro-batch {', '.join(map(str, sizes))} on {self.device}")
+            speeds = time_precisions(self.spec, precisions=self.precisions, sizes=sizes, device=self.device)
+        for precision, speed in speeds.items():
+            self.model.precisions[precision].speed = speed
+            if speed.note:
+                self.report.precision_notes[precision] = speed.note
+        self._store("cost_model", self.model.to_dict())
+
+    # -- 3. search ---------------------------------------------------------------------
+    def _search(self):
+        from autofit.search import cheapest_checkpoint, search
+        from autofit.search import Evaluation
+
+        model, G = self.model, self.global_batch_size
+        limit = self.headroom.usable_bytes() / model.memory_scale
+
+        def evaluate(precision: str, micro_batch_size: int) -> Evaluation:
+            segments, drops = model.precisions[precision].memory.at(micro_batch_size, global_batch_size=G)
+            seconds = model.recompute_seconds(precision, micro_batch_size)
+            plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
+            plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
+            result = Evaluation(
+                precision=precision, micro_batch_size=micro_batch_size, grad_accum_steps=math.ceil(G / micro_batch_size),
+                plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
+            )
+            choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit * (1 + MODEL_SLACK))
+            if choice is not None:
+                result.fits = True
+                result.checkpoint = [model.blocks[b] for b in sorted(choice.blocks)]
+                result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks)
+                result.samples_per_s = model.samples_per_s(precision, micro_batch_size, choice.blocks)
+            return result
+
+        evaluations, sampler = search(
+            evaluate, precisions=self.precisions, micro_batch_sizes=self.sizes,
+            study_name=self.study_name, storage=self.study,
+        )
+        self.report.sampler = sampler
+        self.report.evaluations = len(evaluations)
+        fitting = sum(e.fits for e in evaluations)
+        self.log(f"search: {len(evaluations)} (precision, micro-batch) points by {sampler}, {fitting} fit the model's budget")
+        return evaluations
+
+    # -- 4. verification -----------------------------------------------------------------
+    def _verify(self, evaluations) -> dict:
+        """Exact memory for the best predicted candidates, then real probes; the fastest that fits wins."""
+        from autofit.search import cheapest_checkpoint
+
+        model, G = self.model, self.global_batch_size
+        # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
+        candidates = sorted(
+            (e for e in evaluations if e.fits), key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint))
+        )
+        accepted: list[tuple[Config, float, float, int, dict]] = []  # config, predicted speed, predicted peak, exact peak, breakdown
+        best_predicted = None
+        for evaluation in candidates:
+            if len(accepted) >= VERIFY_TOP:
+                break
+            if best_predicted is not None and evaluation.samples_per_s < VERIFY_WITHIN * best_predicted:
+                break
+            precision, size = evaluation.precision, evaluation.micro_batch_size
+            segments, drops = model.precisions[precision].memory.at(size, global_batch_size=G)
+            seconds = model.recompute_seconds(precision, size)
+            limit = self.headroom.usable_bytes() / model.memory_scale * (1 + MODEL_SLACK)
+            names = evaluation.checkpoint
+            for _attempt in range(4):
+                config = Config(precision=precision, micro_batch_size=size, checkpoint=tuple(names))
+                peak, breakdown = self._exact_peak(config)
+                if self.headroom.fits(peak * model.memory_scale):
+                    blocks = frozenset(model.blocks.index(n) for n in names)
+                    speed = model.samples_per_s(precision, size, blocks)
+                    accepted.append((config, speed, model.peak_bytes(precision, size, blocks), peak, breakdown))
+                    best_predicted = best_predicted or speed
+                    break
+                self.report.rejected.append({"config": config.key(), "why": f"simulated peak {format_bytes(peak)} does not fit"})
+                # The model was optimistic here: ask for less than it predicted for this set, by as much as it missed, and retry.
+                blocks = frozenset(model.blocks.index(n) for n in names)
+                overshoot = (peak * model.memory_scale + sum(self.headroom.for_peak(peak).values()) - self.budget_bytes) / model.memory_scale
+                limit = min(limit, model.peak_bytes(precision, size, blocks) / model.memory_scale) - overshoot - 1
+                choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
+                if choice is None:
+                    break
+                names = [model.blocks[b] for b in sorted(choice.blocks)]
+        if not any(c.key() == self.floor_config.key() for c, *_ in accepted):
+            # The floor configuration fits by construction: a plan exists even if every guess missed.
+            peak, breakdown = self._exact_peak(self.floor_config)
+            blocks = frozenset(model.blocks.index(n) for n in self.floor_config.checkpoint)
+            speed = model.samples_per_s(self.floor_config.precision, self.floor_config.micro_batch_size, blocks)
+            accepted.append((self.floor_config, speed, model.peak_bytes(self.floor_config.precision, self.floor_config.micro_batch_size, blocks), peak, breakdown))
+        self.log(f"verify: {len(accepted)} candidate(s) fit exactly (simulated meter)" + ("" if self.simulate else "; probing them for real"))
+        best, fitting = None, []
+        for config, predicted_speed, predicted_peak, exact_peak, breakdown in accepted:
+            result = {
+                "config": config, "predicted_samples_per_s": predicted_speed, "predicted_peak_bytes": predicted_peak,
+                "exact_peak_bytes": exact_peak, "breakdown": breakdown,
+            }
+            if self.simulate:
+                result.update(measured_peak_bytes=exact_peak, measured_samples_per_s=None, meter="simulated",
+                              headroom=self.headroom.for_peak(exact_peak))
+                if best is None:
+                    best = result
+                continue
+            if fitting and config is self.floor_config:
+                continue  # the fallback is not needed
+            measured = self._real_probe(config)
+            result.update(measured)
+            if not result["fits"]:
+                self.report.rejected.append({"config": config.key(), "why": f"measured peak {format_bytes(measured['measured_peak_bytes'])} + headroom does not fit"})
+                continue
+            fitting.append(result)
+        if fitting:
+            fastest = max(r["measured_samples_per_s"] for r in fitting)
+            ties = [r for r in fitting if r["measured_samples_per_s"] >= (1 - NOISE) * fastest]
+            best = min(ties, key=lambda r: _simplicity(r["config"], self.global_batch_size))
+        if best is None:
+            raise UserError(
+                f"no configuration was measured to fit {format_bytes(self.budget_bytes)} (the floor is "
+                f"{format_bytes(self.report.floor_bytes)}); raise the budget a little or lower --batch-size"
+            )
+        return best
+
+    def _exact_peak(self, config: Config) -> tuple[int, dict]:
+        """The simulated meter's peak of a configuration: equal to the CPU meter, no arithmetic.
+
+        Two micro-batches stand for all of them (later micro-steps repeat the
+        second), and the host's global batch is added for the samples not traced.
+        """
+        from autofit.probing import probe
+
+        key = config.key()
+        if key not in self.exact_cache:
+            G, m = self.global_batch_size, config.micro_batch_size
+            traced = min(G, 2 * m)
+            result = probe(
+                self.sim_spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
+                checkpoint=list(config.checkpoint), device=self.device, simulate=True, steps=2,
+            )
+            host = (G - traced) * self._host_sample_bytes()
+            breakdown = dict(result.breakdown)
+            breakdown["activations"] = breakdown.get("activations", 0) + host
+            self.exact_cache[key] = (result.peak_bytes + host, breakdown)
+            self.report.simulated_checks += 1
+        return self.exact_cache[key]
+
+    def _real_probe(self, config: Config) -> dict:
+        """Measure a configuration on the device (or reuse a stored measurement).
+
+        Memory: a real probe with the device's meter (two micro-batches stand
+        for all of them, as in ``_exact_peak``). Speed: plain training steps of
+        the whole global batch, timed without the meter's bookkeeping.
+        """
+        from autofit.cost_model import time_configuration
+        from autofit.probing import probe
+
+        key = config.key()
+        if key not in self._verified:
+            try:
+                peak, breakdown, context = self._real_peak(config)
+                speed = time_configuration(
+                    self.spec, precision=config.precision, micro_batch_size=config.micro_batch_size,
+                    global_batch_size=self.global_batch_size, checkpoint=list(config.checkpoint), device=self.device,
+                )
+            except torch.OutOfMemoryError:
+                _release(self.device)
+                self._verified[key] = {"measured_peak_bytes": None, "measured_samples_per_s": 0.0, "meter": self.device, "oom": True}
+            else:
+                self.report.real_probes += 1
+                self._verified[key] = {
+                    "measured_peak_bytes": peak, "measured_samples_per_s": speed,
+                    "meter": self.device, "breakdown": breakdown, "context_bytes": context,
+                }
+        measured = dict(self._verified[key])
+        if measured.get("oom"):
+            return {**measured, "fits": False, "headroom": {}}
+        if self.device == "cuda":
+            # The context is now measured: it replaces the assumption.
+            self.headroom.context_bytes = measured["context_bytes"]
+        headroom = self.headroom.for_peak(measured["measured_peak_bytes"])
+        measured.update(headroom=headroom, fits=self.headroom.fits(measured["measured_peak_bytes"]))
+        return measured
+
+    def _real_peak(self, config: Config) -> tuple[int, dict, int]:
+        """The device meter's peak of a configuration (less the GPU context), its breakdown, and the context."""
+        from autofit.probing import probe
+
+        key = config.key()
+        if key not in self.real_peak_cache:
+            G, m = self.global_batch_size, config.micro_batch_size
+            traced = min(G, 2 * m)
+            result = probe(
+                self.spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
+                checkpoint=list(config.checkpoint), device=self.device, steps=2,
+            )
+            breakdown = dict(result.breakdown)
+            context = breakdown.pop("context", 0) if self.device == "cuda" else 0
+            # The CPU meter counts the host's global batch too; the GPU meter does not see it.
+            host = 0 if self.device == "cuda" else (G - traced) * self._host_sample_bytes()
+            breakdown["activations"] = breakdown.get("activations", 0) + host
+            self.real_peak_cache[key] = (result.peak_bytes - context + host, breakdown, context)
+        return self.real_peak_cache[key]
+
+    def _host_sample_bytes(self) -> int:
+        return next(iter(self.model.precisions.values())).memory.high.host_sample_bytes
+
+    # -- unconstrained -------------------------------------------------------------------
+    def _unconstrained(self, evaluations, chosen: dict) -> dict:
+        """The fastest configuration with no budget (no checkpointing), measured for the speed ratio."""
+        best = max(evaluations, key=lambda e: (round(e.plain_samples_per_s, 6), -e.grad_accum_steps))
+        config = Config(precision=best.precision, micro_batch_size=best.micro_batch_size)
+        result = {
+            "precision": config.precision, "micro_batch_size": config.micro_batch_size,
+            "grad_accum_steps": best.grad_accum_steps, "checkpoint": [],
+            "predicted_peak_bytes": int(best.plain_peak_bytes), "predicted_samples_per_s": best.plain_samples_per_s,
+        }
+        if self.simulate:
+            result["peak_bytes"] = self._exact_peak(config)[0]
+            result["samples_per_s"] = None
+        elif config.key() == chosen["config"].key():
+            result["peak_bytes"] = chosen["measured_peak_bytes"]
+            result["samples_per_s"] = chosen["measured_samples_per_s"]
+        elif self.device == "cpu" or best.plain_peak_bytes < 0.9 * self.info.total_bytes:
+            measured = self._real_probe(config)
+            result["peak_bytes"] = measured["measured_peak_bytes"]
+            result["samples_per_s"] = measured["measured_samples_per_s"] or None
+        self.report.unconstrained = result
+        return result
+
+    # -- the plan ----------------------------------------------------------------------------
+    def _plan(self, chosen: dict, evaluations, unconstrained: dict) -> Plan:
+        import autofit
+
+        config: Config = chosen["config"]
+        G = self.global_batch_size
+        measured = {
+            "peak_bytes": int(chosen["measured_peak_bytes"]),
+            "samples_per_s": chosen["measured_samples_per_s"],
+            "meter": chosen["meter"],
+            "breakdown": chosen.get("breakdown", {}),
+        }
+        if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
+            measured["relative_to_unconstrained"] = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
+        return Plan(
+            created_by={"autofit": autofit.__version__, "torch": torch.__version__},
+            model=self._model_info(),
+            device={"type": self.info.type, "name": self.info.name, "total_bytes": self.info.total_bytes},
+            budget_bytes=self.budget_bytes,
+            budget_kind="cuda-process" if self.device == "cuda" else "cpu-tracked",
+            global_batch_size=G,
+            micro_batch_size=config.micro_batch_size,
+            grad_accum_steps=math.ceil(G / config.micro_batch_size),
+            precision=config.precision,
+            checkpoint=list(config.checkpoint),
+            estimated=self.simulate,
+            predicted={
+                "peak_bytes": int(chosen["predicted_peak_bytes"]),
+                "samples_per_s": chosen["predicted_samples_per_s"],
+            },
+            measured=measured,
+            headroom=chosen["headroom"],
+            alternatives=self._alternatives(evaluations, chosen, unconstrained),
+        )
+
+    def _alternatives(self, evaluations, chosen: dict, unconstrained: dict) -> list[dict]:
+        """The Pareto front (less memory, more samples/s) of every configuration the search scored."""
+        points = []
+        for e in evaluations:
+            points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, (), e.plain_peak_bytes, e.plain_samples_per_s))
+            if e.fits and e.checkpoint:
+                points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, tuple(e.checkpoint), e.peak_bytes, e.samples_per_s))
+        points.sort(key=lambda p: (p[4], -p[5]))
+        front, best_speed = [], -1.0
+        for point in points:
+            if point[5] > best_speed:
+                front.append(point)
+                best_speed = point[5]
+        config: Config = chosen["config"]
+        if not any(Config(precision=p[0], micro_batch_size=p[1], checkpoint=p[3]).key() == config.key() for p in front):
+            # Chosen by measurement though the model ranked it lower: list it with the front.
+            front.append((config.precision, config.micro_batch_size, math.ceil(self.global_batch_size / config.micro_batch_size),
+                          tuple(config.checkpoint), chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
+            front.sort(key=lambda p: (p[4], -p[5]))
+        alternatives = []
+        for precision, size, steps, checkpoint, peak, speed in front:
+            config = Config(precision=precision, micro_batch_size=size, checkpoint=checkpoint)
+            entry = {
+                "precision": precision, "micro_batch_size": size, "grad_accum_steps": steps, "checkpoint": list(checkpoint),
+                "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
+                "fits_budget": self.headroom.fits(peak * self.model.memory_scale),
+                "chosen": config.key() == chosen["config"].key(),
+            }
+            stored = self._verified.get(config.key())
+            if stored and not self.simulate and not stored.get("oom"):
+                entry["measured_peak_bytes"] = stored["measured_peak_bytes"]
+                entry["measured_samples_per_s"] = stored["measured_samples_per_s"]
+            alternatives.append(entry)
+        return alternatives
+
+    def _model_info(self) -> dict:
+        from autofit.spec import model_fingerprint
+
+        with torch.device("meta"):
+            model = self.sim_spec.build_model()
+        num_classes = self.num_classes
+        output = self.model.output_shape
+        if num_classes is None and len(output) == 2:
+            num_classes = output[-1]
+        return {
+            "source": self.spec.source,
+            "fingerprint": model_fingerprint(model),
+            "parameter_count": sum(p.numel() for p in model.parameters()),
+            "input_shape": list(self.spec.input_shape) if self.spec.input_shape else None,
+            "num_classes": num_classes,
+        }
+
+    # -- study storage -------------------------------------------------------------------------
+    def _study_name(self) -> str:
+        from autofit.spec import model_fingerprint
+
+        with torch.device("meta"):
+            fingerprint = model_fingerprint(self.sim_spec.build_model())
+        kind = "simulated" if self.simulate else "measured"
+        self._study_prefix = f"autofit:{fingerprint}:{self.device}:{kind}:batch{self.global_batch_size}:{','.join(self.precisions)}:"
+        return f"{self._study_prefix}budget{self.budget_bytes}"
+
+    def _stored(self, key: str):
+        from autofit.search import stored_attribute
+
+        return stored_attribute(self.study, prefix=self._study_prefix, key=key)
+
+    def _store(self, key: str, value) -> None:
+        if self.study is None:
+            return
+        from autofit.search import open_study
+
+        open_study(self.study_name, storage=self.study).set_user_attr(key, value)
+
+
+def _simplicity(config: Config, global_batch_size: int) -> tuple:
+    """Order for ties: fewer micro-steps, fewer checkpointed blocks, fp32 before autocast."""
+    return (math.ceil(global_batch_size / config.micro_batch_size), len(config.checkpoint), PRECISIONS.index(config.precision))
+
+
+def _usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The precisions to search, and why any were left out."""
+    wanted = list(wanted) if wanted else list(PRECISIONS)
+    unknown = [p for p in wanted if p not in PRECISIONS]
+    if unknown:
+        raise UserError(f"precision {unknown[0]!r} is unknown; choose from {', '.join(PRECISIONS)}")
+    excluded = {p: "not asked for (--precisions)" for p in PRECISIONS if p not in wanted}
+    if device == "cuda" and torch.cuda.is_available() and not simulate:
+        if "bf16" in wanted and not torch.cuda.is_bf16_supported():
+            major, minor = torch.cuda.get_device_capability()
+            excluded["bf16"] = f"this GPU (compute capability {major}.{minor}) does not support bf16"
+            wanted.remove("bf16")
+    if not wanted:
+        raise UserError("no precision is left to search; allow fp32 with --precisions fp32")
+    return wanted, excluded
+
+
+def _micro_batch_sizes(global_batch_size: int, *, smallest: int) -> list[int]:
+    """Micro-batch sizes searched, largest first: the smallest size for each k in 1, 2, 3, 4, 6, 8, 12, ...
+
+    For a given number of micro-steps k, ceil(G / k) is the smallest micro-batch
+    (least memory) with that many steps, so no other size is worth searching.
+    """
+    steps = {1}
+    power = 1
+    while power <= global_batch_size:
+        steps.update({power, 3 * power // 2 if power > 1 else 1})
+        power *= 2
+    steps.add(global_batch_size)
+    sizes = {math.ceil(global_batch_size / k) for k in steps if k <= global_batch_size}
+    sizes.add(smallest)
+    return sorted((s for s in sizes if s >= smallest), reverse=True)
+
+
+def _timing_sizes(sizes: list[int]) -> list[int]:
+    """A few sizes to time, spread geometrically (about x4 apart) from the largest to the smallest."""
+    chosen = [sizes[0]]
+    for size in sizes[1:]:
+        if size * 4 <= chosen[-1] * 1.01:
+            chosen.append(size)
+    if chosen[-1] != sizes[-1]:
+        chosen.append(sizes[-1])
+    return sorted(chosen)
+
+
+def _smallest_budget(peak_bytes: float, headroom: Headroom) -> int:
+    """The least budget B whose headroom leaves room for this peak."""
+    fragmentation = 0.0
+    fixed = headroom.context_bytes if headroom.device_type == "cuda" else 0
+    if headroom.device_type == "cuda":
+        fragmentation = ESTIMATED_CUDA_FRAGMENTATION if headroom.estimated else CUDA_FRAGMENTATION
+    need = peak_bytes + math.ceil(fragmentation * peak_bytes) + fixed
+    budget = math.ceil(need / (1 - SAFETY_MARGIN))
+    probe = Headroom(device_type=headroom.device_type, estimated=headroom.estimated, budget_bytes=budget, context_bytes=headroom.context_bytes)
+    while not probe.fits(peak_bytes):
+        budget += 1 + budget // 10**6
+        probe.budget_bytes = budget
+    return budget
+
+
+def _release(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def print_progress(line: str) -> None:
+    """A log function for the CLI: progress on stderr, so --json keeps stdout clean."""
+    print(f"  {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,270 @@
+"""The planner's search: checkpoint sets by exact knapsack, the rest by Optuna.
+
+For one precision and micro-batch size, which blocks to checkpoint is a
+covering knapsack: drop enough bytes at every point of the step for the peak
+to fit, at the least recompute time. Its constraints come from the memory
+model's segments; in the usual case (blocks run forward in order and backward
+in reverse) every segment's droppable blocks are a prefix of the block list,
+and a dynamic programme over blocks with Pareto-pruned states (bytes dropped
+so far, seconds spent) solves it exactly for any number of blocks.
+
+Precision x micro-batch size is the outer space, searched by Optuna: brute
+force when it is small, TPE when it is not, in a study that can live in a
+database and resume.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from autofit.errors import UserError
+from autofit.memory_model import Segment
+
+BRUTE_FORCE_LIMIT = 256
+"""Outer spaces up to this many (precision, micro-batch) points are enumerated; larger ones use TPE."""
+TPE_TRIALS = 96
+ENUMERATE_LIMIT = 16
+"""Blocks up to which a checkpoint problem of unusual shape is solved by enumerating every set."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointChoice:
+    blocks: frozenset[int]
+    peak_bytes: float
+    recompute_seconds: float
+
+
+def peak_of(segments: list[Segment], drops: list[float], checkpoint: frozenset[int] | set[int]) -> float:
+    """The model's peak bytes when ``checkpoint`` blocks are checkpointed."""
+    return max(
+        (
+            s.peak_bytes - sum(drops[b] for b in s.dropped if b in checkpoint)
+            for s in segments
+            if s.recomputes is None or s.recomputes in checkpoint
+        ),
+        default=0.0,
+    )
+
+
+def cheapest_checkpoint(
+    segments: list[Segment], drops: list[float], seconds: list[float], *, limit_bytes: float
+) -> CheckpointChoice | None:
+    """The checkpoint set with the least recompute time whose peak is at most ``limit_bytes``.
+
+    Args:
+        segments: the memory model's segments at this precision and micro-batch size.
+        drops: bytes each block's checkpointing frees.
+        seconds: recompute seconds each block costs per optimizer step.
+        limit_bytes: the peak allowed.
+
+    Returns:
+        The choice, or None when even checkpointing every block does not fit.
+    """
+    n = len(drops)
+    if _prefix_shaped(segments, n):
+        blocks = _prefix_knapsack(segments, drops, seconds, limit_bytes=limit_bytes)
+    elif n <= ENUMERATE_LIMIT:
+        blocks = _enumerate(segments, drops, seconds, limit_bytes=limit_bytes)
+    else:
+        blocks = _greedy(segments, drops, seconds, limit_bytes=limit_bytes)
+    if blocks is None:
+        return None
+    return CheckpointChoice(
+        blocks=blocks, peak_bytes=peak_of(segments, drops, blocks), recompute_seconds=sum(seconds[b] for b in blocks)
+    )
+
+
+def _prefix_shaped(segments: list[Segment], n: int) -> bool:
+    for s in segments:
+        expected = list(range(s.recomputes if s.recomputes is not None else len(s.dropped)))
+        if s.dropped != expected:
+            return False
+    return True
+
+
+def _prefix_knapsack(segments, drops, seconds, *, limit_bytes: float) -> frozenset[int] | None:
+    """Exact: blocks in forward order; states (bytes dropped so far, seconds, set), Pareto-pruned.
+
+    Segment constraints: a segment whose droppable blocks are 0..j-1 needs the
+    chosen ones among them to drop at least (its bytes - limit). A block's
+    recompute segment exists only when it is chosen, so it is checked when the
+    block is taken, against what the blocks before it drop.
+    """
+    n = len(drops)
+    need = [-np.inf] * (n + 1)
+    recompute = [-np.inf] * n
+    for s in segments:
+        if s.recomputes is None:
+            need[len(s.dropped)] = max(need[len(s.dropped)], s.peak_bytes - limit_bytes)
+        else:
+            recompute[s.recomputes] = max(recompute[s.recomputes], s.peak_bytes - limit_bytes)
+    if need[0] > 0:
+        return None
+    states: list[tuple[float, float, frozenset[int]]] = [(0.0, 0.0, frozenset())]
+    for block in range(n):
+        grown = list(states)
+        for dropped, cost, chosen in states:
+            if recompute[block] <= dropped:
+                grown.append((dropped + drops[block], cost + seconds[block], chosen | {block}))
+        grown = [state for state in grown if state[0] >= need[block + 1]]
+        if not grown:
+            return None
+        # Keep a state only if no other drops at least as much for no more time.
+        grown.sort(key=lambda state: (-state[0], state[1]))
+        states, best_cost = [], np.inf
+        for state in grown:
+            if state[1] < best_cost:
+                states.append(state)
+                best_cost = state[1]
+    return min(states, key=lambda state: (state[1], -state[0]))[2]
+
+
+def _enumerate(segments, drops, seconds, *, limit_bytes: float) -> frozenset[int] | None:
+    """Exact for any shape: every subset, vectorised (at most 2^16 of them)."""
+    n = len(drops)
+    masks = np.arange(2**n, dtype=np.int64)
+    bits = ((masks[:, None] >> np.arange(n)) & 1).astype(np.float64)  # (2^n, n)
+    drops_ = np.asarray(drops, dtype=np.float64)
+    peak = np.full(2**n, -np.inf)
+    for s in segments:
+        dropped = np.zeros(n)
+        dropped[s.dropped] = drops_[s.dropped]
+        value = s.peak_bytes - bits @ dropped
+        if s.recomputes is not None:
+            value = np.where(bits[:, s.recomputes] > 0, value, -np.inf)
+        peak = np.maximum(peak, value)
+    cost = bits @ np.asarray(seconds, dtype=np.float64)
+    cost = np.where(peak <= limit_bytes, cost, np.inf)
+    best = int(np.argmin(cost))
+    if not np.isfinite(cost[best]):
+        return None
+    return frozenset(b for b in range(n) if best >> b & 1)
+
+
+def _greedy(segments, drops, seconds, *, limit_bytes: float) -> frozenset[int] | None:
+    """Many blocks of unusual shape: add the most bytes per second until it fits, then drop what is not needed."""
+    order = sorted(range(len(drops)), key=lambda b: -drops[b] / max(seconds[b], 1e-12))
+    chosen: set[int] = set()
+    for block in order:
+        if peak_of(segments, drops, chosen) <= limit_bytes:
+            break
+        chosen.add(block)
+    if peak_of(segments, drops, chosen) > limit_bytes:
+        return None
+    for block in sorted(chosen, key=lambda b: -seconds[b]):
+        if peak_of(segments, drops, chosen - {block}) <= limit_bytes:
+            chosen.discard(block)
+    return frozenset(chosen)
+
+
+@dataclass(kw_only=True, slots=True)
+class Evaluation:
+    """One point of the outer search, as the cost model sees it."""
+
+    precision: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    checkpoint: list[str] = field(default_factory=list)
+    fits: bool = False
+    peak_bytes: float = 0.0
+    samples_per_s: float = 0.0
+    plain_peak_bytes: float = 0.0
+    """Peak without checkpointing."""
+    plain_samples_per_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def search(
+    evaluate: Callable[[str, int], Evaluation],
+    *,
+    precisions: list[str],
+    micro_batch_sizes: list[int],
+    study_name: str,
+    storage: str | None = None,
+    attributes: dict | None = None,
+) -> tuple[list[Evaluation], str]:
+    """Evaluate the (precision, micro-batch) space with Optuna.
+
+    Args:
+        evaluate: (precision, micro_batch_size) -> Evaluation from the cost model.
+        precisions, micro_batch_sizes: the space.
+        study_name: the study's name (in storage, one per model/device/batch/budget).
+        storage: an Optuna storage URL such as "sqlite:///plans.db"; None keeps it in memory.
+        attributes: study attributes to store (e.g. the cost model), set once.
+
+    Returns:
+        Every evaluation in the study (also those of an earlier, resumed run) and the sampler's name.
+    """
+    import warnings
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    size = len(precisions) * len(micro_batch_sizes)
+    if size <= BRUTE_FORCE_LIMIT:
+        sampler, sampler_name = optuna.samplers.BruteForceSampler(seed=0), "brute force"
+    else:
+        sampler, sampler_name = optuna.samplers.TPESampler(seed=0), "TPE"
+    study = open_study(study_name, storage=storage, sampler=sampler)
+    for key, value in (attributes or {}).items():
+        if key not in study.user_attrs:
+            study.set_user_attr(key, value)
+
+    def objective(trial) -> float:
+        precision = trial.suggest_categorical("precision", precisions)
+        micro_batch_size = trial.suggest_categorical("micro_batch_size", micro_batch_sizes)
+        result = evaluate(precision, micro_batch_size)
+        trial.set_user_attr("evaluation", result.to_dict())
+        return result.samples_per_s if result.fits else 0.0
+
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and "evaluation" in t.user_attrs]
+    wanted = size if size <= BRUTE_FORCE_LIMIT else min(size, TPE_TRIALS)
+    remaining = max(wanted - len(done), 0)
+    if remaining:
+        study.optimize(objective, n_trials=remaining)
+    evaluations, seen = [], set()
+    for trial in study.trials:
+        data = trial.user_attrs.get("evaluation")
+        if trial.state != optuna.trial.TrialState.COMPLETE or data is None:
+            continue
+        key = (data["precision"], data["micro_batch_size"])
+        if key in seen or data["precision"] not in precisions or data["micro_batch_size"] not in micro_batch_sizes:
+            continue
+        seen.add(key)
+        evaluations.append(Evaluation(**data))
+    return evaluations, sampler_name
+
+
+def open_study(study_name: str, *, storage: str | None, sampler=None):
+    """Create or load a study; a bad storage URL is a one-line error."""
+    import optuna
+
+    try:
+        return optuna.create_study(
+            study_name=study_name, storage=storage, direction="maximize", sampler=sampler, load_if_exists=True
+        )
+    except Exception as error:  # SQLAlchemy/Optuna raise many types for an unusable URL
+        raise UserError(
+            f"--study {storage!r} cannot be opened ({type(error).__name__}: {error}); use e.g. sqlite:///plans.db"
+        ) from error
+
+
+def stored_attribute(storage: str | None, *, prefix: str, key: str):
+    """An attribute of any stored study whose name starts with ``prefix`` (e.g. a cost model to reuse)."""
+    if storage is None:
+        return None
+    import optuna
+
+    try:
+        summaries = optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
+    except Exception:  # an empty or new database
+        return None
+    for summary in summaries:
+        if summary.study_name.startswith(prefix) and key in summary.user_attrs:
+            return summary.user_attrs[key]
+    return None

@@ -1,0 +1,162 @@
+"""Budgets: what parses, what is refused with one line, and what the planner does at the edges."""
+import pytest
+
+from autofit.errors import UserError
+from autofit.units import parse_budget
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(3, 8), Block(8, 16), Block(16, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(dim=(2, 3)))
+
+def build_model():
+    return Net()
+
+def example_batch(n):
+    return torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n,))
+'''
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: planning stays quick while other processes share the cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "tiny_cnn.py"
+    path.write_text(MODEL_FILE)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("16GB", 16 * 10**9),
+        ("16GiB", 16 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", int(1.5 * 2**30)),
+        (" 2 kb ", 2000),
+        ("123456", 123456),
+        (123456, 123456),
+    ],
+)
+def test_good_budgets(text, expected):
+    assert parse_budget(text) == expected
+
+
+def test_percent_of_the_device():
+    assert parse_budget("90%", device_total_bytes=10**9) == 9 * 10**8
+    assert parse_budget("100%", device_total_bytes=1234) == 1234
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("abc", "is not a memory size"),
+        ("0", "must be more than 0 bytes"),
+        ("-1GB", "is not a memory size"),
+        ("16 parsecs", "unknown unit 'parsecs'"),
+        ("", "is not a memory size"),
+        ("0.0001B", "must be more than 0 bytes"),
+        ("150%", "percentage in (0, 100]"),
+        ("GB", "is not a memory size"),
+    ],
+)
+def test_bad_budgets_name_the_value(text, message):
+    with pytest.raises(UserError) as error:
+        parse_budget(text, device_total_bytes=10**9)
+    assert message in str(error.value)
+    assert repr(text) in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_percent_needs_the_device_total():
+    with pytest.raises(UserError, match="device's total memory is unknown"):
+        parse_budget("90%")
+
+
+@pytest.mark.parametrize("budget", ["abc", "0", "-1GB", "16 parsecs"])
+def test_cli_refuses_bad_budgets_in_one_line(run_cli, model_file, budget):
+    code, out, err = run_cli("plan", model_file, "--budget", budget, "--batch-size", "8")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autofit: error: budget") and repr(budget) in lines[0]
+
+
+def test_cli_refuses_bad_batch_and_device(run_cli, model_file):
+    code, _, err = run_cli("plan", model_file, "--budget", "1GB", "--batch-size", "0")
+    assert code == 2 and "--batch-size 0" in err
+    code, _, err = run_cli("plan", model_file, "--budget", "1GB", "--batch-size", "8", "--device", "tpu")
+    assert code == 2 and "--device 'tpu'" in err
+    code, _, err = run_cli("plan", model_file, "--budget", "1GB", "--batch-size", "8", "--precisions", "fp8")
+    assert code == 2 and "precision 'fp8' is unknown" in err
+
+
+def test_percent_budget_plans_against_the_machine(model_file, tmp_path):
+    from autofit.meters import device_info
+    from autofit.planner import make_plan
+    from autofit.spec import load_spec
+
+    plan = make_plan(load_spec(str(model_file)), budget="90%", batch_size=4, precisions=["fp32"])
+    assert plan.budget_bytes == int(device_info("cpu").total_bytes * 0.9)
+    assert plan.device["total_bytes"] == device_info("cpu").total_bytes
+
+
+def test_infeasible_budget_gives_the_floor_and_the_way_out(run_cli, model_file):
+    code, out, err = run_cli("plan", model_file, "--budget", "1000", "--batch-size", "8", "--precisions", "fp32", "--quiet")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("autofit: error: budget 1000 B is below the floor")
+    assert "parameters" in line and "gradients" in line and "optimizer state" in line and "activations" in line
+    assert "micro-batch 1" in line and "checkpoint" in line
+    assert "SGD" in line and "more GPUs" in line and "AdamW" in line
+    # with progress lines on, the error is still one line, the last
+    code, _, err = run_cli("plan", model_file, "--budget", "1000", "--batch-size", "8", "--precisions", "fp32")
+    assert code == 2 and err.strip().splitlines()[-1] == line
+
+
+def test_the_floor_is_a_budget_that_works(model_file):
+    """The floor message's number is honest: planning at exactly the floor succeeds and fits."""
+    from autofit.planner import InfeasibleBudget, make_plan
+    from autofit.probing import probe
+    from autofit.spec import load_spec
+
+    spec = load_spec(str(model_file))
+    with pytest.raises(InfeasibleBudget) as error:
+        make_plan(spec, budget=1000, batch_size=8, precisions=["fp32"])
+    floor = error.value.floor_bytes
+    breakdown = error.value.breakdown
+    assert floor > breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+    plan = make_plan(spec, budget=floor, batch_size=8, precisions=["fp32"])
+    again = probe(
+        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=8, precision=plan.precision, checkpoint=plan.checkpoint
+    )
+    assert again.peak_bytes + sum(plan.headroom.values()) <= floor
+    with pytest.raises(InfeasibleBudget):
+        make_plan(spec, budget=floor - 1, batch_size=8, precisions=["fp32"])

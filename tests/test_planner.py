@@ -1,0 +1,362 @@
+"""The planner: plans are measured to fit, generous budgets stay plain, tight ones trade, the search is exact."""
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from autofit.errors import UserError
+from autofit.memory_model import Segment
+from autofit.plan_file import load_plan
+from autofit.planner import InfeasibleBudget, _micro_batch_sizes, _usable_precisions, make_plan, plan_with_report
+from autofit.probing import probe
+from autofit.search import _enumerate, _prefix_knapsack, cheapest_checkpoint, peak_of
+from autofit.spec import ModelSpec, default_optimizer
+from tests.models import transformer_spec
+
+
+class Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.norm = nn.BatchNorm2d(c_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        return torch.relu(self.norm(self.conv(x)))
+
+
+class UnevenNet(nn.Module):
+    """Blocks of very different widths: checkpointing some saves far more than others."""
+
+    def __init__(self, widths=(8, 24, 4, 32, 6)) -> None:
+        super().__init__()
+        channels = [3, *widths]
+        self.blocks = nn.Sequential(*[Block(a, b) for a, b in zip(channels, channels[1:])])
+        self.head = nn.Linear(widths[-1], 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean(dim=(2, 3)))
+
+
+def uneven_spec() -> ModelSpec:
+    return ModelSpec(
+        source="tests:UnevenNet",
+        build_model=UnevenNet,
+        example_batch=lambda n: (torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))),
+        loss_fn=nn.functional.cross_entropy,
+        build_optimizer=default_optimizer,
+        input_shape=(3, 12, 12),
+    )
+
+
+SPECS = {"uneven": uneven_spec, "transformer": lambda: transformer_spec("mha")}
+BATCH = {"uneven": 16, "transformer": 8}
+POSITIONS = (0.0, 0.35, 0.7)
+"""Budgets between each model's floor (0) and its plain full-batch peak (1)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: timings stay meaningful while other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def remeasure(spec, plan):
+    """The plan's settings, probed again from scratch (as `autofit probe` does)."""
+    return probe(
+        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
+        precision=plan.precision, checkpoint=plan.checkpoint,
+    )
+
+
+@pytest.fixture(scope="module")
+def floors(one_thread):
+    """Each model's floor (from the planner's refusal) and its plain full-batch peak."""
+    found = {}
+    for name, make in SPECS.items():
+        with pytest.raises(InfeasibleBudget) as error:
+            make_plan(make(), budget=1000, batch_size=BATCH[name], precisions=["fp32"])
+        plain = probe(make(), micro_batch_size=BATCH[name], global_batch_size=BATCH[name])
+        found[name] = (error.value.floor_bytes, plain.peak_bytes)
+    return found
+
+
+@pytest.fixture(scope="module")
+def planned(floors):
+    """Plans for each model at budgets from the floor towards the plain peak."""
+    plans = {}
+    for name in SPECS:
+        floor, plain_peak = floors[name]
+        for position in POSITIONS:
+            budget = int(floor + position * (plain_peak - floor))
+            plans[name, position] = make_plan(SPECS[name](), budget=budget, batch_size=BATCH[name], precisions=["fp32"])
+    return plans
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("position", POSITIONS)
+def test_plans_fit_when_measured_again(name, position, planned):
+    plan = planned[name, position]
+    again = remeasure(SPECS[name](), plan)
+    assert again.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert again.peak_bytes == plan.measured["peak_bytes"]  # the cpu meter is deterministic
+    assert plan.global_batch_size == BATCH[name]
+    assert plan.micro_batch_size * plan.grad_accum_steps >= plan.global_batch_size
+    assert plan.micro_batch_size * (plan.grad_accum_steps - 1) < plan.global_batch_size
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_tight_budget_trades_memory(name, planned, floors):
+    _, plain_peak = floors[name]
+    plan = planned[name, 0.35]
+    assert plan.checkpoint or plan.micro_batch_size < BATCH[name]
+    assert plan.measured["peak_bytes"] < plain_peak
+
+
+def test_generous_budget_is_plain_training():
+    spec = uneven_spec()
+    plan = make_plan(spec, budget="1GB", batch_size=16, precisions=["fp32"])
+    assert plan.checkpoint == []
+    assert plan.grad_accum_steps == 1 and plan.micro_batch_size == 16
+    assert plan.measured["relative_to_unconstrained"] == pytest.approx(1.0)
+
+
+def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
+    out = tmp_path / "plan.json"
+    model = str(tmp_path / "model.py")
+    (tmp_path / "model.py").write_text(MODEL_FILE)
+    code, stdout, err = run_cli("plan", model, "--budget", "3MB", "--batch-size", "16", "--precisions", "fp32,bf16", "--out", out, "--json", "-q")
+    assert code == 0, err
+    printed = json.loads(stdout)
+    plan = load_plan(out)
+    assert printed == plan.to_dict()
+    assert plan.schema_version == 1
+    assert set(plan.created_by) == {"autofit", "torch"}
+    assert plan.model["source"] == model and len(plan.model["fingerprint"]) == 16
+    assert plan.model["parameter_count"] > 0 and plan.model["input_shape"] == [3, 12, 12] and plan.model["num_classes"] == 10
+    assert plan.device["type"] == "cpu" and plan.device["total_bytes"] > 0 and plan.device["name"]
+    assert plan.budget_bytes == 3 * 10**6 and plan.budget_kind == "cpu-tracked" and plan.estimated is False
+    assert plan.precision in ("fp32", "bf16")
+    assert set(plan.predicted) >= {"peak_bytes", "samples_per_s"} and set(plan.measured) >= {"peak_bytes", "samples_per_s", "meter"}
+    assert plan.measured["meter"] == "cpu" and plan.measured["samples_per_s"] > 0
+    assert plan.headroom["safety_margin"] > 0
+    assert sum(a["chosen"] for a in plan.alternatives) == 1
+    front = [a for a in plan.alternatives if not a["chosen"]]
+    peaks = [a["predicted_peak_bytes"] for a in front]
+    speeds = [a["predicted_samples_per_s"] for a in front]
+    assert len(front) >= 2 and peaks == sorted(peaks) and speeds == sorted(speeds)  # a Pareto front
+    # `autofit probe` with the plan's settings measures the same peak (16 = m x k here or the check is skipped)
+    if plan.micro_batch_size * plan.grad_accum_steps == 16:
+        code, stdout, err = run_cli(
+            "probe", model, "-m", plan.micro_batch_size, "-k", plan.grad_accum_steps, "--precision", plan.precision,
+            "--checkpoint", ",".join(plan.checkpoint) or "none", "--json",
+        )
+        assert code == 0, err
+        assert json.loads(stdout)["peak_bytes"] + sum(plan.headroom.values()) <= plan.budget_bytes
+
+
+def test_cli_summary(run_cli, tmp_path):
+    (tmp_path / "model.py").write_text(MODEL_FILE)
+    code, stdout, err = run_cli("plan", tmp_path / "model.py", "--budget", "3MB", "--batch-size", "16", "--precisions", "fp32", "--out", tmp_path / "p.json")
+    assert code == 0, err
+    for text in ("chosen", "peak", "safety margin", "of 2.86 MiB", "samples/s measured", "unconstrained configuration", "Pareto front", "real probes"):
+        assert text in stdout, text
+    assert "planning" in err  # progress goes to stderr
+
+
+def test_simulated_plan_is_marked_estimated(tmp_path):
+    plan = make_plan(uneven_spec(), budget="3MB", batch_size=16, simulate=True)
+    assert plan.estimated is True
+    assert plan.measured["meter"] == "simulated" and plan.measured["samples_per_s"] is None
+    assert plan.predicted["samples_per_s"] > 0
+    # on the CPU the simulated meter matches the cpu meter (to a few hundred bytes under autocast): it fits for real too
+    again = remeasure(uneven_spec(), plan)
+    assert again.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert abs(again.peak_bytes - plan.measured["peak_bytes"]) <= 0.001 * again.peak_bytes
+
+
+def test_simulated_gpu_plan_without_a_gpu():
+    plan = make_plan(uneven_spec(), budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="1GiB")
+    assert plan.device == {"type": "cuda", "name": "simulated cuda", "total_bytes": 2**30}
+    assert plan.budget_bytes == int(0.9 * 2**30) and plan.budget_kind == "cuda-process" and plan.estimated
+    assert set(plan.headroom) == {"context", "fragmentation", "safety_margin"} and plan.headroom["context"] > 0
+
+
+def test_all_precisions_are_measured_not_assumed():
+    """fp16 on a CPU is slow; the planner finds out by timing it, and never picks it here."""
+    report = plan_with_report(uneven_spec(), budget="1GB", batch_size=16)
+    assert report.plan.precision in ("fp32", "bf16")
+    speeds = {p: c.speed for p, c in report_model(report).precisions.items()}
+    assert set(speeds) == {"fp32", "bf16", "fp16"}
+    assert all(s.step_seconds[0] > 0 for s in speeds.values())
+
+
+def report_model(report):
+    from autofit.cost_model import CostModel
+
+    return CostModel.from_dict(report.cost_model)
+
+
+def test_study_resumes(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'plans.db'}"
+    first = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"], study=storage)
+    second = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"], study=storage)
+    assert not first.resumed and second.resumed
+    assert second.real_probes == 0  # measurements come from the study
+    assert second.plan.micro_batch_size == first.plan.micro_batch_size and second.plan.checkpoint == first.plan.checkpoint
+    other_budget = plan_with_report(uneven_spec(), budget="2MB", batch_size=16, precisions=["fp32"], study=storage)
+    assert other_budget.resumed  # the cost model is shared across budgets
+    import optuna
+
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage=storage)]
+    assert len(names) == 2
+
+
+def test_bad_study_url_is_one_line():
+    with pytest.raises(UserError, match="--study 'nope://x' cannot be opened"):
+        make_plan(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32"], study="nope://x")
+
+
+def test_python_api_leaves_the_model_alone():
+    import autofit
+
+    model = UnevenNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = autofit.plan(
+        model, lambda n: (torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))), budget="1GB", batch_size=8,
+        precisions=["fp32"],
+    )
+    assert plan.global_batch_size == 8 and plan.model["source"] == "python:UnevenNet"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_bf16_left_out_on_a_gpu_without_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
+    kept, excluded = _usable_precisions("cuda", simulate=False, wanted=None)
+    assert kept == ["fp32", "fp16"]
+    assert "compute capability 7.5" in excluded["bf16"]
+
+
+def test_micro_batch_sizes_cover_each_step_count_once():
+    sizes = _micro_batch_sizes(256, smallest=2)
+    assert sizes[0] == 256 and sizes[-1] == 2 and sizes == sorted(set(sizes), reverse=True)
+    assert {128, 86, 64, 43, 32} <= set(sizes)
+    assert _micro_batch_sizes(1, smallest=1) == [1]
+
+
+def random_problem(rng: random.Random, n: int, shaped: bool):
+    drops = [rng.randint(0, 100) for _ in range(n)]
+    seconds = [rng.uniform(0.1, 2.0) for _ in range(n)]
+    segments = []
+    for j in range(n + 1):
+        for _ in range(2):
+            dropped = list(range(j)) if shaped else sorted(rng.sample(range(n), rng.randint(0, n)))
+            segments.append(Segment(peak_bytes=rng.randint(200, 600), dropped=dropped, phase="first"))
+    for b in range(n):
+        dropped = list(range(b)) if shaped else sorted(rng.sample(range(n), rng.randint(0, n)))
+        segments.append(Segment(peak_bytes=rng.randint(200, 600), dropped=dropped, phase="first", recomputes=b))
+    return segments, drops, seconds
+
+
+def brute_force(segments, drops, seconds, limit):
+    best = None
+    for r in range(len(drops) + 1):
+        for chosen in itertools.combinations(range(len(drops)), r):
+            chosen = frozenset(chosen)
+            if peak_of(segments, drops, chosen) <= limit:
+                cost = sum(seconds[b] for b in chosen)
+                if best is None or cost < best:
+                    best = cost
+    return best
+
+
+@pytest.mark.parametrize("shaped", [True, False])
+def test_checkpoint_knapsack_is_exact(shaped):
+    rng = random.Random(7)
+    for _ in range(60):
+        n = rng.randint(1, 7)
+        segments, drops, seconds = random_problem(rng, n, shaped)
+        limit = rng.randint(150, 600)
+        expected = brute_force(segments, drops, seconds, limit)
+        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
+        if expected is None:
+            assert choice is None
+        else:
+            assert choice is not None and choice.peak_bytes <= limit
+            assert choice.recompute_seconds == pytest.approx(expected)
+        if shaped:  # both exact solvers agree
+            a, b = _prefix_knapsack(segments, drops, seconds, limit_bytes=limit), _enumerate(segments, drops, seconds, limit_bytes=limit)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert sum(seconds[i] for i in a) == pytest.approx(sum(seconds[i] for i in b))
+
+
+def test_prefix_knapsack_scales_to_many_blocks():
+    rng = random.Random(3)
+    segments, drops, seconds = random_problem(rng, 48, True)
+    choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=400)
+    assert choice is None or choice.peak_bytes <= 400
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_memory_model_matches_the_meter(name):
+    """The trace model against the exact simulated meter on random configurations."""
+    from autofit.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+
+    spec = SPECS[name]()
+    G = BATCH[name]
+    memory = memory_costs(spec, precision="fp32", low=1, high=G, device_type="cpu")
+    blocks = memory.low.blocks
+    model = CostModel(blocks=blocks, global_batch_size=G, device_type="cpu", estimated=False)
+    model.precisions["fp32"] = PrecisionCosts(
+        precision="fp32", memory=memory,
+        speed=SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[1.0], block_seconds=[[]], optimizer_seconds=0.0),
+    )
+    rng = random.Random(0)
+    for m in (1, G // 4, G // 2, G):
+        chosen = {b for b in range(len(blocks)) if rng.random() < 0.5}
+        exact = probe(spec, micro_batch_size=m, global_batch_size=G, checkpoint=[blocks[b] for b in sorted(chosen)], simulate=True, steps=2)
+        predicted = model.peak_bytes("fp32", m, chosen)
+        assert abs(predicted - exact.peak_bytes) <= 0.001 * exact.peak_bytes, (m, chosen)
+
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+INPUT_SHAPE = (3, 12, 12)
+
+
+class Block(nn.Module):
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(3, 16), Block(16, 32), Block(32, 8))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(dim=(2, 3)))
+
+
+def build_model():
+    return Net()
+
+
+def example_batch(n):
+    return torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))
+'''
