@@ -24,7 +24,7 @@ def _root() -> None:
     """Fit PyTorch training into a memory budget: probe, plan, train."""
 
 
-COMMAND_MODULES = ("probe", "train", "val", "plot", "compare", "export")
+COMMAND_MODULES = ("probe", "plan", "train", "val", "plot", "compare", "export")
 """Modules under autofit/commands/ that register their command on ``app``."""
 
 for _name in COMMAND_MODULES:
