@@ -110,7 +110,10 @@ class PlanReport:
     sampler: str = ""
     evaluations: int = 0
     simulated_checks: int = 0
+    memory_probes: int = 0
+    """Real probes of a configuration's peak (on its meter)."""
     real_probes: int = 0
+    """Configurations timed for real."""
     resumed: bool = False
     seconds: float = 0.0
     rejected: list[dict] = field(default_factory=list)
@@ -244,6 +247,7 @@ class _Planner:
         )
         self.exact_cache: dict[str, tuple[int, dict]] = {}
         self.real_peak_cache: dict[str, tuple[int, dict, int]] = {}
+        self.measured_context = 0
         self.measured: dict[str, dict] = {}
 
     def run(self) -> PlanReport:
@@ -320,14 +324,7 @@ class _Planner:
                 options.append((self.model.peak_bytes(precision, smallest, checkpoint), precision, checkpoint))
         _, precision, checkpoint = min(options, key=lambda option: option[0])
         config = Config(precision=precision, micro_batch_size=smallest, checkpoint=tuple(self.model.blocks[b] for b in sorted(checkpoint)))
-        peak, breakdown = self._exact_peak(config)
-        if not self.simulate:
-            # The device's own meter has the last word (on a GPU it also measures the context).
-            real_peak, real_breakdown, context = self._real_peak(config)
-            if self.device == "cuda":
-                self.headroom.context_bytes = context
-            if real_peak >= peak:
-                peak, breakdown = real_peak, real_breakdown
+        peak, breakdown = self._checked_peak(config)
         headroom = self.headroom.for_peak(peak)
         floor = _smallest_budget(peak, self.headroom)
         self.floor_config = config
@@ -429,33 +426,44 @@ class _Planner:
             precision, size = evaluation.precision, evaluation.micro_batch_size
             segments, drops = model.precisions[precision].memory.at(size, global_batch_size=G)
             seconds = model.recompute_seconds(precision, size)
+            # Limits below are in the model's own (unscaled) bytes.
             limit = self.headroom.usable_bytes() / model.memory_scale * (1 + MODEL_SLACK)
             names = evaluation.checkpoint
             for _attempt in range(4):
+                blocks = frozenset(model.blocks.index(n) for n in names)
+                raw = model.peak_bytes(precision, size, blocks) / model.memory_scale
+                if raw > limit:  # the scale learnt from an earlier measurement rules this set out
+                    choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
+                    if choice is None:
+                        break
+                    names, blocks = [model.blocks[b] for b in sorted(choice.blocks)], choice.blocks
+                    raw = model.peak_bytes(precision, size, blocks) / model.memory_scale
                 config = Config(precision=precision, micro_batch_size=size, checkpoint=tuple(names))
-                peak, breakdown = self._exact_peak(config)
-                if self.headroom.fits(peak * model.memory_scale):
-                    blocks = frozenset(model.blocks.index(n) for n in names)
+                peak, breakdown = self._checked_peak(config)
+                if self.device == "cuda" and not self.simulate and raw > 0:
+                    # The simulated bytes miss the allocator's rounding and cache: learn by how much.
+                    model.memory_scale = max(model.memory_scale, peak / raw)
+                if self.headroom.fits(peak):
                     speed = model.samples_per_s(precision, size, blocks)
                     accepted.append((config, speed, model.peak_bytes(precision, size, blocks), peak, breakdown))
                     best_predicted = best_predicted or speed
                     break
-                self.report.rejected.append({"config": config.key(), "why": f"simulated peak {format_bytes(peak)} does not fit"})
+                self.report.rejected.append({"config": config.key(), "why": f"measured peak {format_bytes(peak)} does not fit"})
                 # The model was optimistic here: ask for less than it predicted for this set, by as much as it missed, and retry.
-                blocks = frozenset(model.blocks.index(n) for n in names)
-                overshoot = (peak * model.memory_scale + sum(self.headroom.for_peak(peak).values()) - self.budget_bytes) / model.memory_scale
-                limit = min(limit, model.peak_bytes(precision, size, blocks) / model.memory_scale) - overshoot - 1
+                overshoot = (peak + sum(self.headroom.for_peak(peak).values()) - self.budget_bytes) / model.memory_scale
+                limit = min(limit, self.headroom.usable_bytes() / model.memory_scale, raw) - overshoot - 1
                 choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
                 if choice is None:
                     break
                 names = [model.blocks[b] for b in sorted(choice.blocks)]
         if not any(c.key() == self.floor_config.key() for c, *_ in accepted):
             # The floor configuration fits by construction: a plan exists even if every guess missed.
-            peak, breakdown = self._exact_peak(self.floor_config)
+            peak, breakdown = self._checked_peak(self.floor_config)
             blocks = frozenset(model.blocks.index(n) for n in self.floor_config.checkpoint)
             speed = model.samples_per_s(self.floor_config.precision, self.floor_config.micro_batch_size, blocks)
             accepted.append((self.floor_config, speed, model.peak_bytes(self.floor_config.precision, self.floor_config.micro_batch_size, blocks), peak, breakdown))
-        self.log(f"verify: {len(accepted)} candidate(s) fit exactly (simulated meter)" + ("" if self.simulate else "; probing them for real"))
+        meter = "simulated meter" if self.simulate else f"{self.device} meter"
+        self.log(f"verify: {len(accepted)} candidate(s) measured to fit ({meter})" + ("" if self.simulate else "; timing them"))
         best, fitting = None, []
         for config, predicted_speed, predicted_peak, exact_peak, breakdown in accepted:
             result = {
@@ -486,6 +494,13 @@ class _Planner:
                 f"{format_bytes(self.report.floor_bytes)}); raise the budget a little or lower --batch-size"
             )
         return best
+
+    def _checked_peak(self, config: Config) -> tuple[int, dict]:
+        """A configuration's peak by the meter that has the last word: the device's, or the simulated one when simulating."""
+        if self.simulate:
+            return self._exact_peak(config)
+        peak, breakdown, _ = self._real_peak(config)
+        return peak, breakdown
 
     def _exact_peak(self, config: Config) -> tuple[int, dict]:
         """The simulated meter's peak of a configuration: equal to the CPU meter, no arithmetic.
@@ -540,9 +555,6 @@ class _Planner:
         measured = dict(self._verified[key])
         if measured.get("oom"):
             return {**measured, "fits": False, "headroom": {}}
-        if self.device == "cuda":
-            # The context is now measured: it replaces the assumption.
-            self.headroom.context_bytes = measured["context_bytes"]
         headroom = self.headroom.for_peak(measured["measured_peak_bytes"])
         measured.update(headroom=headroom, fits=self.headroom.fits(measured["measured_peak_bytes"]))
         return measured
@@ -555,16 +567,27 @@ class _Planner:
         if key not in self.real_peak_cache:
             G, m = self.global_batch_size, config.micro_batch_size
             traced = min(G, 2 * m)
-            result = probe(
-                self.spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
-                checkpoint=list(config.checkpoint), device=self.device, steps=2,
-            )
+            try:
+                result = probe(
+                    self.spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
+                    checkpoint=list(config.checkpoint), device=self.device, steps=2,
+                )
+            except torch.OutOfMemoryError:
+                _release(self.device)
+                self.report.rejected.append({"config": key, "why": "out of memory on the device"})
+                self.real_peak_cache[key] = (self.info.total_bytes, {}, 0)
+                return self.real_peak_cache[key]
             breakdown = dict(result.breakdown)
             context = breakdown.pop("context", 0) if self.device == "cuda" else 0
             # The CPU meter counts the host's global batch too; the GPU meter does not see it.
             host = 0 if self.device == "cuda" else (G - traced) * self._host_sample_bytes()
             breakdown["activations"] = breakdown.get("activations", 0) + host
             self.real_peak_cache[key] = (result.peak_bytes - context + host, breakdown, context)
+            self.report.memory_probes += 1
+            if self.device == "cuda":
+                # The context is measured now: the largest seen replaces the assumption.
+                self.measured_context = max(self.measured_context, context)
+                self.headroom.context_bytes = self.measured_context
         return self.real_peak_cache[key]
 
     def _host_sample_bytes(self) -> int:
@@ -604,6 +627,10 @@ class _Planner:
             "samples_per_s": chosen["measured_samples_per_s"],
             "meter": chosen["meter"],
             "breakdown": chosen.get("breakdown", {}),
+        }
+        measured["unconstrained"] = {
+            key: unconstrained.get(key)
+            for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "samples_per_s")
         }
         if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
             measured["relative_to_unconstrained"] = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]

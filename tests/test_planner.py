@@ -14,7 +14,7 @@ from autofit.planner import InfeasibleBudget, _micro_batch_sizes, _usable_precis
 from autofit.probing import probe
 from autofit.search import _enumerate, _prefix_knapsack, cheapest_checkpoint, peak_of
 from autofit.spec import ModelSpec, default_optimizer
-from tests.models import transformer_spec
+from tests.models import transformer_module
 
 
 class Block(nn.Module):
@@ -51,7 +51,20 @@ def uneven_spec() -> ModelSpec:
     )
 
 
-SPECS = {"uneven": uneven_spec, "transformer": lambda: transformer_spec("mha")}
+def small_transformer_spec() -> ModelSpec:
+    """examples/tiny_transformer.py, made smaller still (3 layers, 16 tokens, width 64)."""
+    module = transformer_module("mha")
+    module.SEQ_LEN, module.D_MODEL = 16, 64
+    return ModelSpec(
+        source="tiny_transformer[small]",
+        build_model=lambda: module.TinyTransformer("mha"),
+        example_batch=module.example_batch,
+        loss_fn=nn.functional.cross_entropy,
+        build_optimizer=default_optimizer,
+    )
+
+
+SPECS = {"uneven": uneven_spec, "transformer": small_transformer_spec}
 BATCH = {"uneven": 16, "transformer": 8}
 POSITIONS = (0.0, 0.35, 0.7)
 """Budgets between each model's floor (0) and its plain full-batch peak (1)."""
@@ -164,7 +177,7 @@ def test_cli_summary(run_cli, tmp_path):
     (tmp_path / "model.py").write_text(MODEL_FILE)
     code, stdout, err = run_cli("plan", tmp_path / "model.py", "--budget", "3MB", "--batch-size", "16", "--precisions", "fp32", "--out", tmp_path / "p.json")
     assert code == 0, err
-    for text in ("chosen", "peak", "safety margin", "of 2.86 MiB", "samples/s measured", "unconstrained configuration", "Pareto front", "real probes"):
+    for text in ("chosen", "peak", "safety margin", "of 2.86 MiB", "samples/s measured", "unconstrained configuration", "Pareto front", "memory probes"):
         assert text in stdout, text
     assert "planning" in err  # progress goes to stderr
 

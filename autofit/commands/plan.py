@@ -104,7 +104,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     where = f"wrote {path}; " if path else ""
     lines.append(
         f"  {where}planned in {report.seconds:.1f} s: {report.evaluations} points by {report.sampler}, "
-        f"{report.simulated_checks} simulated checks, {report.real_probes} real probes"
+        f"{report.simulated_checks} simulated checks, {report.memory_probes} memory probes, {report.real_probes} timed"
         + (" (resumed from the stored study)" if report.resumed else "")
     )
     return lines
