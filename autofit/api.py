@@ -76,6 +76,10 @@ def fit(
         max_steps: stop (after saving last.pt) after this many optimizer steps.
         verbose: progress bar and a line per epoch.
 
+    A plan for several processes trains when this is called in every process
+    of ``torchrun --nproc-per-node N your_script.py``; the process group stays
+    joined afterwards (``autofit.distributed.cleanup()`` leaves it).
+
     Returns:
         A ``FitResult``: ``.plan``, ``.history``, ``.best_path``.
 
@@ -87,6 +91,7 @@ def fit(
         >>> result.history[-1]["val_accuracy"], result.best_path
     """
     from autofit.data import datasets_data, image_folder_data, input_shape_from
+    from autofit.distributed import init_distributed, same_on_all_ranks
     from autofit.loop import TrainSettings, default_log_dir, train
     from autofit.spec import default_optimizer, model_fingerprint, spec_from_model
 
@@ -122,9 +127,12 @@ def fit(
         "input_shape": "x".join(map(str, shape)) if shape else None,
         "num_classes": len(data.classes) if data.classes else plan.model.get("num_classes"),
     }
+    if plan.sharding != "none":
+        # Under torchrun: join the processes now, so that all write to rank 0's default log dir.
+        init_distributed(device_type=plan.device.get("type") or "cpu")
     settings = TrainSettings(
-        epochs=epochs, log_dir=Path(log_dir) if log_dir else default_log_dir(), lr=lr, resume=resume, seed=seed,
-        num_workers=num_workers, max_steps=max_steps, verbose=verbose,
+        epochs=epochs, log_dir=Path(log_dir) if log_dir else same_on_all_ranks(default_log_dir()), lr=lr, resume=resume,
+        seed=seed, num_workers=num_workers, max_steps=max_steps, verbose=verbose,
     )
     result = train(
         model, plan=plan, data=data, loss_fn=loss_fn or nn.functional.cross_entropy,

@@ -38,6 +38,7 @@ Example (run with ``torchrun --nproc-per-node 2 script.py``)::
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 import weakref
@@ -177,7 +178,7 @@ def cleanup() -> None:
 
 def torchrun_command(*, world_size: int, args: list[str]) -> str:
     """The command line that starts ``autofit ARGS`` on ``world_size`` processes of this machine."""
-    return " ".join(["torchrun", f"--nproc-per-node {world_size}", "-m autofit", *args])
+    return " ".join(["torchrun", f"--nproc-per-node {world_size}", "-m autofit", *map(shlex.quote, args)])
 
 
 def check_launch(config: DistributedConfig, *, args: list[str] | None = None) -> None:
@@ -220,6 +221,41 @@ def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
     summed = value.detach().clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # gloo has no AVG
     return summed / dist.get_world_size()
+
+
+def sum_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The sum of ``value`` over the ranks (a collective; ``value`` itself on one process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    summed = value.detach().clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed
+
+
+def same_on_all_ranks(value):
+    """Rank 0's ``value`` on every rank (a collective; ``value`` itself on one process), e.g. a folder name made from the time."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def any_rank(flag: bool, *, device: torch.device | str) -> bool:
+    """True when ``flag`` is set on any rank (a collective on several processes), so that all stop together.
+
+    Args:
+        device: this rank's device (NCCL reduces tensors on the GPU only).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    return bool(sum_across_ranks(torch.tensor([float(flag)], device=device)).item() > 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,6 +340,9 @@ def shard_model(
     from torch.distributed.fsdp import fully_shard
 
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
+    # Each rank keeps its slice of its own tensors: they must start equal, as
+    # DDP makes them by broadcasting from rank 0 (a model built without a seed differs per rank).
+    _broadcast_from_rank0(model, group=mesh.get_group())
     policy = mixed_precision_policy(precision)
     names = fsdp_units(model) if units is None else list(units)
     modules = dict(model.named_modules())
@@ -316,6 +355,16 @@ def shard_model(
         fully_shard(modules[name], mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module, *, group) -> None:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "fake":  # the simulation: no data to send
+        return
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -505,14 +554,20 @@ _EXTRA_FILE = "extra.pt"
 
 
 def save_sharded_checkpoint(
-    directory: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None
+    directory: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict | None = None,
+    rank_extra: dict | None = None,
 ) -> Path:
     """Save model and optimizer with ``torch.distributed.checkpoint`` (a collective: every rank calls it).
 
     Each rank writes its own shards (FSDP) or rank 0 the replicated tensors
-    (DDP). ``extra`` (rank 0's: position, scheduler, scaler, RNG ...) goes to
-    ``extra.pt``. The save goes to a sibling folder that replaces
-    ``directory`` only when complete: a crash leaves the previous save.
+    (DDP). ``extra`` (rank 0's: position, scheduler, scaler ...) goes to
+    ``extra.pt``; ``rank_extra`` (what differs per rank, e.g. its RNG state)
+    to ``rank<N>.pt`` from each rank. The save goes to a sibling folder that
+    replaces ``directory`` only when complete: a crash leaves the previous save.
 
     Returns:
         ``directory``.
@@ -526,6 +581,10 @@ def save_sharded_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     barrier()
+    if rank_extra is not None:
+        # Written before dcp.save, whose last collective every rank joins after this:
+        # rank 0 renames the folder only once every rank's file is in it.
+        torch.save(rank_extra, partial / _rank_file(_rank()))
     model_state, optimizer_state = get_state_dict(unwrap_model(model), optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
     if is_rank0():
@@ -564,6 +623,30 @@ def load_sharded_checkpoint(directory: str | Path, *, model: nn.Module, optimize
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return torch.load(directory / _EXTRA_FILE, map_location="cpu", weights_only=False)
+
+
+def load_rank_extra(directory: str | Path) -> dict:
+    """This rank's ``rank_extra`` from a ``save_sharded_checkpoint`` folder.
+
+    Raises:
+        UserError: the save holds none for this rank (it was made by fewer ranks, or without one).
+    """
+    path = Path(directory) / _rank_file(_rank())
+    if not path.is_file():
+        raise UserError(
+            f"{directory} holds no state for rank {_rank()} ({path.name}); resume with as many processes as the run that saved it"
+        )
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

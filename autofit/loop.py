@@ -10,6 +10,13 @@ Files in the log dir: ``metrics.jsonl`` (one JSON object per line, kind
 "step", "epoch" or "oom"), TensorBoard event files, ``plan.json`` (the plan
 this run trains with, rewritten when it changes), ``last.pt`` (everything
 ``--resume`` needs) and ``best.pt`` (best validation accuracy so far).
+
+A plan for several processes runs this same loop in each process torchrun
+starts: ``apply_plan`` shards the model and gives each rank its share of every
+global batch; the logged loss is the mean over the ranks; only rank 0 writes
+the log files and prints; the model and optimizer are saved by every rank
+with torch.distributed.checkpoint into ``last_sharded/`` (what ``--resume``
+reads), and rank 0 writes last.pt and best.pt with whole weights.
 """
 from __future__ import annotations
 
@@ -34,6 +41,18 @@ from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
 from autofit.data import TrainData, epoch_order, make_loader
+from autofit.distributed import (
+    any_rank,
+    full_model_state_dict,
+    is_rank0,
+    load_rank_extra,
+    load_sharded_checkpoint,
+    mean_across_ranks,
+    micro_batch_count,
+    rank_slice,
+    save_sharded_checkpoint,
+    sum_across_ranks,
+)
 from autofit.errors import UserError
 from autofit.plan_file import Plan, plan_from_dict, save_plan
 from autofit.spec import model_fingerprint
@@ -149,13 +168,15 @@ def train(
         TrainingInterrupted: Ctrl-C; last.pt was saved first.
     """
     log_dir = settings.log_dir
-    last_path, best_path = log_dir / "last.pt", log_dir / "best.pt"
+    last_path = log_dir / "last.pt"
     _check_classes(plan, data)
+    fingerprint = model_fingerprint(model)
     saved = _load_resume_state(last_path, model) if settings.resume else _check_fresh(last_path)
     if saved is not None:
         plan = plan_from_dict(saved["plan"], where=f"the plan saved in {last_path}")
     applied = apply_plan(model, plan)
     model = applied.model
+    files = checkpoint_files(log_dir, world_size=applied.env.world_size)
     optimizer = build_optimizer(model.parameters())
     for group in optimizer.param_groups:
         group["lr"] = settings.lr or group["lr"]
@@ -163,30 +184,31 @@ def train(
     steps_per_epoch = math.ceil(len(data.train) / global_batch_size)
     scheduler = cosine_schedule(optimizer, total_steps=steps_per_epoch * settings.epochs)
     position, history, best_score = Position(), [], None
-    torch.manual_seed(settings.seed)
+    # Each rank draws its own dropout masks; rank 0 (the only one on one device) those of the seed.
+    torch.manual_seed(settings.seed + applied.env.rank)
     if saved is not None:
-        position, history, best_score = _restore(saved, model=model, optimizer=optimizer, applied=applied, scheduler=scheduler)
-    save_plan(plan, log_dir / "plan.json")
+        training = files.restore(saved, model=model, optimizer=optimizer)
+        position, history, best_score = _restore(training, applied=applied, scheduler=scheduler)
+    # Rank 0 writes the log and prints; other ranks get a log that writes nothing and a quiet console.
+    writes_log = applied.env.rank == 0
     gauge = memory_gauge(applied.device)
-    log = RunLog(log_dir, keep_until_step=position.global_step, keep_until_epoch=position.epoch)
-    console, progress = _console_and_progress(verbose=settings.verbose, budget_bytes=plan.budget_bytes)
+    log = open_run_log(log_dir, keep_until_step=position.global_step, keep_until_epoch=position.epoch, writes=writes_log)
+    log.save_plan(plan)
+    console, progress = _console_and_progress(verbose=settings.verbose and writes_log, budget_bytes=plan.budget_bytes)
     console.print(_header(plan, data, applied, gauge, log_dir), markup=False, highlight=False)
     if saved is not None:
         console.print(f"resuming from {last_path}: epoch {position.epoch + 1}, after step {position.global_step}", markup=False, highlight=False)
 
     def checkpoint() -> dict:
-        """Everything last.pt holds; built at the moment it is saved."""
+        """What last.pt holds besides weights, optimizer and RNG state (``files`` adds those); built when saved."""
         return {
             "model_source": model_source,
-            "fingerprint": model_fingerprint(model),
+            "fingerprint": fingerprint,
             "classes": data.classes,
-            "model_state": model.state_dict(),
             "plan": plan.to_dict(),
             "training": {
-                "optimizer": optimizer.state_dict(),
                 "scaler": applied.scaler.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "rng": _rng_state(),
                 "position": asdict(position),
                 "history": history,
                 "best_score": best_score,
@@ -211,7 +233,7 @@ def train(
             for inputs, targets in loader:
                 batch_size = len(targets)
                 result, ooms = _train_global_batch(model, inputs, targets, applied=applied, loss_fn=loss_fn, optimizer=optimizer)
-                loss = result.loss.item()  # waits for the device: the step is done
+                loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
                 lr = optimizer.param_groups[0]["lr"]
                 if result.stepped:  # a step fp16's scaler skipped does not advance the schedule
                     scheduler.step()
@@ -241,15 +263,16 @@ def train(
                         f"{position.global_step}, precision {plan.precision}); re-plan with bf16 or fp32 precision, "
                         f"or lower --lr (last.pt keeps the last good save)"
                     )
-                if interrupt.is_set() or position.global_step == settings.max_steps:
-                    save_checkpoint(last_path, checkpoint())
+                interrupted = any_rank(interrupt.is_set(), device=applied.device)  # every rank stops at the same step
+                if interrupted or position.global_step == settings.max_steps:
+                    files.save_last(checkpoint(), model=model, optimizer=optimizer)
                     log.flush()
-                    if interrupt.is_set():
+                    if interrupted:
                         raise TrainingInterrupted(last_path=last_path, epoch=epoch + 1, step=position.global_step)
-                    return TrainResult(plan=plan, history=history, best_path=_existing(best_path), last_path=last_path,
+                    return TrainResult(plan=plan, history=history, best_path=_existing(files.best_path), last_path=last_path,
                                        log_dir=log_dir, finished=False)
                 if settings.save_every_steps and position.global_step % settings.save_every_steps == 0:
-                    save_checkpoint(last_path, checkpoint())
+                    files.save_last(checkpoint(), model=model, optimizer=optimizer)
                     last_time = time.perf_counter()  # the pause for saving is not training time
 
             val_loss, val_accuracy = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
@@ -268,26 +291,25 @@ def train(
             score = _score(record)
             improved = best_score is None or score > best_score
             best_score = score if improved else best_score
-            saved_now = checkpoint()
-            save_checkpoint(last_path, saved_now)
+            saved_now = files.save_last(checkpoint(), model=model, optimizer=optimizer)
             if improved:
                 # best.pt is for using the weights: no optimizer state, no RNG.
-                save_checkpoint(best_path, {**saved_now, "training": {"epoch": epoch + 1, "metrics": record}})
-            if interrupt.is_set():  # Ctrl-C during validation
+                files.save_best({**saved_now, "training": {"epoch": epoch + 1, "metrics": record}})
+            if any_rank(interrupt.is_set(), device=applied.device):  # Ctrl-C during validation
                 raise TrainingInterrupted(last_path=last_path, epoch=epoch + 1, step=position.global_step)
 
     best = max(history, key=_score) if history else None
     if best is not None:
-        console.print(_final_line(best, best_path), markup=False, highlight=False)
-    return TrainResult(plan=plan, history=history, best_path=_existing(best_path), last_path=last_path,
+        console.print(_final_line(best, files.best_path), markup=False, highlight=False)
+    return TrainResult(plan=plan, history=history, best_path=_existing(files.best_path), last_path=last_path,
                        log_dir=log_dir, finished=True)
 
 
-def _record_oom(oom: dict, *, plan: Plan, log: RunLog, console, epoch: int, step: int) -> None:
+def _record_oom(oom: dict, *, plan: Plan, log: RunLog | SilentRunLog, console, epoch: int, step: int) -> None:
     """Keep the run's plan true to what it trains with (plan.json now, last.pt at its next save), and say so."""
     plan.micro_batch_size, plan.grad_accum_steps = oom["micro_batch_size"], oom["grad_accum_steps"]
     plan.history.append({**oom, "epoch": epoch, "step": step})
-    save_plan(plan, log.log_dir / "plan.json")
+    log.save_plan(plan)
     log.write({"kind": "oom", "epoch": epoch, "step": step, **oom})
     console.print(
         f"out of memory at micro-batch {oom['previous_micro_batch_size']}: now {oom['micro_batch_size']} "
@@ -345,25 +367,47 @@ def is_out_of_memory(error: BaseException) -> bool:
 def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> tuple[float | None, float | None]:
     """Mean loss and accuracy over ``dataset`` in micro-batches (None, None without a dataset).
 
+    On several processes each rank evaluates its contiguous share and the sums
+    are added over the ranks. Every rank runs as many forwards (FSDP gathers
+    parameters in each, a collective): a rank one batch short runs one on a
+    sample it does not count.
+
     Accuracy is None unless the output is (B, classes) and the targets (B,) labels.
     """
     if dataset is None:
         return None, None
     model.eval()
-    loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(len(dataset)), num_workers=num_workers)
+    env = applied.env
+    share = rank_slice(len(dataset), rank=env.rank, world_size=env.world_size)
+    batches = micro_batch_count(len(dataset), world_size=env.world_size, micro_batch_size=applied.micro_batch_size)
+    loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers)
     loss_sum, correct, count, classified = 0.0, 0, 0, True
-    for inputs, targets in loader:
+    for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset):
         inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
         with applied.autocast():
             output = model(inputs)
             loss = loss_fn(output, targets).float()
-        loss_sum += loss.item() * len(targets)
-        count += len(targets)
+        loss_sum += loss.item() * len(targets) * counted
+        count += len(targets) * counted
         classified = classified and output.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
         if classified:
-            correct += (output.argmax(dim=1) == targets).sum().item()
+            correct += (output.argmax(dim=1) == targets).sum().item() * counted
     model.train()
+    totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=applied.device)
+    loss_sum, correct, count = sum_across_ranks(totals).tolist()
     return loss_sum / count, (correct / count if classified else None)
+
+
+def _padded_batches(loader, *, batches: int, dataset):
+    """Yield (inputs, targets, 1) per batch of ``loader``, then (the dataset's first sample, 0) up to ``batches``."""
+    done = 0
+    for inputs, targets in loader:
+        yield inputs, targets, 1
+        done += 1
+    if done < batches:
+        inputs, targets = torch.utils.data.default_collate([dataset[0]])
+        for _ in range(batches - done):
+            yield inputs, targets, 0
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -418,6 +462,10 @@ class RunLog:
     def write(self, record: dict) -> None:
         self.metrics.write(json.dumps(record) + "\n")
 
+    def save_plan(self, plan: Plan) -> None:
+        """plan.json: the plan this run trains with."""
+        save_plan(plan, self.log_dir / "plan.json")
+
     def flush(self) -> None:
         """Everything logged so far is on disk when this returns."""
         self.metrics.flush()
@@ -461,6 +509,106 @@ class RunLog:
         self._tensorboard_thread.join()
         if self.tensorboard_error is not None:
             print(f"autofit: TensorBoard events were not all written ({self.tensorboard_error!r}); metrics.jsonl is complete", file=sys.stderr)
+
+
+class SilentRunLog:
+    """``RunLog``'s interface, writing nothing: the log of a rank other than 0 (rank 0 logs the run)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+
+    def step(self, record: dict) -> None:
+        pass
+
+    def epoch(self, record: dict) -> None:
+        pass
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def save_plan(self, plan: Plan) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def __enter__(self) -> SilentRunLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def open_run_log(log_dir: Path, *, keep_until_step: int, keep_until_epoch: int, writes: bool) -> RunLog | SilentRunLog:
+    """The run's log: a ``RunLog`` in the one process that ``writes``, a silent one elsewhere."""
+    if not writes:
+        return SilentRunLog(log_dir)
+    return RunLog(log_dir, keep_until_step=keep_until_step, keep_until_epoch=keep_until_epoch)
+
+
+class LocalCheckpoints:
+    """last.pt and best.pt of a run in one process: last.pt holds the weights and everything ``--resume`` needs."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.last_path, self.best_path = log_dir / "last.pt", log_dir / "best.pt"
+
+    def save_last(self, checkpoint: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Add weights, optimizer and RNG state to ``checkpoint`` and save it as last.pt.
+
+        Returns:
+            The checkpoint with its weights (best.pt reuses them).
+        """
+        training = {**checkpoint["training"], "optimizer": optimizer.state_dict(), "rng": _rng_state()}
+        checkpoint = {**checkpoint, "model_state": model.state_dict(), "training": training}
+        save_checkpoint(self.last_path, checkpoint)
+        return checkpoint
+
+    def save_best(self, checkpoint: dict) -> None:
+        save_checkpoint(self.best_path, checkpoint)
+
+    def restore(self, saved: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Load weights and optimizer state from ``saved`` (last.pt as read); returns its training state."""
+        model.load_state_dict(saved["model_state"])
+        optimizer.load_state_dict(saved["training"]["optimizer"])
+        return saved["training"]
+
+
+class ShardedCheckpoints(LocalCheckpoints):
+    """Checkpoints of a run on several processes (each method is a collective: every rank calls it).
+
+    ``last_sharded/`` is what ``--resume`` reads: model and optimizer saved
+    with torch.distributed.checkpoint (each rank its shards), rank 0's
+    training state and each rank's RNG state; it is replaced only once
+    complete. Rank 0 then writes last.pt and best.pt with whole weights, as
+    one process does, so ``autofit val`` and ``export`` read them (last.pt's
+    optimizer state stays in ``last_sharded/``).
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(log_dir)
+        self.sharded_dir = log_dir / "last_sharded"
+
+    def save_last(self, checkpoint: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        rng = _rng_state()
+        save_sharded_checkpoint(self.sharded_dir, model=model, optimizer=optimizer, extra=checkpoint["training"], rank_extra={"rng": rng})
+        training = {**checkpoint["training"], "rng": rng, "optimizer": f"in {self.sharded_dir.name}/"}
+        checkpoint = {**checkpoint, "model_state": full_model_state_dict(model), "training": training}
+        if is_rank0():
+            save_checkpoint(self.last_path, checkpoint)
+        return checkpoint
+
+    def save_best(self, checkpoint: dict) -> None:
+        if is_rank0():
+            save_checkpoint(self.best_path, checkpoint)
+
+    def restore(self, saved: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        training = load_sharded_checkpoint(self.sharded_dir, model=model, optimizer=optimizer)
+        return {**training, **load_rank_extra(self.sharded_dir)}
+
+
+def checkpoint_files(log_dir: Path, *, world_size: int) -> LocalCheckpoints:
+    """How a run on ``world_size`` processes saves and resumes."""
+    return ShardedCheckpoints(log_dir) if world_size > 1 else LocalCheckpoints(log_dir)
 
 
 class MemoryGauge:
@@ -589,10 +737,7 @@ def _load_resume_state(last_path: Path, model: nn.Module) -> dict:
     return saved
 
 
-def _restore(saved: dict, *, model, optimizer, applied: AppliedPlan, scheduler) -> tuple[Position, list[dict], float | None]:
-    training = saved["training"]
-    model.load_state_dict(saved["model_state"])
-    optimizer.load_state_dict(training["optimizer"])
+def _restore(training: dict, *, applied: AppliedPlan, scheduler) -> tuple[Position, list[dict], float | None]:
     applied.scaler.load_state_dict(training["scaler"])
     scheduler.load_state_dict(training["scheduler"])
     _set_rng_state(training["rng"])
@@ -673,10 +818,13 @@ def _header(plan: Plan, data: TrainData, applied: AppliedPlan, gauge, log_dir: P
     val = f" / {len(data.val)} val" if data.val is not None else " (no validation data)"
     skipped = f"; skipped {data.skipped_images} unreadable image(s)" if data.skipped_images else ""
     blocks = f"checkpoint {len(plan.checkpoint)} block(s)"
+    world_size = applied.env.world_size
+    ranks = f"{world_size} processes ({plan.sharding}) x " if world_size > 1 else ""
+    where = f"{applied.device.type} per process; rank 0's " if world_size > 1 else f"{applied.device}; "
     return (
         f"data {data.source}: {len(data.train)} train{val} samples{classes}{skipped}\n"
-        f"plan: batch {plan.global_batch_size} = micro-batch {applied.micro_batch_size} x {applied.grad_accum_steps}, "
-        f"{plan.precision}, {blocks}, budget {format_bytes(plan.budget_bytes)} on {applied.device}; {gauge.note}\n"
+        f"plan: batch {plan.global_batch_size} = {ranks}micro-batch {applied.micro_batch_size} x {applied.grad_accum_steps}, "
+        f"{plan.precision}, {blocks}, budget {format_bytes(plan.budget_bytes)} on {where}{gauge.note}\n"
         f"logs and weights: {log_dir}"
     )
 

@@ -1,8 +1,14 @@
-"""`autofit train`: train the model a plan names, with that plan, in the shared loop."""
+"""`autofit train`: train the model a plan names, with that plan, in the shared loop.
+
+A plan for N processes runs under ``torchrun --nproc-per-node N -m autofit train ...``;
+without torchrun it prints that command and stops.
+"""
 from __future__ import annotations
 
 import os
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -27,18 +33,37 @@ def train(
     model: Optional[str] = typer.Option(None, "--model", help="The model file, when it is not where the plan says."),
     workers: int = typer.Option(min(4, max((os.cpu_count() or 1) - 1, 0)), "--workers", help="DataLoader worker processes."),
     save_every: int = typer.Option(0, "--save-every", help="Also save last.pt every N steps (default: at each epoch end and on Ctrl-C)."),
+    max_steps: Optional[int] = typer.Option(
+        None, "--max-steps", help="Stop after this many optimizer steps in all (last.pt saved; --resume continues)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Fixes the weights' initialisation, the data order and the RNG."),
 ) -> None:
-    """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C saves, --resume continues."""
+    """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C saves, --resume continues.
+
+    A plan for several GPUs (or CPU processes) runs under torchrun:
+    `torchrun --nproc-per-node N -m autofit train --plan plan.json ...`.
+    """
+    with _errors_from_rank0_first():
+        _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, model=model, workers=workers,
+               save_every=save_every, max_steps=max_steps, seed=seed)
+
+
+def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, save_every, max_steps, seed) -> None:
     import torch
 
     from autofit.data import image_folder_data, input_shape_from, model_file_data
+    from autofit.distributed import DistributedConfig, check_launch, cleanup, init_distributed, is_rank0, same_on_all_ranks
     from autofit.loop import TrainingInterrupted, TrainSettings, default_log_dir
     from autofit.loop import train as run_training
     from autofit.plan_file import load_plan
     from autofit.spec import load_spec
 
     the_plan = load_plan(plan)
+    # A plan for N processes: refuse any other number, naming the command that starts N.
+    distributed = DistributedConfig(world_size=the_plan.world_size, sharding=the_plan.sharding)
+    check_launch(distributed)
+    if distributed.sharding != "none":
+        init_distributed(device_type=the_plan.device.get("type") or "cpu", backend=distributed.backend)
     source = model or the_plan.model.get("source")
     if not source or source.startswith("python:"):
         raise UserError(
@@ -58,8 +83,8 @@ def train(
     )
     shape = shape or spec.input_shape
     settings = TrainSettings(
-        epochs=epochs, log_dir=log_dir or default_log_dir(), lr=lr, resume=resume, seed=seed,
-        num_workers=workers, save_every_steps=save_every,
+        epochs=epochs, log_dir=log_dir or same_on_all_ranks(default_log_dir()), lr=lr, resume=resume, seed=seed,
+        num_workers=workers, save_every_steps=save_every, max_steps=max_steps,
     )
     if data is not None:
         train_data = image_folder_data(data, input_shape=input_shape_from(shape))
@@ -78,9 +103,29 @@ def train(
             model_source=model_source, settings=settings,
         )
     except TrainingInterrupted as stop:
-        print(
-            f"autofit: interrupted at epoch {stop.epoch}, step {stop.step}; saved {stop.last_path}; continue with "
-            f"`autofit train --plan {plan} --log-dir {settings.log_dir} --resume`",
-            file=sys.stderr,
-        )
+        if is_rank0():
+            again = f"torchrun --nproc-per-node {the_plan.world_size} -m autofit" if the_plan.world_size > 1 else "autofit"
+            print(
+                f"autofit: interrupted at epoch {stop.epoch}, step {stop.step}; saved {stop.last_path}; continue with "
+                f"`{again} train --plan {plan} --log-dir {settings.log_dir} --resume`",
+                file=sys.stderr,
+            )
+        cleanup()
         raise typer.Exit(130) from None
+    cleanup()
+
+
+@contextmanager
+def _errors_from_rank0_first():
+    """On ranks other than 0, hold a user error back a few seconds before it is printed.
+
+    Most errors (a bad plan, data, or flag) happen on every rank alike: rank 0
+    prints its line and exits, and torchrun then stops the other ranks before
+    they repeat it. An error of one rank only (out of memory) still appears.
+    """
+    try:
+        yield
+    except UserError:
+        if int(os.environ.get("RANK", "0")) != 0:
+            time.sleep(3.0)
+        raise
