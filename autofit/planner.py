@@ -135,6 +135,7 @@ def plan(
     device_memory: str | int | None = None,
     study: str | None = None,
     precisions: Sequence[str] | None = None,
+    gpus: int = 1,
 ) -> Plan:
     """Find the fastest way to train ``model`` inside ``budget``, verified by real probes.
 
@@ -150,6 +151,8 @@ def plan(
         device_memory: the device's total memory when simulating a GPU that is not here.
         study: an Optuna storage URL ("sqlite:///plans.db") to keep the search and resume it.
         precisions: restrict the precisions searched (default: all the device runs).
+        gpus: processes (GPUs) to train on; ``budget`` is then per GPU, and the plan
+            uses DDP when the model fits unsharded, FSDP2 otherwise (see ``plan_with_report``).
 
     Returns:
         The Plan (``autofit.save_plan(plan, "plan.json")`` writes it).
@@ -167,7 +170,7 @@ def plan(
     spec = spec_from_model(model, example_batch, loss_fn=loss_fn, optimizer=optimizer)
     return make_plan(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate,
-        device_memory=device_memory, study=study, precisions=precisions,
+        device_memory=device_memory, study=study, precisions=precisions, gpus=gpus,
     )
 
 
@@ -183,11 +186,12 @@ def make_plan(
     precisions: Sequence[str] | None = None,
     num_classes: int | None = None,
     log: Callable[[str], None] | None = None,
+    gpus: int = 1,
 ) -> Plan:
     """Plan for a ModelSpec: see ``plan`` for the arguments; ``log`` receives progress lines."""
     return plan_with_report(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
-        study=study, precisions=precisions, num_classes=num_classes, log=log,
+        study=study, precisions=precisions, num_classes=num_classes, log=log, gpus=gpus,
     ).plan
 
 
@@ -203,12 +207,29 @@ def plan_with_report(
     precisions: Sequence[str] | None = None,
     num_classes: int | None = None,
     log: Callable[[str], None] | None = None,
+    gpus: int = 1,
 ) -> PlanReport:
-    """``make_plan``, also returning how the plan was found (for the CLI's summary)."""
-    return _Planner(
-        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate,
+    """``make_plan``, also returning how the plan was found (for the CLI's summary).
+
+    With ``gpus`` N > 1 the budget is per GPU and the global batch is cut into
+    N rank shares of ceil(G / N) samples, each split into micro-batches. Each
+    rank's configuration (precision, checkpointing, micro-batch) is planned as
+    one process planning its share. DDP is chosen when that fits with one
+    gradient-size allowance for DDP's buckets (DDP keeps whole parameters and
+    needs no all-gathers, so it is the faster choice whenever it fits); FSDP2
+    otherwise, its per-rank peak simulated (``simulate_fsdp_peak_bytes``).
+    N processes are never run while planning: the plan says what was measured
+    on one process and what was simulated or allowed for.
+    """
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise UserError(f"--gpus {gpus!r} must be a whole number of GPUs, at least 1")
+    arguments = dict(
+        budget=budget, batch_size=batch_size, device=device, simulate=simulate,
         device_memory=device_memory, study=study, precisions=precisions, num_classes=num_classes, log=log,
-    ).run()
+    )
+    if gpus == 1:
+        return _Planner(spec, **arguments).run()
+    return _RanksPlanner(spec, gpus=gpus, **arguments).run()
 
 
 class _Planner:
@@ -248,7 +269,6 @@ class _Planner:
         self.exact_cache: dict[str, tuple[int, dict]] = {}
         self.real_peak_cache: dict[str, tuple[int, dict, int]] = {}
         self.measured_context = 0
-        self.measured: dict[str, dict] = {}
 
     def run(self) -> PlanReport:
         from autofit.cost_model import CostModel
@@ -340,9 +360,19 @@ class _Planner:
             f"budget {format_bytes(self.budget_bytes)} is below the floor {format_bytes(floor)} for a batch of "
             f"{self.global_batch_size} ({what}: {parts} + headroom {format_bytes(sum(headroom.values()))}); "
             f"to lower it use an optimizer with less state than {optimizer} ({format_bytes(state)} here; e.g. SGD "
-            f"without momentum keeps none) or more GPUs (sharding divides parameters, gradients and optimizer state)"
+            f"without momentum keeps none) {self._gpus_advice(breakdown, precision=precision)}"
         )
         raise InfeasibleBudget(message, floor_bytes=floor, breakdown=self.report.floor_breakdown)
+
+    def _gpus_advice(self, breakdown: dict[str, int], *, precision: str) -> str:
+        """How many GPUs FSDP2 would need for the floor configuration, by the conservative estimate."""
+        try:
+            gpus = gpus_for(self.sim_spec, breakdown=breakdown, precision=precision, usable_bytes=self.headroom.usable_bytes())
+        except Exception:  # a model that cannot be built on meta: no count, the advice stays general
+            return "or more GPUs (--gpus N: FSDP2 shards parameters, gradients and optimizer state)"
+        if gpus is None:
+            return "(more GPUs would not help: the activations and gathered blocks alone exceed it)"
+        return f"or --gpus {gpus} (FSDP2 shards parameters, gradients and optimizer state; estimated)"
 
     def _optimizer_name(self) -> str:
         with torch.device("meta"):
@@ -728,6 +758,216 @@ class _Planner:
         from autofit.search import open_study
 
         open_study(self.study_name, storage=self.study).set_user_attr(key, value)
+
+
+MULTI_PROCESS_NOTE = (
+    "{world_size} processes were not run while planning: memory and speed are one process's, training one rank's "
+    "share ({rank_batch_size} samples) of the global batch; communication time is not counted"
+)
+
+
+class _RanksPlanner:
+    """Planning for N > 1 processes (see ``plan_with_report``): one rank's share planned as one process."""
+
+    def __init__(self, spec: ModelSpec, *, gpus: int, budget, batch_size, study, log, **arguments) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
+        if batch_size < gpus:
+            raise UserError(
+                f"--batch-size {batch_size} is smaller than --gpus {gpus}: every GPU needs at least one sample per step; "
+                f"raise --batch-size or lower --gpus"
+            )
+        self.spec = spec
+        self.world_size = gpus
+        self.global_batch_size = batch_size
+        self.rank_batch_size = math.ceil(batch_size / gpus)
+        self.budget = budget
+        self.study = study
+        self.arguments = {**arguments, "log": log}
+        self._started = time.perf_counter()
+        user_log = log or (lambda line: None)
+        self.log = lambda line: user_log(f"[{time.perf_counter() - self._started:5.1f} s] {line}")
+
+    def run(self) -> PlanReport:
+        N, G, share = self.world_size, self.global_batch_size, self.rank_batch_size
+        # One rank's share of the batch with the whole per-GPU budget: parses the budget, holds the memory and speed models.
+        rank = _Planner(self.spec, budget=self.budget, batch_size=share, study=None, **self.arguments)
+        allowance = _gradient_bytes(rank.sim_spec)
+        self.log(
+            f"{N} GPUs: each rank trains {share} of the {G} samples per step; DDP first, keeping "
+            f"{format_bytes(allowance)} (one gradient size) for its gradient buckets"
+        )
+        report = None
+        if rank.budget_bytes > allowance:
+            ddp = _Planner(self.spec, budget=rank.budget_bytes - allowance, batch_size=share, study=self.study, **self.arguments)
+            try:
+                report = ddp.run()
+            except InfeasibleBudget:
+                self.log("DDP does not fit: every rank would hold the whole model's state; sharding it with FSDP2")
+                # The memory model does not depend on the budget: FSDP2 reuses the one DDP's attempt traced.
+                rank.model, rank.sizes = ddp.model, ddp.sizes
+        report = self._ddp(report, budget_bytes=rank.budget_bytes, allowance=allowance) if report else self._fsdp(rank)
+        report.seconds = time.perf_counter() - self._started
+        return report
+
+    def _ddp(self, report: PlanReport, *, budget_bytes: int, allowance: int) -> PlanReport:
+        """The one-process plan of a rank's share, restated for N processes under DDP."""
+        from autofit.distributed import micro_batch_count
+
+        plan = report.plan
+        plan.budget_bytes = budget_bytes
+        plan.global_batch_size = self.global_batch_size
+        plan.world_size, plan.sharding = self.world_size, "ddp"
+        plan.grad_accum_steps = micro_batch_count(
+            self.global_batch_size, world_size=self.world_size, micro_batch_size=plan.micro_batch_size
+        )
+        # DDP's buckets (gradient_as_bucket_view off) hold one more copy of the gradients: allowed for, not measured.
+        plan.headroom = {**plan.headroom, "ddp_buckets_allowance": allowance}
+        plan.predicted["per_rank_peak_bytes"] = int(plan.measured["peak_bytes"]) + allowance
+        plan.measured["multi_process"] = {
+            "world_size": self.world_size, "sharding": "ddp", "rank_batch_size": self.rank_batch_size,
+            "note": MULTI_PROCESS_NOTE.format(world_size=self.world_size, rank_batch_size=self.rank_batch_size)
+            + f"; DDP's gradient buckets are an allowance ({format_bytes(allowance)}), not measured",
+        }
+        return report
+
+    def _fsdp(self, rank: _Planner) -> PlanReport:
+        """FSDP2: per-rank candidates ranked by the conservative estimate, the fastest verified by simulation."""
+        from autofit.distributed import estimate_fsdp_peak_bytes, fsdp_layout, micro_batch_count, simulate_fsdp_peak_bytes
+        from autofit.search import cheapest_checkpoint
+
+        N, G = self.world_size, self.global_batch_size
+        if getattr(rank, "model", None) is None:
+            rank.model = rank._memory_model()
+        model = rank.model
+        rank._speed_model()
+        smallest = Config(precision=rank.precisions[0], micro_batch_size=rank.sizes[-1])
+        _, single = rank._exact_peak(smallest)
+        state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+        with torch.device("meta"):
+            layout = fsdp_layout(rank.sim_spec.build_model(), world_size=N)
+        usable = rank.headroom.usable_bytes() / model.memory_scale
+        candidates = []  # (predicted speed, config, grad_accum_steps, estimated per-rank peak)
+        for precision in rank.precisions:
+            for size in rank.sizes:
+                steps = micro_batch_count(G, world_size=N, micro_batch_size=size)
+                sharded = estimate_fsdp_peak_bytes(
+                    parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
+                    optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=layout,
+                    world_size=N, precision=precision, grad_accum_steps=steps,
+                ).peak_bytes
+                # The one-process model's peak holds the whole state; a rank holds its sharded part and the buffers instead.
+                swap = sharded - sum(state.values())
+                segments, drops = model.precisions[precision].memory.at(size, global_batch_size=rank.global_batch_size)
+                choice = cheapest_checkpoint(segments, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
+                blocks = choice.blocks if choice is not None else frozenset(range(len(model.blocks)))
+                config = Config(precision=precision, micro_batch_size=size, checkpoint=tuple(model.blocks[b] for b in sorted(blocks)))
+                candidates.append((model.samples_per_s(precision, size, blocks), config, steps,
+                                   model.peak_bytes(precision, size, blocks) + swap, choice is not None))
+        # Estimated to fit first, fastest first; then the rest, least memory first (the estimate is 3-38% high).
+        candidates.sort(key=lambda c: (not c[4], -round(c[0], 6) if c[4] else c[3], _simplicity(c[1], rank.global_batch_size)))
+        self.log(f"FSDP2: {sum(c[4] for c in candidates)} of {len(candidates)} per-rank configurations fit by the estimate; simulating")
+        backend = "gloo" if rank.device == "cpu" else "nccl"
+        chosen, simulated, alternatives = None, 0, []
+        for speed, config, steps, estimate, _ in candidates:
+            entry = {
+                "precision": config.precision, "micro_batch_size": config.micro_batch_size, "grad_accum_steps": steps,
+                "checkpoint": list(config.checkpoint), "predicted_peak_bytes": int(estimate), "predicted_samples_per_s": speed,
+                "fits_budget": rank.headroom.fits(estimate * model.memory_scale), "chosen": False,
+            }
+            alternatives.append(entry)
+            if chosen is not None or simulated >= VERIFY_TOP + 1:
+                continue
+            measurement = simulate_fsdp_peak_bytes(
+                rank.sim_spec, world_size=N, micro_batch_size=config.micro_batch_size, grad_accum_steps=steps,
+                precision=config.precision, checkpoint=list(config.checkpoint), backend=backend,
+            )
+            simulated += 1
+            entry.update(simulated_peak_bytes=measurement.peak_bytes, fits_budget=rank.headroom.fits(measurement.peak_bytes))
+            if entry["fits_budget"]:
+                chosen, entry["chosen"] = (config, steps, speed, estimate, measurement), True
+            else:
+                rank.report.rejected.append({"config": config.key(), "why": f"simulated per-rank peak {format_bytes(measurement.peak_bytes)} does not fit"})
+        rank.report.simulated_checks = simulated
+        rank.report.sampler, rank.report.evaluations = "the FSDP2 estimate (all points)", len(candidates)
+        if chosen is None:
+            self._infeasible(rank, single=single, smallest=smallest)
+        config, steps, speed, estimate, measurement = chosen
+        self.log(f"FSDP2: {config.precision}, micro-batch {config.micro_batch_size} x {steps} per rank, simulated to fit")
+        rank.report.plan = self._fsdp_plan(rank, config=config, steps=steps, speed=speed, estimate=estimate, measurement=measurement,
+                                           alternatives=sorted(alternatives, key=lambda a: a["predicted_peak_bytes"]))
+        rank.report.cost_model = model.to_dict()
+        return rank.report
+
+    def _fsdp_plan(self, rank: _Planner, *, config: Config, steps: int, speed: float, estimate: float, measurement, alternatives) -> Plan:
+        import autofit
+
+        return Plan(
+            created_by={"autofit": autofit.__version__, "torch": torch.__version__},
+            model=rank._model_info(),
+            device={"type": rank.info.type, "name": rank.info.name, "total_bytes": rank.info.total_bytes},
+            budget_bytes=rank.budget_bytes,
+            budget_kind="cuda-process" if rank.device == "cuda" else "cpu-tracked",
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=config.micro_batch_size,
+            grad_accum_steps=steps,
+            precision=config.precision,
+            checkpoint=list(config.checkpoint),
+            world_size=self.world_size,
+            sharding="fsdp",
+            estimated=True,
+            predicted={
+                "peak_bytes": int(measurement.peak_bytes), "per_rank_peak_bytes": int(measurement.peak_bytes),
+                "samples_per_s": speed, "estimate_peak_bytes": int(estimate),
+            },
+            measured={
+                "peak_bytes": int(measurement.peak_bytes), "samples_per_s": None,
+                "meter": "simulated", "breakdown": dict(measurement.breakdown),
+                "multi_process": {
+                    "world_size": self.world_size, "sharding": "fsdp", "rank_batch_size": self.rank_batch_size,
+                    "note": MULTI_PROCESS_NOTE.format(world_size=self.world_size, rank_batch_size=self.rank_batch_size)
+                    + "; the per-rank peak is FSDP2 run in one process on a fake process group (simulated, not measured)",
+                },
+            },
+            headroom=rank.headroom.for_peak(measurement.peak_bytes),
+            alternatives=alternatives,
+        )
+
+    def _infeasible(self, rank: _Planner, *, single: dict, smallest: Config) -> None:
+        N = self.world_size
+        gpus = gpus_for(rank.sim_spec, breakdown=single, precision=smallest.precision, usable_bytes=rank.headroom.usable_bytes())
+        advice = f"try --gpus {gpus} (estimated)" if gpus and gpus > N else "try more --gpus" if gpus else "more GPUs would not help"
+        raise InfeasibleBudget(
+            f"budget {format_bytes(rank.budget_bytes)} per GPU is too small for a batch of {self.global_batch_size} on {N} GPUs: "
+            f"no FSDP2 configuration was simulated to fit (micro-batch down to {smallest.micro_batch_size}, checkpointing "
+            f"every block); {advice}, or raise --budget",
+            floor_bytes=0, breakdown=single,
+        )
+
+
+def _gradient_bytes(spec: ModelSpec) -> int:
+    """Bytes of the model's gradients (fp32 like its parameters): one DDP bucket set."""
+    with torch.device("meta"):
+        model = spec.build_model()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def gpus_for(spec: ModelSpec, *, breakdown: dict[str, int], precision: str, usable_bytes: float) -> int | None:
+    """The fewest GPUs FSDP2 would need for a configuration whose one-process peak breaks down as ``breakdown``.
+
+    By ``smallest_world_size`` (a conservative estimate: fewer may do); None when
+    no number of GPUs fits.
+    """
+    from autofit.distributed import fsdp_layout, smallest_world_size
+
+    state = {key: breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+    activations = sum(value for key, value in breakdown.items() if key not in state)
+    with torch.device("meta"):
+        layout = fsdp_layout(spec.build_model(), world_size=2)
+    return smallest_world_size(
+        budget_bytes=int(usable_bytes), parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
+        optimizer_state_bytes=state["optimizer_state"], activation_bytes=activations, layout=layout, precision=precision,
+    )
 
 
 def _simplicity(config: Config, global_batch_size: int) -> tuple:

@@ -23,6 +23,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (progress goes to stderr)."),
     study: str = typer.Option(None, "--study", help="Optuna storage to keep the search and resume it, e.g. sqlite:///plans.db."),
     precisions: str = typer.Option("fp32,bf16,fp16", "--precisions", help="Precisions to search, separated by commas."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs (processes) to train on; BUDGET is then per GPU: DDP if the model fits unsharded, else FSDP2."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
     num_classes: int = NUM_CLASSES,
@@ -43,7 +44,7 @@ def plan(
     report = plan_with_report(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
         study=study, precisions=wanted, num_classes=num_classes if model.startswith("torchvision:") else None,
-        log=None if quiet else print_progress,
+        log=None if quiet else print_progress, gpus=gpus,
     )
     path = save_plan(report.plan, out)
     if as_json:
@@ -55,12 +56,23 @@ def plan(
 def summary_lines(report, *, path: Path | None = None) -> list[str]:
     """The readable summary of a planning run."""
     plan = report.plan
+    ranks = plan.measured.get("multi_process")
+    if ranks:
+        where = f"per GPU, {plan.world_size} GPUs ({plan.sharding})"
+        split = (f"per rank: micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s) "
+                 f"({plan.world_size} ranks x {plan.micro_batch_size} x {plan.grad_accum_steps} >= {plan.global_batch_size})")
+        estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.sharding == "fsdp" else ""
+    else:
+        where = f"on {plan.device['name']}"
+        split = f"micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s)"
+        estimated = " [estimated: simulated meter, FLOP-based speed]" if plan.estimated else ""
     lines = [
         f"plan for {plan.model['source']}: batch {plan.global_batch_size}, budget {format_bytes(plan.budget_bytes)} "
-        f"({plan.budget_kind}) on {plan.device['name']}" + (" [estimated: simulated meter, FLOP-based speed]" if plan.estimated else ""),
-        f"  chosen      {plan.precision}, micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s), "
-        f"checkpoint {_blocks(plan.checkpoint)}",
+        f"({plan.budget_kind}) {where}" + estimated,
+        f"  chosen      {plan.precision}, {split}, checkpoint {_blocks(plan.checkpoint)}",
     ]
+    if ranks:
+        lines.append(f"  note        {ranks['note']}")
     measured, predicted = plan.measured, plan.predicted
     meter = measured.get("meter")
     lines.append(f"  memory      {'predicted':>12} {f'measured ({meter})':>20}")

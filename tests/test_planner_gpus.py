@@ -1,0 +1,178 @@
+"""`autofit plan --gpus N`: DDP when the model fits unsharded, FSDP2 below the one-process floor, and the plan trains.
+
+Planning runs on one fp32 model of 6 wide blocks, where parameters, gradients
+and AdamW state dominate the peak (so sharding them matters); each plan is
+made once per module.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+from autofit.distributed import micro_batch_count
+from autofit.errors import UserError
+from autofit.plan_file import load_plan, save_plan
+from autofit.planner import InfeasibleBudget, _gradient_bytes, make_plan, plan_with_report
+from autofit.spec import load_spec
+from tests.conftest import ROOT
+
+GLOBAL_BATCH_SIZE, GPUS = 8, 2
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+INPUT_SHAPE = (16,)
+NUM_CLASSES = 3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(128, 128)
+
+    def forward(self, x):  # (B, 128)
+        return x + torch.tanh(self.linear(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 128)
+        self.blocks = nn.Sequential(*(Block() for _ in range(6)))
+        self.head = nn.Linear(128, NUM_CLASSES)
+
+    def forward(self, x):  # (B, 16) -> (B, NUM_CLASSES)
+        return self.head(self.blocks(self.stem(x)))
+
+
+def build_model():
+    return Net()
+
+
+def _dataset(samples, seed):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(samples, 16, generator=generator)
+    return torch.utils.data.TensorDataset(inputs, torch.randint(0, NUM_CLASSES, (samples,), generator=generator))
+
+
+def train_dataset():
+    return _dataset(24, 1)
+
+
+def val_dataset():
+    return _dataset(8, 2)
+
+
+def example_batch(batch_size):
+    return _dataset(batch_size, 3).tensors
+'''
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("planner_gpus") / "wide_model.py"
+    path.write_text(textwrap.dedent(MODEL_FILE))
+    return path
+
+
+@pytest.fixture(scope="module")
+def spec(model_file):
+    return load_spec(str(model_file))
+
+
+def _plan(spec, *, budget, gpus):
+    return plan_with_report(spec, budget=budget, batch_size=GLOBAL_BATCH_SIZE, precisions=["fp32"], gpus=gpus)
+
+
+@pytest.fixture(scope="module")
+def floor(spec):
+    """The one-process floor, from the error of a budget below it."""
+    with pytest.raises(InfeasibleBudget) as error:
+        _plan(spec, budget=10**6, gpus=1)
+    return error.value
+
+
+@pytest.fixture(scope="module")
+def sharded(spec, floor):
+    """A per-GPU budget a fifth below the one-process floor."""
+    return _plan(spec, budget=int(0.8 * floor.floor_bytes), gpus=GPUS)
+
+
+def test_the_floor_message_names_how_many_gpus_would_fit(floor):
+    message = str(floor)
+    assert "\n" not in message
+    gpus = re.search(r"or --gpus (\d+)", message)
+    assert gpus, message
+    assert int(gpus.group(1)) >= 2
+
+
+def test_below_the_one_process_floor_two_gpus_shard_with_fsdp(sharded, floor):
+    plan = sharded.plan
+    assert (plan.world_size, plan.sharding, plan.global_batch_size) == (GPUS, "fsdp", GLOBAL_BATCH_SIZE)
+    # The global batch stays whole: 2 ranks x micro-batch m x k steps cover it, one micro-step less would not.
+    m, k = plan.micro_batch_size, plan.grad_accum_steps
+    assert k == micro_batch_count(GLOBAL_BATCH_SIZE, world_size=GPUS, micro_batch_size=m)
+    assert GPUS * m * k >= GLOBAL_BATCH_SIZE > GPUS * m * (k - 1)
+    # The simulated per-rank peak plus headroom fits the per-GPU budget, which one process could not meet.
+    assert plan.budget_bytes < floor.floor_bytes
+    peak = plan.predicted["per_rank_peak_bytes"]
+    assert peak == plan.measured["peak_bytes"] and peak + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert plan.measured["breakdown"]["gradients"] + plan.measured["breakdown"]["optimizer_state"] < (
+        floor.breakdown["gradients"] + floor.breakdown["optimizer_state"]
+    )
+    assert plan.estimated and plan.measured["meter"] == "simulated"
+    assert "not run while planning" in plan.measured["multi_process"]["note"]
+
+
+def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
+    report = _plan(spec, budget="100MB", gpus=GPUS)
+    plan = report.plan
+    assert (plan.world_size, plan.sharding, plan.global_batch_size) == (GPUS, "ddp", GLOBAL_BATCH_SIZE)
+    assert plan.grad_accum_steps == micro_batch_count(GLOBAL_BATCH_SIZE, world_size=GPUS, micro_batch_size=plan.micro_batch_size)
+    allowance = plan.headroom["ddp_buckets_allowance"]
+    assert allowance == _gradient_bytes(spec) == plan.measured["breakdown"]["gradients"]
+    assert plan.predicted["per_rank_peak_bytes"] == plan.measured["peak_bytes"] + allowance
+    assert plan.measured["peak_bytes"] + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert "allowance" in plan.measured["multi_process"]["note"] and not plan.estimated
+
+
+def test_bad_gpu_counts_are_one_line(spec):
+    with pytest.raises(UserError, match=r"--gpus 0 must be a whole number of GPUs"):
+        make_plan(spec, budget="100MB", batch_size=8, gpus=0)
+    with pytest.raises(UserError, match=r"--batch-size 2 is smaller than --gpus 4.*lower --gpus"):
+        make_plan(spec, budget="100MB", batch_size=2, gpus=4)
+
+
+def test_a_budget_too_small_even_when_sharded_says_so(spec):
+    with pytest.raises(InfeasibleBudget, match=r"per GPU is too small for a batch of 8 on 2 GPUs") as error:
+        _plan(spec, budget=200_000, gpus=GPUS)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+def test_a_two_gpu_plan_trains_under_torchrun(sharded, tmp_path):
+    """The FSDP plan runs 2 steps in 2 gloo processes.
+
+    The loop's CPU memory gauge reads each process's resident set (interpreter
+    and libraries included), not tracked tensor bytes as the budget does, so
+    its peak is not compared with the plan's per-rank peak here.
+    """
+    plan_path = save_plan(sharded.plan, tmp_path / "plan.json")
+    assert load_plan(plan_path).sharding == "fsdp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={GPUS}", "-m", "autofit",
+        "train", "--plan", str(plan_path), "--log-dir", str(tmp_path / "run"), "--epochs", "1", "--workers", "0",
+        "--max-steps", "2",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert f"{GPUS} processes (fsdp)" in done.stdout
