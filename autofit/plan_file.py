@@ -52,6 +52,8 @@ class Plan:
     """Other configurations tried: the Pareto front of memory against samples/s."""
     history: list[dict] = field(default_factory=list)
     """Changes made while training (e.g. micro-batch halved after an OOM)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about training with this plan (e.g. BatchNorm and micro-batches)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -692,9 +692,11 @@ class _Planner:
         }
         if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
             measured["relative_to_unconstrained"] = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
+        model_info = self._model_info()
         return Plan(
             created_by={"autofit": autofit.__version__, "torch": torch.__version__},
-            model=self._model_info(),
+            model=model_info,
+            notes=batch_norm_notes(model_info, micro_batch_size=config.micro_batch_size, global_batch_size=G),
             device={"type": self.info.type, "name": self.info.name, "total_bytes": self.info.total_bytes},
             budget_bytes=self.budget_bytes,
             budget_kind="cuda-process" if self.device == "cuda" else "cpu-tracked",
@@ -760,6 +762,7 @@ class _Planner:
         return {
             "source": self.spec.source,
             "fingerprint": model_fingerprint(model),
+            "batch_norm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
             "parameter_count": sum(p.numel() for p in model.parameters()),
             "input_shape": list(self.spec.input_shape) if self.spec.input_shape else None,
             "num_classes": num_classes,
@@ -930,9 +933,11 @@ class _RanksPlanner:
     def _fsdp_plan(self, rank: _Planner, *, config: Config, steps: int, speed: float, estimate: float, measurement, alternatives) -> Plan:
         import autofit
 
+        model_info = rank._model_info()
         return Plan(
             created_by={"autofit": autofit.__version__, "torch": torch.__version__},
-            model=rank._model_info(),
+            model=model_info,
+            notes=batch_norm_notes(model_info, micro_batch_size=config.micro_batch_size, global_batch_size=self.global_batch_size),
             device={"type": rank.info.type, "name": rank.info.name, "total_bytes": rank.info.total_bytes},
             budget_bytes=rank.budget_bytes,
             budget_kind="cuda-process" if rank.device == "cuda" else "cpu-tracked",
@@ -1046,6 +1051,17 @@ def _timing_sizes(sizes: list[int]) -> list[int]:
     if chosen[-1] != sizes[-1]:
         chosen.append(sizes[-1])
     return sorted(chosen)
+
+
+def batch_norm_notes(model_info: dict, *, micro_batch_size: int, global_batch_size: int) -> list[str]:
+    """BatchNorm normalises over what one forward sees: a smaller micro-batch changes that statistic."""
+    if not model_info.get("batch_norm") or micro_batch_size >= global_batch_size:
+        return []
+    return [
+        f"the model has BatchNorm: it normalises over each micro-batch of {micro_batch_size}, not the batch of "
+        f"{global_batch_size}, so its batch statistics (not the loss weighting) differ from one forward of the "
+        "whole batch; gradients are otherwise exactly the global batch's"
+    ]
 
 
 def _release(device: str) -> None:

@@ -103,6 +103,8 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         lines.append(f"  left out    {precision}: {why}")
     for precision, note in report.precision_notes.items():
         lines.append(f"  note        {precision}: {note}")
+    for note in plan.notes:
+        lines.append(f"  note        {note}")
     lines.append("  alternatives (Pareto front of memory vs samples/s, as predicted; * chosen):")
     lines.append(f"    {'peak':>12} {'samples/s':>10}  {'precision':<9} {'micro-batch':>14}  checkpoint")
     for alt in plan.alternatives:
