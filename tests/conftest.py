@@ -20,6 +20,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared two-core machine two threads spin against other jobs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def run_cli(capsys, monkeypatch):
     """Run `autofit ARGS` in this process; returns (exit_code, stdout, stderr)."""
     from autofit.cli import main

@@ -51,13 +51,7 @@ def example_batch(n):
 REGION_CLASSES = ["top", "bottom", "left"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared two-core machine two threads spin against other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pattern(kind: str, size: int = 8, seed: int = 0) -> np.ndarray:

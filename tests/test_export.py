@@ -30,13 +30,7 @@ def example_batch(n):
 HAS_ONNX = all(importlib.util.find_spec(name) is not None for name in ("onnx", "onnxscript"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared two-core machine two threads spin against other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
