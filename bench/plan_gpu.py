@@ -1,0 +1,102 @@
+"""Plans on a real GPU, re-measured: do they fit the card budget, and how fast are they?
+
+For one model, plan with a generous budget, then with budgets at fractions of
+that plan's needs (and one below the floor); re-measure each plan from scratch
+with the cuda meter (allocator reserve + context) and report measured +
+headroom against the budget, the choice, speed and planning time. Also plans
+the same model with ``--simulate`` (the estimate for a GPU that is not there)
+and measures that plan for real.
+
+    python bench/plan_gpu.py                       # needs a CUDA device
+    python bench/plan_gpu.py --model torchvision:resnet50 --shape 3x224x224 --batch 64
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from autofit.planner import InfeasibleBudget, plan_with_report  # noqa: E402
+from autofit.probing import probe  # noqa: E402
+from autofit.spec import load_spec  # noqa: E402
+from autofit.units import format_bytes  # noqa: E402
+
+
+def remeasure(spec, plan) -> tuple[int, float]:
+    result = probe(
+        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size, precision=plan.precision,
+        checkpoint=plan.checkpoint, device="cuda", steps=3,
+    )
+    return result.peak_bytes, result.samples_per_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="torchvision:resnet18")
+    parser.add_argument("--shape", default="3x224x224")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--fractions", default="0.6,0.4")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/plan_gpu.py needs a CUDA device")
+    spec = load_spec(args.model, input_shape=args.shape, num_classes=10)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {format_bytes(props.total_memory)}, torch {torch.__version__}, bf16 {torch.cuda.is_bf16_supported()}")
+    print(f"model {args.model} {args.shape}, global batch {args.batch}")
+    rows = []
+
+    def plan_and_check(budget, label):
+        start = time.perf_counter()
+        try:
+            report = plan_with_report(spec, budget=budget, batch_size=args.batch, device="cuda")
+        except InfeasibleBudget as error:
+            print(f"{label}: refused in {time.perf_counter() - start:.1f} s: {error}")
+            return None
+        seconds = time.perf_counter() - start
+        plan = report.plan
+        peak, speed = remeasure(spec, plan)
+        # The cuda meter's peak includes the context; the plan keeps the context under headroom.
+        others = sum(v for k, v in plan.headroom.items() if k != "context")
+        needed = peak + others
+        rows.append((label, plan, peak, needed, speed, seconds, report))
+        print(
+            f"{label}: budget {format_bytes(plan.budget_bytes)} -> {plan.precision} m={plan.micro_batch_size}x{plan.grad_accum_steps} "
+            f"ckpt={len(plan.checkpoint)}; re-measured process peak {format_bytes(peak)} + margins {format_bytes(others)} = "
+            f"{format_bytes(needed)} ({needed / plan.budget_bytes:.1%} of budget, fits={needed <= plan.budget_bytes}); "
+            f"{speed:.0f} samples/s (plan said {plan.measured['samples_per_s']:.0f}); "
+            f"{plan.measured.get('relative_to_unconstrained', float('nan')):.2f}x unconstrained; "
+            f"headroom {({k: format_bytes(v) for k, v in plan.headroom.items()})}; planned in {seconds:.1f} s"
+        )
+        return plan
+
+    generous = plan_and_check("90%", "90% of the card")
+    needed = generous.measured["peak_bytes"] + sum(generous.headroom.values())
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        plan_and_check(int(needed * fraction), f"{fraction:.0%} of the plain plan's needs")
+    plan_and_check(int(needed * 0.05), "5% (below the floor)")
+
+    start = time.perf_counter()
+    estimate = plan_with_report(
+        spec, budget=int(needed * 0.6), batch_size=args.batch, device="cuda", simulate=True,
+        device_memory=str(props.total_memory),
+    ).plan
+    seconds = time.perf_counter() - start
+    peak, speed = remeasure(spec, estimate)
+    others = sum(v for k, v in estimate.headroom.items() if k != "context")
+    print(
+        f"simulated plan at 60%: {estimate.precision} m={estimate.micro_batch_size} ckpt={len(estimate.checkpoint)}, "
+        f"predicted peak {format_bytes(estimate.measured['peak_bytes'])} + headroom {format_bytes(sum(estimate.headroom.values()))}; "
+        f"real process peak {format_bytes(peak)} (+ margins {format_bytes(others)}) = "
+        f"{(peak + others) / estimate.budget_bytes:.1%} of budget; {speed:.0f} samples/s "
+        f"(estimated {estimate.predicted['samples_per_s']:.0f}); planned in {seconds:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
