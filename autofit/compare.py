@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from autofit.errors import UserError
+from autofit.meters import release_device_memory
 from autofit.spec import ModelSpec
 
 AMP_PRECISIONS = ("bf16", "fp16")
@@ -193,7 +194,7 @@ def compare(
             )
         except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
             row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
-            _release(device)
+            release_device_memory(device)
         else:
             row.peak_bytes, row.samples_per_s, row.checkpoint_blocks = result.peak_bytes, result.samples_per_s, len(result.checkpoint)
             row.activation_bytes = result.breakdown.get("activations")
@@ -297,7 +298,7 @@ class _TrainingData:
         scored = evaluate(model, self.eval_set, classes=self.classes, device=device, loss_fn=spec.loss_fn)
         tail = torch.stack(losses[-10:]).float().cpu()
         del model, optimizer
-        _release(device)
+        release_device_memory(device)
         return TrainingOutcome(train_loss=float(tail.mean()), eval_loss=scored.loss, eval_accuracy=scored.accuracy, skipped_steps=skipped)
 
 
@@ -315,14 +316,6 @@ def _check_outputs(spec: ModelSpec, inputs: torch.Tensor, *, num_classes: int, d
             f"{spec.source} gives outputs of shape {shape} but {str(data)!r} has {num_classes} classes; "
             "use a model with that many outputs (torchvision: --num-classes)"
         )
-
-
-def _release(device: str) -> None:
-    import gc
-
-    gc.collect()
-    if device == "cuda" and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ---- output: a printed table, markdown and a bar chart ----------------------------------------

@@ -20,7 +20,6 @@ reads), and rank 0 writes last.pt and best.pt with whole weights.
 """
 from __future__ import annotations
 
-import gc
 import json
 import math
 import queue
@@ -54,6 +53,7 @@ from autofit.distributed import (
     sum_across_ranks,
 )
 from autofit.errors import UserError
+from autofit.meters import release_device_memory
 from autofit.plan_file import Plan, plan_from_dict, save_plan
 from autofit.spec import model_fingerprint
 from autofit.step import StepResult, to_device, train_step
@@ -348,7 +348,7 @@ def _train_global_batch(model, inputs, targets, *, applied: AppliedPlan, loss_fn
             message = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         # Here, outside the except block, the failed step's frames and tensors are gone.
         optimizer.zero_grad(set_to_none=True)  # drop the partial gradients of the failed step
-        _release_cached_memory(applied.device)
+        release_device_memory(applied.device.type)
         previous = applied.micro_batch_size
         applied.halve_micro_batch()
         ooms.append({
@@ -759,12 +759,6 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-
-
-def _release_cached_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _score(record: dict) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit.errors import UserError
+from autofit.meters import release_device_memory
 from autofit.memory_model import simulation_spec
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec
@@ -591,7 +592,6 @@ class _Planner:
         the whole global batch, timed without the meter's bookkeeping.
         """
         from autofit.cost_model import time_configuration
-        from autofit.probing import probe
 
         key = config.key()
         if key not in self._verified:
@@ -602,7 +602,7 @@ class _Planner:
                     global_batch_size=self.global_batch_size, checkpoint=list(config.checkpoint), device=self.device,
                 )
             except torch.OutOfMemoryError:
-                _release(self.device)
+                release_device_memory(self.device)
                 self._verified[key] = {"measured_peak_bytes": None, "measured_samples_per_s": 0.0, "meter": self.device, "oom": True}
             else:
                 self.report.real_probes += 1
@@ -631,7 +631,7 @@ class _Planner:
                     checkpoint=list(config.checkpoint), device=self.device, steps=2,
                 )
             except torch.OutOfMemoryError:
-                _release(self.device)
+                release_device_memory(self.device)
                 self.report.rejected.append({"config": key, "why": "out of memory on the device"})
                 self.real_peak_cache[key] = (self.info.total_bytes, {}, 0)
                 return self.real_peak_cache[key]
@@ -1062,14 +1062,6 @@ def batch_norm_notes(model_info: dict, *, micro_batch_size: int, global_batch_si
         f"{global_batch_size}, so its batch statistics (not the loss weighting) differ from one forward of the "
         "whole batch; gradients are otherwise exactly the global batch's"
     ]
-
-
-def _release(device: str) -> None:
-    import gc
-
-    gc.collect()
-    if device == "cuda" and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def print_progress(line: str) -> None:

@@ -5,14 +5,13 @@ and samples per second of a configuration, on the device that will train.
 """
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from autofit.errors import UserError
-from autofit.meters import make_meter
+from autofit.meters import make_meter, release_device_memory
 from autofit.spec import ModelSpec
 from autofit.step import train_step
 from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig
@@ -112,7 +111,7 @@ def probe(
     timed = step_seconds[1:] or step_seconds
     samples_per_s = None if simulate else split.config.global_batch_size * len(timed) / sum(timed)
     del model, optimizer, inputs, targets, result
-    _release(device)
+    release_device_memory(device)
     return ProbeResult(
         peak_bytes=measurement.peak_bytes,
         samples_per_s=samples_per_s,
@@ -145,9 +144,3 @@ def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optim
             param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _release(device: str) -> None:
-    gc.collect()
-    if device == "cuda" and torch.cuda.is_available():
-        torch.cuda.empty_cache()
