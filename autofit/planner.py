@@ -1030,6 +1030,8 @@ def _micro_batch_sizes(global_batch_size: int, *, smallest: int) -> list[int]:
 
     For a given number of micro-steps k, ceil(G / k) is the smallest micro-batch
     (least memory) with that many steps, so no other size is worth searching.
+    A size whose last micro-batch (the remainder) would be below ``smallest``
+    is left out: BatchNorm, for one, refuses a batch of one.
     """
     steps = {1}
     power = 1
@@ -1039,7 +1041,8 @@ def _micro_batch_sizes(global_batch_size: int, *, smallest: int) -> list[int]:
     steps.add(global_batch_size)
     sizes = {math.ceil(global_batch_size / k) for k in steps if k <= global_batch_size}
     sizes.add(smallest)
-    return sorted((s for s in sizes if s >= smallest), reverse=True)
+    # The last micro-batch holds the remainder: it too must be a size the model trains with.
+    return sorted((s for s in sizes if s >= smallest and not 0 < global_batch_size % s < smallest), reverse=True)
 
 
 def _timing_sizes(sizes: list[int]) -> list[int]:

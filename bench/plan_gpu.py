@@ -9,6 +9,10 @@ and measures that plan for real.
 
     python bench/plan_gpu.py                       # needs a CUDA device
     python bench/plan_gpu.py --model torchvision:resnet50 --shape 3x224x224 --batch 64
+
+Status: written without a GPU at hand and not yet run on one; the planner's
+CUDA path (real cuda meter probes, measured context, allocator scale learnt
+from probes) is therefore unverified on hardware.
 """
 from __future__ import annotations
 

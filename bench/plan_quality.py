@@ -171,14 +171,39 @@ def speed(spec, config, global_batch_size, steps: int = 3) -> float:
 
 
 def runnable_sizes(spec, global_batch_size: int) -> list[int]:
+    """Micro-batch sizes whose micro-batches, the last (remainder) one included, the model trains with."""
+    def runs(m: int) -> bool:
+        try:
+            probe(spec, micro_batch_size=m, global_batch_size=m, simulate=True, steps=1)
+        except Exception:  # e.g. BatchNorm with one value per channel
+            return False
+        return True
+
     sizes = []
     for m in _micro_batch_sizes(global_batch_size, smallest=1):
-        try:
-            probe(spec, micro_batch_size=m, global_batch_size=min(2 * m, global_batch_size), simulate=True, steps=1)
-        except Exception:  # e.g. BatchNorm with one value per channel
-            continue
-        sizes.append(m)
+        remainder = global_batch_size % m
+        if runs(m) and (remainder == 0 or runs(remainder)):
+            sizes.append(m)
     return sizes
+
+
+def fits_for_real(spec, config, global_batch_size: int, budget: int, headroom: int) -> bool:
+    """The cpu meter at the full global batch: the last word on whether a contender fits."""
+    precision, m, checkpoint = config
+    return measure_real_peak(spec, precision=precision, micro_batch_size=m, global_batch_size=global_batch_size, checkpoint=checkpoint) + headroom <= budget
+
+
+_REAL_PEAKS: dict = {}
+
+
+def measure_real_peak(spec, *, precision, micro_batch_size, global_batch_size, checkpoint) -> int:
+    key = (id(spec), precision, micro_batch_size, global_batch_size, tuple(checkpoint))
+    if key not in _REAL_PEAKS:
+        _REAL_PEAKS[key] = probe(
+            spec, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, precision=precision,
+            checkpoint=list(checkpoint), steps=2,
+        ).peak_bytes
+    return _REAL_PEAKS[key]
 
 
 def grid(case: Case, log) -> dict:
@@ -243,14 +268,23 @@ def best_of_grid(case: Case, g: dict, budget: int, headroom: int) -> list[tuple]
     fitting = [c for c in g["candidates"] if g["peaks"][c] + headroom <= budget]
     for c in fitting:
         grid_speed(case, g, c)
-    return sorted(fitting, key=lambda c: -g["speeds"][c])
+    ranked = sorted(fitting, key=lambda c: -g["speeds"][c])
+    # The simulated meter can be a few hundred bytes under the cpu meter under autocast:
+    # the leaders are checked with the cpu meter itself.
+    confirmed = []
+    for c in ranked:
+        if fits_for_real(case.spec, c, case.global_batch_size, budget, headroom):
+            confirmed.append(c)
+        if len(confirmed) == 3:
+            break
+    return confirmed
 
 
-def hand_choice(g: dict, budget: int, headroom: int, *, checkpoint_all: bool):
+def hand_choice(case: Case, g: dict, budget: int, headroom: int, *, checkpoint_all: bool):
     sets = [s for s in g["sets"] if (len(s) == len(g["blocks"]) if checkpoint_all else not s)]
     for m in g["sizes"]:  # largest first
         config = ("fp32", m, sets[0])
-        if g["peaks"][config] + headroom <= budget:
+        if g["peaks"][config] + headroom <= budget and fits_for_real(case.spec, config, case.global_batch_size, budget, headroom):
             return config
     return None
 
@@ -287,8 +321,8 @@ def run_case(key: str, case: Case, *, budgets: int, log) -> list[dict]:
         violation = again.peak_bytes + headroom > budget
         mine = (plan.precision, plan.micro_batch_size, tuple(plan.checkpoint))
         ranked = best_of_grid(case, g, budget, headroom)
-        all_ckpt = hand_choice(g, budget, headroom, checkpoint_all=True)
-        no_ckpt = hand_choice(g, budget, headroom, checkpoint_all=False)
+        all_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=True)
+        no_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=False)
         contenders = list(dict.fromkeys([mine, *ranked[:3], *(c for c in (all_ckpt, no_ckpt) if c)]))
         measured = side_by_side(case, contenders)
         best_grid = max(measured[c] for c in ranked[:3]) if ranked else float("nan")

@@ -275,6 +275,8 @@ def test_micro_batch_sizes_cover_each_step_count_once():
     assert sizes[0] == 256 and sizes[-1] == 2 and sizes == sorted(set(sizes), reverse=True)
     assert {128, 86, 64, 43, 32} <= set(sizes)
     assert _micro_batch_sizes(1, smallest=1) == [1]
+    assert 3 not in sizes  # 256 = 85 x 3 + 1: a last micro-batch of one sample
+    assert 3 in _micro_batch_sizes(256, smallest=1)
 
 
 def random_problem(rng: random.Random, n: int, shaped: bool):
