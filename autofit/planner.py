@@ -52,6 +52,8 @@ VERIFY_WITHIN = 0.75
 """Only candidates predicted at least this fraction of the best candidate's speed are worth a real probe."""
 NOISE = 0.03
 """Measured speeds this close are a tie (timing noise); the simpler configuration wins a tie."""
+VERIFY_ATTEMPTS = 5
+"""Checkpoint sets measured per (precision, micro-batch) before it is given up."""
 TIMING_ROUNDS = 2
 """Each verified candidate is timed this many times, in interleaved rounds; its fastest round counts."""
 
@@ -490,7 +492,7 @@ class _Planner:
             # Limits below are in the model's own (unscaled) bytes.
             limit = self.headroom.usable_bytes() / model.memory_scale * (1 + MODEL_SLACK)
             names = evaluation.checkpoint
-            for _attempt in range(4):
+            for _attempt in range(VERIFY_ATTEMPTS):
                 blocks = frozenset(model.blocks.index(n) for n in names)
                 raw = model.peak_bytes(precision, size, blocks) / model.memory_scale
                 if raw > limit:  # the scale learnt from an earlier measurement rules this set out
@@ -510,9 +512,8 @@ class _Planner:
                     best_predicted = best_predicted or speed
                     break
                 self.report.rejected.append({"config": config.key(), "why": f"measured peak {format_bytes(peak)} does not fit"})
-                # The model was optimistic here: ask for less than it predicted for this set, by as much as it missed, and retry.
-                overshoot = (peak + sum(self.headroom.for_peak(peak).values()) - self.budget_bytes) / model.memory_scale
-                limit = min(limit, self.headroom.usable_bytes() / model.memory_scale, raw) - overshoot - 1
+                # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
+                limit = min(limit, raw) - 1
                 choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
                 if choice is None:
                     break
