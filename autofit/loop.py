@@ -423,12 +423,17 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> to
 class RunLog:
     """metrics.jsonl (one JSON object per line) and TensorBoard events in the log dir.
 
-    The JSON line is written at once; TensorBoard's events are built on a
-    background thread, off the training step (building them costs about as
-    much as a small model's step). On resume, records after the saved position
-    (steps a killed run did but never saved) are dropped, so the log matches
-    what the weights have seen.
+    The JSON line is written at once, for every step. TensorBoard gets a
+    step's scalars at most every ``tensorboard_interval_s`` (each step when
+    steps are slower; the last step before an epoch record or a flush
+    always): building its events costs 0.1-0.25 ms a step, and on a
+    background thread it still holds the interpreter lock the training
+    thread needs to launch kernels (bench/RESULTS.md, "Loop overhead"). On
+    resume, records after the saved position (steps a killed run did but
+    never saved) are dropped, so the log matches what the weights have seen.
     """
+
+    tensorboard_interval_s = 0.2
 
     _SCALARS = {
         "step": ("loss", "lr", "samples_per_s", "memory_bytes"),
@@ -444,6 +449,9 @@ class RunLog:
         self.metrics = path.open("a")
         self.tensorboard_error: Exception | None = None
         self._events: queue.Queue = queue.Queue()
+        self._held_step: dict | None = None
+        """The latest step record not sent to TensorBoard yet (too soon after the one before)."""
+        self._sent_at = -math.inf
         self._tensorboard_thread = threading.Thread(
             target=self._write_events, args=(str(log_dir), keep_until_step + 1 if keep_until_step else None),
             name="autofit-tensorboard", daemon=True,
@@ -452,12 +460,23 @@ class RunLog:
 
     def step(self, record: dict) -> None:
         self.write(record)
-        self._events.put(record)
+        now = time.perf_counter()
+        if now - self._sent_at >= self.tensorboard_interval_s:
+            self._events.put(record)
+            self._held_step, self._sent_at = None, now
+        else:
+            self._held_step = record
 
     def epoch(self, record: dict) -> None:
         self.write(record)
+        self._send_held_step()
         self._events.put(record)
         self.flush()
+
+    def _send_held_step(self) -> None:
+        if self._held_step is not None:
+            self._events.put(self._held_step)
+            self._held_step = None
 
     def write(self, record: dict) -> None:
         self.metrics.write(json.dumps(record) + "\n")
@@ -469,6 +488,7 @@ class RunLog:
     def flush(self) -> None:
         """Everything logged so far is on disk when this returns."""
         self.metrics.flush()
+        self._send_held_step()
         self._events.put("flush")
         self._events.join()
 
@@ -505,6 +525,7 @@ class RunLog:
 
     def __exit__(self, *exc) -> None:
         self.metrics.close()
+        self._send_held_step()
         self._events.put(None)
         self._tensorboard_thread.join()
         if self.tensorboard_error is not None:

@@ -20,6 +20,8 @@ class StepResult:
 
 def to_device(tree, device: torch.device | str):
     """Copy a batch to the device. On the CPU too, so memory counts the same as on a GPU."""
+    if isinstance(tree, torch.Tensor):  # the usual case, without tree_map's 20 µs
+        return tree.to(device, copy=True, non_blocking=True)
     return tree_map(lambda t: t.to(device, copy=True, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
@@ -44,7 +46,9 @@ def train_step(
         micro_inputs, micro_targets = to_device(micro_inputs, device), to_device(micro_targets, device)
         with precision.forward_context():
             output = model(micro_inputs)
-            loss = loss_fn(output, micro_targets).float() * weight
+            loss = loss_fn(output, micro_targets).float()
+            if weight != 1.0:  # one micro-batch: x 1.0 is exact, and one kernel less
+                loss = loss * weight
         precision.backward(loss)
         total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
     stepped = precision.optimizer_step(optimizer)

@@ -248,7 +248,11 @@ def test_repeated_non_finite_loss_stops_with_advice(tmp_path, precision):
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_metrics_checkpoints_and_logs(tmp_path):
+def test_metrics_checkpoints_and_logs(tmp_path, monkeypatch):
+    from autofit.loop import RunLog
+
+    # TensorBoard then gets the first step and the last of each epoch only; metrics.jsonl every step.
+    monkeypatch.setattr(RunLog, "tensorboard_interval_s", 1e9)
     model = fresh_model()
     result = run(model, make_plan(model), tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -261,7 +265,10 @@ def test_metrics_checkpoints_and_logs(tmp_path):
 
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 11))
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 11))
+    assert [e.step for e in events.Scalars("step/loss")] == [1, 5, 10]
+    losses = {r["step"]: r["loss"] for r in records if r["kind"] == "step"}
+    assert [e.value for e in events.Scalars("step/loss")] == pytest.approx([losses[1], losses[5], losses[10]])
     assert [e.value for e in events.Scalars("epoch/val_accuracy")] == pytest.approx([r["val_accuracy"] for r in records if r["kind"] == "epoch"])
     assert result.history == epochs
 

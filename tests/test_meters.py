@@ -61,7 +61,9 @@ def test_cuda_meter_counts_the_allocator_and_the_context():
     assert cuda.meter == "cuda"
     assert cuda.breakdown["context"] > 0
     allocated = cuda.peak_bytes - cuda.breakdown["allocator_cache"] - cuda.breakdown["context"]
-    assert allocated == pytest.approx(simulated.peak_bytes, rel=0.25)
+    # Beyond the tensors the simulation sees, the allocator holds cuBLAS/cuDNN workspaces:
+    # about 92 MiB more than predicted for this small model on an H200 (bench/RESULTS.md).
+    assert simulated.peak_bytes <= allocated <= 1.1 * simulated.peak_bytes + 128 * 2**20
     assert torch.cuda.max_memory_allocated() > 0
 
 

@@ -388,3 +388,25 @@ def build_model():
 def example_batch(n):
     return torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))
 '''
+
+
+@pytest.mark.gpu
+def test_cuda_plans_fit_the_card_when_measured_again():
+    """On a real GPU: plain needs, then a budget below them; each plan re-probed on the card fits."""
+    from tests.models import resnet_spec
+
+    spec = resnet_spec()
+    generous = make_plan(spec, budget="90%", batch_size=256, device="cuda")
+    assert generous.budget_kind == "cuda-process" and generous.measured["meter"] == "cuda"
+    assert generous.checkpoint == [] and generous.grad_accum_steps == 1
+    needs = generous.measured["peak_bytes"] + sum(generous.headroom.values())
+    budget = int(needs - 0.4 * generous.measured["peak_bytes"])  # the measured peak leaves the context out
+    tight = make_plan(spec, budget=budget, batch_size=256, device="cuda")
+    assert tight.checkpoint or tight.micro_batch_size < 256 or tight.precision != generous.precision
+    for plan in (generous, tight):
+        again = probe(
+            spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
+            precision=plan.precision, checkpoint=plan.checkpoint, device="cuda",
+        )
+        margins = sum(v for k, v in plan.headroom.items() if k != "context")  # the probe's peak holds the context
+        assert again.peak_bytes + margins <= plan.budget_bytes
