@@ -59,9 +59,8 @@ class BatchSplit(Strategy):
         global batch (the last batch of an epoch), weights then follow it.
         """
         total = _batch_len(targets)
-        if total <= self.config.micro_batch_size:  # one micro-batch: the batch itself, weight exactly 1
-            yield inputs, targets, 1.0
-            return
+        # Sliced even when one micro-batch is the whole batch: through the view the
+        # cpu meter sees the host batch, as the planner's memory model counts it.
         start = 0
         while start < total:
             stop = min(start + self.config.micro_batch_size, total)
