@@ -9,7 +9,7 @@ process), one epoch of ``--steps`` steps each. They run alternately,
 ``--repeats`` times, after one warm-up of each, so drifting load on the
 machine hits both alike. Each run is timed from the outside, from the call to
 its return: the autofit side includes everything it does per run (applying the
-plan, per-step metrics.jsonl and TensorBoard logging, the progress state,
+plan, per-step metrics.jsonl, TensorBoard events (at most every 0.2 s), the progress state,
 memory readings, saving last.pt and best.pt at the epoch end: about 20 ms a
 run for this model on the CPU, under 1% of a 50-step run).
 
