@@ -110,5 +110,6 @@ def main() -> None:
         f"{speed:.0f} samples/s (estimated {estimate.predicted['samples_per_s']:.0f}); planned in {seconds:.1f} s"
     )
 
+
 if __name__ == "__main__":
     main()

@@ -79,11 +79,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def remeasure(spec, plan):
+def remeasure(spec, plan, device="cpu"):
     """The plan's settings, probed again from scratch (as `autofit probe` does)."""
     return probe(
         spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
-        precision=plan.precision, checkpoint=plan.checkpoint,
+        precision=plan.precision, checkpoint=plan.checkpoint, device=device,
     )
 
 
@@ -404,9 +404,6 @@ def test_cuda_plans_fit_the_card_when_measured_again():
     tight = make_plan(spec, budget=budget, batch_size=256, device="cuda")
     assert tight.checkpoint or tight.micro_batch_size < 256 or tight.precision != generous.precision
     for plan in (generous, tight):
-        again = probe(
-            spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
-            precision=plan.precision, checkpoint=plan.checkpoint, device="cuda",
-        )
+        again = remeasure(spec, plan, device="cuda")
         margins = sum(v for k, v in plan.headroom.items() if k != "context")  # the probe's peak holds the context
         assert again.peak_bytes + margins <= plan.budget_bytes
