@@ -33,15 +33,7 @@ def example_batch(n):
 '''
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: planning stays quick while other processes share the cores."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # planning stays quick while other processes share the cores
 
 
 @pytest.fixture
