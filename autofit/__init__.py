@@ -14,7 +14,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "probe": "autofit.probing",
+    "probe": "autofit.measure.probe",
     "load_spec": "autofit.spec",
     "spec_from_model": "autofit.spec",
     "Plan": "autofit.plan_file",
@@ -22,7 +22,7 @@ _EXPORTS = {
     "save_plan": "autofit.plan_file",
     "parse_budget": "autofit.units",
     "UserError": "autofit.errors",
-    "plan": "autofit.planner",
+    "plan": "autofit.planning.planner",
     "fit": "autofit.api",
     "apply_plan": "autofit.apply",
 }

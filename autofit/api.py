@@ -18,7 +18,7 @@ class FitResult:
     history: list[dict]
     """One record per epoch: train_loss, val_loss, val_accuracy, samples_per_s, peak_bytes, ..."""
     best_path: Path | None
-    """best.pt (best validation accuracy); load it with ``autofit.weights.load_checkpoint``."""
+    """best.pt (best validation accuracy); load it with ``autofit.training.weights.load_checkpoint``."""
     last_path: Path
     log_dir: Path
 
@@ -47,7 +47,7 @@ def fit(
 ) -> FitResult:
     """Fit ``model``'s training into ``budget`` and train it.
 
-    Without ``plan``, it plans first (``autofit.planner.make_plan``): probes
+    Without ``plan``, it plans first (``autofit.planning.planner.make_plan``): probes
     the model on example batches, searches precision, checkpointing and
     micro-batch size for ``batch_size`` samples per step under ``budget``.
 
@@ -78,7 +78,7 @@ def fit(
 
     A plan for several processes trains when this is called in every process
     of ``torchrun --nproc-per-node N your_script.py``; the process group stays
-    joined afterwards (``autofit.distributed.cleanup()`` leaves it).
+    joined afterwards (``autofit.training.distributed.cleanup()`` leaves it).
 
     Returns:
         A ``FitResult``: ``.plan``, ``.history``, ``.best_path``.
@@ -90,9 +90,9 @@ def fit(
         >>> result = autofit.fit(model, budget="8GB", train_data=train, val_data=val, batch_size=256, epochs=10)
         >>> result.history[-1]["val_accuracy"], result.best_path
     """
-    from autofit.data import datasets_data, image_folder_data, input_shape_from
-    from autofit.distributed import init_distributed, same_on_all_ranks
-    from autofit.loop import TrainSettings, default_log_dir, train
+    from autofit.training.data import datasets_data, image_folder_data, input_shape_from
+    from autofit.training.distributed import init_distributed, same_on_all_ranks
+    from autofit.training.loop import TrainSettings, default_log_dir, train
     from autofit.spec import default_optimizer, model_fingerprint, spec_from_model
 
     if not isinstance(model, nn.Module):
@@ -110,7 +110,7 @@ def fit(
     if plan is None:
         if batch_size is None:
             raise UserError("fit() needs batch_size (samples per optimizer step) to plan, or a plan=")
-        from autofit.planner import make_plan
+        from autofit.planning.planner import make_plan
 
         spec = spec_from_model(model, example_batch or _examples_from(data.train), loss_fn=loss_fn, optimizer=optimizer)
         plan = make_plan(spec, budget=budget, batch_size=batch_size, device=device)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autofit.distributed import (
+from autofit.training.distributed import (
     DistributedConfig,
     DistributedEnv,
     RankSplit,
@@ -46,7 +46,7 @@ from autofit.distributed import (
 )
 from autofit.errors import UserError
 from autofit.plan_file import Plan
-from autofit.probing import check_precision_supported
+from autofit.measure.probe import check_precision_supported
 from autofit.spec import model_fingerprint
 from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision
 

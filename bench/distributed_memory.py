@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from autofit.distributed import (  # noqa: E402
+from autofit.training.distributed import (  # noqa: E402
     RankSplit,
     ShardAwareTracker,
     cleanup,
@@ -36,9 +36,9 @@ from autofit.distributed import (  # noqa: E402
     sharded_precision,
     simulate_fsdp_peak_bytes,
 )
-from autofit.probing import probe  # noqa: E402
+from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
-from autofit.step import train_step  # noqa: E402
+from autofit.training.step import train_step  # noqa: E402
 from strategies import BatchSplitConfig, CheckpointConfig, Checkpointing  # noqa: E402
 
 WORLD_SIZE = 2

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from autofit.probing import probe  # noqa: E402
+from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
 
 GiB = 2**30

@@ -34,8 +34,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autofit.data import TrainData, epoch_order  # noqa: E402
-from autofit.loop import TrainSettings, train  # noqa: E402
+from autofit.training.data import TrainData, epoch_order  # noqa: E402
+from autofit.training.loop import TrainSettings, train  # noqa: E402
 from autofit.plan_file import Plan  # noqa: E402
 from autofit.spec import load_spec, model_fingerprint  # noqa: E402
 

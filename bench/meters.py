@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autofit.probing import probe  # noqa: E402
+from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
 

@@ -45,9 +45,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofit.cost_model import time_configuration  # noqa: E402
-from autofit.planner import InfeasibleBudget, _micro_batch_sizes, make_plan  # noqa: E402
-from autofit.probing import probe  # noqa: E402
+from autofit.planning.cost_model import time_configuration  # noqa: E402
+from autofit.planning.planner import InfeasibleBudget, _micro_batch_sizes, make_plan  # noqa: E402
+from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
 from strategies import checkpoint_candidates  # noqa: E402

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofit.distributed import (  # noqa: E402
+from autofit.training.distributed import (  # noqa: E402
     RankSplit,
     ShardAwareTracker,
     cleanup,
@@ -37,7 +37,7 @@ from autofit.distributed import (  # noqa: E402
     shard_model,
     sharded_precision,
 )
-from autofit.step import train_step  # noqa: E402
+from autofit.training.step import train_step  # noqa: E402
 from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig  # noqa: E402
 
 IN_FEATURES, WIDTH, HIDDEN, CLASSES, DEPTH = 32, 64, 256, 10, 3

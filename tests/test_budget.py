@@ -109,8 +109,8 @@ def test_cli_refuses_bad_batch_and_device(run_cli, model_file):
 
 
 def test_percent_budget_plans_against_the_machine(model_file, tmp_path):
-    from autofit.meters import device_info
-    from autofit.planner import make_plan
+    from autofit.measure.meters import device_info
+    from autofit.planning.planner import make_plan
     from autofit.spec import load_spec
 
     plan = make_plan(load_spec(str(model_file)), budget="90%", batch_size=4, precisions=["fp32"])
@@ -135,8 +135,8 @@ def test_infeasible_budget_gives_the_floor_and_the_way_out(run_cli, model_file):
 
 def test_the_floor_is_a_budget_that_works(model_file):
     """The floor message's number is honest: planning at exactly the floor succeeds and fits."""
-    from autofit.planner import InfeasibleBudget, make_plan
-    from autofit.probing import probe
+    from autofit.planning.planner import InfeasibleBudget, make_plan
+    from autofit.measure.probe import probe
     from autofit.spec import load_spec
 
     spec = load_spec(str(model_file))

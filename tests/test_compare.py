@@ -6,7 +6,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from autofit.compare import compare, configurations, format_table, to_markdown
+from autofit.tools.compare import compare, configurations, format_table, to_markdown
 from autofit.spec import load_spec
 from tests.test_evaluate import write_image_folder
 
@@ -102,7 +102,7 @@ def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_c
 
 
 def test_training_sees_the_same_batches_for_every_row(cnn_file, data_dir):
-    from autofit.compare import Configuration, _TrainingData
+    from autofit.tools.compare import Configuration, _TrainingData
 
     spec = load_spec(str(cnn_file))
     first = _TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
@@ -125,9 +125,9 @@ def test_without_data_there_are_no_training_columns(cnn_file):
 
 
 def test_plan_row_at_the_budget(cnn_file):
-    pytest.importorskip("autofit.planner")
+    pytest.importorskip("autofit.planning.planner")
     spec = load_spec(str(cnn_file))
-    from autofit.probing import probe
+    from autofit.measure.probe import probe
 
     budget = int(probe(spec, micro_batch_size=8, steps=2).peak_bytes * 0.8)  # fp32 does not fit
     comparison = compare(spec, global_batch_size=8, budget_bytes=budget, probe_steps=2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from autofit.data import datasets_data, epoch_order, image_folder_data, input_shape_from, make_loader
+from autofit.training.data import datasets_data, epoch_order, image_folder_data, input_shape_from, make_loader
 from autofit.errors import UserError
 from autofit.plan_file import Plan, save_plan
 from autofit.spec import load_spec, model_fingerprint
@@ -138,7 +138,7 @@ def project(tmp_path):
 
 
 def test_autofit_train_end_to_end(project, run_cli):
-    from autofit.weights import load_checkpoint, model_from_checkpoint
+    from autofit.training.weights import load_checkpoint, model_from_checkpoint
 
     log_dir = project["root"] / "runs" / "one"
     code, out, err = run_cli("train", "--plan", project["plan"], "--data", project["data"], "--epochs", "3",
@@ -229,6 +229,6 @@ def loss_fn(output, target):
     )
     assert done.returncode == 130, done.stderr
     assert done.stderr.count("\n") == 1 and "interrupted at epoch 1, step 3" in done.stderr and "--resume" in done.stderr
-    from autofit.weights import load_checkpoint
+    from autofit.training.weights import load_checkpoint
 
     assert load_checkpoint(log_dir / "last.pt")["training"]["position"]["global_step"] == 3

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from autofit.distributed import (
+from autofit.training.distributed import (
     DistributedConfig,
     GradientSync,
     RankSplit,
@@ -30,7 +30,7 @@ from autofit.distributed import (
     smallest_world_size,
 )
 from autofit.errors import UserError
-from autofit.probing import probe
+from autofit.measure.probe import probe
 from autofit.spec import ModelSpec
 from strategies import BatchSplitConfig
 from tests import dist_worker

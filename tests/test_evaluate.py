@@ -8,9 +8,9 @@ import torch
 from PIL import Image
 
 from autofit.errors import UserError
-from autofit.evaluate import image_folder, scores_from_confusion, validate_weights
+from autofit.tools.evaluate import image_folder, scores_from_confusion, validate_weights
 from autofit.spec import load_spec, model_fingerprint
-from autofit.weights import save_checkpoint
+from autofit.training.weights import save_checkpoint
 
 # A model that scores three image regions: logit k is the mean brightness of
 # region k (top half, bottom half, left half) times 10. Its predictions are

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autofit.errors import UserError
-from autofit.export import ExportConfig, export_weights, prune_global_l1, quantize_int8
+from autofit.tools.export import ExportConfig, export_weights, prune_global_l1, quantize_int8
 from autofit.spec import load_spec
 from tests.test_evaluate import REGION_CLASSES, write_checkpoint, write_image_folder, write_model_file
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from autofit.data import TrainData, epoch_order
+from autofit.training.data import TrainData, epoch_order
 from autofit.errors import UserError
-from autofit.loop import TrainingInterrupted, TrainSettings, cosine_schedule, train
+from autofit.training.loop import TrainingInterrupted, TrainSettings, cosine_schedule, train
 from autofit.plan_file import Plan, load_plan
 from autofit.spec import model_fingerprint
-from autofit.weights import load_checkpoint
+from autofit.training.weights import load_checkpoint
 
 FEATURES, CLASSES, SAMPLES = 16, 3, 40
 
@@ -249,7 +249,7 @@ def test_repeated_non_finite_loss_stops_with_advice(tmp_path, precision):
 
 
 def test_metrics_checkpoints_and_logs(tmp_path, monkeypatch):
-    from autofit.loop import RunLog
+    from autofit.training.loop import RunLog
 
     # TensorBoard then gets the first step and the last of each epoch only; metrics.jsonl every step.
     monkeypatch.setattr(RunLog, "tensorboard_interval_s", 1e9)
@@ -364,7 +364,7 @@ def test_cuda_training_in_mixed_precision(tmp_path, precision):
 
 
 def test_fit_without_a_plan_plans_then_trains(tmp_path):
-    pytest.importorskip("autofit.planner")
+    pytest.importorskip("autofit.planning.planner")
     import autofit
 
     model = fresh_model()

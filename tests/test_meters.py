@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autofit.probing import probe
+from autofit.measure.probe import probe
 from tests.models import resnet_spec, transformer_spec
 
 SPECS = {

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
-from autofit.memory_model import Segment
+from autofit.planning.memory_model import Segment
 from autofit.plan_file import load_plan
-from autofit.planner import InfeasibleBudget, _micro_batch_sizes, _usable_precisions, make_plan, plan_with_report
-from autofit.probing import probe
-from autofit.search import _enumerate, _prefix_knapsack, cheapest_checkpoint, peak_of
+from autofit.planning.planner import InfeasibleBudget, _micro_batch_sizes, _usable_precisions, make_plan, plan_with_report
+from autofit.measure.probe import probe
+from autofit.planning.search import _enumerate, _prefix_knapsack, cheapest_checkpoint, peak_of
 from autofit.spec import ModelSpec, default_optimizer
 from tests.models import transformer_module
 
@@ -204,7 +204,7 @@ def test_simulated_gpu_plan_without_a_gpu():
 
 def test_estimated_gpu_headroom_covers_what_an_h200_measured():
     """bench/RESULTS.md: simulated peak vs what the process held on the card (GiB), worst cases."""
-    from autofit.planner import Headroom
+    from autofit.planning.planner import Headroom
 
     GiB = 2**30
     for predicted, process in [(5.50, 7.54), (2.38, 4.54), (1.76, 3.72), (1.57, 3.43), (1.76, 3.68), (4.57, 6.02)]:
@@ -223,7 +223,7 @@ def test_all_precisions_are_measured_not_assumed():
 
 
 def report_model(report):
-    from autofit.cost_model import CostModel
+    from autofit.planning.cost_model import CostModel
 
     return CostModel.from_dict(report.cost_model)
 
@@ -336,7 +336,7 @@ def test_prefix_knapsack_scales_to_many_blocks():
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_memory_model_matches_the_meter(name):
     """The trace model against the exact simulated meter on random configurations."""
-    from autofit.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 
     spec = SPECS[name]()
     G = BATCH[name]

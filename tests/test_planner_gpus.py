@@ -14,10 +14,10 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from autofit.distributed import micro_batch_count
+from autofit.training.distributed import micro_batch_count
 from autofit.errors import UserError
 from autofit.plan_file import load_plan, save_plan
-from autofit.planner import InfeasibleBudget, _gradient_bytes, make_plan, plan_with_report
+from autofit.planning.planner import InfeasibleBudget, _gradient_bytes, make_plan, plan_with_report
 from autofit.spec import load_spec
 from tests.conftest import ROOT
 

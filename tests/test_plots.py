@@ -7,7 +7,7 @@ from matplotlib import colors
 from matplotlib.image import imread
 
 from autofit.errors import UserError
-from autofit.plots import find_runs, plot_runs, read_metrics
+from autofit.tools.plots import find_runs, plot_runs, read_metrics
 
 BLUE, ORANGE = (np.array(colors.to_rgb(c)) for c in ("#1f77b4", "#ff7f0e"))  # the first two default line colours
 

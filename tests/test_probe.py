@@ -3,7 +3,7 @@ import json
 import pytest
 
 from autofit.errors import UserError
-from autofit.probing import probe
+from autofit.measure.probe import probe
 from autofit.spec import load_spec
 from tests.conftest import EXAMPLES
 

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autofit.errors import UserError
-from autofit.step import train_step
+from autofit.training.step import train_step
 from strategies import (
     BatchSplit,
     BatchSplitConfig,

@@ -3,7 +3,7 @@ import gc
 import torch
 from torch import nn
 
-from autofit.tracker import StorageTracker
+from autofit.measure.tracker import StorageTracker
 
 
 def test_counts_storages_created_and_freed():

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from autofit.apply import AppliedPlan
-from autofit.distributed import DistributedEnv
+from autofit.training.distributed import DistributedEnv
 from autofit.errors import UserError
 from autofit.plan_file import Plan, save_plan
-from autofit.weights import load_checkpoint
+from autofit.training.weights import load_checkpoint
 from strategies import BatchSplit, BatchSplitConfig, Precision, PrecisionConfig
 from tests.conftest import ROOT
 

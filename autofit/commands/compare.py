@@ -24,9 +24,9 @@ def compare(
     num_classes: int = NUM_CLASSES,
 ) -> None:
     """fp32, AMP, checkpointing every block, both, and autofit's plan: peak memory and speed side by side."""
-    from autofit.compare import compare as run_compare
-    from autofit.compare import format_table, save_comparison
-    from autofit.meters import device_info
+    from autofit.tools.compare import compare as run_compare
+    from autofit.tools.compare import format_table, save_comparison
+    from autofit.measure.meters import device_info
     from autofit.spec import load_spec
     from autofit.units import parse_budget
 

@@ -19,7 +19,7 @@ def export(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Global L1 pruning, dynamic int8 quantization, TorchScript/ONNX; file size and accuracy before and after."""
-    from autofit.export import ExportConfig, export_weights, format_report
+    from autofit.tools.export import ExportConfig, export_weights, format_report
 
     config = ExportConfig(prune_amount=prune, quantize=quantize, format=file_format)
     report = export_weights(weights, config=config, out=out, data=data, batch_size=batch_size)

@@ -30,7 +30,7 @@ def plan(
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
     from autofit.plan_file import save_plan
-    from autofit.planner import plan_with_report, print_progress
+    from autofit.planning.planner import plan_with_report, print_progress
     from autofit.spec import load_spec
 
     if device not in DEVICES:

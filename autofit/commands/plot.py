@@ -12,7 +12,7 @@ def plot(
     out: str = typer.Option("curves.png", "--out", help="The PNG to write."),
 ) -> None:
     """Loss, accuracy, learning rate, samples/s and memory against the budget; several runs overlaid."""
-    from autofit.plots import find_runs, plot_runs
+    from autofit.tools.plots import find_runs, plot_runs
 
     runs = find_runs(log_dir)
     path = plot_runs(runs, out)

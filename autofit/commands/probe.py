@@ -25,9 +25,9 @@ def probe(
     num_classes: int = NUM_CLASSES,
 ) -> None:
     """Run a few real optimizer steps of ONE configuration; report peak bytes and samples/s."""
-    from autofit.blocks import profile_blocks
-    from autofit.meters import device_info
-    from autofit.probing import probe as run_probe
+    from autofit.measure.blocks import profile_blocks
+    from autofit.measure.meters import device_info
+    from autofit.measure.probe import probe as run_probe
     from autofit.spec import load_spec
 
     if device not in ("cpu", "cuda"):

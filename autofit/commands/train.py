@@ -51,10 +51,10 @@ def train(
 def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, save_every, max_steps, seed) -> None:
     import torch
 
-    from autofit.data import image_folder_data, input_shape_from, model_file_data
-    from autofit.distributed import DistributedConfig, check_launch, cleanup, init_distributed, is_rank0, same_on_all_ranks
-    from autofit.loop import TrainingInterrupted, TrainSettings, default_log_dir
-    from autofit.loop import train as run_training
+    from autofit.training.data import image_folder_data, input_shape_from, model_file_data
+    from autofit.training.distributed import DistributedConfig, check_launch, cleanup, init_distributed, is_rank0, same_on_all_ranks
+    from autofit.training.loop import TrainingInterrupted, TrainSettings, default_log_dir
+    from autofit.training.loop import train as run_training
     from autofit.plan_file import load_plan
     from autofit.spec import load_spec
 

@@ -17,8 +17,8 @@ def val(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Accuracy, macro and per-class precision/recall/F1, and the confusion matrix."""
-    from autofit.evaluate import format_evaluation, validate_weights
-    from autofit.meters import device_info
+    from autofit.tools.evaluate import format_evaluation, validate_weights
+    from autofit.measure.meters import device_info
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r} is unknown; use cpu or cuda")

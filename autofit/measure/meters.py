@@ -23,7 +23,7 @@ from torch import nn
 
 from autofit._torch_private import new_fake_mode
 from autofit.errors import UserError
-from autofit.tracker import StorageTracker
+from autofit.measure.tracker import StorageTracker
 
 CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every block up to this."""

@@ -11,7 +11,7 @@ The pieces the shared loop calls when a plan has ``world_size > 1``:
   micro-batches, so that the gradient the ranks average equals the gradient
   of the mean loss over the whole global batch, and defers the gradient
   reduction to the last micro-batch (``no_sync`` / ``set_requires_gradient_sync``).
-  It has ``BatchSplit``'s interface, so ``autofit.step.train_step`` runs it
+  It has ``BatchSplit``'s interface, so ``autofit.training.step.train_step`` runs it
   unchanged.
 - ``save_sharded_checkpoint`` / ``load_sharded_checkpoint`` write and read
   model and optimizer with ``torch.distributed.checkpoint`` (each rank its
@@ -53,7 +53,7 @@ from torch import nn
 
 from autofit._torch_private import tree_map
 from autofit.errors import UserError
-from autofit.tracker import StorageTracker
+from autofit.measure.tracker import StorageTracker
 from strategies.base import Strategy
 from strategies.batch_split import BatchSplitConfig
 from strategies.checkpointing import checkpoint_candidates
@@ -909,7 +909,7 @@ def simulate_fsdp_peak_bytes(
         backend: "nccl" (CUDA) or "gloo" (CPU).
 
     Returns:
-        An ``autofit.meters.Measurement``: peak bytes and the breakdown at the peak
+        An ``autofit.measure.meters.Measurement``: peak bytes and the breakdown at the peak
         (with "gloo_reduce_scatter_copy" for gloo).
 
     Raises:
@@ -919,8 +919,8 @@ def simulate_fsdp_peak_bytes(
     from torch.distributed.device_mesh import init_device_mesh
 
     from autofit._torch_private import fake_process_group_store, new_fake_mode
-    from autofit.meters import Measurement
-    from autofit.step import train_step
+    from autofit.measure.meters import Measurement
+    from autofit.training.step import train_step
     from strategies import CheckpointConfig, Checkpointing, Precision, PrecisionConfig
 
     if dist.is_initialized():

@@ -10,10 +10,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autofit._torch_private import tree_leaves
-from autofit.meters import make_meter
+from autofit.measure.meters import make_meter
 from autofit.spec import ModelSpec
 from strategies import Precision, PrecisionConfig, checkpoint_candidates
-from autofit.step import to_device
+from autofit.training.step import to_device
 
 
 @dataclass(kw_only=True, slots=True)

@@ -2,7 +2,7 @@
 
 Read ``train`` top to bottom: apply the plan, build the optimizer and the
 schedule, maybe resume, then epochs of steps, each step being
-``autofit.step.train_step`` (the step the probe measures) over one global
+``autofit.training.step.train_step`` (the step the probe measures) over one global
 batch, then validation and checkpoints. Strategies live in ``apply_plan``;
 the loop never asks which precision or split it runs.
 
@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
-from autofit.data import TrainData, epoch_order, make_loader
-from autofit.distributed import (
+from autofit.training.data import TrainData, epoch_order, make_loader
+from autofit.training.distributed import (
     any_rank,
     full_model_state_dict,
     is_rank0,
@@ -53,12 +53,12 @@ from autofit.distributed import (
     sum_across_ranks,
 )
 from autofit.errors import UserError
-from autofit.meters import release_device_memory
+from autofit.measure.meters import release_device_memory
 from autofit.plan_file import Plan, plan_from_dict, save_plan
 from autofit.spec import model_fingerprint
-from autofit.step import StepResult, to_device, train_step
+from autofit.training.step import StepResult, to_device, train_step
 from autofit.units import format_bytes
-from autofit.weights import load_checkpoint, save_checkpoint
+from autofit.training.weights import load_checkpoint, save_checkpoint
 
 
 @dataclass(kw_only=True, slots=True)

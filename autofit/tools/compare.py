@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from autofit.errors import UserError
-from autofit.meters import release_device_memory
+from autofit.measure.meters import release_device_memory
 from autofit.spec import ModelSpec
 
 AMP_PRECISIONS = ("bf16", "fp16")
@@ -83,7 +83,7 @@ class Comparison:
 
 def runnable_amp_precisions(device: str) -> list[str]:
     """The AMP precisions this device runs: a tiny forward and backward under each autocast."""
-    from autofit.probing import check_precision_supported
+    from autofit.measure.probe import check_precision_supported
 
     runnable = []
     for precision in AMP_PRECISIONS:
@@ -113,7 +113,7 @@ def plan_configuration(
     spec: ModelSpec, *, budget_bytes: int, global_batch_size: int, device: str, log: Callable[[str], None] | None = None,
 ) -> Configuration:
     """autofit's own choice at the budget, from the planner."""
-    from autofit.planner import make_plan
+    from autofit.planning.planner import make_plan
 
     plan = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device, log=log)
     blocks = list(plan.checkpoint)
@@ -156,7 +156,7 @@ def compare(
     Raises:
         UserError: a bad setting, a missing data folder, or data the model cannot take.
     """
-    from autofit.probing import probe
+    from autofit.measure.probe import probe
 
     if global_batch_size < 1:
         raise UserError(f"--batch-size {global_batch_size} must be at least 1")
@@ -247,7 +247,7 @@ class _TrainingData:
 
     @classmethod
     def load(cls, spec: ModelSpec, data: str | Path, *, global_batch_size: int, steps: int, seed: int) -> "_TrainingData":
-        from autofit.evaluate import image_folder, input_shape_of
+        from autofit.tools.evaluate import image_folder, input_shape_of
 
         root = Path(data)
         if not root.is_dir():
@@ -276,8 +276,8 @@ class _TrainingData:
 
     def train_and_score(self, spec: ModelSpec, config: Configuration, *, device: str, seed: int) -> TrainingOutcome:
         """Train a fresh model (same seed) on the prepared batches as `autofit train` would; score it in fp32 eval mode."""
-        from autofit.evaluate import evaluate
-        from autofit.step import train_step
+        from autofit.tools.evaluate import evaluate
+        from autofit.training.step import train_step
         from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig
 
         torch.manual_seed(seed)

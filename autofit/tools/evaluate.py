@@ -146,7 +146,7 @@ def _load_image(path: str, *, mode: str):
 
 def load_model_for_eval(weights: str | Path) -> tuple[dict, nn.Module, ModelSpec]:
     """Load a checkpoint, rebuild its model with the weights, in eval mode on the CPU."""
-    from autofit.weights import load_checkpoint, model_from_checkpoint
+    from autofit.training.weights import load_checkpoint, model_from_checkpoint
 
     checkpoint = load_checkpoint(weights)
     model, spec = model_from_checkpoint(checkpoint, where=f"weights {str(weights)!r}")

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from autofit.errors import UserError
-from autofit.memory_model import Segment
+from autofit.planning.memory_model import Segment
 
 BRUTE_FORCE_LIMIT = 256
 """Outer spaces up to this many (precision, micro-batch) points are enumerated; larger ones use TPE."""

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autofit.memory_model import MemoryTrace, Segment, trace_memory
+from autofit.planning.memory_model import MemoryTrace, Segment, trace_memory
 from autofit.spec import ModelSpec
-from autofit.step import to_device
+from autofit.training.step import to_device
 from strategies import BatchSplitConfig, Checkpointing, CheckpointConfig, Precision, PrecisionConfig, checkpoint_candidates
 
 SLOW_PRECISION_RATIO = 3.0
@@ -389,7 +389,7 @@ def flop_speed_costs(
     operator launch; the optimizer step reads and writes its state at an
     assumed memory bandwidth.
     """
-    from autofit.blocks import profile_blocks
+    from autofit.measure.blocks import profile_blocks
 
     size = max(sizes)
     profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
@@ -419,7 +419,7 @@ def flop_speed_costs(
 def _forward_flops(spec: ModelSpec, size: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from autofit.meters import SimulatedMeter
+    from autofit.measure.meters import SimulatedMeter
 
     meter = SimulatedMeter(for_device="cpu")
     with meter.environment():
@@ -498,7 +498,7 @@ def time_configuration(
     first step is a warm-up and is not timed; of the others the fastest
     counts (other work on the machine only ever slows a step down).
     """
-    from autofit.step import train_step
+    from autofit.training.step import train_step
     from strategies import BatchSplit
 
     device_ = torch.device(device)

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from autofit.errors import UserError
-from autofit.meters import make_meter, release_device_memory
+from autofit.measure.meters import make_meter, release_device_memory
 from autofit.spec import ModelSpec
-from autofit.step import train_step
+from autofit.training.step import train_step
 from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig
 
 

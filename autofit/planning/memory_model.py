@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from autofit._torch_private import tree_leaves
-from autofit.meters import SimulatedMeter
+from autofit.measure.meters import SimulatedMeter
 from autofit.spec import ModelSpec
-from autofit.step import train_step
-from autofit.tracker import StorageTracker
+from autofit.training.step import train_step
+from autofit.measure.tracker import StorageTracker
 from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig, checkpoint_candidates
 
 # Micro-steps of the traced run (2 optimizer steps of 2 micro-batches each).

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit.errors import UserError
-from autofit.meters import release_device_memory
-from autofit.memory_model import simulation_spec
+from autofit.measure.meters import release_device_memory
+from autofit.planning.memory_model import simulation_spec
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes, parse_budget
@@ -271,7 +271,7 @@ class _Planner:
     def __init__(
         self, spec: ModelSpec, *, budget, batch_size, device, simulate, device_memory, study, precisions, num_classes, log
     ) -> None:
-        from autofit.meters import device_info
+        from autofit.measure.meters import device_info
 
         if device not in ("cpu", "cuda"):
             raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
@@ -304,7 +304,7 @@ class _Planner:
         self.measured_context = 0
 
     def run(self) -> PlanReport:
-        from autofit.cost_model import CostModel
+        from autofit.planning.cost_model import CostModel
 
         start = time.perf_counter()
         G = self.global_batch_size
@@ -335,7 +335,7 @@ class _Planner:
 
     # -- 1. memory -----------------------------------------------------------------
     def _memory_model(self):
-        from autofit.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+        from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 
         G = self.global_batch_size
         smallest, low_trace = self._smallest_runnable()
@@ -352,7 +352,7 @@ class _Planner:
 
     def _smallest_runnable(self):
         """The smallest micro-batch the model trains with (BatchNorm refuses 1 sample per channel)."""
-        from autofit.memory_model import trace_memory
+        from autofit.planning.memory_model import trace_memory
 
         errors = []
         for size in _micro_batch_sizes(self.global_batch_size, smallest=1)[::-1]:
@@ -417,7 +417,7 @@ class _Planner:
 
     # -- 2. speed ----------------------------------------------------------------------
     def _speed_model(self) -> None:
-        from autofit.cost_model import flop_speed_costs, time_precisions
+        from autofit.planning.cost_model import flop_speed_costs, time_precisions
 
         sizes = _timing_sizes(self.sizes)
         if self.simulate:
@@ -436,8 +436,8 @@ class _Planner:
 
     # -- 3. search ---------------------------------------------------------------------
     def _search(self):
-        from autofit.search import cheapest_checkpoint, search
-        from autofit.search import Evaluation
+        from autofit.planning.search import cheapest_checkpoint, search
+        from autofit.planning.search import Evaluation
 
         model, G = self.model, self.global_batch_size
         limit = self.headroom.usable_bytes() / model.memory_scale
@@ -472,7 +472,7 @@ class _Planner:
     # -- 4. verification -----------------------------------------------------------------
     def _verify(self, evaluations) -> dict:
         """Exact memory for the best predicted candidates, then real probes; the fastest that fits wins."""
-        from autofit.search import cheapest_checkpoint
+        from autofit.planning.search import cheapest_checkpoint
 
         model, G = self.model, self.global_batch_size
         # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
@@ -574,7 +574,7 @@ class _Planner:
         Two micro-batches stand for all of them (later micro-steps repeat the
         second), and the host's global batch is added for the samples not traced.
         """
-        from autofit.probing import probe
+        from autofit.measure.probe import probe
 
         key = config.key()
         if key not in self.exact_cache:
@@ -598,7 +598,7 @@ class _Planner:
         for all of them, as in ``_exact_peak``). Speed: plain training steps of
         the whole global batch, timed without the meter's bookkeeping.
         """
-        from autofit.cost_model import time_configuration
+        from autofit.planning.cost_model import time_configuration
 
         key = config.key()
         if key not in self._verified:
@@ -626,7 +626,7 @@ class _Planner:
 
     def _retime(self, config: Config) -> float:
         """Time a measured configuration once more (up to TIMING_ROUNDS in all); its fastest round counts."""
-        from autofit.cost_model import time_configuration
+        from autofit.planning.cost_model import time_configuration
 
         entry = self._verified[config.key()]
         if not entry.get("oom") and entry.get("timing_rounds", 1) < TIMING_ROUNDS:
@@ -640,7 +640,7 @@ class _Planner:
 
     def _real_peak(self, config: Config) -> tuple[int, dict, int]:
         """The device meter's peak of a configuration (less the GPU context), its breakdown, and the context."""
-        from autofit.probing import probe
+        from autofit.measure.probe import probe
 
         key = config.key()
         if key not in self.real_peak_cache:
@@ -800,14 +800,14 @@ class _Planner:
         return f"{self._study_prefix}budget{self.budget_bytes}"
 
     def _stored(self, key: str):
-        from autofit.search import stored_attribute
+        from autofit.planning.search import stored_attribute
 
         return stored_attribute(self.study, prefix=self._study_prefix, key=key)
 
     def _store(self, key: str, value) -> None:
         if self.study is None:
             return
-        from autofit.search import open_study
+        from autofit.planning.search import open_study
 
         open_study(self.study_name, storage=self.study).set_user_attr(key, value)
 
@@ -864,7 +864,7 @@ class _RanksPlanner:
 
     def _ddp(self, report: PlanReport, *, budget_bytes: int, allowance: int) -> PlanReport:
         """The one-process plan of a rank's share, restated for N processes under DDP."""
-        from autofit.distributed import micro_batch_count
+        from autofit.training.distributed import micro_batch_count
 
         plan = report.plan
         plan.budget_bytes = budget_bytes
@@ -885,8 +885,8 @@ class _RanksPlanner:
 
     def _fsdp(self, rank: _Planner) -> PlanReport:
         """FSDP2: per-rank candidates ranked by the conservative estimate, the fastest verified by simulation."""
-        from autofit.distributed import estimate_fsdp_peak_bytes, fsdp_layout, micro_batch_count, simulate_fsdp_peak_bytes
-        from autofit.search import cheapest_checkpoint
+        from autofit.training.distributed import estimate_fsdp_peak_bytes, fsdp_layout, micro_batch_count, simulate_fsdp_peak_bytes
+        from autofit.planning.search import cheapest_checkpoint
 
         N, G = self.world_size, self.global_batch_size
         if getattr(rank, "model", None) is None:
@@ -1012,7 +1012,7 @@ def gpus_for(spec: ModelSpec, *, breakdown: dict[str, int], precision: str, usab
     By ``smallest_world_size`` (a conservative estimate: fewer may do); None when
     no number of GPUs fits.
     """
-    from autofit.distributed import fsdp_layout, smallest_world_size
+    from autofit.training.distributed import fsdp_layout, smallest_world_size
 
     state = {key: breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
     activations = sum(value for key, value in breakdown.items() if key not in state)

@@ -1,0 +1,1 @@
+"""Planning MANY configurations: memory and speed models, the search, verification and plan writing."""

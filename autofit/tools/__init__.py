@@ -1,0 +1,1 @@
+"""What comes after training: validation, curve plots, the before/after comparison and export."""

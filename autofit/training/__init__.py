@@ -1,0 +1,1 @@
+"""Training ONE plan: the step, the shared loop, run logs, checkpoints, data and several processes."""
