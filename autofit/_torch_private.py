@@ -4,11 +4,23 @@ A PyTorch release that moves one of these can only break this file.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["FakeTensorMode", "TorchDispatchMode", "fake_process_group_store", "new_fake_mode", "tree_leaves", "tree_map"]
+__all__ = [
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "fake_process_group_store",
+    "new_fake_mode",
+    "storage_resizes",
+    "tree_leaves",
+    "tree_map",
+]
 
 
 def new_fake_mode() -> FakeTensorMode:
@@ -24,3 +36,27 @@ def fake_process_group_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+@contextmanager
+def storage_resizes(callback: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Call ``callback(storage)`` after every ``UntypedStorage.resize_`` while the context is open.
+
+    FSDP2 frees and re-allocates each unit's unsharded parameters by resizing
+    their storage, which reaches no ATen op and so no dispatch mode. PyTorch's
+    own ``torch.distributed._tools.mem_tracker.MemTracker`` wraps the method
+    the same way; here the wrapper lives only inside this context, is put back
+    on exit (also after an error), and chains to whatever was installed before.
+    """
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        result = original(storage, size)
+        callback(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original

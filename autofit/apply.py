@@ -1,21 +1,23 @@
-"""``apply_plan``: the one place that applies a plan's strategies, in one fixed order.
+"""The one owner of the strategies: ``apply_config`` builds every strategy and applies them in one fixed order.
 
-The shared loop uses it, and so can anyone who keeps their own loop::
+The probe, the planner's memory traces and timings, the per-rank simulation,
+``compare`` and training all go through it, so what is measured is what trains.
+``apply_plan`` is the same for a plan file, and so can anyone who keeps their
+own loop::
 
     applied = autofit.apply_plan(model, autofit.load_plan("plan.json"))
     optimizer = torch.optim.AdamW(applied.model.parameters())
     for inputs, targets in loader:                       # one global batch
         for micro_inputs, micro_targets, weight in applied.micro_batches(inputs, targets):
             micro_inputs, micro_targets = micro_inputs.to(applied.device), micro_targets.to(applied.device)
-            with applied.autocast():
+            with applied.forward_context():
                 loss = loss_fn(applied.model(micro_inputs), micro_targets) * weight
-            applied.scaler.scale(loss).backward()
-        applied.scaler.step(optimizer)
-        applied.scaler.update()
+            applied.backward(loss)
+        applied.optimizer_step(optimizer)
         optimizer.zero_grad()
 
-The scaler is a disabled GradScaler unless the plan says fp16, so this code is
-the same for every precision.
+The hooks do nothing for a strategy that is off (fp32 has no autocast and a
+disabled GradScaler), so this code is the same for every plan.
 
 A plan for several processes (``world_size`` > 1) is applied the same way in
 each process that ``torchrun --nproc-per-node N`` starts: ``apply_plan`` joins
@@ -26,45 +28,81 @@ code above does not change. ``.env`` says which rank this process is.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from autofit.training.distributed import (
-    DistributedConfig,
-    DistributedEnv,
-    RankSplit,
-    gradient_sync,
-    init_distributed,
-    launched_world_size,
-    micro_batch_count,
-    shard_model,
-    sharded_precision,
+from autofit.errors import UserError
+from autofit.measure.meters import check_device
+from autofit.plan_file import Plan
+from autofit.spec import model_fingerprint
+from autofit.training.distributed import DistributedEnv, init_distributed, launched_world_size
+from strategies import (
+    BatchSplit,
+    BatchSplitConfig,
+    CheckpointConfig,
+    Checkpointing,
+    Precision,
+    PrecisionConfig,
+    Sharding,
+    ShardingConfig,
+    Strategy,
     unwrap_model,
 )
-from autofit.errors import UserError
-from autofit.plan_file import Plan
-from autofit.measure.probe import check_precision_supported
-from autofit.spec import model_fingerprint
-from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """One point of the search space: every strategy's choice for one model.
+
+    A plan file holds the same choices (``plan_config``); the planner scores
+    and measures these.
+    """
+
+    global_batch_size: int
+    """Samples per optimizer step over all processes."""
+    micro_batch_size: int
+    """Samples per forward/backward in one process."""
+    precision: str = "fp32"
+    """"fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
+    checkpoint: list[str] = field(default_factory=list)
+    """Block names whose forward recomputes in backward ("all" for every candidate)."""
+    sharding: str = "none"
+    """"none", "ddp" or "fsdp"."""
+    world_size: int = 1
+    """Processes training together."""
+
+
+def plan_config(plan: Plan) -> TrainingConfig:
+    """The strategy choices a plan file holds."""
+    return TrainingConfig(
+        global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+        checkpoint=list(plan.checkpoint), sharding=plan.sharding, world_size=plan.world_size,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
 class AppliedPlan:
-    """A model rewritten for a plan, and the helpers one training step needs."""
+    """A model rewritten for a configuration, and the hooks one training step calls.
+
+    The step calls every hook whatever the configuration: a strategy that is
+    off does nothing in it.
+    """
 
     model: nn.Module
     """The model passed in, rewritten in place and moved to ``device``; on several processes
     sharded in place (FSDP2) or wrapped in ``DistributedDataParallel`` (DDP)."""
     precision: Precision
     """Autocast for the forward, GradScaler for backward and step (both off for fp32)."""
-    split: BatchSplit | RankSplit
+    split: BatchSplit
     """Cuts a global batch into weighted micro-batches (this rank's share of it on several processes)."""
     device: torch.device
     env: DistributedEnv
     """This process's rank among ``world_size`` (rank 0 of 1 for a one-device plan)."""
+    strategies: tuple[Strategy, ...]
+    """Every strategy, in the order they were applied."""
 
     @property
     def module(self) -> nn.Module:
@@ -73,15 +111,33 @@ class AppliedPlan:
 
     @property
     def scaler(self) -> torch.amp.GradScaler:
-        """The plan's GradScaler; a disabled one (scale 1, plain step) unless fp16."""
+        """The GradScaler; a disabled one (scale 1, plain step) unless fp16."""
         return self.precision.scaler
 
+    def forward_context(self) -> AbstractContextManager:
+        """The context of one micro-batch's forward and loss: every strategy's, entered in order."""
+        contexts = [c for c in (s.forward_context() for s in self.strategies) if not isinstance(c, nullcontext)]
+        if len(contexts) <= 1:  # the usual case: no ExitStack per micro-batch
+            return contexts[0] if contexts else nullcontext()
+        stack = ExitStack()
+        for context in contexts:
+            stack.enter_context(context)
+        return stack
+
     def autocast(self) -> AbstractContextManager:
-        """The forward's autocast context (a null context for fp32)."""
-        return self.precision.forward_context()
+        """The forward's context (kept for loops written against earlier releases)."""
+        return self.forward_context()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's weighted loss (scaled for fp16)."""
+        self.precision.backward(loss)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The optimizer step; False when fp16's GradScaler skipped it (inf/nan gradients)."""
+        return self.precision.optimizer_step(optimizer)
 
     def micro_batches(self, inputs, targets) -> Iterator[tuple[object, object, float]]:
-        """Yield (inputs, targets, loss_weight) per micro-batch; the weights sum to 1."""
+        """Yield (inputs, targets, loss_weight) per micro-batch of this process; the weights sum to 1 over all ranks."""
         return self.split.micro_batches(inputs, targets)
 
     @property
@@ -91,8 +147,7 @@ class AppliedPlan:
     @property
     def grad_accum_steps(self) -> int:
         """Micro-batches per optimizer step in this process."""
-        config = self.split.config
-        return micro_batch_count(config.global_batch_size, world_size=self.env.world_size, micro_batch_size=config.micro_batch_size)
+        return self.split.grad_accum_steps
 
     def halve_micro_batch(self) -> None:
         """After an out-of-memory error: half the micro-batch, so twice the accumulation.
@@ -116,13 +171,89 @@ class AppliedPlan:
                 "out of memory with a micro-batch of 1 sample; re-plan with a lower --budget, "
                 "more checkpointed blocks or --precision bf16, or free memory on the device"
             )
-        self.split = BatchSplit(
-            BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size // 2)
-        )
+        split = BatchSplit(BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size // 2))
+        self.strategies = tuple(split if strategy is self.split else strategy for strategy in self.strategies)
+        self.split = split
+
+
+def apply_config(
+    model: nn.Module,
+    config: TrainingConfig,
+    *,
+    device: str | torch.device,
+    env: DistributedEnv | None = None,
+    mesh=None,
+    defer_gradient_sync: bool = True,
+    use_scaler: bool = True,
+    init_scale: float = 2.0**16,
+) -> AppliedPlan:
+    """Build every strategy of ``config`` and apply them to ``model`` in the one fixed order.
+
+    Args:
+        model: rewritten in place (parameter names and the state_dict do not change).
+        config: the strategy choices.
+        device: where the model trains (this rank's device on several processes).
+        env: this process's place among the ranks; default rank 0 of 1.
+        mesh: the ``DeviceMesh`` FSDP2 shards over (default all ranks; the
+            per-rank simulation passes one over a fake process group).
+        defer_gradient_sync: on several processes, reduce gradients once per step.
+        use_scaler: False keeps fp16's GradScaler off (the simulated meter
+            cannot run its data-dependent inf check).
+        init_scale: fp16's first loss scale; the probe and the timings start
+            at 1 so that their few steps step like steady training does.
+
+    Returns:
+        An ``AppliedPlan``: the model and the step's hooks.
+
+    Raises:
+        UserError: a block name that is not a candidate, an unknown precision
+            or sharding, a micro-batch larger than the batch.
+    """
+    device = torch.device(device)
+    env = env or DistributedEnv(rank=0, world_size=1, local_rank=0, device=device)
+    checkpointing = Checkpointing(CheckpointConfig(blocks=config.checkpoint))
+    sharding = Sharding(
+        ShardingConfig(sharding=config.sharding, world_size=config.world_size),
+        precision=config.precision, device=env.device, mesh=mesh, defer_gradient_sync=defer_gradient_sync,
+    )
+    precision = Precision(
+        PrecisionConfig(precision=config.precision), device_type=env.device.type,
+        use_scaler=use_scaler, init_scale=init_scale, sharded_gradients=sharding.sharded,
+    )
+    # The order is fixed, and each step says why it comes where it does.
+    # 1. Checkpointing first: it finds blocks by their module names and patches
+    #    their forward; any wrapper applied before it would rename or hide them.
+    model = checkpointing.apply(model)
+    if any(t.device != env.device for t in [*model.parameters(), *model.buffers()]):
+        model = model.to(env.device)  # (fake tensors cannot be moved, even to where they are)
+    # 2. Sharding (FSDP2 / DDP; nothing on one process): after checkpointing, so
+    #    each sharded unit holds its checkpointed block (the recompute in backward
+    #    then gathers the parameters it needs), and before the optimizer is built,
+    #    which must see the sharded parameters.
+    model = sharding.apply(model)
+    # 3. Precision: the forward's autocast and the GradScaler (a sharded one that
+    #    agrees across ranks on skipped fp16 steps under FSDP). They shape the
+    #    step, not the model, so they wrap whatever the steps above produced.
+    # 4. Batch split last: it only decides how a global batch reaches the model;
+    #    on several processes each rank takes its share, and gradients are
+    #    reduced once, after the last micro-batch (the sharding's sync).
+    split = BatchSplit(
+        BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size),
+        rank=env.rank, world_size=env.world_size, sync=sharding.sync,
+    )
+    return AppliedPlan(
+        model=model, precision=precision, split=split, device=env.device, env=env,
+        strategies=(checkpointing, sharding, precision, split),
+    )
+
+
+def checkpointed_blocks(model: nn.Module) -> list[str]:
+    """Names of the blocks ``apply_config`` made recompute in backward."""
+    return Checkpointing.applied_blocks(model)
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | None = None) -> AppliedPlan:
-    """Apply ``plan`` to ``model`` and return it with the step helpers.
+    """Apply ``plan`` to ``model`` and return it with the step's hooks.
 
     Args:
         model: the model the plan was made for; rewritten in place (parameter
@@ -133,8 +264,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
             processes: GPU ``LOCAL_RANK`` of that type, or the CPU).
 
     Returns:
-        An ``AppliedPlan``: ``.model``, ``.autocast()``, ``.scaler``,
-        ``.micro_batches(inputs, targets)``, ``.device``, ``.env``.
+        An ``AppliedPlan``: ``.model``, ``.forward_context()``, ``.backward(loss)``,
+        ``.optimizer_step(optimizer)``, ``.micro_batches(inputs, targets)``, ``.device``, ``.env``.
 
     Raises:
         UserError: the plan was made for another model (its fingerprint differs),
@@ -143,7 +274,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
 
     Example:
         >>> applied = apply_plan(model, load_plan("plan.json"))
-        >>> with applied.autocast():
+        >>> with applied.forward_context():
         ...     output = applied.model(inputs)
     """
     expected = plan.model.get("fingerprint")
@@ -154,37 +285,12 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
             f"parameter names or shapes differ); re-plan with `autofit plan` for this model"
         )
     device = torch.device(device or plan.device.get("type") or "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("the plan is for a CUDA device, but none is visible; re-plan with --device cpu or train on a GPU machine")
-    check_precision_supported(plan.precision, device.type)
-    env = _join_processes(DistributedConfig(world_size=plan.world_size, sharding=plan.sharding), device=device)
-
-    # The order is fixed, and each step says why it comes where it does.
-    # 1. Checkpointing first: it finds blocks by their module names and patches
-    #    their forward; any wrapper applied before it would rename or hide them.
-    model = Checkpointing(CheckpointConfig(blocks=list(plan.checkpoint))).apply(model)
-    model = model.to(env.device)
-    # 2. Sharding (FSDP2 / DDP; unchanged on one device): after checkpointing, so
-    #    each sharded unit holds its checkpointed block (the recompute in backward
-    #    then gathers the parameters it needs), and before the optimizer is built,
-    #    which must see the sharded parameters.
-    model = shard_model(model, sharding=plan.sharding, precision=plan.precision, device=env.device)
-    # 3. Precision: the forward's autocast and the GradScaler (one that agrees
-    #    across ranks on skipped fp16 steps under FSDP). They shape the step, not
-    #    the model, so they wrap whatever the steps above produced.
-    precision = sharded_precision(plan.precision, sharding=plan.sharding, device_type=env.device.type)
-    # 4. Batch split last: it only decides how a global batch reaches the model;
-    #    on several processes each rank takes its share, and gradients are
-    #    reduced once, after the last micro-batch.
-    config = BatchSplitConfig(global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size)
-    split = (
-        BatchSplit(config) if env.world_size == 1
-        else RankSplit(config, rank=env.rank, world_size=env.world_size, sync=gradient_sync(model, sharding=plan.sharding))
-    )
-    return AppliedPlan(model=model, precision=precision, split=split, device=env.device, env=env)
+    check_device(device.type, precision=plan.precision)
+    env = _join_processes(ShardingConfig(world_size=plan.world_size, sharding=plan.sharding), device=device)
+    return apply_config(model, plan_config(plan), device=env.device, env=env)
 
 
-def _join_processes(config: DistributedConfig, *, device: torch.device) -> DistributedEnv:
+def _join_processes(config: ShardingConfig, *, device: torch.device) -> DistributedEnv:
     """This process's place: rank 0 of 1 for a one-device plan, else join torchrun's process group."""
     launched = launched_world_size()
     if config.world_size > 1 and launched == 1:

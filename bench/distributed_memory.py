@@ -24,22 +24,17 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from autofit.training.distributed import (  # noqa: E402
-    RankSplit,
+from autofit.apply import TrainingConfig, apply_config  # noqa: E402
+from autofit.measure.probe import probe  # noqa: E402
+from autofit.planning.per_rank import (  # noqa: E402
     ShardAwareTracker,
-    cleanup,
     estimate_fsdp_peak_bytes,
     fsdp_layout,
-    gradient_sync,
-    init_distributed,
-    shard_model,
-    sharded_precision,
     simulate_fsdp_peak_bytes,
 )
-from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
+from autofit.training.distributed import cleanup, init_distributed  # noqa: E402
 from autofit.training.step import train_step  # noqa: E402
-from strategies import BatchSplitConfig, CheckpointConfig, Checkpointing  # noqa: E402
 
 WORLD_SIZE = 2
 TRANSFORMER = str(ROOT / "examples" / "tiny_transformer.py")
@@ -59,20 +54,19 @@ def measure_rank(case) -> int:
     env = init_distributed(device_type="cpu")
     spec = load_spec(source)
     torch.manual_seed(0)
-    model = Checkpointing(CheckpointConfig(blocks=checkpoint)).apply(spec.build_model())
-    model = shard_model(model, sharding="fsdp", precision=precision, device=env.device)
-    optimizer = spec.build_optimizer(model.parameters())
     global_batch_size = micro_batch_size * grad_accum_steps * env.world_size
-    split = RankSplit(
-        BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size),
-        rank=env.rank, world_size=env.world_size, sync=gradient_sync(model, sharding="fsdp"),
+    config = TrainingConfig(
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision,
+        checkpoint=checkpoint, sharding="fsdp", world_size=env.world_size,
     )
-    step_precision = sharded_precision(precision, sharding="fsdp", device_type="cpu")
+    applied = apply_config(spec.build_model(), config, device=env.device, env=env)
+    model = applied.model
+    optimizer = spec.build_optimizer(model.parameters())
     torch.manual_seed(1)
     inputs, targets = spec.example_batch(global_batch_size)
 
     def step() -> None:
-        train_step(model, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer, precision=step_precision, split=split, device=env.device)
+        train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
 
     step()
     peaks = []

@@ -1,16 +1,23 @@
-"""The protocol every strategy follows."""
+"""The protocol every strategy follows: hooks that do nothing by default."""
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
 
 from torch import nn
 
 
 class Strategy:
-    """A strategy rewrites the model once; its defaults do nothing.
+    """One way of changing how a model trains; every hook's default leaves training as it is.
 
-    Subclasses override ``apply``; strategies that shape the step itself
-    (precision, batch split) add their own narrow hooks.
+    ``autofit.apply.apply_config`` is the one place that builds strategies and
+    calls ``apply`` in a fixed order; the step calls the step hooks of all of
+    them, so "off" is a strategy whose hooks do nothing, never a branch.
     """
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Rewrite ``model`` in place for this strategy and return it."""
+        """Rewrite ``model`` (in place where possible) for this strategy and return it."""
         return model
+
+    def forward_context(self) -> AbstractContextManager:
+        """A context each micro-batch's forward and loss run in (autocast, saved-tensor hooks)."""
+        return nullcontext()

@@ -75,6 +75,11 @@ class Checkpointing(Strategy):
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
 
+    @staticmethod
+    def applied_blocks(model: nn.Module) -> list[str]:
+        """Names of the blocks of ``model`` whose forward this strategy made recompute in backward."""
+        return [name for name, module in model.named_modules() if getattr(module, "_autofit_checkpointed", False)]
+
     def apply(self, model: nn.Module) -> nn.Module:
         blocks = resolve_blocks(model, self.config.blocks)
         modules = dict(model.named_modules())

@@ -10,7 +10,14 @@ from autofit.errors import UserError
 from strategies.base import Strategy
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a precision (None for fp32): the one map from plan names to dtypes."""
+    if precision not in _DTYPES:
+        raise UserError(f"precision {precision!r} is unknown; choose one of {', '.join(PRECISIONS)}")
+    return _DTYPES[precision]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,17 +42,31 @@ class Precision(Strategy):
         use_scaler: False keeps fp16's scaler off (the simulated meter cannot
             run its data-dependent inf check; its memory is a few scalars).
         init_scale: fp16's first loss scale (GradScaler's default 2^16).
+        sharded_gradients: each rank holds only a shard of the gradients
+            (FSDP2), so an inf on one rank must skip the step on all: fp16
+            then uses ``ShardedGradScaler``, which all-reduces what each rank
+            found. DDP's gradients are identical on every rank already.
     """
 
     def __init__(
-        self, config: PrecisionConfig, *, device_type: str, use_scaler: bool = True, init_scale: float = 2.0**16
+        self,
+        config: PrecisionConfig,
+        *,
+        device_type: str,
+        use_scaler: bool = True,
+        init_scale: float = 2.0**16,
+        sharded_gradients: bool = False,
     ) -> None:
         self.config = config
         self.device_type = device_type
-        self.dtype = _DTYPES.get(config.precision)
-        self.scaler = torch.amp.GradScaler(
-            device_type, init_scale=init_scale, enabled=(config.precision == "fp16" and use_scaler)
-        )
+        self.dtype = precision_dtype(config.precision)
+        enabled = config.precision == "fp16" and use_scaler
+        if enabled and sharded_gradients:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device_type, init_scale=init_scale)
+        else:
+            self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=enabled)
 
     def forward_context(self) -> AbstractContextManager:
         if self.dtype is None:

@@ -23,22 +23,15 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofit.training.distributed import (  # noqa: E402
-    RankSplit,
-    ShardAwareTracker,
-    cleanup,
+from autofit.apply import TrainingConfig, apply_config  # noqa: E402
+from autofit.planning.per_rank import ShardAwareTracker  # noqa: E402
+from autofit.training.distributed import cleanup, init_distributed, is_rank0, mean_across_ranks  # noqa: E402
+from autofit.training.sharded_checkpoints import (  # noqa: E402
     full_model_state_dict,
-    gradient_sync,
-    init_distributed,
-    is_rank0,
     load_sharded_checkpoint,
-    mean_across_ranks,
     save_sharded_checkpoint,
-    shard_model,
-    sharded_precision,
 )
 from autofit.training.step import train_step  # noqa: E402
-from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig  # noqa: E402
 
 IN_FEATURES, WIDTH, HIDDEN, CLASSES, DEPTH = 32, 64, 256, 10, 3
 
@@ -92,18 +85,15 @@ def weights_digest(state: dict[str, torch.Tensor]) -> dict[str, list[float]]:
 def run_scenario(scenario: dict, *, env) -> dict:
     sharding = scenario["sharding"]
     precision_name = scenario.get("precision", "fp32")
-    model = build_model()
-    # Checkpointing before sharding: it finds blocks by name and patches their forward.
-    model = Checkpointing(CheckpointConfig(blocks=scenario.get("checkpoint", "none"))).apply(model)
-    model = shard_model(model, sharding=sharding, precision=precision_name, device=env.device)
+    config = TrainingConfig(
+        global_batch_size=scenario["global_batch_size"], micro_batch_size=scenario["micro_batch_size"],
+        precision=precision_name, checkpoint=scenario.get("checkpoint", []),
+        sharding=sharding, world_size=env.world_size,
+    )
+    # The one owner: checkpointing, then sharding, precision and the rank's batch split.
+    applied = apply_config(build_model(), config, device=env.device, env=env)
+    model, precision = applied.model, applied.precision
     optimizer = build_optimizer(model.parameters())
-    config = BatchSplitConfig(global_batch_size=scenario["global_batch_size"], micro_batch_size=scenario["micro_batch_size"])
-    if sharding == "none":
-        split = BatchSplit(config)
-        precision = Precision(PrecisionConfig(precision=precision_name), device_type="cpu")
-    else:
-        split = RankSplit(config, rank=env.rank, world_size=env.world_size, sync=gradient_sync(model, sharding=sharding))
-        precision = sharded_precision(precision_name, sharding=sharding, device_type="cpu")
     reductions = _Reductions(model, sharding)
     first_step, losses = 0, []
     if scenario.get("resume_from"):
@@ -113,10 +103,7 @@ def run_scenario(scenario: dict, *, env) -> dict:
 
     def step(index: int):
         inputs, targets = global_batch(index, global_batch_size=scenario["global_batch_size"])
-        return train_step(
-            model, inputs, targets, loss_fn=F.cross_entropy, optimizer=optimizer, precision=precision, split=split,
-            device=env.device,
-        )
+        return train_step(applied, inputs, targets, loss_fn=F.cross_entropy, optimizer=optimizer)
 
     peaks = []
     for index in range(first_step, scenario["steps"]):

@@ -14,21 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from autofit.training.distributed import (
-    DistributedConfig,
-    GradientSync,
-    RankSplit,
-    check_launch,
-    estimate_fsdp_peak_bytes,
-    fsdp_layout,
-    init_distributed,
-    load_sharded_checkpoint,
-    mixed_precision_policy,
-    rank_slice,
-    shard_model,
-    simulate_fsdp_peak_bytes,
-    smallest_world_size,
-)
+from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes, smallest_world_size
+from autofit.training.distributed import check_launch, init_distributed
+from autofit.training.sharded_checkpoints import load_sharded_checkpoint
+from strategies.batch_split import BatchSplit, rank_slice
+from strategies.sharding import GradientSync, Sharding, ShardingConfig, mixed_precision_policy
 from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.spec import ModelSpec
@@ -243,7 +233,7 @@ def test_rank_split_averages_to_the_global_mean_gradient(global_batch_size, micr
     for rank in range(world_size):
         model.zero_grad()
         sync = _RecordingSync()
-        split = RankSplit(
+        split = BatchSplit(
             BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size),
             rank=rank, world_size=world_size, sync=sync,
         )
@@ -268,20 +258,20 @@ def test_outside_torchrun_is_one_process(monkeypatch):
     env = init_distributed(device_type="cpu")
     assert (env.rank, env.world_size, env.local_rank, env.device) == (0, 1, 0, torch.device("cpu"))
     model = dist_worker.build_model()
-    assert shard_model(model, sharding="none", precision="fp32", device="cpu") is model
+    assert Sharding(ShardingConfig(), precision="fp32", device="cpu").apply(model) is model
     with pytest.raises(UserError, match="torchrun"):
-        shard_model(model, sharding="fsdp", precision="fp32", device="cpu")
+        Sharding(ShardingConfig(world_size=2, sharding="fsdp"), precision="fp32", device="cpu").apply(model)
 
 
 def test_a_multi_process_plan_names_the_torchrun_command(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    config = DistributedConfig(world_size=4, sharding="fsdp")
+    config = ShardingConfig(world_size=4, sharding="fsdp")
     with pytest.raises(UserError, match=r"torchrun --nproc-per-node 4 -m autofit train --plan plan.json"):
         check_launch(config, args=["train", "--plan", "plan.json"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="--nproc-per-node 4"):
         check_launch(config, args=["train"])
-    check_launch(DistributedConfig(world_size=2, sharding="ddp"), args=["train"])
+    check_launch(ShardingConfig(world_size=2, sharding="ddp"), args=["train"])
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -291,7 +281,7 @@ def test_a_multi_process_plan_names_the_torchrun_command(monkeypatch):
 ])
 def test_bad_distributed_configs_fail_early(kwargs, message):
     with pytest.raises(UserError, match=message):
-        DistributedConfig(**kwargs)
+        ShardingConfig(**kwargs)
 
 
 def test_mixed_precision_policy_follows_the_plan():

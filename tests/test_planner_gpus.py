@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from autofit.training.distributed import micro_batch_count
+from strategies import micro_batch_count
 from autofit.errors import UserError
 from autofit.plan_file import load_plan, save_plan
 from autofit.planning.planner import InfeasibleBudget, _gradient_bytes, make_plan, plan_with_report

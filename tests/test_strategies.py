@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
 from autofit.training.step import train_step
 from strategies import (
@@ -39,15 +40,10 @@ def plain_gradients(model, inputs, targets):
 
 
 def autofit_gradients(model, inputs, targets, *, micro_batch_size, blocks=(), precision="fp32"):
-    model = Checkpointing(CheckpointConfig(blocks=list(blocks))).apply(model)
-    optimizer = GradRecorder(model.parameters(), lr=0.0)
-    split = BatchSplit(BatchSplitConfig(global_batch_size=len(targets), micro_batch_size=micro_batch_size))
-    train_step(
-        model, inputs, targets,
-        loss_fn=torch.nn.functional.cross_entropy, optimizer=optimizer,
-        precision=Precision(PrecisionConfig(precision=precision), device_type="cpu"),
-        split=split, device="cpu",
-    )
+    config = TrainingConfig(global_batch_size=len(targets), micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(blocks))
+    applied = apply_config(model, config, device="cpu")
+    optimizer = GradRecorder(applied.model.parameters(), lr=0.0)
+    train_step(applied, inputs, targets, loss_fn=torch.nn.functional.cross_entropy, optimizer=optimizer)
     return optimizer.grads
 
 

@@ -228,8 +228,9 @@ def test_a_single_process_plan_under_torchrun_with_two_is_one_line(tmp_path, run
 def test_out_of_memory_on_one_of_several_ranks_is_refused_with_advice():
     """One rank cannot halve its micro-batch alone (the others wait in the step's collectives)."""
     split = BatchSplit(BatchSplitConfig(global_batch_size=8, micro_batch_size=2))
+    precision = Precision(PrecisionConfig(), device_type="cpu")
     applied = AppliedPlan(
-        model=torch.nn.Linear(2, 2), precision=Precision(PrecisionConfig(), device_type="cpu"), split=split,
+        model=torch.nn.Linear(2, 2), precision=precision, split=split, strategies=(precision, split),
         device=torch.device("cpu"), env=DistributedEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu")),
     )
     with pytest.raises(UserError, match=r"out of memory on rank 1 of 2 at micro-batch 2.*lower --budget.*more --gpus") as error:

@@ -52,15 +52,16 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
     import torch
 
     from autofit.training.data import image_folder_data, input_shape_from, model_file_data
-    from autofit.training.distributed import DistributedConfig, check_launch, cleanup, init_distributed, is_rank0, same_on_all_ranks
+    from autofit.training.distributed import check_launch, cleanup, init_distributed, is_rank0, same_on_all_ranks
     from autofit.training.loop import TrainingInterrupted, TrainSettings, default_log_dir
     from autofit.training.loop import train as run_training
     from autofit.plan_file import load_plan
+    from strategies import ShardingConfig
     from autofit.spec import load_spec
 
     the_plan = load_plan(plan)
     # A plan for N processes: refuse any other number, naming the command that starts N.
-    distributed = DistributedConfig(world_size=the_plan.world_size, sharding=the_plan.sharding)
+    distributed = ShardingConfig(world_size=the_plan.world_size, sharding=the_plan.sharding)
     check_launch(distributed)
     if distributed.sharding != "none":
         init_distributed(device_type=the_plan.device.get("type") or "cpu", backend=distributed.backend)

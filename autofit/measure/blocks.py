@@ -10,10 +10,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autofit._torch_private import tree_leaves
+from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import make_meter
 from autofit.spec import ModelSpec
-from strategies import Precision, PrecisionConfig, checkpoint_candidates
 from autofit.training.step import to_device
+from strategies import checkpoint_candidates
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,7 +51,8 @@ def profile_blocks(
         model.train()
         names = checkpoint_candidates(model)
         modules = dict(model.named_modules())
-        step_precision = Precision(PrecisionConfig(precision=precision), device_type=meter.device.type, use_scaler=False)
+        config = TrainingConfig(global_batch_size=micro_batch_size, micro_batch_size=micro_batch_size, precision=precision)
+        forward_context = apply_config(model, config, device=meter.device, use_scaler=False).forward_context
         inputs, targets = spec.example_batch(micro_batch_size)
         inputs, targets = to_device(inputs, meter.device), to_device(targets, meter.device)
         stats = {name: {"saved": set(), "saved_bytes": 0, "input_bytes": 0, "seconds": 0.0} for name in names}
@@ -95,14 +97,14 @@ def profile_blocks(
             hooks.append(modules[name].register_forward_hook(post_hook(name)))
         # Warm up once so that one-time costs (allocator, kernels) stay out of the times.
         if not simulate:
-            with step_precision.forward_context():
+            with forward_context():
                 model(inputs)
             for stat in stats.values():
                 stat["input_bytes"] = 0
                 stat["seconds"] = 0.0
         sync()
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), step_precision.forward_context():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_context():
             model(inputs)
         sync()
         total_seconds = time.perf_counter() - start
@@ -110,7 +112,7 @@ def profile_blocks(
             hook.remove()
         # FLOPs in a pass of their own: the counter's overhead must not distort the times.
         flop_counter = FlopCounterMode(display=False)
-        with torch.no_grad(), flop_counter, step_precision.forward_context():
+        with torch.no_grad(), flop_counter, forward_context():
             model(inputs)
         flops_by_module = flop_counter.get_flop_counts()
         total_flops = sum(flops_by_module.get("Global", {}).values()) or 1

@@ -44,6 +44,26 @@ class Measurement:
     breakdown: dict[str, int] = field(default_factory=dict)
 
 
+def check_device(device_type: str, *, precision: str | None = None, simulate: bool = False) -> None:
+    """The one check that this process can run ``precision`` on ``device_type`` (real, or simulated).
+
+    Raises:
+        UserError: an unknown device, no visible GPU for a real cuda run, or
+            bf16 on a GPU without it; the message names the way out.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise UserError(f"device {device_type!r} is unknown; use cpu or cuda")
+    if device_type != "cuda" or simulate:
+        return
+    if not torch.cuda.is_available():
+        raise UserError(
+            "device cuda: no CUDA device is visible; use --device cpu, or plan with --simulate "
+            "--device-memory 24GiB for a GPU you do not have and train on a machine that has it"
+        )
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise UserError("precision bf16 is not supported on this GPU; use fp16 or fp32")
+
+
 def device_info(device_type: str, *, total_bytes: int | None = None) -> DeviceInfo:
     """Name and total memory of the device (of this machine's RAM for "cpu")."""
     if device_type == "cpu":
@@ -52,7 +72,7 @@ def device_info(device_type: str, *, total_bytes: int | None = None) -> DeviceIn
     if device_type == "cuda":
         if not torch.cuda.is_available():
             if total_bytes is None:
-                raise UserError("--device cuda: no CUDA device is visible; use --device cpu, or --simulate --device-memory 24GiB to plan for a GPU you do not have")
+                check_device(device_type)
             return DeviceInfo(type="cuda", name="simulated cuda", total_bytes=total_bytes)
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return DeviceInfo(type="cuda", name=props.name, total_bytes=total_bytes or props.total_memory)
@@ -146,8 +166,7 @@ class CudaMeter(Meter):
     name = "cuda"
 
     def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is visible; use --device cpu, or --simulate to plan for a GPU you do not have")
+        check_device("cuda")
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     @contextmanager

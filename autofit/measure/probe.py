@@ -6,15 +6,16 @@ and samples per second of a configuration, on the device that will train.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from autofit.apply import TrainingConfig, apply_config, checkpointed_blocks, plan_config
 from autofit.errors import UserError
-from autofit.measure.meters import make_meter, release_device_memory
-from autofit.spec import ModelSpec
+from autofit.measure.meters import check_device, make_meter, release_device_memory
+from autofit.plan_file import Plan
+from autofit.spec import ModelSpec, model_fingerprint
 from autofit.training.step import train_step
-from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,68 +70,96 @@ def probe(
     Raises:
         UserError: a bad setting; the message names it.
     """
-    if steps < 1:
-        raise UserError(f"--steps {steps} must be at least 1")
     if grad_accum_steps < 1:
         raise UserError(f"--grad-accum-steps {grad_accum_steps} must be at least 1")
-    split = BatchSplit(
-        BatchSplitConfig(
-            global_batch_size=global_batch_size or micro_batch_size * grad_accum_steps,
-            micro_batch_size=micro_batch_size,
-        )
+    config = TrainingConfig(
+        global_batch_size=global_batch_size or micro_batch_size * grad_accum_steps,
+        micro_batch_size=micro_batch_size, precision=precision, checkpoint=checkpoint or [],
     )
-    precision_config = PrecisionConfig(precision=precision)
-    check_precision_supported(precision, device)
+    return measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed)
+
+
+def probe_plan(spec: ModelSpec, plan: Plan, *, steps: int = 3, seed: int = 0) -> ProbeResult:
+    """Re-measure exactly the configuration a plan names, on its device and with its meter.
+
+    A plan for several processes is measured as the planner measured it: one
+    process training one rank's share of the global batch (its per-rank
+    peak under FSDP2 is the simulation in ``predicted.per_rank_peak_bytes``).
+
+    Raises:
+        UserError: the model is not the one the plan was made for.
+    """
+    config = plan_config(plan)
+    if config.world_size > 1:
+        share = -(-config.global_batch_size // config.world_size)
+        config = replace(config, global_batch_size=share, micro_batch_size=min(config.micro_batch_size, share), sharding="none", world_size=1)
+    return measure(
+        spec, config, device=plan.device.get("type") or "cpu", simulate=plan.estimated, steps=steps, seed=seed,
+        fingerprint=plan.model.get("fingerprint"),
+    )
+
+
+def measure(
+    spec: ModelSpec,
+    config: TrainingConfig,
+    *,
+    device: str,
+    simulate: bool = False,
+    steps: int = 3,
+    seed: int = 0,
+    fingerprint: str | None = None,
+) -> ProbeResult:
+    """Run ``steps`` optimizer steps of ``config``, applied by the one strategy owner, under the device's meter.
+
+    Args:
+        fingerprint: when given, the model must have it (a plan's model).
+    """
+    if steps < 1:
+        raise UserError(f"--steps {steps} must be at least 1")
+    check_device(device, precision=config.precision, simulate=simulate)
     meter = make_meter(device_type=device, simulate=simulate)
     torch.manual_seed(seed)
     with meter.environment():
         model = meter.build_model(spec.build_model)
+        if fingerprint and model_fingerprint(model) != fingerprint:
+            raise UserError(
+                f"the plan was made for another model (fingerprint {fingerprint}, {spec.source}'s is "
+                f"{model_fingerprint(model)}); re-plan with `autofit plan` for this model"
+            )
         model.train()
-        checkpointing = Checkpointing(CheckpointConfig(blocks=checkpoint or []))
-        model = checkpointing.apply(model)
-        blocks = [name for name, m in model.named_modules() if getattr(m, "_autofit_checkpointed", False)]
-        optimizer = spec.build_optimizer(model.parameters())
-        _create_optimizer_state(model, optimizer)
         # A small first loss scale: the probe must step like steady training does, not
         # spend its few steps skipping while GradScaler searches down from 2^16.
-        step_precision = Precision(precision_config, device_type=meter.device.type, use_scaler=not simulate, init_scale=1.0)
+        applied = apply_config(model, config, device=meter.device, use_scaler=not simulate, init_scale=1.0)
+        blocks = checkpointed_blocks(applied.model)
+        optimizer = spec.build_optimizer(applied.model.parameters())
+        _create_optimizer_state(applied.model, optimizer)
         # The global batch lives on the host; train_step copies each micro-batch to the device.
-        inputs, targets = spec.example_batch(split.config.global_batch_size)
+        inputs, targets = spec.example_batch(config.global_batch_size)
         step_seconds = []
-        with meter.measure(model, optimizer) as measurement:
+        with meter.measure(applied.model, optimizer) as measurement:
             for _ in range(steps):
                 start = time.perf_counter()
-                result = train_step(
-                    model, inputs, targets,
-                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=step_precision,
-                    split=split, device=meter.device,
-                )
+                result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
                 if not simulate:
                     result.loss.item()  # waits for the device
                 step_seconds.append(time.perf_counter() - start)
     timed = step_seconds[1:] or step_seconds
-    samples_per_s = None if simulate else split.config.global_batch_size * len(timed) / sum(timed)
-    del model, optimizer, inputs, targets, result
+    samples_per_s = None if simulate else config.global_batch_size * len(timed) / sum(timed)
+    del model, applied, optimizer, inputs, targets, result
     release_device_memory(device)
     return ProbeResult(
         peak_bytes=measurement.peak_bytes,
         samples_per_s=samples_per_s,
-        precision=precision,
-        micro_batch_size=micro_batch_size,
-        grad_accum_steps=split.config.grad_accum_steps,
-        global_batch_size=split.config.global_batch_size,
+        precision=config.precision,
+        micro_batch_size=config.micro_batch_size,
+        grad_accum_steps=-(-config.global_batch_size // config.micro_batch_size),
+        global_batch_size=config.global_batch_size,
         checkpoint=blocks,
         meter=meter.name,
         device=device,
         breakdown=measurement.breakdown,
         step_seconds=[] if simulate else step_seconds,
     )
-
-
-def check_precision_supported(precision: str, device: str) -> None:
-    """Raise when the device cannot run this precision, saying which can."""
-    if device == "cuda" and torch.cuda.is_available() and precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise UserError("precision bf16 is not supported on this GPU; use fp16 or fp32")
 
 
 def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -16,10 +16,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from autofit.apply import AppliedPlan, TrainingConfig, apply_config
+from autofit.measure.blocks import profile_blocks
+from autofit.measure.meters import SimulatedMeter, release_device_memory
 from autofit.planning.memory_model import MemoryTrace, Segment, trace_memory
 from autofit.spec import ModelSpec
-from autofit.training.step import to_device
-from strategies import BatchSplitConfig, Checkpointing, CheckpointConfig, Precision, PrecisionConfig, checkpoint_candidates
+from autofit.training.step import to_device, train_step
+from strategies import BatchSplitConfig, checkpoint_candidates
 
 SLOW_PRECISION_RATIO = 3.0
 """A precision this many times slower than the fastest at the same micro-batch is timed at one size only."""
@@ -247,16 +250,17 @@ def time_precisions(
     handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in blocks]
     handles += [modules[n].register_forward_hook(post_hook(n)) for n in blocks]
 
-    def one_step(precision: Precision, inputs, targets) -> tuple[float, float, list[float]]:
+    def one_step(applied: AppliedPlan, inputs, targets) -> tuple[float, float, list[float]]:
+        """One micro-batch's forward and backward: (forward s, forward + backward s, each block's forward s)."""
         block_times.clear()
         sync()
         start = time.perf_counter()
         micro_inputs, micro_targets = to_device(inputs, device_), to_device(targets, device_)
-        with precision.forward_context():
-            loss = spec.loss_fn(model(micro_inputs), micro_targets).float()
+        with applied.forward_context():
+            loss = spec.loss_fn(applied.model(micro_inputs), micro_targets).float()
         sync()
         forward_done = time.perf_counter()
-        precision.backward(loss)
+        applied.backward(loss)
         sync()
         done = time.perf_counter()
         return forward_done - start, done - start, [block_times.get(n, 0.0) for n in blocks]
@@ -264,7 +268,8 @@ def time_precisions(
     results: dict[str, SpeedCosts] = {}
     reference: SpeedCosts | None = None
     for name in precisions:
-        precision = Precision(PrecisionConfig(precision=name), device_type=device_.type, init_scale=1.0)
+        # Only the precision's hooks act here: one_step times a single micro-batch.
+        precision = apply_config(model, _one_micro_batch(sizes[-1], precision=name), device=device_, init_scale=1.0)
         best: dict[int, tuple] = {}
         batches: dict[int, tuple] = {}
         note = ""
@@ -318,12 +323,11 @@ def time_precisions(
         handle.remove()
     _measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, optimizer=optimizer)
     del model, optimizer
-    if device_.type == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory(device)
     return results
 
 
-def _optimizer_seconds(model, optimizer, precision: Precision, one_step, spec: ModelSpec, size: int) -> float:
+def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int) -> float:
     """The optimizer step's time (its first call creates state: not timed)."""
     inputs, targets = spec.example_batch(size)
     best = math.inf
@@ -346,13 +350,12 @@ def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step,
     """Time one step with every block checkpointed: the real price of a second of recompute."""
     if not blocks:
         return
-    Checkpointing(CheckpointConfig(blocks=blocks)).apply(model)
     size = sizes[len(sizes) // 2]
     inputs, targets = spec.example_batch(size)
     for name, costs in results.items():
         if costs.note:  # timed at one size only: keep the reference's factor
             continue
-        precision = Precision(PrecisionConfig(precision=name), device_type=device.type, init_scale=1.0)
+        precision = apply_config(model, _one_micro_batch(size, precision=name, checkpoint=blocks), device=device, init_scale=1.0)
         one_step(precision, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
         seconds = min(one_step(precision, inputs, targets)[1] for _ in range(2))
@@ -365,6 +368,11 @@ def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step,
     for costs in results.values():
         if costs.note and factors:
             costs.recompute_factor = factors[0]
+
+
+def _one_micro_batch(size: int, *, precision: str, checkpoint: list[str] | None = None) -> TrainingConfig:
+    """A configuration whose global batch is one micro-batch: the timings run its hooks by hand."""
+    return TrainingConfig(global_batch_size=size, micro_batch_size=size, precision=precision, checkpoint=checkpoint or [])
 
 
 def _scaled_speed(reference: SpeedCosts, ratio: float, *, note: str) -> SpeedCosts:
@@ -389,7 +397,6 @@ def flop_speed_costs(
     operator launch; the optimizer step reads and writes its state at an
     assumed memory bandwidth.
     """
-    from autofit.measure.blocks import profile_blocks
 
     size = max(sizes)
     profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
@@ -419,7 +426,6 @@ def flop_speed_costs(
 def _forward_flops(spec: ModelSpec, size: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from autofit.measure.meters import SimulatedMeter
 
     meter = SimulatedMeter(for_device="cpu")
     with meter.environment():
@@ -498,27 +504,21 @@ def time_configuration(
     first step is a warm-up and is not timed; of the others the fastest
     counts (other work on the machine only ever slows a step down).
     """
-    from autofit.training.step import train_step
-    from strategies import BatchSplit
-
-    device_ = torch.device(device)
     torch.manual_seed(seed)
-    model = Checkpointing(CheckpointConfig(blocks=list(checkpoint))).apply(spec.build_model().to(device_))
+    model = spec.build_model()
     model.train()
-    optimizer = spec.build_optimizer(model.parameters())
-    step_precision = Precision(PrecisionConfig(precision=precision), device_type=device_.type, init_scale=1.0)
-    split = BatchSplit(BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size))
+    config = TrainingConfig(
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
+    )
+    applied = apply_config(model, config, device=device, init_scale=1.0)
+    optimizer = spec.build_optimizer(applied.model.parameters())
     inputs, targets = spec.example_batch(global_batch_size)
     seconds = []
     for _ in range(max(steps, 2)):
         start = time.perf_counter()
-        result = train_step(
-            model, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer, precision=step_precision,
-            split=split, device=device_,
-        )
+        result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
         result.loss.item()  # waits for the device
         seconds.append(time.perf_counter() - start)
-    del model, optimizer, result
-    if device_.type == "cuda":
-        torch.cuda.empty_cache()
+    del model, applied, optimizer, result
+    release_device_memory(device)
     return global_batch_size / min(seconds[1:])

@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from autofit._torch_private import tree_leaves
+from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import SimulatedMeter
+from autofit.measure.tracker import StorageTracker
 from autofit.spec import ModelSpec
 from autofit.training.step import train_step
-from autofit.measure.tracker import StorageTracker
-from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig, checkpoint_candidates
+from strategies import checkpoint_candidates
 
 # Micro-steps of the traced run (2 optimizer steps of 2 micro-batches each).
 # Step 2's first micro-step is what a step without accumulation looks like
@@ -139,12 +140,13 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
         model = meter.build_model(spec.build_model)
         model.train()
         names = checkpoint_candidates(model)
-        if checkpoint_all:
-            Checkpointing(CheckpointConfig(blocks=names)).apply(model)
+        config = TrainingConfig(
+            global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
+            checkpoint=names if checkpoint_all else [],
+        )
+        applied = apply_config(model, config, device=meter.device, use_scaler=False)
         modules = dict(model.named_modules())
         optimizer = spec.build_optimizer(model.parameters())
-        step_precision = Precision(PrecisionConfig(precision=precision), device_type=meter.device.type, use_scaler=False)
-        split = BatchSplit(BatchSplitConfig(global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size))
         inputs, targets = spec.example_batch(2 * micro_batch_size)
         host_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor))
         tracker = _TimelineTracker(round_bytes=meter.round_bytes)
@@ -204,11 +206,7 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
         saved_hooks = nullcontext() if checkpoint_all else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         with tracker, saved_hooks:
             for _ in range(2):
-                train_step(
-                    model, inputs, targets,
-                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=step_precision,
-                    split=split, device=meter.device,
-                )
+                train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
         tracker.mark(("end",))
         for hook in hooks:
             hook.remove()

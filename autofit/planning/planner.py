@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit.errors import UserError
-from autofit.measure.meters import release_device_memory
+from autofit.measure.meters import check_device, release_device_memory
 from autofit.planning.memory_model import simulation_spec
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec
@@ -273,13 +273,10 @@ class _Planner:
     ) -> None:
         from autofit.measure.meters import device_info
 
-        if device not in ("cpu", "cuda"):
-            raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+        check_device(device, simulate=simulate)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
         total = parse_budget(device_memory) if device_memory is not None else None
-        if device == "cuda" and not simulate and not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is visible; use --device cpu, or --simulate --device-memory 24GiB to plan for a GPU you do not have")
         self.info = device_info(device, total_bytes=total)
         self.spec = spec
         self.sim_spec = simulation_spec(spec)
@@ -864,7 +861,7 @@ class _RanksPlanner:
 
     def _ddp(self, report: PlanReport, *, budget_bytes: int, allowance: int) -> PlanReport:
         """The one-process plan of a rank's share, restated for N processes under DDP."""
-        from autofit.training.distributed import micro_batch_count
+        from strategies import micro_batch_count
 
         plan = report.plan
         plan.budget_bytes = budget_bytes
@@ -885,7 +882,8 @@ class _RanksPlanner:
 
     def _fsdp(self, rank: _Planner) -> PlanReport:
         """FSDP2: per-rank candidates ranked by the conservative estimate, the fastest verified by simulation."""
-        from autofit.training.distributed import estimate_fsdp_peak_bytes, fsdp_layout, micro_batch_count, simulate_fsdp_peak_bytes
+        from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
+        from strategies import micro_batch_count
         from autofit.planning.search import cheapest_checkpoint
 
         N, G = self.world_size, self.global_batch_size
@@ -1012,7 +1010,7 @@ def gpus_for(spec: ModelSpec, *, breakdown: dict[str, int], precision: str, usab
     By ``smallest_world_size`` (a conservative estimate: fewer may do); None when
     no number of GPUs fits.
     """
-    from autofit.training.distributed import fsdp_layout, smallest_world_size
+    from autofit.planning.per_rank import fsdp_layout, smallest_world_size
 
     state = {key: breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
     activations = sum(value for key, value in breakdown.items() if key not in state)

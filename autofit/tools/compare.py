@@ -20,9 +20,13 @@ from pathlib import Path
 
 import torch
 
+from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
-from autofit.measure.meters import release_device_memory
+from autofit.measure.meters import check_device, release_device_memory
 from autofit.spec import ModelSpec
+from autofit.tools.evaluate import evaluate
+from autofit.training.step import train_step
+from strategies import precision_dtype
 
 AMP_PRECISIONS = ("bf16", "fp16")
 
@@ -83,14 +87,12 @@ class Comparison:
 
 def runnable_amp_precisions(device: str) -> list[str]:
     """The AMP precisions this device runs: a tiny forward and backward under each autocast."""
-    from autofit.measure.probe import check_precision_supported
-
     runnable = []
     for precision in AMP_PRECISIONS:
         try:
-            check_precision_supported(precision, device)
+            check_device(device, precision=precision)
             layer = torch.nn.Linear(4, 4).to(device)
-            with torch.autocast(device_type=device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision]):
+            with torch.autocast(device_type=device, dtype=precision_dtype(precision)):
                 out = layer(torch.ones(2, 4, device=device))
             out.float().sum().backward()
         except (UserError, RuntimeError):
@@ -276,22 +278,19 @@ class _TrainingData:
 
     def train_and_score(self, spec: ModelSpec, config: Configuration, *, device: str, seed: int) -> TrainingOutcome:
         """Train a fresh model (same seed) on the prepared batches as `autofit train` would; score it in fp32 eval mode."""
-        from autofit.tools.evaluate import evaluate
-        from autofit.training.step import train_step
-        from strategies import BatchSplit, BatchSplitConfig, CheckpointConfig, Checkpointing, Precision, PrecisionConfig
-
         torch.manual_seed(seed)
-        model = spec.build_model().to(device)
+        model = spec.build_model()
         model.train()
-        model = Checkpointing(CheckpointConfig(blocks=config.checkpoint)).apply(model)
+        global_batch_size = len(self.batches[0][1])
+        applied = apply_config(model, TrainingConfig(
+            global_batch_size=global_batch_size, micro_batch_size=min(config.micro_batch_size, global_batch_size),
+            precision=config.precision, checkpoint=config.checkpoint,
+        ), device=device)
+        model = applied.model
         optimizer = spec.build_optimizer(model.parameters())
-        precision = Precision(PrecisionConfig(precision=config.precision), device_type=torch.device(device).type)
-        split = BatchSplit(BatchSplitConfig(global_batch_size=len(self.batches[0][1]), micro_batch_size=min(config.micro_batch_size, len(self.batches[0][1]))))
         losses, skipped = [], 0
         for inputs, targets in self.batches:
-            result = train_step(
-                model, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, split=split, device=device,
-            )
+            result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
             losses.append(result.loss)
             skipped += not result.stepped
         model.eval()

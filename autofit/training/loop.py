@@ -40,18 +40,14 @@ from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
 from autofit.training.data import TrainData, epoch_order, make_loader
-from autofit.training.distributed import (
-    any_rank,
+from autofit.training.distributed import any_rank, is_rank0, mean_across_ranks, sum_across_ranks
+from autofit.training.sharded_checkpoints import (
     full_model_state_dict,
-    is_rank0,
     load_rank_extra,
     load_sharded_checkpoint,
-    mean_across_ranks,
-    micro_batch_count,
-    rank_slice,
     save_sharded_checkpoint,
-    sum_across_ranks,
 )
+from strategies import micro_batch_count, rank_slice
 from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
 from autofit.plan_file import Plan, plan_from_dict, save_plan
@@ -337,10 +333,7 @@ def _train_global_batch(model, inputs, targets, *, applied: AppliedPlan, loss_fn
     ooms = []
     while True:
         try:
-            result = train_step(
-                model, inputs, targets, loss_fn=loss_fn, optimizer=optimizer,
-                precision=applied.precision, split=applied.split, device=applied.device,
-            )
+            result = train_step(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer)
             return result, ooms
         except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
@@ -384,7 +377,7 @@ def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_wo
     loss_sum, correct, count, classified = 0.0, 0, 0, True
     for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset):
         inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
-        with applied.autocast():
+        with applied.forward_context():
             output = model(inputs)
             loss = loss_fn(output, targets).float()
         loss_sum += loss.item() * len(targets) * counted
