@@ -146,14 +146,14 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
         >>> with applied.autocast():
         ...     output = applied.model(inputs)
     """
-    expected = plan.model.get("fingerprint")
+    expected = plan.model.fingerprint
     actual = model_fingerprint(model)
     if expected and expected != actual:
         raise UserError(
             f"the plan was made for another model (fingerprint {expected}, this model's is {actual}: "
             f"parameter names or shapes differ); re-plan with `autofit plan` for this model"
         )
-    device = torch.device(device or plan.device.get("type") or "cpu")
+    device = torch.device(device or plan.device.type)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("the plan is for a CUDA device, but none is visible; re-plan with --device cpu or train on a GPU machine")
     check_precision_supported(plan.precision, device.type)
