@@ -102,7 +102,7 @@ def fit(
     if isinstance(train_data, (str, Path)):
         if val_data is not None:
             raise UserError(f"train_data is the image folder {str(train_data)!r}: its val/ is the validation data; drop val_data")
-        shape = input_shape_from(input_shape or (plan.model.get("input_shape") if plan else None))
+        shape = input_shape_from(input_shape or (plan.model.input_shape if plan else None))
         data = image_folder_data(train_data, input_shape=shape)
     else:
         data = datasets_data(train_data, val_data)
@@ -119,17 +119,18 @@ def fit(
             f"batch_size {batch_size} differs from the plan's global batch {plan.global_batch_size}; "
             "drop batch_size or re-plan for it"
         )
-    plan.model.setdefault("fingerprint", model_fingerprint(model))
-    if shape is not None:
-        plan.model.setdefault("input_shape", list(shape))
+    if plan.model.fingerprint is None:
+        plan.model.fingerprint = model_fingerprint(model)
+    if shape is not None and plan.model.input_shape is None:
+        plan.model.input_shape = list(shape)
     model_source = {
-        "source": plan.model.get("source") or f"python:{type(model).__name__}",
+        "source": plan.model.source or f"python:{type(model).__name__}",
         "input_shape": "x".join(map(str, shape)) if shape else None,
-        "num_classes": len(data.classes) if data.classes else plan.model.get("num_classes"),
+        "num_classes": len(data.classes) if data.classes else plan.model.num_classes,
     }
     if plan.sharding != "none":
         # Under torchrun: join the processes now, so that all write to rank 0's default log dir.
-        init_distributed(device_type=plan.device.get("type") or "cpu")
+        init_distributed(device_type=plan.device.type)
     settings = TrainSettings(
         epochs=epochs, log_dir=Path(log_dir) if log_dir else same_on_all_ranks(default_log_dir()), lr=lr, resume=resume,
         seed=seed, num_workers=num_workers, max_steps=max_steps, verbose=verbose,

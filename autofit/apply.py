@@ -277,14 +277,14 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
         >>> with applied.forward_context():
         ...     output = applied.model(inputs)
     """
-    expected = plan.model.get("fingerprint")
+    expected = plan.model.fingerprint
     actual = model_fingerprint(model)
     if expected and expected != actual:
         raise UserError(
             f"the plan was made for another model (fingerprint {expected}, this model's is {actual}: "
             f"parameter names or shapes differ); re-plan with `autofit plan` for this model"
         )
-    device = torch.device(device or plan.device.get("type") or "cpu")
+    device = torch.device(device or plan.device.type)
     check_device(device.type, precision=plan.precision)
     env = _join_processes(ShardingConfig(world_size=plan.world_size, sharding=plan.sharding), device=device)
     return apply_config(model, plan_config(plan), device=env.device, env=env)

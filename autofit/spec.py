@@ -61,18 +61,18 @@ def load_spec(source: str, *, input_shape: str = "3x224x224", num_classes: int =
     return _file_spec(source)
 
 
-def spec_for_plan(model_info: dict, *, model_file: str | None = None) -> ModelSpec:
+def spec_for_plan(model_info, *, model_file: str | None = None) -> ModelSpec:
     """The ModelSpec a plan was made for: its model file (or ``model_file``), input shape and classes.
 
     Args:
-        model_info: the plan's ``model`` part (source, input_shape, num_classes).
+        model_info: the plan's ``model`` part (``ModelInfo``: source, input_shape, num_classes).
         model_file: a model file to use instead of the plan's source.
 
     Raises:
         UserError: the plan names no file (it was made for a Python object) or
             the file is not here.
     """
-    source = model_file or model_info.get("source")
+    source = model_file or model_info.source
     if not source or source.startswith("python:"):
         raise UserError(
             f"the plan names no model file ({source or 'none'}: it was made for a Python object); "
@@ -80,11 +80,11 @@ def spec_for_plan(model_info: dict, *, model_file: str | None = None) -> ModelSp
         )
     if not source.startswith("torchvision:") and not Path(source).is_file():
         raise UserError(f"the plan's model file {source!r} does not exist here; run from where the plan was made or give --model FILE")
-    shape = model_info.get("input_shape")
+    shape = model_info.input_shape
     return load_spec(
         source,
         input_shape="x".join(map(str, shape)) if shape else "3x224x224",
-        num_classes=model_info.get("num_classes") or 1000,
+        num_classes=model_info.num_classes or 1000,
     )
 
 

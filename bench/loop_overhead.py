@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from autofit.training.data import TrainData, epoch_order  # noqa: E402
 from autofit.training.loop import TrainSettings, train  # noqa: E402
-from autofit.plan_file import Plan  # noqa: E402
+from autofit.plan_file import DeviceInfo, ModelInfo, Plan  # noqa: E402
 from autofit.spec import load_spec, model_fingerprint  # noqa: E402
 
 BATCH_SIZE = 64
@@ -59,9 +59,9 @@ def hand_written(model: nn.Module, dataset, *, device: str, seed: int) -> None:
 
 def autofit_loop(model: nn.Module, dataset, *, device: str, seed: int, log_dir: Path) -> None:
     plan = Plan(
-        model={"source": "examples/digits_cnn.py", "fingerprint": model_fingerprint(model)},
-        device={"type": device}, budget_bytes=2**30,
-        global_batch_size=BATCH_SIZE, micro_batch_size=BATCH_SIZE, grad_accum_steps=1,
+        model=ModelInfo(source="examples/digits_cnn.py", fingerprint=model_fingerprint(model)),
+        device=DeviceInfo(type=device), budget_bytes=2**30,
+        global_batch_size=BATCH_SIZE, micro_batch_size=BATCH_SIZE,
     )
     train(
         model, plan=plan, data=TrainData(train=dataset, val=None), loss_fn=nn.functional.cross_entropy,

@@ -76,8 +76,8 @@ def main() -> None:
             f"{label}: budget {format_bytes(plan.budget_bytes)} -> {plan.precision} m={plan.micro_batch_size}x{plan.grad_accum_steps} "
             f"ckpt={len(plan.checkpoint)}; re-measured process peak {format_bytes(peak)} + margins {format_bytes(others)} = "
             f"{format_bytes(needed)} ({needed / plan.budget_bytes:.1%} of budget, fits={needed <= plan.budget_bytes}); "
-            f"{speed:.0f} samples/s (plan said {plan.measured['samples_per_s']:.0f}); "
-            f"{plan.measured.get('relative_to_unconstrained', float('nan')):.2f}x unconstrained; "
+            f"{speed:.0f} samples/s (plan said {plan.measured.samples_per_s:.0f}); "
+            f"{plan.measured.relative_to_unconstrained or float('nan'):.2f}x unconstrained; "
             f"headroom {({k: format_bytes(v) for k, v in plan.headroom.items()})}; planned in {seconds:.1f} s"
         )
         return plan
@@ -85,7 +85,7 @@ def main() -> None:
     generous = plan_and_check("90%", "90% of the card")
     if generous is None:
         sys.exit("the generous plan failed; nothing to scale the other budgets from")
-    needed = generous.measured["peak_bytes"] + sum(generous.headroom.values())
+    needed = generous.measured.peak_bytes + sum(generous.headroom.values())
     for fraction in [float(f) for f in args.fractions.split(",")]:
         plan_and_check(int(needed * fraction), f"{fraction:.0%} of the plain plan's needs")
     plan_and_check(int(needed * 0.05), "5% (below the floor)")
@@ -100,14 +100,14 @@ def main() -> None:
     # The estimate's allocator reserve and fragmentation stand in for the cache the real
     # process peak already holds: only the safety margin is kept beyond it.
     margin = estimate.headroom["safety_margin"]
-    planned_total = estimate.measured["peak_bytes"] + sum(estimate.headroom.values())
+    planned_total = estimate.measured.peak_bytes + sum(estimate.headroom.values())
     print(
         f"simulated plan at 60%: {estimate.precision} m={estimate.micro_batch_size}x{estimate.grad_accum_steps} "
-        f"ckpt={len(estimate.checkpoint)}, predicted peak {format_bytes(estimate.measured['peak_bytes'])} + headroom "
+        f"ckpt={len(estimate.checkpoint)}, predicted peak {format_bytes(estimate.measured.peak_bytes)} + headroom "
         f"{format_bytes(sum(estimate.headroom.values()))} = {format_bytes(planned_total)}; real process peak "
         f"{format_bytes(peak)} + safety margin {format_bytes(margin)} = {(peak + margin) / estimate.budget_bytes:.1%} of "
         f"budget (fits={peak + margin <= estimate.budget_bytes}; real/planned {peak / planned_total:.2f}); "
-        f"{speed:.0f} samples/s (estimated {estimate.predicted['samples_per_s']:.0f}); planned in {seconds:.1f} s"
+        f"{speed:.0f} samples/s (estimated {estimate.predicted.samples_per_s:.0f}); planned in {seconds:.1f} s"
     )
 
 

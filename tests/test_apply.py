@@ -7,6 +7,7 @@ from torch import nn
 
 from autofit import apply_plan
 from autofit.errors import UserError
+from autofit.plan_file import DeviceInfo
 from autofit.spec import model_fingerprint
 from tests.test_loop import CLASSES, TinyNet, make_plan
 
@@ -24,7 +25,7 @@ def test_checkpointing_is_applied_by_name_and_keeps_the_state_dict():
     assert applied.model is model and list(model.state_dict()) == keys
     flagged = [name for name, m in model.named_modules() if getattr(m, "_autofit_checkpointed", False)]
     assert flagged == ["blocks.0", "blocks.2"]
-    assert model_fingerprint(model) == plan.model["fingerprint"]
+    assert model_fingerprint(model) == plan.model.fingerprint
 
 
 def test_fp32_helpers_are_off_objects_and_bf16_autocasts():
@@ -80,7 +81,7 @@ def test_a_plan_for_another_model_is_refused_with_one_line():
 
 def test_a_plan_without_fingerprint_is_accepted():
     model, plan = model_and_plan()
-    del plan.model["fingerprint"]
+    plan.model.fingerprint = None
     assert apply_plan(model, plan).micro_batch_size == 3
 
 
@@ -97,7 +98,7 @@ def test_unknown_block_and_sharded_plans_are_refused():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_a_cuda_plan_without_a_gpu_is_refused():
     model, plan = model_and_plan()
-    plan.device = {"type": "cuda"}
+    plan.device = DeviceInfo(type="cuda")
     with pytest.raises(UserError, match="no.*CUDA|CUDA device, but none"):
         apply_plan(model, plan)
 

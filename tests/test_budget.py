@@ -115,7 +115,7 @@ def test_percent_budget_plans_against_the_machine(model_file, tmp_path):
 
     plan = make_plan(load_spec(str(model_file)), budget="90%", batch_size=4, precisions=["fp32"])
     assert plan.budget_bytes == int(device_info("cpu").total_bytes * 0.9)
-    assert plan.device["total_bytes"] == device_info("cpu").total_bytes
+    assert plan.device.total_bytes == device_info("cpu").total_bytes
 
 
 def test_infeasible_budget_gives_the_floor_and_the_way_out(run_cli, model_file):

@@ -11,7 +11,7 @@ from torch import nn
 from autofit.training.data import TrainData, epoch_order
 from autofit.errors import UserError
 from autofit.training.loop import TrainingInterrupted, TrainSettings, cosine_schedule, train
-from autofit.plan_file import Plan, load_plan
+from autofit.plan_file import DeviceInfo, ModelInfo, Plan, load_plan
 from autofit.spec import model_fingerprint
 from autofit.training.weights import load_checkpoint
 
@@ -50,10 +50,9 @@ def make_data(samples: int = SAMPLES, *, val: bool = True) -> TrainData:
 
 def make_plan(model: nn.Module, *, global_batch_size=8, micro_batch_size=3, precision="fp32", checkpoint=("blocks.0", "blocks.1", "blocks.2")) -> Plan:
     return Plan(
-        model={"source": "tests/test_loop.py", "fingerprint": model_fingerprint(model), "input_shape": [1, 4, 4], "num_classes": CLASSES},
-        device={"type": "cpu"}, budget_bytes=10**8, global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size, grad_accum_steps=math.ceil(global_batch_size / micro_batch_size),
-        precision=precision, checkpoint=list(checkpoint),
+        model=ModelInfo(source="tests/test_loop.py", fingerprint=model_fingerprint(model), input_shape=[1, 4, 4], num_classes=CLASSES),
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8, global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
     )
 
 
@@ -335,7 +334,7 @@ def test_a_real_cuda_out_of_memory_is_recovered(tmp_path):
     model = WideConvNet()
     data = torch.utils.data.TensorDataset(torch.randn(64, 3, 256, 256), torch.randint(0, CLASSES, (64,)))
     plan = make_plan(model, global_batch_size=32, micro_batch_size=32, checkpoint=())
-    plan.device = {"type": "cuda"}
+    plan.device = DeviceInfo(type="cuda")
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(3 * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     try:
@@ -355,7 +354,7 @@ def test_a_real_cuda_out_of_memory_is_recovered(tmp_path):
 def test_cuda_training_in_mixed_precision(tmp_path, precision):
     model = fresh_model()
     plan = make_plan(model, precision=precision)
-    plan.device = {"type": "cuda"}
+    plan.device = DeviceInfo(type="cuda")
     result = run(model, plan, tmp_path)
     assert result.finished and all(math.isfinite(r["train_loss"]) for r in result.history)
     assert next(model.parameters()).device.type == "cuda"
@@ -374,6 +373,6 @@ def test_fit_without_a_plan_plans_then_trains(tmp_path):
         optimizer=optimizer, log_dir=tmp_path, verbose=False,
     )
     assert result.plan.global_batch_size == 8 and result.plan.budget_bytes == 64 * 10**6
-    assert result.plan.model.get("fingerprint") == model_fingerprint(model)
+    assert result.plan.model.fingerprint == model_fingerprint(model)
     assert len(result.history) == 1 and result.best_path.exists()
     assert load_plan(tmp_path / "plan.json").global_batch_size == 8

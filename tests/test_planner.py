@@ -9,7 +9,7 @@ from torch import nn
 
 from autofit.errors import UserError
 from autofit.planning.memory_model import Segment
-from autofit.plan_file import load_plan
+from autofit.plan_file import DeviceInfo, load_plan
 from autofit.planning.planner import InfeasibleBudget, _micro_batch_sizes, _usable_precisions, make_plan, plan_with_report
 from autofit.measure.probe import probe
 from autofit.planning.search import _enumerate, _prefix_knapsack, cheapest_checkpoint, peak_of
@@ -117,7 +117,7 @@ def test_plans_fit_when_measured_again(name, position, planned):
     plan = planned[name, position]
     again = remeasure(SPECS[name](), plan)
     assert again.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
-    assert again.peak_bytes == plan.measured["peak_bytes"]  # the cpu meter is deterministic
+    assert again.peak_bytes == plan.measured.peak_bytes  # the cpu meter is deterministic
     assert plan.global_batch_size == BATCH[name]
     assert plan.micro_batch_size * plan.grad_accum_steps >= plan.global_batch_size
     assert plan.micro_batch_size * (plan.grad_accum_steps - 1) < plan.global_batch_size
@@ -128,7 +128,7 @@ def test_tight_budget_trades_memory(name, planned, floors):
     _, plain_peak = floors[name]
     plan = planned[name, 0.35]
     assert plan.checkpoint or plan.micro_batch_size < BATCH[name]
-    assert plan.measured["peak_bytes"] < plain_peak
+    assert plan.measured.peak_bytes < plain_peak
 
 
 def test_generous_budget_is_plain_training():
@@ -136,7 +136,7 @@ def test_generous_budget_is_plain_training():
     plan = make_plan(spec, budget="1GB", batch_size=16, precisions=["fp32"])
     assert plan.checkpoint == []
     assert plan.grad_accum_steps == 1 and plan.micro_batch_size == 16
-    assert plan.measured["relative_to_unconstrained"] == pytest.approx(1.0)
+    assert plan.measured.relative_to_unconstrained == pytest.approx(1.0)
 
 
 def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
@@ -150,13 +150,13 @@ def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
     assert printed == plan.to_dict()
     assert plan.schema_version == 1
     assert set(plan.created_by) == {"autofit", "torch"}
-    assert plan.model["source"] == model and len(plan.model["fingerprint"]) == 16
-    assert plan.model["parameter_count"] > 0 and plan.model["input_shape"] == [3, 12, 12] and plan.model["num_classes"] == 10
-    assert plan.device["type"] == "cpu" and plan.device["total_bytes"] > 0 and plan.device["name"]
+    assert plan.model.source == model and len(plan.model.fingerprint) == 16
+    assert plan.model.parameter_count > 0 and plan.model.input_shape == [3, 12, 12] and plan.model.num_classes == 10
+    assert plan.device.type == "cpu" and plan.device.total_bytes > 0 and plan.device.name
     assert plan.budget_bytes == 3 * 10**6 and plan.budget_kind == "cpu-tracked" and plan.estimated is False
     assert plan.precision in ("fp32", "bf16")
-    assert set(plan.predicted) >= {"peak_bytes", "samples_per_s"} and set(plan.measured) >= {"peak_bytes", "samples_per_s", "meter"}
-    assert plan.measured["meter"] == "cpu" and plan.measured["samples_per_s"] > 0
+    assert set(printed["predicted"]) >= {"peak_bytes", "samples_per_s"} and set(printed["measured"]) >= {"peak_bytes", "samples_per_s", "meter"}
+    assert plan.measured.meter == "cpu" and plan.measured.samples_per_s > 0
     assert plan.headroom["safety_margin"] > 0
     assert sum(a["chosen"] for a in plan.alternatives) == 1
     front = [a for a in plan.alternatives if not a["chosen"]]
@@ -185,21 +185,21 @@ def test_cli_summary(run_cli, tmp_path):
 def test_simulated_plan_is_marked_estimated(tmp_path):
     plan = make_plan(uneven_spec(), budget="3MB", batch_size=16, simulate=True)
     assert plan.estimated is True
-    assert plan.measured["meter"] == "simulated" and plan.measured["samples_per_s"] is None
-    assert plan.predicted["samples_per_s"] > 0
+    assert plan.measured.meter == "simulated" and plan.measured.samples_per_s is None
+    assert plan.predicted.samples_per_s > 0
     # on the CPU the simulated meter matches the cpu meter (to a few hundred bytes under autocast): it fits for real too
     again = remeasure(uneven_spec(), plan)
     assert again.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
-    assert abs(again.peak_bytes - plan.measured["peak_bytes"]) <= 0.001 * again.peak_bytes
+    assert abs(again.peak_bytes - plan.measured.peak_bytes) <= 0.001 * again.peak_bytes
 
 
 def test_simulated_gpu_plan_without_a_gpu():
     plan = make_plan(uneven_spec(), budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB")
-    assert plan.device == {"type": "cuda", "name": "simulated cuda", "total_bytes": 4 * 2**30}
+    assert plan.device == DeviceInfo(type="cuda", name="simulated cuda", total_bytes=4 * 2**30)
     assert plan.budget_bytes == int(0.9 * 4 * 2**30) and plan.budget_kind == "cuda-process" and plan.estimated
     assert set(plan.headroom) == {"context", "allocator_reserve", "fragmentation", "safety_margin"}
     assert plan.headroom["context"] == 768 * 2**20 and plan.headroom["allocator_reserve"] == 2**30
-    assert plan.measured["peak_bytes"] + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
 
 def test_estimated_gpu_headroom_covers_what_an_h200_measured():
@@ -257,7 +257,7 @@ def test_python_api_leaves_the_model_alone():
         model, lambda n: (torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))), budget="1GB", batch_size=8,
         precisions=["fp32"],
     )
-    assert plan.global_batch_size == 8 and plan.model["source"] == "python:UnevenNet"
+    assert plan.global_batch_size == 8 and plan.model.source == "python:UnevenNet"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -397,10 +397,10 @@ def test_cuda_plans_fit_the_card_when_measured_again():
 
     spec = resnet_spec()
     generous = make_plan(spec, budget="90%", batch_size=256, device="cuda")
-    assert generous.budget_kind == "cuda-process" and generous.measured["meter"] == "cuda"
+    assert generous.budget_kind == "cuda-process" and generous.measured.meter == "cuda"
     assert generous.checkpoint == [] and generous.grad_accum_steps == 1
-    needs = generous.measured["peak_bytes"] + sum(generous.headroom.values())
-    budget = int(needs - 0.4 * generous.measured["peak_bytes"])  # the measured peak leaves the context out
+    needs = generous.measured.peak_bytes + sum(generous.headroom.values())
+    budget = int(needs - 0.4 * generous.measured.peak_bytes)  # the measured peak leaves the context out
     tight = make_plan(spec, budget=budget, batch_size=256, device="cuda")
     assert tight.checkpoint or tight.micro_batch_size < 256 or tight.precision != generous.precision
     for plan in (generous, tight):

@@ -121,13 +121,13 @@ def test_below_the_one_process_floor_two_gpus_shard_with_fsdp(sharded, floor):
     assert GPUS * m * k >= GLOBAL_BATCH_SIZE > GPUS * m * (k - 1)
     # The simulated per-rank peak plus headroom fits the per-GPU budget, which one process could not meet.
     assert plan.budget_bytes < floor.floor_bytes
-    peak = plan.predicted["per_rank_peak_bytes"]
-    assert peak == plan.measured["peak_bytes"] and peak + sum(plan.headroom.values()) <= plan.budget_bytes
-    assert plan.measured["breakdown"]["gradients"] + plan.measured["breakdown"]["optimizer_state"] < (
+    peak = plan.predicted.per_rank_peak_bytes
+    assert peak == plan.measured.peak_bytes and peak + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert plan.measured.breakdown["gradients"] + plan.measured.breakdown["optimizer_state"] < (
         floor.breakdown["gradients"] + floor.breakdown["optimizer_state"]
     )
-    assert plan.estimated and plan.measured["meter"] == "simulated"
-    assert "not run while planning" in plan.measured["multi_process"]["note"]
+    assert plan.estimated and plan.measured.meter == "simulated"
+    assert "not run while planning" in plan.measured.multi_process.note
 
 
 def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
@@ -136,10 +136,10 @@ def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
     assert (plan.world_size, plan.sharding, plan.global_batch_size) == (GPUS, "ddp", GLOBAL_BATCH_SIZE)
     assert plan.grad_accum_steps == micro_batch_count(GLOBAL_BATCH_SIZE, world_size=GPUS, micro_batch_size=plan.micro_batch_size)
     allowance = plan.headroom["ddp_buckets_allowance"]
-    assert allowance == _gradient_bytes(spec) == plan.measured["breakdown"]["gradients"]
-    assert plan.predicted["per_rank_peak_bytes"] == plan.measured["peak_bytes"] + allowance
-    assert plan.measured["peak_bytes"] + sum(plan.headroom.values()) <= plan.budget_bytes
-    assert "allowance" in plan.measured["multi_process"]["note"] and not plan.estimated
+    assert allowance == _gradient_bytes(spec) == plan.measured.breakdown["gradients"]
+    assert plan.predicted.per_rank_peak_bytes == plan.measured.peak_bytes + allowance
+    assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert "allowance" in plan.measured.multi_process.note and not plan.estimated
 
 
 def test_bad_gpu_counts_are_one_line(spec):

@@ -4,7 +4,6 @@ Each torchrun launch costs seconds (two interpreters importing torch), so the
 runs are made once per module and the tests read their files.
 """
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from autofit.apply import AppliedPlan
 from autofit.training.distributed import DistributedEnv
 from autofit.errors import UserError
-from autofit.plan_file import Plan, save_plan
+from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
 from autofit.training.weights import load_checkpoint
 from strategies import BatchSplit, BatchSplitConfig, Precision, PrecisionConfig
 from tests.conftest import ROOT
@@ -93,10 +92,9 @@ def _write_model(path, *, dropout: float) -> None:
 def _plan(model_file, *, world_size: int, sharding: str, micro_batch_size: int) -> Plan:
     """A plan written by hand: micro-batch and accumulation per rank, the global batch over all ranks."""
     return Plan(
-        model={"source": str(model_file), "input_shape": [1, 4, 4], "num_classes": 3},
-        device={"type": "cpu"}, budget_bytes=10**8, global_batch_size=GLOBAL_BATCH_SIZE,
-        micro_batch_size=micro_batch_size, grad_accum_steps=math.ceil(GLOBAL_BATCH_SIZE / world_size / micro_batch_size),
-        world_size=world_size, sharding=sharding, checkpoint=["blocks.0", "blocks.1"],
+        model=ModelInfo(source=str(model_file), input_shape=[1, 4, 4], num_classes=3),
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8, global_batch_size=GLOBAL_BATCH_SIZE,
+        micro_batch_size=micro_batch_size, world_size=world_size, sharding=sharding, checkpoint=["blocks.0", "blocks.1"],
     )
 
 

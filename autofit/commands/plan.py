@@ -56,43 +56,42 @@ def plan(
 def summary_lines(report, *, path: Path | None = None) -> list[str]:
     """The readable summary of a planning run."""
     plan = report.plan
-    ranks = plan.measured.get("multi_process")
+    measured, predicted = plan.measured, plan.predicted
+    ranks = measured.multi_process
     if ranks:
         where = f"per GPU, {plan.world_size} GPUs ({plan.sharding})"
         split = (f"per rank: micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s) "
                  f"({plan.world_size} ranks x {plan.micro_batch_size} x {plan.grad_accum_steps} >= {plan.global_batch_size})")
         estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.sharding == "fsdp" else ""
     else:
-        where = f"on {plan.device['name']}"
+        where = f"on {plan.device.name}"
         split = f"micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s)"
         estimated = " [estimated: simulated meter, FLOP-based speed]" if plan.estimated else ""
     lines = [
-        f"plan for {plan.model['source']}: batch {plan.global_batch_size}, budget {format_bytes(plan.budget_bytes)} "
+        f"plan for {plan.model.source}: batch {plan.global_batch_size}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_kind}) {where}" + estimated,
         f"  chosen      {plan.precision}, {split}, checkpoint {_blocks(plan.checkpoint)}",
     ]
     if ranks:
-        lines.append(f"  note        {ranks['note']}")
-    measured, predicted = plan.measured, plan.predicted
-    meter = measured.get("meter")
-    lines.append(f"  memory      {'predicted':>12} {f'measured ({meter})':>20}")
-    for name, value in measured.get("breakdown", {}).items():
+        lines.append(f"  note        {ranks.note}")
+    lines.append(f"  memory      {'predicted':>12} {f'measured ({measured.meter})':>20}")
+    for name, value in measured.breakdown.items():
         lines.append(f"    {name.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
-    lines.append(f"    {'peak':<18}{format_bytes(predicted['peak_bytes']):>12} {format_bytes(measured['peak_bytes']):>20}")
+    lines.append(f"    {'peak':<18}{format_bytes(predicted.peak_bytes):>12} {format_bytes(measured.peak_bytes):>20}")
     for cause, value in plan.headroom.items():
         lines.append(f"    {'+ ' + cause.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
-    total = measured["peak_bytes"] + sum(plan.headroom.values())
+    total = measured.peak_bytes + sum(plan.headroom.values())
     lines.append(
         f"    {'= needed':<18}{'':>12} {format_bytes(total):>20}  of {format_bytes(plan.budget_bytes)} "
         f"({total / plan.budget_bytes:.0%})"
     )
-    speed = measured.get("samples_per_s")
+    speed = measured.samples_per_s
     unconstrained = report.unconstrained
     text = f"{speed:.1f} samples/s measured" if speed else "not measured (simulated)"
-    lines.append(f"  speed       {text}, {predicted['samples_per_s']:.1f} predicted")
+    lines.append(f"  speed       {text}, {predicted.samples_per_s:.1f} predicted")
     if unconstrained:
         reference = unconstrained.get("samples_per_s") or unconstrained["predicted_samples_per_s"]
-        mine = speed or predicted["samples_per_s"]
+        mine = speed or predicted.samples_per_s
         kind = "measured" if unconstrained.get("samples_per_s") else "predicted"
         peak = unconstrained.get("peak_bytes") or unconstrained["predicted_peak_bytes"]
         lines.append(

@@ -88,8 +88,8 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
     result = probe_plan(spec, the_plan, steps=steps)
     planned = {
         "budget_bytes": the_plan.budget_bytes,
-        "measured_peak_bytes": the_plan.measured.get("peak_bytes"),
-        "predicted_peak_bytes": the_plan.predicted.get("peak_bytes"),
+        "measured_peak_bytes": the_plan.measured.peak_bytes if the_plan.measured else None,
+        "predicted_peak_bytes": the_plan.predicted.peak_bytes if the_plan.predicted else None,
     }
     if as_json:
         print_json({**result.to_dict(), "plan": planned})

@@ -64,8 +64,8 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
     distributed = ShardingConfig(world_size=the_plan.world_size, sharding=the_plan.sharding)
     check_launch(distributed)
     if distributed.sharding != "none":
-        init_distributed(device_type=the_plan.device.get("type") or "cpu", backend=distributed.backend)
-    source = model or the_plan.model.get("source")
+        init_distributed(device_type=the_plan.device.type, backend=distributed.backend)
+    source = model or the_plan.model.source
     if not source or source.startswith("python:"):
         raise UserError(
             f"the plan names no model file ({source or 'none'}: it was made for a Python object); "
@@ -75,12 +75,12 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
         raise UserError(f"the plan's model file {source!r} does not exist here; run from where the plan was made or give --model FILE")
     if resume and log_dir is None:
         raise UserError("--resume needs --log-dir runs/NAME: the folder of the run to continue")
-    planned_shape = the_plan.model.get("input_shape")
+    planned_shape = the_plan.model.input_shape
     shape = input_shape_from(planned_shape) if planned_shape else None
     spec = load_spec(
         source,
         input_shape="x".join(map(str, shape)) if shape else "3x224x224",
-        num_classes=the_plan.model.get("num_classes") or 1000,
+        num_classes=the_plan.model.num_classes or 1000,
     )
     shape = shape or spec.input_shape
     settings = TrainSettings(
@@ -96,7 +96,7 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
     model_source = {
         "source": source,
         "input_shape": "x".join(map(str, shape)) if shape else None,
-        "num_classes": len(train_data.classes) if train_data.classes else the_plan.model.get("num_classes"),
+        "num_classes": len(train_data.classes) if train_data.classes else the_plan.model.num_classes,
     }
     try:
         run_training(

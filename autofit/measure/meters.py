@@ -24,17 +24,10 @@ from torch import nn
 from autofit._torch_private import new_fake_mode
 from autofit.errors import UserError
 from autofit.measure.tracker import StorageTracker
+from autofit.plan_file import DeviceInfo
 
 CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every block up to this."""
-
-
-@dataclass(kw_only=True, slots=True)
-class DeviceInfo:
-    type: str
-    """"cpu" or "cuda"."""
-    name: str
-    total_bytes: int
 
 
 @dataclass(kw_only=True, slots=True)

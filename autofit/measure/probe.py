@@ -94,8 +94,8 @@ def probe_plan(spec: ModelSpec, plan: Plan, *, steps: int = 3, seed: int = 0) ->
         share = -(-config.global_batch_size // config.world_size)
         config = replace(config, global_batch_size=share, micro_batch_size=min(config.micro_batch_size, share), sharding="none", world_size=1)
     return measure(
-        spec, config, device=plan.device.get("type") or "cpu", simulate=plan.estimated, steps=steps, seed=seed,
-        fingerprint=plan.model.get("fingerprint"),
+        spec, config, device=plan.device.type, simulate=plan.estimated, steps=steps, seed=seed,
+        fingerprint=plan.model.fingerprint,
     )
 
 

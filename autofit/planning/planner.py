@@ -25,7 +25,7 @@ import torch
 from autofit.errors import UserError
 from autofit.measure.meters import check_device, release_device_memory
 from autofit.planning.memory_model import simulation_spec
-from autofit.plan_file import Plan
+from autofit.plan_file import Measured, ModelInfo, MultiProcess, Plan, Predicted
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes, parse_budget
 from strategies import PRECISIONS
@@ -698,36 +698,35 @@ class _Planner:
 
         config: Config = chosen["config"]
         G = self.global_batch_size
-        measured = {
-            "peak_bytes": int(chosen["measured_peak_bytes"]),
-            "samples_per_s": chosen["measured_samples_per_s"],
-            "meter": chosen["meter"],
-            "breakdown": chosen.get("breakdown", {}),
-        }
-        measured["unconstrained"] = {
+        measured = Measured(
+            peak_bytes=int(chosen["measured_peak_bytes"]),
+            samples_per_s=chosen["measured_samples_per_s"],
+            meter=chosen["meter"],
+            breakdown=chosen.get("breakdown", {}),
+        )
+        measured.unconstrained = {
             key: unconstrained.get(key)
             for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "samples_per_s")
         }
         if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
-            measured["relative_to_unconstrained"] = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
+            measured.relative_to_unconstrained = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
         model_info = self._model_info()
         return Plan(
             created_by={"autofit": autofit.__version__, "torch": torch.__version__},
             model=model_info,
             notes=batch_norm_notes(model_info, micro_batch_size=config.micro_batch_size, global_batch_size=G),
-            device={"type": self.info.type, "name": self.info.name, "total_bytes": self.info.total_bytes},
+            device=self.info,
             budget_bytes=self.budget_bytes,
             budget_kind="cuda-process" if self.device == "cuda" else "cpu-tracked",
             global_batch_size=G,
             micro_batch_size=config.micro_batch_size,
-            grad_accum_steps=math.ceil(G / config.micro_batch_size),
             precision=config.precision,
             checkpoint=list(config.checkpoint),
             estimated=self.simulate,
-            predicted={
-                "peak_bytes": int(chosen["predicted_peak_bytes"]),
-                "samples_per_s": chosen["predicted_samples_per_s"],
-            },
+            predicted=Predicted(
+                peak_bytes=int(chosen["predicted_peak_bytes"]),
+                samples_per_s=chosen["predicted_samples_per_s"],
+            ),
             measured=measured,
             headroom=chosen["headroom"],
             alternatives=self._alternatives(evaluations, chosen, unconstrained),
@@ -768,7 +767,7 @@ class _Planner:
             alternatives.append(entry)
         return alternatives
 
-    def _model_info(self) -> dict:
+    def _model_info(self) -> ModelInfo:
         from autofit.spec import model_fingerprint
 
         with torch.device("meta"):
@@ -777,14 +776,14 @@ class _Planner:
         output = self.model.output_shape
         if num_classes is None and len(output) == 2:
             num_classes = output[-1]
-        return {
-            "source": self.spec.source,
-            "fingerprint": model_fingerprint(model),
-            "batch_norm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
-            "parameter_count": sum(p.numel() for p in model.parameters()),
-            "input_shape": list(self.spec.input_shape) if self.spec.input_shape else None,
-            "num_classes": num_classes,
-        }
+        return ModelInfo(
+            source=self.spec.source,
+            fingerprint=model_fingerprint(model),
+            batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
+            parameter_count=sum(p.numel() for p in model.parameters()),
+            input_shape=list(self.spec.input_shape) if self.spec.input_shape else None,
+            num_classes=num_classes,
+        )
 
     # -- study storage -------------------------------------------------------------------------
     def _study_name(self) -> str:
@@ -861,23 +860,18 @@ class _RanksPlanner:
 
     def _ddp(self, report: PlanReport, *, budget_bytes: int, allowance: int) -> PlanReport:
         """The one-process plan of a rank's share, restated for N processes under DDP."""
-        from strategies import micro_batch_count
-
         plan = report.plan
         plan.budget_bytes = budget_bytes
         plan.global_batch_size = self.global_batch_size
         plan.world_size, plan.sharding = self.world_size, "ddp"
-        plan.grad_accum_steps = micro_batch_count(
-            self.global_batch_size, world_size=self.world_size, micro_batch_size=plan.micro_batch_size
-        )
         # DDP's buckets (gradient_as_bucket_view off) hold one more copy of the gradients: allowed for, not measured.
         plan.headroom = {**plan.headroom, "ddp_buckets_allowance": allowance}
-        plan.predicted["per_rank_peak_bytes"] = int(plan.measured["peak_bytes"]) + allowance
-        plan.measured["multi_process"] = {
-            "world_size": self.world_size, "sharding": "ddp", "rank_batch_size": self.rank_batch_size,
-            "note": MULTI_PROCESS_NOTE.format(world_size=self.world_size, rank_batch_size=self.rank_batch_size)
+        plan.predicted.per_rank_peak_bytes = int(plan.measured.peak_bytes) + allowance
+        plan.measured.multi_process = MultiProcess(
+            world_size=self.world_size, sharding="ddp", rank_batch_size=self.rank_batch_size,
+            note=MULTI_PROCESS_NOTE.format(world_size=self.world_size, rank_batch_size=self.rank_batch_size)
             + f"; DDP's gradient buckets are an allowance ({format_bytes(allowance)}), not measured",
-        }
+        )
         return report
 
     def _fsdp(self, rank: _Planner) -> PlanReport:
@@ -944,12 +938,12 @@ class _RanksPlanner:
             self._infeasible(rank, single=single, smallest=smallest)
         config, steps, speed, estimate, measurement = chosen
         self.log(f"FSDP2: {config.precision}, micro-batch {config.micro_batch_size} x {steps} per rank, simulated to fit")
-        rank.report.plan = self._fsdp_plan(rank, config=config, steps=steps, speed=speed, estimate=estimate, measurement=measurement,
+        rank.report.plan = self._fsdp_plan(rank, config=config, speed=speed, estimate=estimate, measurement=measurement,
                                            alternatives=sorted(alternatives, key=lambda a: a["predicted_peak_bytes"]))
         rank.report.cost_model = model.to_dict()
         return rank.report
 
-    def _fsdp_plan(self, rank: _Planner, *, config: Config, steps: int, speed: float, estimate: float, measurement, alternatives) -> Plan:
+    def _fsdp_plan(self, rank: _Planner, *, config: Config, speed: float, estimate: float, measurement, alternatives) -> Plan:
         import autofit
 
         model_info = rank._model_info()
@@ -957,30 +951,29 @@ class _RanksPlanner:
             created_by={"autofit": autofit.__version__, "torch": torch.__version__},
             model=model_info,
             notes=batch_norm_notes(model_info, micro_batch_size=config.micro_batch_size, global_batch_size=self.global_batch_size),
-            device={"type": rank.info.type, "name": rank.info.name, "total_bytes": rank.info.total_bytes},
+            device=rank.info,
             budget_bytes=rank.budget_bytes,
             budget_kind="cuda-process" if rank.device == "cuda" else "cpu-tracked",
             global_batch_size=self.global_batch_size,
             micro_batch_size=config.micro_batch_size,
-            grad_accum_steps=steps,
             precision=config.precision,
             checkpoint=list(config.checkpoint),
             world_size=self.world_size,
             sharding="fsdp",
             estimated=True,
-            predicted={
-                "peak_bytes": int(measurement.peak_bytes), "per_rank_peak_bytes": int(measurement.peak_bytes),
-                "samples_per_s": speed, "estimate_peak_bytes": int(estimate),
-            },
-            measured={
-                "peak_bytes": int(measurement.peak_bytes), "samples_per_s": None,
-                "meter": "simulated", "breakdown": dict(measurement.breakdown),
-                "multi_process": {
-                    "world_size": self.world_size, "sharding": "fsdp", "rank_batch_size": self.rank_batch_size,
-                    "note": MULTI_PROCESS_NOTE.format(world_size=self.world_size, rank_batch_size=self.rank_batch_size)
+            predicted=Predicted(
+                peak_bytes=int(measurement.peak_bytes), per_rank_peak_bytes=int(measurement.peak_bytes),
+                samples_per_s=speed, estimate_peak_bytes=int(estimate),
+            ),
+            measured=Measured(
+                peak_bytes=int(measurement.peak_bytes), samples_per_s=None,
+                meter="simulated", breakdown=dict(measurement.breakdown),
+                multi_process=MultiProcess(
+                    world_size=self.world_size, sharding="fsdp", rank_batch_size=self.rank_batch_size,
+                    note=MULTI_PROCESS_NOTE.format(world_size=self.world_size, rank_batch_size=self.rank_batch_size)
                     + "; the per-rank peak is FSDP2 run in one process on a fake process group (simulated, not measured)",
-                },
-            },
+                ),
+            ),
             headroom=rank.headroom.for_peak(measurement.peak_bytes),
             alternatives=alternatives,
         )
@@ -1075,9 +1068,9 @@ def _timing_sizes(sizes: list[int]) -> list[int]:
     return sorted(chosen)
 
 
-def batch_norm_notes(model_info: dict, *, micro_batch_size: int, global_batch_size: int) -> list[str]:
+def batch_norm_notes(model_info: ModelInfo, *, micro_batch_size: int, global_batch_size: int) -> list[str]:
     """BatchNorm normalises over what one forward sees: a smaller micro-batch changes that statistic."""
-    if not model_info.get("batch_norm") or micro_batch_size >= global_batch_size:
+    if not model_info.batch_norm or micro_batch_size >= global_batch_size:
         return []
     return [
         f"the model has BatchNorm: it normalises over each micro-batch of {micro_batch_size}, not the batch of "

@@ -303,7 +303,7 @@ def train(
 
 def _record_oom(oom: dict, *, plan: Plan, log: RunLog | SilentRunLog, console, epoch: int, step: int) -> None:
     """Keep the run's plan true to what it trains with (plan.json now, last.pt at its next save), and say so."""
-    plan.micro_batch_size, plan.grad_accum_steps = oom["micro_batch_size"], oom["grad_accum_steps"]
+    plan.micro_batch_size = oom["micro_batch_size"]  # grad_accum_steps follows from it
     plan.history.append({**oom, "epoch": epoch, "step": step})
     log.save_plan(plan)
     log.write({"kind": "oom", "epoch": epoch, "step": step, **oom})
@@ -720,7 +720,7 @@ def _interrupt_flag():
 
 
 def _check_classes(plan: Plan, data: TrainData) -> None:
-    planned = plan.model.get("num_classes")
+    planned = plan.model.num_classes
     if planned and data.classes and len(data.classes) != planned:
         raise UserError(
             f"the data in {data.source} has {len(data.classes)} classes but the plan's model has {planned} outputs; "
