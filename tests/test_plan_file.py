@@ -12,7 +12,7 @@ from autofit.errors import UserError
 from autofit.plan_file import (
     DeviceInfo, Measured, ModelInfo, MultiProcess, Plan, Predicted, load_plan, plan_from_dict, save_plan,
 )
-from autofit.training.distributed import micro_batch_count
+from strategies import micro_batch_count
 from tests.conftest import ROOT
 
 OLD_PLANS = Path(__file__).parent / "plan_files"

@@ -45,7 +45,7 @@ def check_device(device_type: str, *, precision: str | None = None, simulate: bo
             bf16 on a GPU without it; the message names the way out.
     """
     if device_type not in ("cpu", "cuda"):
-        raise UserError(f"device {device_type!r} is unknown; use cpu or cuda")
+        raise UserError(f"--device {device_type!r} is unknown; use cpu or cuda")
     if device_type != "cuda" or simulate:
         return
     if not torch.cuda.is_available():
