@@ -6,11 +6,10 @@ that is missing, corrupt or of another schema version with one line.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from autofit.atomic import write_atomic
 from autofit.errors import UserError
 
 SCHEMA_VERSION = 1
@@ -61,10 +60,7 @@ class Plan:
 
 def save_plan(plan: Plan, path: str | Path) -> Path:
     """Write atomically: a crash never leaves half a plan."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(plan.to_dict(), indent=2) + "\n")
-    return path
+    return write_atomic(path, json.dumps(plan.to_dict(), indent=2) + "\n")
 
 
 def plan_from_dict(data: dict, *, where: str = "plan") -> Plan:
@@ -90,14 +86,3 @@ def load_plan(path: str | Path) -> Plan:
         raise UserError(f"plan file {str(path)!r} is not valid JSON ({error}); re-create it with `autofit plan`") from error
     return plan_from_dict(data, where=f"plan file {str(path)!r}")
 
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -436,7 +436,7 @@ def save_comparison(comparison: Comparison, out_dir: str | Path) -> dict[str, Pa
     """Write compare.md, compare.json and compare.png into ``out_dir``."""
     import json
 
-    from autofit.plan_file import write_atomic
+    from autofit.atomic import write_atomic
 
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
+from autofit.atomic import write_atomic
 from autofit.training.data import TrainData, epoch_order, make_loader
 from autofit.training.distributed import (
     any_rank,
@@ -445,7 +446,7 @@ class RunLog:
         log_dir.mkdir(parents=True, exist_ok=True)
         path = log_dir / "metrics.jsonl"
         kept = [line for line in _read_lines(path) if _keep(line, keep_until_step, keep_until_epoch)]
-        path.write_text("".join(kept))
+        write_atomic(path, "".join(kept))
         self.metrics = path.open("a")
         self.tensorboard_error: Exception | None = None
         self._events: queue.Queue = queue.Queue()
