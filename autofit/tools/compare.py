@@ -247,7 +247,8 @@ class _TrainingData:
 
     @classmethod
     def load(cls, spec: ModelSpec, data: str | Path, *, global_batch_size: int, steps: int, seed: int) -> "_TrainingData":
-        from autofit.tools.evaluate import image_folder, input_shape_of
+        from autofit.tools.evaluate import input_shape_of
+        from autofit.training.images import image_folder
 
         root = Path(data)
         if not root.is_dir():
