@@ -20,13 +20,8 @@ reads), and rank 0 writes last.pt and best.pt with whole weights.
 """
 from __future__ import annotations
 
-import json
 import math
-import queue
-import random
-import resource
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,32 +29,22 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
-from autofit.atomic import write_atomic
-from autofit.training.data import TrainData, epoch_order, make_loader
-from autofit.training.distributed import (
-    any_rank,
-    full_model_state_dict,
-    is_rank0,
-    load_rank_extra,
-    load_sharded_checkpoint,
-    mean_across_ranks,
-    micro_batch_count,
-    rank_slice,
-    save_sharded_checkpoint,
-    sum_across_ranks,
-)
 from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
-from autofit.plan_file import Plan, plan_from_dict, save_plan
+from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
-from autofit.training.step import StepResult, to_device, train_step
+from autofit.training.checkpoints import check_fresh, checkpoint_files, load_resume_state, set_rng_state
+from autofit.training.data import TrainData, epoch_order, make_loader
+from autofit.training.distributed import any_rank, mean_across_ranks
+from autofit.training.gauges import memory_gauge
+from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
+from autofit.training.step import StepResult, train_step
+from autofit.training.validation import evaluate
 from autofit.units import format_bytes
-from autofit.training.weights import load_checkpoint, save_checkpoint
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,7 +157,7 @@ def train(
     last_path = log_dir / "last.pt"
     _check_classes(plan, data)
     fingerprint = model_fingerprint(model)
-    saved = _load_resume_state(last_path, model) if settings.resume else _check_fresh(last_path)
+    saved = load_resume_state(last_path, model) if settings.resume else check_fresh(last_path)
     if saved is not None:
         plan = plan_from_dict(saved["plan"], where=f"the plan saved in {last_path}")
     applied = apply_plan(model, plan)
@@ -364,53 +349,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> tuple[float | None, float | None]:
-    """Mean loss and accuracy over ``dataset`` in micro-batches (None, None without a dataset).
-
-    On several processes each rank evaluates its contiguous share and the sums
-    are added over the ranks. Every rank runs as many forwards (FSDP gathers
-    parameters in each, a collective): a rank one batch short runs one on a
-    sample it does not count.
-
-    Accuracy is None unless the output is (B, classes) and the targets (B,) labels.
-    """
-    if dataset is None:
-        return None, None
-    model.eval()
-    env = applied.env
-    share = rank_slice(len(dataset), rank=env.rank, world_size=env.world_size)
-    batches = micro_batch_count(len(dataset), world_size=env.world_size, micro_batch_size=applied.micro_batch_size)
-    loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers)
-    loss_sum, correct, count, classified = 0.0, 0, 0, True
-    for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset):
-        inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
-        with applied.autocast():
-            output = model(inputs)
-            loss = loss_fn(output, targets).float()
-        loss_sum += loss.item() * len(targets) * counted
-        count += len(targets) * counted
-        classified = classified and output.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
-        if classified:
-            correct += (output.argmax(dim=1) == targets).sum().item() * counted
-    model.train()
-    totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=applied.device)
-    loss_sum, correct, count = sum_across_ranks(totals).tolist()
-    return loss_sum / count, (correct / count if classified else None)
-
-
-def _padded_batches(loader, *, batches: int, dataset):
-    """Yield (inputs, targets, 1) per batch of ``loader``, then (the dataset's first sample, 0) up to ``batches``."""
-    done = 0
-    for inputs, targets in loader:
-        yield inputs, targets, 1
-        done += 1
-    if done < batches:
-        inputs, targets = torch.utils.data.default_collate([dataset[0]])
-        for _ in range(batches - done):
-            yield inputs, targets, 0
-
-
 def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning rate falls from its peak to a tenth of it along half a cosine over ``total_steps``."""
 
@@ -419,292 +357,6 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> to
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-class RunLog:
-    """metrics.jsonl (one JSON object per line) and TensorBoard events in the log dir.
-
-    The JSON line is written at once, for every step. TensorBoard gets a
-    step's scalars at most every ``tensorboard_interval_s`` (each step when
-    steps are slower; the last step before an epoch record or a flush
-    always): building its events costs 0.1-0.25 ms a step, and on a
-    background thread it still holds the interpreter lock the training
-    thread needs to launch kernels (bench/RESULTS.md, "Loop overhead"). On
-    resume, records after the saved position (steps a killed run did but
-    never saved) are dropped, so the log matches what the weights have seen.
-    """
-
-    tensorboard_interval_s = 0.2
-
-    _SCALARS = {
-        "step": ("loss", "lr", "samples_per_s", "memory_bytes"),
-        "epoch": ("train_loss", "val_loss", "val_accuracy", "samples_per_s", "peak_bytes"),
-    }
-
-    def __init__(self, log_dir: Path, *, keep_until_step: int, keep_until_epoch: int) -> None:
-        self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        path = log_dir / "metrics.jsonl"
-        kept = [line for line in _read_lines(path) if _keep(line, keep_until_step, keep_until_epoch)]
-        write_atomic(path, "".join(kept))
-        self.metrics = path.open("a")
-        self.tensorboard_error: Exception | None = None
-        self._events: queue.Queue = queue.Queue()
-        self._held_step: dict | None = None
-        """The latest step record not sent to TensorBoard yet (too soon after the one before)."""
-        self._sent_at = -math.inf
-        self._tensorboard_thread = threading.Thread(
-            target=self._write_events, args=(str(log_dir), keep_until_step + 1 if keep_until_step else None),
-            name="autofit-tensorboard", daemon=True,
-        )
-        self._tensorboard_thread.start()
-
-    def step(self, record: dict) -> None:
-        self.write(record)
-        now = time.perf_counter()
-        if now - self._sent_at >= self.tensorboard_interval_s:
-            self._events.put(record)
-            self._held_step, self._sent_at = None, now
-        else:
-            self._held_step = record
-
-    def epoch(self, record: dict) -> None:
-        self.write(record)
-        self._send_held_step()
-        self._events.put(record)
-        self.flush()
-
-    def _send_held_step(self) -> None:
-        if self._held_step is not None:
-            self._events.put(self._held_step)
-            self._held_step = None
-
-    def write(self, record: dict) -> None:
-        self.metrics.write(json.dumps(record) + "\n")
-
-    def save_plan(self, plan: Plan) -> None:
-        """plan.json: the plan this run trains with."""
-        save_plan(plan, self.log_dir / "plan.json")
-
-    def flush(self) -> None:
-        """Everything logged so far is on disk when this returns."""
-        self.metrics.flush()
-        self._send_held_step()
-        self._events.put("flush")
-        self._events.join()
-
-    def _write_events(self, log_dir: str, purge_step: int | None) -> None:
-        writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir, purge_step=purge_step)
-        except Exception as error:  # TensorBoard is a view: training and metrics.jsonl go on without it
-            self.tensorboard_error = error
-        while True:
-            record = self._events.get()
-            try:
-                if record is None:
-                    break
-                if writer is None:
-                    continue
-                if record == "flush":
-                    writer.flush()
-                    continue
-                for name in self._SCALARS[record["kind"]]:
-                    if record[name] is not None:
-                        writer.add_scalar(f"{record['kind']}/{name}", record[name], record["step"])
-            except Exception as error:
-                self.tensorboard_error = self.tensorboard_error or error
-            finally:
-                self._events.task_done()
-        if writer is not None:
-            writer.close()
-
-    def __enter__(self) -> RunLog:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.metrics.close()
-        self._send_held_step()
-        self._events.put(None)
-        self._tensorboard_thread.join()
-        if self.tensorboard_error is not None:
-            print(f"autofit: TensorBoard events were not all written ({self.tensorboard_error!r}); metrics.jsonl is complete", file=sys.stderr)
-
-
-class SilentRunLog:
-    """``RunLog``'s interface, writing nothing: the log of a rank other than 0 (rank 0 logs the run)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-
-    def step(self, record: dict) -> None:
-        pass
-
-    def epoch(self, record: dict) -> None:
-        pass
-
-    def write(self, record: dict) -> None:
-        pass
-
-    def save_plan(self, plan: Plan) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def __enter__(self) -> SilentRunLog:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
-def open_run_log(log_dir: Path, *, keep_until_step: int, keep_until_epoch: int, writes: bool) -> RunLog | SilentRunLog:
-    """The run's log: a ``RunLog`` in the one process that ``writes``, a silent one elsewhere."""
-    if not writes:
-        return SilentRunLog(log_dir)
-    return RunLog(log_dir, keep_until_step=keep_until_step, keep_until_epoch=keep_until_epoch)
-
-
-class LocalCheckpoints:
-    """last.pt and best.pt of a run in one process: last.pt holds the weights and everything ``--resume`` needs."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.last_path, self.best_path = log_dir / "last.pt", log_dir / "best.pt"
-
-    def save_last(self, checkpoint: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Add weights, optimizer and RNG state to ``checkpoint`` and save it as last.pt.
-
-        Returns:
-            The checkpoint with its weights (best.pt reuses them).
-        """
-        training = {**checkpoint["training"], "optimizer": optimizer.state_dict(), "rng": _rng_state()}
-        checkpoint = {**checkpoint, "model_state": model.state_dict(), "training": training}
-        save_checkpoint(self.last_path, checkpoint)
-        return checkpoint
-
-    def save_best(self, checkpoint: dict) -> None:
-        save_checkpoint(self.best_path, checkpoint)
-
-    def restore(self, saved: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Load weights and optimizer state from ``saved`` (last.pt as read); returns its training state."""
-        model.load_state_dict(saved["model_state"])
-        optimizer.load_state_dict(saved["training"]["optimizer"])
-        return saved["training"]
-
-
-class ShardedCheckpoints(LocalCheckpoints):
-    """Checkpoints of a run on several processes (each method is a collective: every rank calls it).
-
-    ``last_sharded/`` is what ``--resume`` reads: model and optimizer saved
-    with torch.distributed.checkpoint (each rank its shards), rank 0's
-    training state and each rank's RNG state; it is replaced only once
-    complete. Rank 0 then writes last.pt and best.pt with whole weights, as
-    one process does, so ``autofit val`` and ``export`` read them (last.pt's
-    optimizer state stays in ``last_sharded/``).
-    """
-
-    def __init__(self, log_dir: Path) -> None:
-        super().__init__(log_dir)
-        self.sharded_dir = log_dir / "last_sharded"
-
-    def save_last(self, checkpoint: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        rng = _rng_state()
-        save_sharded_checkpoint(self.sharded_dir, model=model, optimizer=optimizer, extra=checkpoint["training"], rank_extra={"rng": rng})
-        training = {**checkpoint["training"], "rng": rng, "optimizer": f"in {self.sharded_dir.name}/"}
-        checkpoint = {**checkpoint, "model_state": full_model_state_dict(model), "training": training}
-        if is_rank0():
-            save_checkpoint(self.last_path, checkpoint)
-        return checkpoint
-
-    def save_best(self, checkpoint: dict) -> None:
-        if is_rank0():
-            save_checkpoint(self.best_path, checkpoint)
-
-    def restore(self, saved: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        training = load_sharded_checkpoint(self.sharded_dir, model=model, optimizer=optimizer)
-        return {**training, **load_rank_extra(self.sharded_dir)}
-
-
-def checkpoint_files(log_dir: Path, *, world_size: int) -> LocalCheckpoints:
-    """How a run on ``world_size`` processes saves and resumes."""
-    return ShardedCheckpoints(log_dir) if world_size > 1 else LocalCheckpoints(log_dir)
-
-
-class MemoryGauge:
-    """Memory now and at its peak, cheap enough to read every step.
-
-    ``read`` asks the device at most every ``interval_s`` and otherwise
-    returns the last reading (on CUDA one reading builds the allocator's whole
-    statistics dict); the peak is a running maximum, so none is missed.
-    """
-
-    note = ""
-    interval_s = 0.5
-
-    def __init__(self) -> None:
-        self._read_at = -math.inf
-        self._reading = (0, 0)
-
-    def read(self) -> tuple[int, int]:
-        """(now_bytes, peak_bytes), at most ``interval_s`` old."""
-        now = time.perf_counter()
-        if now - self._read_at >= self.interval_s:
-            self._reading, self._read_at = (self.now_bytes(), self.peak_bytes()), now
-        return self._reading
-
-    def now_bytes(self) -> int:
-        raise NotImplementedError
-
-    def peak_bytes(self) -> int:
-        raise NotImplementedError
-
-
-class ProcessMemory(MemoryGauge):
-    """CPU: the process's resident set (no tensor tracking while training: it would slow every step).
-
-    It counts the interpreter and libraries too, so it reads above the plan's
-    budget, which counts tensor bytes only (the cpu-tracked meter).
-    """
-
-    note = "memory is the process's resident set (interpreter included); the budget counts tensor bytes"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._page_bytes = resource.getpagesize()
-
-    def now_bytes(self) -> int:
-        try:
-            with open("/proc/self/statm") as statm:
-                return int(statm.read().split()[1]) * self._page_bytes
-        except OSError:
-            return self.peak_bytes()
-
-    def peak_bytes(self) -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-class CudaMemory(MemoryGauge):
-    """CUDA: bytes allocated now, and the allocator's peak reserved bytes since training began."""
-
-    note = "memory is allocated now and peak reserved by the CUDA allocator"
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def now_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
-
-
-def memory_gauge(device: torch.device) -> MemoryGauge:
-    return CudaMemory(device) if device.type == "cuda" else ProcessMemory()
 
 
 @contextmanager
@@ -736,51 +388,11 @@ def _check_classes(plan: Plan, data: TrainData) -> None:
         )
 
 
-def _check_fresh(last_path: Path) -> None:
-    if last_path.exists():
-        raise UserError(
-            f"{last_path.parent} already holds a run ({last_path.name}); continue it with --resume "
-            "or choose another --log-dir"
-        )
-    return None
-
-
-def _load_resume_state(last_path: Path, model: nn.Module) -> dict:
-    if not last_path.exists():
-        raise UserError(f"--resume: {last_path} does not exist; give the --log-dir of a run that saved last.pt")
-    saved = load_checkpoint(last_path)
-    if "training" not in saved or "position" not in saved["training"]:
-        raise UserError(f"--resume: {last_path} holds no training state; is it a best.pt copied over?")
-    if saved.get("fingerprint") != model_fingerprint(model):
-        raise UserError(
-            f"--resume: {last_path} was saved from another model (parameter names or shapes differ); "
-            "resume with the model file it was trained with"
-        )
-    return saved
-
-
 def _restore(training: dict, *, applied: AppliedPlan, scheduler) -> tuple[Position, list[dict], float | None]:
     applied.scaler.load_state_dict(training["scaler"])
     scheduler.load_state_dict(training["scheduler"])
-    _set_rng_state(training["rng"])
+    set_rng_state(training["rng"])
     return Position(**training["position"]), list(training["history"]), training["best_score"]
-
-
-def _rng_state() -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
 
 
 def _score(record: dict) -> float:
@@ -793,20 +405,6 @@ def _score(record: dict) -> float:
 
 def _existing(path: Path) -> Path | None:
     return path if path.exists() else None
-
-
-def _read_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines(keepends=True) if path.exists() else []
-
-
-def _keep(line: str, until_step: int, until_epoch: int) -> bool:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return False  # a line cut short by a kill
-    if record.get("kind") == "epoch":
-        return record["epoch"] <= until_epoch
-    return record.get("step", 0) <= until_step
 
 
 def _console_and_progress(*, verbose: bool, budget_bytes: int):
