@@ -8,6 +8,7 @@ the loop hands over.
 from __future__ import annotations
 
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.plan_file import Plan
 from autofit.spec import model_fingerprint
 from autofit.training.distributed import (
     full_model_state_dict,
@@ -23,7 +25,65 @@ from autofit.training.distributed import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
+from autofit.training.state import Position, RunState
 from autofit.training.weights import load_checkpoint, save_checkpoint
+
+
+class RunCheckpoints:
+    """What last.pt and best.pt of one run hold, saved as its processes save (``checkpoint_files``).
+
+    Args:
+        log_dir: where last.pt and best.pt go.
+        world_size: processes the run trains on.
+        model, optimizer, scheduler, scaler: the run's, saved and restored in place.
+        about: what identifies the weights, saved in both files:
+            {"model_source", "fingerprint", "classes"}.
+        seed: the run's seed, saved in last.pt.
+    """
+
+    def __init__(
+        self, log_dir: Path, *, world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, about: dict, seed: int,
+    ) -> None:
+        self.files = checkpoint_files(log_dir, world_size=world_size)
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.about, self.seed = about, seed
+
+    @property
+    def last_path(self) -> Path:
+        return self.files.last_path
+
+    def best_path_if_saved(self) -> Path | None:
+        return self.files.best_path if self.files.best_path.exists() else None
+
+    def save_last(self, *, plan: Plan, state: RunState) -> dict:
+        """Save last.pt: everything ``--resume`` needs. Returns what was saved (best.pt reuses its weights)."""
+        checkpoint = {
+            **self.about,
+            "plan": plan.to_dict(),
+            "training": {
+                "scaler": self.scaler.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "position": asdict(state.position),
+                "history": state.history,
+                "best_score": state.best_score,
+                "seed": self.seed,
+            },
+        }
+        return self.files.save_last(checkpoint, model=self.model, optimizer=self.optimizer)
+
+    def save_best(self, saved: dict, *, record: dict) -> None:
+        """Save best.pt: the weights of ``saved`` (last.pt as just saved) and the epoch's ``record``."""
+        # best.pt is for using the weights: no optimizer state, no RNG.
+        self.files.save_best({**saved, "training": {"epoch": record["epoch"], "metrics": record}})
+
+    def restore(self, saved: dict) -> RunState:
+        """Load weights, optimizer, scaler, schedule and RNG state from ``saved`` (last.pt as read)."""
+        training = self.files.restore(saved, model=self.model, optimizer=self.optimizer)
+        self.scaler.load_state_dict(training["scaler"])
+        self.scheduler.load_state_dict(training["scheduler"])
+        set_rng_state(training["rng"])
+        return RunState(position=Position(**training["position"]), history=list(training["history"]), best_score=training["best_score"])
 
 
 class LocalCheckpoints:
