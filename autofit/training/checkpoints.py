@@ -152,6 +152,7 @@ def checkpoint_files(log_dir: Path, *, world_size: int) -> LocalCheckpoints:
 
 
 def check_fresh(last_path: Path) -> None:
+    """Refuse to start a run in a log dir that holds one (``last_path`` exists): it would be overwritten."""
     if last_path.exists():
         raise UserError(
             f"{last_path.parent} already holds a run ({last_path.name}); continue it with --resume "
@@ -161,6 +162,11 @@ def check_fresh(last_path: Path) -> None:
 
 
 def load_resume_state(last_path: Path, model: nn.Module) -> dict:
+    """last.pt as read, to resume ``model``'s run.
+
+    Raises:
+        UserError: last.pt is missing, holds no training state, or was saved from another model.
+    """
     if not last_path.exists():
         raise UserError(f"--resume: {last_path} does not exist; give the --log-dir of a run that saved last.pt")
     saved = load_checkpoint(last_path)
@@ -175,6 +181,7 @@ def load_resume_state(last_path: Path, model: nn.Module) -> dict:
 
 
 def rng_state() -> dict:
+    """This process's RNG states: torch (CPU and every GPU), NumPy and Python's ``random``."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -184,6 +191,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore the RNG states ``rng_state`` returned."""
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
