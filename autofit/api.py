@@ -4,11 +4,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from autofit.errors import UserError
 from autofit.plan_file import Plan, load_plan
+
+if TYPE_CHECKING:
+    from autofit.training.data import TrainData
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,27 +94,57 @@ def fit(
         >>> result = autofit.fit(model, budget="8GB", train_data=train, val_data=val, batch_size=256, epochs=10)
         >>> result.history[-1]["val_accuracy"], result.best_path
     """
-    from autofit.training.data import datasets_data, image_folder_data, input_shape_from
-    from autofit.training.distributed import init_distributed, same_on_all_ranks
-    from autofit.training.loop import TrainSettings, default_log_dir, train
-    from autofit.spec import default_optimizer, model_fingerprint, spec_from_model
+    from autofit.spec import default_optimizer
+    from autofit.training.loop import TrainSettings
+    from autofit.training.run import run_training
 
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
+    data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan)
+    plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
+                     example_batch=example_batch, loss_fn=loss_fn, optimizer=optimizer)
+    settings = TrainSettings(
+        epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, seed=seed, num_workers=num_workers,
+        max_steps=max_steps, verbose=verbose,
+    )
+    result = run_training(
+        model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
+        input_shape=shape, loss_fn=loss_fn or nn.functional.cross_entropy, build_optimizer=optimizer or default_optimizer,
+        settings=settings,
+    )
+    return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
+                     last_path=result.last_path, log_dir=result.log_dir)
+
+
+def _read_data(train_data, val_data, *, input_shape: str | None, plan: Plan | None) -> tuple[TrainData, tuple[int, ...] | None]:
+    """The datasets (or the image folder ``train_data`` names), and the input shape saved with the weights."""
+    from autofit.training.data import datasets_data, image_folder_data, input_shape_from
+
     if isinstance(train_data, (str, Path)):
         if val_data is not None:
             raise UserError(f"train_data is the image folder {str(train_data)!r}: its val/ is the validation data; drop val_data")
         shape = input_shape_from(input_shape or (plan.model.input_shape if plan else None))
-        data = image_folder_data(train_data, input_shape=shape)
-    else:
-        data = datasets_data(train_data, val_data)
-        shape = input_shape_from(input_shape) if input_shape else None
+        return image_folder_data(train_data, input_shape=shape), shape
+    return datasets_data(train_data, val_data), (input_shape_from(input_shape) if input_shape else None)
+
+
+def _plan_for(
+    model: nn.Module, plan: Plan | None, *, data: TrainData, input_shape: tuple[int, ...] | None, batch_size: int | None,
+    budget, device: str, example_batch, loss_fn, optimizer,
+) -> Plan:
+    """``plan``, or without one a plan for ``batch_size`` samples per step under ``budget`` (probing ``model``).
+
+    The plan records the model's fingerprint and input shape when it has none.
+    """
+    from autofit.spec import model_fingerprint
+
     if plan is None:
         if batch_size is None:
             raise UserError("fit() needs batch_size (samples per optimizer step) to plan, or a plan=")
         from autofit.planning.planner import make_plan
+        from autofit.spec import spec_from_model
 
         spec = spec_from_model(model, example_batch or _examples_from(data.train), loss_fn=loss_fn, optimizer=optimizer)
         plan = make_plan(spec, budget=budget, batch_size=batch_size, device=device)
@@ -121,26 +155,9 @@ def fit(
         )
     if plan.model.fingerprint is None:
         plan.model.fingerprint = model_fingerprint(model)
-    if shape is not None and plan.model.input_shape is None:
-        plan.model.input_shape = list(shape)
-    model_source = {
-        "source": plan.model.source or f"python:{type(model).__name__}",
-        "input_shape": "x".join(map(str, shape)) if shape else None,
-        "num_classes": len(data.classes) if data.classes else plan.model.num_classes,
-    }
-    if plan.sharding != "none":
-        # Under torchrun: join the processes now, so that all write to rank 0's default log dir.
-        init_distributed(device_type=plan.device.type)
-    settings = TrainSettings(
-        epochs=epochs, log_dir=Path(log_dir) if log_dir else same_on_all_ranks(default_log_dir()), lr=lr, resume=resume,
-        seed=seed, num_workers=num_workers, max_steps=max_steps, verbose=verbose,
-    )
-    result = train(
-        model, plan=plan, data=data, loss_fn=loss_fn or nn.functional.cross_entropy,
-        build_optimizer=optimizer or default_optimizer, model_source=model_source, settings=settings,
-    )
-    return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
-                     last_path=result.last_path, log_dir=result.log_dir)
+    if input_shape is not None and plan.model.input_shape is None:
+        plan.model.input_shape = list(input_shape)
+    return plan
 
 
 def _examples_from(dataset) -> Callable[[int], tuple]:

@@ -124,10 +124,6 @@ class AppliedPlan:
             stack.enter_context(context)
         return stack
 
-    def autocast(self) -> AbstractContextManager:
-        """The forward's context (kept for loops written against earlier releases)."""
-        return self.forward_context()
-
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's weighted loss (scaled for fp16)."""
         self.precision.backward(loss)

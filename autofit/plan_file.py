@@ -11,13 +11,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from autofit.atomic import write_atomic
 from autofit.errors import UserError
 from strategies.batch_split import micro_batch_count
 from strategies.sharding import SHARDINGS
@@ -199,10 +198,7 @@ class Plan:
 
 def save_plan(plan: Plan, path: str | Path) -> Path:
     """Write atomically: a crash never leaves half a plan."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(plan.to_dict(), indent=2) + "\n")
-    return path
+    return write_atomic(path, json.dumps(plan.to_dict(), indent=2) + "\n")
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -417,15 +413,3 @@ def _shown(value, limit: int = 60) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

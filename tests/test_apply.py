@@ -31,9 +31,9 @@ def test_checkpointing_is_applied_by_name_and_keeps_the_state_dict():
 def test_fp32_helpers_are_off_objects_and_bf16_autocasts():
     model, plan = model_and_plan()
     applied = apply_plan(model, plan)
-    assert isinstance(applied.autocast(), nullcontext) and not applied.scaler.is_enabled()
+    assert isinstance(applied.forward_context(), nullcontext) and not applied.scaler.is_enabled()
     model, plan = model_and_plan(precision="bf16")
-    with apply_plan(model, plan).autocast():
+    with apply_plan(model, plan).forward_context():
         assert model(torch.randn(2, 1, 4, 4)).dtype == torch.bfloat16
     model, plan = model_and_plan(precision="fp16")
     assert apply_plan(model, plan).scaler.is_enabled()
@@ -50,7 +50,7 @@ def test_own_loop_with_the_helpers_gives_the_whole_batch_gradient():
     sizes = []
     for micro_inputs, micro_targets, weight in applied.micro_batches(inputs, targets):
         sizes.append(len(micro_targets))
-        with applied.autocast():
+        with applied.forward_context():
             loss = nn.functional.cross_entropy(applied.model(micro_inputs.to(applied.device)), micro_targets) * weight
         applied.scaler.scale(loss).backward()
     nn.functional.cross_entropy(reference(inputs), targets).backward()

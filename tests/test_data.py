@@ -66,6 +66,17 @@ def test_images_are_resized_scaled_and_labelled(tmp_path):
     assert image_folder_data(tmp_path / "rgb", input_shape=[3, 5, 7]).train[0][0].shape == (3, 5, 7)
 
 
+def test_training_and_scoring_read_an_image_alike(tmp_path):
+    from autofit.training.images import image_folder as scoring_folder
+
+    root = image_folder(tmp_path)
+    trained_on = image_folder_data(root, input_shape=(3, 5, 7)).val
+    scored_on = scoring_folder(root / "val", input_shape=(3, 5, 7), classes=["bright", "dark"])
+    assert len(trained_on) == len(scored_on) and all(
+        torch.equal(trained_on[i][0], scored_on[i][0]) and trained_on[i][1] == scored_on[i][1] for i in range(len(scored_on))
+    )
+
+
 def test_unreadable_images_are_skipped_and_counted(tmp_path):
     root = image_folder(tmp_path)
     (root / "train" / "dark" / "broken.png").write_bytes(b"not a png at all")

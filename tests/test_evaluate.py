@@ -8,7 +8,8 @@ import torch
 from PIL import Image
 
 from autofit.errors import UserError
-from autofit.tools.evaluate import image_folder, scores_from_confusion, validate_weights
+from autofit.tools.evaluate import scores_from_confusion, validate_weights
+from autofit.training.images import image_folder
 from autofit.spec import load_spec, model_fingerprint
 from autofit.training.weights import save_checkpoint
 

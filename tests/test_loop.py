@@ -248,7 +248,7 @@ def test_repeated_non_finite_loss_stops_with_advice(tmp_path, precision):
 
 
 def test_metrics_checkpoints_and_logs(tmp_path, monkeypatch):
-    from autofit.training.loop import RunLog
+    from autofit.training.runlog import RunLog
 
     # TensorBoard then gets the first step and the last of each epoch only; metrics.jsonl every step.
     monkeypatch.setattr(RunLog, "tensorboard_interval_s", 1e9)

@@ -51,64 +51,40 @@ def train(
 def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, save_every, max_steps, seed) -> None:
     import torch
 
-    from autofit.training.data import image_folder_data, input_shape_from, model_file_data
-    from autofit.training.distributed import check_launch, cleanup, init_distributed, is_rank0, same_on_all_ranks
-    from autofit.training.loop import TrainingInterrupted, TrainSettings, default_log_dir
-    from autofit.training.loop import train as run_training
     from autofit.plan_file import load_plan
+    from autofit.spec import spec_for_plan
+    from autofit.training.data import image_folder_data, input_shape_from, model_file_data
+    from autofit.training.distributed import check_launch, cleanup, is_rank0
+    from autofit.training.loop import TrainingInterrupted, TrainSettings
+    from autofit.training.run import run_training
     from strategies import ShardingConfig
-    from autofit.spec import load_spec
 
     the_plan = load_plan(plan)
     # A plan for N processes: refuse any other number, naming the command that starts N.
-    distributed = ShardingConfig(world_size=the_plan.world_size, sharding=the_plan.sharding)
-    check_launch(distributed)
-    if distributed.sharding != "none":
-        init_distributed(device_type=the_plan.device.type, backend=distributed.backend)
-    source = model or the_plan.model.source
-    if not source or source.startswith("python:"):
-        raise UserError(
-            f"the plan names no model file ({source or 'none'}: it was made for a Python object); "
-            "give --model FILE defining build_model(), or train it with autofit.fit(model, plan=...)"
-        )
-    if not source.startswith("torchvision:") and not Path(source).is_file():
-        raise UserError(f"the plan's model file {source!r} does not exist here; run from where the plan was made or give --model FILE")
+    check_launch(ShardingConfig(world_size=the_plan.world_size, sharding=the_plan.sharding))
+    spec = spec_for_plan(the_plan.model, model_file=model)
     if resume and log_dir is None:
         raise UserError("--resume needs --log-dir runs/NAME: the folder of the run to continue")
     planned_shape = the_plan.model.input_shape
-    shape = input_shape_from(planned_shape) if planned_shape else None
-    spec = load_spec(
-        source,
-        input_shape="x".join(map(str, shape)) if shape else "3x224x224",
-        num_classes=the_plan.model.num_classes or 1000,
-    )
-    shape = shape or spec.input_shape
+    shape = input_shape_from(planned_shape) if planned_shape else spec.input_shape
     settings = TrainSettings(
-        epochs=epochs, log_dir=log_dir or same_on_all_ranks(default_log_dir()), lr=lr, resume=resume, seed=seed,
-        num_workers=workers, save_every_steps=save_every, max_steps=max_steps,
+        epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, seed=seed, num_workers=workers,
+        save_every_steps=save_every, max_steps=max_steps,
     )
-    if data is not None:
-        train_data = image_folder_data(data, input_shape=input_shape_from(shape))
-    else:
-        train_data = model_file_data(spec)
+    train_data = image_folder_data(data, input_shape=input_shape_from(shape)) if data is not None else model_file_data(spec)
     torch.manual_seed(seed)
     network = spec.build_model()
-    model_source = {
-        "source": source,
-        "input_shape": "x".join(map(str, shape)) if shape else None,
-        "num_classes": len(train_data.classes) if train_data.classes else the_plan.model.num_classes,
-    }
     try:
         run_training(
-            network, plan=the_plan, data=train_data, loss_fn=spec.loss_fn, build_optimizer=spec.build_optimizer,
-            model_source=model_source, settings=settings,
+            network, plan=the_plan, data=train_data, source=spec.source, input_shape=shape, loss_fn=spec.loss_fn,
+            build_optimizer=spec.build_optimizer, settings=settings,
         )
     except TrainingInterrupted as stop:
         if is_rank0():
             again = f"torchrun --nproc-per-node {the_plan.world_size} -m autofit" if the_plan.world_size > 1 else "autofit"
             print(
                 f"autofit: interrupted at epoch {stop.epoch}, step {stop.step}; saved {stop.last_path}; continue with "
-                f"`{again} train --plan {plan} --log-dir {settings.log_dir} --resume`",
+                f"`{again} train --plan {plan} --log-dir {stop.last_path.parent} --resume`",
                 file=sys.stderr,
             )
         cleanup()

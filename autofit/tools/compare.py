@@ -249,7 +249,8 @@ class _TrainingData:
 
     @classmethod
     def load(cls, spec: ModelSpec, data: str | Path, *, global_batch_size: int, steps: int, seed: int) -> "_TrainingData":
-        from autofit.tools.evaluate import image_folder, input_shape_of
+        from autofit.tools.evaluate import input_shape_of
+        from autofit.training.images import image_folder
 
         root = Path(data)
         if not root.is_dir():
@@ -435,7 +436,7 @@ def save_comparison(comparison: Comparison, out_dir: str | Path) -> dict[str, Pa
     """Write compare.md, compare.json and compare.png into ``out_dir``."""
     import json
 
-    from autofit.plan_file import write_atomic
+    from autofit.atomic import write_atomic
 
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,13 @@
 """Validation of a trained classifier: accuracy, precision/recall/F1 and the confusion matrix.
 
-Data is an image folder (``DIR/<class>/*.png``) read with torchvision's
-``ImageFolder``, converted to the model's channels (grayscale, RGB or RGBA, as
-training reads them), resized to its input size and turned into tensors in
-[0, 1]. Class indices follow the order the checkpoint was trained with; a
-folder whose class set differs is refused.
+Data is an image folder (``DIR/<class>/*.png``) read as training reads it
+(``autofit.training.images.image_folder``): converted to the model's channels,
+resized to its input size and turned into tensors in [0, 1]. Class indices
+follow the order the checkpoint was trained with; a folder whose class set
+differs is refused.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,71 +76,6 @@ def input_shape_of(checkpoint: dict | None, spec: ModelSpec) -> tuple[int, int, 
             "validation data must be an image folder for a CxHxW model"
         )
     return shape  # type: ignore[return-value]
-
-
-def image_folder(
-    data_dir: str | Path,
-    *,
-    input_shape: Sequence[int],
-    classes: Sequence[str] | None = None,
-    option: str = "--data",
-):
-    """An ``ImageFolder`` over ``data_dir`` whose targets index ``classes``.
-
-    Args:
-        data_dir: a folder of class folders of images.
-        input_shape: (C, H, W); images are resized to H x W, grayscale when C == 1.
-        classes: the class names in the model's order; None keeps the folder's
-            (alphabetical) order.
-        option: the flag named in error messages.
-
-    Raises:
-        UserError: the folder is missing or holds no images, or its classes
-            differ from ``classes``.
-    """
-    from torchvision import datasets, transforms
-
-    path = Path(data_dir)
-    if not path.is_dir():
-        raise UserError(f"{option} {str(data_dir)!r} is not a directory; give a folder of class folders of images (e.g. data/digits/val)")
-    channels, height, width = input_shape
-    if channels not in _IMAGE_MODES:
-        raise UserError(f"the model takes {channels}-channel images; image folders hold 1 (grayscale), 3 (RGB) or 4 (RGBA) channels")
-    transform = transforms.Compose([transforms.Resize((height, width)), transforms.ToTensor()])
-    loader = functools.partial(_load_image, mode=_IMAGE_MODES[channels])
-    try:
-        dataset = datasets.ImageFolder(str(path), transform=transform, loader=loader)
-    except (FileNotFoundError, RuntimeError) as error:
-        raise UserError(f"{option} {str(data_dir)!r} holds no images in class folders ({error}); expected {path}/<class>/*.png") from error
-    if classes is not None:
-        classes = list(classes)
-        if set(dataset.classes) != set(classes):
-            missing = sorted(set(classes) - set(dataset.classes))
-            extra = sorted(set(dataset.classes) - set(classes))
-            raise UserError(
-                f"{option} {str(data_dir)!r} has other classes than the model was trained on "
-                f"(missing: {', '.join(missing) or 'none'}; unknown: {', '.join(extra) or 'none'}); "
-                "use the validation split of the training data"
-            )
-        # ImageFolder numbers folders alphabetically; the model numbers them as trained.
-        folder_to_model = [classes.index(name) for name in dataset.classes]
-        dataset.target_transform = folder_to_model.__getitem__
-        dataset.classes = classes
-    return dataset
-
-
-_IMAGE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
-"""PIL mode per channel count, as training reads the images."""
-
-
-def _load_image(path: str, *, mode: str):
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            return image.convert(mode)
-    except (OSError, ValueError) as error:
-        raise UserError(f"image {path!r} cannot be read ({error}); replace or remove it") from error
 
 
 def load_model_for_eval(weights: str | Path) -> tuple[dict, nn.Module, ModelSpec]:
@@ -256,6 +190,8 @@ def validate_weights(
         UserError: missing or foreign weights, a missing data folder, or
             classes that differ from the ones trained on.
     """
+    from autofit.training.images import image_folder
+
     checkpoint, model, spec = load_model_for_eval(weights)
     dataset = image_folder(data_dir, input_shape=input_shape_of(checkpoint, spec), classes=class_names(checkpoint))
     return evaluate(

@@ -180,7 +180,8 @@ def export_weights(
         UserError: foreign or missing weights, a missing data folder, a format
             whose package is not installed, or ``out`` naming the weights file.
     """
-    from autofit.tools.evaluate import class_names, evaluate, image_folder, input_shape_of, load_model_for_eval
+    from autofit.tools.evaluate import class_names, evaluate, input_shape_of, load_model_for_eval
+    from autofit.training.images import image_folder
 
     if config.format == "onnx":
         _require_onnx()

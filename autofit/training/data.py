@@ -1,9 +1,9 @@
 """Training data for the loop: an image folder, the model file's datasets, or datasets you pass.
 
 An image folder is ``DIR/train/<class>/<image>`` and ``DIR/val/<class>/<image>``
-(torchvision's ImageFolder layout); images are resized to the plan's input
-shape (C, H, W) and scaled to [0, 1]. Files that PIL cannot read are skipped
-and counted when the folder is scanned.
+(torchvision's ImageFolder layout), each read by ``autofit.training.images.image_folder``:
+images are resized to the plan's input shape (C, H, W) and scaled to [0, 1].
+Files that PIL cannot read are skipped and counted when the folder is scanned.
 
 Batches come in a fixed order per (seed, epoch), so a resumed run sees exactly
 the batches an uninterrupted one would: ``epoch_order`` is that order, and
@@ -11,7 +11,6 @@ the batches an uninterrupted one would: ``epoch_order`` is that order, and
 """
 from __future__ import annotations
 
-import functools
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,10 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from autofit.errors import UserError
 from autofit.spec import ModelSpec, parse_shape
-
-_IMAGE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
-"""PIL mode for each channel count an image folder can be read as."""
-
+from autofit.training.images import image_folder, image_mode
 
 @dataclass(kw_only=True, slots=True)
 class TrainData:
@@ -72,11 +68,8 @@ def image_folder_data(root: str | Path, *, input_shape: Sequence[int]) -> TrainD
         UserError: the folder or train/ or val/ is missing, a class folder holds
             no readable image, or train/ and val/ hold different classes.
     """
-    from torchvision import transforms
-    from torchvision.datasets import ImageFolder
-
     root = Path(root)
-    channels, height, width = _image_shape(input_shape)
+    image_mode(input_shape)
     if not root.is_dir():
         raise UserError(
             f"data folder {str(root)!r} does not exist; give a folder with train/<class>/<image> and "
@@ -97,24 +90,10 @@ def image_folder_data(root: str | Path, *, input_shape: Sequence[int]) -> TrainD
             f"train/ and val/ in {str(root)!r} hold different classes (only in train/: {', '.join(only_train) or '-'}; "
             f"only in val/: {', '.join(only_val) or '-'}); give both the same class folders"
         )
-
-    transform = transforms.Compose([transforms.Resize((height, width)), transforms.ToTensor()])
-    loader = functools.partial(_load_image, mode=_IMAGE_MODES[channels])
-    datasets, skipped = {}, 0
-    for split in ("train", "val"):
-        check = _ReadableImage()
-        dataset = ImageFolder(root / split, transform=transform, loader=loader, is_valid_file=check, allow_empty=True)
-        counts = torch.bincount(torch.tensor(dataset.targets, dtype=torch.long), minlength=len(dataset.classes))
-        empty = [name for name, count in zip(dataset.classes, counts.tolist()) if count == 0]
-        if empty:
-            raise UserError(
-                f"class folder {str(root / split / empty[0])!r} holds no readable image"
-                f"{f' (nor do {len(empty) - 1} more)' if len(empty) > 1 else ''}; add images or remove the folder"
-            )
-        datasets[split], skipped = dataset, skipped + check.unreadable
+    datasets = {split: image_folder(root / split, input_shape=input_shape, skip_unreadable=True) for split in ("train", "val")}
     return TrainData(
         train=datasets["train"], val=datasets["val"], classes=list(datasets["train"].classes),
-        skipped_images=skipped, source=str(root),
+        skipped_images=datasets["train"].unreadable + datasets["val"].unreadable, source=str(root),
     )
 
 
@@ -173,43 +152,6 @@ def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_
         generator=torch.Generator().manual_seed(0),
         persistent_workers=False,
     )
-
-
-def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
-    if len(input_shape) != 3 or input_shape[0] not in _IMAGE_MODES:
-        raise UserError(
-            f"input shape {'x'.join(map(str, input_shape))} is not an image shape CxHxW with C in 1, 3 or 4; "
-            "image folders need one (set INPUT_SHAPE in the model file)"
-        )
-    return tuple(input_shape)
-
-
-def _load_image(path: str, *, mode: str):
-    from PIL import Image
-
-    with Image.open(path) as image:
-        return image.convert(mode)
-
-
-class _ReadableImage:
-    """ImageFolder's file filter: image extensions PIL can open and verify; counts the rest."""
-
-    def __init__(self) -> None:
-        self.unreadable = 0
-
-    def __call__(self, path: str) -> bool:
-        from PIL import Image
-        from torchvision.datasets.folder import IMG_EXTENSIONS
-
-        if not path.lower().endswith(IMG_EXTENSIONS):
-            return False
-        try:
-            with Image.open(path) as image:
-                image.verify()
-        except Exception:  # PIL raises many types for a bad file; any means unreadable
-            self.unreadable += 1
-            return False
-        return True
 
 
 def _ignore_interrupts(worker_id: int) -> None:

@@ -9,13 +9,12 @@ A checkpoint is a dict saved with ``torch.save``:
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from autofit.atomic import write_atomic
 from autofit.errors import UserError
 from autofit.spec import ModelSpec, load_spec, model_fingerprint
 
@@ -24,18 +23,8 @@ VERSION = 1
 
 
 def save_checkpoint(path: str | Path, checkpoint: dict) -> Path:
-    """Save atomically (write a temporary file, then rename): an interrupt never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save({"format": FORMAT, "version": VERSION, **checkpoint}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Save atomically (``autofit.atomic.write_atomic``): an interrupt or a crash never leaves half a file."""
+    return write_atomic(path, lambda file: torch.save({"format": FORMAT, "version": VERSION, **checkpoint}, file))
 
 
 def load_checkpoint(path: str | Path) -> dict:

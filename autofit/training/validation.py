@@ -1,0 +1,58 @@
+"""Validation after each epoch: mean loss and accuracy over the val set, split over the ranks."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autofit.apply import AppliedPlan
+from autofit.training.data import make_loader
+from autofit.training.distributed import sum_across_ranks
+from strategies import micro_batch_count, rank_slice
+from autofit.training.step import to_device
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> tuple[float | None, float | None]:
+    """Mean loss and accuracy over ``dataset`` in micro-batches (None, None without a dataset).
+
+    On several processes each rank evaluates its contiguous share and the sums
+    are added over the ranks. Every rank runs as many forwards (FSDP gathers
+    parameters in each, a collective): a rank one batch short runs one on a
+    sample it does not count.
+
+    Accuracy is None unless the output is (B, classes) and the targets (B,) labels.
+    """
+    if dataset is None:
+        return None, None
+    model.eval()
+    env = applied.env
+    share = rank_slice(len(dataset), rank=env.rank, world_size=env.world_size)
+    batches = micro_batch_count(len(dataset), world_size=env.world_size, micro_batch_size=applied.micro_batch_size)
+    loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers)
+    loss_sum, correct, count, classified = 0.0, 0, 0, True
+    for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset):
+        inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
+        with applied.forward_context():
+            output = model(inputs)
+            loss = loss_fn(output, targets).float()
+        loss_sum += loss.item() * len(targets) * counted
+        count += len(targets) * counted
+        classified = classified and output.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
+        if classified:
+            correct += (output.argmax(dim=1) == targets).sum().item() * counted
+    model.train()
+    totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=applied.device)
+    loss_sum, correct, count = sum_across_ranks(totals).tolist()
+    return loss_sum / count, (correct / count if classified else None)
+
+
+def _padded_batches(loader, *, batches: int, dataset):
+    """Yield (inputs, targets, 1) per batch of ``loader``, then (the dataset's first sample, 0) up to ``batches``."""
+    done = 0
+    for inputs, targets in loader:
+        yield inputs, targets, 1
+        done += 1
+    if done < batches:
+        inputs, targets = torch.utils.data.default_collate([dataset[0]])
+        for _ in range(batches - done):
+            yield inputs, targets, 0
