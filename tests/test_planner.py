@@ -204,7 +204,7 @@ def test_simulated_gpu_plan_without_a_gpu():
 
 def test_estimated_gpu_headroom_covers_what_an_h200_measured():
     """bench/RESULTS.md: simulated peak vs what the process held on the card (GiB), worst cases."""
-    from autofit.planning.planner import Headroom
+    from autofit.planning.headroom import Headroom
 
     GiB = 2**30
     for predicted, process in [(5.50, 7.54), (2.38, 4.54), (1.76, 3.72), (1.57, 3.43), (1.76, 3.68), (4.57, 6.02)]:
