@@ -26,13 +26,12 @@ from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom
 from autofit.planning.memory_model import simulation_spec
+from autofit.planning.search import MODEL_SLACK, Study, cheapest_checkpoint, score_space
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes, parse_budget
 from strategies import PRECISIONS
 
-MODEL_SLACK = 0.01
-"""The memory model may be this pessimistic; candidates within it are checked exactly rather than dropped."""
 VERIFY_TOP = 3
 """Candidates verified with real probes."""
 VERIFY_WITHIN = 0.75
@@ -245,7 +244,7 @@ class _Planner:
         start = time.perf_counter()
         G = self.global_batch_size
         self.log(f"planning {self.spec.source} for a batch of {G} within {format_bytes(self.budget_bytes)} on {self.device}")
-        self.study_name = self._study_name()
+        self.study_store = self._study()
         stored = self._stored("cost_model")
         if stored is not None:
             model = CostModel.from_dict(stored)
@@ -372,32 +371,9 @@ class _Planner:
 
     # -- 3. search ---------------------------------------------------------------------
     def _search(self):
-        from autofit.planning.search import cheapest_checkpoint, search
-        from autofit.planning.search import Evaluation
-
-        model, G = self.model, self.global_batch_size
-        limit = self.headroom.usable_bytes() / model.memory_scale
-
-        def evaluate(precision: str, micro_batch_size: int) -> Evaluation:
-            segments, drops = model.precisions[precision].memory.at(micro_batch_size, global_batch_size=G)
-            seconds = model.recompute_seconds(precision, micro_batch_size)
-            plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
-            plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
-            result = Evaluation(
-                precision=precision, micro_batch_size=micro_batch_size, grad_accum_steps=math.ceil(G / micro_batch_size),
-                plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
-            )
-            choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit * (1 + MODEL_SLACK))
-            if choice is not None:
-                result.fits = True
-                result.checkpoint = [model.blocks[b] for b in sorted(choice.blocks)]
-                result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks)
-                result.samples_per_s = model.samples_per_s(precision, micro_batch_size, choice.blocks)
-            return result
-
-        evaluations, sampler = search(
-            evaluate, precisions=self.precisions, micro_batch_sizes=self.sizes,
-            study_name=self.study_name, storage=self.study,
+        evaluations, sampler = score_space(
+            self.model, precisions=self.precisions, micro_batch_sizes=self.sizes, global_batch_size=self.global_batch_size,
+            usable_bytes=self.headroom.usable_bytes(), study=self.study_store,
         )
         self.report.sampler = sampler
         self.report.evaluations = len(evaluations)
@@ -408,8 +384,6 @@ class _Planner:
     # -- 4. verification -----------------------------------------------------------------
     def _verify(self, evaluations) -> dict:
         """Exact memory for the best predicted candidates, then real probes; the fastest that fits wins."""
-        from autofit.planning.search import cheapest_checkpoint
-
         model, G = self.model, self.global_batch_size
         # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
         candidates = sorted(
@@ -726,26 +700,20 @@ class _Planner:
         }
 
     # -- study storage -------------------------------------------------------------------------
-    def _study_name(self) -> str:
+    def _study(self) -> Study:
         from autofit.spec import model_fingerprint
 
         with torch.device("meta"):
             fingerprint = model_fingerprint(self.sim_spec.build_model())
         kind = "simulated" if self.simulate else "measured"
-        self._study_prefix = f"autofit:{fingerprint}:{self.device}:{kind}:batch{self.global_batch_size}:{','.join(self.precisions)}:"
-        return f"{self._study_prefix}budget{self.budget_bytes}"
+        prefix = f"autofit:{fingerprint}:{self.device}:{kind}:batch{self.global_batch_size}:{','.join(self.precisions)}:"
+        return Study(storage=self.study, prefix=prefix, name=f"{prefix}budget{self.budget_bytes}")
 
     def _stored(self, key: str):
-        from autofit.planning.search import stored_attribute
-
-        return stored_attribute(self.study, prefix=self._study_prefix, key=key)
+        return self.study_store.load(key)
 
     def _store(self, key: str, value) -> None:
-        if self.study is None:
-            return
-        from autofit.planning.search import open_study
-
-        open_study(self.study_name, storage=self.study).set_user_attr(key, value)
+        self.study_store.save(key, value)
 
 
 MULTI_PROCESS_NOTE = (
@@ -822,7 +790,6 @@ class _RanksPlanner:
     def _fsdp(self, rank: _Planner) -> PlanReport:
         """FSDP2: per-rank candidates ranked by the conservative estimate, the fastest verified by simulation."""
         from autofit.training.distributed import estimate_fsdp_peak_bytes, fsdp_layout, micro_batch_count, simulate_fsdp_peak_bytes
-        from autofit.planning.search import cheapest_checkpoint
 
         N, G = self.world_size, self.global_batch_size
         if getattr(rank, "model", None) is None:
