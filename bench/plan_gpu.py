@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from autofit.planning.planner import InfeasibleBudget, plan_with_report  # noqa: E402
+from autofit.planning.floor import InfeasibleBudget  # noqa: E402
+from autofit.planning.planner import plan_with_report  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402

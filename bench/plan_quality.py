@@ -46,7 +46,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.planning.cost_model import time_configuration  # noqa: E402
-from autofit.planning.planner import InfeasibleBudget, _micro_batch_sizes, make_plan  # noqa: E402
+from autofit.planning.floor import InfeasibleBudget  # noqa: E402
+from autofit.planning.modelling import micro_batch_sizes  # noqa: E402
+from autofit.planning.planner import make_plan  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
@@ -180,7 +182,7 @@ def runnable_sizes(spec, global_batch_size: int) -> list[int]:
         return True
 
     sizes = []
-    for m in _micro_batch_sizes(global_batch_size, smallest=1):
+    for m in micro_batch_sizes(global_batch_size, smallest=1):
         remainder = global_batch_size % m
         if runs(m) and (remainder == 0 or runs(remainder)):
             sizes.append(m)

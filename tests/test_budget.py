@@ -135,7 +135,8 @@ def test_infeasible_budget_gives_the_floor_and_the_way_out(run_cli, model_file):
 
 def test_the_floor_is_a_budget_that_works(model_file):
     """The floor message's number is honest: planning at exactly the floor succeeds and fits."""
-    from autofit.planning.planner import InfeasibleBudget, make_plan
+    from autofit.planning.floor import InfeasibleBudget
+    from autofit.planning.planner import make_plan
     from autofit.measure.probe import probe
     from autofit.spec import load_spec
 

@@ -1,5 +1,5 @@
 from autofit.plan_file import ModelInfo, Plan, load_plan, save_plan
-from autofit.planning.planner import batch_norm_notes
+from autofit.planning.writing import batch_norm_notes
 
 
 def test_batch_norm_with_micro_batches_is_noted():

@@ -10,7 +10,10 @@ from torch import nn
 from autofit.errors import UserError
 from autofit.planning.memory_model import Segment
 from autofit.plan_file import DeviceInfo, load_plan
-from autofit.planning.planner import InfeasibleBudget, _micro_batch_sizes, _usable_precisions, make_plan, plan_with_report
+from autofit.planning.context import usable_precisions
+from autofit.planning.floor import InfeasibleBudget
+from autofit.planning.modelling import micro_batch_sizes
+from autofit.planning.planner import make_plan, plan_with_report
 from autofit.measure.probe import probe
 from autofit.planning.search import _enumerate, _prefix_knapsack, cheapest_checkpoint, peak_of
 from autofit.spec import ModelSpec, default_optimizer
@@ -204,7 +207,7 @@ def test_simulated_gpu_plan_without_a_gpu():
 
 def test_estimated_gpu_headroom_covers_what_an_h200_measured():
     """bench/RESULTS.md: simulated peak vs what the process held on the card (GiB), worst cases."""
-    from autofit.planning.planner import Headroom
+    from autofit.planning.headroom import Headroom
 
     GiB = 2**30
     for predicted, process in [(5.50, 7.54), (2.38, 4.54), (1.76, 3.72), (1.57, 3.43), (1.76, 3.68), (4.57, 6.02)]:
@@ -265,18 +268,18 @@ def test_bf16_left_out_on_a_gpu_without_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
-    kept, excluded = _usable_precisions("cuda", simulate=False, wanted=None)
+    kept, excluded = usable_precisions("cuda", simulate=False, wanted=None)
     assert kept == ["fp32", "fp16"]
     assert "compute capability 7.5" in excluded["bf16"]
 
 
 def test_micro_batch_sizes_cover_each_step_count_once():
-    sizes = _micro_batch_sizes(256, smallest=2)
+    sizes = micro_batch_sizes(256, smallest=2)
     assert sizes[0] == 256 and sizes[-1] == 2 and sizes == sorted(set(sizes), reverse=True)
     assert {128, 86, 64, 43, 32} <= set(sizes)
-    assert _micro_batch_sizes(1, smallest=1) == [1]
+    assert micro_batch_sizes(1, smallest=1) == [1]
     assert 3 not in sizes  # 256 = 85 x 3 + 1: a last micro-batch of one sample
-    assert 3 in _micro_batch_sizes(256, smallest=1)
+    assert 3 in micro_batch_sizes(256, smallest=1)
 
 
 def random_problem(rng: random.Random, n: int, shaped: bool):

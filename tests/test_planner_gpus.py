@@ -17,7 +17,9 @@ import torch.distributed as dist
 from strategies import micro_batch_count
 from autofit.errors import UserError
 from autofit.plan_file import load_plan, save_plan
-from autofit.planning.planner import InfeasibleBudget, _gradient_bytes, make_plan, plan_with_report
+from autofit.planning.floor import InfeasibleBudget
+from autofit.planning.planner import make_plan, plan_with_report
+from autofit.planning.ranks import gradient_bytes
 from autofit.spec import load_spec
 from tests.conftest import ROOT
 
@@ -136,7 +138,7 @@ def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
     assert (plan.world_size, plan.sharding, plan.global_batch_size) == (GPUS, "ddp", GLOBAL_BATCH_SIZE)
     assert plan.grad_accum_steps == micro_batch_count(GLOBAL_BATCH_SIZE, world_size=GPUS, micro_batch_size=plan.micro_batch_size)
     allowance = plan.headroom["ddp_buckets_allowance"]
-    assert allowance == _gradient_bytes(spec) == plan.measured.breakdown["gradients"]
+    assert allowance == gradient_bytes(spec) == plan.measured.breakdown["gradients"]
     assert plan.predicted.per_rank_peak_bytes == plan.measured.peak_bytes + allowance
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
     assert "allowance" in plan.measured.multi_process.note and not plan.estimated

@@ -10,16 +10,18 @@ so far, seconds spent) solves it exactly for any number of blocks.
 
 Precision x micro-batch size is the outer space, searched by Optuna: brute
 force when it is small, TPE when it is not, in a study that can live in a
-database and resume.
+database and resume. ``score_space`` scores each point by the cost model.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from autofit.errors import UserError
+from autofit.planning.cost_model import CostModel
 from autofit.planning.memory_model import Segment
 
 BRUTE_FORCE_LIMIT = 256
@@ -27,6 +29,8 @@ BRUTE_FORCE_LIMIT = 256
 TPE_TRIALS = 96
 ENUMERATE_LIMIT = 16
 """Blocks up to which a checkpoint problem of unusual shape is solved by enumerating every set."""
+MODEL_SLACK = 0.01
+"""The memory model may be this pessimistic; candidates within it are checked exactly rather than dropped."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -178,6 +182,52 @@ class Evaluation:
         return asdict(self)
 
 
+def score_space(
+    model: CostModel,
+    *,
+    precisions: list[str],
+    micro_batch_sizes: list[int],
+    global_batch_size: int,
+    usable_bytes: float,
+    study: Study,
+) -> tuple[list[Evaluation], str]:
+    """Score every (precision, micro-batch) point by the cost model, each with its cheapest checkpoint set that fits.
+
+    Args:
+        model: the cost model (memory and speed).
+        precisions, micro_batch_sizes: the space.
+        global_batch_size: samples per optimizer step.
+        usable_bytes: the largest peak the budget's headroom leaves (``Headroom.usable_bytes``).
+        study: where the search is kept.
+
+    Returns:
+        ``search``'s evaluations and the sampler's name.
+    """
+    limit = usable_bytes / model.memory_scale
+
+    def evaluate(precision: str, micro_batch_size: int) -> Evaluation:
+        segments, drops = model.precisions[precision].memory.at(micro_batch_size, global_batch_size=global_batch_size)
+        seconds = model.recompute_seconds(precision, micro_batch_size)
+        plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
+        plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
+        result = Evaluation(
+            precision=precision, micro_batch_size=micro_batch_size,
+            grad_accum_steps=math.ceil(global_batch_size / micro_batch_size),
+            plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
+        )
+        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit * (1 + MODEL_SLACK))
+        if choice is not None:
+            result.fits = True
+            result.checkpoint = [model.blocks[b] for b in sorted(choice.blocks)]
+            result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks)
+            result.samples_per_s = model.samples_per_s(precision, micro_batch_size, choice.blocks)
+        return result
+
+    return search(
+        evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name=study.name, storage=study.storage
+    )
+
+
 def search(
     evaluate: Callable[[str, int], Evaluation],
     *,
@@ -268,3 +318,23 @@ def stored_attribute(storage: str | None, *, prefix: str, key: str):
         if summary.study_name.startswith(prefix) and key in summary.user_attrs:
             return summary.user_attrs[key]
     return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Study:
+    """Where a planning run keeps its search, cost model and measurements; nowhere when ``storage`` is None."""
+
+    storage: str | None
+    """An Optuna storage URL such as "sqlite:///plans.db"."""
+    prefix: str
+    """Shared by the studies of every budget for the same model, device, batch and precisions."""
+    name: str
+
+    def load(self, key: str):
+        """An attribute stored by this study or another with the same prefix (None when there is none)."""
+        return stored_attribute(self.storage, prefix=self.prefix, key=key)
+
+    def save(self, key: str, value) -> None:
+        if self.storage is None:
+            return
+        open_study(self.name, storage=self.storage).set_user_attr(key, value)

@@ -1,0 +1,117 @@
+"""The floor: the smallest budget anything can train in, checked before the search.
+
+The floor configuration is the smallest micro-batch the model trains with,
+every block checkpointed or none, whichever the memory model says is smaller,
+in the precision that makes it smallest. It is measured by the meter that has
+the last word, so a budget below it fails in seconds, with the floor's
+breakdown and what would lower it (an optimizer with less state, more GPUs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from autofit.errors import UserError
+from autofit.planning.context import Config, PlanContext
+from autofit.planning.modelling import Costs
+from autofit.planning.verify import Measurements
+from autofit.spec import ModelSpec
+from autofit.planning.per_rank import fsdp_layout, smallest_world_size
+from autofit.units import format_bytes
+
+
+class InfeasibleBudget(UserError):
+    """The budget is below the floor: nothing can train in it."""
+
+    def __init__(self, message: str, *, floor_bytes: int, breakdown: dict[str, int]) -> None:
+        super().__init__(message)
+        self.floor_bytes = floor_bytes
+        self.breakdown = breakdown
+
+
+@dataclass(frozen=True, kw_only=True)
+class Floor:
+    config: Config
+    budget_bytes: int
+    """The least budget whose headroom leaves room for the floor configuration's measured peak."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """Its measured peak and headroom, by cause."""
+
+
+def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) -> Floor:
+    """The floor, measured.
+
+    Raises:
+        InfeasibleBudget: the budget is below it (the message says what would lower it).
+    """
+    model, smallest = costs.model, costs.micro_batch_sizes[-1]
+    blocks = frozenset(range(len(model.blocks)))
+    options = []
+    for precision in context.precisions:
+        for checkpoint in (blocks, frozenset()):
+            options.append((model.peak_bytes(precision, smallest, checkpoint), precision, checkpoint))
+    _, precision, checkpoint = min(options, key=lambda option: option[0])
+    config = Config(precision=precision, micro_batch_size=smallest, checkpoint=tuple(model.blocks[b] for b in sorted(checkpoint)))
+    peak, breakdown = measurements.checked_peak(config)
+    headroom = measurements.headroom  # after the probe: on a GPU it holds the context just measured
+    causes = headroom.for_peak(peak)
+    floor = Floor(
+        config=config, budget_bytes=headroom.smallest_budget(peak),
+        breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
+    )
+    if context.budget_bytes < floor.budget_bytes:
+        message = _below_floor(context, floor, breakdown=breakdown, headroom_bytes=sum(causes.values()), usable_bytes=headroom.usable_bytes())
+        raise InfeasibleBudget(message, floor_bytes=floor.budget_bytes, breakdown=floor.breakdown)
+    return floor
+
+
+def _below_floor(context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom_bytes: int, usable_bytes: float) -> str:
+    """The one-line error: the floor, its breakdown, and what would lower it."""
+    config = floor.config
+    parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in breakdown.items() if v)
+    state = breakdown.get("optimizer_state", 0)
+    what = f"micro-batch {config.micro_batch_size}, {config.precision}, " + ("every block checkpointed" if config.checkpoint else "no checkpointing")
+    gpus = _gpus_advice(context.sim_spec, breakdown=breakdown, precision=config.precision, usable_bytes=usable_bytes)
+    return (
+        f"budget {format_bytes(context.budget_bytes)} is below the floor {format_bytes(floor.budget_bytes)} for a batch of "
+        f"{context.global_batch_size} ({what}: {parts} + headroom {format_bytes(headroom_bytes)}); "
+        f"to lower it use an optimizer with less state than {_optimizer_name(context)} ({format_bytes(state)} here; e.g. SGD "
+        f"without momentum keeps none) {gpus}"
+    )
+
+
+def _gpus_advice(sim_spec: ModelSpec, *, breakdown: dict[str, int], precision: str, usable_bytes: float) -> str:
+    """How many GPUs FSDP2 would need for the floor configuration, by the conservative estimate."""
+    try:
+        gpus = gpus_for(sim_spec, breakdown=breakdown, precision=precision, usable_bytes=usable_bytes)
+    except Exception:  # a model that cannot be built on meta: no count, the advice stays general
+        return "or more GPUs (--gpus N: FSDP2 shards parameters, gradients and optimizer state)"
+    if gpus is None:
+        return "(more GPUs would not help: the activations and gathered blocks alone exceed it)"
+    return f"or --gpus {gpus} (FSDP2 shards parameters, gradients and optimizer state; estimated)"
+
+
+def _optimizer_name(context: PlanContext) -> str:
+    with torch.device("meta"):
+        try:
+            model = context.sim_spec.build_model()
+            return type(context.spec.build_optimizer(model.parameters())).__name__
+        except Exception:  # a model that cannot be built on meta: the name is cosmetic
+            return "the optimizer"
+
+
+def gpus_for(spec: ModelSpec, *, breakdown: dict[str, int], precision: str, usable_bytes: float) -> int | None:
+    """The fewest GPUs FSDP2 would need for a configuration whose one-process peak breaks down as ``breakdown``.
+
+    By ``smallest_world_size`` (a conservative estimate: fewer may do); None when
+    no number of GPUs fits.
+    """
+    state = {key: breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+    activations = sum(value for key, value in breakdown.items() if key not in state)
+    with torch.device("meta"):
+        layout = fsdp_layout(spec.build_model(), world_size=2)
+    return smallest_world_size(
+        budget_bytes=int(usable_bytes), parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
+        optimizer_state_bytes=state["optimizer_state"], activation_bytes=activations, layout=layout, precision=precision,
+    )

@@ -1,0 +1,237 @@
+"""Planning for N > 1 processes: one rank's share of the global batch, planned as one process.
+
+The global batch is cut into N rank shares of ceil(G / N) samples. DDP keeps
+whole parameters and needs no all-gathers, so it is the faster choice
+whenever it fits: the one-process plan of a share with one gradient-size
+allowance for DDP's buckets, restated for N processes (``restate_for_ddp``).
+When that is below the floor, FSDP2 (``plan_fsdp``): per-rank candidates
+ranked by the conservative estimate, the fastest few simulated on a fake
+process group. N processes are never run while planning: the plan says what
+was measured on one process and what was simulated or allowed for.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from autofit.errors import UserError
+from autofit.plan_file import Measured, MultiProcess, Plan, Predicted
+from autofit.planning.context import Config, PlanContext
+from autofit.planning.floor import InfeasibleBudget, gpus_for
+from autofit.planning.headroom import Headroom
+from autofit.planning.modelling import Costs, add_speeds
+from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
+from autofit.planning.search import cheapest_checkpoint
+from autofit.planning.verify import VERIFY_TOP, Measurements
+from autofit.planning.writing import PlanReport, plan_basics
+from autofit.spec import ModelSpec
+from autofit.units import format_bytes
+from strategies import micro_batch_count
+
+MULTI_PROCESS_NOTE = (
+    "{world_size} processes were not run while planning: memory and speed are one process's, training one rank's "
+    "share ({rank_batch_size} samples) of the global batch; communication time is not counted"
+)
+
+
+def check_ranks(*, batch_size: int, world_size: int) -> None:
+    """Every rank needs a whole sample at least."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
+    if batch_size < world_size:
+        raise UserError(
+            f"--batch-size {batch_size} is smaller than --gpus {world_size}: every GPU needs at least one sample per step; "
+            f"raise --batch-size or lower --gpus"
+        )
+
+
+def gradient_bytes(spec: ModelSpec) -> int:
+    """Bytes of the model's gradients (fp32 like its parameters): one DDP bucket set."""
+    with torch.device("meta"):
+        model = spec.build_model()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def restate_for_ddp(
+    report: PlanReport, *, budget_bytes: int, allowance: int, world_size: int, global_batch_size: int
+) -> PlanReport:
+    """The one-process plan of a rank's share, restated for ``world_size`` processes under DDP."""
+    plan = report.plan
+    rank_batch_size = math.ceil(global_batch_size / world_size)
+    plan.budget_bytes = budget_bytes
+    plan.global_batch_size = global_batch_size
+    plan.world_size, plan.sharding = world_size, "ddp"
+    # DDP's buckets (gradient_as_bucket_view off) hold one more copy of the gradients: allowed for, not measured.
+    plan.headroom = {**plan.headroom, "ddp_buckets_allowance": allowance}
+    plan.predicted.per_rank_peak_bytes = int(plan.measured.peak_bytes) + allowance
+    plan.measured.multi_process = MultiProcess(
+        world_size=world_size, sharding="ddp", rank_batch_size=rank_batch_size,
+        note=MULTI_PROCESS_NOTE.format(world_size=world_size, rank_batch_size=rank_batch_size)
+        + f"; DDP's gradient buckets are an allowance ({format_bytes(allowance)}), not measured",
+    )
+    return report
+
+
+@dataclass(kw_only=True, slots=True)
+class _Candidate:
+    """A per-rank configuration under FSDP2, as the conservative estimate sees it."""
+
+    samples_per_s: float
+    config: Config
+    grad_accum_steps: int
+    estimate_bytes: float
+    """Estimated per-rank peak."""
+    fits_estimate: bool
+
+
+def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_batch_size: int) -> PlanReport:
+    """FSDP2: per-rank candidates ranked by the conservative estimate, the fastest verified by simulation.
+
+    ``context`` is one rank's: its share of the batch, the whole per-GPU budget.
+    """
+    notes = add_speeds(context, costs)
+    measurements = Measurements(context, host_sample_bytes=costs.host_sample_bytes, verified={})
+    smallest = Config(precision=context.precisions[0], micro_batch_size=costs.micro_batch_sizes[-1])
+    _, single = measurements.exact_peak(smallest)
+    headroom = measurements.headroom
+    candidates = _fsdp_candidates(context, costs, single=single, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size)
+    context.log(f"FSDP2: {sum(c.fits_estimate for c in candidates)} of {len(candidates)} per-rank configurations fit by the estimate; simulating")
+    chosen, simulated, alternatives, rejected = _simulate_fastest(
+        context, candidates, headroom=headroom, memory_scale=costs.model.memory_scale, world_size=world_size
+    )
+    if chosen is None:
+        raise _infeasible(context, single=single, smallest=smallest, usable_bytes=headroom.usable_bytes(), world_size=world_size, global_batch_size=global_batch_size)
+    candidate, measurement = chosen
+    config = candidate.config
+    context.log(f"FSDP2: {config.precision}, micro-batch {config.micro_batch_size} x {candidate.grad_accum_steps} per rank, simulated to fit")
+    plan = _fsdp_plan(
+        context, costs, candidate=candidate, measurement=measurement, headroom=headroom, world_size=world_size,
+        global_batch_size=global_batch_size, alternatives=sorted(alternatives, key=lambda a: a["predicted_peak_bytes"]),
+    )
+    return PlanReport(
+        plan=plan, excluded_precisions=context.excluded_precisions, precision_notes=notes,
+        sampler="the FSDP2 estimate (all points)", evaluations=len(candidates), simulated_checks=simulated,
+        rejected=rejected, cost_model=costs.model.to_dict(),
+    )
+
+
+def _fsdp_candidates(
+    context: PlanContext, costs: Costs, *, single: dict, headroom: Headroom, world_size: int, global_batch_size: int
+) -> list[_Candidate]:
+    """Every (precision, micro-batch) with the cheapest checkpoint set the estimate says fits (every block when none does).
+
+    Estimated to fit first, fastest first; then the rest, least memory first (the estimate is 3-38% high).
+    """
+    model = costs.model
+    state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+    with torch.device("meta"):
+        layout = fsdp_layout(context.sim_spec.build_model(), world_size=world_size)
+    usable = headroom.usable_bytes() / model.memory_scale
+    candidates = []
+    for precision in context.precisions:
+        for size in costs.micro_batch_sizes:
+            steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=size)
+            sharded = estimate_fsdp_peak_bytes(
+                parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
+                optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=layout,
+                world_size=world_size, precision=precision, grad_accum_steps=steps,
+            ).peak_bytes
+            # The one-process model's peak holds the whole state; a rank holds its sharded part and the buffers instead.
+            swap = sharded - sum(state.values())
+            segments, drops = model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size)
+            choice = cheapest_checkpoint(segments, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
+            blocks = choice.blocks if choice is not None else frozenset(range(len(model.blocks)))
+            config = Config(precision=precision, micro_batch_size=size, checkpoint=tuple(model.blocks[b] for b in sorted(blocks)))
+            candidates.append(_Candidate(
+                samples_per_s=model.samples_per_s(precision, size, blocks), config=config, grad_accum_steps=steps,
+                estimate_bytes=model.peak_bytes(precision, size, blocks) + swap, fits_estimate=choice is not None,
+            ))
+    candidates.sort(key=lambda c: (
+        not c.fits_estimate, -round(c.samples_per_s, 6) if c.fits_estimate else c.estimate_bytes,
+        c.config.simplicity(context.global_batch_size),
+    ))
+    return candidates
+
+
+def _simulate_fastest(
+    context: PlanContext, candidates: list[_Candidate], *, headroom: Headroom, memory_scale: float, world_size: int
+) -> tuple[tuple | None, int, list[dict], list[dict]]:
+    """Simulate candidates in order until one fits (VERIFY_TOP + 1 at most).
+
+    Returns:
+        (the candidate chosen and its simulated measurement) or None, the simulations run,
+        every candidate as an alternative, and the rejected ones with why.
+    """
+    backend = "gloo" if context.device == "cpu" else "nccl"
+    chosen, simulated, alternatives, rejected = None, 0, [], []
+    for candidate in candidates:
+        config = candidate.config
+        entry = {
+            "precision": config.precision, "micro_batch_size": config.micro_batch_size,
+            "grad_accum_steps": candidate.grad_accum_steps, "checkpoint": list(config.checkpoint),
+            "predicted_peak_bytes": int(candidate.estimate_bytes), "predicted_samples_per_s": candidate.samples_per_s,
+            "fits_budget": headroom.fits(candidate.estimate_bytes * memory_scale), "chosen": False,
+        }
+        alternatives.append(entry)
+        if chosen is not None or simulated >= VERIFY_TOP + 1:
+            continue
+        measurement = simulate_fsdp_peak_bytes(
+            context.sim_spec, world_size=world_size, micro_batch_size=config.micro_batch_size,
+            grad_accum_steps=candidate.grad_accum_steps, precision=config.precision,
+            checkpoint=list(config.checkpoint), backend=backend,
+        )
+        simulated += 1
+        entry.update(simulated_peak_bytes=measurement.peak_bytes, fits_budget=headroom.fits(measurement.peak_bytes))
+        if entry["fits_budget"]:
+            chosen, entry["chosen"] = (candidate, measurement), True
+        else:
+            rejected.append({"config": config.key(), "why": f"simulated per-rank peak {format_bytes(measurement.peak_bytes)} does not fit"})
+    return chosen, simulated, alternatives, rejected
+
+
+def _fsdp_plan(
+    context: PlanContext, costs: Costs, *, candidate: _Candidate, measurement, headroom: Headroom, world_size: int,
+    global_batch_size: int, alternatives: list[dict],
+) -> Plan:
+    config = candidate.config
+    rank_batch_size = context.global_batch_size
+    return Plan(
+        **plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size),
+        global_batch_size=global_batch_size,
+        micro_batch_size=config.micro_batch_size,
+        precision=config.precision,
+        checkpoint=list(config.checkpoint),
+        world_size=world_size,
+        sharding="fsdp",
+        estimated=True,
+        predicted=Predicted(
+            peak_bytes=int(measurement.peak_bytes), per_rank_peak_bytes=int(measurement.peak_bytes),
+            samples_per_s=candidate.samples_per_s, estimate_peak_bytes=int(candidate.estimate_bytes),
+        ),
+        measured=Measured(
+            peak_bytes=int(measurement.peak_bytes), samples_per_s=None,
+            meter="simulated", breakdown=dict(measurement.breakdown),
+            multi_process=MultiProcess(
+                world_size=world_size, sharding="fsdp", rank_batch_size=rank_batch_size,
+                note=MULTI_PROCESS_NOTE.format(world_size=world_size, rank_batch_size=rank_batch_size)
+                + "; the per-rank peak is FSDP2 run in one process on a fake process group (simulated, not measured)",
+            ),
+        ),
+        headroom=headroom.for_peak(measurement.peak_bytes),
+        alternatives=alternatives,
+    )
+
+
+def _infeasible(
+    context: PlanContext, *, single: dict, smallest: Config, usable_bytes: float, world_size: int, global_batch_size: int
+) -> InfeasibleBudget:
+    gpus = gpus_for(context.sim_spec, breakdown=single, precision=smallest.precision, usable_bytes=usable_bytes)
+    advice = f"try --gpus {gpus} (estimated)" if gpus and gpus > world_size else "try more --gpus" if gpus else "more GPUs would not help"
+    return InfeasibleBudget(
+        f"budget {format_bytes(context.budget_bytes)} per GPU is too small for a batch of {global_batch_size} on {world_size} GPUs: "
+        f"no FSDP2 configuration was simulated to fit (micro-batch down to {smallest.micro_batch_size}, checkpointing "
+        f"every block); {advice}, or raise --budget",
+        floor_bytes=0, breakdown=single,
+    )

@@ -1,0 +1,168 @@
+"""Step 5 of planning: the plan, and the report of how it was found.
+
+``write_plan`` turns the verified choice into a ``Plan``: what was predicted,
+what was measured, the headroom, and the Pareto front of everything the
+search scored as alternatives. ``PlanReport`` carries what the CLI's summary
+shows beyond plan.json.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from autofit import __version__
+from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
+from autofit.planning.context import Config, PlanContext
+from autofit.planning.cost_model import CostModel
+from autofit.planning.headroom import Headroom
+from autofit.planning.search import Evaluation
+from autofit.spec import model_fingerprint
+
+
+@dataclass(kw_only=True)
+class PlanReport:
+    """What the summary shows beyond plan.json: how the plan was found."""
+
+    plan: Plan
+    floor_bytes: int = 0
+    floor_breakdown: dict[str, int] = field(default_factory=dict)
+    excluded_precisions: dict[str, str] = field(default_factory=dict)
+    """Precision -> why it was left out."""
+    precision_notes: dict[str, str] = field(default_factory=dict)
+    unconstrained: dict = field(default_factory=dict)
+    """The fastest configuration with no budget, and its measured speed."""
+    sampler: str = ""
+    evaluations: int = 0
+    simulated_checks: int = 0
+    memory_probes: int = 0
+    """Real probes of a configuration's peak (on its meter)."""
+    real_probes: int = 0
+    """Configurations timed for real."""
+    resumed: bool = False
+    seconds: float = 0.0
+    rejected: list[dict] = field(default_factory=list)
+    """Candidates that failed verification, with why."""
+    cost_model: dict = field(default_factory=dict)
+    """The cost model the search used (``CostModel.from_dict`` reads it)."""
+
+
+def write_plan(
+    context: PlanContext,
+    model: CostModel,
+    *,
+    chosen: dict,
+    evaluations: list[Evaluation],
+    unconstrained: dict,
+    headroom: Headroom,
+    verified: dict[str, dict],
+) -> Plan:
+    """The plan of the verified choice (``verify``'s result) on one process."""
+    config: Config = chosen["config"]
+    G = context.global_batch_size
+    measured = Measured(
+        peak_bytes=int(chosen["measured_peak_bytes"]),
+        samples_per_s=chosen["measured_samples_per_s"],
+        meter=chosen["meter"],
+        breakdown=chosen.get("breakdown", {}),
+    )
+    measured.unconstrained = {
+        key: unconstrained.get(key)
+        for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "samples_per_s")
+    }
+    if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
+        measured.relative_to_unconstrained = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
+    return Plan(
+        **plan_basics(context, output_shape=model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=G),
+        global_batch_size=G,
+        micro_batch_size=config.micro_batch_size,
+        precision=config.precision,
+        checkpoint=list(config.checkpoint),
+        estimated=context.simulate,
+        predicted=Predicted(
+            peak_bytes=int(chosen["predicted_peak_bytes"]),
+            samples_per_s=chosen["predicted_samples_per_s"],
+        ),
+        measured=measured,
+        headroom=chosen["headroom"],
+        alternatives=_alternatives(context, model, evaluations, chosen=chosen, headroom=headroom, verified=verified),
+    )
+
+
+def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_size: int, global_batch_size: int) -> dict:
+    """The fields every plan starts with: who wrote it, the model, its notes, the device and the budget."""
+    model_info = _model_info(context, output_shape=output_shape)
+    return {
+        "created_by": {"autofit": __version__, "torch": torch.__version__},
+        "model": model_info,
+        "notes": batch_norm_notes(model_info, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size),
+        "device": context.info,
+        "budget_bytes": context.budget_bytes,
+        "budget_kind": "cuda-process" if context.device == "cuda" else "cpu-tracked",
+    }
+
+
+def _alternatives(
+    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, headroom: Headroom, verified: dict
+) -> list[dict]:
+    """The Pareto front (less memory, more samples/s) of every configuration the search scored."""
+    points = []
+    for e in evaluations:
+        points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, (), e.plain_peak_bytes, e.plain_samples_per_s))
+        if e.fits and e.checkpoint:
+            points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, tuple(e.checkpoint), e.peak_bytes, e.samples_per_s))
+    points.sort(key=lambda p: (p[4], -p[5]))
+    front, best_speed = [], -1.0
+    for point in points:
+        if point[5] > best_speed:
+            front.append(point)
+            best_speed = point[5]
+    config: Config = chosen["config"]
+    if not any(Config(precision=p[0], micro_batch_size=p[1], checkpoint=p[3]).key() == config.key() for p in front):
+        # Chosen by measurement though the model ranked it lower: list it with the front.
+        front.append((config.precision, config.micro_batch_size, math.ceil(context.global_batch_size / config.micro_batch_size),
+                      tuple(config.checkpoint), chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
+        front.sort(key=lambda p: (p[4], -p[5]))
+    alternatives = []
+    for precision, size, steps, checkpoint, peak, speed in front:
+        config = Config(precision=precision, micro_batch_size=size, checkpoint=checkpoint)
+        entry = {
+            "precision": precision, "micro_batch_size": size, "grad_accum_steps": steps, "checkpoint": list(checkpoint),
+            "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
+            "fits_budget": headroom.fits(peak * model.memory_scale),
+            "chosen": config.key() == chosen["config"].key(),
+        }
+        stored = verified.get(config.key())
+        if stored and not context.simulate and not stored.get("oom"):
+            entry["measured_peak_bytes"] = stored["measured_peak_bytes"]
+            entry["measured_samples_per_s"] = stored["measured_samples_per_s"]
+        alternatives.append(entry)
+    return alternatives
+
+
+def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
+    with torch.device("meta"):
+        model = context.sim_spec.build_model()
+    num_classes = context.num_classes
+    if num_classes is None and len(output_shape) == 2:
+        num_classes = output_shape[-1]
+    return ModelInfo(
+        source=context.spec.source,
+        fingerprint=model_fingerprint(model),
+        batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
+        parameter_count=sum(p.numel() for p in model.parameters()),
+        input_shape=list(context.spec.input_shape) if context.spec.input_shape else None,
+        num_classes=num_classes,
+    )
+
+
+def batch_norm_notes(model_info: ModelInfo, *, micro_batch_size: int, global_batch_size: int) -> list[str]:
+    """BatchNorm normalises over what one forward sees: a smaller micro-batch changes that statistic."""
+    if not model_info.batch_norm or micro_batch_size >= global_batch_size:
+        return []
+    return [
+        f"the model has BatchNorm: it normalises over each micro-batch of {micro_batch_size}, not the batch of "
+        f"{global_batch_size}, so its batch statistics (not the loss weighting) differ from one forward of the "
+        "whole batch; gradients are otherwise exactly the global batch's"
+    ]
