@@ -191,7 +191,7 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
                 key = id(storage)
                 if key not in persistent:
                     saved = state["saved"][names[state["active"][-1]]].setdefault(state["micro"], {})
-                    saved[key] = _round_up(storage.nbytes(), meter.round_bytes)
+                    saved[key] = tracker.counted_bytes(tensor)
             return tensor
 
         hooks = [model.register_forward_pre_hook(root_pre_hook), model.register_forward_hook(root_post_hook)]
@@ -279,10 +279,6 @@ def _labelled(marks: list[tuple], peaks: list[int], num_blocks: int):
                 if end is not None and end <= i - 1 and (start is None or start >= i):
                     active.append(block)
         yield Segment(peak_bytes=peaks[i], dropped=active, phase=segment_phase), opener
-
-
-def _round_up(nbytes: int, multiple: int) -> int:
-    return -(-nbytes // multiple) * multiple
 
 
 def simulation_spec(spec: ModelSpec) -> ModelSpec:
