@@ -8,7 +8,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["FakeTensorMode", "TorchDispatchMode", "fake_process_group_store", "new_fake_mode", "tree_leaves", "tree_map"]
+__all__ = [
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "call_when_backward_ends",
+    "fake_process_group_store",
+    "new_fake_mode",
+    "tree_leaves",
+    "tree_map",
+]
 
 
 def new_fake_mode() -> FakeTensorMode:
@@ -24,3 +32,10 @@ def fake_process_group_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def call_when_backward_ends(callback) -> None:
+    """Run ``callback`` once the backward pass now running has finished (call it from a backward hook)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(callback)
