@@ -9,8 +9,11 @@ on the instance, so parameter names and state_dict keys do not change.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -88,4 +91,27 @@ class Checkpointing(Strategy):
 
 
 def _checkpointed_forward(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    with _without_autocast_cache():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@contextmanager
+def _without_autocast_cache() -> Iterator[None]:
+    """Autocast as it is, less its weight cache, for one checkpointed block.
+
+    Autocast keeps every low-precision copy of a weight it makes until the
+    outermost autocast exits, so inside a checkpointed block the cache keeps
+    alive exactly what checkpointing drops (the copies the block's backward
+    needs): a bf16 ViT-tiny held 103.7 MiB where the memory model predicted
+    96.5 MiB. Turned off here, the block frees them, and its recomputation runs
+    with the same setting (checkpoint restores the autocast state). The rest of
+    the model keeps the cache: a layer applied many times per step is cast once,
+    not once per use (turned off everywhere, an ALBERT-style shared block in a
+    loop held 18% more).
+    """
+    with ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                dtype = torch.get_autocast_dtype(device_type)
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=False))
+        yield
