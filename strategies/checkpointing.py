@@ -80,6 +80,8 @@ class Checkpointing(Strategy):
 
     def apply(self, model: nn.Module) -> nn.Module:
         blocks = resolve_blocks(model, self.config.blocks)
+        if blocks:
+            _turn_off_kv_cache(model)
         modules = dict(model.named_modules())
         for name in blocks:
             module = modules[name]
@@ -88,6 +90,19 @@ class Checkpointing(Strategy):
             module.forward = functools.partial(_checkpointed_forward, module.forward)
             module._autofit_checkpointed = True
         return model
+
+
+def _turn_off_kv_cache(model: nn.Module) -> None:
+    """Set ``config.use_cache = False`` on every module whose config has it on (Hugging Face models).
+
+    With the cache on, each forward appends its keys and values to it; a
+    recomputed block would append them a second time. Hugging Face's own
+    gradient checkpointing turns it off for training in the same way.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
 
 
 def _checkpointed_forward(forward, *args, **kwargs):

@@ -179,3 +179,27 @@ def test_checkpointing_under_bf16_keeps_gradients():
     )
     for a, b in zip(checkpointed, plain):
         assert torch.equal(a, b)  # the recomputation casts the same weights to the same values
+
+
+def test_checkpointing_turns_off_a_kv_cache():
+    """A Hugging Face-style config.use_cache would make recomputed blocks append keys and values twice."""
+    from types import SimpleNamespace
+
+    class WithConfig(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(use_cache=True)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    untouched = Checkpointing(CheckpointConfig(blocks=[])).apply(WithConfig())
+    assert untouched.config.use_cache is True  # nothing recomputes: the cache stays as the user set it
+    model = Checkpointing(CheckpointConfig(blocks=["layers.1"])).apply(WithConfig())
+    assert model.config.use_cache is False
+    inner = torch.nn.Sequential(WithConfig())  # a wrapper around such a model
+    Checkpointing(CheckpointConfig(blocks=["0.layers.0"])).apply(inner)
+    assert inner[0].config.use_cache is False
