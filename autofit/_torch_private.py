@@ -4,6 +4,8 @@ A PyTorch release that moves one of these can only break this file.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -12,6 +14,7 @@ __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "call_when_backward_ends",
+    "fake_mode_for",
     "fake_process_group_store",
     "new_fake_mode",
     "tree_leaves",
@@ -22,6 +25,13 @@ __all__ = [
 def new_fake_mode() -> FakeTensorMode:
     """A fake-tensor mode that accepts real tensors (they are converted on use)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_mode_for(inputs) -> AbstractContextManager:
+    """A context that runs ops on ``inputs`` over fake tensors: the fake mode already at work, or a new one."""
+    from torch._guards import detect_fake_mode
+
+    return nullcontext() if detect_fake_mode(inputs) is not None else new_fake_mode()
 
 
 def fake_process_group_store():

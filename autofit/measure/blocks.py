@@ -48,11 +48,11 @@ def profile_blocks(
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()
-        names = checkpoint_candidates(model)
-        modules = dict(model.named_modules())
-        step_precision = Precision(PrecisionConfig(precision=precision), device_type=meter.device.type, use_scaler=False)
         inputs, targets = spec.example_batch(micro_batch_size)
         inputs, targets = to_device(inputs, meter.device), to_device(targets, meter.device)
+        names = checkpoint_candidates(model, example_inputs=inputs)
+        modules = dict(model.named_modules())
+        step_precision = Precision(PrecisionConfig(precision=precision), device_type=meter.device.type, use_scaler=False)
         stats = {name: {"saved": set(), "saved_bytes": 0, "input_bytes": 0, "seconds": 0.0} for name in names}
         active: list[str] = []
         # Parameters are saved by reference and stay alive anyway: not activations.

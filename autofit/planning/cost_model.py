@@ -250,10 +250,11 @@ def time_precisions(
     torch.manual_seed(0)
     model = spec.build_model().to(device_)
     model.train()
-    blocks = checkpoint_candidates(model)
+    sizes = sorted(set(sizes))
+    # The memory model's blocks: those the forward calls (one fake forward finds them), in its order.
+    blocks = checkpoint_candidates(model, example_inputs=spec.example_batch(sizes[0])[0])
     modules = dict(model.named_modules())
     optimizer = spec.build_optimizer(model.parameters())
-    sizes = sorted(set(sizes))
     block_times: dict[str, float] = {}
     starts: dict[str, float] = {}
 

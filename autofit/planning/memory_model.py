@@ -139,14 +139,14 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()
-        names = checkpoint_candidates(model)
+        inputs, targets = spec.example_batch(2 * micro_batch_size)
+        names = checkpoint_candidates(model, example_inputs=inputs)
         if checkpoint_all:
             Checkpointing(CheckpointConfig(blocks=names)).apply(model)
         modules = dict(model.named_modules())
         optimizer = spec.build_optimizer(model.parameters())
         step_precision = Precision(PrecisionConfig(precision=precision), device_type=meter.device.type, use_scaler=False)
         split = BatchSplit(BatchSplitConfig(global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size))
-        inputs, targets = spec.example_batch(2 * micro_batch_size)
         host_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor))
         tracker = _TimelineTracker(round_bytes=meter.round_bytes)
         tracker.track(model.parameters(), "parameters")
