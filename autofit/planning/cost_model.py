@@ -42,25 +42,44 @@ class MemoryCosts:
             global_batch_size: samples per optimizer step; gradients of earlier
                 micro-batches are alive when it is larger than the micro-batch.
         """
-        low, high = self.low, self.high
-        if self.middle is not None:
-            low, high = (self.middle, high) if micro_batch_size >= self.middle.micro_batch_size else (low, self.middle)
         accumulating = micro_batch_size < global_batch_size
-        span = max(high.micro_batch_size - low.micro_batch_size, 1)
-        weight = (micro_batch_size - low.micro_batch_size) / span
-
-        def interpolate(a: float, b: float) -> float:
-            return max(a + (b - a) * weight, 0.0)
-
-        # The traces held a global batch of 2 micro-batches on the host; the real one holds G samples.
-        host = (global_batch_size - 2 * micro_batch_size) * high.host_sample_bytes
+        # The optimizer step follows the last micro-batch, which may be smaller (8 = 3 + 3 + 2):
+        # what that micro-step leaves alive (its input copy, the output) is of its size.
+        last = global_batch_size - (math.ceil(global_batch_size / micro_batch_size) - 1) * micro_batch_size
         segments = [
-            Segment(peak_bytes=interpolate(a.peak_bytes, b.peak_bytes) + host, dropped=a.dropped, phase=a.phase, recomputes=a.recomputes)
-            for a, b in zip(low.segments, high.segments)
-            if accumulating or a.phase != "later"
+            Segment(
+                peak_bytes=self._interpolate(
+                    [t.segments[i].peak_bytes for t in self._traces()], last if segment.phase == "optimizer" else micro_batch_size,
+                    global_batch_size=global_batch_size,
+                ),
+                dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes,
+            )
+            for i, segment in enumerate(self.low.segments)
+            if accumulating or segment.phase != "later"
         ]
-        drops = [interpolate(a, b) for a, b in zip(low.drop_bytes, high.drop_bytes)]
+        drops = [
+            self._interpolate([t.drop_bytes[b] for t in self._traces()], micro_batch_size)
+            for b in range(len(self.low.drop_bytes))
+        ]
         return segments, drops
+
+    def _traces(self) -> list[MemoryTrace]:
+        return [self.low] + ([self.middle] if self.middle is not None else []) + [self.high]
+
+    def _interpolate(self, values: list[float], size: int, *, global_batch_size: int | None = None) -> float:
+        """Bytes at ``size`` on the line through the two traces around it (``values`` holds each trace's).
+
+        With ``global_batch_size``, the bytes of a whole step: the traces held a
+        global batch of 2 micro-batches on the host; the real one holds G samples.
+        """
+        traces = self._traces()
+        upper = next((i for i in range(1, len(traces)) if size <= traces[i].micro_batch_size), len(traces) - 1)
+        a, b = traces[upper - 1].micro_batch_size, traces[upper].micro_batch_size
+        weight = (size - a) / max(b - a, 1)
+        value = max(values[upper - 1] + (values[upper] - values[upper - 1]) * weight, 0.0)
+        if global_batch_size is not None:
+            value += (global_batch_size - 2 * size) * self.high.host_sample_bytes
+        return value
 
     def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int]) -> float:
         segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
