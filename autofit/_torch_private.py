@@ -5,7 +5,7 @@ A PyTorch release that moves one of these can only break this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
+    "call_when_backward_ends",
+    "fake_mode_for",
     "fake_process_group_store",
     "new_fake_mode",
     "storage_resizes",
@@ -26,6 +28,13 @@ __all__ = [
 def new_fake_mode() -> FakeTensorMode:
     """A fake-tensor mode that accepts real tensors (they are converted on use)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_mode_for(inputs) -> AbstractContextManager:
+    """A context that runs ops on ``inputs`` over fake tensors: the fake mode already at work, or a new one."""
+    from torch._guards import detect_fake_mode
+
+    return nullcontext() if detect_fake_mode(inputs) is not None else new_fake_mode()
 
 
 def fake_process_group_store():
@@ -60,3 +69,10 @@ def storage_resizes(callback: Callable[[torch.UntypedStorage], None]) -> Iterato
         yield
     finally:
         torch.UntypedStorage.resize_ = original
+
+
+def call_when_backward_ends(callback) -> None:
+    """Run ``callback`` once the backward pass now running has finished (call it from a backward hook)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(callback)

@@ -1,16 +1,30 @@
 """Activation checkpointing of chosen blocks, by module name.
 
-Candidates are the children of ModuleLists/Sequentials whose children all have
-one type (ResNet stages' blocks, transformer layers). A chosen block's forward
-runs under ``torch.utils.checkpoint`` (non-reentrant): its activations are
-dropped after the forward and recomputed in backward. The forward is patched
-on the instance, so parameter names and state_dict keys do not change.
+A chosen block's forward runs under ``torch.utils.checkpoint`` (non-reentrant):
+its activations are dropped after the forward and recomputed in backward. The
+forward is patched on the instance, so parameter names and state_dict keys do
+not change.
+
+Blocks are found in the module tree (``checkpoint_granularities``): the
+children of a ModuleList, Sequential or ModuleDict whose children all have one
+type (transformer layers, ResNet blocks), the children of a mixed container
+whose type is a composite module that occurs there at least twice (a U-Net
+decoder alternating up-convolutions and blocks), and any other module of such
+a block type (a U-Net's lone bottleneck). Blocks that hold blocks in a
+Sequential (ConvNeXt or Swin stages) give a choice of granularity: the stages,
+or the blocks inside them. Given example inputs, one forward over fake tensors
+(no arithmetic) drops the blocks it never calls and puts the rest in the order
+it calls them.
 """
 from __future__ import annotations
 
 import functools
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -24,48 +38,191 @@ class CheckpointConfig:
     """Module names whose forward recomputes in backward; [] turns checkpointing off."""
 
 
-def checkpoint_candidates(model: nn.Module) -> list[str]:
-    """Names of the blocks that can be checkpointed, in forward order of definition.
+def checkpoint_candidates(model: nn.Module, *, example_inputs=None) -> list[str]:
+    """Names of the blocks the planner and "all" checkpoint: the finest granularity.
 
-    The children of every ModuleList/Sequential with at least two children of
-    one type; a candidate never lies inside another. A model without such a
-    container offers its top-level children that hold parameters.
+    For a model with one level of blocks (transformer layers, ResNet blocks)
+    these are those blocks; for stages that hold blocks, the blocks inside.
+
+    Args:
+        model: the model.
+        example_inputs: a batch of inputs as the training step passes them to
+            ``model``; when given, blocks the forward never calls are left out
+            and the rest come in the order the forward calls them.
+
+    Returns:
+        Names in forward order (in definition order without example inputs);
+        none lies inside another.
     """
-    names: list[str] = []
+    return checkpoint_granularities(model, example_inputs=example_inputs)[-1]
+
+
+def checkpoint_granularities(model: nn.Module, *, example_inputs=None) -> list[list[str]]:
+    """Every way of cutting the model into blocks, coarsest first.
+
+    A model with one level of blocks has one granularity. Blocks that hold at
+    least two composite blocks of one type in a Sequential (a ConvNeXt stage's
+    blocks) add a finer one, where each such block is replaced by those inside
+    it. Within a granularity no block lies inside another, in the module tree
+    or (with example inputs) at run time. A model without blocks offers its
+    top-level children that hold parameters and are not containers.
+
+    Example:
+        >>> checkpoint_granularities(timm.create_model("convnext_atto"))
+        [['stages.0', ..., 'stages.3'], ['stages.0.blocks.0', ..., 'stages.3.blocks.1']]
+    """
+    blocks = _structural_blocks(model)
+    if not blocks:
+        blocks = {name: [] for name, child in model.named_children() if _holds_parameters(child) and not _never_called(child)}
+    levels = [[name for name in blocks if not _inside_any(name, blocks)]]
+    while True:
+        finer = [inner for name in levels[-1] for inner in (blocks[name] or [name])]
+        if finer == levels[-1]:
+            break
+        levels.append(finer)
+    if example_inputs is None:
+        return levels
+    calls = _forward_calls(model, example_inputs, sorted({n for level in levels for n in level}))
+    if calls is None:  # the forward cannot run over fake tensors: keep what the module tree says
+        return levels
+    order, inside = calls
+    called = []
+    for level in levels:
+        kept = [n for n in level if n in order and not any(outer in inside.get(n, ()) for outer in level)]
+        kept.sort(key=order.__getitem__)
+        if kept and kept not in called:
+            called.append(kept)
+    return called or [[]]
+
+
+def _structural_blocks(model: nn.Module) -> dict[str, list[str]]:
+    """Every block in definition order, each with the blocks a finer granularity puts in its place."""
+    found: set[str] = set()
+    chained: set[str] = set()  # composite blocks of one type in a Sequential: they can stand in for the block around them
+    block_types: set[type] = set()
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
-        children = list(module.named_children())
-        if len(children) < 2 or len({type(child) for _, child in children}) != 1:
-            continue
-        if not any(True for _ in children[0][1].parameters()):
-            continue
-        if any(name == c or name.startswith(c + ".") for c in names):
-            continue
-        names.extend(f"{name}.{child}" if name else child for child, _ in children)
-    if not names:
-        names = [n for n, child in model.named_children() if any(True for _ in child.parameters())]
-    return names
+        children = [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in module.named_children()]
+        counts = Counter(type(child) for _, child in children)
+        one_type = len(counts) == 1 and len(children) >= 2
+        for child_name, child in children:
+            if counts[type(child)] < 2 or not _holds_parameters(child) or _never_called(child):
+                continue
+            composite = any(True for _ in child.children()) and type(child) not in (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+            if one_type or composite:
+                found.add(child_name)
+            if composite:
+                block_types.add(type(child))
+                if one_type and isinstance(module, nn.Sequential):
+                    chained.add(child_name)
+    # A module of a block type outside every block (a U-Net's lone bottleneck) is a block too.
+    for name, module in model.named_modules():
+        if name and type(module) in block_types and name not in found and not _inside_any(name, found):
+            found.add(name)
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    blocks: dict[str, list[str]] = {name: [] for name in sorted(found, key=order.__getitem__)}
+    for name in blocks:
+        outer = _enclosing(name, blocks)
+        if name in chained and outer is not None:
+            blocks[outer].append(name)
+    return blocks
+
+
+def _never_called(module: nn.Module) -> bool:
+    # ModuleList and ModuleDict only hold modules: their forward is never called.
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _inside_any(name: str, names) -> bool:
+    return _enclosing(name, names) is not None
+
+
+def _enclosing(name: str, names) -> str | None:
+    """The nearest of ``names`` that ``name`` lies inside (not itself), or None."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        outer = ".".join(parts[:cut])
+        if outer in names:
+            return outer
+    return None
+
+
+def _forward_calls(model: nn.Module, example_inputs, names: list[str]) -> tuple[dict[str, int], dict[str, set[str]]] | None:
+    """Run one forward over fake tensors; return each called block's first-call index and the blocks it ran inside.
+
+    None when the forward fails over fake tensors (a data-dependent branch).
+    """
+    from autofit._torch_private import fake_mode_for, tree_map
+
+    modules = dict(model.named_modules())
+    order: dict[str, int] = {}
+    inside: dict[str, set[str]] = {}
+    stack: list[str] = []
+
+    def pre_hook(name):
+        def hook(module, args):
+            order.setdefault(name, len(order))
+            inside.setdefault(name, set()).update(stack)
+            stack.append(name)
+        return hook
+
+    def post_hook(module, args, output):
+        stack.pop()
+
+    handles = []
+    for name in names:
+        handles.append(modules[name].register_forward_pre_hook(pre_hook(name)))
+        handles.append(modules[name].register_forward_hook(post_hook))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # Fake ops leave real tensors alone, except Python-side updates (BatchNorm counts its batches).
+    buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
+    try:
+        with fake_mode_for(example_inputs), torch.no_grad():
+            model(tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example_inputs))
+    except Exception:  # the user's model: any failure means "no run-time information"
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return order, inside
 
 
 def resolve_blocks(model: nn.Module, spec: str | list[str] | None) -> list[str]:
-    """Turn "all", "none", "a,b" or a list into validated candidate names.
+    """Turn "all", "none", "a,b" or a list into validated block names.
+
+    "all" is every block of the finest granularity; named blocks may come from
+    any granularity, as long as none lies inside another.
 
     Raises:
-        UserError: a name is not a candidate; the message lists them.
+        UserError: a name is not a block (the message lists them), or one
+            named block lies inside another.
     """
-    candidates = checkpoint_candidates(model)
     if spec is None or spec == "none" or spec == []:
         return []
+    levels = checkpoint_granularities(model)
     if spec == "all":
-        return candidates
+        return levels[-1]
     names = [n.strip() for n in spec.split(",")] if isinstance(spec, str) else list(spec)
-    unknown = [n for n in names if n not in candidates]
+    known = {name for level in levels for name in level}
+    unknown = [n for n in names if n not in known]
     if unknown:
+        coarser = "".join(f"; or coarser: {', '.join(level)}" for level in reversed(levels[:-1]))
         raise UserError(
-            f"checkpoint block(s) {', '.join(unknown)} not found; candidates are: {', '.join(candidates)} "
+            f"checkpoint block(s) {', '.join(unknown)} not found; candidates are: {', '.join(levels[-1])}{coarser} "
             "(or 'all' / 'none')"
         )
+    for name in names:
+        outer = _enclosing(name, names)
+        if outer is not None:
+            raise UserError(f"checkpoint blocks {outer} and {name} nest ({name} lies inside {outer}); name one of them")
     return names
 
 
@@ -82,6 +239,8 @@ class Checkpointing(Strategy):
 
     def apply(self, model: nn.Module) -> nn.Module:
         blocks = resolve_blocks(model, self.config.blocks)
+        if blocks:
+            _turn_off_kv_cache(model)
         modules = dict(model.named_modules())
         for name in blocks:
             module = modules[name]
@@ -92,5 +251,41 @@ class Checkpointing(Strategy):
         return model
 
 
+def _turn_off_kv_cache(model: nn.Module) -> None:
+    """Set ``config.use_cache = False`` on every module whose config has it on (Hugging Face models).
+
+    With the cache on, each forward appends its keys and values to it; a
+    recomputed block would append them a second time. Hugging Face's own
+    gradient checkpointing turns it off for training in the same way.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+
+
 def _checkpointed_forward(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    with _without_autocast_cache():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@contextmanager
+def _without_autocast_cache() -> Iterator[None]:
+    """Autocast as it is, less its weight cache, for one checkpointed block.
+
+    Autocast keeps every low-precision copy of a weight it makes until the
+    outermost autocast exits, so inside a checkpointed block the cache keeps
+    alive exactly what checkpointing drops (the copies the block's backward
+    needs): a bf16 ViT-tiny held 103.7 MiB where the memory model predicted
+    96.5 MiB. Turned off here, the block frees them, and its recomputation runs
+    with the same setting (checkpoint restores the autocast state). The rest of
+    the model keeps the cache: a layer applied many times per step is cast once,
+    not once per use (turned off everywhere, an ALBERT-style shared block in a
+    loop held 18% more).
+    """
+    with ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                dtype = torch.get_autocast_dtype(device_type)
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=False))
+        yield

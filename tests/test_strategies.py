@@ -143,3 +143,59 @@ def test_fp16_scaler_skips_a_step_with_inf_gradients():
     fp16.backward(layer(torch.tensor([[float("inf"), 1.0]])).sum())
     assert fp16.optimizer_step(optimizer) is False
     assert torch.equal(layer.weight, before)
+
+
+def test_checkpointed_block_frees_its_autocast_weight_copies():
+    """Autocast's cache would keep a checkpointed block's bf16 weight copies alive until autocast exits."""
+    from autofit.measure.tracker import StorageTracker
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+    Checkpointing(CheckpointConfig(blocks=checkpoint_candidates(model))).apply(model)
+    bf16 = Precision(PrecisionConfig(precision="bf16"), device_type="cpu")
+    tracker = StorageTracker()
+    with tracker, bf16.forward_context():
+        x = torch.randn(4, 256, requires_grad=True)
+        out = model(x)
+        live = tracker.current_bytes
+        assert torch.is_autocast_cache_enabled()  # the rest of the model keeps the cache
+    weight_copy = 256 * 256 * 2
+    assert live < weight_copy  # the input, the block output and the output: no weight copy
+    out.float().sum().backward()  # the recomputation casts its own copies again
+    assert x.grad is not None
+    del out
+
+
+def test_checkpointing_under_bf16_keeps_gradients():
+    model, example_batch = tiny_transformer()
+    inputs, targets = example_batch(4)
+    plain = autofit_gradients(copy.deepcopy(model), inputs, targets, micro_batch_size=4, precision="bf16")
+    checkpointed = autofit_gradients(
+        copy.deepcopy(model), inputs, targets, micro_batch_size=4, blocks=checkpoint_candidates(model), precision="bf16"
+    )
+    for a, b in zip(checkpointed, plain):
+        assert torch.equal(a, b)  # the recomputation casts the same weights to the same values
+
+
+def test_checkpointing_turns_off_a_kv_cache():
+    """A Hugging Face-style config.use_cache would make recomputed blocks append keys and values twice."""
+    from types import SimpleNamespace
+
+    class WithConfig(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(use_cache=True)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    untouched = Checkpointing(CheckpointConfig(blocks=[])).apply(WithConfig())
+    assert untouched.config.use_cache is True  # nothing recomputes: the cache stays as the user set it
+    model = Checkpointing(CheckpointConfig(blocks=["layers.1"])).apply(WithConfig())
+    assert model.config.use_cache is False
+    inner = torch.nn.Sequential(WithConfig())  # a wrapper around such a model
+    Checkpointing(CheckpointConfig(blocks=["0.layers.0"])).apply(inner)
+    assert inner[0].config.use_cache is False

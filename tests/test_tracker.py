@@ -1,4 +1,5 @@
 import gc
+import itertools
 
 import torch
 from torch import nn
@@ -73,3 +74,29 @@ def test_linear_training_step_matches_hand_computed_bytes():
     assert tracker.breakdown_at_peak()["parameters"] == 8192
     # and nothing bigger than a few 16x32 temporaries beyond that
     assert tracker.peak_bytes <= 8192 + 4096 + 2048 + 8192 + 3 * 2048
+
+
+def test_fake_normalisation_statistics_count_as_the_real_kernel_holds_them():
+    """Fake norms return statistics in the input's dtype; the CPU kernels keep them in the widest of input and weights."""
+    from autofit._torch_private import new_fake_mode
+
+    def counted(norm, shape):
+        tracker = StorageTracker()
+        with tracker:
+            x = torch.ones(shape, dtype=torch.bfloat16)
+            out = norm(x)
+        del x, out
+        return tracker.peak_bytes
+
+    layouts = [  # a bf16 input (as autocast gives a norm after a convolution) to fp32, bf16 and no weights
+        (lambda dtype: nn.BatchNorm2d(8, dtype=dtype), (2, 8, 3, 3)),
+        (lambda dtype: nn.BatchNorm2d(8, affine=False, dtype=dtype), (2, 8, 3, 3)),
+        (lambda dtype: nn.LayerNorm(8, dtype=dtype), (2, 3, 8)),
+        (lambda dtype: nn.LayerNorm(8, elementwise_affine=False, dtype=dtype), (2, 3, 8)),
+        (lambda dtype: nn.GroupNorm(2, 8, dtype=dtype), (2, 8, 3, 3)),
+    ]
+    for (make, shape), dtype in itertools.product(layouts, (torch.float32, torch.bfloat16)):
+        real = counted(make(dtype), shape)
+        with new_fake_mode():
+            fake = counted(make(dtype), shape)
+        assert fake == real, (make(dtype), dtype)

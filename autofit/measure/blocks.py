@@ -49,12 +49,12 @@ def profile_blocks(
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()
-        names = checkpoint_candidates(model)
+        inputs, targets = spec.example_batch(micro_batch_size)
+        inputs, targets = to_device(inputs, meter.device), to_device(targets, meter.device)
+        names = checkpoint_candidates(model, example_inputs=inputs)
         modules = dict(model.named_modules())
         config = TrainingConfig(global_batch_size=micro_batch_size, micro_batch_size=micro_batch_size, precision=precision)
         forward_context = apply_config(model, config, device=meter.device, use_scaler=False).forward_context
-        inputs, targets = spec.example_batch(micro_batch_size)
-        inputs, targets = to_device(inputs, meter.device), to_device(targets, meter.device)
         stats = {name: {"saved": set(), "saved_bytes": 0, "input_bytes": 0, "seconds": 0.0} for name in names}
         active: list[str] = []
         # Parameters are saved by reference and stay alive anyway: not activations.

@@ -132,7 +132,7 @@ def measure(
         applied = apply_config(model, config, device=meter.device, use_scaler=not simulate, init_scale=1.0)
         blocks = checkpointed_blocks(applied.model)
         optimizer = spec.build_optimizer(applied.model.parameters())
-        _create_optimizer_state(applied.model, optimizer)
+        create_optimizer_state(applied.model, optimizer)
         # The global batch lives on the host; train_step copies each micro-batch to the device.
         inputs, targets = spec.example_batch(config.global_batch_size)
         step_seconds = []
@@ -162,7 +162,7 @@ def measure(
     )
 
 
-def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Make the optimizer's lazily created state now, as any real step would.
 
     fp16's GradScaler skips the first steps while it finds its scale; without

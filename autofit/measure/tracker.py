@@ -18,6 +18,20 @@ from autofit._torch_private import TorchDispatchMode, tree_leaves
 ACTIVATIONS = "activations"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", ACTIVATIONS)
 
+_aten = torch.ops.aten
+# Normalisations that save their statistics (outputs 1 and 2) for backward. The CPU
+# kernels keep them in the widest dtype among the input and its weight, bias and running
+# statistics (fp32 for a bf16 input to an fp32 BatchNorm, as under autocast); the fake
+# (meta) kernels return them in the input's dtype. They are counted as the real kernels
+# hold them, so that the simulated meter equals the cpu meter.
+_FP32_STATISTICS = {
+    _aten.native_batch_norm,
+    _aten._native_batch_norm_legit,
+    _aten._native_batch_norm_legit_functional,
+    _aten.native_group_norm,
+    _aten.native_layer_norm,
+}
+
 
 @dataclass(slots=True)
 class _Record:
@@ -25,6 +39,8 @@ class _Record:
     born: int
     died: int | None = None
     category: str = ACTIVATIONS
+    widen: int = 1
+    """Counted bytes per stored byte (2 for statistics a fake kernel returns in half precision)."""
 
 
 class StorageTracker(TorchDispatchMode):
@@ -54,6 +70,10 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _FP32_STATISTICS:
+            widest = max(a.element_size() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point())
+            for statistic in out[1:3]:
+                self._track_one(statistic, widen=max(widest // statistic.element_size(), 1))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._track_one(leaf)
@@ -69,6 +89,13 @@ class StorageTracker(TorchDispatchMode):
         """Name what already-counted tensors are, for the breakdown."""
         self.track(tensors, category)
 
+    def counted_bytes(self, tensor: torch.Tensor) -> int:
+        """The bytes counted for ``tensor``'s storage (rounded, as the real kernel holds it)."""
+        record = self._live.get(id(tensor.untyped_storage()))
+        if record is None:
+            return _round_up(tensor.untyped_storage().nbytes(), self.round_bytes)
+        return record.nbytes
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
         self._peak_clock = self._clock
@@ -81,18 +108,18 @@ class StorageTracker(TorchDispatchMode):
                 totals[record.category] += record.nbytes
         return totals
 
-    def _track_one(self, tensor: torch.Tensor) -> _Record:
+    def _track_one(self, tensor: torch.Tensor, *, widen: int = 1) -> _Record:
         storage = tensor.untyped_storage()
         key = id(storage)
         record = self._live.get(key)
-        nbytes = _round_up(storage.nbytes(), self.round_bytes)
+        nbytes = _round_up(storage.nbytes() * (record.widen if record is not None else widen), self.round_bytes)
         if record is not None:
             if record.nbytes != nbytes:  # resized in place
                 self._grow(nbytes - record.nbytes)
                 record.nbytes = nbytes
             return record
         self._clock += 1
-        record = _Record(nbytes=nbytes, born=self._clock)
+        record = _Record(nbytes=nbytes, born=self._clock, widen=widen)
         self._live[key] = record
         self._records.append(record)
         weakref.finalize(storage, self._free, key)

@@ -1,6 +1,6 @@
 """The planner's cost model: peak bytes and step time of any configuration.
 
-Memory comes from two simulated traces per precision (``memory_model``):
+Memory comes from simulated traces per precision (``memory_model``):
 linear in the micro-batch size, exact in the structure of where blocks free
 and recompute their activations. Time comes from real timings on the device
 (forward, forward+backward and each block's forward at a few micro-batch
@@ -30,10 +30,12 @@ SLOW_PRECISION_RATIO = 3.0
 
 @dataclass(kw_only=True, slots=True)
 class MemoryCosts:
-    """Two traces of one precision; bytes at any micro-batch size are linear between them."""
+    """Traces of one precision; bytes at any micro-batch size are linear between the two around it."""
 
     low: MemoryTrace
     high: MemoryTrace
+    middle: MemoryTrace | None = None
+    """A trace at 2 samples when ``low`` is at 1 (see ``memory_costs``): sizes from 2 up lie on the line through it and ``high``."""
 
     def at(self, micro_batch_size: int, *, global_batch_size: int) -> tuple[list[Segment], list[float]]:
         """The segments that bound the peak at this size, and each block's dropped bytes.
@@ -43,23 +45,44 @@ class MemoryCosts:
             global_batch_size: samples per optimizer step; gradients of earlier
                 micro-batches are alive when it is larger than the micro-batch.
         """
-        low, high = self.low, self.high
         accumulating = micro_batch_size < global_batch_size
-        span = max(high.micro_batch_size - low.micro_batch_size, 1)
-        weight = (micro_batch_size - low.micro_batch_size) / span
-
-        def interpolate(a: float, b: float) -> float:
-            return max(a + (b - a) * weight, 0.0)
-
-        # The traces held a global batch of 2 micro-batches on the host; the real one holds G samples.
-        host = (global_batch_size - 2 * micro_batch_size) * high.host_sample_bytes
+        # The optimizer step follows the last micro-batch, which may be smaller (8 = 3 + 3 + 2):
+        # what that micro-step leaves alive (its input copy, the output) is of its size.
+        last = global_batch_size - (math.ceil(global_batch_size / micro_batch_size) - 1) * micro_batch_size
         segments = [
-            Segment(peak_bytes=interpolate(a.peak_bytes, b.peak_bytes) + host, dropped=a.dropped, phase=a.phase, recomputes=a.recomputes)
-            for a, b in zip(low.segments, high.segments)
-            if accumulating or a.phase != "later"
+            Segment(
+                peak_bytes=self._interpolate(
+                    [t.segments[i].peak_bytes for t in self._traces()], last if segment.phase == "optimizer" else micro_batch_size,
+                    global_batch_size=global_batch_size,
+                ),
+                dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes,
+            )
+            for i, segment in enumerate(self.low.segments)
+            if accumulating or segment.phase != "later"
         ]
-        drops = [interpolate(a, b) for a, b in zip(low.drop_bytes, high.drop_bytes)]
+        drops = [
+            self._interpolate([t.drop_bytes[b] for t in self._traces()], micro_batch_size)
+            for b in range(len(self.low.drop_bytes))
+        ]
         return segments, drops
+
+    def _traces(self) -> list[MemoryTrace]:
+        return [self.low] + ([self.middle] if self.middle is not None else []) + [self.high]
+
+    def _interpolate(self, values: list[float], size: int, *, global_batch_size: int | None = None) -> float:
+        """Bytes at ``size`` on the line through the two traces around it (``values`` holds each trace's).
+
+        With ``global_batch_size``, the bytes of a whole step: the traces held a
+        global batch of 2 micro-batches on the host; the real one holds G samples.
+        """
+        traces = self._traces()
+        upper = next((i for i in range(1, len(traces)) if size <= traces[i].micro_batch_size), len(traces) - 1)
+        a, b = traces[upper - 1].micro_batch_size, traces[upper].micro_batch_size
+        weight = (size - a) / max(b - a, 1)
+        value = max(values[upper - 1] + (values[upper] - values[upper - 1]) * weight, 0.0)
+        if global_batch_size is not None:
+            value += (global_batch_size - 2 * size) * self.high.host_sample_bytes
+        return value
 
     def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int]) -> float:
         segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
@@ -153,9 +176,14 @@ class CostModel:
         precisions = {}
         for name, costs in data["precisions"].items():
             memory = costs["memory"]
+            middle = memory.get("middle")
             precisions[name] = PrecisionCosts(
                 precision=costs["precision"],
-                memory=MemoryCosts(low=_trace_from_dict(memory["low"]), high=_trace_from_dict(memory["high"])),
+                memory=MemoryCosts(
+                    low=_trace_from_dict(memory["low"]),
+                    high=_trace_from_dict(memory["high"]),
+                    middle=_trace_from_dict(middle) if middle else None,
+                ),
                 speed=SpeedCosts(**costs["speed"]),
             )
         rest = {k: v for k, v in data.items() if k != "precisions"}
@@ -171,22 +199,42 @@ def _trace_from_dict(data: dict) -> MemoryTrace:
 def memory_costs(
     spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None
 ) -> MemoryCosts:
-    """Trace one precision at two micro-batch sizes (simulated: no arithmetic).
+    """Trace one precision at the smallest and the largest micro-batch size (simulated: no arithmetic).
+
+    At one sample some slices and reshapes are free views that copy at any
+    larger size (``logits[:, :-1].contiguous()``, a transpose of a size-1
+    dimension), so a trace at 1 lies off the line the larger sizes lie on:
+    when ``low`` is 1, sizes from 2 up interpolate between traces at 2 and
+    ``high``, and 1 keeps its own trace.
 
     Args:
+        low: the smallest micro-batch size planned.
+        high: the largest (the global batch).
         low_trace: an existing trace at ``low`` for this precision, to reuse.
     """
+    def trace(size: int) -> MemoryTrace:
+        return trace_memory(spec, micro_batch_size=size, precision=precision, device_type=device_type)
+
     if low_trace is None:
-        low_trace = trace_memory(spec, micro_batch_size=low, precision=precision, device_type=device_type)
+        low_trace = trace(low)
     if high == low:
         return MemoryCosts(low=low_trace, high=low_trace)
-    high_trace = trace_memory(spec, micro_batch_size=high, precision=precision, device_type=device_type)
-    if [(s.dropped, s.phase, s.recomputes) for s in low_trace.segments] != [
+    high_trace = trace(high)
+    middle_trace = trace(2) if low == 1 and high > 2 else None
+    return MemoryCosts(
+        low=_same_structure(low_trace, high_trace),
+        high=high_trace,
+        middle=_same_structure(middle_trace, high_trace) if middle_trace is not None else None,
+    )
+
+
+def _same_structure(trace: MemoryTrace, high_trace: MemoryTrace) -> MemoryTrace:
+    """``trace``, or when the step's structure depends on the batch size (rare), the larger trace scaled down."""
+    if [(s.dropped, s.phase, s.recomputes) for s in trace.segments] != [
         (s.dropped, s.phase, s.recomputes) for s in high_trace.segments
     ]:
-        # The step's structure depends on the batch size (rare): trust the larger trace, scaled.
-        return MemoryCosts(low=_scaled(high_trace, low), high=high_trace)
-    return MemoryCosts(low=low_trace, high=high_trace)
+        return _scaled(high_trace, trace.micro_batch_size)
+    return trace
 
 
 def _scaled(trace: MemoryTrace, micro_batch_size: int) -> MemoryTrace:
@@ -224,10 +272,11 @@ def time_precisions(
     torch.manual_seed(0)
     model = spec.build_model().to(device_)
     model.train()
-    blocks = checkpoint_candidates(model)
+    sizes = sorted(set(sizes))
+    # The memory model's blocks: those the forward calls (one fake forward finds them), in its order.
+    blocks = checkpoint_candidates(model, example_inputs=spec.example_batch(sizes[0])[0])
     modules = dict(model.named_modules())
     optimizer = spec.build_optimizer(model.parameters())
-    sizes = sorted(set(sizes))
     block_times: dict[str, float] = {}
     starts: dict[str, float] = {}
 

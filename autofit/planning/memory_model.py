@@ -20,19 +20,20 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autofit._torch_private import tree_leaves
+from autofit._torch_private import call_when_backward_ends, tree_leaves
 from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import SimulatedMeter
+from autofit.measure.probe import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.spec import ModelSpec
 from autofit.training.step import train_step
 from strategies import checkpoint_candidates
 
-# Micro-steps of the traced run (2 optimizer steps of 2 micro-batches each).
-# Step 2's first micro-step is what a step without accumulation looks like
-# (optimizer state alive, no gradients yet); its second is what every later
-# micro-step of an accumulating step looks like (gradients alive).
-_FIRST_MICRO, _LATER_MICRO = 2, 3
+# Micro-steps of the traced run: one optimizer step of 2 micro-batches, its optimizer
+# state made beforehand (as the probe makes it). The first micro-step is what a step
+# without accumulation looks like (optimizer state alive, no gradients yet); the second
+# is what every later micro-step of an accumulating step looks like (gradients alive).
+_FIRST_MICRO, _LATER_MICRO = 0, 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,7 +91,7 @@ class _TimelineTracker(StorageTracker):
 
 
 def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str = "cpu") -> MemoryTrace:
-    """Trace two simulated optimizer steps of two micro-batches each, plain and all-checkpointed.
+    """Trace a simulated optimizer step of two micro-batches, plain and all-checkpointed.
 
     The traced global batch is 2 x micro_batch_size; a step's memory depends on
     the global batch only through its host copy (``host_sample_bytes``). The
@@ -139,7 +140,8 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()
-        names = checkpoint_candidates(model)
+        inputs, targets = spec.example_batch(2 * micro_batch_size)
+        names = checkpoint_candidates(model, example_inputs=inputs)
         config = TrainingConfig(
             global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
             checkpoint=names if checkpoint_all else [],
@@ -147,7 +149,6 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
         modules = dict(model.named_modules())
         optimizer = spec.build_optimizer(model.parameters())
-        inputs, targets = spec.example_batch(2 * micro_batch_size)
         host_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor))
         tracker = _TimelineTracker(round_bytes=meter.round_bytes)
         tracker.track(model.parameters(), "parameters")
@@ -163,6 +164,13 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
             if tensors:
                 state["output_shape"] = list(tensors[0].shape)
+            micro = state["micro"]
+            for tensor in tensors:
+                if tensor.requires_grad:
+                    # Where this micro-step's backward ends: the first block's backward and
+                    # recomputation lie before it, the next micro-batch's copy after it.
+                    tensor.register_hook(lambda grad: call_when_backward_ends(lambda: tracker.mark(("bwd_end", micro))))
+                    break
 
         def pre_hook(index):
             def hook(module, args):
@@ -193,20 +201,20 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
                 key = id(storage)
                 if key not in persistent:
                     saved = state["saved"][names[state["active"][-1]]].setdefault(state["micro"], {})
-                    saved[key] = _round_up(storage.nbytes(), meter.round_bytes)
+                    saved[key] = tracker.counted_bytes(tensor)
             return tensor
 
         hooks = [model.register_forward_pre_hook(root_pre_hook), model.register_forward_hook(root_post_hook)]
         for index, name in enumerate(names):
             hooks.append(modules[name].register_forward_pre_hook(pre_hook(index)))
             hooks.append(modules[name].register_forward_hook(post_hook(index)))
-        hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
-        hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
         # The checkpointed run's blocks keep their own saved-tensor hooks: nothing to count there.
         saved_hooks = nullcontext() if checkpoint_all else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         with tracker, saved_hooks:
-            for _ in range(2):
-                train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
+            create_optimizer_state(model, optimizer)
+            hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
+            hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
+            train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
         tracker.mark(("end",))
         for hook in hooks:
             hook.remove()
@@ -218,7 +226,7 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
 
 
 def _segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int]) -> tuple[list[Segment], bool]:
-    """The plain trace's segments of step 2, and whether their dropped blocks are always a prefix."""
+    """The plain trace's segments, and whether their dropped blocks are always a prefix."""
     segments = [segment for segment, _ in _labelled(marks, peaks, len(drop_bytes))]
     prefix_shaped = all(s.dropped == list(range(len(s.dropped))) for s in segments)
     return segments, prefix_shaped
@@ -241,7 +249,7 @@ def _recompute_segments(marks: list[tuple], peaks: list[int], drop_bytes: list[i
 
 
 def _labelled(marks: list[tuple], peaks: list[int], num_blocks: int):
-    """Yield (segment, the mark that opened it) for step 2's micro-steps and optimizer step.
+    """Yield (segment, the mark that opened it) for the traced micro-steps and optimizer step.
 
     Segment i lies between marks[i-1] and marks[i]; it belongs to the micro-step
     (or optimizer step) that the last "micro"/"optimizer" mark before it opened.
@@ -267,8 +275,8 @@ def _labelled(marks: list[tuple], peaks: list[int], num_blocks: int):
             phase = None
         if phase is None:
             continue
-        # The stretch that ends where the next micro-step begins holds all gradients and
-        # the next micro-batch's copy: it belongs to the accumulating regime.
+        # The stretch from the end of backward to where the next micro-step begins holds all
+        # gradients and the next micro-batch's copy: it belongs to the accumulating regime.
         segment_phase = "later" if marks[i] == ("micro", _LATER_MICRO) else phase
         active = []
         if phase != "optimizer":
@@ -277,10 +285,6 @@ def _labelled(marks: list[tuple], peaks: list[int], num_blocks: int):
                 if end is not None and end <= i - 1 and (start is None or start >= i):
                     active.append(block)
         yield Segment(peak_bytes=peaks[i], dropped=active, phase=segment_phase), opener
-
-
-def _round_up(nbytes: int, multiple: int) -> int:
-    return -(-nbytes // multiple) * multiple
 
 
 def simulation_spec(spec: ModelSpec) -> ModelSpec:

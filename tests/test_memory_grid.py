@@ -1,0 +1,86 @@
+"""The memory model against the cpu meter on four layouts, every precision, checkpoint set and step shape.
+
+A CNN with BatchNorm, a pre-norm causal LM, a ViT with LayerNorm and a U-Net
+with skips (tests/models.py), each in fp32, bf16 and fp16, with no block, the
+first, every other and every block checkpointed, in one micro-step and in
+several (3 + 3 + 2 samples, between the traced sizes 2 and 8): the predicted
+peak is compared with a real probe's peak in every cell. The optimizer is AdamW with
+foreach kernels (as on a GPU; fewer operators to trace, so the grid stays fast).
+"""
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+from autofit.measure.probe import probe
+from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+from strategies import PRECISIONS, checkpoint_candidates
+from tests.models import layout_specs
+
+GLOBAL_BATCH = 8
+MICRO_BATCHES = (8, 3)
+"""One micro-step, and three (3 + 3 + 2, as the planner splits 8 in three) at a size the traces at 2 and 8 do not hold."""
+TOLERANCE = 0.001
+"""Of the measured peak. The issue asks for 1%; the worst cell measured 0.015% (fp32, a transformer, blocks checkpointed)."""
+GRADSCALER_BYTES = 12
+"""fp16's GradScaler keeps its scale, growth tracker and found-inf flag (4 bytes each); the simulation runs without it."""
+
+
+def grid_spec(layout: str):
+    spec = layout_specs()[layout]
+    return dataclasses.replace(spec, build_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True))
+
+
+def checkpoint_sets(blocks: list[str]) -> dict[str, list[str]]:
+    return {"none": [], "first": blocks[:1], "alternate": blocks[::2], "all": blocks}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_process():
+    """One intra-op thread, and a garbage collector that skips the objects made before (each probe collects)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    torch.set_num_threads(threads)
+
+
+def memory_model(spec, precision: str) -> CostModel:
+    memory = memory_costs(spec, precision=precision, low=2, high=GLOBAL_BATCH, device_type="cpu")
+    model = CostModel(blocks=memory.high.blocks, global_batch_size=GLOBAL_BATCH, device_type="cpu", estimated=False)
+    no_speed = SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[1.0], block_seconds=[[]], optimizer_seconds=0.0)
+    model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=no_speed)
+    return model
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", ["cnn", "lm", "vit", "unet"])
+def test_predicted_peak_is_the_measured_peak(layout, precision):
+    spec = grid_spec(layout)
+    model = memory_model(spec, precision)
+    assert len(model.blocks) >= 3  # first, alternate and all differ
+    misses = {}
+    for micro_batch_size in MICRO_BATCHES:
+        for label, blocks in checkpoint_sets(model.blocks).items():
+            chosen = {model.blocks.index(b) for b in blocks}
+            predicted = model.peak_bytes(precision, micro_batch_size, chosen)
+            measured = probe(
+                spec, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH, precision=precision,
+                checkpoint=blocks, steps=1,
+            ).peak_bytes
+            misses[micro_batch_size, label] = (predicted - measured) / measured
+    assert all(abs(miss) <= TOLERANCE for miss in misses.values()), {k: f"{v:+.4%}" for k, v in misses.items()}
+
+
+@pytest.mark.parametrize("layout, precision", [("cnn", "bf16"), ("lm", "bf16"), ("vit", "bf16"), ("unet", "bf16"), ("unet", "fp16")])
+def test_simulated_meter_is_the_cpu_meter(layout, precision):
+    """Over fake tensors, as the memory model traces: bf16 BatchNorm statistics as the CPU kernel keeps them (fp32)."""
+    spec = grid_spec(layout)
+    blocks = checkpoint_candidates(spec.build_model(), example_inputs=spec.example_batch(2)[0])[::2]
+    settings = dict(micro_batch_size=3, global_batch_size=GLOBAL_BATCH, precision=precision, checkpoint=blocks, steps=1)
+    simulated = probe(spec, simulate=True, **settings).peak_bytes
+    measured = probe(spec, **settings).peak_bytes
+    assert 0 <= measured - simulated <= (GRADSCALER_BYTES if precision == "fp16" else 0)
