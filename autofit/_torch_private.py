@@ -9,13 +9,14 @@ from contextlib import contextmanager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "fake_process_group_store",
+    "inner_tensors",
     "new_fake_mode",
     "storage_resizes",
     "tree_leaves",
@@ -26,6 +27,17 @@ __all__ = [
 def new_fake_mode() -> FakeTensorMode:
     """A fake-tensor mode that accepts real tensors (they are converted on use)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors a wrapper subclass (e.g. torchao's 8-bit optimizer state) holds; None for a plain tensor.
+
+    A wrapper's own storage is a placeholder of its logical size: its bytes are its inner tensors'.
+    """
+    if not is_traceable_wrapper_subclass(tensor):
+        return None
+    names, _ = tensor.__tensor_flatten__()
+    return [t for name in names for t in (inner_tensors(getattr(tensor, name)) or [getattr(tensor, name)])]
 
 
 def fake_process_group_store():

@@ -4,6 +4,11 @@ A dispatch mode sees every ATen op's outputs (forward, backward and optimizer
 alike, also over fake tensors); each new storage is counted once, and a
 finalizer subtracts it when PyTorch frees it. This is the CPU analogue of
 ``torch.cuda.max_memory_allocated``.
+
+Storages created inside ``autofit.measure.host.host_allocation()`` (a
+strategy's host copies, when the host is this same CPU) are counted apart, as
+host bytes: they are not in ``peak_bytes``, as pinned host memory is not in a
+GPU's.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit._torch_private import TorchDispatchMode, tree_leaves
+from autofit._torch_private import TorchDispatchMode, inner_tensors, tree_leaves
+from autofit.measure.host import allocating_on_host
 
 ACTIVATIONS = "activations"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", ACTIVATIONS)
@@ -25,6 +31,8 @@ class _Record:
     born: int
     died: int | None = None
     category: str = ACTIVATIONS
+    host: bool = False
+    """Made inside ``host_allocation()``: host memory, not in the device peak."""
 
 
 class StorageTracker(TorchDispatchMode):
@@ -47,6 +55,9 @@ class StorageTracker(TorchDispatchMode):
         self.round_bytes = round_bytes
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.host_current_bytes = 0
+        self.host_peak_bytes = 0
+        """Live and peak bytes of host storages (see the module docstring)."""
         self._clock = 0
         self._peak_clock = 0
         self._live: dict[int, _Record] = {}
@@ -54,16 +65,18 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        host = allocating_on_host()
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self._track_one(leaf)
+                self._track(leaf, host=host)
         return out
 
     def track(self, tensors: Iterable[torch.Tensor], category: str = ACTIVATIONS) -> None:
         """Count tensors made outside the mode (parameters, inputs) and label them."""
         for tensor in tensors:
             if tensor is not None:
-                self._track_one(tensor).category = category
+                for record in self._track(tensor):
+                    record.category = category
 
     def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Name what already-counted tensors are, for the breakdown."""
@@ -77,29 +90,42 @@ class StorageTracker(TorchDispatchMode):
         """Bytes by category of the storages that were live at the peak."""
         totals = dict.fromkeys(CATEGORIES, 0)
         for record in self._records:
+            if record.host:
+                continue
             if record.born <= self._peak_clock and (record.died is None or record.died > self._peak_clock):
                 totals[record.category] += record.nbytes
         return totals
 
-    def _track_one(self, tensor: torch.Tensor) -> _Record:
+    def _track(self, tensor: torch.Tensor, *, host: bool = False) -> list[_Record]:
+        """Count a tensor's storage; a wrapper subclass's inner tensors' storages instead."""
+        inner = inner_tensors(tensor)
+        if inner is None:
+            return [self._track_one(tensor, host=host)]
+        return [self._track_one(t, host=host) for t in inner]
+
+    def _track_one(self, tensor: torch.Tensor, *, host: bool = False) -> _Record:
         storage = tensor.untyped_storage()
         key = id(storage)
         record = self._live.get(key)
         nbytes = _round_up(storage.nbytes(), self.round_bytes)
         if record is not None:
             if record.nbytes != nbytes:  # resized in place
-                self._grow(nbytes - record.nbytes)
+                self._grow(nbytes - record.nbytes, host=record.host)
                 record.nbytes = nbytes
             return record
         self._clock += 1
-        record = _Record(nbytes=nbytes, born=self._clock)
+        record = _Record(nbytes=nbytes, born=self._clock, host=host)
         self._live[key] = record
         self._records.append(record)
         weakref.finalize(storage, self._free, key)
-        self._grow(nbytes)
+        self._grow(nbytes, host=host)
         return record
 
-    def _grow(self, nbytes: int) -> None:
+    def _grow(self, nbytes: int, *, host: bool = False) -> None:
+        if host:
+            self.host_current_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_current_bytes)
+            return
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
@@ -111,7 +137,10 @@ class StorageTracker(TorchDispatchMode):
             return
         self._clock += 1
         record.died = self._clock
-        self.current_bytes -= record.nbytes
+        if record.host:
+            self.host_current_bytes -= record.nbytes
+        else:
+            self.current_bytes -= record.nbytes
 
 
 def _round_up(nbytes: int, multiple: int) -> int:
