@@ -65,10 +65,9 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        host = allocating_on_host()
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self._track(leaf, host=host)
+                self._track(leaf)
         return out
 
     def track(self, tensors: Iterable[torch.Tensor], category: str = ACTIVATIONS) -> None:
@@ -96,36 +95,40 @@ class StorageTracker(TorchDispatchMode):
                 totals[record.category] += record.nbytes
         return totals
 
-    def _track(self, tensor: torch.Tensor, *, host: bool = False) -> list[_Record]:
+    def _track(self, tensor: torch.Tensor) -> list[_Record]:
         """Count a tensor's storage; a wrapper subclass's inner tensors' storages instead."""
         inner = inner_tensors(tensor)
         if inner is None:
-            return [self._track_one(tensor, host=host)]
-        return [self._track_one(t, host=host) for t in inner]
+            return [self._track_one(tensor)]
+        return [self._track_one(t) for t in inner]
 
-    def _track_one(self, tensor: torch.Tensor, *, host: bool = False) -> _Record:
+    def _track_one(self, tensor: torch.Tensor) -> _Record:
         storage = tensor.untyped_storage()
         key = id(storage)
         record = self._live.get(key)
         nbytes = _round_up(storage.nbytes(), self.round_bytes)
         if record is not None:
             if record.nbytes != nbytes:  # resized in place
-                self._grow(nbytes - record.nbytes, host=record.host)
+                self._grow_on(record, nbytes - record.nbytes)
                 record.nbytes = nbytes
             return record
         self._clock += 1
-        record = _Record(nbytes=nbytes, born=self._clock, host=host)
+        record = _Record(nbytes=nbytes, born=self._clock, host=allocating_on_host())
         self._live[key] = record
         self._records.append(record)
         weakref.finalize(storage, self._free, key)
-        self._grow(nbytes, host=host)
+        self._grow_on(record, nbytes)
         return record
 
-    def _grow(self, nbytes: int, *, host: bool = False) -> None:
-        if host:
+    def _grow_on(self, record: _Record, nbytes: int) -> None:
+        if record.host:
             self.host_current_bytes += nbytes
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_current_bytes)
-            return
+        else:
+            self._grow(nbytes)
+
+    def _grow(self, nbytes: int) -> None:
+        """Device bytes: ``nbytes`` more (or fewer) live."""
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
