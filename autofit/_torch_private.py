@@ -37,7 +37,8 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     if not is_traceable_wrapper_subclass(tensor):
         return None
     names, _ = tensor.__tensor_flatten__()
-    return [t for name in names for t in (inner_tensors(getattr(tensor, name)) or [getattr(tensor, name)])]
+    inner = [getattr(tensor, name) for name in names]  # a DTensor also names its (non-tensor) device_mesh
+    return [t for i in inner if isinstance(i, torch.Tensor) for t in (inner_tensors(i) or [i])]
 
 
 def fake_process_group_store():
