@@ -291,6 +291,7 @@ def test_on_a_gpu_each_lever_trains_the_weights_of_plain_training(levers):
     optimizer, peak_bytes = train_on_gpu(model, data, **levers)
     for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=name)
-    assert peak_bytes < plain_peak
+    # The step in backward saves only where all gradients were alive at the peak (not at the start of backward).
+    assert peak_bytes <= plain_peak if levers.get("optimizer_in_backward") else peak_bytes < plain_peak
     if levers.get("optimizer_state") == "host":
         assert all(s.device.type == "cpu" for state in optimizer.state.values() for s in state.values())

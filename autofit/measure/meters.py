@@ -199,7 +199,7 @@ class CudaMeter(Meter):
         outside_allocator = max(process_cuda_bytes(self.device) - torch.cuda.memory_reserved(self.device), 0)
         param_bytes = sum(_nbytes(t) for t in list(model.parameters()) + list(model.buffers()))
         grad_bytes = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
-        state_bytes = sum(_nbytes(t) for t in _optimizer_state(optimizer))
+        state_bytes = sum(_nbytes(t) for t in _optimizer_state(optimizer) if t.is_cuda)  # host-side state is not on the card
         measurement.peak_bytes = reserved_peak + outside_allocator
         measurement.breakdown = {
             "parameters": param_bytes,
