@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "call_when_backward_ends",
     "fake_mode_for",
     "fake_process_group_store",
+    "inner_tensors",
     "new_fake_mode",
     "storage_resizes",
     "tree_leaves",
@@ -35,6 +36,18 @@ def fake_mode_for(inputs) -> AbstractContextManager:
     from torch._guards import detect_fake_mode
 
     return nullcontext() if detect_fake_mode(inputs) is not None else new_fake_mode()
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors a wrapper subclass (e.g. torchao's 8-bit optimizer state) holds; None for a plain tensor.
+
+    A wrapper's own storage is a placeholder of its logical size: its bytes are its inner tensors'.
+    """
+    if not is_traceable_wrapper_subclass(tensor):
+        return None
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]  # a DTensor also names its (non-tensor) device_mesh
+    return [t for i in inner if isinstance(i, torch.Tensor) for t in (inner_tensors(i) or [i])]
 
 
 def fake_process_group_store():

@@ -6,7 +6,7 @@ The probe, the planner's memory traces and timings, the per-rank simulation,
 own loop::
 
     applied = autofit.apply_plan(model, autofit.load_plan("plan.json"))
-    optimizer = torch.optim.AdamW(applied.model.parameters())
+    optimizer = applied.build_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-3))
     for inputs, targets in loader:                       # one global batch
         for micro_inputs, micro_targets, weight in applied.micro_batches(inputs, targets):
             micro_inputs, micro_targets = micro_inputs.to(applied.device), micro_targets.to(applied.device)
@@ -17,7 +17,10 @@ own loop::
         optimizer.zero_grad()
 
 The hooks do nothing for a strategy that is off (fp32 has no autocast and a
-disabled GradScaler), so this code is the same for every plan.
+disabled GradScaler), so this code is the same for every plan. The optimizer
+comes from ``build_optimizer``, because strategies shape it: its state may live
+on the host or in 8 bits, and with the step in backward each parameter steps
+from its gradient hook (``optimizer_step`` then finds nothing left to step).
 
 A plan for several processes (``world_size`` > 1) is applied the same way in
 each process that ``torchrun --nproc-per-node N`` starts: ``apply_plan`` joins
@@ -27,7 +30,7 @@ code above does not change. ``.env`` says which rank this process is.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
@@ -40,15 +43,24 @@ from autofit.plan_file import Plan
 from autofit.spec import model_fingerprint
 from autofit.training.distributed import DistributedEnv, init_distributed, launched_world_size
 from strategies import (
+    OPTIMIZER_STATES,
+    ActivationOffload,
     BatchSplit,
     BatchSplitConfig,
     CheckpointConfig,
     Checkpointing,
+    OffloadConfig,
+    OptimizerInBackwardConfig,
+    OptimizerState,
+    OptimizerStateConfig,
     Precision,
     PrecisionConfig,
     Sharding,
     ShardingConfig,
+    StepInBackward,
     Strategy,
+    check_one_mode_per_block,
+    resolve_blocks,
     unwrap_model,
 )
 
@@ -68,11 +80,38 @@ class TrainingConfig:
     precision: str = "fp32"
     """"fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
     checkpoint: list[str] = field(default_factory=list)
-    """Block names whose forward recomputes in backward ("all" for every candidate)."""
+    """Block names whose whole forward recomputes in backward ("all" for every candidate)."""
+    selective_checkpoint: list[str] = field(default_factory=list)
+    """Block names that keep their matmul, convolution and attention outputs and recompute the rest
+    in backward ("all" for every candidate). A block is in at most one of checkpoint,
+    selective_checkpoint and offload."""
+    offload: list[str] = field(default_factory=list)
+    """Block names whose saved activations wait in host memory between forward and backward ("all")."""
+    optimizer_in_backward: bool = False
+    """Step each parameter as soon as backward has its gradient, so gradients never all exist at
+    once. Needs one micro-batch per step, one process, and no fp16."""
+    optimizer_state: str = "device"
+    """Where the optimizer's state lives: "device", "host" (update on the host; a GPU lever, a
+    no-op on the CPU) or "8bit" (torchao's 8-bit AdamW; lossy, a declared choice)."""
     sharding: str = "none"
     """"none", "ddp" or "fsdp"."""
     world_size: int = 1
     """Processes training together."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise UserError(f"optimizer state {self.optimizer_state!r} is unknown; choose one of {', '.join(OPTIMIZER_STATES)}")
+        if self.optimizer_in_backward and self.precision == "fp16":
+            raise UserError(
+                "optimizer step in backward cannot run with fp16: its GradScaler must see every gradient for inf/nan "
+                "before any parameter steps; use bf16 or fp32, or turn the step in backward off"
+            )
+        if self.world_size > 1 and (self.optimizer_in_backward or self.optimizer_state == "host"):
+            lever = "optimizer step in backward" if self.optimizer_in_backward else "optimizer state on the host"
+            raise UserError(
+                f"{lever} runs on one process only (DDP and FSDP reduce gradients after it would step); "
+                "turn it off or train on one GPU"
+            )
 
 
 def plan_config(plan: Plan) -> TrainingConfig:
@@ -128,6 +167,26 @@ class AppliedPlan:
         """Backward of one micro-batch's weighted loss (scaled for fp16)."""
         self.precision.backward(loss)
 
+    def build_optimizer(self, build: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """The optimizer over ``model``'s parameters, as the strategies shape it.
+
+        Call it once, after ``apply_config`` (the parameters are final: moved,
+        sharded) and before training; pass it to ``optimizer_step``.
+
+        Args:
+            build: params -> Optimizer, e.g. a model file's ``build_optimizer``.
+
+        Returns:
+            ``build``'s optimizer; or, by configuration, the same optimizer run
+            on the host (``HostOptimizer``), torchao's 8-bit AdamW with its
+            hyper-parameters, or one per parameter stepped in backward
+            (``OptimizerInBackward``). Each is a ``torch.optim.Optimizer``
+            whose ``param_groups`` a learning-rate scheduler can set.
+        """
+        for strategy in self.strategies:
+            build = strategy.wrap_optimizer_builder(build)
+        return build(list(self.model.parameters()))
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer step; False when fp16's GradScaler skipped it (inf/nan gradients)."""
         return self.precision.optimizer_step(optimizer)
@@ -168,6 +227,7 @@ class AppliedPlan:
                 "more checkpointed blocks or --precision bf16, or free memory on the device"
             )
         split = BatchSplit(BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size // 2))
+        _check_micro_batches(self.strategies, split)
         self.strategies = tuple(split if strategy is self.split else strategy for strategy in self.strategies)
         self.split = split
 
@@ -202,12 +262,19 @@ def apply_config(
         An ``AppliedPlan``: the model and the step's hooks.
 
     Raises:
-        UserError: a block name that is not a candidate, an unknown precision
-            or sharding, a micro-batch larger than the batch.
+        UserError: a block name that is not a candidate, a block in two of
+            checkpoint / selective_checkpoint / offload, an unknown precision,
+            sharding or optimizer state, a micro-batch larger than the batch,
+            or more than one micro-batch per step with the step in backward.
     """
     device = torch.device(device)
     env = env or DistributedEnv(rank=0, world_size=1, local_rank=0, device=device)
-    checkpointing = Checkpointing(CheckpointConfig(blocks=config.checkpoint))
+    full = resolve_blocks(model, config.checkpoint)
+    selective = resolve_blocks(model, config.selective_checkpoint, what="selective checkpoint")
+    offloaded = resolve_blocks(model, config.offload, what="offload")
+    check_one_mode_per_block({"checkpoint": full, "selective_checkpoint": selective, "offload": offloaded})
+    checkpointing = Checkpointing(CheckpointConfig(blocks=full, selective_blocks=selective))
+    offload = ActivationOffload(OffloadConfig(blocks=offloaded), device=env.device)
     sharding = Sharding(
         ShardingConfig(sharding=config.sharding, world_size=config.world_size),
         precision=config.precision, device=env.device, mesh=mesh, defer_gradient_sync=defer_gradient_sync,
@@ -216,36 +283,67 @@ def apply_config(
         PrecisionConfig(precision=config.precision), device_type=env.device.type,
         use_scaler=use_scaler, init_scale=init_scale, sharded_gradients=sharding.sharded,
     )
+    optimizer_state = OptimizerState(OptimizerStateConfig(optimizer_state=config.optimizer_state), device=env.device)
+    step_in_backward = StepInBackward(OptimizerInBackwardConfig(enabled=config.optimizer_in_backward))
     # The order is fixed, and each step says why it comes where it does.
     # 1. Checkpointing first: it finds blocks by their module names and patches
     #    their forward; any wrapper applied before it would rename or hide them.
     model = checkpointing.apply(model)
+    # 2. Activation offload next, for the same reason: it also patches blocks'
+    #    forward by name (a block is checkpointed or offloaded, not both). Its
+    #    pack hook leaves parameters where they are, so under FSDP2 the
+    #    gathered parameters are never copied to the host.
+    model = offload.apply(model)
     if any(t.device != env.device for t in [*model.parameters(), *model.buffers()]):
         model = model.to(env.device)  # (fake tensors cannot be moved, even to where they are)
-    # 2. Sharding (FSDP2 / DDP; nothing on one process): after checkpointing, so
+    # 3. Sharding (FSDP2 / DDP; nothing on one process): after checkpointing, so
     #    each sharded unit holds its checkpointed block (the recompute in backward
     #    then gathers the parameters it needs), and before the optimizer is built,
     #    which must see the sharded parameters.
     model = sharding.apply(model)
-    # 3. Precision: the forward's autocast and the GradScaler (a sharded one that
+    # 4. Precision: the forward's autocast and the GradScaler (a sharded one that
     #    agrees across ranks on skipped fp16 steps under FSDP). They shape the
     #    step, not the model, so they wrap whatever the steps above produced.
-    # 4. Batch split last: it only decides how a global batch reaches the model;
+    # 5. The optimizer's state, then the step in backward: they shape the
+    #    optimizer ``AppliedPlan.build_optimizer`` builds later, over the final
+    #    (moved, sharded) parameters. The step in backward comes second because
+    #    it builds one optimizer per parameter with whatever the state's choice built.
+    # 6. Batch split last: it only decides how a global batch reaches the model;
     #    on several processes each rank takes its share, and gradients are
     #    reduced once, after the last micro-batch (the sharding's sync).
     split = BatchSplit(
         BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size),
         rank=env.rank, world_size=env.world_size, sync=sharding.sync,
     )
+    strategies = (checkpointing, offload, sharding, precision, optimizer_state, step_in_backward, split)
+    _check_micro_batches(strategies, split)
     return AppliedPlan(
-        model=model, precision=precision, split=split, device=env.device, env=env,
-        strategies=(checkpointing, sharding, precision, split),
+        model=model, precision=precision, split=split, device=env.device, env=env, strategies=strategies,
     )
 
 
+def _check_micro_batches(strategies: tuple[Strategy, ...], split: BatchSplit) -> None:
+    """Every strategy may refuse the split (the step in backward needs one micro-batch per step)."""
+    for strategy in strategies:
+        strategy.check_micro_batches(
+            grad_accum_steps=split.grad_accum_steps, micro_batch_size=split.config.micro_batch_size,
+            global_batch_size=split.config.global_batch_size,
+        )
+
+
 def checkpointed_blocks(model: nn.Module) -> list[str]:
-    """Names of the blocks ``apply_config`` made recompute in backward."""
+    """Names of the blocks ``apply_config`` made recompute their whole forward in backward."""
     return Checkpointing.applied_blocks(model)
+
+
+def selectively_checkpointed_blocks(model: nn.Module) -> list[str]:
+    """Names of the blocks ``apply_config`` checkpointed selectively."""
+    return Checkpointing.applied_selective_blocks(model)
+
+
+def offloaded_blocks(model: nn.Module) -> list[str]:
+    """Names of the blocks whose saved activations ``apply_config`` sends to host memory."""
+    return ActivationOffload.applied_blocks(model)
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | None = None) -> AppliedPlan:

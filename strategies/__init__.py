@@ -1,32 +1,55 @@
 """One module per strategy; each changes the model or the step, never the loop.
 
 The protocol is small (see ``base.Strategy``): ``apply(model)`` rewrites the
-model, ``forward_context()`` wraps each micro-batch's forward; precision adds
-``backward`` and ``optimizer_step``, the batch split ``micro_batches``. "Off"
+model, ``forward_context()`` wraps each micro-batch's forward,
+``wrap_optimizer_builder(build)`` shapes the optimizer (where its state lives,
+when it steps), ``check_micro_batches`` refuses a batch split it cannot train
+with; precision adds ``backward`` and ``optimizer_step``, the batch split
+``micro_batches``. "Off"
 is an object whose hooks do nothing, never a branch in the loop. Only
 ``autofit.apply.apply_config`` constructs strategies.
 """
 from strategies.base import Strategy
 from strategies.batch_split import BatchSplit, BatchSplitConfig, micro_batch_count, rank_slice
-from strategies.checkpointing import CheckpointConfig, Checkpointing, checkpoint_candidates
+from strategies.checkpointing import (
+    CheckpointConfig,
+    Checkpointing,
+    check_one_mode_per_block,
+    checkpoint_candidates,
+    resolve_blocks,
+)
+from strategies.offload import ActivationOffload, OffloadConfig
+from strategies.optimizer_in_backward import OptimizerInBackward, OptimizerInBackwardConfig, StepInBackward
+from strategies.optimizer_state import OPTIMIZER_STATES, HostOptimizer, OptimizerState, OptimizerStateConfig
 from strategies.precision import PRECISIONS, Precision, PrecisionConfig, precision_dtype
 from strategies.sharding import SHARDINGS, Sharding, ShardingConfig, unwrap_model
 
 __all__ = [
+    "OPTIMIZER_STATES",
+    "ActivationOffload",
     "BatchSplit",
     "BatchSplitConfig",
     "CheckpointConfig",
     "Checkpointing",
+    "HostOptimizer",
+    "OffloadConfig",
+    "OptimizerInBackward",
+    "OptimizerInBackwardConfig",
+    "OptimizerState",
+    "OptimizerStateConfig",
     "PRECISIONS",
     "Precision",
     "PrecisionConfig",
     "SHARDINGS",
     "Sharding",
     "ShardingConfig",
+    "StepInBackward",
     "Strategy",
+    "check_one_mode_per_block",
     "checkpoint_candidates",
     "micro_batch_count",
     "precision_dtype",
     "rank_slice",
+    "resolve_blocks",
     "unwrap_model",
 ]

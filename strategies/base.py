@@ -1,9 +1,14 @@
 """The protocol every strategy follows: hooks that do nothing by default."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
+import torch
 from torch import nn
+
+OptimizerBuilder = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+"""params -> Optimizer, e.g. a model file's ``build_optimizer``."""
 
 
 class Strategy:
@@ -21,3 +26,10 @@ class Strategy:
     def forward_context(self) -> AbstractContextManager:
         """A context each micro-batch's forward and loss run in (autocast, saved-tensor hooks)."""
         return nullcontext()
+
+    def wrap_optimizer_builder(self, build: OptimizerBuilder) -> OptimizerBuilder:
+        """How this strategy changes the optimizer ``build`` makes (where its state lives, when it steps)."""
+        return build
+
+    def check_micro_batches(self, *, grad_accum_steps: int, micro_batch_size: int, global_batch_size: int) -> None:
+        """Raise ``UserError`` when this strategy cannot train with that many micro-batches per optimizer step."""

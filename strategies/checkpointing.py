@@ -1,9 +1,19 @@
-"""Activation checkpointing of chosen blocks, by module name.
+"""Activation checkpointing of chosen blocks, by module name: full or selective.
 
-A chosen block's forward runs under ``torch.utils.checkpoint`` (non-reentrant):
-its activations are dropped after the forward and recomputed in backward. The
-forward is patched on the instance, so parameter names and state_dict keys do
-not change.
+A block is in one of three modes:
+
+- none: it saves for backward what its ops save;
+- full: its forward runs under ``torch.utils.checkpoint`` (non-reentrant): it
+  keeps only its inputs, and backward recomputes its whole forward;
+- selective: the same, with a policy (``create_selective_checkpoint_contexts``)
+  that keeps the outputs of the compute-heavy ops (matmuls, convolutions,
+  attention) from the forward and recomputes only the cheap rest (norms,
+  activations, adds), so backward repeats little arithmetic for part of the
+  saving.
+
+The forward is patched on the instance, so parameter names and state_dict keys
+do not change. Recomputation repeats the same ops on the same values, so the
+gradients are those of the block without checkpointing.
 
 Blocks are found in the module tree (``checkpoint_granularities``): the
 children of a ModuleList, Sequential or ModuleDict whose children all have one
@@ -26,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autofit.errors import UserError
 from strategies.base import Strategy
@@ -35,7 +45,9 @@ from strategies.base import Strategy
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     blocks: list[str] = field(default_factory=list)
-    """Module names whose forward recomputes in backward; [] turns checkpointing off."""
+    """Module names whose whole forward recomputes in backward; [] turns full checkpointing off."""
+    selective_blocks: list[str] = field(default_factory=list)
+    """Module names that keep their matmul, convolution and attention outputs and recompute the rest."""
 
 
 def checkpoint_candidates(model: nn.Module, *, example_inputs=None) -> list[str]:
@@ -195,11 +207,14 @@ def _forward_calls(model: nn.Module, example_inputs, names: list[str]) -> tuple[
     return order, inside
 
 
-def resolve_blocks(model: nn.Module, spec: str | list[str] | None) -> list[str]:
+def resolve_blocks(model: nn.Module, spec: str | list[str] | None, *, what: str = "checkpoint") -> list[str]:
     """Turn "all", "none", "a,b" or a list into validated block names.
 
     "all" is every block of the finest granularity; named blocks may come from
     any granularity, as long as none lies inside another.
+
+    Args:
+        what: the setting the names come from, for the error message.
 
     Raises:
         UserError: a name is not a block (the message lists them), or one
@@ -216,38 +231,68 @@ def resolve_blocks(model: nn.Module, spec: str | list[str] | None) -> list[str]:
     if unknown:
         coarser = "".join(f"; or coarser: {', '.join(level)}" for level in reversed(levels[:-1]))
         raise UserError(
-            f"checkpoint block(s) {', '.join(unknown)} not found; candidates are: {', '.join(levels[-1])}{coarser} "
+            f"{what} block(s) {', '.join(unknown)} not found; candidates are: {', '.join(levels[-1])}{coarser} "
             "(or 'all' / 'none')"
         )
     for name in names:
         outer = _enclosing(name, names)
         if outer is not None:
-            raise UserError(f"checkpoint blocks {outer} and {name} nest ({name} lies inside {outer}); name one of them")
+            raise UserError(f"{what} blocks {outer} and {name} nest ({name} lies inside {outer}); name one of them")
     return names
 
 
+def check_one_mode_per_block(modes: dict[str, list[str]]) -> None:
+    """Refuse a block named in two exclusive modes, e.g. {"checkpoint": [...], "offload": [...]}.
+
+    Raises:
+        UserError: one line naming the block and both modes.
+    """
+    seen: dict[str, str] = {}
+    for mode, names in modes.items():
+        for name in names:
+            if name in seen and seen[name] != mode:
+                raise UserError(
+                    f"block {name} is both in {seen[name]} and in {mode}; a block takes one of them, drop it from one"
+                )
+            seen[name] = mode
+
+
 class Checkpointing(Strategy):
-    """Wrap the configured blocks' forward in ``torch.utils.checkpoint``."""
+    """Wrap the configured blocks' forward in ``torch.utils.checkpoint``, fully or selectively."""
 
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
 
     @staticmethod
     def applied_blocks(model: nn.Module) -> list[str]:
-        """Names of the blocks of ``model`` whose forward this strategy made recompute in backward."""
+        """Names of the blocks of ``model`` whose whole forward this strategy made recompute in backward."""
         return [name for name, module in model.named_modules() if getattr(module, "_autofit_checkpointed", False)]
 
+    @staticmethod
+    def applied_selective_blocks(model: nn.Module) -> list[str]:
+        """Names of the blocks of ``model`` this strategy checkpointed selectively."""
+        return [name for name, module in model.named_modules() if getattr(module, "_autofit_selective", False)]
+
     def apply(self, model: nn.Module) -> nn.Module:
-        blocks = resolve_blocks(model, self.config.blocks)
-        if blocks:
+        """Patch the forward of every configured block.
+
+        Raises:
+            UserError: an unknown block, or a block in both modes.
+        """
+        full = resolve_blocks(model, self.config.blocks)
+        selective = resolve_blocks(model, self.config.selective_blocks, what="selective checkpoint")
+        check_one_mode_per_block({"checkpoint": full, "selective_checkpoint": selective})
+        if full or selective:
             _turn_off_kv_cache(model)
         modules = dict(model.named_modules())
-        for name in blocks:
-            module = modules[name]
-            if getattr(module, "_autofit_checkpointed", False):
-                continue
-            module.forward = functools.partial(_checkpointed_forward, module.forward)
-            module._autofit_checkpointed = True
+        for names, patched, flag in ((full, _checkpointed_forward, "_autofit_checkpointed"),
+                                     (selective, _selectively_checkpointed_forward, "_autofit_selective")):
+            for name in names:
+                module = modules[name]
+                if getattr(module, "_autofit_checkpointed", False) or getattr(module, "_autofit_selective", False):
+                    continue
+                module.forward = functools.partial(patched, module.forward)
+                setattr(module, flag, True)
         return model
 
 
@@ -289,3 +334,31 @@ def _without_autocast_cache() -> Iterator[None]:
                 dtype = torch.get_autocast_dtype(device_type)
                 stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=False))
         yield
+
+
+
+# Ops whose outputs a selectively checkpointed block keeps: they hold most of a
+# block's arithmetic (recomputing them would cost about a second forward) and
+# their outputs are few. ``linear`` usually decomposes into addmm/mm before the
+# policy sees it; it is listed for the backends where it does not.
+_aten = torch.ops.aten
+SAVED_OPS = frozenset({
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.linear, _aten.convolution,
+    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_cudnn_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_fused_attention_overrideable,
+})
+
+
+def _save_compute_heavy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective policy: keep the outputs of ``SAVED_OPS``, recompute every other op."""
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_save_compute_heavy)
+
+
+def _selectively_checkpointed_forward(forward, *args, **kwargs):
+    with _without_autocast_cache():
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)

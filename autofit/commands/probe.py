@@ -20,6 +20,14 @@ def probe(
     grad_accum_steps: int = typer.Option(1, "--grad-accum-steps", "-k", help="Micro-batches per optimizer step."),
     precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
     checkpoint: str = typer.Option("none", help="all, none, or block names separated by commas."),
+    selective_checkpoint: str = typer.Option(
+        "none", "--selective-checkpoint", help="Blocks that keep matmul/conv/attention outputs and recompute the rest: all, none, or names."
+    ),
+    offload: str = typer.Option("none", "--offload", help="Blocks whose saved activations wait in host memory: all, none, or names."),
+    optimizer_in_backward: bool = typer.Option(
+        False, "--optimizer-in-backward", help="Step each parameter as soon as its gradient is ready (needs -k 1, not fp16)."
+    ),
+    optimizer_state: str = typer.Option("device", "--optimizer-state", help="device, host (a GPU lever) or 8bit (torchao; lossy)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     simulate: bool = typer.Option(False, help="Measure over fake tensors: no arithmetic, no speed."),
     steps: int = typer.Option(3, help="Optimizer steps; the first is a warm-up."),
@@ -39,6 +47,8 @@ def probe(
         _probe_plan(plan, model=model, steps=steps, as_json=as_json, configured={
             "--micro-batch-size": micro_batch_size != 32, "--grad-accum-steps": grad_accum_steps != 1,
             "--precision": precision != "fp32", "--checkpoint": checkpoint != "none", "--device": device != "cpu",
+            "--selective-checkpoint": selective_checkpoint != "none", "--offload": offload != "none",
+            "--optimizer-in-backward": optimizer_in_backward, "--optimizer-state": optimizer_state != "device",
             "--simulate": simulate, "--list-blocks": list_blocks,
         })
         return
@@ -64,6 +74,10 @@ def probe(
         grad_accum_steps=grad_accum_steps,
         precision=precision,
         checkpoint=checkpoint,
+        selective_checkpoint=selective_checkpoint,
+        offload=offload,
+        optimizer_in_backward=optimizer_in_backward,
+        optimizer_state=optimizer_state,
         device=device,
         simulate=simulate,
         steps=steps,
@@ -102,9 +116,16 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
 
 def _print_result(source: str, result) -> None:
     speed = "n/a (simulated)" if result.samples_per_s is None else f"{result.samples_per_s:.1f} samples/s"
+    levers = [f"checkpoint {len(result.checkpoint)} block(s)"]
+    levers += [f"selective checkpoint {len(result.selective_checkpoint)} block(s)"] if result.selective_checkpoint else []
+    levers += [f"offload {len(result.offload)} block(s)"] if result.offload else []
+    levers += ["optimizer step in backward"] if result.optimizer_in_backward else []
+    levers += [f"optimizer state {result.optimizer_state}"] if result.optimizer_state != "device" else []
     print(
         f"{source}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} steps, "
-        f"{result.precision}, checkpoint {len(result.checkpoint)} block(s), meter {result.meter}"
+        f"{result.precision}, {', '.join(levers)}, meter {result.meter}"
     )
     print("\n".join(breakdown_lines(result.breakdown, result.peak_bytes)))
+    if result.host_peak_bytes:
+        print(f"  host   {format_bytes(result.host_peak_bytes)} at most, not in the peak (offloaded to host memory)")
     print(f"  speed  {speed}")

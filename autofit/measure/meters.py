@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +35,8 @@ class Measurement:
     peak_bytes: int = 0
     """The number a budget is compared with."""
     breakdown: dict[str, int] = field(default_factory=dict)
+    host_peak_bytes: int = 0
+    """Peak bytes strategies kept in host memory (offloaded activations, host optimizer state); not in peak_bytes."""
 
 
 def check_device(device_type: str, *, precision: str | None = None, simulate: bool = False) -> None:
@@ -91,13 +93,22 @@ class Meter:
 
 
 class TrackedMeter(Meter):
-    """Peak live storage bytes, counted by ``StorageTracker`` on the CPU."""
+    """Peak live storage bytes, counted by ``StorageTracker`` on the CPU.
+
+    Compiled functions (torchao's 8-bit optimizer step) run eagerly here: a
+    dispatch mode cannot look inside compiled code, and ``torch.compile``
+    refuses to run under one. Eager code holds at least the temporaries that
+    compiled code does, so the count errs high, never low.
+    """
 
     name = "cpu"
 
     def __init__(self, *, round_bytes: int = 1) -> None:
         self.device = torch.device("cpu")
         self.round_bytes = round_bytes
+
+    def environment(self):
+        return torch.compiler.set_stance("force_eager")
 
     @contextmanager
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[Measurement]:
@@ -121,6 +132,7 @@ class TrackedMeter(Meter):
         tracker.label(_optimizer_state(optimizer), "optimizer_state")
         measurement.peak_bytes = tracker.peak_bytes
         measurement.breakdown = tracker.breakdown_at_peak()
+        measurement.host_peak_bytes = tracker.host_peak_bytes
 
 
 class SimulatedMeter(TrackedMeter):
@@ -139,7 +151,10 @@ class SimulatedMeter(TrackedMeter):
         self._fake_mode = new_fake_mode()
 
     def environment(self):
-        return self._fake_mode
+        stack = ExitStack()
+        stack.enter_context(self._fake_mode)
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        return stack
 
     def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
         # Build without allocating (meta), then give it fake storage. Building
@@ -167,14 +182,17 @@ class CudaMeter(Meter):
         measurement = Measurement()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_host_memory_stats()
         yield measurement
         torch.cuda.synchronize(self.device)
+        # Pinned host memory (offloaded activations, host optimizer state), from the host allocator.
+        measurement.host_peak_bytes = torch.cuda.host_memory_stats().get("active_bytes.peak", 0)
         allocated_peak = torch.cuda.max_memory_allocated(self.device)
         reserved_peak = torch.cuda.max_memory_reserved(self.device)
         outside_allocator = max(process_cuda_bytes(self.device) - torch.cuda.memory_reserved(self.device), 0)
         param_bytes = sum(_nbytes(t) for t in list(model.parameters()) + list(model.buffers()))
         grad_bytes = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
-        state_bytes = sum(_nbytes(t) for t in _optimizer_state(optimizer))
+        state_bytes = sum(_nbytes(t) for t in _optimizer_state(optimizer) if t.is_cuda)  # host-side state is not on the card
         measurement.peak_bytes = reserved_peak + outside_allocator
         measurement.breakdown = {
             "parameters": param_bytes,

@@ -10,7 +10,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from autofit.apply import TrainingConfig, apply_config, checkpointed_blocks, plan_config
+from autofit.apply import (
+    TrainingConfig,
+    apply_config,
+    checkpointed_blocks,
+    offloaded_blocks,
+    plan_config,
+    selectively_checkpointed_blocks,
+)
 from autofit.errors import UserError
 from autofit.measure.meters import check_device, make_meter, release_device_memory
 from autofit.plan_file import Plan
@@ -31,6 +38,12 @@ class ProbeResult:
     meter: str
     device: str
     breakdown: dict[str, int] = field(default_factory=dict)
+    selective_checkpoint: list[str] = field(default_factory=list)
+    offload: list[str] = field(default_factory=list)
+    optimizer_in_backward: bool = False
+    optimizer_state: str = "device"
+    host_peak_bytes: int = 0
+    """Peak bytes kept in host memory (offloaded activations, host optimizer state); not in peak_bytes."""
     step_seconds: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -45,6 +58,10 @@ def probe(
     global_batch_size: int | None = None,
     precision: str = "fp32",
     checkpoint: str | list[str] | None = None,
+    selective_checkpoint: str | list[str] | None = None,
+    offload: str | list[str] | None = None,
+    optimizer_in_backward: bool = False,
+    optimizer_state: str = "device",
     device: str = "cpu",
     simulate: bool = False,
     steps: int = 3,
@@ -60,6 +77,10 @@ def probe(
         global_batch_size: samples per optimizer step; defaults to m * k.
         precision: "fp32", "bf16" or "fp16".
         checkpoint: "all", "none", "a,b" or a list of block names.
+        selective_checkpoint: blocks checkpointed selectively (same forms).
+        offload: blocks whose saved activations go to host memory (same forms).
+        optimizer_in_backward: step each parameter as its gradient is ready.
+        optimizer_state: "device", "host" or "8bit".
         device: "cpu" or "cuda".
         simulate: measure over fake tensors (no arithmetic, no speed).
         steps: optimizer steps; the first is a warm-up and is not timed.
@@ -75,6 +96,8 @@ def probe(
     config = TrainingConfig(
         global_batch_size=global_batch_size or micro_batch_size * grad_accum_steps,
         micro_batch_size=micro_batch_size, precision=precision, checkpoint=checkpoint or [],
+        selective_checkpoint=selective_checkpoint or [], offload=offload or [],
+        optimizer_in_backward=optimizer_in_backward, optimizer_state=optimizer_state,
     )
     return measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed)
 
@@ -131,7 +154,8 @@ def measure(
         # spend its few steps skipping while GradScaler searches down from 2^16.
         applied = apply_config(model, config, device=meter.device, use_scaler=not simulate, init_scale=1.0)
         blocks = checkpointed_blocks(applied.model)
-        optimizer = spec.build_optimizer(applied.model.parameters())
+        selective, offloaded = selectively_checkpointed_blocks(applied.model), offloaded_blocks(applied.model)
+        optimizer = applied.build_optimizer(spec.build_optimizer)
         create_optimizer_state(applied.model, optimizer)
         # The global batch lives on the host; train_step copies each micro-batch to the device.
         inputs, targets = spec.example_batch(config.global_batch_size)
@@ -159,6 +183,11 @@ def measure(
         device=device,
         breakdown=measurement.breakdown,
         step_seconds=[] if simulate else step_seconds,
+        selective_checkpoint=selective,
+        offload=offloaded,
+        optimizer_in_backward=config.optimizer_in_backward,
+        optimizer_state=config.optimizer_state,
+        host_peak_bytes=measurement.host_peak_bytes,
     )
 
 

@@ -4,6 +4,11 @@ A dispatch mode sees every ATen op's outputs (forward, backward and optimizer
 alike, also over fake tensors); each new storage is counted once, and a
 finalizer subtracts it when PyTorch frees it. This is the CPU analogue of
 ``torch.cuda.max_memory_allocated``.
+
+Storages created inside ``autofit.measure.host.host_allocation()`` (a
+strategy's host copies, when the host is this same CPU) are counted apart, as
+host bytes: they are not in ``peak_bytes``, as pinned host memory is not in a
+GPU's.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit._torch_private import TorchDispatchMode, tree_leaves
+from autofit._torch_private import TorchDispatchMode, inner_tensors, tree_leaves
+from autofit.measure.host import allocating_on_host
 
 ACTIVATIONS = "activations"
 CATEGORIES = ("parameters", "gradients", "optimizer_state", ACTIVATIONS)
@@ -41,6 +47,8 @@ class _Record:
     category: str = ACTIVATIONS
     widen: int = 1
     """Counted bytes per stored byte (2 for statistics a fake kernel returns in half precision)."""
+    host: bool = False
+    """Made inside ``host_allocation()``: host memory, not in the device peak."""
 
 
 class StorageTracker(TorchDispatchMode):
@@ -63,6 +71,9 @@ class StorageTracker(TorchDispatchMode):
         self.round_bytes = round_bytes
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.host_current_bytes = 0
+        self.host_peak_bytes = 0
+        """Live and peak bytes of host storages (see the module docstring)."""
         self._clock = 0
         self._peak_clock = 0
         self._live: dict[int, _Record] = {}
@@ -76,14 +87,15 @@ class StorageTracker(TorchDispatchMode):
                 self._track_one(statistic, widen=max(widest // statistic.element_size(), 1))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self._track_one(leaf)
+                self._track(leaf)
         return out
 
     def track(self, tensors: Iterable[torch.Tensor], category: str = ACTIVATIONS) -> None:
         """Count tensors made outside the mode (parameters, inputs) and label them."""
         for tensor in tensors:
             if tensor is not None:
-                self._track_one(tensor).category = category
+                for record in self._track(tensor):
+                    record.category = category
 
     def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Name what already-counted tensors are, for the breakdown."""
@@ -104,9 +116,18 @@ class StorageTracker(TorchDispatchMode):
         """Bytes by category of the storages that were live at the peak."""
         totals = dict.fromkeys(CATEGORIES, 0)
         for record in self._records:
+            if record.host:
+                continue
             if record.born <= self._peak_clock and (record.died is None or record.died > self._peak_clock):
                 totals[record.category] += record.nbytes
         return totals
+
+    def _track(self, tensor: torch.Tensor) -> list[_Record]:
+        """Count a tensor's storage; a wrapper subclass's inner tensors' storages instead."""
+        inner = inner_tensors(tensor)
+        if inner is None:
+            return [self._track_one(tensor)]
+        return [self._track_one(t) for t in inner]
 
     def _track_one(self, tensor: torch.Tensor, *, widen: int = 1) -> _Record:
         storage = tensor.untyped_storage()
@@ -115,18 +136,26 @@ class StorageTracker(TorchDispatchMode):
         nbytes = _round_up(storage.nbytes() * (record.widen if record is not None else widen), self.round_bytes)
         if record is not None:
             if record.nbytes != nbytes:  # resized in place
-                self._grow(nbytes - record.nbytes)
+                self._grow_on(record, nbytes - record.nbytes)
                 record.nbytes = nbytes
             return record
         self._clock += 1
-        record = _Record(nbytes=nbytes, born=self._clock, widen=widen)
+        record = _Record(nbytes=nbytes, born=self._clock, widen=widen, host=allocating_on_host())
         self._live[key] = record
         self._records.append(record)
         weakref.finalize(storage, self._free, key)
-        self._grow(nbytes)
+        self._grow_on(record, nbytes)
         return record
 
+    def _grow_on(self, record: _Record, nbytes: int) -> None:
+        if record.host:
+            self.host_current_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_current_bytes)
+        else:
+            self._grow(nbytes)
+
     def _grow(self, nbytes: int) -> None:
+        """Device bytes: ``nbytes`` more (or fewer) live."""
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
@@ -138,7 +167,10 @@ class StorageTracker(TorchDispatchMode):
             return
         self._clock += 1
         record.died = self._clock
-        self.current_bytes -= record.nbytes
+        if record.host:
+            self.host_current_bytes -= record.nbytes
+        else:
+            self.current_bytes -= record.nbytes
 
 
 def _round_up(nbytes: int, multiple: int) -> int:

@@ -560,7 +560,7 @@ def time_configuration(
         global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
     )
     applied = apply_config(model, config, device=device, init_scale=1.0)
-    optimizer = spec.build_optimizer(applied.model.parameters())
+    optimizer = applied.build_optimizer(spec.build_optimizer)
     inputs, targets = spec.example_batch(global_batch_size)
     seconds = []
     for _ in range(max(steps, 2)):

@@ -148,7 +148,7 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
         )
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
         modules = dict(model.named_modules())
-        optimizer = spec.build_optimizer(model.parameters())
+        optimizer = applied.build_optimizer(spec.build_optimizer)
         host_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor))
         tracker = _TimelineTracker(round_bytes=meter.round_bytes)
         tracker.track(model.parameters(), "parameters")

@@ -46,8 +46,8 @@ class ShardAwareTracker(StorageTracker):
         finally:
             self._resizes.__exit__(*exc)
 
-    def _track_one(self, tensor):
-        return super()._track_one(_local(tensor))
+    def _track_one(self, tensor, *, widen: int = 1):
+        return super()._track_one(_local(tensor), widen=widen)
 
 
 class _StorageView:
@@ -285,7 +285,7 @@ def simulate_fsdp_peak_bytes(
                 model, config, device="cpu", env=env, mesh=mesh, defer_gradient_sync=defer_gradient_sync, use_scaler=False,
             )
             model = applied.model
-            optimizer = spec.build_optimizer(model.parameters())
+            optimizer = applied.build_optimizer(spec.build_optimizer)
             inputs, targets = spec.example_batch(global_batch_size)
 
             def step() -> None:

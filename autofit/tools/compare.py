@@ -288,7 +288,7 @@ class _TrainingData:
             precision=config.precision, checkpoint=config.checkpoint,
         ), device=device)
         model = applied.model
-        optimizer = spec.build_optimizer(model.parameters())
+        optimizer = applied.build_optimizer(spec.build_optimizer)
         losses, skipped = [], 0
         for inputs, targets in self.batches:
             result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)

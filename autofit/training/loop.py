@@ -152,9 +152,13 @@ def train(
     if saved is not None:
         plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
     applied = apply_plan(model, plan)
-    optimizer = build_optimizer(applied.model.parameters())
-    for group in optimizer.param_groups:
-        group["lr"] = settings.lr or group["lr"]
+    optimizer = applied.build_optimizer(build_optimizer)
+    if settings.lr:
+        for group in optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it as a tensor
+                group["lr"].fill_(settings.lr)
+            else:
+                group["lr"] = settings.lr
     steps_per_epoch = math.ceil(len(data.train) / plan.global_batch_size)
     scheduler = cosine_schedule(optimizer, total_steps=steps_per_epoch * settings.epochs)
     # Each rank draws its own dropout masks; rank 0 (the only one on one device) those of the seed.
@@ -215,7 +219,7 @@ def _train_epochs(
         for inputs, targets in loader:
             result, ooms = _train_global_batch(model, inputs, targets, applied=applied, loss_fn=loss_fn, optimizer=optimizer)
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
-            lr = optimizer.param_groups[0]["lr"]
+            lr = float(optimizer.param_groups[0]["lr"])
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule
                 scheduler.step()
             now = time.perf_counter()
@@ -246,7 +250,7 @@ def _train_epochs(
         val_loss, val_accuracy = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": position.global_step, "loss": position.train_loss,
-            "lr": optimizer.param_groups[0]["lr"], "samples_per_s": position.samples_per_s,
+            "lr": float(optimizer.param_groups[0]["lr"]), "samples_per_s": position.samples_per_s,
             "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
             "train_loss": position.train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy,
         }

@@ -1,0 +1,155 @@
+"""Where the optimizer's state lives: on the device, on the host, or on the device in 8 bits.
+
+- "device": the optimizer as the model file builds it.
+- "host" (ZeRO-Offload style): the optimizer runs on the host over fp32 copies
+  of the parameters, so its state (AdamW: two tensors per parameter) never
+  takes device memory. Each step copies the gradients to the host, steps the
+  optimizer there, and copies the parameters back. It is the model file's own
+  optimizer (class, hyper-parameters, groups) on other tensors, so the update
+  is the same arithmetic. On a CPU the host is the device and this changes
+  nothing, so there it is left off (the optimizer is the model file's).
+- "8bit": ``torchao.optim.AdamW8bit`` (or ``Adam8bit``) with the model file's
+  hyper-parameters: block-wise quantized moments, a quarter of the state
+  bytes. Lossy: a declared change of the training arithmetic, never chosen
+  silently. Needs the model file's optimizer to be AdamW or Adam, and torchao.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autofit.errors import UserError
+from strategies.base import OptimizerBuilder, Strategy
+
+OPTIMIZER_STATES = ("device", "host", "8bit")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerStateConfig:
+    optimizer_state: str = "device"
+    """"device", "host" (state and update on the host) or "8bit" (torchao's 8-bit AdamW; lossy)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise UserError(
+                f"optimizer state {self.optimizer_state!r} is unknown; choose one of {', '.join(OPTIMIZER_STATES)}"
+            )
+
+
+class OptimizerState(Strategy):
+    """Builds the optimizer with its state where the configuration says.
+
+    Args:
+        config: where the state lives.
+        device: where the model trains; "host" is off when it is the CPU.
+    """
+
+    def __init__(self, config: OptimizerStateConfig, *, device: torch.device | str) -> None:
+        self.config = config
+        self.device = torch.device(device)
+
+    def wrap_optimizer_builder(self, build: OptimizerBuilder) -> OptimizerBuilder:
+        where = self.config.optimizer_state
+        if where == "host" and self.device.type != "cpu":
+            return lambda params: HostOptimizer(params, build=build)
+        if where == "8bit":
+            return lambda params: eight_bit_adam(build(params))
+        return build
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """The optimizer ``build`` makes, run on the host over copies of ``params``.
+
+    ``step()`` copies each gradient to the host, steps there, and copies the
+    updated values back into the parameters. ``param_groups`` and ``state``
+    are the host optimizer's own objects, so a learning-rate schedule and
+    ``state_dict()`` act on it directly.
+
+    Args:
+        params: the parameters (on the device).
+        build: params -> Optimizer (the model file's).
+        host: where the copies and the state live ("cpu"; the tests use it
+            with CPU parameters to compare the arithmetic with a plain optimizer).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], *, build: OptimizerBuilder, host: torch.device | str = "cpu") -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.host = torch.device(host)
+        pin = any(p.is_cuda for p in self.params)
+        # fp32 copies in pinned memory (when the parameters are on a GPU: copies run asynchronously).
+        self.copies = [_host_empty_like(p, self.host, pin=pin).copy_(p.detach()) for p in self.params]
+        self.grad_buffers = [_host_empty_like(p, self.host, pin=pin) for p in self.params]
+        self.inner = build(self.copies)
+        super().__init__(self.copies, dict(self.inner.defaults))
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise UserError("optimizer state on the host does not take a closure in step()")
+        for param, copy, buffer in zip(self.params, self.copies, self.grad_buffers):
+            if param.grad is None:
+                copy.grad = None
+                continue
+            copy.grad = buffer.copy_(param.grad, non_blocking=True)
+        _wait_for_copies(self.params)  # the gradients are on the host
+        self.inner.step()
+        for param, copy in zip(self.params, self.copies):
+            if copy.grad is not None:
+                param.copy_(copy, non_blocking=True)  # waited for by the next step's gradient copy
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+
+def _host_empty_like(param: torch.Tensor, host: torch.device, *, pin: bool) -> torch.Tensor:
+    return torch.empty(param.shape, dtype=param.dtype, device=host, pin_memory=pin and host.type == "cpu")
+
+
+def _wait_for_copies(params: list[nn.Parameter]) -> None:
+    devices = {p.device for p in params if p.is_cuda}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """torchao's 8-bit AdamW (Adam) with ``optimizer``'s groups and hyper-parameters.
+
+    Raises:
+        UserError: torchao is not installed, or ``optimizer`` is not AdamW/Adam
+            or uses an option the 8-bit one lacks.
+    """
+    kind = type(optimizer)
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):
+        raise UserError(
+            f"optimizer state '8bit' replaces AdamW or Adam, but the model's optimizer is {kind.__name__}; "
+            "use optimizer state 'device' or 'host'"
+        )
+    try:
+        from torchao.optim import Adam8bit, AdamW8bit
+    except ImportError as error:
+        raise UserError(f"optimizer state '8bit' needs torchao ({error}); pip install torchao, or use 'device' or 'host'") from None
+    groups = []
+    for group in optimizer.param_groups:
+        unsupported = [name for name in ("maximize", "differentiable", "capturable") if group.get(name)]
+        if unsupported:
+            raise UserError(f"optimizer state '8bit' does not support {', '.join(unsupported)}=True; use 'device' or 'host'")
+        groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
+    kind_8bit = AdamW8bit if kind is torch.optim.AdamW else Adam8bit
+    return kind_8bit(groups, lr=groups[0]["lr"])
