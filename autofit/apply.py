@@ -118,7 +118,9 @@ def plan_config(plan: Plan) -> TrainingConfig:
     """The strategy choices a plan file holds."""
     return TrainingConfig(
         global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
-        checkpoint=list(plan.checkpoint), sharding=plan.sharding, world_size=plan.world_size,
+        checkpoint=list(plan.checkpoint), selective_checkpoint=list(plan.selective_checkpoint), offload=list(plan.offload),
+        optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
+        sharding=plan.sharding, world_size=plan.world_size,
     )
 
 

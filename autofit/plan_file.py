@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from autofit.atomic import write_atomic
 from autofit.errors import UserError
 from strategies.batch_split import micro_batch_count
+from strategies.optimizer_state import OPTIMIZER_STATES
 from strategies.sharding import SHARDINGS
 from strategies.precision import PRECISIONS
 
@@ -146,6 +147,14 @@ class Plan:
     """"fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
     checkpoint: list[str] = field(default_factory=list)
     """Module names whose forward recomputes in backward."""
+    selective_checkpoint: list[str] = field(default_factory=list)
+    """Blocks that keep their matmul/convolution/attention outputs and recompute the rest in backward."""
+    offload: list[str] = field(default_factory=list)
+    """Blocks whose saved activations wait in host memory for backward."""
+    optimizer_in_backward: bool = False
+    """Each parameter is stepped as soon as its gradient is ready (one micro-batch per step)."""
+    optimizer_state: str = "device"
+    """"device", "host" (kept and updated on the host) or "8bit" (torchao's 8-bit AdamW: a declared, lossy choice)."""
     world_size: int = 1
     """Processes (GPUs) the plan trains on."""
     sharding: str = "none"
@@ -184,6 +193,11 @@ class Plan:
             "grad_accum_steps": self.grad_accum_steps,
             "precision": self.precision,
             "checkpoint": list(self.checkpoint),
+            # Schema 1: the levers beyond the recipe are written when they are on.
+            **({"selective_checkpoint": list(self.selective_checkpoint)} if self.selective_checkpoint else {}),
+            **({"offload": list(self.offload)} if self.offload else {}),
+            **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
+            **({"optimizer_state": self.optimizer_state} if self.optimizer_state != "device" else {}),
             "world_size": self.world_size,
             "sharding": self.sharding,
             "estimated": self.estimated,
@@ -268,6 +282,12 @@ def _check_together(plan: Plan, *, grad_accum_steps: int | None, where: str) -> 
     if m > share:
         within = f"global_batch_size {G}" if N == 1 else f"{share}, one process's share of global_batch_size {G} over world_size {N}"
         _refuse(where, "micro_batch_size", m, f"at most {within}")
+    for mode in ("selective_checkpoint", "offload"):
+        both = sorted(set(plan.checkpoint) & set(getattr(plan, mode)))
+        if both:
+            _refuse(where, mode, getattr(plan, mode), f"blocks not also in checkpoint (a block takes one mode: {both[0]})")
+    if plan.optimizer_in_backward and (plan.grad_accum_steps > 1 or N > 1 or plan.precision == "fp16"):
+        _refuse(where, "optimizer_in_backward", True, "false unless one micro-batch per step on one process, not fp16")
     if grad_accum_steps is not None and grad_accum_steps != plan.grad_accum_steps:
         samples = f"global_batch_size {G}" if N == 1 else f"one process's share ({share}) of global_batch_size {G}"
         _refuse(
@@ -339,6 +359,10 @@ _PLAN_FIELDS = {  # checked in this order: the schema version first
     "grad_accum_steps": COUNT,
     "precision": _choice(PRECISIONS),
     "checkpoint": NAMES,
+    "selective_checkpoint": NAMES,
+    "offload": NAMES,
+    "optimizer_in_backward": FLAG,
+    "optimizer_state": _choice(OPTIMIZER_STATES),
     "world_size": _integer(1, MAX_BATCH_SIZE, f"a whole number of processes from 1 to {MAX_BATCH_SIZE}"),
     "sharding": _choice(SHARDINGS),
     "estimated": FLAG,

@@ -58,3 +58,47 @@ def test_probe_of_a_plan_refuses_settings_of_its_own(run_cli, tmp_path):
     assert code == 2 and err.count("\n") == 1 and "drop --precision" in err and "Traceback" not in err
     code, stdout, err = run_cli("probe")
     assert code == 2 and "--plan plan.json" in err and err.count("\n") == 1
+
+
+def test_a_plan_carries_the_levers_and_probe_re_measures_them(run_cli, tmp_path, one_thread):
+    from autofit.apply import TrainingConfig
+    from autofit.measure.probe import measure
+    from autofit.plan_file import DeviceInfo, ModelInfo, Plan, load_plan, save_plan
+    from autofit.spec import load_spec, model_fingerprint
+
+    source = str(EXAMPLES / "tiny_transformer.py")
+    spec = load_spec(source)
+    levers = {"selective_checkpoint": ["layers.0", "layers.1"], "offload": ["layers.2"], "optimizer_in_backward": True}
+    plan = Plan(
+        model=ModelInfo(source=source, fingerprint=model_fingerprint(spec.build_model())), device=DeviceInfo(type="cpu"),
+        budget_bytes=10**9, global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"], **levers,
+    )
+    path = save_plan(plan, tmp_path / "plan.json")
+    written = json.loads(path.read_text())
+    assert {key: written[key] for key in levers} == levers and "optimizer_state" not in written  # on: written
+    assert load_plan(path) == plan
+    code, stdout, err = run_cli("probe", "--plan", path, "--json")
+    assert code == 0, err
+    probed = json.loads(stdout)
+    assert (probed["selective_checkpoint"], probed["offload"], probed["optimizer_in_backward"]) == (
+        levers["selective_checkpoint"], levers["offload"], True,
+    )
+    direct = measure(spec, TrainingConfig(global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"], **levers), device="cpu")
+    assert probed["peak_bytes"] == direct.peak_bytes and probed["host_peak_bytes"] == direct.host_peak_bytes > 0
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"micro_batch_size": 2, "optimizer_in_backward": True}, "optimizer_in_backward"),
+    ({"offload": ["layers.3"]}, "offload"),
+    ({"optimizer_state": "4bit"}, "optimizer_state"),
+])
+def test_impossible_levers_in_a_plan_file_are_one_line(tmp_path, change, field):
+    from autofit.errors import UserError
+    from autofit.plan_file import Plan, load_plan
+
+    data = {**Plan(budget_bytes=10**9, global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"]).to_dict(), **change}
+    data.pop("grad_accum_steps")
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match=f"field {field} is") as error:
+        load_plan(tmp_path / "plan.json")
+    assert "\n" not in str(error.value)
