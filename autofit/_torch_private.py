@@ -8,11 +8,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
+    "DataDependentOutputException",
+    "FakeTensor",
     "FakeTensorMode",
     "TorchDispatchMode",
     "fake_process_group_store",
@@ -20,7 +22,15 @@ __all__ = [
     "storage_resizes",
     "tree_leaves",
     "tree_map",
+    "without_dispatch_modes",
 ]
+
+
+def without_dispatch_modes():
+    """A context in which no dispatch mode (fake tensors, trackers) is active: tensors made in it are real."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def new_fake_mode() -> FakeTensorMode:

@@ -34,6 +34,7 @@ def fit(
     plan: Plan | str | Path | None = None,
     example_batch: Callable[[int], tuple] | None = None,
     loss_fn: Callable | None = None,
+    count_items: Callable | None = None,
     optimizer: Callable | None = None,
     lr: float | None = None,
     device: str = "cpu",
@@ -53,7 +54,8 @@ def fit(
 
     Args:
         model: the model; trained in place.
-        train_data: a map-style dataset of (input, target), or an image folder
+        train_data: a map-style dataset of (input, target) or of dicts holding
+            their labels (transformers' way: ``model(**batch)`` returns the loss), or an image folder
             path holding train/<class>/* and val/<class>/* (then ``val_data``
             is its val/ and ``input_shape`` or the plan gives the image size).
         val_data: a dataset for validation after each epoch (best.pt follows
@@ -64,7 +66,11 @@ def fit(
         plan: a Plan or a plan.json path to train with instead of planning.
         example_batch: batch_size -> (inputs, targets) for the planner's probes;
             default: the first samples of ``train_data``.
-        loss_fn: (output, target) -> loss; default cross-entropy.
+        loss_fn: (output, targets) -> loss, a mean or (loss_sum, item_count); default the
+            model's own ``output.loss``, else cross-entropy of the output's logits.
+        count_items: (inputs, targets) -> items the loss averages over (e.g.
+            ``autofit.model_io.count_labels(shift=True)`` for a causal LM's tokens);
+            micro-batches are weighted by them. Default: samples.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
         lr: peak learning rate (cosine decay to a tenth); default the optimizer's.
         device: "cpu" or "cuda", where to plan (and so train).
@@ -93,6 +99,7 @@ def fit(
     from autofit.training.data import datasets_data, image_folder_data, input_shape_from
     from autofit.training.distributed import init_distributed, same_on_all_ranks
     from autofit.training.loop import TrainSettings, default_log_dir, train
+    from autofit.model_io import Loss
     from autofit.spec import default_optimizer, model_fingerprint, spec_from_model
 
     if not isinstance(model, nn.Module):
@@ -112,7 +119,9 @@ def fit(
             raise UserError("fit() needs batch_size (samples per optimizer step) to plan, or a plan=")
         from autofit.planning.planner import make_plan
 
-        spec = spec_from_model(model, example_batch or _examples_from(data.train), loss_fn=loss_fn, optimizer=optimizer)
+        spec = spec_from_model(
+            model, example_batch or _examples_from(data.train), loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
+        )
         plan = make_plan(spec, budget=budget, batch_size=batch_size, device=device)
     elif batch_size is not None and batch_size != plan.global_batch_size:
         raise UserError(
@@ -135,7 +144,7 @@ def fit(
         seed=seed, num_workers=num_workers, max_steps=max_steps, verbose=verbose,
     )
     result = train(
-        model, plan=plan, data=data, loss_fn=loss_fn or nn.functional.cross_entropy,
+        model, plan=plan, data=data, loss_fn=Loss(loss_fn, count_items=count_items),
         build_optimizer=optimizer or default_optimizer, model_source=model_source, settings=settings,
     )
     return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
@@ -144,10 +153,9 @@ def fit(
 
 def _examples_from(dataset) -> Callable[[int], tuple]:
     """example_batch for the planner: the first ``batch_size`` samples of the dataset (repeated if short)."""
-    from torch.utils.data import default_collate
+    from autofit.training.data import collate_pairs
 
     def example_batch(batch_size: int) -> tuple:
-        inputs, targets = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
-        return inputs, targets
+        return collate_pairs([dataset[i % len(dataset)] for i in range(batch_size)])
 
     return example_batch

@@ -57,7 +57,7 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
     from autofit.training.loop import train as run_training
     from autofit.plan_file import load_plan
     from strategies import ShardingConfig
-    from autofit.spec import load_spec
+    from autofit.spec import spec_for_plan
 
     the_plan = load_plan(plan)
     # A plan for N processes: refuse any other number, naming the command that starts N.
@@ -65,24 +65,12 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
     check_launch(distributed)
     if distributed.sharding != "none":
         init_distributed(device_type=the_plan.device.get("type") or "cpu", backend=distributed.backend)
-    source = model or the_plan.model.get("source")
-    if not source or source.startswith("python:"):
-        raise UserError(
-            f"the plan names no model file ({source or 'none'}: it was made for a Python object); "
-            "give --model FILE defining build_model(), or train it with autofit.fit(model, plan=...)"
-        )
-    if not source.startswith("torchvision:") and not Path(source).is_file():
-        raise UserError(f"the plan's model file {source!r} does not exist here; run from where the plan was made or give --model FILE")
     if resume and log_dir is None:
         raise UserError("--resume needs --log-dir runs/NAME: the folder of the run to continue")
+    spec = spec_for_plan(the_plan.model, model_file=model)
+    source = spec.source
     planned_shape = the_plan.model.get("input_shape")
-    shape = input_shape_from(planned_shape) if planned_shape else None
-    spec = load_spec(
-        source,
-        input_shape="x".join(map(str, shape)) if shape else "3x224x224",
-        num_classes=the_plan.model.get("num_classes") or 1000,
-    )
-    shape = shape or spec.input_shape
+    shape = (input_shape_from(planned_shape) if planned_shape else None) or spec.input_shape
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir or same_on_all_ranks(default_log_dir()), lr=lr, resume=resume, seed=seed,
         num_workers=workers, save_every_steps=save_every, max_steps=max_steps,
@@ -94,6 +82,7 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
     torch.manual_seed(seed)
     network = spec.build_model()
     model_source = {
+        **spec.source_options,
         "source": source,
         "input_shape": "x".join(map(str, shape)) if shape else None,
         "num_classes": len(train_data.classes) if train_data.classes else the_plan.model.get("num_classes"),

@@ -19,6 +19,7 @@ import torch
 from autofit.apply import AppliedPlan, TrainingConfig, apply_config
 from autofit.measure.blocks import profile_blocks
 from autofit.measure.meters import SimulatedMeter, release_device_memory
+from autofit.model_io import as_loss, call_model
 from autofit.planning.memory_model import MemoryTrace, Segment, trace_memory
 from autofit.spec import ModelSpec
 from autofit.training.step import to_device, train_step
@@ -257,7 +258,7 @@ def time_precisions(
         start = time.perf_counter()
         micro_inputs, micro_targets = to_device(inputs, device_), to_device(targets, device_)
         with applied.forward_context():
-            loss = spec.loss_fn(applied.model(micro_inputs), micro_targets).float()
+            loss = as_loss(spec.loss_fn).weighted(call_model(applied.model, micro_inputs), micro_targets, weight=1.0)
         sync()
         forward_done = time.perf_counter()
         applied.backward(loss)
@@ -433,7 +434,7 @@ def _forward_flops(spec: ModelSpec, size: int) -> int:
         inputs, _ = spec.example_batch(size)
         counter = FlopCounterMode(display=False)
         with counter:
-            model(inputs)
+            call_model(model, inputs)
     return max(int(counter.get_total_flops()), 1)
 
 

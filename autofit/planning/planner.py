@@ -784,6 +784,7 @@ class _Planner:
             "parameter_count": sum(p.numel() for p in model.parameters()),
             "input_shape": list(self.spec.input_shape) if self.spec.input_shape else None,
             "num_classes": num_classes,
+            **self.spec.source_options,  # what else rebuilds it (hf: task, seq_len)
         }
 
     # -- study storage -------------------------------------------------------------------------

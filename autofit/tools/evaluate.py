@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.model_io import as_loss, call_model, logits_of
 from autofit.spec import ModelSpec, parse_shape
+from autofit.training.step import to_device
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,12 +174,13 @@ def evaluate(
 
     Args:
         model: an nn.Module in eval mode, or any callable (a TorchScript module)
-            mapping a batch (B, C, H, W) to logits (B, num_classes).
-        dataset: yields (image tensor, class index).
+            mapping a batch (B, C, H, W) to logits (B, num_classes), or to an
+            output with ``.logits`` (inputs may be tuples or dicts: ``model_io.call_model``).
+        dataset: yields (input, class index).
         classes: class names, index i naming logit i.
         batch_size: samples per forward.
         device: where the forward runs.
-        loss_fn: (logits, targets) -> mean loss; when given, the mean loss is reported.
+        loss_fn: (output, targets) -> mean loss; when given, the mean loss is reported.
 
     Raises:
         UserError: the model gives fewer logits than there are classes.
@@ -188,18 +191,22 @@ def evaluate(
     num_classes = len(classes)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
     loss_sum = 0.0
+    loss = as_loss(loss_fn)
     with torch.no_grad():
         for inputs, targets in loader:
-            logits = model(inputs.to(device)).float().cpu()  # (B, K)
-            if logits.ndim != 2 or logits.shape[1] < num_classes:
+            output = call_model(model, to_device(inputs, device))
+            logits = logits_of(output)
+            if logits is None or logits.ndim != 2 or logits.shape[1] < num_classes:
+                shape = tuple(logits.shape) if logits is not None else type(output).__name__
                 raise UserError(
-                    f"the model gives outputs of shape {tuple(logits.shape)} but the data has {num_classes} classes; "
+                    f"the model gives outputs of shape {shape} but the data has {num_classes} classes; "
                     "use data with the classes the model was trained on"
                 )
+            logits = logits.float().cpu()  # (B, K)
             predicted = logits[:, :num_classes].argmax(dim=1)
             confusion += torch.bincount(targets * num_classes + predicted, minlength=num_classes * num_classes).view(num_classes, num_classes)
             if loss_fn is not None:
-                loss_sum += float(loss_fn(logits, targets)) * len(targets)
+                loss_sum += float(loss(output, targets.to(device))) * len(targets)
     return scores_from_confusion(
         confusion.tolist(),
         classes=list(classes),

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from autofit.errors import UserError
 from autofit.spec import ModelSpec, parse_shape
@@ -133,7 +133,7 @@ def model_file_data(spec: ModelSpec) -> TrainData:
 
 
 def datasets_data(train, val=None, *, source: str = "datasets") -> TrainData:
-    """Wrap map-style datasets (``len`` and ``[i]`` -> (input, target)).
+    """Wrap map-style datasets (``len`` and ``[i]`` -> (input, target), or a dict holding its labels).
 
     Raises:
         UserError: a dataset is a DataLoader, not indexable, or empty.
@@ -172,7 +172,22 @@ def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_
         # which a resumed run must find exactly where it was saved.
         generator=torch.Generator().manual_seed(0),
         persistent_workers=False,
+        collate_fn=collate_pairs,
     )
+
+
+def collate_pairs(samples: list):
+    """Stack samples into one batch, ``(inputs, targets)`` for training.
+
+    A sample is ``(input, target)`` (each a tensor, tuple or dict of tensors), or
+    a dict of tensors that holds its own labels (transformers' way): the batch is
+    then ``(dict, None)`` and the model is called as ``model(**inputs)``. Other
+    samples are stacked as ``default_collate`` stacks them.
+    """
+    batch = default_collate(samples)
+    if isinstance(batch, Mapping):
+        return batch, None
+    return batch
 
 
 def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:

@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
-from autofit.training.data import TrainData, epoch_order, make_loader
+from autofit.model_io import Scores, batch_size_of, call_model
+from autofit.training.data import TrainData, collate_pairs, epoch_order, make_loader
 from autofit.training.distributed import any_rank, is_rank0, mean_across_ranks, sum_across_ranks
 from autofit.training.sharded_checkpoints import (
     full_model_state_dict,
@@ -227,7 +228,7 @@ def train(
             )
             last_time = time.perf_counter()
             for inputs, targets in loader:
-                batch_size = len(targets)
+                batch_size = batch_size_of(inputs, targets)
                 result, ooms = _train_global_batch(model, inputs, targets, applied=applied, loss_fn=loss_fn, optimizer=optimizer)
                 loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
                 lr = optimizer.param_groups[0]["lr"]
@@ -271,14 +272,15 @@ def train(
                     files.save_last(checkpoint(), model=model, optimizer=optimizer)
                     last_time = time.perf_counter()  # the pause for saving is not training time
 
-            val_loss, val_accuracy = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
+            val = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
             train_loss = position.epoch_loss_sum / position.epoch_samples if position.epoch_samples else math.nan
             record = {
                 "kind": "epoch", "epoch": epoch + 1, "step": position.global_step, "loss": train_loss,
                 "lr": optimizer.param_groups[0]["lr"],
                 "samples_per_s": position.epoch_samples / position.epoch_seconds if position.epoch_seconds else 0.0,
                 "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
-                "train_loss": train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy,
+                "train_loss": train_loss, "val_loss": val.loss, "val_accuracy": val.accuracy,
+                "val_perplexity": val.perplexity,
             }
             history.append(record)
             log.epoch(record)
@@ -357,38 +359,34 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> tuple[float | None, float | None]:
-    """Mean loss and accuracy over ``dataset`` in micro-batches (None, None without a dataset).
+def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> Scores:
+    """Mean loss (over the items the loss counts), and accuracy or perplexity, over ``dataset`` in micro-batches.
 
     On several processes each rank evaluates its contiguous share and the sums
     are added over the ranks. Every rank runs as many forwards (FSDP gathers
     parameters in each, a collective): a rank one batch short runs one on a
     sample it does not count.
 
-    Accuracy is None unless the output is (B, classes) and the targets (B,) labels.
+    Accuracy is None unless the output (or its ``.logits``) is (B, classes) and
+    the labels (B,); perplexity is set for a language model's loss. Without a
+    dataset all three are None.
     """
+    scores = Scores(loss_fn)
     if dataset is None:
-        return None, None
+        return scores
     model.eval()
     env = applied.env
     share = rank_slice(len(dataset), rank=env.rank, world_size=env.world_size)
     batches = micro_batch_count(len(dataset), world_size=env.world_size, micro_batch_size=applied.micro_batch_size)
     loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers)
-    loss_sum, correct, count, classified = 0.0, 0, 0, True
     for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset):
         inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
         with applied.forward_context():
-            output = model(inputs)
-            loss = loss_fn(output, targets).float()
-        loss_sum += loss.item() * len(targets) * counted
-        count += len(targets) * counted
-        classified = classified and output.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
-        if classified:
-            correct += (output.argmax(dim=1) == targets).sum().item() * counted
+            scores.add(call_model(model, inputs), inputs, targets, counted=counted)
     model.train()
-    totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=applied.device)
-    loss_sum, correct, count = sum_across_ranks(totals).tolist()
-    return loss_sum / count, (correct / count if classified else None)
+    totals = torch.tensor(scores.totals(), dtype=torch.float64, device=applied.device)
+    scores.set_totals(sum_across_ranks(totals).tolist())
+    return scores
 
 
 def _padded_batches(loader, *, batches: int, dataset):
@@ -398,7 +396,7 @@ def _padded_batches(loader, *, batches: int, dataset):
         yield inputs, targets, 1
         done += 1
     if done < batches:
-        inputs, targets = torch.utils.data.default_collate([dataset[0]])
+        inputs, targets = collate_pairs([dataset[0]])
         for _ in range(batches - done):
             yield inputs, targets, 0
 
@@ -430,7 +428,7 @@ class RunLog:
 
     _SCALARS = {
         "step": ("loss", "lr", "samples_per_s", "memory_bytes"),
-        "epoch": ("train_loss", "val_loss", "val_accuracy", "samples_per_s", "peak_bytes"),
+        "epoch": ("train_loss", "val_loss", "val_accuracy", "val_perplexity", "samples_per_s", "peak_bytes"),
     }
 
     def __init__(self, log_dir: Path, *, keep_until_step: int, keep_until_epoch: int) -> None:
@@ -843,6 +841,8 @@ def _epoch_line(record: dict, *, epochs: int) -> str:
         parts.append(f"val loss {record['val_loss']:.4f}")
     if record["val_accuracy"] is not None:
         parts.append(f"val accuracy {record['val_accuracy']:.4f}")
+    if record.get("val_perplexity") is not None:
+        parts.append(f"val perplexity {record['val_perplexity']:.2f}")
     return ", ".join(parts) + f" ({record['samples_per_s']:.0f} samples/s)"
 
 
