@@ -8,12 +8,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
-    "DataDependentOutputException",
+    "FAKE_TENSOR_LIMITS",
     "FakeTensor",
     "FakeTensorMode",
     "TorchDispatchMode",
@@ -31,6 +38,15 @@ def without_dispatch_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+FAKE_TENSOR_LIMITS = (
+    DataDependentOutputException,  # .item(), a Python branch on a tensor's value
+    DynamicOutputShapeException,  # nonzero, masked_select: the output's shape depends on values
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+"""What a model that fake tensors cannot run raises (a value or an operator they do not have)."""
 
 
 def new_fake_mode() -> FakeTensorMode:

@@ -46,6 +46,8 @@ class ModelSpec:
     """(C, H, W) of one image sample, when known; the data loader resizes to it."""
     source_options: dict = field(default_factory=dict)
     """What rebuilds the model besides its source (hf: ``task``, ``seq_len``); plans and weights keep it."""
+    simulation_fallback: str = ""
+    """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:

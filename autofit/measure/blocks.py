@@ -45,7 +45,7 @@ def profile_blocks(
     seed: int = 0,
 ) -> list[BlockProfile]:
     """Measure every checkpoint candidate during one forward of a micro-batch."""
-    meter = make_meter(device_type=device, simulate=simulate)
+    meter = make_meter(device_type=device, simulate=simulate, spec=spec)
     torch.manual_seed(seed)
     with meter.environment():
         model = meter.build_model(spec.build_model)

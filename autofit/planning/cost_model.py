@@ -18,7 +18,7 @@ import torch
 
 from autofit.apply import AppliedPlan, TrainingConfig, apply_config
 from autofit.measure.blocks import profile_blocks
-from autofit.measure.meters import SimulatedMeter, release_device_memory
+from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.memory_model import MemoryTrace, Segment, trace_memory
 from autofit.spec import ModelSpec
@@ -428,7 +428,7 @@ def _forward_flops(spec: ModelSpec, size: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
 
-    meter = SimulatedMeter(for_device="cpu")
+    meter = simulated_meter(spec, for_device="cpu")
     with meter.environment():
         model = meter.build_model(spec.build_model)
         inputs, _ = spec.example_batch(size)
@@ -441,7 +441,7 @@ def _forward_flops(spec: ModelSpec, size: int) -> int:
 def _parameter_bytes(spec: ModelSpec) -> int:
     with torch.device("meta"):
         model = spec.build_model()
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)  # frozen ones are not stepped
 
 
 # Assumed dense throughputs (FLOP/s) and memory bandwidths for estimates only.

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit.errors import UserError
-from autofit.measure.meters import check_device, release_device_memory
+from autofit.measure.meters import check_device, checked_for_simulation, frozen_note, release_device_memory
 from autofit.planning.memory_model import simulation_spec
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec
@@ -279,7 +279,7 @@ class _Planner:
         total = parse_budget(device_memory) if device_memory is not None else None
         self.info = device_info(device, total_bytes=total)
         self.spec = spec
-        self.sim_spec = simulation_spec(spec)
+        self.sim_spec = checked_for_simulation(simulation_spec(spec))  # or the cpu meter, with one line saying why
         self.budget_bytes = parse_budget(budget, device_total_bytes=self.info.total_bytes)
         self.global_batch_size = batch_size
         self.device = device
@@ -382,7 +382,8 @@ class _Planner:
         self.report.floor_breakdown = {**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in headroom.items()}}
         if self.budget_bytes >= floor:
             return
-        parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in breakdown.items() if v)
+        frozen = frozen_note(self.sim_spec)  # LoRA, a frozen backbone: parameters without gradients or state
+        parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}{frozen if k == 'parameters' else ''}" for k, v in breakdown.items() if v)
         optimizer = self._optimizer_name()
         state = breakdown.get("optimizer_state", 0)
         what = f"micro-batch {smallest}, {precision}, " + ("every block checkpointed" if checkpoint else "no checkpointing")
