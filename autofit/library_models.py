@@ -121,6 +121,8 @@ def hf_spec(source: str, *, task: str | None, seq_len: int | None, num_classes: 
             config.num_labels = num_classes
         num_classes = config.num_labels
     auto_class = getattr(transformers, HF_TASKS[task])
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # training keeps no key/value cache (and checkpointed blocks recompute without one)
 
     def build_model() -> nn.Module:
         return auto_class.from_config(config)
@@ -137,7 +139,7 @@ def hf_spec(source: str, *, task: str | None, seq_len: int | None, num_classes: 
         options["num_classes"] = num_classes
         return ModelSpec(
             source=source, build_model=build_model, example_batch=example_batch,
-            loss_fn=Loss(nn.functional.cross_entropy), build_optimizer=default_optimizer, input_shape=shape,
+            loss_fn=Loss(None), build_optimizer=default_optimizer, input_shape=shape,
             source_options=options,
         )
     vocab_size = config.vocab_size
@@ -161,7 +163,7 @@ def hf_spec(source: str, *, task: str | None, seq_len: int | None, num_classes: 
             tokens = torch.randint(0, vocab_size, (batch_size, seq_len))
             return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}, torch.randint(0, num_classes, (batch_size,))
 
-        loss = Loss(nn.functional.cross_entropy)
+        loss = Loss(None)  # cross-entropy of .logits (no labels in the inputs, so no own loss)
         datasets = {part: (lambda part=part: SyntheticTokens(
             vocab_size=vocab_size, seq_len=seq_len, samples=SYNTHETIC_SAMPLES[part == "val"], seed=part == "val",
             num_classes=num_classes)) for part in ("train", "val")}
@@ -184,6 +186,8 @@ class SyntheticTokens(torch.utils.data.Dataset):
     Samples are dicts (causal LM: the model's inputs, labels included) or
     (dict, class) pairs (sequence classification: the class is the first token's bucket).
     """
+
+    description = "synthetic tokens, for a smoke run"
 
     def __init__(self, *, vocab_size: int, seq_len: int, samples: int, seed: int, num_classes: int | None = None) -> None:
         generator = torch.Generator().manual_seed(1234 + int(seed))

@@ -82,6 +82,9 @@ class Checkpointing(Strategy):
 
     def apply(self, model: nn.Module) -> nn.Module:
         blocks = resolve_blocks(model, self.config.blocks)
+        if blocks and getattr(getattr(model, "config", None), "use_cache", False):
+            # A transformers model's key/value cache would grow again in each recompute.
+            model.config.use_cache = False
         modules = dict(model.named_modules())
         for name in blocks:
             module = modules[name]

@@ -129,7 +129,10 @@ def model_file_data(spec: ModelSpec) -> TrainData:
             f"no training data: give --data DIR (DIR/train/<class>/<image>, DIR/val/<class>/<image>) "
             f"or define train_dataset() in {spec.source}"
         )
-    return datasets_data(spec.train_dataset(), spec.val_dataset() if spec.val_dataset else None, source=spec.source)
+    train = spec.train_dataset()
+    description = getattr(train, "description", None)  # e.g. hf: text tasks' synthetic tokens
+    source = f"{spec.source} ({description})" if description else spec.source
+    return datasets_data(train, spec.val_dataset() if spec.val_dataset else None, source=source)
 
 
 def datasets_data(train, val=None, *, source: str = "datasets") -> TrainData:
