@@ -270,6 +270,52 @@ def validate_weights(
     )
 
 
+def score_dataset(model, dataset, *, loss_fn, batch_size: int = 256, device: str = "cpu") -> dict:
+    """Mean loss, and accuracy or perplexity, of ``model`` over any dataset (tensor, tuple or dict inputs).
+
+    What ``autofit val`` reports without ``--data``: the model file's ``val_dataset()``.
+
+    Returns:
+        {"num_samples", "loss", "accuracy", "perplexity"} (None where it does not apply).
+    """
+    from autofit.model_io import Scores
+    from autofit.training.data import collate_pairs
+
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size} must be at least 1")
+    scores = Scores(loss_fn)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_pairs)
+    with torch.no_grad():
+        for inputs, targets in loader:
+            inputs, targets = to_device(inputs, device), to_device(targets, device)
+            scores.add(call_model(model, inputs), inputs, targets)
+    return {"num_samples": int(scores.samples), "loss": scores.loss, "accuracy": scores.accuracy, "perplexity": scores.perplexity}
+
+
+def validate_model_data(weights: str | Path, *, batch_size: int = 256, device: str = "cpu") -> dict:
+    """Score a checkpoint on its model file's ``val_dataset()`` (any input form: tensors, tuples, dicts).
+
+    Raises:
+        UserError: missing or foreign weights, or a model without ``val_dataset()``.
+    """
+    checkpoint, model, spec = load_model_for_eval(weights)
+    if spec.val_dataset is None:
+        raise UserError(f"{spec.source} defines no val_dataset(); give --data DIR (an image folder of class folders)")
+    return score_dataset(model.to(device), spec.val_dataset(), loss_fn=spec.loss_fn, batch_size=batch_size, device=device)
+
+
+def format_scores(scores: dict) -> str:
+    """One line: samples, loss, and accuracy or perplexity."""
+    parts = [f"samples {scores['num_samples']}"]
+    if scores["loss"] is not None:
+        parts.append(f"loss {scores['loss']:.4f}")
+    if scores["accuracy"] is not None:
+        parts.append(f"accuracy {scores['accuracy']:.2%}")
+    if scores["perplexity"] is not None:
+        parts.append(f"perplexity {scores['perplexity']:.2f}")
+    return "   ".join(parts)
+
+
 def format_evaluation(evaluation: Evaluation) -> str:
     """The screen report: summary, a per-class table and the confusion matrix."""
     lines = [
