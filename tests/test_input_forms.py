@@ -98,6 +98,7 @@ def val_dataset():
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form, source", [("tuple", TUPLE_MODEL), ("dict", DICT_MODEL)], ids=["tuple", "dict"])
 def test_every_command_takes_the_input_form(form, source, tmp_path, run_cli, one_thread):
     model_file = tmp_path / f"{form}_model.py"
