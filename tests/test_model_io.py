@@ -199,3 +199,22 @@ def test_scores_give_accuracy_for_classes_and_perplexity_for_tokens():
     assert tokens.accuracy is None
     assert tokens.loss == pytest.approx(whole, rel=1e-6)
     assert tokens.perplexity == pytest.approx(torch.tensor(whole).exp().item(), rel=1e-6)
+
+
+def test_token_weights_over_two_ranks_average_to_the_full_batch_gradient():
+    """What DDP/FSDP do with each rank's gradient (the mean over ranks), done by hand: 8 = 4 + 4 on two ranks, 3 + 1 each."""
+    from strategies import BatchSplit, BatchSplitConfig
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    batch = padded_batch(8)
+    expected = full_batch_gradients(model, lambda m: m(**batch).loss)
+    loss = Loss(None, count_items=count_labels(shift=True))
+    per_rank = []
+    for rank in range(2):
+        copy_ = copy.deepcopy(model)
+        split = BatchSplit(BatchSplitConfig(global_batch_size=8, micro_batch_size=3), rank=rank, world_size=2)
+        for inputs, targets, weight in split.micro_batches(batch, None, count=loss.count):
+            loss.weighted(copy_(**inputs), targets, weight=weight).backward()
+        per_rank.append([p.grad for p in copy_.parameters()])
+    assert_same([(a + b) / 2 for a, b in zip(*per_rank)], expected)
