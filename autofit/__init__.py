@@ -6,6 +6,8 @@ The Python API (each name is imported on first use):
 - ``autofit.plan(model, example_batch, budget="16GB", batch_size=256)``: search and verify a plan.
 - ``autofit.fit(model, budget="16GB", train_data=..., ...)``: plan, then train.
 - ``autofit.apply_plan(model, plan)``: the plan's strategies for your own loop.
+- ``autofit.Loss(fn, count_items=...)``, ``autofit.count_labels(shift=...)``: what a loss
+  averages over (tokens), so micro-batches are weighted exactly (``autofit.model_io``).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ _EXPORTS = {
     "plan": "autofit.planning.planner",
     "fit": "autofit.api",
     "apply_plan": "autofit.apply",
+    "Loss": "autofit.model_io",
+    "count_labels": "autofit.model_io",
 }
 
 

@@ -8,11 +8,20 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
+    "FAKE_TENSOR_LIMITS",
+    "FakeTensor",
     "FakeTensorMode",
     "TorchDispatchMode",
     "call_when_backward_ends",
@@ -23,7 +32,24 @@ __all__ = [
     "storage_resizes",
     "tree_leaves",
     "tree_map",
+    "without_dispatch_modes",
 ]
+
+
+def without_dispatch_modes():
+    """A context in which no dispatch mode (fake tensors, trackers) is active: tensors made in it are real."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+FAKE_TENSOR_LIMITS = (
+    DataDependentOutputException,  # .item(), a Python branch on a tensor's value
+    DynamicOutputShapeException,  # nonzero, masked_select: the output's shape depends on values
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+"""What a model that fake tensors cannot run raises (a value or an operator they do not have)."""
 
 
 def new_fake_mode() -> FakeTensorMode:

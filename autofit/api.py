@@ -38,6 +38,7 @@ def fit(
     plan: Plan | str | Path | None = None,
     example_batch: Callable[[int], tuple] | None = None,
     loss_fn: Callable | None = None,
+    count_items: Callable | None = None,
     optimizer: Callable | None = None,
     lr: float | None = None,
     device: str = "cpu",
@@ -57,7 +58,8 @@ def fit(
 
     Args:
         model: the model; trained in place.
-        train_data: a map-style dataset of (input, target), or an image folder
+        train_data: a map-style dataset of (input, target) or of dicts holding
+            their labels (transformers' way: ``model(**batch)`` returns the loss), or an image folder
             path holding train/<class>/* and val/<class>/* (then ``val_data``
             is its val/ and ``input_shape`` or the plan gives the image size).
         val_data: a dataset for validation after each epoch (best.pt follows
@@ -68,7 +70,11 @@ def fit(
         plan: a Plan or a plan.json path to train with instead of planning.
         example_batch: batch_size -> (inputs, targets) for the planner's probes;
             default: the first samples of ``train_data``.
-        loss_fn: (output, target) -> loss; default cross-entropy.
+        loss_fn: (output, targets) -> loss, a mean or (loss_sum, item_count); default the
+            model's own ``output.loss``, else cross-entropy of the output's logits.
+        count_items: (inputs, targets) -> items the loss averages over (e.g.
+            ``autofit.model_io.count_labels(shift=True)`` for a causal LM's tokens);
+            micro-batches are weighted by them. Default: samples.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
         lr: peak learning rate (cosine decay to a tenth); default the optimizer's.
         device: "cpu" or "cuda", where to plan (and so train).
@@ -94,6 +100,7 @@ def fit(
         >>> result = autofit.fit(model, budget="8GB", train_data=train, val_data=val, batch_size=256, epochs=10)
         >>> result.history[-1]["val_accuracy"], result.best_path
     """
+    from autofit.model_io import Loss
     from autofit.spec import default_optimizer
     from autofit.training.loop import TrainSettings
     from autofit.training.run import run_training
@@ -104,14 +111,14 @@ def fit(
         plan = load_plan(plan)
     data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan)
     plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
-                     example_batch=example_batch, loss_fn=loss_fn, optimizer=optimizer)
+                     example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer)
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, seed=seed, num_workers=num_workers,
         max_steps=max_steps, verbose=verbose,
     )
     result = run_training(
         model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
-        input_shape=shape, loss_fn=loss_fn or nn.functional.cross_entropy, build_optimizer=optimizer or default_optimizer,
+        input_shape=shape, loss_fn=Loss(loss_fn, count_items=count_items), build_optimizer=optimizer or default_optimizer,
         settings=settings,
     )
     return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
@@ -132,7 +139,7 @@ def _read_data(train_data, val_data, *, input_shape: str | None, plan: Plan | No
 
 def _plan_for(
     model: nn.Module, plan: Plan | None, *, data: TrainData, input_shape: tuple[int, ...] | None, batch_size: int | None,
-    budget, device: str, example_batch, loss_fn, optimizer,
+    budget, device: str, example_batch, loss_fn, count_items, optimizer,
 ) -> Plan:
     """``plan``, or without one a plan for ``batch_size`` samples per step under ``budget`` (probing ``model``).
 
@@ -146,7 +153,9 @@ def _plan_for(
         from autofit.planning.planner import make_plan
         from autofit.spec import spec_from_model
 
-        spec = spec_from_model(model, example_batch or _examples_from(data.train), loss_fn=loss_fn, optimizer=optimizer)
+        spec = spec_from_model(
+            model, example_batch or _examples_from(data.train), loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
+        )
         plan = make_plan(spec, budget=budget, batch_size=batch_size, device=device)
     elif batch_size is not None and batch_size != plan.global_batch_size:
         raise UserError(
@@ -162,10 +171,9 @@ def _plan_for(
 
 def _examples_from(dataset) -> Callable[[int], tuple]:
     """example_batch for the planner: the first ``batch_size`` samples of the dataset (repeated if short)."""
-    from torch.utils.data import default_collate
+    from autofit.training.data import collate_pairs
 
     def example_batch(batch_size: int) -> tuple:
-        inputs, targets = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
-        return inputs, targets
+        return collate_pairs([dataset[i % len(dataset)] for i in range(batch_size)])
 
     return example_batch

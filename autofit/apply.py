@@ -16,6 +16,10 @@ own loop::
         applied.optimizer_step(optimizer)
         optimizer.zero_grad()
 
+``autofit.training.step.train_step`` is this loop's body for any batch: dict
+or tuple inputs (``model_io.call_model``), a model that returns its own loss,
+micro-batches weighted by tokens (``model_io.Loss``).
+
 The hooks do nothing for a strategy that is off (fp32 has no autocast and a
 disabled GradScaler), so this code is the same for every plan. The optimizer
 comes from ``build_optimizer``, because strategies shape it: its state may live
@@ -193,9 +197,13 @@ class AppliedPlan:
         """The optimizer step; False when fp16's GradScaler skipped it (inf/nan gradients)."""
         return self.precision.optimizer_step(optimizer)
 
-    def micro_batches(self, inputs, targets) -> Iterator[tuple[object, object, float]]:
-        """Yield (inputs, targets, loss_weight) per micro-batch of this process; the weights sum to 1 over all ranks."""
-        return self.split.micro_batches(inputs, targets)
+    def micro_batches(self, inputs, targets, *, count=None) -> Iterator[tuple[object, object, float]]:
+        """Yield (inputs, targets, loss_weight) per micro-batch of this process; the weights sum to 1 over all ranks.
+
+        ``count``: ``(inputs, targets) -> items`` the loss averages over (``Loss.count``, e.g.
+        tokens that are not padding); the weights are then shares of items, not of samples.
+        """
+        return self.split.micro_batches(inputs, targets, count=count)
 
     @property
     def micro_batch_size(self) -> int:

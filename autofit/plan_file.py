@@ -49,6 +49,10 @@ class ModelInfo:
     input_shape: list[int] | None = None
     """One sample's shape, e.g. ``[C, H, W]``."""
     num_classes: int | None = None
+    task: str | None = None
+    """For an ``hf:`` model: causal-lm, sequence-classification or image-classification."""
+    seq_len: int | None = None
+    """For an ``hf:`` text model: tokens per sample."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -184,7 +188,8 @@ class Plan:
         return {
             "schema_version": self.schema_version,
             "created_by": dict(self.created_by),
-            "model": asdict(self.model),
+            # Schema 1: an hf: model's task and sequence length are written when it has them.
+            "model": {k: v for k, v in asdict(self.model).items() if v is not None or k not in ("task", "seq_len")},
             "device": asdict(self.device),
             "budget_bytes": self.budget_bytes,
             "budget_kind": self.budget_kind,
@@ -383,6 +388,8 @@ _MODEL_FIELDS = {
         lambda value: isinstance(value, list) and value != [] and all(COUNT.accepts(x) for x in value),
     ).or_null(),
     "num_classes": COUNT.or_null(),
+    "task": _choice(("causal-lm", "sequence-classification", "image-classification")).or_null(),
+    "seq_len": COUNT.or_null(),
 }
 _DEVICE_FIELDS = {
     "type": _choice(DEVICE_TYPES),

@@ -1,9 +1,19 @@
-"""What to train: a model file or ``torchvision:NAME``, turned into a ModelSpec.
+"""What to train: a model file, ``torchvision:NAME``, ``timm:NAME`` or ``hf:PATH``, turned into a ModelSpec.
 
 A model file defines ``build_model() -> nn.Module`` and
 ``example_batch(batch_size) -> (inputs, targets)``; optionally
-``loss_fn(output, target)`` (default cross-entropy), ``build_optimizer(params)``
-(default AdamW), ``train_dataset()`` and ``val_dataset()``.
+``loss_fn(output, targets)``, ``count_items(inputs, targets)``,
+``build_optimizer(params)`` (default AdamW), ``train_dataset()`` and
+``val_dataset()``:
+
+- inputs may be a tensor (``model(x)``), a tuple or list (``model(*x)``) or a
+  dict (``model(**x)``); targets may be None when the labels are in the inputs.
+- ``loss_fn`` returns a mean loss, or ``(loss_sum, item_count)``. Without it,
+  the model's own loss is used (``output.loss``, as transformers models give
+  when called with labels), else cross-entropy of the logits.
+- ``count_items`` gives the items the loss averages over (tokens that are not
+  padding: ``count_items = autofit.model_io.count_labels()``); micro-batches are
+  then weighted by items, not samples, which keeps accumulation exact.
 """
 from __future__ import annotations
 
@@ -11,27 +21,33 @@ import hashlib
 import importlib.util
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.model_io import Loss
 
 
 @dataclass(kw_only=True, slots=True)
 class ModelSpec:
     source: str
-    """Where the model came from: a file path or "torchvision:NAME"."""
+    """Where the model came from: a file path, "torchvision:NAME", "timm:NAME" or "hf:PATH"."""
     build_model: Callable[[], nn.Module]
     example_batch: Callable[[int], tuple]
     loss_fn: Callable
+    """``(output, targets) -> loss``; a ``model_io.Loss`` also says what the loss averages over."""
     build_optimizer: Callable
     train_dataset: Callable | None = None
     val_dataset: Callable | None = None
     input_shape: tuple[int, ...] | None = None
     """(C, H, W) of one image sample, when known; the data loader resizes to it."""
+    source_options: dict = field(default_factory=dict)
+    """What rebuilds the model besides its source (hf: ``task``, ``seq_len``); plans and weights keep it."""
+    simulation_fallback: str = ""
+    """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -49,16 +65,66 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def load_spec(source: str, *, input_shape: str = "3x224x224", num_classes: int = 1000) -> ModelSpec:
-    """Load a model file or ``torchvision:NAME`` into a ModelSpec.
+LIBRARY_PREFIXES = ("torchvision:", "timm:", "hf:")
+"""Sources that name a model by library rather than by a model file."""
+
+
+def is_library_source(source: str) -> bool:
+    """True for ``torchvision:NAME``, ``timm:NAME`` and ``hf:PATH`` (no model file to find)."""
+    return source.startswith(LIBRARY_PREFIXES)
+
+
+def load_spec(
+    source: str,
+    *,
+    input_shape: str = "3x224x224",
+    num_classes: int | None = None,
+    task: str | None = None,
+    seq_len: int | None = None,
+) -> ModelSpec:
+    """Load a model file, ``torchvision:NAME``, ``timm:NAME`` or ``hf:PATH`` into a ModelSpec.
+
+    Args:
+        input_shape: CxHxW for torchvision and timm models (hf image models read it from their config).
+        num_classes: outputs of a classifier; default 1000 for torchvision and timm, the config's for hf.
+        task: hf: only; "causal-lm", "sequence-classification" or "image-classification".
+        seq_len: hf: text tasks only; tokens per example sequence.
 
     Raises:
         UserError: the file is missing, fails to import, or lacks build_model /
-            example_batch; the torchvision name is unknown.
+            example_batch; the library name is unknown or the library is not installed.
     """
     if source.startswith("torchvision:"):
-        return _torchvision_spec(source, parse_shape(input_shape), num_classes)
+        return _torchvision_spec(source, parse_shape(input_shape), num_classes or 1000)
+    if source.startswith("timm:"):
+        from autofit.library_models import timm_spec
+
+        return timm_spec(source, input_shape=parse_shape(input_shape), num_classes=num_classes)
+    if source.startswith("hf:"):
+        from autofit.library_models import hf_spec
+
+        return hf_spec(source, task=task, seq_len=seq_len, num_classes=num_classes, input_shape=input_shape)
     return _file_spec(source)
+
+
+def spec_from_source_info(info: dict, *, model_file: str | None = None) -> ModelSpec:
+    """The ModelSpec that a plan's ``model`` part or a checkpoint's ``model_source`` names.
+
+    Args:
+        info: ``source``, ``input_shape`` ([C, H, W] or "CxHxW"), ``num_classes``
+            and, for hf:, ``task`` and ``seq_len``.
+        model_file: a model file to use instead of the recorded source.
+    """
+    shape = info.get("input_shape")
+    if isinstance(shape, (list, tuple)):
+        shape = "x".join(map(str, shape))
+    return load_spec(
+        model_file or info["source"],
+        input_shape=shape or "3x224x224",
+        num_classes=info.get("num_classes"),
+        task=info.get("task"),
+        seq_len=info.get("seq_len"),
+    )
 
 
 def spec_for_plan(model_info, *, model_file: str | None = None) -> ModelSpec:
@@ -78,14 +144,9 @@ def spec_for_plan(model_info, *, model_file: str | None = None) -> ModelSpec:
             f"the plan names no model file ({source or 'none'}: it was made for a Python object); "
             "give --model FILE defining build_model(), or train it with autofit.fit(model, plan=...)"
         )
-    if not source.startswith("torchvision:") and not Path(source).is_file():
+    if not is_library_source(source) and not Path(source).is_file():
         raise UserError(f"the plan's model file {source!r} does not exist here; run from where the plan was made or give --model FILE")
-    shape = model_info.input_shape
-    return load_spec(
-        source,
-        input_shape="x".join(map(str, shape)) if shape else "3x224x224",
-        num_classes=model_info.num_classes or 1000,
-    )
+    return spec_from_source_info(asdict(model_info), model_file=source)
 
 
 def _file_spec(source: str) -> ModelSpec:
@@ -107,11 +168,14 @@ def _file_spec(source: str) -> ModelSpec:
     if missing:
         raise UserError(f"model file {source!r} does not define {' and '.join(missing)}(); add it (see examples/digits_cnn.py)")
     shape = getattr(module, "INPUT_SHAPE", None)
+    count_items = getattr(module, "count_items", None)
+    if count_items is not None and not callable(count_items):
+        raise UserError(f"model file {source!r}: count_items must be a function (inputs, targets) -> int, e.g. autofit.model_io.count_labels()")
     return ModelSpec(
         source=str(path),
         build_model=module.build_model,
         example_batch=module.example_batch,
-        loss_fn=getattr(module, "loss_fn", None) or nn.functional.cross_entropy,
+        loss_fn=Loss(getattr(module, "loss_fn", None), count_items=count_items),
         build_optimizer=getattr(module, "build_optimizer", None) or default_optimizer,
         train_dataset=getattr(module, "train_dataset", None),
         val_dataset=getattr(module, "val_dataset", None),
@@ -139,9 +203,10 @@ def _torchvision_spec(source: str, input_shape: tuple[int, ...], num_classes: in
         source=source,
         build_model=build_model,
         example_batch=example_batch,
-        loss_fn=nn.functional.cross_entropy,
+        loss_fn=Loss(nn.functional.cross_entropy),
         build_optimizer=default_optimizer,
         input_shape=input_shape,
+        source_options={"num_classes": num_classes},
     )
 
 
@@ -158,14 +223,17 @@ def spec_from_model(
     example_batch: Callable[[int], tuple],
     *,
     loss_fn: Callable | None = None,
+    count_items: Callable | None = None,
     optimizer: Callable | None = None,
 ) -> ModelSpec:
     """A ModelSpec for a model object (the Python API): probes train copies of it.
 
     Args:
         model: the model to plan for; it is never modified.
-        example_batch: batch_size -> (inputs, targets).
-        loss_fn: (output, target) -> loss; default cross-entropy.
+        example_batch: batch_size -> (inputs, targets); inputs a tensor, tuple or dict.
+        loss_fn: (output, targets) -> loss (a mean, or (loss_sum, item_count));
+            default the model's own ``output.loss``, else cross-entropy.
+        count_items: (inputs, targets) -> items the loss averages over; default samples.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
     """
     import copy
@@ -179,6 +247,6 @@ def spec_from_model(
         source=f"python:{type(model).__name__}",
         build_model=lambda: copy.deepcopy(template),
         example_batch=example_batch,
-        loss_fn=loss_fn or nn.functional.cross_entropy,
+        loss_fn=Loss(loss_fn, count_items=count_items),
         build_optimizer=optimizer or default_optimizer,
     )

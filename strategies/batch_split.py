@@ -5,12 +5,18 @@ global batch (``rank_slice``) and cuts it into micro-batches. A micro-batch
 of ``s`` samples gets loss weight ``world_size * s / G``; DDP and FSDP average
 gradients over the ranks, so one optimizer step sees exactly the gradient of
 the mean loss over all G samples, also when m or the rank count does not
-divide G (e.g. 8 = 3 + 3 + 2 on one process).
+divide G (e.g. 8 = 3 + 3 + 2 on one process). For a loss that averages over
+other items (tokens that are not padding), ``count`` counts them and the
+weights are ``world_size * items / items of the global batch`` instead.
+
+Inputs and targets may be tensors or pytrees of them (a tuple, a dict of
+``input_ids`` and ``attention_mask``; targets may be None when the labels
+ride with the inputs): every tensor leaf is sliced along its first dimension.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -102,7 +108,7 @@ class BatchSplit(Strategy):
             self.config.global_batch_size, world_size=self.world_size, micro_batch_size=self.config.micro_batch_size
         )
 
-    def micro_batches(self, inputs, targets) -> Iterator[tuple[object, object, float]]:
+    def micro_batches(self, inputs, targets, *, count: Callable | None = None) -> Iterator[tuple[object, object, float]]:
         """Yield (inputs, targets, loss_weight) for this rank's micro-batches of one global batch.
 
         ``inputs`` and ``targets`` are the whole global batch (tensors or pytrees
@@ -111,13 +117,19 @@ class BatchSplit(Strategy):
         last batch of an epoch), weights then follow it. Micro-batches are
         views, also when one micro-batch is the whole batch: through the view
         the cpu meter sees the host batch, as the planner's memory model counts it.
+
+        Args:
+            count: ``(inputs, targets) -> items`` the loss averages over (``Loss.count``);
+                None weights by samples.
         """
-        total = batch_len(targets)
+        total = batch_len((targets, inputs))
         share = rank_slice(total, rank=self.rank, world_size=self.world_size)
-        count = micro_batch_count(total, world_size=self.world_size, micro_batch_size=self.config.micro_batch_size)
+        steps = micro_batch_count(total, world_size=self.world_size, micro_batch_size=self.config.micro_batch_size)
+        # Every rank sees the whole global batch, so each knows the total without communicating.
+        total_items = count(inputs, targets) if count is not None else None
         pieces = []
         start = share.start
-        for _ in range(count):
+        for _ in range(steps):
             stop = min(start + self.config.micro_batch_size, share.stop)
             if stop > start:
                 pieces.append((slice(start, stop), self.world_size * (stop - start) / total))
@@ -127,15 +139,25 @@ class BatchSplit(Strategy):
             start = stop
         for index, (piece, weight) in enumerate(pieces):
             context = nullcontext() if index == len(pieces) - 1 else self.sync.deferred()
+            micro_inputs, micro_targets = _sliced(inputs, piece), _sliced(targets, piece)
+            if total_items is not None and weight:
+                weight = self.world_size * count(micro_inputs, micro_targets) / total_items if total_items else 0.0
             # The caller's forward and backward of this micro-batch run while the
             # generator waits here, so they run inside the context.
             with context:
-                yield tree_map(lambda t: t[piece], inputs), tree_map(lambda t: t[piece], targets), weight
+                yield micro_inputs, micro_targets, weight
+
+
+def _sliced(tree, piece: slice):
+    """Every tensor leaf with a batch dimension, sliced along it; other leaves (flags, None) as they are."""
+    if isinstance(tree, torch.Tensor):
+        return tree[piece]
+    return tree_map(lambda t: t[piece] if isinstance(t, torch.Tensor) and t.ndim > 0 else t, tree)
 
 
 def batch_len(tree) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
+    """Samples in a batch: the first dimension of its first tensor that has one."""
     for leaf in tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
             return leaf.shape[0]
     raise UserError("a batch holds no tensor; example_batch/datasets must return tensors")

@@ -10,9 +10,23 @@ from autofit.units import format_bytes
 
 DEVICES = ("cpu", "cuda")
 
-MODEL_ARG = typer.Argument(..., help="A model file defining build_model() and example_batch(n), or torchvision:NAME.")
-INPUT_SHAPE = typer.Option("3x224x224", "--input-shape", help="Input shape CxHxW for torchvision models.")
-NUM_CLASSES = typer.Option(1000, "--num-classes", help="Classes for torchvision models.")
+MODEL_ARG = typer.Argument(
+    ..., help="A model file defining build_model() and example_batch(n), torchvision:NAME, timm:NAME or hf:DIR (a transformers config)."
+)
+INPUT_SHAPE = typer.Option("3x224x224", "--input-shape", help="Input shape CxHxW for torchvision and timm models.")
+NUM_CLASSES = typer.Option(None, "--num-classes", help="Classes: default 1000 for torchvision and timm, the config's for hf:.")
+TASK = typer.Option(None, "--task", help="hf: only: causal-lm, sequence-classification or image-classification (default from the config).")
+SEQ_LEN = typer.Option(None, "--seq-len", help="hf: text tasks: tokens per example sequence (default 128, or the context length if shorter).")
+
+
+def load_model_spec(model: str, *, input_shape: str, num_classes: int | None, task: str | None, seq_len: int | None):
+    """The ModelSpec a command's MODEL and model options name; --task/--seq-len only for hf:."""
+    from autofit.errors import UserError
+    from autofit.spec import load_spec
+
+    if not model.startswith("hf:") and (task is not None or seq_len is not None):
+        raise UserError(f"--task and --seq-len are for hf: models; {model} takes neither")
+    return load_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
 
 
 def print_json(data) -> None:

@@ -6,7 +6,7 @@ import sys
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import INPUT_SHAPE, MODEL_ARG, NUM_CLASSES
+from autofit.commands.common import INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec
 from autofit.errors import UserError
 
 
@@ -21,13 +21,14 @@ def compare(
     steps: int = typer.Option(5, help="Probe steps per row; the first is a warm-up."),
     out_dir: str = typer.Option("runs/compare", "--out-dir", help="Where compare.md, compare.json and compare.png go."),
     input_shape: str = INPUT_SHAPE,
-    num_classes: int = NUM_CLASSES,
+    num_classes: int | None = NUM_CLASSES,
+    task: str | None = TASK,
+    seq_len: int | None = SEQ_LEN,
 ) -> None:
     """fp32, AMP, checkpointing every block, both, and autofit's plan: peak memory and speed side by side."""
     from autofit.tools.compare import compare as run_compare
     from autofit.tools.compare import format_table, save_comparison
     from autofit.measure.meters import device_info
-    from autofit.spec import load_spec
     from autofit.units import parse_budget
 
     if device not in ("cpu", "cuda"):
@@ -38,7 +39,7 @@ def compare(
         raise UserError(f"--train-steps {train_steps} must be at least 1 with --data; e.g. --train-steps 50")
     if data is None and train_steps:
         raise UserError("--train-steps needs --data DIR (an image folder to train on)")
-    spec = load_spec(model, input_shape=input_shape, num_classes=num_classes)
+    spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     comparison = run_compare(
         spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
         train_steps=train_steps, probe_steps=steps, progress=lambda line: print(f"  {line}", file=sys.stderr),

@@ -6,7 +6,7 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, print_json
+from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
 from autofit.units import format_bytes
 
@@ -26,12 +26,13 @@ def plan(
     gpus: int = typer.Option(1, "--gpus", help="GPUs (processes) to train on; BUDGET is then per GPU: DDP if the model fits unsharded, else FSDP2."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
-    num_classes: int = NUM_CLASSES,
+    num_classes: int | None = NUM_CLASSES,
+    task: str | None = TASK,
+    seq_len: int | None = SEQ_LEN,
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
     from autofit.plan_file import save_plan
     from autofit.planning.planner import plan_with_report, print_progress
-    from autofit.spec import load_spec
 
     if device not in DEVICES:
         raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
@@ -40,10 +41,10 @@ def plan(
     if device_memory is not None and not simulate and device == "cuda":
         raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
     wanted = [p.strip() for p in precisions.split(",") if p.strip()]
-    spec = load_spec(model, input_shape=input_shape, num_classes=num_classes)
+    spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     report = plan_with_report(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
-        study=study, precisions=wanted, num_classes=num_classes if model.startswith("torchvision:") else None,
+        study=study, precisions=wanted, num_classes=spec.source_options.get("num_classes"),
         log=None if quiet else print_progress, gpus=gpus,
     )
     path = save_plan(report.plan, out)

@@ -6,7 +6,7 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import INPUT_SHAPE, NUM_CLASSES, breakdown_lines, print_json
+from autofit.commands.common import INPUT_SHAPE, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, print_json
 from autofit.errors import UserError
 from autofit.units import format_bytes
 
@@ -34,14 +34,15 @@ def probe(
     list_blocks: bool = typer.Option(False, "--list-blocks", help="List checkpoint candidates with their costs."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     input_shape: str = INPUT_SHAPE,
-    num_classes: int = NUM_CLASSES,
+    num_classes: int | None = NUM_CLASSES,
+    task: str | None = TASK,
+    seq_len: int | None = SEQ_LEN,
     plan: Path | None = typer.Option(None, "--plan", help="Re-measure exactly the configuration this plan.json names."),
 ) -> None:
     """Run a few real optimizer steps of ONE configuration; report peak bytes and samples/s."""
     from autofit.measure.blocks import profile_blocks
     from autofit.measure.meters import check_device
     from autofit.measure.probe import probe as run_probe
-    from autofit.spec import load_spec
 
     if plan is not None:
         _probe_plan(plan, model=model, steps=steps, as_json=as_json, configured={
@@ -57,7 +58,7 @@ def probe(
     check_device(device, precision=precision, simulate=simulate)
     if micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {micro_batch_size} must be at least 1")
-    spec = load_spec(model, input_shape=input_shape, num_classes=num_classes)
+    spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     if list_blocks:
         blocks = profile_blocks(spec, micro_batch_size=micro_batch_size, precision=precision, device=device, simulate=simulate)
         if as_json:

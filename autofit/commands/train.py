@@ -76,7 +76,8 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
     network = spec.build_model()
     try:
         run_training(
-            network, plan=the_plan, data=train_data, source=spec.source, input_shape=shape, loss_fn=spec.loss_fn,
+            network, plan=the_plan, data=train_data, source=spec.source, source_options=spec.source_options,
+            input_shape=shape, loss_fn=spec.loss_fn,
             build_optimizer=spec.build_optimizer, settings=settings,
         )
     except TrainingInterrupted as stop:

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autofit._torch_private import tree_leaves
 from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import make_meter
+from autofit.model_io import call_model
 from autofit.spec import ModelSpec
 from autofit.training.step import to_device
 from strategies import checkpoint_candidates
@@ -44,7 +45,7 @@ def profile_blocks(
     seed: int = 0,
 ) -> list[BlockProfile]:
     """Measure every checkpoint candidate during one forward of a micro-batch."""
-    meter = make_meter(device_type=device, simulate=simulate)
+    meter = make_meter(device_type=device, simulate=simulate, spec=spec)
     torch.manual_seed(seed)
     with meter.environment():
         model = meter.build_model(spec.build_model)
@@ -98,14 +99,14 @@ def profile_blocks(
         # Warm up once so that one-time costs (allocator, kernels) stay out of the times.
         if not simulate:
             with forward_context():
-                model(inputs)
+                call_model(model, inputs)
             for stat in stats.values():
                 stat["input_bytes"] = 0
                 stat["seconds"] = 0.0
         sync()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_context():
-            model(inputs)
+            call_model(model, inputs)
         sync()
         total_seconds = time.perf_counter() - start
         for hook in hooks:
@@ -113,7 +114,7 @@ def profile_blocks(
         # FLOPs in a pass of their own: the counter's overhead must not distort the times.
         flop_counter = FlopCounterMode(display=False)
         with torch.no_grad(), flop_counter, forward_context():
-            model(inputs)
+            call_model(model, inputs)
         flops_by_module = flop_counter.get_flop_counts()
         total_flops = sum(flops_by_module.get("Global", {}).values()) or 1
     profiles = []

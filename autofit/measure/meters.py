@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from autofit._torch_private import new_fake_mode
+from autofit._torch_private import FAKE_TENSOR_LIMITS, new_fake_mode, without_dispatch_modes
 from autofit.errors import UserError
 from autofit.measure.tracker import StorageTracker
 from autofit.plan_file import DeviceInfo
@@ -157,15 +157,69 @@ class SimulatedMeter(TrackedMeter):
         return stack
 
     def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
-        # Build without allocating (meta), then give it fake storage. Building
-        # under the fake mode directly fails on data-dependent init (trunc_normal_).
+        """The model with fake parameters and buffers, built without allocating them.
+
+        Three ways, the first that works: everything on the meta device; only
+        parameters on meta, other tensors real (timm computes drop-path rates
+        with ``linspace(...).tolist()`` while constructing); under the fake mode
+        (a model whose construction needs real parameters). Building under the
+        fake mode first would fail on data-dependent init (``trunc_normal_``).
+        """
         try:
             with torch.device("meta"):
                 model = build()
-            return model.to_empty(device="cpu")
-        except Exception:  # a model whose construction needs real values
+            return to_empty_keeping_ties(model)
+        except Exception:  # construction reads a value: build again with only the parameters empty
+            pass
+        try:
+            with without_dispatch_modes(), parameters_on_meta():
+                model = build()
+            return to_empty_keeping_ties(model)
+        except Exception:  # a model whose construction needs real parameters
             with torch.device("cpu"), self._fake_mode:
                 return build()
+
+
+def to_empty_keeping_ties(model: nn.Module, *, device: str = "cpu") -> nn.Module:
+    """``model.to_empty(device=...)``, with parameters shared by several modules still shared.
+
+    ``to_empty`` gives every module its own new tensor, so tied weights (GPT-2's
+    embedding and output layer) would come back as two: counted twice, and
+    trained as two.
+    """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    model = model.to_empty(device=device)
+    for places in owners.values():
+        first_module, first_name = places[0]
+        shared = first_module._parameters[first_name]
+        for module, name in places[1:]:
+            module._parameters[name] = shared
+    return model
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers goes to the meta device; other tensors stay real.
+
+    What ``accelerate.init_empty_weights`` does: a model's construction may
+    compute with real tensors, while its parameters take no memory.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 class CudaMeter(Meter):
@@ -229,14 +283,98 @@ def release_device_memory(device_type: str) -> None:
         torch.cuda.empty_cache()
 
 
-def make_meter(*, device_type: str, simulate: bool) -> Meter:
+def make_meter(*, device_type: str, simulate: bool, spec=None) -> Meter:
+    """The meter for a device; with ``simulate``, the simulated meter (or the cpu meter for a ``spec``
+    whose model fake tensors cannot run, see ``checked_for_simulation``)."""
     if simulate:
-        return SimulatedMeter(for_device=device_type)
+        return simulated_meter(spec, for_device=device_type)
     if device_type == "cuda":
         return CudaMeter()
     if device_type == "cpu":
         return TrackedMeter()
     raise UserError(f"device {device_type!r} is unknown; use cpu or cuda")
+
+
+def frozen_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters that do not train (``requires_grad=False``: LoRA's base model, a frozen backbone).
+
+    Every meter counts them as parameters, with no gradients and no optimizer state.
+    """
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+
+
+def frozen_note(spec) -> str:
+    """" (N of them frozen: no gradients or optimizer state)" for a model with frozen parameters, else ""."""
+    from autofit.units import format_bytes
+
+    try:
+        with torch.device("meta"):
+            frozen = frozen_parameter_bytes(spec.build_model())
+    except Exception:  # a model that cannot be built on meta: the note is cosmetic
+        return ""
+    return f" ({format_bytes(frozen)} of them frozen: no gradients or optimizer state)" if frozen else ""
+
+
+def simulated_meter(spec=None, *, for_device: str = "cpu") -> Meter:
+    """The simulated meter, or the cpu meter (real tensors) for a model that fake tensors cannot run.
+
+    Args:
+        spec: the ModelSpec measured; its ``simulation_fallback`` says whether it falls back.
+        for_device: the device the simulation stands for ("cuda" rounds like its allocator).
+    """
+    if spec is not None and spec.simulation_fallback:
+        return TrackedMeter(round_bytes=CUDA_BLOCK_BYTES if for_device == "cuda" else 1)
+    return SimulatedMeter(for_device=for_device)
+
+
+def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None):
+    """``spec``, or a copy that measures with the cpu meter when fake tensors cannot run one training step of it.
+
+    One simulated step of a micro-batch of 2 (2 optimizer micro-steps' worth of
+    nothing: no arithmetic) finds out; a model whose forward reads values
+    (``.item()``, a Python ``if`` on a tensor, ``nonzero``) cannot run on fake
+    tensors. Then one line (on stderr, or ``log``) says why and which meter is used.
+    Errors of the model itself (any other exception) are left for the real measurement to report.
+    """
+    if spec.simulation_fallback:
+        return spec
+    try:
+        _one_simulated_step(spec)
+    except FAKE_TENSOR_LIMITS as error:
+        return fall_back_from_simulation(spec, error, log=log)
+    except Exception:  # the model's own problem, or a batch size it refuses: the measurements report it
+        return spec
+    return spec
+
+
+def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str], None] | None = None):
+    """A copy of ``spec`` that measures with the cpu meter, after one line saying why."""
+    import dataclasses
+    import sys
+
+    detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    why = f"{type(error).__name__}{': ' + detail if detail else ''}"
+    line = (
+        f"autofit: the simulated meter cannot run {spec.source} on fake tensors ({why}); "
+        "measuring it with the cpu meter instead (real tensors, in this machine's memory)"
+    )
+    (log or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+    return dataclasses.replace(spec, simulation_fallback=why)
+
+
+def _one_simulated_step(spec) -> None:
+    from autofit.apply import TrainingConfig, apply_config
+    from autofit.training.step import train_step
+
+    meter = SimulatedMeter()
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        config = TrainingConfig(global_batch_size=2, micro_batch_size=2)
+        applied = apply_config(model, config, device=meter.device, use_scaler=False)
+        optimizer = spec.build_optimizer(applied.model.parameters())
+        inputs, targets = spec.example_batch(2)
+        train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

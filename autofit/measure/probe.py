@@ -19,7 +19,8 @@ from autofit.apply import (
     selectively_checkpointed_blocks,
 )
 from autofit.errors import UserError
-from autofit.measure.meters import check_device, make_meter, release_device_memory
+from autofit._torch_private import FAKE_TENSOR_LIMITS
+from autofit.measure.meters import check_device, fall_back_from_simulation, make_meter, release_device_memory
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.training.step import train_step
@@ -137,10 +138,21 @@ def measure(
     Args:
         fingerprint: when given, the model must have it (a plan's model).
     """
+    try:
+        return _measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed, fingerprint=fingerprint)
+    except FAKE_TENSOR_LIMITS as error:
+        if not simulate or spec.simulation_fallback:
+            raise
+        # Fake tensors cannot run this model: one line says so, and the cpu meter measures it.
+        spec = fall_back_from_simulation(spec, error)
+        return _measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed, fingerprint=fingerprint)
+
+
+def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: bool, steps: int, seed: int, fingerprint: str | None) -> ProbeResult:
     if steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
     check_device(device, precision=config.precision, simulate=simulate)
-    meter = make_meter(device_type=device, simulate=simulate)
+    meter = make_meter(device_type=device, simulate=simulate, spec=spec)
     torch.manual_seed(seed)
     with meter.environment():
         model = meter.build_model(spec.build_model)

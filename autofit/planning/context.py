@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit.errors import UserError
-from autofit.measure.meters import DeviceInfo, check_device, device_info
+from autofit.measure.meters import DeviceInfo, check_device, checked_for_simulation, device_info
 from autofit.planning.memory_model import simulation_spec
 from autofit.planning.search import Study
 from autofit.spec import ModelSpec, model_fingerprint
@@ -79,7 +79,7 @@ def plan_context(
         raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
     total = parse_budget(device_memory) if device_memory is not None else None
     info = device_info(device, total_bytes=total)
-    sim_spec = simulation_spec(spec)
+    sim_spec = checked_for_simulation(simulation_spec(spec))  # or the cpu meter, with one line saying why
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
     kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions)
     with torch.device("meta"):

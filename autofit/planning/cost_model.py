@@ -18,7 +18,8 @@ import torch
 
 from autofit.apply import AppliedPlan, TrainingConfig, apply_config
 from autofit.measure.blocks import profile_blocks
-from autofit.measure.meters import SimulatedMeter, release_device_memory
+from autofit.measure.meters import release_device_memory, simulated_meter
+from autofit.model_io import as_loss, call_model
 from autofit.planning.memory_model import MemoryTrace, Segment, trace_memory
 from autofit.spec import ModelSpec
 from autofit.training.step import to_device, train_step
@@ -306,7 +307,7 @@ def time_precisions(
         start = time.perf_counter()
         micro_inputs, micro_targets = to_device(inputs, device_), to_device(targets, device_)
         with applied.forward_context():
-            loss = spec.loss_fn(applied.model(micro_inputs), micro_targets).float()
+            loss = as_loss(spec.loss_fn).weighted(call_model(applied.model, micro_inputs), micro_targets, weight=1.0)
         sync()
         forward_done = time.perf_counter()
         applied.backward(loss)
@@ -441,73 +442,147 @@ def flop_speed_costs(
 ) -> dict[str, SpeedCosts]:
     """Times estimated from FLOPs (``--simulate``): nothing runs on the device.
 
-    A micro-step costs 3x its forward FLOPs (forward + backward) at the
-    device's assumed throughput for the precision, plus a fixed cost per
-    operator launch; the optimizer step reads and writes its state at an
-    assumed memory bandwidth.
+    A micro-step costs 3x its forward FLOPs (forward + backward) plus a fixed
+    launch cost. On a GPU each operator family runs at its precision's
+    throughput class (``GpuPeaks``: convolutions in fp32 on TF32 tensor cores,
+    matmuls in fp32 on CUDA cores, both in bf16/fp16 on half-precision tensor
+    cores) times the share of it training reaches, which falls for a
+    micro-step too small to fill the GPU (``gpu_forward_seconds``). The
+    optimizer step reads and writes its state at an assumed memory bandwidth.
     """
-
     size = max(sizes)
     profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
-    forward_flops = _forward_flops(spec, size)
+    flops = _forward_flops(spec, size)
+    total_flops = max(sum(flops.values()), 1)
     param_bytes = _parameter_bytes(spec)
     results = {}
     for name in precisions:
-        flops_per_s, launch_s, bytes_per_s = _assumed_throughput(device_type, device_name, name)
-        per_sample = forward_flops / size
         step, forward, per_block = [], [], []
+        if device_type == "cuda":
+            gpu, known = gpu_peaks(device_name)
+            launch_s, bytes_per_s = GPU_LAUNCH_SECONDS, gpu.bandwidth * 0.5
+            note = "estimated from FLOPs" + ("" if known else f" for an {_UNKNOWN_GPU_NAME}-class GPU ({device_name!r} is not in the table)")
+        else:
+            cpu_flops_per_s, launch_s, bytes_per_s = _cpu_throughput()
+            note = "estimated from FLOPs"
         for s in sizes:
-            fwd = per_sample * s / flops_per_s + launch_s
-            forward.append(fwd)
-            step.append(3 * fwd)
-            per_block.append([p.forward_flops / size * s / flops_per_s for p in profiles])
+            scaled = {family: n * s / size for family, n in flops.items()}
+            if device_type == "cuda":
+                seconds = gpu_forward_seconds(scaled, gpu=gpu, precision=name)
+            else:
+                seconds = sum(scaled.values()) / cpu_flops_per_s
+            forward.append(seconds + launch_s)
+            step.append(3 * (seconds + launch_s))
+            per_block.append([p.forward_flops / total_flops * seconds for p in profiles])  # each block's share of the forward
         results[name] = SpeedCosts(
             sizes=list(sizes),
             step_seconds=step,
             forward_seconds=forward,
             block_seconds=per_block,
             optimizer_seconds=4 * param_bytes / bytes_per_s,
-            note="estimated from FLOPs",
+            note=note,
         )
     return results
 
 
-def _forward_flops(spec: ModelSpec, size: int) -> int:
+def _forward_flops(spec: ModelSpec, size: int) -> dict[str, int]:
+    """Forward FLOPs of a micro-batch of ``size``, by operator family: "conv" and "matmul" (everything else counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-
-    meter = SimulatedMeter(for_device="cpu")
+    meter = simulated_meter(spec, for_device="cpu")
     with meter.environment():
         model = meter.build_model(spec.build_model)
         inputs, _ = spec.example_batch(size)
         counter = FlopCounterMode(display=False)
         with counter:
-            model(inputs)
-    return max(int(counter.get_total_flops()), 1)
+            call_model(model, inputs)
+    families = {"conv": 0, "matmul": 0}
+    for op, count in counter.get_flop_counts().get("Global", {}).items():
+        families["conv" if "convolution" in str(op) else "matmul"] += int(count)
+    if not any(families.values()):
+        families["matmul"] = 1
+    return families
 
 
 def _parameter_bytes(spec: ModelSpec) -> int:
     with torch.device("meta"):
         model = spec.build_model()
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)  # frozen ones are not stepped
 
 
-# Assumed dense throughputs (FLOP/s) and memory bandwidths for estimates only.
-_GPU_TABLE = {
-    "H200": (60e12, 700e12, 4.8e12),
-    "H100": (55e12, 700e12, 3.3e12),
-    "A100": (17e12, 250e12, 1.5e12),
-    "L4": (25e12, 100e12, 0.3e12),
-    "V100": (13e12, 100e12, 0.9e12),
+@dataclass(frozen=True, slots=True)
+class GpuPeaks:
+    """A GPU's dense peak rates (vendor data sheets, without sparsity), for estimates only."""
+
+    fp32: float
+    """FLOP/s on CUDA cores: fp32 matmuls (PyTorch leaves TF32 off for them by default)."""
+    tf32: float
+    """FLOP/s on TF32 tensor cores: fp32 convolutions (cuDNN uses TF32 by default)."""
+    half: float
+    """FLOP/s on bf16/fp16 tensor cores (autocast)."""
+    bandwidth: float
+    """Memory bytes/s."""
+
+
+GPU_PEAKS = {
+    "H200": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=4.8e12),
+    "H100": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=3.35e12),
+    "A100": GpuPeaks(fp32=19.5e12, tf32=156e12, half=312e12, bandwidth=2.0e12),
+    "L40S": GpuPeaks(fp32=91.6e12, tf32=183e12, half=362e12, bandwidth=0.86e12),
+    "A10": GpuPeaks(fp32=31.2e12, tf32=62.5e12, half=125e12, bandwidth=0.6e12),
+    "L4": GpuPeaks(fp32=30.3e12, tf32=60e12, half=121e12, bandwidth=0.3e12),
+    "RTX 4090": GpuPeaks(fp32=82.6e12, tf32=82.6e12, half=165e12, bandwidth=1.0e12),
+    "RTX 3090": GpuPeaks(fp32=35.6e12, tf32=35.6e12, half=71e12, bandwidth=0.94e12),
+    "V100": GpuPeaks(fp32=15.7e12, tf32=15.7e12, half=125e12, bandwidth=0.9e12),
+    "T4": GpuPeaks(fp32=8.1e12, tf32=8.1e12, half=65e12, bandwidth=0.32e12),
 }
+_UNKNOWN_GPU_NAME = "A100"
+"""The table row assumed for a GPU that is not named in it (e.g. --simulate with no GPU here)."""
+
+# The share of a throughput class's peak that training reaches on a micro-step large enough to
+# fill the GPU, by operator family. Convolutions: fitted to bench/RESULTS.md's H200 rows
+# (torchvision ResNet-18 and ResNet-50 at 224x224, batch 128: 39-50 TFLOP/s, fp16 only 1.27x
+# fp32); matmuls: what large transformer layers commonly reach (not yet measured here).
+CONV_EFFICIENCY = {"tf32": 0.085, "half": 0.055, "fp32": 0.5}
+MATMUL_EFFICIENCY = {"tf32": 0.45, "half": 0.45, "fp32": 0.6}
+GPU_FILL_SECONDS = 4.2e-4
+"""A micro-step whose FLOPs take this long at the class's peak runs at half the efficiency above;
+small micro-steps leave a large GPU idle (fitted on the same rows: ResNet-18 reaches 0.87x of ResNet-50's rate)."""
+GPU_LAUNCH_SECONDS = 5e-4
+"""Launch overhead per forward (x3 per micro-step with the backward)."""
 
 
-def _assumed_throughput(device_type: str, device_name: str, precision: str) -> tuple[float, float, float]:
-    """(FLOP/s, seconds per micro-step launch overhead, bytes/s) assumed for an estimate."""
-    if device_type == "cuda":
-        fp32, half, bandwidth = next((v for k, v in _GPU_TABLE.items() if k in device_name.upper()), (15e12, 100e12, 1e12))
-        return (fp32 if precision == "fp32" else half) * 0.4, 2e-3, bandwidth * 0.5
-    # A CPU: measure a matmul's fp32 throughput (a tenth of a second, not the model).
+def gpu_peaks(device_name: str) -> tuple[GpuPeaks, bool]:
+    """The table row for a GPU name ("NVIDIA H200", ...), and whether it was found (else an A100's)."""
+    name = device_name.upper()
+    for key, peaks in GPU_PEAKS.items():
+        if key in name:
+            return peaks, True
+    return GPU_PEAKS[_UNKNOWN_GPU_NAME], False
+
+
+def gpu_forward_seconds(flops: dict[str, float], *, gpu: GpuPeaks, precision: str) -> float:
+    """Estimated seconds of a forward with these FLOPs by family ("conv", "matmul") on ``gpu`` in ``precision``.
+
+    Each family runs at its throughput class for the precision: bf16/fp16 on
+    half-precision tensor cores; fp32 convolutions on TF32 tensor cores and
+    fp32 matmuls on CUDA cores (TF32 when ``torch.backends.cuda.matmul.allow_tf32``).
+    """
+    classes = {"conv": "half", "matmul": "half"}
+    if precision == "fp32":
+        conv_tf32 = torch.backends.cudnn.allow_tf32
+        classes = {"conv": "tf32" if conv_tf32 else "fp32", "matmul": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"}
+    efficiency = {"conv": CONV_EFFICIENCY, "matmul": MATMUL_EFFICIENCY}
+    step_at_peak = 3 * sum(n / getattr(gpu, classes[family]) for family, n in flops.items())  # forward + backward
+    fill = step_at_peak / (step_at_peak + GPU_FILL_SECONDS)  # a small micro-step cannot keep a large GPU busy
+    return sum(
+        n / (getattr(gpu, classes[family]) * efficiency[family][classes[family]] * fill) for family, n in flops.items() if n
+    )
+
+
+def _cpu_throughput() -> tuple[float, float, float]:
+    """(FLOP/s, seconds of launch overhead per forward, bytes/s) assumed for a CPU estimate."""
+    # Measure a matmul's fp32 throughput (a tenth of a second, not the model).
     a = torch.randn(512, 512)
     start = time.perf_counter()
     for _ in range(8):

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit.errors import UserError
+from autofit.measure.meters import frozen_note
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.modelling import Costs
+from autofit.planning.per_rank import fsdp_layout, smallest_world_size
 from autofit.planning.verify import Measurements
 from autofit.spec import ModelSpec
-from autofit.planning.per_rank import fsdp_layout, smallest_world_size
 from autofit.units import format_bytes
 
 
@@ -69,7 +70,8 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
 def _below_floor(context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom_bytes: int, usable_bytes: float) -> str:
     """The one-line error: the floor, its breakdown, and what would lower it."""
     config = floor.config
-    parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in breakdown.items() if v)
+    frozen = frozen_note(context.sim_spec)  # LoRA, a frozen backbone: parameters without gradients or state
+    parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}{frozen if k == 'parameters' else ''}" for k, v in breakdown.items() if v)
     state = breakdown.get("optimizer_state", 0)
     what = f"micro-batch {config.micro_batch_size}, {config.precision}, " + ("every block checkpointed" if config.checkpoint else "no checkpointing")
     gpus = _gpus_advice(context.sim_spec, breakdown=breakdown, precision=config.precision, usable_bytes=usable_bytes)

@@ -22,7 +22,7 @@ import torch
 
 from autofit._torch_private import call_when_backward_ends, tree_leaves
 from autofit.apply import TrainingConfig, apply_config
-from autofit.measure.meters import SimulatedMeter
+from autofit.measure.meters import SimulatedMeter, simulated_meter
 from autofit.measure.probe import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.spec import ModelSpec
@@ -135,7 +135,7 @@ class _RawTrace:
 
 
 def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, checkpoint_all: bool) -> _RawTrace:
-    meter = SimulatedMeter(for_device=device_type)
+    meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
     with meter.environment():
         model = meter.build_model(spec.build_model)

@@ -154,6 +154,7 @@ def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
         parameter_count=sum(p.numel() for p in model.parameters()),
         input_shape=list(context.spec.input_shape) if context.spec.input_shape else None,
         num_classes=num_classes,
+        **context.spec.source_options,  # what else rebuilds it (hf: task, seq_len)
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
 from autofit.measure.meters import check_device, release_device_memory
+from autofit.model_io import call_model, logits_of
 from autofit.spec import ModelSpec
 from autofit.tools.evaluate import evaluate
 from autofit.training.step import train_step
@@ -307,7 +308,7 @@ def _check_outputs(spec: ModelSpec, inputs: torch.Tensor, *, num_classes: int, d
     model = spec.build_model().eval()
     try:
         with torch.no_grad():
-            logits = model(inputs)
+            logits = logits_of(call_model(model, inputs))
     except RuntimeError as error:
         raise UserError(f"{spec.source} cannot take the images of {str(data)!r} (shape {tuple(inputs.shape[1:])}): {str(error).splitlines()[0]}") from error
     if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[1] < num_classes:

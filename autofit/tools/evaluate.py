@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.model_io import as_loss, call_model, logits_of
 from autofit.spec import ModelSpec, parse_shape
+from autofit.training.step import to_device
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,12 +108,13 @@ def evaluate(
 
     Args:
         model: an nn.Module in eval mode, or any callable (a TorchScript module)
-            mapping a batch (B, C, H, W) to logits (B, num_classes).
-        dataset: yields (image tensor, class index).
+            mapping a batch (B, C, H, W) to logits (B, num_classes), or to an
+            output with ``.logits`` (inputs may be tuples or dicts: ``model_io.call_model``).
+        dataset: yields (input, class index).
         classes: class names, index i naming logit i.
         batch_size: samples per forward.
         device: where the forward runs.
-        loss_fn: (logits, targets) -> mean loss; when given, the mean loss is reported.
+        loss_fn: (output, targets) -> mean loss; when given, the mean loss is reported.
 
     Raises:
         UserError: the model gives fewer logits than there are classes.
@@ -122,18 +125,22 @@ def evaluate(
     num_classes = len(classes)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
     loss_sum = 0.0
+    loss = as_loss(loss_fn)
     with torch.no_grad():
         for inputs, targets in loader:
-            logits = model(inputs.to(device)).float().cpu()  # (B, K)
-            if logits.ndim != 2 or logits.shape[1] < num_classes:
+            output = call_model(model, to_device(inputs, device))
+            logits = logits_of(output)
+            if logits is None or logits.ndim != 2 or logits.shape[1] < num_classes:
+                shape = tuple(logits.shape) if logits is not None else type(output).__name__
                 raise UserError(
-                    f"the model gives outputs of shape {tuple(logits.shape)} but the data has {num_classes} classes; "
+                    f"the model gives outputs of shape {shape} but the data has {num_classes} classes; "
                     "use data with the classes the model was trained on"
                 )
+            logits = logits.float().cpu()  # (B, K)
             predicted = logits[:, :num_classes].argmax(dim=1)
             confusion += torch.bincount(targets * num_classes + predicted, minlength=num_classes * num_classes).view(num_classes, num_classes)
             if loss_fn is not None:
-                loss_sum += float(loss_fn(logits, targets)) * len(targets)
+                loss_sum += float(loss(output, targets.to(device))) * len(targets)
     return scores_from_confusion(
         confusion.tolist(),
         classes=list(classes),
@@ -197,6 +204,52 @@ def validate_weights(
     return evaluate(
         model.to(device), dataset, classes=dataset.classes, batch_size=batch_size, device=device, loss_fn=spec.loss_fn,
     )
+
+
+def score_dataset(model, dataset, *, loss_fn, batch_size: int = 256, device: str = "cpu") -> dict:
+    """Mean loss, and accuracy or perplexity, of ``model`` over any dataset (tensor, tuple or dict inputs).
+
+    What ``autofit val`` reports without ``--data``: the model file's ``val_dataset()``.
+
+    Returns:
+        {"num_samples", "loss", "accuracy", "perplexity"} (None where it does not apply).
+    """
+    from autofit.model_io import Scores
+    from autofit.training.data import collate_pairs
+
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size} must be at least 1")
+    scores = Scores(loss_fn)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_pairs)
+    with torch.no_grad():
+        for inputs, targets in loader:
+            inputs, targets = to_device(inputs, device), to_device(targets, device)
+            scores.add(call_model(model, inputs), inputs, targets)
+    return {"num_samples": int(scores.samples), "loss": scores.loss, "accuracy": scores.accuracy, "perplexity": scores.perplexity}
+
+
+def validate_model_data(weights: str | Path, *, batch_size: int = 256, device: str = "cpu") -> dict:
+    """Score a checkpoint on its model file's ``val_dataset()`` (any input form: tensors, tuples, dicts).
+
+    Raises:
+        UserError: missing or foreign weights, or a model without ``val_dataset()``.
+    """
+    checkpoint, model, spec = load_model_for_eval(weights)
+    if spec.val_dataset is None:
+        raise UserError(f"{spec.source} defines no val_dataset(); give --data DIR (an image folder of class folders)")
+    return score_dataset(model.to(device), spec.val_dataset(), loss_fn=spec.loss_fn, batch_size=batch_size, device=device)
+
+
+def format_scores(scores: dict) -> str:
+    """One line: samples, loss, and accuracy or perplexity."""
+    parts = [f"samples {scores['num_samples']}"]
+    if scores["loss"] is not None:
+        parts.append(f"loss {scores['loss']:.4f}")
+    if scores["accuracy"] is not None:
+        parts.append(f"accuracy {scores['accuracy']:.2%}")
+    if scores["perplexity"] is not None:
+        parts.append(f"perplexity {scores['perplexity']:.2f}")
+    return "   ".join(parts)
 
 
 def format_evaluation(evaluation: Evaluation) -> str:

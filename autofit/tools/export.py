@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.model_io import logits_of
 
 FORMATS = ("torchscript", "onnx")
 QUANTIZATIONS = ("none", "int8")
@@ -118,15 +119,48 @@ def quantize_int8(model: nn.Module) -> tuple[nn.Module, int]:
     return quantized, linears
 
 
-def save_model(model: nn.Module, example: torch.Tensor, path: Path, *, file_format: str) -> Path:
-    """Write ``model`` (eval mode) as TorchScript (traced) or ONNX (batch dimension dynamic)."""
+class LogitsOnly(nn.Module):
+    """The model as an inference file keeps it: its inputs in, its logits (a ModelOutput's ``.logits``) out.
+
+    Args:
+        keys: for a model that takes a dict: the names of the tensors the file
+            takes positionally, in this order (``model(**dict(zip(keys, inputs)))``).
+    """
+
+    def __init__(self, model: nn.Module, *, keys: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, *inputs):
+        output = self.model(**dict(zip(self.keys, inputs))) if self.keys else self.model(*inputs)
+        logits = logits_of(output)
+        return output if logits is None else logits
+
+
+def save_model(model: nn.Module, example, path: Path, *, file_format: str) -> Path:
+    """Write ``model`` (eval mode) as TorchScript (traced) or ONNX (batch dimension dynamic).
+
+    ``example`` is one batch of inputs: a tensor, a tuple (the file takes them
+    positionally) or a dict (TorchScript only: the file takes its tensors
+    positionally in the dict's order, ``labels`` left out). The file returns the logits.
+    """
     model.eval()
     if file_format == "torchscript":
+        keys: tuple[str, ...] = ()
+        if isinstance(example, dict):
+            keys = tuple(key for key in example if key != "labels")  # inference predicts them
+            example = tuple(example[key] for key in keys)
+        inputs = tuple(example) if isinstance(example, (tuple, list)) else (example,)
         with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated upstream, still the asked-for format
-            traced = torch.jit.trace(model, example)
+            warnings.simplefilter("ignore")  # torch.jit is deprecated upstream, still the asked-for format
+            traced = torch.jit.trace(LogitsOnly(model, keys=keys), inputs, strict=False)
             torch.jit.save(traced, str(path))
         return path
+    if not isinstance(example, torch.Tensor):
+        raise UserError(
+            f"ONNX export takes a model with one tensor input; this one takes a {type(example).__name__}: use --format torchscript"
+        )
     _require_onnx()
     batch = torch.export.Dim("batch", min=1)
     with warnings.catch_warnings():
@@ -190,9 +224,14 @@ def export_weights(
     out = Path(out) if out is not None else weights.with_name(weights.stem + _SUFFIXES[config.format])
     if out.resolve() == weights.resolve():
         raise UserError(f"--out {str(out)!r} is the weights file itself; choose another path")
-    shape = input_shape_of(checkpoint, spec)
+    try:
+        shape = input_shape_of(checkpoint, spec)
+    except UserError:  # not an image model: its own example inputs (a tuple, a dict) give the file's input form
+        if data is not None:
+            raise
+        shape = None
     dataset = image_folder(data, input_shape=shape, classes=class_names(checkpoint)) if data is not None else None
-    example = torch.zeros(2, *shape)
+    example = torch.zeros(2, *shape) if shape else spec.example_batch(2)[0]
     notes: list[str] = []
 
     def accuracy(predict) -> float | None:

@@ -89,6 +89,8 @@ def epoch_line(record: dict, *, epochs: int) -> str:
         parts.append(f"val loss {record['val_loss']:.4f}")
     if record["val_accuracy"] is not None:
         parts.append(f"val accuracy {record['val_accuracy']:.4f}")
+    if record.get("val_perplexity") is not None:
+        parts.append(f"val perplexity {record['val_perplexity']:.2f}")
     return ", ".join(parts) + f" ({record['samples_per_s']:.0f} samples/s)"
 
 

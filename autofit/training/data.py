@@ -12,12 +12,12 @@ the batches an uninterrupted one would: ``epoch_order`` is that order, and
 from __future__ import annotations
 
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from autofit.errors import UserError
 from autofit.spec import ModelSpec, parse_shape
@@ -108,11 +108,14 @@ def model_file_data(spec: ModelSpec) -> TrainData:
             f"no training data: give --data DIR (DIR/train/<class>/<image>, DIR/val/<class>/<image>) "
             f"or define train_dataset() in {spec.source}"
         )
-    return datasets_data(spec.train_dataset(), spec.val_dataset() if spec.val_dataset else None, source=spec.source)
+    train = spec.train_dataset()
+    description = getattr(train, "description", None)  # e.g. hf: text tasks' synthetic tokens
+    source = f"{spec.source} ({description})" if description else spec.source
+    return datasets_data(train, spec.val_dataset() if spec.val_dataset else None, source=source)
 
 
 def datasets_data(train, val=None, *, source: str = "datasets") -> TrainData:
-    """Wrap map-style datasets (``len`` and ``[i]`` -> (input, target)).
+    """Wrap map-style datasets (``len`` and ``[i]`` -> (input, target), or a dict holding its labels).
 
     Raises:
         UserError: a dataset is a DataLoader, not indexable, or empty.
@@ -151,7 +154,22 @@ def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_
         # which a resumed run must find exactly where it was saved.
         generator=torch.Generator().manual_seed(0),
         persistent_workers=False,
+        collate_fn=collate_pairs,
     )
+
+
+def collate_pairs(samples: list):
+    """Stack samples into one batch, ``(inputs, targets)`` for training.
+
+    A sample is ``(input, target)`` (each a tensor, tuple or dict of tensors), or
+    a dict of tensors that holds its own labels (transformers' way): the batch is
+    then ``(dict, None)`` and the model is called as ``model(**inputs)``. Other
+    samples are stacked as ``default_collate`` stacks them.
+    """
+    batch = default_collate(samples)
+    if isinstance(batch, Mapping):
+        return batch, None
+    return batch
 
 
 def _ignore_interrupts(worker_id: int) -> None:

@@ -38,6 +38,7 @@ from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
 from autofit.errors import UserError
+from autofit.model_io import batch_size_of
 from autofit.measure.meters import release_device_memory
 from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
@@ -217,6 +218,7 @@ def _train_epochs(
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         last_time = time.perf_counter()
         for inputs, targets in loader:
+            batch_size = batch_size_of(inputs, targets)
             result, ooms = _train_global_batch(model, inputs, targets, applied=applied, loss_fn=loss_fn, optimizer=optimizer)
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
             lr = float(optimizer.param_groups[0]["lr"])
@@ -224,13 +226,13 @@ def _train_epochs(
                 scheduler.step()
             now = time.perf_counter()
             step_seconds, last_time = now - last_time, now
-            position.advance(samples=len(targets), loss=loss, seconds=step_seconds)
+            position.advance(samples=batch_size, loss=loss, seconds=step_seconds)
             for oom in ooms:
                 _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)
             memory_bytes, peak_bytes = gauge.read()
             record = {
                 "kind": "step", "epoch": epoch + 1, "step": position.global_step, "loss": loss, "lr": lr,
-                "samples_per_s": len(targets) / step_seconds, "memory_bytes": memory_bytes, "peak_bytes": peak_bytes,
+                "samples_per_s": batch_size / step_seconds, "memory_bytes": memory_bytes, "peak_bytes": peak_bytes,
                 "budget_bytes": plan.budget_bytes, "stepped": result.stepped,
             }
             log.step(record)
@@ -247,12 +249,13 @@ def _train_epochs(
                 checkpoints.save_last(plan=plan, state=state)
                 last_time = time.perf_counter()  # the pause for saving is not training time
 
-        val_loss, val_accuracy = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
+        val = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": position.global_step, "loss": position.train_loss,
             "lr": float(optimizer.param_groups[0]["lr"]), "samples_per_s": position.samples_per_s,
             "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
-            "train_loss": position.train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy,
+            "train_loss": position.train_loss, "val_loss": val.loss, "val_accuracy": val.accuracy,
+            "val_perplexity": val.perplexity,
         }
         log.epoch(record)
         console.print(epoch_line(record, epochs=settings.epochs))

@@ -23,6 +23,7 @@ def run_training(
     plan: Plan,
     data: TrainData,
     source: str,
+    source_options: dict | None = None,
     input_shape: Sequence[int] | None,
     loss_fn: Callable,
     build_optimizer: Callable,
@@ -36,6 +37,7 @@ def run_training(
         data: the train (and val) datasets.
         source: the model file, "torchvision:NAME" or "python:CLASS", saved with
             the weights so that ``autofit val`` and ``export`` can rebuild the model.
+        source_options: what else rebuilding it takes (an ``hf:`` model's task and sequence length).
         input_shape: (C, H, W) of one sample, saved with the weights; None when unknown.
         loss_fn: (output, target) -> mean loss.
         build_optimizer: params -> Optimizer.
@@ -53,6 +55,7 @@ def run_training(
     if settings.log_dir is None:
         settings = dataclasses.replace(settings, log_dir=same_on_all_ranks(default_log_dir()))
     model_source = {
+        **(source_options or {}),
         "source": source,
         "input_shape": "x".join(map(str, input_shape)) if input_shape else None,
         "num_classes": len(data.classes) if data.classes else plan.model.num_classes,

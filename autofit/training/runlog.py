@@ -30,7 +30,7 @@ class RunLog:
 
     _SCALARS = {
         "step": ("loss", "lr", "samples_per_s", "memory_bytes"),
-        "epoch": ("train_loss", "val_loss", "val_accuracy", "samples_per_s", "peak_bytes"),
+        "epoch": ("train_loss", "val_loss", "val_accuracy", "val_perplexity", "samples_per_s", "peak_bytes"),
     }
 
     def __init__(self, log_dir: Path, *, keep_until_step: int, keep_until_epoch: int) -> None:

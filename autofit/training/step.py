@@ -7,6 +7,7 @@ import torch
 
 from autofit._torch_private import tree_map
 from autofit.apply import AppliedPlan
+from autofit.model_io import as_loss, call_model
 
 
 @dataclass(slots=True)
@@ -30,15 +31,21 @@ def train_step(applied: AppliedPlan, inputs, targets, *, loss_fn, optimizer: tor
     ``inputs``/``targets`` are the whole global batch on the host; each
     micro-batch is copied to the device only when it is used. Every strategy
     acts through ``applied``'s hooks; this code never asks which are on.
+
+    Args:
+        inputs: a tensor, a tuple/list (``model(*x)``) or a dict (``model(**x)``).
+        targets: what ``loss_fn`` compares the output with; None when the labels
+            are in the inputs and the model returns its own loss.
+        loss_fn: ``(output, targets) -> loss``, a ``model_io.Loss`` (weights by its
+            ``count_items``), or None for the model's own loss.
     """
+    loss_fn = as_loss(loss_fn)
     total_loss = None
-    for micro_inputs, micro_targets, weight in applied.micro_batches(inputs, targets):
+    for micro_inputs, micro_targets, weight in applied.micro_batches(inputs, targets, count=loss_fn.count):
         micro_inputs, micro_targets = to_device(micro_inputs, applied.device), to_device(micro_targets, applied.device)
         with applied.forward_context():
-            output = applied.model(micro_inputs)
-            loss = loss_fn(output, micro_targets).float()
-            if weight != 1.0:  # one micro-batch: x 1.0 is exact, and one kernel less
-                loss = loss * weight
+            output = call_model(applied.model, micro_inputs)
+            loss = loss_fn.weighted(output, micro_targets, weight=weight)
         applied.backward(loss)
         total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
     stepped = applied.optimizer_step(optimizer)

@@ -1,49 +1,46 @@
-"""Validation after each epoch: mean loss and accuracy over the val set, split over the ranks."""
+"""Validation after each epoch: mean loss and accuracy (or perplexity) over the val set, split over the ranks."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from autofit.apply import AppliedPlan
-from autofit.training.data import make_loader
+from autofit.model_io import Scores, call_model
+from autofit.training.data import collate_pairs, make_loader
 from autofit.training.distributed import sum_across_ranks
-from strategies import micro_batch_count, rank_slice
 from autofit.training.step import to_device
+from strategies import micro_batch_count, rank_slice
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> tuple[float | None, float | None]:
-    """Mean loss and accuracy over ``dataset`` in micro-batches (None, None without a dataset).
+def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> Scores:
+    """Mean loss (over the items the loss counts), and accuracy or perplexity, over ``dataset`` in micro-batches.
 
     On several processes each rank evaluates its contiguous share and the sums
     are added over the ranks. Every rank runs as many forwards (FSDP gathers
     parameters in each, a collective): a rank one batch short runs one on a
     sample it does not count.
 
-    Accuracy is None unless the output is (B, classes) and the targets (B,) labels.
+    Accuracy is None unless the output (or its ``.logits``) is (B, classes) and
+    the labels (B,); perplexity is set for a language model's loss. Without a
+    dataset all three are None.
     """
+    scores = Scores(loss_fn)
     if dataset is None:
-        return None, None
+        return scores
     model.eval()
     env = applied.env
     share = rank_slice(len(dataset), rank=env.rank, world_size=env.world_size)
     batches = micro_batch_count(len(dataset), world_size=env.world_size, micro_batch_size=applied.micro_batch_size)
     loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers)
-    loss_sum, correct, count, classified = 0.0, 0, 0, True
     for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset):
         inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
         with applied.forward_context():
-            output = model(inputs)
-            loss = loss_fn(output, targets).float()
-        loss_sum += loss.item() * len(targets) * counted
-        count += len(targets) * counted
-        classified = classified and output.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
-        if classified:
-            correct += (output.argmax(dim=1) == targets).sum().item() * counted
+            scores.add(call_model(model, inputs), inputs, targets, counted=counted)
     model.train()
-    totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=applied.device)
-    loss_sum, correct, count = sum_across_ranks(totals).tolist()
-    return loss_sum / count, (correct / count if classified else None)
+    totals = torch.tensor(scores.totals(), dtype=torch.float64, device=applied.device)
+    scores.set_totals(sum_across_ranks(totals).tolist())
+    return scores
 
 
 def _padded_batches(loader, *, batches: int, dataset):
@@ -53,6 +50,6 @@ def _padded_batches(loader, *, batches: int, dataset):
         yield inputs, targets, 1
         done += 1
     if done < batches:
-        inputs, targets = torch.utils.data.default_collate([dataset[0]])
+        inputs, targets = collate_pairs([dataset[0]])
         for _ in range(batches - done):
             yield inputs, targets, 0

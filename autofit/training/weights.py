@@ -2,7 +2,8 @@
 
 A checkpoint is a dict saved with ``torch.save``:
     {"format": "autofit-checkpoint", "version": 1,
-     "model_source": {"source": path or "torchvision:NAME", "input_shape": "3x32x32", "num_classes": 10},
+     "model_source": {"source": path, "torchvision:NAME", "timm:NAME" or "hf:DIR", "input_shape": "3x32x32",
+                      "num_classes": 10, and for hf: "task", "seq_len"},
      "fingerprint": model_fingerprint(model), "classes": [names] or None,
      "model_state": state_dict, "plan": Plan.to_dict(),
      "training": {...}   # optimizer/scaler/scheduler/RNG/data position, for --resume}
@@ -16,7 +17,7 @@ from torch import nn
 
 from autofit.atomic import write_atomic
 from autofit.errors import UserError
-from autofit.spec import ModelSpec, load_spec, model_fingerprint
+from autofit.spec import ModelSpec, model_fingerprint, spec_from_source_info
 
 FORMAT = "autofit-checkpoint"
 VERSION = 1
@@ -52,7 +53,7 @@ def model_from_checkpoint(checkpoint: dict, *, where: str = "weights") -> tuple[
         UserError: the model source is gone, or the weights belong to another model.
     """
     source = checkpoint["model_source"]
-    spec = load_spec(source["source"], input_shape=source.get("input_shape") or "3x224x224", num_classes=source.get("num_classes") or 1000)
+    spec = spec_from_source_info(source)
     model = spec.build_model()
     if model_fingerprint(model) != checkpoint.get("fingerprint"):
         raise UserError(f"{where} were saved from another model than {source['source']!r} builds now (parameter names or shapes differ); use the model file they were trained with")

@@ -1,0 +1,239 @@
+"""Models named by library: ``timm:NAME`` and ``hf:PATH`` (transformers), built from configs, never downloaded.
+
+transformers and timm are optional (``pip install 'autofit[hf]'``); naming
+such a model without the library installed is one line saying what to install.
+
+``hf:PATH`` is a local directory holding a transformers ``config.json`` (or
+the file itself). The model is built with ``AutoModelFor<Task>.from_config``:
+random weights, no hub access. Tasks:
+
+- ``causal-lm``: inputs ``{"input_ids", "attention_mask", "labels"}``, no
+  targets; the model computes its own loss, and micro-batches are weighted by
+  the labels it predicts (``count_labels(shift=True)``), so accumulation is exact.
+- ``sequence-classification``: inputs ``{"input_ids", "attention_mask"}``,
+  targets the class labels; cross-entropy of ``.logits``.
+- ``image-classification``: inputs images (B, C, H, W) from the config's
+  ``num_channels`` and ``image_size`` (so an image folder trains it), targets labels.
+
+Without ``--data``, text tasks train on synthetic random tokens (for a smoke
+run; pass your own datasets to ``autofit.fit`` for real training).
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autofit.errors import UserError
+from autofit.model_io import Loss, count_labels
+
+HF_TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
+"""--task -> the transformers auto class that builds it."""
+
+_ARCHITECTURE_TASKS = (
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForSequenceClassification", "sequence-classification"),
+    ("ForImageClassification", "image-classification"),
+)
+DEFAULT_SEQ_LEN = 128
+"""Tokens per example sequence when neither --seq-len nor a shorter context length says otherwise."""
+SYNTHETIC_SAMPLES = (256, 64)
+"""Train and val samples of the synthetic token datasets (smoke runs of text tasks without data)."""
+
+
+def require(package: str, *, source: str):
+    """Import an optional library, or fail with one line saying what to install."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as error:
+        raise UserError(
+            f"{source} needs the {package} package, which is not installed; pip install 'autofit[hf]' "
+            f"(or pip install {package})"
+        ) from error
+
+
+# ---- timm ---------------------------------------------------------------------------------------
+
+def timm_spec(source: str, *, input_shape: tuple[int, ...], num_classes: int | None):
+    """``timm:NAME``: ``timm.create_model(NAME, pretrained=False)`` for (C, H, W) images and ``num_classes`` outputs."""
+    from autofit.spec import ModelSpec, default_optimizer
+
+    timm = require("timm", source=source)
+    name = source.split(":", 1)[1]
+    num_classes = num_classes or 1000
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:6]
+        raise UserError(f"timm model {name!r} is unknown; try e.g. timm:resnet18 (similar names: {', '.join(close) or 'none'})")
+    if num_classes < 2:
+        raise UserError(f"--num-classes {num_classes} must be at least 2")
+    if len(input_shape) != 3:
+        raise UserError(f"--input-shape {'x'.join(map(str, input_shape))} must be CxHxW for a timm model")
+    channels, height, width = input_shape
+    options = {"pretrained": False, "num_classes": num_classes, "in_chans": channels}
+    # Vision transformers fix their patch grid at construction: tell them the image size.
+    with torch.device("meta"):
+        try:
+            timm.create_model(name, img_size=(height, width), **options)
+            options["img_size"] = (height, width)
+        except TypeError:  # a model without img_size (CNNs take any size)
+            pass
+
+    def build_model() -> nn.Module:
+        return timm.create_model(name, **options)
+
+    def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch_size, *input_shape), torch.randint(0, num_classes, (batch_size,))
+
+    return ModelSpec(
+        source=source, build_model=build_model, example_batch=example_batch,
+        loss_fn=Loss(nn.functional.cross_entropy), build_optimizer=default_optimizer, input_shape=tuple(input_shape),
+        source_options={"num_classes": num_classes},
+    )
+
+
+# ---- transformers ---------------------------------------------------------------------------------
+
+def hf_spec(source: str, *, task: str | None, seq_len: int | None, num_classes: int | None, input_shape: str | None = None):
+    """``hf:PATH``: a transformers model built from a local config (see the module docstring).
+
+    Raises:
+        UserError: transformers is missing, the path holds no config.json, the
+            task is unknown or cannot be inferred, or the sequence is too long.
+    """
+    from autofit.spec import ModelSpec, default_optimizer
+
+    transformers = require("transformers", source=source)
+    config = _hf_config(transformers, source)
+    task = task or _task_from(config, source)
+    if task not in HF_TASKS:
+        raise UserError(f"--task {task!r} is unknown for {source}; choose {', '.join(HF_TASKS)}")
+    if task != "causal-lm":
+        if num_classes is not None:
+            if num_classes < 2:
+                raise UserError(f"--num-classes {num_classes} must be at least 2")
+            config.num_labels = num_classes
+        num_classes = config.num_labels
+    auto_class = getattr(transformers, HF_TASKS[task])
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # training keeps no key/value cache (and checkpointed blocks recompute without one)
+
+    def build_model() -> nn.Module:
+        return auto_class.from_config(config)
+
+    options: dict = {"task": task}
+    if task == "image-classification":
+        size = getattr(config, "image_size", 224)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        shape = (getattr(config, "num_channels", 3), height, width)
+
+        def example_batch(batch_size: int):
+            return torch.randn(batch_size, *shape), torch.randint(0, num_classes, (batch_size,))
+
+        options["num_classes"] = num_classes
+        return ModelSpec(
+            source=source, build_model=build_model, example_batch=example_batch,
+            loss_fn=Loss(None), build_optimizer=default_optimizer, input_shape=shape,
+            source_options=options,
+        )
+    vocab_size = config.vocab_size
+    longest = _context_length(config)
+    seq_len = seq_len or min(DEFAULT_SEQ_LEN, longest or DEFAULT_SEQ_LEN)
+    if seq_len < 2 or (longest and seq_len > longest):
+        raise UserError(f"--seq-len {seq_len} must be between 2 and the model's context length {longest or 'unknown'}")
+    options["seq_len"] = seq_len
+    if task == "causal-lm":
+        def example_batch(batch_size: int):
+            return causal_lm_batch(torch.randint(0, vocab_size, (batch_size, seq_len))), None
+
+        loss = Loss(None, count_items=count_labels(shift=True))
+        datasets = {part: (lambda part=part: SyntheticTokens(
+            vocab_size=vocab_size, seq_len=seq_len, samples=SYNTHETIC_SAMPLES[part == "val"], seed=part == "val"))
+            for part in ("train", "val")}
+    else:
+        options["num_classes"] = num_classes
+
+        def example_batch(batch_size: int):
+            tokens = torch.randint(0, vocab_size, (batch_size, seq_len))
+            return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}, torch.randint(0, num_classes, (batch_size,))
+
+        loss = Loss(None)  # cross-entropy of .logits (no labels in the inputs, so no own loss)
+        datasets = {part: (lambda part=part: SyntheticTokens(
+            vocab_size=vocab_size, seq_len=seq_len, samples=SYNTHETIC_SAMPLES[part == "val"], seed=part == "val",
+            num_classes=num_classes)) for part in ("train", "val")}
+    return ModelSpec(
+        source=source, build_model=build_model, example_batch=example_batch, loss_fn=loss,
+        build_optimizer=default_optimizer, train_dataset=datasets["train"], val_dataset=datasets["val"],
+        source_options=options,
+    )
+
+
+def causal_lm_batch(tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A causal-LM batch for transformers: the tokens are their own labels; padding (mask 0) is labelled -100."""
+    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask
+    return {"input_ids": tokens, "attention_mask": mask, "labels": tokens.masked_fill(mask == 0, -100)}
+
+
+class SyntheticTokens(torch.utils.data.Dataset):
+    """Random token sequences with a learnable pattern (each token follows from the one before), for smoke runs.
+
+    Samples are dicts (causal LM: the model's inputs, labels included) or
+    (dict, class) pairs (sequence classification: the class is the first token's bucket).
+    """
+
+    description = "synthetic tokens, for a smoke run"
+
+    def __init__(self, *, vocab_size: int, seq_len: int, samples: int, seed: int, num_classes: int | None = None) -> None:
+        generator = torch.Generator().manual_seed(1234 + int(seed))
+        start = torch.randint(0, vocab_size, (samples, 1), generator=generator)
+        step = torch.randint(1, 4, (samples, 1), generator=generator)
+        self.tokens = (start + step * torch.arange(seq_len)) % vocab_size  # (N, T)
+        self.num_classes = num_classes
+        if num_classes is not None:
+            self.labels = start[:, 0] * num_classes // vocab_size
+            self.classes = [str(c) for c in range(num_classes)]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int):
+        tokens = self.tokens[index]
+        if self.num_classes is None:
+            return causal_lm_batch(tokens)
+        return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}, self.labels[index]
+
+
+def _hf_config(transformers, source: str):
+    path = Path(source.split(":", 1)[1]).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UserError(
+            f"{source}: no transformers config at {str(file)!r}; give a local directory holding config.json "
+            "(e.g. from config.save_pretrained(DIR)) or the config.json itself (nothing is downloaded)"
+        )
+    try:
+        return transformers.AutoConfig.from_pretrained(str(file.parent if file.name == "config.json" else file), local_files_only=True)
+    except Exception as error:  # a malformed or foreign config: the user's file to fix
+        raise UserError(f"{source}: {str(file)!r} is not a transformers config ({type(error).__name__}: {str(error).splitlines()[0][:160]})") from error
+
+
+def _task_from(config, source: str) -> str:
+    for architecture in getattr(config, "architectures", None) or []:
+        for suffix, task in _ARCHITECTURE_TASKS:
+            if architecture.endswith(suffix):
+                return task
+    raise UserError(f"{source}: say what to train it for with --task {'|'.join(HF_TASKS)} (its config names no architecture)")
+
+
+def _context_length(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,96 @@
+"""Meters on models that are not plain: frozen parameters, and a model fake tensors cannot run."""
+import pytest
+import torch
+from torch import nn
+
+from autofit.measure.meters import checked_for_simulation, frozen_parameter_bytes
+from autofit.measure.probe import probe
+from autofit.model_io import Loss
+from autofit.planning.cost_model import memory_costs
+from autofit.planning.planner import InfeasibleBudget, make_plan
+from autofit.spec import ModelSpec, default_optimizer
+
+
+class Stack(nn.Module):
+    """Four same-typed blocks (checkpoint candidates); ``freeze`` of them do not train."""
+
+    def __init__(self, *, freeze: int = 0, branch_on_values: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4)))
+        self.head = nn.Linear(32, 5)
+        self.branch_on_values = branch_on_values
+        for block in list(self.blocks)[:freeze]:
+            block.requires_grad_(False)
+
+    def forward(self, x):  # (B, 32) -> (B, 5)
+        h = self.blocks(x)
+        if self.branch_on_values and h.sum() > 0:  # reads a value: fake tensors have none
+            h = h * 2
+        return self.head(h)
+
+
+def stack_spec(**options) -> ModelSpec:
+    return ModelSpec(
+        source=f"stack{options}", build_model=lambda: Stack(**options),
+        example_batch=lambda n: (torch.randn(n, 32), torch.randint(0, 5, (n,))),
+        loss_fn=Loss(nn.functional.cross_entropy), build_optimizer=default_optimizer,
+    )
+
+
+def test_frozen_parameters_have_no_gradients_or_optimizer_state_in_every_meter(one_thread):
+    spec = stack_spec(freeze=2)
+    model = spec.build_model()
+    all_bytes = sum(p.numel() * 4 for p in model.parameters())
+    frozen = frozen_parameter_bytes(model)
+    trainable = all_bytes - frozen
+    assert 0 < frozen < all_bytes
+    trainable_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    for simulate in (False, True):
+        result = probe(spec, micro_batch_size=4, global_batch_size=8, simulate=simulate, steps=2)
+        breakdown = result.breakdown
+        assert breakdown["parameters"] == all_bytes
+        assert breakdown["gradients"] <= trainable
+        # AdamW: two moments per trainable parameter and a 4-byte step count per tensor; nothing for frozen ones.
+        assert breakdown["optimizer_state"] == 2 * trainable + 4 * trainable_tensors
+    cpu = probe(spec, micro_batch_size=8, steps=2)
+    simulated = probe(spec, micro_batch_size=8, simulate=True, steps=2)
+    assert simulated.peak_bytes == cpu.peak_bytes
+
+
+def test_the_memory_model_predicts_a_partly_frozen_model(one_thread):
+    spec = stack_spec(freeze=3)
+    costs = memory_costs(spec, precision="fp32", low=2, high=8, device_type="cpu")
+    for size in (2, 4, 8):
+        predicted = costs.peak_bytes(size, global_batch_size=8, checkpoint=set())
+        measured = probe(spec, micro_batch_size=size, global_batch_size=8, simulate=True, steps=2).peak_bytes
+        assert predicted == pytest.approx(measured, rel=1e-4)
+
+
+def test_the_floor_message_says_which_parameters_are_frozen(one_thread):
+    with pytest.raises(InfeasibleBudget, match=r"frozen: no gradients or optimizer state") as raised:
+        make_plan(stack_spec(freeze=2), budget="20KB", batch_size=8, device="cpu")
+    breakdown = raised.value.breakdown
+    model = Stack(freeze=2)
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert breakdown["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+    assert breakdown["gradients"] <= trainable and breakdown["optimizer_state"] < 2 * sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_a_model_fake_tensors_cannot_run_falls_back_to_the_cpu_meter_with_one_line(one_thread, capsys):
+    spec = stack_spec(branch_on_values=True)
+    result = probe(spec, micro_batch_size=4, simulate=True, steps=2)
+    err = capsys.readouterr().err
+    assert result.meter == "cpu"
+    assert err.count("\n") == 1 and "simulated meter cannot run" in err and "DataDependentOutputException" in err
+    assert "cpu meter" in err and "Traceback" not in err
+    assert result.peak_bytes == probe(spec, micro_batch_size=4, steps=2).peak_bytes
+    checked = checked_for_simulation(spec)
+    assert checked.simulation_fallback.startswith("DataDependentOutputException")
+    assert checked_for_simulation(stack_spec()).simulation_fallback == ""
+
+
+def test_a_plan_for_a_model_fake_tensors_cannot_run(one_thread, capsys):
+    plan = make_plan(stack_spec(branch_on_values=True), budget="2MB", batch_size=8, device="cpu", simulate=True)
+    err = capsys.readouterr().err
+    assert plan.measured["peak_bytes"] > 0
+    assert err.count("simulated meter cannot run") == 1
