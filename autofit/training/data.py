@@ -139,7 +139,9 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
 def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_workers: int) -> DataLoader:
     """Batches of ``dataset`` taken in ``order`` (indices; start mid-epoch by slicing it).
 
-    Workers ignore Ctrl-C: the main process finishes its step and saves.
+    Workers ignore Ctrl-C, SIGTERM and SIGHUP (sent to the whole process group
+    by a terminal or a job scheduler): the main process finishes its step and
+    saves, and its workers end with it.
     """
     return DataLoader(
         dataset,
@@ -155,4 +157,5 @@ def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_
 
 
 def _ignore_interrupts(worker_id: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)

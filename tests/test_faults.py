@@ -1,0 +1,324 @@
+"""Nothing lost: run directories, signals, kills, full disks, bad images, OOM anywhere in a step, garbage logs.
+
+Each test first reproduces what used to go wrong (a second run mixing its
+files into the first's, a fresh start erasing a run, steps missing from the
+log after a kill, a SIGTERM with no save, ...) and checks it cannot happen.
+The bad inputs of every command are in tests/test_bad_inputs.py.
+"""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autofit.errors import UserError
+from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
+from autofit.spec import model_fingerprint
+from autofit.training.loop import TrainingInterrupted
+from autofit.training.rundir import LOCK_FILE, hold_run_directory
+from autofit.training.weights import load_checkpoint
+from tests.conftest import ROOT
+from tests.test_loop import assert_same_weights, fresh_model, make_plan, run
+
+MODEL_FILE = '''
+import os
+import signal
+
+import torch
+from torch import nn
+
+INPUT_SHAPE = (1, 8, 8)
+
+
+def build_model():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+
+
+def example_batch(batch_size):
+    return torch.rand(batch_size, 1, 8, 8), torch.randint(0, 2, (batch_size,))
+
+
+_calls = 0
+
+
+def loss_fn(output, target):
+    """Cross-entropy; AUTOFIT_TEST_SIGNAL="SIGTERM:5" sends that signal to this process in the 5th call."""
+    global _calls
+    _calls += 1
+    name, _, at = os.environ.get("AUTOFIT_TEST_SIGNAL", ":").partition(":")
+    if name and _calls == int(at):
+        os.kill(os.getpid(), getattr(signal, name))
+    return nn.functional.cross_entropy(output, target)
+'''
+
+
+def write_images(folder: Path, *, per_class: int, seed: int) -> None:
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    for label in ("a", "b"):
+        (folder / label).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = (torch.rand(8, 8, generator=generator) * 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels, mode="L").save(folder / label / f"{i}.png")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A model file, an image folder (24 train / 8 val images: 3 steps of 8 per epoch) and a plan for them."""
+    root = tmp_path_factory.mktemp("project")
+    model_file = root / "tiny.py"
+    model_file.write_text(MODEL_FILE)
+    write_images(root / "data" / "train", per_class=12, seed=0)
+    write_images(root / "data" / "val", per_class=4, seed=1)
+    from autofit.spec import load_spec
+
+    network = load_spec(str(model_file)).build_model()
+    plan = Plan(
+        model=ModelInfo(source=str(model_file), fingerprint=model_fingerprint(network), input_shape=[1, 8, 8], num_classes=2),
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8, global_batch_size=8, micro_batch_size=4, precision="fp32",
+        checkpoint=[],
+    )
+    save_plan(plan, root / "plan.json")
+    return root
+
+
+def train_args(project: Path, log_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--plan", project / "plan.json", "--data", project / "data", "--log-dir", log_dir, "--workers", "0", *extra]
+
+
+def cli_subprocess(*args, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "autofit", *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout,
+    )
+
+
+def step_records(log_dir: Path) -> list[dict]:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "step"]
+
+
+def weights(log_dir: Path) -> dict:
+    return load_checkpoint(log_dir / "last.pt")["model_state"]
+
+
+def assert_equal_states(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autofit: error: "), stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+# --- the run directory ------------------------------------------------------------------------
+
+
+def test_a_second_run_in_a_held_log_dir_is_refused_naming_the_holder(tmp_path, project, run_cli):
+    """Two runs on one --log-dir used to both exit 0 and mix their files; now the second is refused."""
+    log_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from pathlib import Path
+            from autofit.training.rundir import hold_run_directory
+            with hold_run_directory(Path({str(log_dir)!r})):
+                print("holding", flush=True)
+                sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        code, _, err = run_cli(*train_args(project, log_dir))
+        line = one_line(err)
+        assert code == 2 and f"pid {holder.pid} on {os.uname().nodename}" in line and "another --log-dir" in line
+        assert sorted(p.name for p in log_dir.iterdir()) == [LOCK_FILE]  # the second run wrote nothing
+    finally:
+        holder.communicate("", timeout=30)
+    code, _, err = run_cli(*train_args(project, log_dir, "--max-steps", "1"))  # the holder is gone: the lock with it
+    assert code == 0, err
+
+
+def test_the_lock_is_released_when_the_run_ends(tmp_path):
+    with hold_run_directory(tmp_path / "run"):
+        with pytest.raises(UserError, match=f"in use by another run \\(pid {os.getpid()} "):
+            with hold_run_directory(tmp_path / "run"):
+                pass
+    with hold_run_directory(tmp_path / "run"):
+        pass
+
+
+@pytest.mark.parametrize("files", [("best.pt", "metrics.jsonl"), ("last.pt",), ("metrics.jsonl",)])
+def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path, project, run_cli, files):
+    """best.pt and metrics.jsonl without last.pt used to count as a fresh folder: the history was erased."""
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    for name in files:
+        (log_dir / name).write_bytes(b'{"kind": "step", "step": 1}\n')
+    code, _, err = run_cli(*train_args(project, log_dir))
+    line = one_line(err)
+    assert code == 2 and "already holds a run" in line and "--overwrite" in line and "another --log-dir" in line
+    assert ("--resume" in line) == ("last.pt" in files)
+    assert all((log_dir / name).read_bytes() == b'{"kind": "step", "step": 1}\n' for name in files)
+
+
+def test_overwrite_deletes_the_earlier_run_and_starts_again(tmp_path, project, run_cli):
+    log_dir = tmp_path / "run"
+    assert run_cli(*train_args(project, log_dir, "--max-steps", "2"))[0] == 0
+    code, _, err = run_cli(*train_args(project, log_dir, "--max-steps", "1", "--overwrite"))
+    assert code == 0, err
+    assert [r["step"] for r in step_records(log_dir)] == [1]
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
+    code, _, err = run_cli(*train_args(project, log_dir, "--overwrite", "--resume"))
+    assert code == 2 and "give one of them" in one_line(err)
+
+
+def test_leftovers_of_a_killed_save_are_cleaned_up(tmp_path):
+    log_dir = tmp_path / "run"
+    (log_dir / "last_sharded.previous").mkdir(parents=True)
+    (log_dir / "last_sharded.partial").mkdir()
+    (log_dir / ".last.pt.0123abcd.tmp").write_bytes(b"half")
+    (log_dir / "notes.tmp").write_text("mine")
+    with hold_run_directory(log_dir):
+        pass
+    # The complete save moved aside is put back; the half-written ones are gone; the user's file stays.
+    assert sorted(p.name for p in log_dir.iterdir()) == [LOCK_FILE, "last_sharded", "notes.tmp"]
+
+
+# --- metrics.jsonl is on disk before a save counts ---------------------------------------------
+
+
+def test_every_record_up_to_a_save_is_on_disk_before_the_save(tmp_path, monkeypatch):
+    """metrics.jsonl used to be buffered past a save of last.pt: a kill then lost steps the weights had seen."""
+    from autofit.training import checkpoints, runlog
+
+    synced = []
+    real_fsync = os.fsync
+
+    def spy_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def checked_save(self, checkpoint, *, model, optimizer):
+        step = checkpoint["training"]["position"]["global_step"]
+        on_disk = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in on_disk if r["kind"] == "step"][-1] == step
+        assert synced and synced[-1].endswith("metrics.jsonl")
+        return real_save(self, checkpoint, model=model, optimizer=optimizer)
+
+    real_save = checkpoints.LocalCheckpoints.save_last
+    monkeypatch.setattr(runlog.os, "fsync", spy_fsync)
+    monkeypatch.setattr(checkpoints.LocalCheckpoints, "save_last", checked_save)
+    model = fresh_model()
+    run(model, make_plan(model), tmp_path, save_every_steps=2, max_steps=7)
+
+
+def test_garbage_lines_in_metrics_are_skipped_and_counted_on_resume(tmp_path, capsys):
+    """Non-UTF-8 bytes, a bare number or a list in metrics.jsonl used to crash --resume."""
+    model = fresh_model()
+    run(model, make_plan(model), tmp_path, max_steps=3)
+    with open(tmp_path / "metrics.jsonl", "ab") as log:
+        log.write(b"\xff\xfe not utf-8\n42\n[1, 2]\n\"text\"\n{\"kind\": \"step\", \"step\": \"x\"}\n{\"kind\": \"step\", \"ste")
+    resumed = fresh_model()
+    train_settings = {"resume": True, "max_steps": 5, "verbose": True}
+    run(resumed, make_plan(resumed), tmp_path, **train_settings)
+    assert "skipped 5 unreadable line(s)" in capsys.readouterr().out
+    assert [r["step"] for r in step_records(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+# --- signals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_save_and_stop_as_ctrl_c_does(tmp_path, signal_number):
+    """SIGTERM and SIGHUP used to kill the run with no save."""
+    whole = fresh_model(dropout=0.2)
+    run(whole, make_plan(whole), tmp_path / "whole")
+    calls = {"n": 0}
+
+    def signalling_loss(output, target):
+        calls["n"] += 1
+        if calls["n"] == 3 * 3 + 2:  # inside step 4
+            os.kill(os.getpid(), signal_number)
+        return nn.functional.cross_entropy(output, target)
+
+    first = fresh_model(dropout=0.2)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        run(first, make_plan(first), tmp_path / "cut", loss_fn=signalling_loss)
+    assert (stopped.value.step, stopped.value.exit_code) == (4, 128 + signal_number)
+    assert load_checkpoint(tmp_path / "cut" / "last.pt")["training"]["position"]["global_step"] == 4
+    resumed = fresh_model(dropout=0.2)
+    run(resumed, make_plan(resumed), tmp_path / "cut", resume=True)
+    assert_same_weights(resumed, whole, exact=True)
+    assert [r["step"] for r in step_records(tmp_path / "cut")] == list(range(1, 11))
+
+
+def test_sigterm_to_autofit_train_exits_143_with_the_resume_command_and_resume_alone_continues(tmp_path, project, run_cli):
+    """A real process: SIGTERM mid-epoch saves, exits 128+15, and `--log-dir DIR --resume` alone finishes the run."""
+    settings = ("--epochs", "2", "--lr", "0.01", "--seed", "3")
+    assert run_cli(*train_args(project, tmp_path / "whole", *settings))[0] == 0
+    cut = tmp_path / "cut"
+    # Epoch 1 is losses 1-6 (3 steps of 2 micro-batches) and 7-8 (validation): the 11th is in step 5.
+    stopped = cli_subprocess(*train_args(project, cut, *settings, "--save-every", "2"), env_extra={"AUTOFIT_TEST_SIGNAL": "SIGTERM:11"})
+    assert stopped.returncode == 143, stopped.stderr
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert line == f"autofit: stopped by SIGTERM at epoch 2, step 5; saved {cut / 'last.pt'}; continue with `autofit train --log-dir {cut} --resume`"
+    code, out, err = run_cli("train", "--log-dir", cut, "--resume")
+    assert code == 0, err
+    assert_equal_states(weights(cut), weights(tmp_path / "whole"))
+    assert [r["step"] for r in step_records(cut)] == list(range(1, 7))
+    assert "epoch 2/2" in out
+
+
+# --- resume: the run's own settings ---------------------------------------------------------
+
+
+def test_resume_refuses_settings_and_plans_that_differ(tmp_path, project, run_cli):
+    """--plan on resume used to be ignored silently, and settings given again were taken whatever they were."""
+    log_dir = tmp_path / "run"
+    assert run_cli(*train_args(project, log_dir, "--max-steps", "1", "--seed", "3", "--lr", "0.01"))[0] == 0
+    other_data = tmp_path / "other"
+    write_images(other_data / "train", per_class=2, seed=5)
+    write_images(other_data / "val", per_class=1, seed=6)
+    for flags, named in [
+        (("--seed", "4"), "seed 4 differs"),
+        (("--lr", "0.02"), "lr 0.02 differs"),
+        (("--data", other_data), f"--data {other_data} differs"),
+    ]:
+        code, _, err = run_cli("train", "--log-dir", log_dir, "--resume", *flags)
+        assert code == 2 and named in one_line(err), err
+    other_plan = json.loads((project / "plan.json").read_text())
+    other_plan.update(precision="bf16", global_batch_size=16)
+    other_plan.pop("grad_accum_steps", None)
+    (tmp_path / "other.json").write_text(json.dumps(other_plan))
+    code, _, err = run_cli("train", "--log-dir", log_dir, "--resume", "--plan", tmp_path / "other.json")
+    line = one_line(err)
+    assert code == 2 and "global_batch_size 16 (saved: 8)" in line and "precision 'bf16' (saved: 'fp32')" in line
+    # The same settings again, and the same plan, are fine.
+    code, _, err = run_cli(*train_args(project, log_dir, "--resume", "--seed", "3", "--lr", "0.01", "--max-steps", "2"))
+    assert code == 0, err
+    assert [r["step"] for r in step_records(log_dir)] == [1, 2]
+
+
+def test_a_resumed_run_keeps_going_to_its_own_max_steps(tmp_path, project, run_cli):
+    log_dir = tmp_path / "run"
+    env = {"AUTOFIT_TEST_SIGNAL": "SIGINT:3"}  # in step 2
+    stopped = cli_subprocess(*train_args(project, log_dir, "--max-steps", "4", "--epochs", "3"), env_extra=env)
+    assert stopped.returncode == 130, stopped.stderr
+    assert run_cli("train", "--log-dir", log_dir, "--resume")[0] == 0
+    assert [r["step"] for r in step_records(log_dir)] == [1, 2, 3, 4]  # not all 9 steps of 3 epochs
+    assert run_cli("train", "--log-dir", log_dir, "--resume")[0] == 0  # --max-steps reached: on to --epochs
+    assert [r["step"] for r in step_records(log_dir)] == list(range(1, 10))
