@@ -107,11 +107,13 @@ def _file_spec(source: str) -> ModelSpec:
     if missing:
         raise UserError(f"model file {source!r} does not define {' and '.join(missing)}(); add it (see examples/digits_cnn.py)")
     shape = getattr(module, "INPUT_SHAPE", None)
+    from autofit.model_checks import CheckedBuild, CheckedExampleBatch, LogitsCrossEntropy
+
     return ModelSpec(
         source=str(path),
-        build_model=module.build_model,
-        example_batch=module.example_batch,
-        loss_fn=getattr(module, "loss_fn", None) or nn.functional.cross_entropy,
+        build_model=CheckedBuild(module.build_model, source=str(path)),
+        example_batch=CheckedExampleBatch(module.example_batch, source=str(path)),
+        loss_fn=getattr(module, "loss_fn", None) or LogitsCrossEntropy(source=str(path)),
         build_optimizer=getattr(module, "build_optimizer", None) or default_optimizer,
         train_dataset=getattr(module, "train_dataset", None),
         val_dataset=getattr(module, "val_dataset", None),

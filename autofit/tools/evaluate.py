@@ -124,7 +124,13 @@ def evaluate(
     loss_sum = 0.0
     with torch.no_grad():
         for inputs, targets in loader:
-            logits = model(inputs.to(device)).float().cpu()  # (B, K)
+            output = model(inputs.to(device))
+            if not isinstance(output, torch.Tensor):
+                raise UserError(
+                    f"the model returns a {type(output).__name__}, not a tensor of logits (B, classes); "
+                    "validation scores classifiers whose forward returns their logits"
+                )
+            logits = output.float().cpu()  # (B, K)
             if logits.ndim != 2 or logits.shape[1] < num_classes:
                 raise UserError(
                     f"the model gives outputs of shape {tuple(logits.shape)} but the data has {num_classes} classes; "

@@ -180,16 +180,18 @@ def export_weights(
         UserError: foreign or missing weights, a missing data folder, a format
             whose package is not installed, or ``out`` naming the weights file.
     """
+    from autofit.atomic import check_writable
     from autofit.tools.evaluate import class_names, evaluate, input_shape_of, load_model_for_eval
     from autofit.training.images import image_folder
 
     if config.format == "onnx":
         _require_onnx()
     weights = Path(weights)
-    checkpoint, model, spec = load_model_for_eval(weights)
     out = Path(out) if out is not None else weights.with_name(weights.stem + _SUFFIXES[config.format])
     if out.resolve() == weights.resolve():
         raise UserError(f"--out {str(out)!r} is the weights file itself; choose another path")
+    checkpoint, model, spec = load_model_for_eval(weights)
+    check_writable(out, option="--out")
     shape = input_shape_of(checkpoint, spec)
     dataset = image_folder(data, input_shape=shape, classes=class_names(checkpoint)) if data is not None else None
     example = torch.zeros(2, *shape)

@@ -8,6 +8,7 @@ turned into float tensors in [0, 1].
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def image_folder(
         raise UserError(f"data folder {str(folder)!r} is not a directory; give a folder of class folders of images (e.g. data/digits/val)")
     if not any(entry.is_dir() for entry in folder.iterdir()):
         raise UserError(f"{str(folder)!r} holds no class folders; expected {folder}/<class>/<image>")
+    _check_no_link_loops(folder)
     _, height, width = input_shape
     check = _ReadableImage() if skip_unreadable else None
     dataset = ImageFolder(
@@ -98,6 +100,26 @@ def load_image(path: str, *, mode: str):
             return image.convert(mode)
     except (OSError, ValueError) as error:
         raise UserError(f"image {path!r} cannot be read ({error}); replace or remove it") from error
+
+
+def _check_no_link_loops(folder: Path) -> None:
+    """Refuse a symbolic link to a folder that holds it: torchvision follows links, and would read it over and over.
+
+    Raises:
+        UserError: naming the link and where it points.
+    """
+    for root, dirs, _ in os.walk(folder, followlinks=True):
+        here = os.path.realpath(root)
+        for name in list(dirs):
+            link = os.path.join(root, name)
+            if not os.path.islink(link):
+                continue
+            target = os.path.realpath(link)
+            if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+                raise UserError(
+                    f"{link!r} is a symbolic link to {target!r}, a folder that holds it, so it would be read without end; "
+                    "remove the link"
+                )
 
 
 def _number_as(dataset, classes: list[str], *, folder: Path) -> None:
