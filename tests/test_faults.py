@@ -5,7 +5,6 @@ files into the first's, a fresh start erasing a run, steps missing from the
 log after a kill, a SIGTERM with no save, ...) and checks it cannot happen.
 The bad inputs of every command are in tests/test_bad_inputs.py.
 """
-import errno
 import json
 import os
 import signal
@@ -322,3 +321,139 @@ def test_a_resumed_run_keeps_going_to_its_own_max_steps(tmp_path, project, run_c
     assert [r["step"] for r in step_records(log_dir)] == [1, 2, 3, 4]  # not all 9 steps of 3 epochs
     assert run_cli("train", "--log-dir", log_dir, "--resume")[0] == 0  # --max-steps reached: on to --epochs
     assert [r["step"] for r in step_records(log_dir)] == list(range(1, 10))
+
+
+# --- out of memory anywhere in a step ----------------------------------------------------------
+
+from tests.test_loop import FEATURES, Block, make_data  # noqa: E402
+
+
+class AllocationFails:
+    """Raises an allocation failure the ``at``-th time it is called, once; ``error`` makes it (default torch.OutOfMemoryError)."""
+
+    def __init__(self, at: int, error=lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) -> None:
+        self.at, self.calls, self.error = at, 0, error
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error()
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, hook):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.hook is not None:
+            ctx.hook()
+        return grad, None
+
+
+class NormNet(nn.Module):
+    """Dropout (the RNG) and BatchNorm (buffers a forward changes) before the places a failure is injected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(0.2) for _ in range(3)))
+        self.norm = nn.BatchNorm1d(FEATURES)
+        self.head = nn.Linear(FEATURES, 3)
+        self.in_forward = self.in_backward = None
+
+    def forward(self, x):  # (B, 1, 4, 4) -> (B, 3)
+        h = self.norm(self.blocks(x.flatten(1)))
+        if self.in_forward is not None:
+            self.in_forward()
+        return self.head(_FailInBackward.apply(h, self.in_backward))
+
+
+class FailingAdamW(torch.optim.AdamW):
+    """AdamW whose first step fails: ``before`` anything changes, after one weight changed, or after a step count changed."""
+
+    where = None
+
+    def step(self, closure=None):
+        if self.where is not None:
+            where, FailingAdamW.where = FailingAdamW.where, None
+            first = self.param_groups[0]["params"][0]
+            with torch.no_grad():
+                if where == "after a weight":
+                    first.add_(1.0)
+                if where == "after its state":
+                    self.state[first]["step"].add_(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in optimizer.step)")
+        return super().step(closure)
+
+
+def train_net(model, log_dir, *, micro_batch_size: int, precision="fp32", build_optimizer=None, **settings):
+    from autofit.training.loop import TrainSettings, train
+
+    return train(
+        model, plan=make_plan(model, micro_batch_size=micro_batch_size, precision=precision), data=make_data(),
+        loss_fn=nn.functional.cross_entropy, build_optimizer=build_optimizer or (lambda p: FailingAdamW(p, lr=1e-2)),
+        model_source={"source": "tests/test_faults.py", "input_shape": "1x4x4", "num_classes": 3},
+        settings=TrainSettings(log_dir=log_dir, verbose=False, epochs=1, **settings),
+    )
+
+
+def net() -> NormNet:
+    torch.manual_seed(0)
+    return NormNet()
+
+
+INJECTIONS = {
+    "forward": lambda model: setattr(model, "in_forward", AllocationFails(at=2)),  # the 2nd micro-batch's forward
+    "backward": lambda model: setattr(model, "in_backward", AllocationFails(at=2)),
+    "optimizer step": lambda model: setattr(FailingAdamW, "where", "before"),
+    "cuBLAS": lambda model: setattr(model, "in_forward", AllocationFails(
+        at=2, error=lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))),
+    "cuDNN": lambda model: setattr(model, "in_backward", AllocationFails(
+        at=1, error=lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("where", list(INJECTIONS) + ["GradScaler"])
+def test_out_of_memory_anywhere_in_a_step_is_redone_exactly(tmp_path, monkeypatch, where, precision):
+    """The run equals one that used the halved micro-batch from the start: weights, BatchNorm statistics, RNG, scaler.
+
+    It used not to: under fp16 the GradScaler stayed unscaled and the redone
+    step applied its gradients times the loss scale; BatchNorm statistics and
+    the RNG moved twice.
+    """
+    if where == "GradScaler" and precision != "fp16":
+        pytest.skip("the GradScaler unscales only in fp16")
+    reference = net()
+    train_net(reference, tmp_path / "reference", micro_batch_size=2, precision=precision, max_steps=3)
+    model = net()
+    if where == "GradScaler":
+        unscale, fails = torch.amp.GradScaler._unscale_grads_, AllocationFails(at=1)
+
+        def failing_unscale(self, *args):
+            found = unscale(self, *args)  # the gradients are unscaled in place, then the allocation fails
+            fails()
+            return found
+
+        monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", failing_unscale)
+    else:
+        INJECTIONS[where](model)
+    result = train_net(model, tmp_path / "recovered", micro_batch_size=4, precision=precision, max_steps=3)
+    assert [(h["previous_micro_batch_size"], h["micro_batch_size"]) for h in result.plan.history] == [(4, 2)]
+    assert_equal_states(model.state_dict(), reference.state_dict())
+    saved, expected = load_checkpoint(tmp_path / "recovered" / "last.pt"), load_checkpoint(tmp_path / "reference" / "last.pt")
+    assert saved["training"]["scaler"] == expected["training"]["scaler"]
+
+
+@pytest.mark.parametrize("where", ["after a weight", "after its state"])
+def test_out_of_memory_after_the_optimizer_changed_the_weights_stops_with_one_line(tmp_path, where):
+    model = net()
+    train_net(model, tmp_path, micro_batch_size=4, max_steps=2)
+    before = load_checkpoint(tmp_path / "last.pt")
+    FailingAdamW.where = where
+    with pytest.raises(UserError, match="out of memory inside the optimizer step .* cannot be put back") as error:
+        train_net(net(), tmp_path, micro_batch_size=4, resume=True, max_steps=4)
+    assert "\n" not in str(error.value) and "--resume" in str(error.value)
+    assert_equal_states(load_checkpoint(tmp_path / "last.pt")["model_state"], before["model_state"])  # nothing saved since

@@ -41,7 +41,6 @@ from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
 from autofit.errors import UserError
-from autofit.measure.meters import release_device_memory
 from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
 from autofit.training.checkpoints import RunCheckpoints, load_resume_state
@@ -49,11 +48,11 @@ from autofit.training.console import RunConsole, epoch_line, final_line, header,
 from autofit.training.data import TrainData, epoch_order, make_loader
 from autofit.training.distributed import any_rank, is_rank0, mean_across_ranks
 from autofit.training.gauges import MemoryGauge, memory_gauge
+from autofit.training.recovery import StepUndo, step_with_recovery
 from autofit.training.resume import check_same_plan, resumed_value
 from autofit.training.rundir import hold_run_directory, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
 from autofit.training.state import NonFiniteStreak, RunState
-from autofit.training.step import StepResult, train_step
 from autofit.training.validation import evaluate
 
 
@@ -308,6 +307,7 @@ def _train_epochs(
     model, global_batch_size = applied.model, plan.global_batch_size
     steps_per_epoch = math.ceil(len(data.train) / global_batch_size)
     nonfinite = NonFiniteStreak(limit=settings.max_nonfinite_steps, precision=plan.precision)
+    undo = StepUndo(model, optimizer=optimizer, scaler=applied.scaler, device=applied.device)  # redoes a step after OOM
     for epoch in range(state.position.epoch, settings.epochs):
         position = state.position  # this epoch's: where it starts (mid-epoch on resume) and what it has done
         model.train()
@@ -319,7 +319,7 @@ def _train_epochs(
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         last_time = time.perf_counter()
         for inputs, targets in loader:
-            result, ooms = _train_global_batch(model, inputs, targets, applied=applied, loss_fn=loss_fn, optimizer=optimizer)
+            result, ooms = step_with_recovery(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo)
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
             lr = optimizer.param_groups[0]["lr"]
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule
@@ -390,38 +390,6 @@ def default_log_dir(root: str | Path = "runs") -> Path:
         n += 1
         candidate = Path(root) / f"{stamp}-{n}"
     return candidate
-
-
-def _train_global_batch(model, inputs, targets, *, applied: AppliedPlan, loss_fn, optimizer) -> tuple[StepResult, list[dict]]:
-    """One optimizer step over a global batch, redone with half the micro-batch after an out-of-memory error.
-
-    Returns:
-        The step's result, and one record per micro-batch change made.
-    """
-    ooms = []
-    while True:
-        try:
-            result = train_step(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer)
-            return result, ooms
-        except RuntimeError as error:  # torch.OutOfMemoryError is one
-            if not is_out_of_memory(error):
-                raise
-            message = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        # Here, outside the except block, the failed step's frames and tensors are gone.
-        optimizer.zero_grad(set_to_none=True)  # drop the partial gradients of the failed step
-        release_device_memory(applied.device.type)
-        previous = applied.micro_batch_size
-        applied.halve_micro_batch()
-        ooms.append({
-            "event": "out_of_memory", "error": message, "previous_micro_batch_size": previous,
-            "micro_batch_size": applied.micro_batch_size, "grad_accum_steps": applied.grad_accum_steps,
-            "global_batch_size": applied.split.config.global_batch_size,
-        })
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for torch.OutOfMemoryError and RuntimeErrors that say "out of memory"."""
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
