@@ -5,6 +5,7 @@ files into the first's, a fresh start erasing a run, steps missing from the
 log after a kill, a SIGTERM with no save, ...) and checks it cannot happen.
 The bad inputs of every command are in tests/test_bad_inputs.py.
 """
+import errno
 import json
 import os
 import signal
@@ -312,6 +313,27 @@ def test_resume_refuses_settings_and_plans_that_differ(tmp_path, project, run_cl
     assert [r["step"] for r in step_records(log_dir)] == [1, 2]
 
 
+def test_fit_resumes_with_the_saved_plan_and_settings(tmp_path):
+    """fit(resume=True) needs no plan and no settings again: the run's own come from last.pt."""
+    import autofit
+    from tests.test_loop import optimizer
+
+    data = make_data()
+    whole = fresh_model()
+    autofit.fit(whole, train_data=data.train, val_data=data.val, plan=make_plan(whole), epochs=2, seed=4, lr=0.02,
+                optimizer=optimizer, log_dir=tmp_path / "whole", verbose=False)
+    first = fresh_model()
+    autofit.fit(first, train_data=data.train, val_data=data.val, plan=make_plan(first), epochs=2, seed=4, lr=0.02,
+                optimizer=optimizer, log_dir=tmp_path / "cut", max_steps=3, verbose=False)
+    resumed = fresh_model()
+    result = autofit.fit(resumed, train_data=data.train, val_data=data.val, optimizer=optimizer, log_dir=tmp_path / "cut",
+                         resume=True, verbose=False)
+    assert len(result.history) == 2
+    assert_same_weights(resumed, whole, exact=True)
+    with pytest.raises(UserError, match="seed 5 differs"):
+        autofit.fit(fresh_model(), train_data=data.train, optimizer=optimizer, log_dir=tmp_path / "cut", resume=True, seed=5)
+
+
 def test_a_resumed_run_keeps_going_to_its_own_max_steps(tmp_path, project, run_cli):
     log_dir = tmp_path / "run"
     env = {"AUTOFIT_TEST_SIGNAL": "SIGINT:3"}  # in step 2
@@ -457,3 +479,158 @@ def test_out_of_memory_after_the_optimizer_changed_the_weights_stops_with_one_li
         train_net(net(), tmp_path, micro_batch_size=4, resume=True, max_steps=4)
     assert "\n" not in str(error.value) and "--resume" in str(error.value)
     assert_equal_states(load_checkpoint(tmp_path / "last.pt")["model_state"], before["model_state"])  # nothing saved since
+
+
+# --- a full disk --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("full_at", ["last.pt", "metrics.jsonl"])
+def test_a_full_disk_is_one_line_keeps_last_pt_and_the_run_resumes(tmp_path, monkeypatch, full_at):
+    """ENOSPC at the second save (step 4): one line, last.pt of step 2 intact, no temporary file; resumed, as if never full."""
+    whole = fresh_model(dropout=0.2)
+    run(whole, make_plan(whole), tmp_path / "whole", save_every_steps=2)
+    real_fsync, calls = os.fsync, {"n": 0}
+
+    def fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.startswith(".last.pt.") if full_at == "last.pt" else name == "metrics.jsonl":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    log_dir = tmp_path / "cut"
+    first = fresh_model(dropout=0.2)
+    with pytest.raises(UserError) as error:
+        run(first, make_plan(first), log_dir, save_every_steps=2)
+    assert str(error.value) == (
+        f"the disk holding {log_dir} is full (No space left on device); last.pt keeps step 2 intact: "
+        "free space, then continue with --resume"
+    )
+    assert load_checkpoint(log_dir / "last.pt")["training"]["position"]["global_step"] == 2
+    assert not [p.name for p in log_dir.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setattr(os, "fsync", real_fsync)  # space freed
+    resumed = fresh_model(dropout=0.2)
+    run(resumed, make_plan(resumed), log_dir, resume=True, save_every_steps=2)
+    assert_same_weights(resumed, whole, exact=True)
+    assert [r["step"] for r in step_records(log_dir)] == list(range(1, 11))
+
+
+# --- an image that passes the scan but does not decode ---------------------------------------------
+
+
+def truncated_jpeg(path: Path) -> Path:
+    from PIL import Image
+
+    pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8).numpy()
+    Image.fromarray(pixels).save(path, quality=95)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 6 // 10])  # the header is whole: PIL's verify() passes it
+    return path
+
+
+def test_an_image_that_fails_to_decode_is_skipped_named_and_the_run_goes_on(tmp_path, project, run_cli):
+    """A truncated JPEG used to pass the scan, then crash the DataLoader mid-epoch without naming the file, on every resume."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(project / "data", data)
+    broken = [truncated_jpeg(data / "train" / "a" / "broken.jpg"), truncated_jpeg(data / "val" / "b" / "broken.jpg")]
+    log_dir = tmp_path / "run"
+    code, out, err = run_cli("train", "--plan", project / "plan.json", "--data", data, "--log-dir", log_dir, "--workers", "1", "--epochs", "2")
+    assert code == 0, err
+    assert out.count(f"skipped an image that cannot be read: {broken[0]} (image file is truncated") == 2
+    assert out.count(f"skipped an image that cannot be read: {broken[1]} (") == 2
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    named = [(r["epoch"], Path(r["file"]).parent.parent.name) for r in records if r["kind"] == "unreadable"]
+    assert named == [(1, "train"), (1, "val"), (2, "train"), (2, "val")]
+    assert [r["skipped_images"] for r in records if r["kind"] == "epoch"] == [1, 1]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 9))  # 25 samples: 4 steps an epoch
+
+
+# --- the budget, watched ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget_bytes, warned", [(10**9, False), (2_000, True)])
+def test_the_cpu_run_warns_once_when_a_tracked_step_passes_the_budget(tmp_path, capsys, budget_bytes, warned):
+    model = fresh_model()
+    plan = make_plan(model)
+    plan.budget_bytes = budget_bytes
+    run(model, plan, tmp_path, max_steps=4, verbose=True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:")]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == int(warned) and [r["step"] for r in records if r["kind"] == "memory"] == ([2] if warned else [])
+    if warned:
+        assert "past the budget (budget 1.95 KiB)" in lines[0]
+
+
+def test_on_cuda_the_allocator_is_capped_at_the_budget_and_put_back(monkeypatch):
+    """The CUDA side of the watch, on any machine: the fraction set, the warning against the prediction, the cap undone."""
+    from autofit.plan_file import Predicted
+    from autofit.training.gauges import BudgetWatch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": 100 * 2**30})())
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 0.5, raising=False)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, index: calls.append((fraction, index)))
+    plan = make_plan(fresh_model())
+    plan.budget_bytes, plan.headroom = 30 * 2**30, {"context": 2**30}
+    plan.predicted = Predicted(peak_bytes=20 * 2**30, samples_per_s=1.0)
+    with BudgetWatch(plan, device=torch.device("cuda")) as watch:
+        assert calls == [(0.29, 0)]
+        assert watch.warning(19 * 2**30) is None
+        assert "the allocator's peak 21.00 GiB passed the plan's predicted 20.00 GiB" in watch.warning(21 * 2**30)
+        assert watch.warning(25 * 2**30) is None  # once
+    assert calls[-1] == (0.5, 0)
+
+
+@pytest.mark.gpu
+def test_a_cuda_run_trains_under_the_cap(tmp_path):
+    model = fresh_model()
+    plan = make_plan(model)
+    plan.device = DeviceInfo(type="cuda")
+    plan.budget_bytes = 2**30
+    seen = []
+
+    def loss(output, target):
+        seen.append(torch.cuda.get_per_process_memory_fraction(0))
+        return nn.functional.cross_entropy(output, target)
+
+    before = torch.cuda.get_per_process_memory_fraction(0)
+    run(model, plan, tmp_path, max_steps=2, loss_fn=loss)
+    assert seen and all(f == pytest.approx(2**30 / torch.cuda.get_device_properties(0).total_memory) for f in seen)
+    assert torch.cuda.get_per_process_memory_fraction(0) == before
+
+
+# --- kill -9, at random points, then --resume: as if never killed ------------------------------------
+
+
+@pytest.mark.slow
+def test_killed_with_sigkill_at_random_points_and_resumed_the_run_ends_as_if_never_killed(tmp_path, project, run_cli):
+    """Three SIGKILLs at random losses (mid-step, or in validation), a resume after each: same weights, each step once.
+
+    --save-every 2 leaves steps logged after the last save: a resume must drop
+    them from metrics.jsonl and do them again, so every step is there exactly once.
+    """
+    import random
+
+    settings = ("--epochs", "3", "--save-every", "2", "--seed", "1")
+    assert run_cli(*train_args(project, tmp_path / "whole", *settings))[0] == 0
+    cut = tmp_path / "cut"
+    seed = int(os.environ.get("AUTOFIT_TEST_SEED", random.randrange(10**6)))
+    points = random.Random(seed).sample(range(5, 12), 3)  # the n-th loss of each process; 8 a epoch, the first save after the 4th
+    args = train_args(project, cut, *settings)
+    for kill_at in points:
+        done = cli_subprocess(*args, env_extra={"AUTOFIT_TEST_SIGNAL": f"SIGKILL:{kill_at}"})
+        assert done.returncode == -signal.SIGKILL, (seed, done.stderr)
+        args = ["train", "--log-dir", cut, "--resume"]
+    code, _, err = run_cli(*args)
+    assert code == 0, (seed, err)
+    assert_equal_states(weights(cut), weights(tmp_path / "whole"))
+    records = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 10)), seed
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2, 3], seed
+    expected = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records if r["kind"] == "step"] == [r["loss"] for r in expected if r["kind"] == "step"]

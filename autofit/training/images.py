@@ -11,8 +11,10 @@ import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from torch.utils.data import Dataset
 
 from autofit.errors import UserError
 
@@ -73,6 +75,41 @@ def image_folder(
     return dataset
 
 
+class Unreadable(NamedTuple):
+    """A sample whose file failed to decode when read (``SkipUnreadable``); the batch leaves it out."""
+
+    path: str
+    reason: str
+
+
+class SkipUnreadable(Dataset):
+    """An image folder whose files that fail to decode when read become ``Unreadable`` samples instead of errors.
+
+    A file can pass the scan (``skip_unreadable``: PIL opens and verifies its
+    header) and still fail to decode, e.g. a truncated JPEG. Training leaves
+    such a sample out of its batch and names it in the log, rather than
+    stopping at the same batch on every resume. The folder's attributes
+    (``classes``, ``targets``, ``samples``, ...) read through.
+    """
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        try:
+            return self.dataset[index]
+        except UserError as error:  # load_image's: the file did not decode
+            return Unreadable(path=self.dataset.samples[index][0], reason=str(error.__cause__ or error))
+
+    def __getattr__(self, name: str):
+        if name == "dataset":  # not set yet (while unpickling in a DataLoader worker)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 def image_mode(input_shape: Sequence[int]) -> str:
     """The PIL mode images are converted to for a model taking ``input_shape`` (C, H, W).
 
@@ -98,7 +135,7 @@ def load_image(path: str, *, mode: str):
     try:
         with Image.open(path) as image:
             return image.convert(mode)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # PIL raises many types for a file that does not decode
         raise UserError(f"image {path!r} cannot be read ({error}); replace or remove it") from error
 
 

@@ -47,7 +47,8 @@ from autofit.training.checkpoints import RunCheckpoints, load_resume_state
 from autofit.training.console import RunConsole, epoch_line, final_line, header, oom_line
 from autofit.training.data import TrainData, epoch_order, make_loader
 from autofit.training.distributed import any_rank, is_rank0, mean_across_ranks
-from autofit.training.gauges import MemoryGauge, memory_gauge
+from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
+from autofit.training.images import Unreadable
 from autofit.training.recovery import StepUndo, step_with_recovery
 from autofit.training.resume import check_same_plan, resumed_value
 from autofit.training.rundir import hold_run_directory, start_fresh
@@ -268,10 +269,10 @@ def _train_run(
     if saved is not None:
         console.print(f"resuming from {checkpoints.last_path}: epoch {state.position.epoch + 1}, after step {state.position.global_step}")
 
-    with log, console, _stop_on_signals() as stop:
+    with log, console, BudgetWatch(plan, device=applied.device) as watch, _stop_on_signals() as stop:
         finished = _train_epochs(
             applied, data=data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler, plan=plan, state=state,
-            checkpoints=checkpoints, log=log, console=console, gauge=gauge, stop=stop, settings=settings,
+            checkpoints=checkpoints, log=log, console=console, gauge=gauge, watch=watch, stop=stop, settings=settings,
         )
     best = state.best_record()
     if finished and best is not None:
@@ -297,7 +298,7 @@ def _disk_full_line(error: OSError, log_dir: Path) -> str:
 def _train_epochs(
     applied: AppliedPlan, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, scheduler, plan: Plan,
     state: RunState, checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, console: RunConsole, gauge: MemoryGauge,
-    stop: _StopRequest, settings: TrainSettings,
+    watch: BudgetWatch, stop: _StopRequest, settings: TrainSettings,
 ) -> bool:
     """The epochs from ``state``'s position on: steps over global batches, then validation and last.pt (best.pt).
 
@@ -318,8 +319,15 @@ def _train_epochs(
         )
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         last_time = time.perf_counter()
-        for inputs, targets in loader:
-            result, ooms = step_with_recovery(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo)
+        for inputs, targets, unreadable in loader:
+            for sample in unreadable:
+                position.skipped_images += 1
+                _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step + 1)
+            if inputs is None:
+                position.skip_batch()
+                continue
+            with watch.measuring(model, optimizer):
+                result, ooms = step_with_recovery(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo)
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
             lr = optimizer.param_groups[0]["lr"]
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule
@@ -329,6 +337,7 @@ def _train_epochs(
             position.advance(samples=len(targets), loss=loss, seconds=step_seconds)
             for oom in ooms:
                 _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)
+                watch.micro_batch_changed()
             memory_bytes, peak_bytes = gauge.read()
             record = {
                 "kind": "step", "epoch": epoch + 1, "step": position.global_step, "loss": loss, "lr": lr,
@@ -337,6 +346,10 @@ def _train_epochs(
             }
             log.step(record)
             console.step(record)
+            warning = watch.warning(peak_bytes)
+            if warning:
+                log.write({"kind": "memory", "epoch": epoch + 1, "step": position.global_step, "warning": warning})
+                console.print(warning)
             nonfinite.check(loss, epoch=epoch + 1, step=position.global_step)
             interrupted = any_rank(stop.is_set(), device=applied.device)  # every rank stops at the same step
             if interrupted or position.global_step == settings.max_steps:
@@ -349,12 +362,16 @@ def _train_epochs(
                 _save_last(checkpoints, log, plan=plan, state=state)
                 last_time = time.perf_counter()  # the pause for saving is not training time
 
-        val_loss, val_accuracy = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
+        val_loss, val_accuracy = evaluate(
+            model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers,
+            on_unreadable=lambda sample: _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step),
+        )
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": position.global_step, "loss": position.train_loss,
             "lr": optimizer.param_groups[0]["lr"], "samples_per_s": position.samples_per_s,
             "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
             "train_loss": position.train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy,
+            "skipped_images": position.skipped_images,
         }
         log.epoch(record)
         console.print(epoch_line(record, epochs=settings.epochs))
@@ -380,6 +397,12 @@ def _record_oom(oom: dict, *, plan: Plan, log: RunLog | SilentRunLog, console: R
     log.save_plan(plan)
     log.write({"kind": "oom", "epoch": epoch, "step": step, **oom})
     console.print(oom_line(oom))
+
+
+def _record_unreadable(sample: Unreadable, *, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> None:
+    """An image that failed to decode: left out of its batch, named in metrics.jsonl and on the console."""
+    log.write({"kind": "unreadable", "epoch": epoch, "step": step, "file": sample.path, "error": sample.reason})
+    console.print(f"skipped an image that cannot be read: {sample.path} ({sample.reason})")
 
 
 def default_log_dir(root: str | Path = "runs") -> Path:

@@ -5,15 +5,20 @@ import torch
 from torch import nn
 
 from autofit.apply import AppliedPlan
-from autofit.training.data import make_loader
+from autofit.errors import UserError
+from autofit.training.data import collate_readable, make_loader
 from autofit.training.distributed import sum_across_ranks
 from strategies import micro_batch_count, rank_slice
 from autofit.training.step import to_device
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int) -> tuple[float | None, float | None]:
+def evaluate(
+    model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int, on_unreadable=lambda sample: None,
+) -> tuple[float | None, float | None]:
     """Mean loss and accuracy over ``dataset`` in micro-batches (None, None without a dataset).
+
+    Samples that fail to decode are left out, each passed to ``on_unreadable``.
 
     On several processes each rank evaluates its contiguous share and the sums
     are added over the ranks. Every rank runs as many forwards (FSDP gathers
@@ -30,7 +35,7 @@ def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_wo
     batches = micro_batch_count(len(dataset), world_size=env.world_size, micro_batch_size=applied.micro_batch_size)
     loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers)
     loss_sum, correct, count, classified = 0.0, 0, 0, True
-    for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset):
+    for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset, on_unreadable=on_unreadable):
         inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
         with applied.forward_context():
             output = model(inputs)
@@ -46,13 +51,25 @@ def evaluate(model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_wo
     return loss_sum / count, (correct / count if classified else None)
 
 
-def _padded_batches(loader, *, batches: int, dataset):
-    """Yield (inputs, targets, 1) per batch of ``loader``, then (the dataset's first sample, 0) up to ``batches``."""
+def _padded_batches(loader, *, batches: int, dataset, on_unreadable):
+    """Yield (inputs, targets, 1) per batch of ``loader``, then padding (a sample counted 0) up to ``batches``.
+
+    A batch with no readable sample is padding too: every rank runs as many forwards.
+    """
     done = 0
-    for inputs, targets in loader:
-        yield inputs, targets, 1
+    for inputs, targets, unreadable in loader:
+        for sample in unreadable:
+            on_unreadable(sample)
         done += 1
-    if done < batches:
-        inputs, targets = torch.utils.data.default_collate([dataset[0]])
-        for _ in range(batches - done):
-            yield inputs, targets, 0
+        yield (inputs, targets, 1) if inputs is not None else (*_padding(dataset), 0)
+    for _ in range(batches - done):
+        yield (*_padding(dataset), 0)
+
+
+def _padding(dataset) -> tuple:
+    """The first readable sample of ``dataset``, as a batch of one."""
+    for index in range(len(dataset)):
+        inputs, targets, _ = collate_readable([dataset[index]])
+        if inputs is not None:
+            return inputs, targets
+    raise UserError("no sample of the validation data can be read; replace its files")
