@@ -620,17 +620,27 @@ def test_killed_with_sigkill_at_random_points_and_resumed_the_run_ends_as_if_nev
     assert run_cli(*train_args(project, tmp_path / "whole", *settings))[0] == 0
     cut = tmp_path / "cut"
     seed = int(os.environ.get("AUTOFIT_TEST_SEED", random.randrange(10**6)))
-    points = random.Random(seed).sample(range(5, 12), 3)  # the n-th loss of each process; 8 a epoch, the first save after the 4th
-    args = train_args(project, cut, *settings)
-    for kill_at in points:
-        done = cli_subprocess(*args, env_extra={"AUTOFIT_TEST_SIGNAL": f"SIGKILL:{kill_at}"})
-        assert done.returncode == -signal.SIGKILL, (seed, done.stderr)
+    rng = random.Random(seed)
+    args, kills = train_args(project, cut, *settings), []
+    for _ in range(3):
+        # Kill in the n-th loss this process computes (an epoch is 3 steps of 2 micro-batches, then 2 for validation),
+        # any one left to it; the first process, after its first save (the 4th loss, step 2).
+        left = _losses_left(cut, epochs=3) if kills else 24
+        kills.append(rng.randint(1 if kills else 5, left))
+        done = cli_subprocess(*args, env_extra={"AUTOFIT_TEST_SIGNAL": f"SIGKILL:{kills[-1]}"})
+        assert done.returncode == -signal.SIGKILL, (seed, kills, done.stderr)
         args = ["train", "--log-dir", cut, "--resume"]
     code, _, err = run_cli(*args)
-    assert code == 0, (seed, err)
+    assert code == 0, (seed, kills, err)
     assert_equal_states(weights(cut), weights(tmp_path / "whole"))
     records = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 10)), seed
     assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2, 3], seed
     expected = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records if r["kind"] == "step"] == [r["loss"] for r in expected if r["kind"] == "step"]
+
+
+def _losses_left(log_dir: Path, *, epochs: int) -> int:
+    """Loss computations a run resumed from ``log_dir/last.pt`` has left: 6 per epoch's 3 steps, 2 per validation."""
+    position = load_checkpoint(log_dir / "last.pt")["training"]["position"]
+    return (3 - position["step_in_epoch"]) * 2 + 2 + (epochs - position["epoch"] - 1) * 8

@@ -1,19 +1,24 @@
 """The shared training loop behind ``autofit train`` and ``autofit.fit()``.
 
-Read ``train`` top to bottom: apply the plan, build the optimizer and the
-schedule, maybe resume, open the log; then ``_train_epochs``: epochs of steps,
-each step being ``autofit.training.step.train_step`` (the step the probe
-measures) over one global batch, then validation and checkpoints. Strategies
-live in ``apply_plan``; the loop never asks which precision or split it runs.
-What happens around a step lives beside it: ``state`` (position, history, the
-non-finite streak), ``checkpoints`` (last.pt, best.pt, resume), ``runlog``
-(metrics.jsonl, TensorBoard), ``console`` (lines and progress bar), ``gauges``
-(memory) and ``validation``.
+Read ``train`` top to bottom: hold the log dir, start or resume, apply the
+plan, build the optimizer and the schedule, open the log; then
+``_train_epochs``: epochs of steps, each step being
+``autofit.training.step.train_step`` (the step the probe measures) over one
+global batch, redone exactly with half the micro-batch if it runs out of
+memory, then validation and checkpoints. Strategies live in ``apply_plan``;
+the loop never asks which precision or split it runs. What happens around a
+step lives beside it: ``rundir`` (the lock, never erasing a run), ``resume``
+(the run's own settings), ``state`` (position, history, the non-finite
+streak), ``recovery`` (out of memory), ``checkpoints`` (last.pt, best.pt),
+``runlog`` (metrics.jsonl, TensorBoard), ``console`` (lines and progress
+bar), ``gauges`` (memory, the budget watch) and ``validation``.
 
 Files in the log dir: ``metrics.jsonl`` (one JSON object per line, kind
-"step", "epoch" or "oom"), TensorBoard event files, ``plan.json`` (the plan
-this run trains with, rewritten when it changes), ``last.pt`` (everything
-``--resume`` needs) and ``best.pt`` (best validation accuracy so far).
+"step", "epoch", "oom", "unreadable" or "memory"), TensorBoard event files,
+``plan.json`` (the plan this run trains with, rewritten when it changes),
+``last.pt`` (everything ``--resume`` needs, settings included), ``best.pt``
+(best validation accuracy so far) and ``.autofit.lock``. SIGINT, SIGTERM and
+SIGHUP stop the run after its step with last.pt saved (``TrainingInterrupted``).
 
 A plan for several processes runs this same loop in each process torchrun
 starts: ``apply_plan`` shards the model and gives each rank its share of every
@@ -425,7 +430,7 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> to
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 """Signals that stop a run after its step, with last.pt saved: Ctrl-C, a polite kill, a closed terminal."""
 
 

@@ -82,7 +82,10 @@ def _make_folder(log_dir: Path) -> None:
 
 
 def _lock(lock, log_dir: Path) -> None:
-    import fcntl
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; the folder is not locked
+        return
 
     try:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
