@@ -4,6 +4,7 @@ A PyTorch release that moves one of these can only break this file.
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -25,13 +26,17 @@ __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "call_when_backward_ends",
+    "copy_tensors",
     "fake_mode_for",
     "fake_process_group_store",
+    "grad_scaler_tensors",
     "inner_tensors",
     "new_fake_mode",
+    "reset_grad_scaler_step",
     "storage_resizes",
     "tree_leaves",
     "tree_map",
+    "versions",
     "without_dispatch_modes",
 ]
 
@@ -50,6 +55,35 @@ FAKE_TENSOR_LIMITS = (
     UnsupportedOperatorException,
 )
 """What a model that fake tensors cannot run raises (a value or an operator they do not have)."""
+
+
+def versions(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter: it grows with every in-place change (an optimizer's update, a BatchNorm's statistics)."""
+    return [t._version for t in tensors]
+
+
+def copy_tensors(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``target.copy_(source)`` for every pair, in a few grouped kernels rather than one launch each."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
+
+
+def grad_scaler_tensors(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
+    """The tensors a GradScaler's ``update`` changes in place: its scale and growth tracker (none before its first use)."""
+    return [t for t in (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)) if t is not None]
+
+
+def reset_grad_scaler_step(scaler: torch.amp.GradScaler) -> None:
+    """Forget a step the scaler began but never finished (``unscale_`` done, ``update`` not reached).
+
+    GradScaler keeps, per optimizer, whether this step's gradients were
+    unscaled; a step redone after an error would otherwise skip unscaling its
+    new gradients and apply them times the loss scale. ``update`` resets the
+    same state, but also moves the scale, which a redone step must not.
+    """
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
 
 
 def new_fake_mode() -> FakeTensorMode:

@@ -34,7 +34,7 @@ def fit(
     val_data=None,
     batch_size: int | None = None,
     budget: str | int = "16GB",
-    epochs: int = 1,
+    epochs: int | None = None,
     plan: Plan | str | Path | None = None,
     example_batch: Callable[[int], tuple] | None = None,
     loss_fn: Callable | None = None,
@@ -45,8 +45,9 @@ def fit(
     input_shape: str | None = None,
     log_dir: str | Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     num_workers: int = 0,
-    seed: int = 0,
+    seed: int | None = None,
     max_steps: int | None = None,
     verbose: bool = True,
 ) -> FitResult:
@@ -66,8 +67,9 @@ def fit(
             its accuracy); None validates nothing.
         batch_size: samples per optimizer step (the global batch); needed to plan.
         budget: memory budget, e.g. "16GB", "512MiB" (ignored with ``plan``).
-        epochs: passes over ``train_data``.
-        plan: a Plan or a plan.json path to train with instead of planning.
+        epochs: passes over ``train_data`` in all; default 1, or on resume the run's own.
+        plan: a Plan or a plan.json path to train with instead of planning; on
+            resume the run's saved plan is used (a plan given must train as it does).
         example_batch: batch_size -> (inputs, targets) for the planner's probes;
             default: the first samples of ``train_data``.
         loss_fn: (output, targets) -> loss, a mean or (loss_sum, item_count); default the
@@ -80,9 +82,12 @@ def fit(
         device: "cpu" or "cuda", where to plan (and so train).
         input_shape: "CxHxW" images from a folder are resized to.
         log_dir: where metrics, plan.json, last.pt and best.pt go; default runs/<time>.
-        resume: continue the run in ``log_dir`` from its last.pt.
+        resume: continue the run in ``log_dir`` from its last.pt, with its saved
+            settings (``lr``, ``seed`` given again must equal them).
+        overwrite: start a new run in a ``log_dir`` that holds one, deleting its
+            files (without it, such a start is refused).
         num_workers: DataLoader worker processes.
-        seed: fixes the data order and the RNG.
+        seed: fixes the data order and the RNG; default 0, or on resume the run's own.
         max_steps: stop (after saving last.pt) after this many optimizer steps.
         verbose: progress bar and a line per epoch.
 
@@ -109,12 +114,18 @@ def fit(
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
+    if resume and plan is None and log_dir:
+        from autofit.plan_file import plan_from_dict
+        from autofit.training.resume import read_saved_run
+
+        plan = plan_from_dict(read_saved_run(Path(log_dir))["plan"], where=f"the plan saved in {Path(log_dir) / 'last.pt'}")
     data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan)
     plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
                      example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer)
+    folder = str(Path(train_data).resolve()) if isinstance(train_data, (str, Path)) else None
     settings = TrainSettings(
-        epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, seed=seed, num_workers=num_workers,
-        max_steps=max_steps, verbose=verbose,
+        epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
+        num_workers=num_workers, max_steps=max_steps, verbose=verbose, sources={"data": folder, "model": None},
     )
     result = run_training(
         model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",

@@ -70,3 +70,36 @@ def _fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable(path: str | Path, *, option: str) -> Path:
+    """Make sure ``write_atomic(path, ...)`` can succeed, before any work is done for it; nothing is left behind.
+
+    A temporary file is created and deleted in ``path``'s folder, or, when that
+    folder is missing (``write_atomic`` creates it), in its nearest existing parent.
+
+    Args:
+        path: the file to be written.
+        option: the flag that named it, for the message (e.g. "--out").
+
+    Returns:
+        ``path``.
+
+    Raises:
+        UserError: ``path`` is a folder, a parent of it is a file, or its folder cannot be written.
+    """
+    from autofit.errors import UserError
+
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option} {str(path)!r} is a folder; give the path of a file to write")
+    existing = next(folder for folder in (path.absolute().parents) if folder.exists())
+    if not existing.is_dir():
+        raise UserError(f"{option} {str(path)!r} cannot be written: {str(existing)!r} is a file, not a folder; choose another place")
+    try:
+        fd, tmp = _create_beside(existing / path.name)
+        os.close(fd)
+        tmp.unlink()
+    except OSError as error:
+        raise UserError(f"{option} {str(path)!r} cannot be written ({error.strerror}); choose a writable place") from error
+    return path

@@ -73,5 +73,7 @@ def main() -> None:
 
 
 def _fail(message: str) -> None:
-    print(f"autofit: error: {message}", file=sys.stderr)
+    # One line, whatever the message carries (a library's error text may hold several).
+    line = "; ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"autofit: error: {line}", file=sys.stderr)
     sys.exit(2)

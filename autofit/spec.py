@@ -171,10 +171,12 @@ def _file_spec(source: str) -> ModelSpec:
     count_items = getattr(module, "count_items", None)
     if count_items is not None and not callable(count_items):
         raise UserError(f"model file {source!r}: count_items must be a function (inputs, targets) -> int, e.g. autofit.model_io.count_labels()")
+    from autofit.model_checks import CheckedBuild, CheckedExampleBatch
+
     return ModelSpec(
         source=str(path),
-        build_model=module.build_model,
-        example_batch=module.example_batch,
+        build_model=CheckedBuild(module.build_model, source=str(path)),
+        example_batch=CheckedExampleBatch(module.example_batch, source=str(path)),
         loss_fn=Loss(getattr(module, "loss_fn", None), count_items=count_items),
         build_optimizer=getattr(module, "build_optimizer", None) or default_optimizer,
         train_dataset=getattr(module, "train_dataset", None),

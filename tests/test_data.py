@@ -239,7 +239,7 @@ def loss_fn(output, target):
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert done.returncode == 130, done.stderr
-    assert done.stderr.count("\n") == 1 and "interrupted at epoch 1, step 3" in done.stderr and "--resume" in done.stderr
+    assert done.stderr.count("\n") == 1 and "stopped by SIGINT at epoch 1, step 3" in done.stderr and "--resume" in done.stderr
     from autofit.training.weights import load_checkpoint
 
     assert load_checkpoint(log_dir / "last.pt")["training"]["position"]["global_step"] == 3

@@ -62,10 +62,11 @@ def optimizer(params):
 
 def run(model, plan, log_dir, *, data=None, loss_fn=nn.functional.cross_entropy, **settings):
     settings.setdefault("epochs", 2)
+    settings.setdefault("verbose", False)
     return train(
         model, plan=plan, data=data or make_data(), loss_fn=loss_fn, build_optimizer=optimizer,
         model_source={"source": "tests/test_loop.py", "input_shape": "1x4x4", "num_classes": CLASSES},
-        settings=TrainSettings(log_dir=log_dir, verbose=False, **settings),
+        settings=TrainSettings(log_dir=log_dir, **settings),
     )
 
 

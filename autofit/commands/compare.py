@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -29,6 +30,8 @@ def compare(
     from autofit.tools.compare import compare as run_compare
     from autofit.tools.compare import format_table, save_comparison
     from autofit.measure.meters import device_info
+    from autofit.atomic import check_writable
+    from autofit.model_checks import check_model_runs
     from autofit.units import parse_budget
 
     if device not in ("cpu", "cuda"):
@@ -39,7 +42,9 @@ def compare(
         raise UserError(f"--train-steps {train_steps} must be at least 1 with --data; e.g. --train-steps 50")
     if data is None and train_steps:
         raise UserError("--train-steps needs --data DIR (an image folder to train on)")
+    check_writable(Path(out_dir) / "compare.json", option="--out-dir")
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+    check_model_runs(spec)
     comparison = run_compare(
         spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
         train_steps=train_steps, probe_steps=steps, progress=lambda line: print(f"  {line}", file=sys.stderr),

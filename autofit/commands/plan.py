@@ -31,6 +31,8 @@ def plan(
     seq_len: int | None = SEQ_LEN,
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
+    from autofit.atomic import check_writable
+    from autofit.model_checks import check_model_runs
     from autofit.plan_file import save_plan
     from autofit.planning.planner import plan_with_report, print_progress
 
@@ -41,7 +43,11 @@ def plan(
     if device_memory is not None and not simulate and device == "cuda":
         raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
     wanted = [p.strip() for p in precisions.split(",") if p.strip()]
+    check_writable(out, option="--out")  # before the search, not after it
+    if study is not None:
+        _check_study(study)
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+    check_model_runs(spec)
     report = plan_with_report(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
         study=study, precisions=wanted, num_classes=spec.source_options.get("num_classes"),
@@ -52,6 +58,17 @@ def plan(
         print_json(report.plan.to_dict())
         return
     print("\n".join(summary_lines(report, path=path)))
+
+
+def _check_study(study: str) -> None:
+    """Open the --study storage before the search, so that a bad one fails at once rather than after minutes of it."""
+    import optuna
+
+    try:
+        optuna.storages.get_storage(study)
+    except Exception as error:  # SQLAlchemy/Optuna raise many types for an unusable URL
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise UserError(f"--study {study!r} cannot be opened ({type(error).__name__}: {first}); use e.g. sqlite:///plans.db") from None
 
 
 def summary_lines(report, *, path: Path | None = None) -> list[str]:

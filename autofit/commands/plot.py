@@ -12,8 +12,10 @@ def plot(
     out: str = typer.Option("curves.png", "--out", help="The PNG to write."),
 ) -> None:
     """Loss, accuracy, learning rate, samples/s and memory against the budget; several runs overlaid."""
+    from autofit.atomic import check_writable
     from autofit.tools.plots import find_runs, plot_runs
 
+    check_writable(out, option="--out")
     runs = find_runs(log_dir)
     path = plot_runs(runs, out)
     names = ", ".join(run.name for run in runs)

@@ -1,6 +1,7 @@
 """`autofit probe`: measure one configuration, re-measure a plan, or list checkpoint candidates."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -43,6 +44,7 @@ def probe(
     from autofit.measure.blocks import profile_blocks
     from autofit.measure.meters import check_device
     from autofit.measure.probe import probe as run_probe
+    from autofit.model_checks import check_model_runs
 
     if plan is not None:
         _probe_plan(plan, model=model, steps=steps, as_json=as_json, configured={
@@ -59,6 +61,9 @@ def probe(
     if micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {micro_batch_size} must be at least 1")
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+    check_model_runs(spec)
+    if not simulate:
+        _check_fits_machine(spec, micro_batch_size=micro_batch_size, device=device)
     if list_blocks:
         blocks = profile_blocks(spec, micro_batch_size=micro_batch_size, precision=precision, device=device, simulate=simulate)
         if as_json:
@@ -69,20 +74,21 @@ def probe(
         for b in blocks:
             print(f"{b.name:<24} {format_bytes(b.saved_bytes):>18} {format_bytes(b.input_bytes):>12} {b.forward_share:>10.1%}")
         return
-    result = run_probe(
-        spec,
-        micro_batch_size=micro_batch_size,
-        grad_accum_steps=grad_accum_steps,
-        precision=precision,
-        checkpoint=checkpoint,
-        selective_checkpoint=selective_checkpoint,
-        offload=offload,
-        optimizer_in_backward=optimizer_in_backward,
-        optimizer_state=optimizer_state,
-        device=device,
-        simulate=simulate,
-        steps=steps,
-    )
+    with _out_of_memory_as_one_line(f"-m {micro_batch_size}", device=device):
+        result = run_probe(
+            spec,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            precision=precision,
+            checkpoint=checkpoint,
+            selective_checkpoint=selective_checkpoint,
+            offload=offload,
+            optimizer_in_backward=optimizer_in_backward,
+            optimizer_state=optimizer_state,
+            device=device,
+            simulate=simulate,
+            steps=steps,
+        )
     if as_json:
         print_json(result.to_dict())
         return
@@ -92,6 +98,7 @@ def probe(
 def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, configured: dict[str, bool]) -> None:
     """Measure what a plan names, through the same strategy owner as training, and set it beside the plan's figures."""
     from autofit.measure.probe import probe_plan
+    from autofit.model_checks import check_model_runs
     from autofit.plan_file import load_plan
     from autofit.spec import spec_for_plan
 
@@ -100,7 +107,9 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
         raise UserError(f"--plan re-measures the plan's own configuration; drop {', '.join(given)} (or drop --plan)")
     the_plan = load_plan(path)
     spec = spec_for_plan(the_plan.model, model_file=model)
-    result = probe_plan(spec, the_plan, steps=steps)
+    check_model_runs(spec)
+    with _out_of_memory_as_one_line(f"the plan's micro-batch {the_plan.micro_batch_size}", device=the_plan.device.type):
+        result = probe_plan(spec, the_plan, steps=steps)
     planned = {
         "budget_bytes": the_plan.budget_bytes,
         "measured_peak_bytes": the_plan.measured.peak_bytes if the_plan.measured else None,
@@ -113,6 +122,35 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
     measured_then = planned["measured_peak_bytes"]
     then = f"{format_bytes(measured_then)} when planned" if measured_then else "not measured when planned"
     print(f"  plan   {str(path)}: peak {then}; budget {format_bytes(the_plan.budget_bytes)}")
+
+
+def _check_fits_machine(spec, *, micro_batch_size: int, device: str) -> None:
+    """Refuse a micro-batch whose inputs alone exceed the device's memory, before allocating any of it."""
+    from autofit.measure.meters import device_info
+    from autofit.model_checks import batch_bytes
+
+    sample_bytes = batch_bytes(spec.example_batch(1))
+    total_bytes = device_info(device).total_bytes
+    if total_bytes and sample_bytes * micro_batch_size > total_bytes:
+        raise UserError(
+            f"-m {micro_batch_size} does not fit this machine: its inputs and targets alone take "
+            f"{format_bytes(sample_bytes * micro_batch_size)}, more than the {format_bytes(total_bytes)} of the {device}; "
+            "try a smaller -m"
+        )
+
+
+@contextmanager
+def _out_of_memory_as_one_line(what: str, *, device: str):
+    """An allocation that fails while probing is the configuration's fault: one line saying what to lower."""
+    from autofit.errors import is_out_of_memory
+
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise UserError(f"{what} runs out of memory on the {device} ({first}); try a smaller -m, --checkpoint all or --precision bf16") from None
 
 
 def _print_result(source: str, result) -> None:

@@ -6,6 +6,7 @@ without torchrun it prints that command and stops.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -20,59 +21,84 @@ from autofit.errors import UserError
 
 @app.command()
 def train(
-    plan: Path = typer.Option(..., "--plan", help="plan.json written by `autofit plan`."),
+    plan: Optional[Path] = typer.Option(
+        None, "--plan", help="plan.json written by `autofit plan`; on --resume the run's own (saved in last.pt) is used."
+    ),
     data: Optional[Path] = typer.Option(
         None, "--data", help="Folder with train/<class>/<image> and val/<class>/<image>; default the model file's train_dataset()/val_dataset()."
     ),
-    epochs: int = typer.Option(1, "--epochs", help="Passes over the training data, in total (a resumed run counts the earlier ones)."),
+    epochs: Optional[int] = typer.Option(
+        None, "--epochs", help="Passes over the training data, in total; default 1, or on --resume the run's own (a larger number trains on)."
+    ),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate, decayed by a cosine to a tenth; default the optimizer's."),
     log_dir: Optional[Path] = typer.Option(
         None, "--log-dir", help="Where metrics.jsonl, TensorBoard events, plan.json, last.pt and best.pt go; default runs/<date>-<time>."
     ),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in --log-dir from its last.pt."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --log-dir from its last.pt, with the settings it saved."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --log-dir that holds one, deleting its files."),
     model: Optional[str] = typer.Option(None, "--model", help="The model file, when it is not where the plan says."),
     workers: int = typer.Option(min(4, max((os.cpu_count() or 1) - 1, 0)), "--workers", help="DataLoader worker processes."),
-    save_every: int = typer.Option(0, "--save-every", help="Also save last.pt every N steps (default: at each epoch end and on Ctrl-C)."),
+    save_every: Optional[int] = typer.Option(
+        None, "--save-every", help="Also save last.pt every N steps (default: at each epoch end and when stopped)."
+    ),
     max_steps: Optional[int] = typer.Option(
         None, "--max-steps", help="Stop after this many optimizer steps in all (last.pt saved; --resume continues)."
     ),
-    seed: int = typer.Option(0, "--seed", help="Fixes the weights' initialisation, the data order and the RNG."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Fixes the weights' initialisation, the data order and the RNG (default 0)."),
 ) -> None:
-    """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C saves, --resume continues.
+    """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C, SIGTERM and SIGHUP save, --resume continues.
 
     A plan for several GPUs (or CPU processes) runs under torchrun:
     `torchrun --nproc-per-node N -m autofit train --plan plan.json ...`.
     """
     with _errors_from_rank0_first():
-        _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, model=model, workers=workers,
-               save_every=save_every, max_steps=max_steps, seed=seed)
+        _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
+               workers=workers, save_every=save_every, max_steps=max_steps, seed=seed)
 
 
-def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, save_every, max_steps, seed) -> None:
+def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, model, workers, save_every, max_steps, seed) -> None:
     import torch
 
-    from autofit.plan_file import load_plan
+    from autofit.plan_file import load_plan, plan_from_dict
     from autofit.spec import spec_for_plan
     from autofit.training.data import image_folder_data, input_shape_from, model_file_data
     from autofit.training.distributed import check_launch, cleanup, is_rank0
     from autofit.training.loop import TrainingInterrupted, TrainSettings
+    from autofit.training.resume import check_same_plan, read_saved_run, resumed_value
     from autofit.training.run import run_training
     from strategies import ShardingConfig
 
-    the_plan = load_plan(plan)
+    data = Path(data).resolve() if data is not None else None
+    model = str(Path(model).resolve()) if model is not None and not model.startswith("torchvision:") else model
+    if resume:
+        # The run's own plan and settings; what is given again must agree with them.
+        if log_dir is None:
+            raise UserError("--resume needs --log-dir runs/NAME: the folder of the run to continue")
+        saved = read_saved_run(log_dir)
+        the_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
+        if plan is not None:
+            check_same_plan(load_plan(plan), the_plan, where=log_dir)
+        if "sources" in saved["settings"]:
+            recorded = saved["settings"]["sources"]
+            data = resumed_value("--data", data, recorded.get("data"), where=log_dir)
+            model = model or recorded.get("model")
+        data = Path(data) if data is not None else None
+    elif plan is None:
+        raise UserError("--plan plan.json is needed to start a run (`autofit plan` writes one); to continue one, give --log-dir DIR --resume")
+    else:
+        the_plan = load_plan(plan)
     # A plan for N processes: refuse any other number, naming the command that starts N.
     check_launch(ShardingConfig(world_size=the_plan.world_size, sharding=the_plan.sharding))
     spec = spec_for_plan(the_plan.model, model_file=model)
-    if resume and log_dir is None:
-        raise UserError("--resume needs --log-dir runs/NAME: the folder of the run to continue")
     planned_shape = the_plan.model.input_shape
     shape = input_shape_from(planned_shape) if planned_shape else spec.input_shape
     settings = TrainSettings(
-        epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, seed=seed, num_workers=workers,
+        epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed, num_workers=workers,
         save_every_steps=save_every, max_steps=max_steps,
+        sources={"data": str(data) if data is not None else None, "model": model},
     )
     train_data = image_folder_data(data, input_shape=input_shape_from(shape)) if data is not None else model_file_data(spec)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed or 0)
     network = spec.build_model()
     try:
         run_training(
@@ -84,12 +110,12 @@ def _train(*, plan: Path, data, epochs, lr, log_dir, resume, model, workers, sav
         if is_rank0():
             again = f"torchrun --nproc-per-node {the_plan.world_size} -m autofit" if the_plan.world_size > 1 else "autofit"
             print(
-                f"autofit: interrupted at epoch {stop.epoch}, step {stop.step}; saved {stop.last_path}; continue with "
-                f"`{again} train --plan {plan} --log-dir {stop.last_path.parent} --resume`",
+                f"autofit: stopped by {signal.Signals(stop.signal_number).name} at epoch {stop.epoch}, step {stop.step}; "
+                f"saved {stop.last_path}; continue with `{again} train --log-dir {stop.last_path.parent} --resume`",
                 file=sys.stderr,
             )
         cleanup()
-        raise typer.Exit(130) from None
+        raise typer.Exit(stop.exit_code) from None
     cleanup()
 
 

@@ -300,7 +300,7 @@ def open_study(study_name: str, *, storage: str | None, sampler=None):
         )
     except Exception as error:  # SQLAlchemy/Optuna raise many types for an unusable URL
         raise UserError(
-            f"--study {storage!r} cannot be opened ({type(error).__name__}: {error}); use e.g. sqlite:///plans.db"
+            f"--study {storage!r} cannot be opened ({type(error).__name__}: {(str(error).splitlines() or [''])[0]}); use e.g. sqlite:///plans.db"
         ) from error
 
 

@@ -214,22 +214,28 @@ def export_weights(
         UserError: foreign or missing weights, a missing data folder, a format
             whose package is not installed, or ``out`` naming the weights file.
     """
+    from autofit.atomic import check_writable
     from autofit.tools.evaluate import class_names, evaluate, input_shape_of, load_model_for_eval
     from autofit.training.images import image_folder
 
     if config.format == "onnx":
         _require_onnx()
     weights = Path(weights)
-    checkpoint, model, spec = load_model_for_eval(weights)
     out = Path(out) if out is not None else weights.with_name(weights.stem + _SUFFIXES[config.format])
     if out.resolve() == weights.resolve():
         raise UserError(f"--out {str(out)!r} is the weights file itself; choose another path")
+<<<<<<< HEAD
     try:
         shape = input_shape_of(checkpoint, spec)
     except UserError:  # not an image model: its own example inputs (a tuple, a dict) give the file's input form
         if data is not None:
             raise
         shape = None
+=======
+    checkpoint, model, spec = load_model_for_eval(weights)
+    check_writable(out, option="--out")
+    shape = input_shape_of(checkpoint, spec)
+>>>>>>> reliability
     dataset = image_folder(data, input_shape=shape, classes=class_names(checkpoint)) if data is not None else None
     example = torch.zeros(2, *shape) if shape else spec.example_batch(2)[0]
     notes: list[str] = []

@@ -59,7 +59,10 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
             continue
         if not isinstance(record, dict):
             continue
-        (epochs if record.get("kind") == "epoch" else steps).append(record)
+        if record.get("kind") == "epoch":
+            epochs.append(record)
+        elif record.get("kind", "step") == "step":  # not "oom" or "unreadable" events
+            steps.append(record)
     return steps, epochs
 
 

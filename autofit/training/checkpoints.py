@@ -38,16 +38,19 @@ class RunCheckpoints:
         model, optimizer, scheduler, scaler: the run's, saved and restored in place.
         about: what identifies the weights, saved in both files:
             {"model_source", "fingerprint", "classes"}.
+        settings: the run's settings (``TrainSettings.record``), saved in last.pt
+            so that ``--resume`` alone continues the run.
         seed: the run's seed, saved in last.pt.
     """
 
     def __init__(
         self, log_dir: Path, *, world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, about: dict, seed: int,
+        scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, about: dict, settings: dict,
+        seed: int,
     ) -> None:
         self.files = checkpoint_files(log_dir, world_size=world_size)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        self.about, self.seed = about, seed
+        self.about, self.settings, self.seed = about, settings, seed
 
     @property
     def last_path(self) -> Path:
@@ -61,6 +64,7 @@ class RunCheckpoints:
         checkpoint = {
             **self.about,
             "plan": plan.to_dict(),
+            "settings": self.settings,
             "training": {
                 "scaler": self.scaler.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
@@ -149,16 +153,6 @@ class ShardedCheckpoints(LocalCheckpoints):
 def checkpoint_files(log_dir: Path, *, world_size: int) -> LocalCheckpoints:
     """How a run on ``world_size`` processes saves and resumes."""
     return ShardedCheckpoints(log_dir) if world_size > 1 else LocalCheckpoints(log_dir)
-
-
-def check_fresh(last_path: Path) -> None:
-    """Refuse to start a run in a log dir that holds one (``last_path`` exists): it would be overwritten."""
-    if last_path.exists():
-        raise UserError(
-            f"{last_path.parent} already holds a run ({last_path.name}); continue it with --resume "
-            "or choose another --log-dir"
-        )
-    return None
 
 
 def load_resume_state(last_path: Path, model: nn.Module) -> dict:

@@ -3,7 +3,9 @@
 An image folder is ``DIR/train/<class>/<image>`` and ``DIR/val/<class>/<image>``
 (torchvision's ImageFolder layout), each read by ``autofit.training.images.image_folder``:
 images are resized to the plan's input shape (C, H, W) and scaled to [0, 1].
-Files that PIL cannot read are skipped and counted when the folder is scanned.
+Files that PIL cannot read are skipped and counted when the folder is scanned;
+files that pass the scan but fail to decode when read (a truncated JPEG) are
+left out of their batch (``make_loader`` yields them beside it) and named in the log.
 
 Batches come in a fixed order per (seed, epoch), so a resumed run sees exactly
 the batches an uninterrupted one would: ``epoch_order`` is that order, and
@@ -21,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from autofit.errors import UserError
 from autofit.spec import ModelSpec, parse_shape
-from autofit.training.images import image_folder, image_mode
+from autofit.training.images import SkipUnreadable, Unreadable, image_folder, image_mode
 
 @dataclass(kw_only=True, slots=True)
 class TrainData:
@@ -90,7 +92,10 @@ def image_folder_data(root: str | Path, *, input_shape: Sequence[int]) -> TrainD
             f"train/ and val/ in {str(root)!r} hold different classes (only in train/: {', '.join(only_train) or '-'}; "
             f"only in val/: {', '.join(only_val) or '-'}); give both the same class folders"
         )
-    datasets = {split: image_folder(root / split, input_shape=input_shape, skip_unreadable=True) for split in ("train", "val")}
+    datasets = {
+        split: SkipUnreadable(image_folder(root / split, input_shape=input_shape, skip_unreadable=True))
+        for split in ("train", "val")
+    }
     return TrainData(
         train=datasets["train"], val=datasets["val"], classes=list(datasets["train"].classes),
         skipped_images=datasets["train"].unreadable + datasets["val"].unreadable, source=str(root),
@@ -142,19 +147,24 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
 def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_workers: int) -> DataLoader:
     """Batches of ``dataset`` taken in ``order`` (indices; start mid-epoch by slicing it).
 
-    Workers ignore Ctrl-C: the main process finishes its step and saves.
+    Each batch is ``(inputs, targets, unreadable)``: the samples that could be
+    read, collated (None, None when none could), and the ``Unreadable`` ones.
+
+    Workers ignore Ctrl-C, SIGTERM and SIGHUP (sent to the whole process group
+    by a terminal or a job scheduler): the main process finishes its step and
+    saves, and its workers end with it.
     """
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=order,
         num_workers=num_workers,
+        collate_fn=collate_readable,
         worker_init_fn=_ignore_interrupts if num_workers else None,
         # A fixed generator: creating the iterator does not draw from the global RNG,
         # which a resumed run must find exactly where it was saved.
         generator=torch.Generator().manual_seed(0),
         persistent_workers=False,
-        collate_fn=collate_pairs,
     )
 
 
@@ -172,5 +182,14 @@ def collate_pairs(samples: list):
     return batch
 
 
+def collate_readable(samples: list) -> tuple:
+    """``(inputs, targets, unreadable)``: the readable samples collated as usual, and the ``Unreadable`` ones apart."""
+    unreadable = [sample for sample in samples if isinstance(sample, Unreadable)]
+    readable = [sample for sample in samples if not isinstance(sample, Unreadable)]
+    collated = collate_pairs(readable) if readable else (None, None)
+    return (*collated, unreadable)
+
+
 def _ignore_interrupts(worker_id: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)

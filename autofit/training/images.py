@@ -8,10 +8,13 @@ turned into float tensors in [0, 1].
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from torch.utils.data import Dataset
 
 from autofit.errors import UserError
 
@@ -52,6 +55,7 @@ def image_folder(
         raise UserError(f"data folder {str(folder)!r} is not a directory; give a folder of class folders of images (e.g. data/digits/val)")
     if not any(entry.is_dir() for entry in folder.iterdir()):
         raise UserError(f"{str(folder)!r} holds no class folders; expected {folder}/<class>/<image>")
+    _check_no_link_loops(folder)
     _, height, width = input_shape
     check = _ReadableImage() if skip_unreadable else None
     dataset = ImageFolder(
@@ -69,6 +73,41 @@ def image_folder(
     if classes is not None:
         _number_as(dataset, list(classes), folder=folder)
     return dataset
+
+
+class Unreadable(NamedTuple):
+    """A sample whose file failed to decode when read (``SkipUnreadable``); the batch leaves it out."""
+
+    path: str
+    reason: str
+
+
+class SkipUnreadable(Dataset):
+    """An image folder whose files that fail to decode when read become ``Unreadable`` samples instead of errors.
+
+    A file can pass the scan (``skip_unreadable``: PIL opens and verifies its
+    header) and still fail to decode, e.g. a truncated JPEG. Training leaves
+    such a sample out of its batch and names it in the log, rather than
+    stopping at the same batch on every resume. The folder's attributes
+    (``classes``, ``targets``, ``samples``, ...) read through.
+    """
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        try:
+            return self.dataset[index]
+        except UserError as error:  # load_image's: the file did not decode
+            return Unreadable(path=self.dataset.samples[index][0], reason=str(error.__cause__ or error))
+
+    def __getattr__(self, name: str):
+        if name == "dataset":  # not set yet (while unpickling in a DataLoader worker)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 def image_mode(input_shape: Sequence[int]) -> str:
@@ -96,8 +135,28 @@ def load_image(path: str, *, mode: str):
     try:
         with Image.open(path) as image:
             return image.convert(mode)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # PIL raises many types for a file that does not decode
         raise UserError(f"image {path!r} cannot be read ({error}); replace or remove it") from error
+
+
+def _check_no_link_loops(folder: Path) -> None:
+    """Refuse a symbolic link to a folder that holds it: torchvision follows links, and would read it over and over.
+
+    Raises:
+        UserError: naming the link and where it points.
+    """
+    for root, dirs, _ in os.walk(folder, followlinks=True):
+        here = os.path.realpath(root)
+        for name in list(dirs):
+            link = os.path.join(root, name)
+            if not os.path.islink(link):
+                continue
+            target = os.path.realpath(link)
+            if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+                raise UserError(
+                    f"{link!r} is a symbolic link to {target!r}, a folder that holds it, so it would be read without end; "
+                    "remove the link"
+                )
 
 
 def _number_as(dataset, classes: list[str], *, folder: Path) -> None:

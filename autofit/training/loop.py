@@ -1,19 +1,24 @@
 """The shared training loop behind ``autofit train`` and ``autofit.fit()``.
 
-Read ``train`` top to bottom: apply the plan, build the optimizer and the
-schedule, maybe resume, open the log; then ``_train_epochs``: epochs of steps,
-each step being ``autofit.training.step.train_step`` (the step the probe
-measures) over one global batch, then validation and checkpoints. Strategies
-live in ``apply_plan``; the loop never asks which precision or split it runs.
-What happens around a step lives beside it: ``state`` (position, history, the
-non-finite streak), ``checkpoints`` (last.pt, best.pt, resume), ``runlog``
-(metrics.jsonl, TensorBoard), ``console`` (lines and progress bar), ``gauges``
-(memory) and ``validation``.
+Read ``train`` top to bottom: hold the log dir, start or resume, apply the
+plan, build the optimizer and the schedule, open the log; then
+``_train_epochs``: epochs of steps, each step being
+``autofit.training.step.train_step`` (the step the probe measures) over one
+global batch, redone exactly with half the micro-batch if it runs out of
+memory, then validation and checkpoints. Strategies live in ``apply_plan``;
+the loop never asks which precision or split it runs. What happens around a
+step lives beside it: ``rundir`` (the lock, never erasing a run), ``resume``
+(the run's own settings), ``state`` (position, history, the non-finite
+streak), ``recovery`` (out of memory), ``checkpoints`` (last.pt, best.pt),
+``runlog`` (metrics.jsonl, TensorBoard), ``console`` (lines and progress
+bar), ``gauges`` (memory, the budget watch) and ``validation``.
 
 Files in the log dir: ``metrics.jsonl`` (one JSON object per line, kind
-"step", "epoch" or "oom"), TensorBoard event files, ``plan.json`` (the plan
-this run trains with, rewritten when it changes), ``last.pt`` (everything
-``--resume`` needs) and ``best.pt`` (best validation accuracy so far).
+"step", "epoch", "oom", "unreadable" or "memory"), TensorBoard event files,
+``plan.json`` (the plan this run trains with, rewritten when it changes),
+``last.pt`` (everything ``--resume`` needs, settings included), ``best.pt``
+(best validation accuracy so far) and ``.autofit.lock``. SIGINT, SIGTERM and
+SIGHUP stop the run after its step with last.pt saved (``TrainingInterrupted``).
 
 A plan for several processes runs this same loop in each process torchrun
 starts: ``apply_plan`` shards the model and gives each rank its share of every
@@ -24,13 +29,16 @@ reads), and rank 0 writes last.pt and best.pt with whole weights.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
 import math
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,56 +47,108 @@ from torch import nn
 from autofit.apply import AppliedPlan, apply_plan
 from autofit.errors import UserError
 from autofit.model_io import batch_size_of
-from autofit.measure.meters import release_device_memory
 from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
-from autofit.training.checkpoints import RunCheckpoints, check_fresh, load_resume_state
+from autofit.training.checkpoints import RunCheckpoints, load_resume_state
 from autofit.training.console import RunConsole, epoch_line, final_line, header, oom_line
 from autofit.training.data import TrainData, epoch_order, make_loader
-from autofit.training.distributed import any_rank, mean_across_ranks
-from autofit.training.gauges import MemoryGauge, memory_gauge
+from autofit.training.distributed import any_rank, is_rank0, mean_across_ranks
+from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
+from autofit.training.images import Unreadable
+from autofit.training.recovery import StepUndo, step_with_recovery
+from autofit.training.resume import check_same_plan, resumed_value
+from autofit.training.rundir import hold_run_directory, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
 from autofit.training.state import NonFiniteStreak, RunState
-from autofit.training.step import StepResult, train_step
 from autofit.training.validation import evaluate
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainSettings:
-    """How long and where to train; everything about memory comes from the plan."""
+    """How long and where to train; everything about memory comes from the plan.
 
-    epochs: int
-    """Passes over the training data (in total, counting those before a resume)."""
+    A setting left None takes its default in a new run and the run's own
+    (recorded in last.pt) on resume; see ``autofit.training.resume``.
+    """
+
+    epochs: int | None = None
+    """Passes over the training data (in total, counting those before a resume). None: 1, or the run's own."""
     log_dir: Path | None = None
     """metrics.jsonl, TensorBoard events, plan.json, last.pt and best.pt go here. None:
     runs/<date>-<time>, which ``autofit.training.run.run_training`` picks (``train`` needs a folder)."""
     lr: float | None = None
-    """Peak learning rate; None keeps the optimizer's. It decays by a cosine to a tenth over the run."""
+    """Peak learning rate; None keeps the optimizer's (or the run's own). It decays by a cosine to a tenth over the run."""
     resume: bool = False
-    """Continue from log_dir/last.pt: weights, optimizer, scaler, schedule, RNG and data position."""
-    seed: int = 0
-    """Fixes the data order of every epoch and the RNG (dropout)."""
+    """Continue from log_dir/last.pt: weights, optimizer, scaler, schedule, RNG, data position and these settings."""
+    overwrite: bool = False
+    """A new run in a log dir that holds a run's files deletes them first; without it such a start is refused."""
+    seed: int | None = None
+    """Fixes the data order of every epoch and the RNG (dropout). None: 0, or the run's own."""
     num_workers: int = 0
     """DataLoader worker processes; 0 loads in the training process."""
-    save_every_steps: int = 0
-    """Also save last.pt every this many steps; 0 saves at each epoch end (and on Ctrl-C)."""
+    save_every_steps: int | None = None
+    """Also save last.pt every this many steps; 0 saves at each epoch end (and when stopped). None: 0, or the run's own."""
     max_steps: int | None = None
-    """Stop (after saving last.pt) once this many optimizer steps are done in total."""
+    """Stop (after saving last.pt) once this many optimizer steps are done in total. On resume, None keeps
+    the run's own limit while it is not reached (an interrupted run goes on to where it was going)."""
     max_nonfinite_steps: int = 5
     """Stop after this many steps in a row whose loss is inf or nan."""
     verbose: bool = True
     """Show the progress bar and print a line per epoch."""
+    sources: dict = field(default_factory=dict)
+    """Where the front end read the data and the model: {"data": folder, "model": file}, absolute paths or
+    None; saved in last.pt so that a resume finds them again."""
 
     def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir) if self.log_dir is not None else None
-        if self.epochs < 1:
+        if self.epochs is not None and self.epochs < 1:
             raise UserError(f"--epochs {self.epochs} must be at least 1")
-        if self.lr is not None and not self.lr > 0:
-            raise UserError(f"--lr {self.lr} must be a positive number, e.g. 1e-3")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise UserError(f"--lr {self.lr} must be a positive finite number, e.g. 1e-3")
         if self.num_workers < 0:
             raise UserError(f"--workers {self.num_workers} must be 0 or more")
-        if self.save_every_steps < 0:
+        if self.save_every_steps is not None and self.save_every_steps < 0:
             raise UserError(f"--save-every {self.save_every_steps} must be 0 (each epoch) or a number of steps")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError(f"--max-steps {self.max_steps} must be at least 1 (or left out: train every epoch)")
+        if self.resume and self.overwrite:
+            raise UserError("--overwrite deletes the run that --resume would continue; give one of them")
+
+    def for_new_run(self) -> TrainSettings:
+        """These settings with every default filled in."""
+        return dataclasses.replace(
+            self, epochs=self.epochs or 1, seed=self.seed or 0, save_every_steps=self.save_every_steps or 0,
+        )
+
+    def for_resume(self, recorded: dict, *, global_step: int) -> TrainSettings:
+        """These settings completed from the run's ``recorded`` ones (last.pt's); see ``autofit.training.resume``.
+
+        Raises:
+            UserError: lr, seed or the data folder given differs from the run's.
+        """
+        where = self.log_dir
+        sources = dict(recorded.get("sources") or {})
+        sources["data"] = resumed_value("data", self.sources.get("data"), sources.get("data"), where=where)
+        sources["model"] = self.sources.get("model") or sources.get("model")  # where the file is now; its fingerprint is checked
+        max_steps = self.max_steps
+        if max_steps is None and (recorded.get("max_steps") or 0) > global_step:
+            max_steps = recorded["max_steps"]
+        return dataclasses.replace(
+            self,
+            epochs=self.epochs or recorded.get("epochs") or 1,
+            lr=resumed_value("lr", self.lr, recorded.get("lr"), where=where) if "lr" in recorded else self.lr,
+            seed=resumed_value("seed", self.seed, recorded.get("seed", 0), where=where),
+            save_every_steps=self.save_every_steps if self.save_every_steps is not None else recorded.get("save_every_steps", 0),
+            max_steps=max_steps,
+            sources=sources,
+        )
+
+    def record(self) -> dict:
+        """What last.pt keeps of these settings (``for_resume`` reads it back)."""
+        return {
+            "epochs": self.epochs, "lr": self.lr, "seed": self.seed, "save_every_steps": self.save_every_steps,
+            "max_steps": self.max_steps, "sources": dict(self.sources),
+        }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,11 +166,16 @@ class TrainResult:
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped training after a step; last.pt holds everything to resume."""
+    """A signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) stopped training after a step; last.pt holds everything to resume."""
 
-    def __init__(self, *, last_path: Path, epoch: int, step: int) -> None:
-        super().__init__(f"interrupted at epoch {epoch}, step {step}; saved {last_path}")
-        self.last_path, self.epoch, self.step = last_path, epoch, step
+    def __init__(self, *, last_path: Path, epoch: int, step: int, signal_number: int = signal.SIGINT) -> None:
+        super().__init__(f"stopped by {signal.Signals(signal_number).name} at epoch {epoch}, step {step}; saved {last_path}")
+        self.last_path, self.epoch, self.step, self.signal_number = last_path, epoch, step, signal_number
+
+    @property
+    def exit_code(self) -> int:
+        """What a shell reports for a process ended by the signal: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + self.signal_number
 
 
 def train(
@@ -125,9 +190,13 @@ def train(
 ) -> TrainResult:
     """Train ``model`` with ``plan`` on ``data``; see the module docstring for what is written.
 
+    The run holds its log dir (``autofit.training.rundir``): a second run
+    there is refused while this one trains, and a new run never writes over
+    an earlier one's files (``settings.overwrite`` deletes them first).
+
     Args:
         model: the model the plan was made for (trained in place).
-        plan: the plan; on resume, the plan saved in last.pt is used instead.
+        plan: the plan; on resume it must train as the plan saved in last.pt, which is used.
         data: train (and val) datasets yielding (input, target).
         loss_fn: (output, target) -> mean loss.
         build_optimizer: params -> Optimizer.
@@ -139,19 +208,47 @@ def train(
         The final plan, the epoch records and the paths of best.pt and last.pt.
 
     Raises:
-        UserError: a plan for another model, a log dir that already holds a run
-            (without resume), repeated non-finite loss, out of memory at a
-            micro-batch of 1.
-        TrainingInterrupted: Ctrl-C; last.pt was saved first.
+        UserError: a plan for another model; a log dir that another run holds,
+            or that holds a run (without resume or overwrite); settings or a plan
+            that differ from the resumed run's; repeated non-finite loss; out of
+            memory at a micro-batch of 1 or where a step cannot be redone
+            exactly; a full disk (last.pt keeps the last save).
+        TrainingInterrupted: SIGINT (Ctrl-C), SIGTERM or SIGHUP; last.pt was saved first.
     """
     log_dir = settings.log_dir
     if log_dir is None:
         raise ValueError("settings.log_dir is None: give a folder (autofit.training.run.run_training picks runs/<date>-<time>)")
     _check_classes(plan, data)
+    with hold_run_directory(log_dir, holder=is_rank0()):
+        try:
+            return _train_run(
+                model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
+                settings=settings,
+            )
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise UserError(_disk_full_line(error, log_dir)) from None
+
+
+def _train_run(
+    model: nn.Module, *, plan: Plan, data: TrainData, loss_fn: Callable, build_optimizer: Callable, model_source: dict,
+    settings: TrainSettings,
+) -> TrainResult:
+    """``train`` in its held log dir: start or resume, apply the plan, open the log, train the epochs."""
+    log_dir = settings.log_dir
     fingerprint = model_fingerprint(model)  # of the model as built: apply_plan may wrap it
-    saved = load_resume_state(log_dir / "last.pt", model) if settings.resume else check_fresh(log_dir / "last.pt")
-    if saved is not None:
-        plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
+    if settings.resume:
+        saved = load_resume_state(log_dir / "last.pt", model)
+        position = saved["training"]["position"]
+        settings = settings.for_resume(saved.get("settings") or {}, global_step=position["global_step"])
+        saved_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
+        check_same_plan(plan, saved_plan, where=log_dir)
+        plan = saved_plan
+    else:
+        if is_rank0():
+            start_fresh(log_dir, overwrite=settings.overwrite)
+        saved, settings = None, settings.for_new_run()
     applied = apply_plan(model, plan)
     optimizer = applied.build_optimizer(build_optimizer)
     if settings.lr:
@@ -167,7 +264,7 @@ def train(
     checkpoints = RunCheckpoints(
         log_dir, world_size=applied.env.world_size, model=applied.model, optimizer=optimizer, scheduler=scheduler,
         scaler=applied.scaler, about={"model_source": model_source, "fingerprint": fingerprint, "classes": data.classes},
-        seed=settings.seed,
+        settings=settings.record(), seed=settings.seed,
     )
     state = checkpoints.restore(saved) if saved is not None else RunState()
     # Rank 0 writes the log and prints; other ranks get a log that writes nothing and a quiet console.
@@ -177,13 +274,15 @@ def train(
     log.save_plan(plan)
     console = RunConsole(verbose=settings.verbose and writes_log, budget_bytes=plan.budget_bytes)
     console.print(header(plan, data, applied, memory_note=gauge.note, log_dir=log_dir))
+    if log.skipped_lines:
+        console.print(f"metrics.jsonl: skipped {log.skipped_lines} unreadable line(s) of the earlier run")
     if saved is not None:
         console.print(f"resuming from {checkpoints.last_path}: epoch {state.position.epoch + 1}, after step {state.position.global_step}")
 
-    with log, console, _interrupt_flag() as interrupt:
+    with log, console, BudgetWatch(plan, device=applied.device) as watch, _stop_on_signals() as stop:
         finished = _train_epochs(
             applied, data=data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler, plan=plan, state=state,
-            checkpoints=checkpoints, log=log, console=console, gauge=gauge, interrupt=interrupt, settings=settings,
+            checkpoints=checkpoints, log=log, console=console, gauge=gauge, watch=watch, stop=stop, settings=settings,
         )
     best = state.best_record()
     if finished and best is not None:
@@ -194,10 +293,22 @@ def train(
     )
 
 
+def _disk_full_line(error: OSError, log_dir: Path) -> str:
+    """The one line for a full disk: what failed, what last.pt still holds, and how to go on."""
+    from autofit.training.resume import read_saved_run
+
+    where = f" writing {Path(error.filename).name}" if error.filename else ""
+    try:
+        step = read_saved_run(log_dir)["position"]["global_step"]
+    except (UserError, KeyError, OSError):
+        return f"the disk holding {log_dir} is full ({error.strerror}{where}) before anything was saved; free space, then start again with --overwrite"
+    return f"the disk holding {log_dir} is full ({error.strerror}{where}); last.pt keeps step {step} intact: free space, then continue with --resume"
+
+
 def _train_epochs(
     applied: AppliedPlan, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, scheduler, plan: Plan,
     state: RunState, checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, console: RunConsole, gauge: MemoryGauge,
-    interrupt: threading.Event, settings: TrainSettings,
+    watch: BudgetWatch, stop: _StopRequest, settings: TrainSettings,
 ) -> bool:
     """The epochs from ``state``'s position on: steps over global batches, then validation and last.pt (best.pt).
 
@@ -207,6 +318,7 @@ def _train_epochs(
     model, global_batch_size = applied.model, plan.global_batch_size
     steps_per_epoch = math.ceil(len(data.train) / global_batch_size)
     nonfinite = NonFiniteStreak(limit=settings.max_nonfinite_steps, precision=plan.precision)
+    undo = StepUndo(model, optimizer=optimizer, scaler=applied.scaler, device=applied.device)  # redoes a step after OOM
     for epoch in range(state.position.epoch, settings.epochs):
         position = state.position  # this epoch's: where it starts (mid-epoch on resume) and what it has done
         model.train()
@@ -217,9 +329,16 @@ def _train_epochs(
         )
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         last_time = time.perf_counter()
-        for inputs, targets in loader:
+        for inputs, targets, unreadable in loader:
+            for sample in unreadable:
+                position.skipped_images += 1
+                _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step + 1)
+            if inputs is None:
+                position.skip_batch()
+                continue
             batch_size = batch_size_of(inputs, targets)
-            result, ooms = _train_global_batch(model, inputs, targets, applied=applied, loss_fn=loss_fn, optimizer=optimizer)
+            with watch.measuring(model, optimizer):
+                result, ooms = step_with_recovery(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo)
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
             lr = float(optimizer.param_groups[0]["lr"])
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule
@@ -229,6 +348,7 @@ def _train_epochs(
             position.advance(samples=batch_size, loss=loss, seconds=step_seconds)
             for oom in ooms:
                 _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)
+                watch.micro_batch_changed()
             memory_bytes, peak_bytes = gauge.read()
             record = {
                 "kind": "step", "epoch": epoch + 1, "step": position.global_step, "loss": loss, "lr": lr,
@@ -237,35 +357,49 @@ def _train_epochs(
             }
             log.step(record)
             console.step(record)
+            warning = watch.warning(peak_bytes)
+            if warning:
+                log.write({"kind": "memory", "epoch": epoch + 1, "step": position.global_step, "warning": warning})
+                console.print(warning)
             nonfinite.check(loss, epoch=epoch + 1, step=position.global_step)
-            interrupted = any_rank(interrupt.is_set(), device=applied.device)  # every rank stops at the same step
+            interrupted = any_rank(stop.is_set(), device=applied.device)  # every rank stops at the same step
             if interrupted or position.global_step == settings.max_steps:
-                checkpoints.save_last(plan=plan, state=state)
+                _save_last(checkpoints, log, plan=plan, state=state)
                 log.flush()
                 if interrupted:
-                    raise TrainingInterrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
+                    raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
                 return False
             if settings.save_every_steps and position.global_step % settings.save_every_steps == 0:
-                checkpoints.save_last(plan=plan, state=state)
+                _save_last(checkpoints, log, plan=plan, state=state)
                 last_time = time.perf_counter()  # the pause for saving is not training time
 
-        val = evaluate(model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers)
+        val = evaluate(
+            model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers,
+            on_unreadable=lambda sample: _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step),
+        )
         record = {
             "kind": "epoch", "epoch": epoch + 1, "step": position.global_step, "loss": position.train_loss,
             "lr": float(optimizer.param_groups[0]["lr"]), "samples_per_s": position.samples_per_s,
             "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
             "train_loss": position.train_loss, "val_loss": val.loss, "val_accuracy": val.accuracy,
             "val_perplexity": val.perplexity,
+            "skipped_images": position.skipped_images,
         }
         log.epoch(record)
         console.print(epoch_line(record, epochs=settings.epochs))
         improved = state.end_epoch(record)  # into the history; the next epoch's position
-        saved = checkpoints.save_last(plan=plan, state=state)
+        saved = _save_last(checkpoints, log, plan=plan, state=state)
         if improved:
             checkpoints.save_best(saved, record=record)
-        if any_rank(interrupt.is_set(), device=applied.device):  # Ctrl-C during validation
-            raise TrainingInterrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
+        if any_rank(stop.is_set(), device=applied.device):  # a signal during validation
+            raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
     return True
+
+
+def _save_last(checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan: Plan, state: RunState) -> dict:
+    """Save last.pt once every record up to it is on disk (a run killed later loses no step it saved)."""
+    log.sync()
+    return checkpoints.save_last(plan=plan, state=state)
 
 
 def _record_oom(oom: dict, *, plan: Plan, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> None:
@@ -275,6 +409,12 @@ def _record_oom(oom: dict, *, plan: Plan, log: RunLog | SilentRunLog, console: R
     log.save_plan(plan)
     log.write({"kind": "oom", "epoch": epoch, "step": step, **oom})
     console.print(oom_line(oom))
+
+
+def _record_unreadable(sample: Unreadable, *, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> None:
+    """An image that failed to decode: left out of its batch, named in metrics.jsonl and on the console."""
+    log.write({"kind": "unreadable", "epoch": epoch, "step": step, "file": sample.path, "error": sample.reason})
+    console.print(f"skipped an image that cannot be read: {sample.path} ({sample.reason})")
 
 
 def default_log_dir(root: str | Path = "runs") -> Path:
@@ -287,38 +427,6 @@ def default_log_dir(root: str | Path = "runs") -> Path:
     return candidate
 
 
-def _train_global_batch(model, inputs, targets, *, applied: AppliedPlan, loss_fn, optimizer) -> tuple[StepResult, list[dict]]:
-    """One optimizer step over a global batch, redone with half the micro-batch after an out-of-memory error.
-
-    Returns:
-        The step's result, and one record per micro-batch change made.
-    """
-    ooms = []
-    while True:
-        try:
-            result = train_step(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer)
-            return result, ooms
-        except RuntimeError as error:  # torch.OutOfMemoryError is one
-            if not is_out_of_memory(error):
-                raise
-            message = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        # Here, outside the except block, the failed step's frames and tensors are gone.
-        optimizer.zero_grad(set_to_none=True)  # drop the partial gradients of the failed step
-        release_device_memory(applied.device.type)
-        previous = applied.micro_batch_size
-        applied.halve_micro_batch()
-        ooms.append({
-            "event": "out_of_memory", "error": message, "previous_micro_batch_size": previous,
-            "micro_batch_size": applied.micro_batch_size, "grad_accum_steps": applied.grad_accum_steps,
-            "global_batch_size": applied.split.config.global_batch_size,
-        })
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for torch.OutOfMemoryError and RuntimeErrors that say "out of memory"."""
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
 def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning rate falls from its peak to a tenth of it along half a cosine over ``total_steps``."""
 
@@ -329,24 +437,51 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> to
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+"""Signals that stop a run after its step, with last.pt saved: Ctrl-C, a polite kill, a closed terminal."""
+
+
+class _StopRequest:
+    """Set by the first stop signal; the loop saves after its step and raises ``interrupted``."""
+
+    def __init__(self) -> None:
+        self.signal_number: int | None = None
+
+    def is_set(self) -> bool:
+        return self.signal_number is not None
+
+    def interrupted(self, *, last_path: Path, epoch: int, step: int) -> TrainingInterrupted:
+        # On several processes a rank may stop because another got the signal: torchrun passes SIGTERM on.
+        return TrainingInterrupted(last_path=last_path, epoch=epoch, step=step, signal_number=self.signal_number or signal.SIGTERM)
+
+
 @contextmanager
-def _interrupt_flag():
-    """The first Ctrl-C sets the flag (the loop saves after its step and stops); a second one aborts."""
-    flag = threading.Event()
+def _stop_on_signals():
+    """The first SIGINT, SIGTERM or SIGHUP asks the loop to stop after its step; a second one ends the run at once.
+
+    A second Ctrl-C raises KeyboardInterrupt; a second SIGTERM or SIGHUP ends
+    the process as that signal does by default.
+    """
+    stop = _StopRequest()
     if threading.current_thread() is not threading.main_thread():
-        yield flag  # signals reach only the main thread
+        yield stop  # signals reach only the main thread
         return
 
     def request_stop(signum, frame) -> None:
-        if flag.is_set():
+        if not stop.is_set():
+            stop.signal_number = signum
+            return
+        if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        flag.set()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
-    previous = signal.signal(signal.SIGINT, request_stop)
+    previous = {number: signal.signal(number, request_stop) for number in STOP_SIGNALS}
     try:
-        yield flag
+        yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _check_classes(plan: Plan, data: TrainData) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import sys
 import threading
@@ -23,7 +24,12 @@ class RunLog:
     background thread it still holds the interpreter lock the training
     thread needs to launch kernels (bench/RESULTS.md, "Loop overhead"). On
     resume, records after the saved position (steps a killed run did but
-    never saved) are dropped, so the log matches what the weights have seen.
+    never saved) are dropped, so the log matches what the weights have seen,
+    and so are lines that are no record (a line cut short by a kill, bytes
+    that are not UTF-8, a bare number or list), counted in ``skipped_lines``.
+    ``sync`` puts every record written so far on disk (flushed and fsynced):
+    the loop calls it before each save of last.pt, so a record the weights
+    have seen is never lost to a kill.
     """
 
     tensorboard_interval_s = 0.2
@@ -37,9 +43,10 @@ class RunLog:
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         path = log_dir / "metrics.jsonl"
-        kept = [line for line in _read_lines(path) if _keep(line, keep_until_step, keep_until_epoch)]
+        records, self.skipped_lines = _read_records(path)
+        kept = [line for line, record in records if _keep(record, keep_until_step, keep_until_epoch)]
         write_atomic(path, "".join(kept))
-        self.metrics = path.open("a")
+        self.metrics = path.open("a", encoding="utf-8")
         self.tensorboard_error: Exception | None = None
         self._events: queue.Queue = queue.Queue()
         self._held_step: dict | None = None
@@ -78,9 +85,14 @@ class RunLog:
         """plan.json: the plan this run trains with."""
         save_plan(plan, self.log_dir / "plan.json")
 
-    def flush(self) -> None:
-        """Everything logged so far is on disk when this returns."""
+    def sync(self) -> None:
+        """Every record written so far is in metrics.jsonl on disk (flushed and fsynced) when this returns."""
         self.metrics.flush()
+        os.fsync(self.metrics.fileno())
+
+    def flush(self) -> None:
+        """Everything logged so far, TensorBoard events too, is written out when this returns."""
+        self.sync()
         self._send_held_step()
         self._events.put("flush")
         self._events.join()
@@ -117,16 +129,24 @@ class RunLog:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.metrics.close()
-        self._send_held_step()
-        self._events.put(None)
-        self._tensorboard_thread.join()
+        try:
+            self.metrics.close()
+        except OSError:
+            if exc[0] is None:
+                raise
+            # Already failing (a full disk, most likely): that error is the one to report.
+        finally:
+            self._send_held_step()
+            self._events.put(None)
+            self._tensorboard_thread.join()
         if self.tensorboard_error is not None:
             print(f"autofit: TensorBoard events were not all written ({self.tensorboard_error!r}); metrics.jsonl is complete", file=sys.stderr)
 
 
 class SilentRunLog:
     """``RunLog``'s interface, writing nothing: the log of a rank other than 0 (rank 0 logs the run)."""
+
+    skipped_lines = 0
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -141,6 +161,9 @@ class SilentRunLog:
         pass
 
     def save_plan(self, plan: Plan) -> None:
+        pass
+
+    def sync(self) -> None:
         pass
 
     def flush(self) -> None:
@@ -160,15 +183,27 @@ def open_run_log(log_dir: Path, *, keep_until_step: int, keep_until_epoch: int, 
     return RunLog(log_dir, keep_until_step=keep_until_step, keep_until_epoch=keep_until_epoch)
 
 
-def _read_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines(keepends=True) if path.exists() else []
+def _read_records(path: Path) -> tuple[list[tuple[str, dict]], int]:
+    """metrics.jsonl's lines with their records, and how many lines hold none (garbage is skipped, not fatal)."""
+    if not path.exists():
+        return [], 0
+    records, skipped = [], 0
+    # What follows the last newline is a line cut short by a kill: never a record, not worth a word.
+    for raw in path.read_bytes().split(b"\n")[:-1]:
+        try:
+            line = raw.decode("utf-8") + "\n"
+            record = json.loads(line)
+        except ValueError:  # not UTF-8 (UnicodeDecodeError) or not JSON
+            skipped += raw.strip() != b""
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int) or not isinstance(record.get("epoch", 0), int):
+            skipped += 1
+            continue
+        records.append((line, record))
+    return records, skipped
 
 
-def _keep(line: str, until_step: int, until_epoch: int) -> bool:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return False  # a line cut short by a kill
+def _keep(record: dict, until_step: int, until_epoch: int) -> bool:
     if record.get("kind") == "epoch":
-        return record["epoch"] <= until_epoch
+        return record.get("epoch", 0) <= until_epoch
     return record.get("step", 0) <= until_step

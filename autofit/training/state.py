@@ -21,6 +21,8 @@ class Position:
     """Sum of per-sample loss over the current epoch's finite steps."""
     epoch_samples: int = 0
     epoch_seconds: float = 0.0
+    skipped_images: int = 0
+    """Samples of the current epoch left out because their file failed to decode."""
 
     def advance(self, *, samples: int, loss: float, seconds: float) -> None:
         """Count one global batch of ``samples`` done in ``seconds`` (a loss that is not finite adds no loss)."""
@@ -29,6 +31,10 @@ class Position:
         self.epoch_seconds += seconds
         self.epoch_samples += samples
         self.epoch_loss_sum += loss * samples if math.isfinite(loss) else 0.0
+
+    def skip_batch(self) -> None:
+        """Count a global batch none of whose samples could be read: passed in the epoch's order, no optimizer step."""
+        self.step_in_epoch += 1
 
     @property
     def train_loss(self) -> float:

@@ -28,8 +28,8 @@ def save_checkpoint(path: str | Path, checkpoint: dict) -> Path:
     return write_atomic(path, lambda file: torch.save({"format": FORMAT, "version": VERSION, **checkpoint}, file))
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """Load a checkpoint written by ``save_checkpoint``.
+def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict:
+    """Load a checkpoint written by ``save_checkpoint``; ``mmap`` maps its tensors instead of reading them.
 
     Raises:
         UserError: the file is missing, unreadable, or not an autofit checkpoint.
@@ -38,7 +38,7 @@ def load_checkpoint(path: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"weights file {str(path)!r} does not exist; train first with `autofit train --plan plan.json`")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as error:  # any unpickling failure means a corrupt or foreign file
         raise UserError(f"weights file {str(path)!r} cannot be read ({type(error).__name__}); is it a file written by `autofit train`?") from error
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:

@@ -1,0 +1,152 @@
+"""What a model file hands autofit, checked where it is used: a mistake in the file is one line naming it, not a traceback.
+
+``autofit.spec`` wraps a model file's functions: ``build_model()`` must return
+an ``nn.Module`` (an error raised inside it is reported with the file's line),
+``example_batch(n)`` must return ``(inputs, targets)`` of ``n`` samples, and
+without a ``loss_fn`` the forward must return a tensor of logits.
+``check_model_runs`` runs the model once on ``example_batch(2)`` on the CPU
+before a command measures it, so inputs the model cannot take are found
+before any search or probe.
+"""
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autofit.errors import UserError
+
+
+class CheckedBuild:
+    """A model file's ``build_model``: the model it returns, or a UserError naming what went wrong."""
+
+    def __init__(self, build_model: Callable[[], nn.Module], *, source: str) -> None:
+        self.build_model, self.source = build_model, source
+
+    def __call__(self) -> nn.Module:
+        try:
+            model = self.build_model()
+        except UserError:
+            raise
+        except Exception as error:  # the user's code: any error is theirs to fix
+            raise UserError(f"model file {self.source!r}: build_model() raised {_describe(error, self.source)}; fix it there") from error
+        if not isinstance(model, nn.Module):
+            raise UserError(
+                f"model file {self.source!r}: build_model() returned {type(model).__name__}, not a torch.nn.Module; return the model itself"
+            )
+        return model
+
+
+class CheckedExampleBatch:
+    """A model file's ``example_batch``: ``(inputs, targets)`` of ``batch_size`` samples, or a UserError saying what is wrong."""
+
+    def __init__(self, example_batch: Callable[[int], tuple], *, source: str) -> None:
+        self.example_batch, self.source = example_batch, source
+
+    def __call__(self, batch_size: int) -> tuple:
+        try:
+            batch = self.example_batch(batch_size)
+        except UserError:
+            raise
+        except Exception as error:
+            raise UserError(
+                f"model file {self.source!r}: example_batch({batch_size}) raised {_describe(error, self.source)}; fix it there"
+            ) from error
+        check_batch(batch, batch_size=batch_size, where=f"model file {self.source!r}: example_batch({batch_size})")
+        return batch
+
+
+def check_batch(batch, *, batch_size: int, where: str) -> None:
+    """Refuse anything but ``(inputs, targets)`` whose tensors all hold ``batch_size`` samples (their first dimension).
+
+    Raises:
+        UserError: naming ``where``, what came back and what is expected.
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        got = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
+        raise UserError(f"{where} returned {got}; return a pair (inputs, targets), e.g. (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))")
+    for role, part in zip(("inputs", "targets"), batch):
+        if role == "targets" and part is None:
+            continue  # the labels are in the inputs (a model that computes its own loss)
+        tensors = _tensors(part)
+        if not tensors:
+            raise UserError(f"{where} returned {role} of type {type(part).__name__}, which hold no tensor; return torch tensors")
+        sizes = sorted({t.shape[0] for t in tensors if t.ndim > 0})
+        if sizes != [batch_size]:
+            raise UserError(
+                f"{where} returned {role} of {' and '.join(map(str, sizes)) or 'no'} sample(s) (first dimension), not {batch_size}; "
+                "return as many samples as asked for"
+            )
+
+
+class LogitsCrossEntropy:
+    """The default loss of a model file without ``loss_fn``: cross-entropy of the forward's logits tensor."""
+
+    def __init__(self, *, source: str) -> None:
+        self.source = source
+
+    def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise UserError(
+                f"model file {self.source!r}: the forward returns a {type(output).__name__}, not a tensor of logits, and the "
+                "file defines no loss_fn; define loss_fn(output, targets) there (the default is cross-entropy of a logits tensor)"
+            )
+        return nn.functional.cross_entropy(output, targets)
+
+
+def check_model_runs(spec) -> None:
+    """Build a model file's model and run its forward and loss on ``example_batch(2)`` on the CPU (no gradients).
+
+    Only model files are checked (their ``build_model`` is a ``CheckedBuild``):
+    library models (``torchvision:NAME``) take what their spec makes.
+
+    Raises:
+        UserError: build_model or example_batch fail their checks, or the
+            forward or the loss fails on the example batch.
+    """
+    if not isinstance(spec.build_model, CheckedBuild):
+        return
+    model = spec.build_model()
+    inputs, targets = spec.example_batch(2)
+    try:
+        with torch.no_grad():
+            loss = spec.loss_fn(model(inputs), targets)
+    except UserError:
+        raise
+    except Exception as error:
+        raise UserError(
+            f"model file {spec.source!r}: the forward or the loss failed on example_batch(2): {_describe(error, spec.source)}; "
+            "make example_batch return inputs the model takes and targets its loss takes"
+        ) from error
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise UserError(
+            f"model file {spec.source!r}: loss_fn returned {type(loss).__name__}"
+            f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}; return one number (a 0-dim tensor)"
+        )
+
+
+def _tensors(part) -> list[torch.Tensor]:
+    if isinstance(part, torch.Tensor):
+        return [part]
+    if isinstance(part, dict):
+        part = list(part.values())
+    if isinstance(part, (tuple, list)):
+        return [t for item in part for t in _tensors(item)]
+    return []
+
+
+def _describe(error: BaseException, source: str) -> str:
+    """``TypeName: first line of the message (file.py, line N)``, the line being the last one in ``source``'s file."""
+    message = (str(error).strip().splitlines() or [""])[0][:300]
+    path = Path(source).resolve()
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if Path(frame.filename).resolve() == path]
+    where = f" ({path.name}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(error).__name__}: {message}{where}"
+
+
+def batch_bytes(batch) -> int:
+    """Bytes of every tensor in a batch (inputs and targets)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(list(batch)))

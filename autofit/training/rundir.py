@@ -1,0 +1,158 @@
+"""A run's folder (its ``--log-dir``): one run holds it at a time, and a new run never writes over an earlier one's files.
+
+``hold_run_directory`` takes an OS-level lock (``fcntl.flock`` on
+``.autofit.lock``, released by the kernel when the process ends, however it
+ends) for as long as the run trains; a second run in the folder is refused
+with one line naming the holder. Holding it, the run cleans up what a killed
+run may have left half-done: temporary files of ``autofit.atomic.write_atomic``
+and an interrupted replacement of ``last_sharded/``.
+
+A folder holds a run when it has ``last.pt``, ``best.pt``, ``last_sharded/``
+or a non-empty ``metrics.jsonl``; a new run there (not ``--resume``) is
+refused unless asked to ``overwrite``, which deletes those files first.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from autofit.errors import UserError
+
+LOCK_FILE = ".autofit.lock"
+"""The file a run holds the lock on (it stays when the run ends; the lock does not)."""
+
+RUN_FILES = ("last.pt", "best.pt", "last_sharded", "metrics.jsonl")
+"""What a run writes that a new run must not lose (metrics.jsonl only when it holds a record)."""
+
+_TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")
+"""``write_atomic``'s temporary names: ``.<name>.<8 hex digits>.tmp``."""
+
+
+@contextmanager
+def hold_run_directory(log_dir: Path, *, holder: bool = True) -> Iterator[Path]:
+    """Hold ``log_dir`` for one run: create it, lock it, tidy what a killed run left.
+
+    Args:
+        log_dir: the run's folder; created when missing.
+        holder: False in processes that write no files of their own there
+            (ranks other than 0): they neither lock nor tidy.
+
+    Yields:
+        ``log_dir``.
+
+    Raises:
+        UserError: ``log_dir`` is a file, cannot be created or written, or
+            another run holds it (the line names its process and host).
+    """
+    if not holder:
+        yield log_dir
+        return
+    _make_folder(log_dir)
+    lock_path = log_dir / LOCK_FILE
+    try:
+        lock = open(lock_path, "a+")
+    except OSError as error:
+        raise UserError(f"--log-dir {str(log_dir)!r} cannot be written ({error.strerror}); choose a writable folder") from error
+    try:
+        _lock(lock, log_dir)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        lock.flush()
+        remove_leftovers(log_dir)
+        yield log_dir
+    finally:
+        lock.close()  # closing the file releases the lock
+
+
+def _make_folder(log_dir: Path) -> None:
+    if log_dir.exists() and not log_dir.is_dir():
+        raise UserError(f"--log-dir {str(log_dir)!r} is a file, not a folder; give a folder for the run's files")
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--log-dir {str(log_dir)!r} cannot be created ({error.strerror}); choose a writable folder") from error
+
+
+def _lock(lock, log_dir: Path) -> None:
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; the folder is not locked
+        return
+
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise UserError(f"--log-dir {str(log_dir)!r} cannot be locked ({error.strerror}); choose a folder on a local disk") from error
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that has not said which"
+        raise UserError(
+            f"{log_dir} is in use by another run ({holder}); wait for it to end or stop it, or give another --log-dir"
+        ) from None
+
+
+def remove_leftovers(log_dir: Path) -> list[str]:
+    """Delete what a run killed while saving left behind; put back ``last_sharded/`` if it was mid-replacement.
+
+    Only call this holding the folder (``hold_run_directory``): another run's
+    temporary files would be in use.
+
+    Returns:
+        The names deleted.
+    """
+    removed = []
+    for entry in log_dir.iterdir():
+        if _TEMPORARY.match(entry.name) and entry.is_file():
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    sharded, previous = log_dir / "last_sharded", log_dir / "last_sharded.previous"
+    if previous.is_dir() and not sharded.exists():
+        previous.rename(sharded)  # killed between moving the old save aside and moving the new one in
+    for name in ("last_sharded.partial", "last_sharded.previous"):
+        if (log_dir / name).is_dir():
+            shutil.rmtree(log_dir / name, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def run_files(log_dir: Path) -> list[str]:
+    """The names of an earlier run's files in ``log_dir`` (``RUN_FILES``), in that order."""
+    found = []
+    for name in RUN_FILES:
+        path = log_dir / name
+        if name == "metrics.jsonl":
+            if path.is_file() and path.stat().st_size > 0:
+                found.append(name)
+        elif path.exists():
+            found.append(name)
+    return found
+
+
+def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
+    """Make sure a new run loses nothing: refuse a folder that holds a run, or with ``overwrite`` delete that run's files.
+
+    Raises:
+        UserError: the folder holds an earlier run's files and ``overwrite`` is False.
+    """
+    found = run_files(log_dir)
+    if not found:
+        return
+    if not overwrite:
+        resume = "continue it with --resume, " if "last.pt" in found else ""
+        raise UserError(
+            f"{log_dir} already holds a run ({', '.join(found)}); {resume}give another --log-dir, "
+            "or --overwrite to delete its files and start again"
+        )
+    for name in found:
+        path = log_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for events in log_dir.glob("events.out.tfevents.*"):
+        events.unlink()
