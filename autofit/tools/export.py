@@ -224,18 +224,14 @@ def export_weights(
     out = Path(out) if out is not None else weights.with_name(weights.stem + _SUFFIXES[config.format])
     if out.resolve() == weights.resolve():
         raise UserError(f"--out {str(out)!r} is the weights file itself; choose another path")
-<<<<<<< HEAD
+    checkpoint, model, spec = load_model_for_eval(weights)
+    check_writable(out, option="--out")
     try:
         shape = input_shape_of(checkpoint, spec)
     except UserError:  # not an image model: its own example inputs (a tuple, a dict) give the file's input form
         if data is not None:
             raise
         shape = None
-=======
-    checkpoint, model, spec = load_model_for_eval(weights)
-    check_writable(out, option="--out")
-    shape = input_shape_of(checkpoint, spec)
->>>>>>> reliability
     dataset = image_folder(data, input_shape=shape, classes=class_names(checkpoint)) if data is not None else None
     example = torch.zeros(2, *shape) if shape else spec.example_batch(2)[0]
     notes: list[str] = []
