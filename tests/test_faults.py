@@ -266,6 +266,7 @@ def test_sigterm_and_sighup_save_and_stop_as_ctrl_c_does(tmp_path, signal_number
     assert [r["step"] for r in step_records(tmp_path / "cut")] == list(range(1, 11))
 
 
+@pytest.mark.slow
 def test_sigterm_to_autofit_train_exits_143_with_the_resume_command_and_resume_alone_continues(tmp_path, project, run_cli):
     """A real process: SIGTERM mid-epoch saves, exits 128+15, and `--log-dir DIR --resume` alone finishes the run."""
     settings = ("--epochs", "2", "--lr", "0.01", "--seed", "3")
