@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.model_io import call_model
 
 
 class CheckedBuild:
@@ -82,21 +83,6 @@ def check_batch(batch, *, batch_size: int, where: str) -> None:
             )
 
 
-class LogitsCrossEntropy:
-    """The default loss of a model file without ``loss_fn``: cross-entropy of the forward's logits tensor."""
-
-    def __init__(self, *, source: str) -> None:
-        self.source = source
-
-    def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor):
-            raise UserError(
-                f"model file {self.source!r}: the forward returns a {type(output).__name__}, not a tensor of logits, and the "
-                "file defines no loss_fn; define loss_fn(output, targets) there (the default is cross-entropy of a logits tensor)"
-            )
-        return nn.functional.cross_entropy(output, targets)
-
-
 def check_model_runs(spec) -> None:
     """Build a model file's model and run its forward and loss on ``example_batch(2)`` on the CPU (no gradients).
 
@@ -113,7 +99,7 @@ def check_model_runs(spec) -> None:
     inputs, targets = spec.example_batch(2)
     try:
         with torch.no_grad():
-            loss = spec.loss_fn(model(inputs), targets)
+            loss = spec.loss_fn(call_model(model, inputs), targets)
     except UserError:
         raise
     except Exception as error:

@@ -33,9 +33,9 @@ BAD_MODEL_FILES = {
     "def example_batch(n):\n    return torch.rand(n, 3, 5, 5), torch.randint(0, 2, (n,))\n",
     "batch_ignores_size": HEADER + f"def build_model():\n    return nn.Sequential({SAME_LAYERS})\n\n\n"
     "def example_batch(n):\n    return torch.rand(4, 1, 8, 8), torch.randint(0, 2, (4,))\n",
-    "forward_tuple": HEADER + "class Net(nn.Sequential):\n    def forward(self, x):\n        y = super().forward(x)\n        return y, y\n\n\n"
+    "forward_tuple": HEADER + "class Net(nn.Sequential):\n    def forward(self, x):\n        super().forward(x)\n        return None, None\n\n\n"
     f"def build_model():\n    return Net({SAME_LAYERS})\n\n\n" + EXAMPLE,
-    "forward_dict": HEADER + "class Net(nn.Sequential):\n    def forward(self, x):\n        return {'logits': super().forward(x)}\n\n\n"
+    "forward_dict": HEADER + "class Net(nn.Sequential):\n    def forward(self, x):\n        return {'features': super().forward(x)}\n\n\n"
     f"def build_model():\n    return Net({SAME_LAYERS})\n\n\n" + EXAMPLE,
 }
 """Model files with one mistake each."""
@@ -47,8 +47,9 @@ EXPECTED = {
     "batch_of_numpy": "returned inputs of type ndarray, which hold no tensor",
     "batch_wrong_shape": "the forward or the loss failed on example_batch(2): RuntimeError: mat1 and mat2 shapes cannot be multiplied",
     "batch_ignores_size": "returned inputs of 4 sample(s) (first dimension), not 2",
-    "forward_tuple": "the forward returns a tuple, not a tensor of logits, and the file defines no loss_fn",
-    "forward_dict": "the forward returns a dict, not a tensor of logits, and the file defines no loss_fn",
+    # (a tuple or dict holding logits or a loss is a model's own output form: see tests/test_model_io.py)
+    "forward_tuple": "the model returned tuple without a loss and the batch has no logits to score; define loss_fn(output, targets)",
+    "forward_dict": "the model returned dict without a loss and the batch has no logits to score; define loss_fn(output, targets)",
 }
 
 
