@@ -54,6 +54,8 @@ class LeverCandidate:
 
     name: str
     """What the levers are, as the summary and the error say them."""
+    added: str
+    """The lever(s) this candidate adds to the one before it."""
     config: TrainingConfig
     lossy: bool = False
     """It changes the optimizer's arithmetic (8-bit state)."""
@@ -90,19 +92,25 @@ def lever_candidates(
     else:
         base = replace(base, optimizer_in_backward=True)
         names.append("optimizer step in backward")
-        candidates.append(LeverCandidate(name=", ".join(names), config=base))
+        candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
     if context.device == "cuda":
         # The checkpointed blocks keep only their inputs: offload is for the others.
         others = [name for name in blocks if name not in config.checkpoint]
+        added = ["optimizer state on the host"]
         if others:
             base = replace(base, offload=others)
-            names.append(f"activation offload of {len(others)} block(s)")
-        candidates.append(LeverCandidate(name=", ".join([*names, "optimizer state on the host"]), config=replace(base, optimizer_state="host")))
+            added.insert(0, f"activation offload of {len(others)} block(s)")
+            names.append(added[0])
+        candidates.append(
+            LeverCandidate(name=", ".join([*names, added[-1]]), added=" and ".join(added), config=replace(base, optimizer_state="host"))
+        )
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
     # Last: 8-bit state on the device (on a GPU host state already keeps none there; this one is faster).
     candidates.append(
-        LeverCandidate(name=", ".join([*names, "8-bit AdamW state"]), config=replace(base, optimizer_state="8bit"), lossy=True)
+        LeverCandidate(
+            name=", ".join([*names, "8-bit AdamW state"]), added="8-bit AdamW state", config=replace(base, optimizer_state="8bit"), lossy=True,
+        )
     )
     if not allow_lossy_optimizer:
         skipped.append(f"8-bit AdamW state: it changes the optimizer's arithmetic; allow it with {LOSSY_FLAG}")
@@ -162,10 +170,9 @@ def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: 
         if candidate.lossy:
             flag = "" if allow_lossy_optimizer else f"{LOSSY_FLAG} for "
             would = "; it would fit" if fits(measured.peak_bytes) else "; not enough"
-            parts.append(f"{flag}8-bit AdamW state ({saving}{would}; it changes the optimizer's arithmetic)")
+            parts.append(f"{flag}{candidate.added} ({saving}{would}; it changes the optimizer's arithmetic)")
         else:
-            new = candidate.name.removeprefix(parts and tried[0].candidate.name + ", " or "")
-            parts.append(f"{new} ({saving}; not enough)")
+            parts.append(f"{candidate.added} ({saving}; not enough)")
     return "".join(f"{'then ' if index else ''}{part}, " for index, part in enumerate(parts))
 
 
