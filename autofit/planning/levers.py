@@ -145,7 +145,7 @@ def plan_with_levers(
             + ("fits" if fits else "does not fit") + ("" if allow_lossy_optimizer or not candidate.lossy else f" (not allowed without {LOSSY_FLAG})")
         )
         if fits and (allow_lossy_optimizer or not candidate.lossy):
-            return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, skipped=skipped)
+            return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
         measurements.reject(floor.config, f"with {candidate.name}: measured peak {format_bytes(measured.peak_bytes)} does not fit"
                             if not fits else f"with {candidate.name}: fits, but needs {LOSSY_FLAG}")
     raise InfeasibleBudget(
@@ -208,7 +208,7 @@ def _measure(context: PlanContext, measurements: Measurements, candidate: LeverC
 
 
 def _report(
-    context: PlanContext, costs: Costs, measurements: Measurements, chosen: _Measured, *, floor: Floor, floor_peak: int, skipped: list[str]
+    context: PlanContext, costs: Costs, measurements: Measurements, chosen: _Measured, *, floor: Floor, floor_peak: int, tried: int
 ) -> PlanReport:
     """The plan of the chosen lever candidate: measured to fit, timed where the device runs, its levers named."""
     config, model = chosen.candidate.config, costs.model
@@ -236,7 +236,7 @@ def _report(
     )
     return PlanReport(
         plan=plan, floor_bytes=floor.budget_bytes, floor_breakdown=floor.breakdown, excluded_precisions=context.excluded_precisions,
-        precision_notes=precision_notes, sampler="the memory levers on the floor configuration", evaluations=0,
+        precision_notes=precision_notes, sampler="adding the memory levers to the floor configuration", evaluations=tried,
         simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes, real_probes=measurements.real_probes,
         resumed=costs.resumed, seconds=time.perf_counter() - context.started, rejected=measurements.rejected, cost_model=model.to_dict(),
     )
