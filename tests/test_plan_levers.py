@@ -115,3 +115,31 @@ def test_simulated_lever_plan_is_estimated_and_fits(lm):
     plan = make_plan(spec, budget=(floor + lever_floor) // 2, batch_size=1, precisions=["fp32"], simulate=True)
     assert plan.estimated and plan.optimizer_in_backward and plan.measured.meter == "simulated"
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["cuda", "simulated cuda"])
+def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, simulate):
+    """The candidates in order, each adding to the last; host state only where a meter can measure it (not the CPU's)."""
+    from dataclasses import replace
+
+    from autofit.planning.context import Config, plan_context
+    from autofit.planning.floor import Floor
+    from autofit.planning.levers import lever_candidates
+
+    _, spec = lm
+    context = plan_context(
+        spec, budget="1GiB", batch_size=1, device="cuda", simulate=True, device_memory="4GiB", study=None,
+        precisions=["fp32"], num_classes=None, log=None,
+    )
+    context = replace(context, simulate=simulate)  # the candidates only; nothing is measured here
+    floor = Floor(config=Config(precision="fp32", micro_batch_size=1, checkpoint=("layers.0",)), budget_bytes=1)
+    candidates, skipped = lever_candidates(context, floor, blocks=BLOCKS, allow_lossy_optimizer=False)
+    steps = [(c.config.optimizer_in_backward, c.config.offload, c.config.optimizer_state, c.lossy) for c in candidates]
+    assert steps == [
+        (True, [], "device", False),
+        (True, ["layers.1", "layers.2"], "device" if simulate else "host", False),
+        (True, ["layers.1", "layers.2"], "8bit", True),
+    ]
+    assert candidates[-1].name == "optimizer step in backward, activation offload of 2 block(s), 8-bit AdamW state"
+    assert any("--allow-lossy-optimizer" in why for why in skipped)
+    assert any("simulated meter cannot measure it" in why for why in skipped) == simulate

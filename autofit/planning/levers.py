@@ -96,14 +96,20 @@ def lever_candidates(
     if context.device == "cuda":
         # The checkpointed blocks keep only their inputs: offload is for the others.
         others = [name for name in blocks if name not in config.checkpoint]
-        added = ["optimizer state on the host"]
+        added = []
         if others:
             base = replace(base, offload=others)
-            added.insert(0, f"activation offload of {len(others)} block(s)")
-            names.append(added[0])
-        candidates.append(
-            LeverCandidate(name=", ".join([*names, added[-1]]), added=" and ".join(added), config=replace(base, optimizer_state="host"))
-        )
+            added.append(f"activation offload of {len(others)} block(s)")
+        if context.simulate:
+            # The simulated meter runs on the CPU, where the host is the device: host state would measure as a no-op.
+            skipped.append("optimizer state on the host: the simulated meter cannot measure it (it runs on the CPU); plan on the GPU")
+            state = "device"
+        else:
+            added.append("optimizer state on the host")
+            state = "host"
+        if added:
+            candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state=state)))
+        names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
     # Last: 8-bit state on the device (on a GPU host state already keeps none there; this one is faster).
