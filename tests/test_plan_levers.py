@@ -4,7 +4,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from autofit.apply import TrainingConfig
 from autofit.measure.probe import measure
