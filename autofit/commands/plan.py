@@ -24,6 +24,10 @@ def plan(
     study: str = typer.Option(None, "--study", help="Optuna storage to keep the search and resume it, e.g. sqlite:///plans.db."),
     precisions: str = typer.Option("fp32,bf16,fp16", "--precisions", help="Precisions to search, separated by commas."),
     gpus: int = typer.Option(1, "--gpus", help="GPUs (processes) to train on; BUDGET is then per GPU: DDP if the model fits unsharded, else FSDP2."),
+    allow_lossy_optimizer: bool = typer.Option(
+        False, "--allow-lossy-optimizer",
+        help="Below the floor, 8-bit AdamW state (torchao) may be chosen; it changes the optimizer's arithmetic.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
     num_classes: int | None = NUM_CLASSES,
@@ -51,7 +55,7 @@ def plan(
     report = plan_with_report(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
         study=study, precisions=wanted, num_classes=spec.source_options.get("num_classes"),
-        log=None if quiet else print_progress, gpus=gpus,
+        log=None if quiet else print_progress, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
     )
     path = save_plan(report.plan, out)
     if as_json:
@@ -88,7 +92,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     lines = [
         f"plan for {plan.model.source}: batch {plan.global_batch_size}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_kind}) {where}" + estimated,
-        f"  chosen      {plan.precision}, {split}, checkpoint {_blocks(plan.checkpoint)}",
+        f"  chosen      {plan.precision}, {split}, checkpoint {_blocks(plan.checkpoint)}" + _levers(plan),
     ]
     if ranks:
         lines.append(f"  note        {ranks.note}")
@@ -139,6 +143,22 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         + (" (resumed from the stored study)" if report.resumed else "")
     )
     return lines
+
+
+def _levers(plan) -> str:
+    """The memory levers a plan uses, as the chosen line names them."""
+    levers = []
+    if plan.selective_checkpoint:
+        levers.append(f"selective checkpoint {_blocks(plan.selective_checkpoint)}")
+    if plan.offload:
+        levers.append(f"offload {_blocks(plan.offload)}")
+    if plan.optimizer_in_backward:
+        levers.append("optimizer step in backward")
+    if plan.optimizer_state == "host":
+        levers.append("optimizer state on the host")
+    elif plan.optimizer_state == "8bit":
+        levers.append("8-bit AdamW state (lossy)")
+    return "".join(f", {lever}" for lever in levers)
 
 
 def _blocks(names: list[str]) -> str:

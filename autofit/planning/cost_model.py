@@ -621,7 +621,15 @@ def time_configuration(
     steps: int = 3,
     seed: int = 0,
 ) -> float:
-    """Samples/s of plain training steps of one configuration (no meter running).
+    """Samples/s of plain training steps of one (precision, micro-batch, checkpoint) configuration: ``time_training``."""
+    config = TrainingConfig(
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
+    )
+    return time_training(spec, config, device=device, steps=steps, seed=seed)
+
+
+def time_training(spec: ModelSpec, config: TrainingConfig, *, device: str, steps: int = 3, seed: int = 0) -> float:
+    """Samples/s of plain training steps of any configuration, levers included (no meter running).
 
     The memory meter's bookkeeping costs time on every operator; the speed a
     plan promises is that of training, so it is timed here without it. The
@@ -631,12 +639,9 @@ def time_configuration(
     torch.manual_seed(seed)
     model = spec.build_model()
     model.train()
-    config = TrainingConfig(
-        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
-    )
     applied = apply_config(model, config, device=device, init_scale=1.0)
     optimizer = applied.build_optimizer(spec.build_optimizer)
-    inputs, targets = spec.example_batch(global_batch_size)
+    inputs, targets = spec.example_batch(config.global_batch_size)
     seconds = []
     for _ in range(max(steps, 2)):
         start = time.perf_counter()
@@ -645,4 +650,4 @@ def time_configuration(
         seconds.append(time.perf_counter() - start)
     del model, applied, optimizer, result
     release_device_memory(device)
-    return global_batch_size / min(seconds[1:])
+    return config.global_batch_size / min(seconds[1:])

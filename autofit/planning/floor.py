@@ -25,10 +25,12 @@ from autofit.units import format_bytes
 class InfeasibleBudget(UserError):
     """The budget is below the floor: nothing can train in it."""
 
-    def __init__(self, message: str, *, floor_bytes: int, breakdown: dict[str, int]) -> None:
+    def __init__(self, message: str, *, floor_bytes: int, breakdown: dict[str, int], floor: Floor | None = None) -> None:
         super().__init__(message)
         self.floor_bytes = floor_bytes
         self.breakdown = breakdown
+        self.floor = floor
+        """The floor configuration and its measured budget (what the levers start from)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,13 +64,28 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
     )
     if context.budget_bytes < floor.budget_bytes:
-        message = _below_floor(context, floor, breakdown=breakdown, headroom_bytes=sum(causes.values()), usable_bytes=headroom.usable_bytes())
-        raise InfeasibleBudget(message, floor_bytes=floor.budget_bytes, breakdown=floor.breakdown)
+        raise InfeasibleBudget(below_floor(context, floor, measurements), floor_bytes=floor.budget_bytes, breakdown=floor.breakdown, floor=floor)
     return floor
 
 
-def _below_floor(context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom_bytes: int, usable_bytes: float) -> str:
-    """The one-line error: the floor, its breakdown, and what would lower it."""
+def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, *, levers: str = "") -> str:
+    """The one-line error: the floor, its breakdown, and what would lower it.
+
+    Args:
+        levers: what the memory levers would save, measured ("optimizer step in
+            backward (-3.1 MiB, measured), "), put first among the ways out.
+    """
+    peak, breakdown = measurements.checked_peak(floor.config)  # measured by check_floor: reused
+    headroom = measurements.headroom
+    return _below_floor(
+        context, floor, breakdown=breakdown, headroom_bytes=sum(headroom.for_peak(peak).values()),
+        usable_bytes=headroom.usable_bytes(), levers=levers,
+    )
+
+
+def _below_floor(
+    context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom_bytes: int, usable_bytes: float, levers: str
+) -> str:
     config = floor.config
     frozen = frozen_note(context.sim_spec)  # LoRA, a frozen backbone: parameters without gradients or state
     parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}{frozen if k == 'parameters' else ''}" for k, v in breakdown.items() if v)
@@ -78,7 +95,7 @@ def _below_floor(context: PlanContext, floor: Floor, *, breakdown: dict[str, int
     return (
         f"budget {format_bytes(context.budget_bytes)} is below the floor {format_bytes(floor.budget_bytes)} for a batch of "
         f"{context.global_batch_size} ({what}: {parts} + headroom {format_bytes(headroom_bytes)}); "
-        f"to lower it use an optimizer with less state than {_optimizer_name(context)} ({format_bytes(state)} here; e.g. SGD "
+        f"to lower it: {levers}use an optimizer with less state than {_optimizer_name(context)} ({format_bytes(state)} here; e.g. SGD "
         f"without momentum keeps none) {gpus}"
     )
 

@@ -6,7 +6,8 @@ One process (``_plan_one_process``), in steps that pass values on:
    give every configuration's peak; a stored study's cost model is reused.
 2. Floor (``floor``): the smallest micro-batch with every block checkpointed
    (or none), measured, so an impossible budget fails in seconds with what
-   would lower it.
+   would lower it. Below it, on one process, the floor configuration is tried
+   with the memory levers (``levers``), measured; the first that fits is the plan.
 3. Speed (``modelling``): real timings on the device at a few micro-batch
    sizes per precision; with ``simulate``, FLOPs instead.
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
@@ -32,6 +33,7 @@ from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
+from autofit.planning.levers import Levers, plan_with_levers
 from autofit.planning.modelling import Costs, add_speeds, stored_or_traced, traced
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
 from autofit.planning.search import score_space
@@ -55,6 +57,7 @@ def plan(
     study: str | None = None,
     precisions: Sequence[str] | None = None,
     gpus: int = 1,
+    allow_lossy_optimizer: bool = False,
 ) -> Plan:
     """Find the fastest way to train ``model`` inside ``budget``, verified by real probes.
 
@@ -72,6 +75,8 @@ def plan(
         precisions: restrict the precisions searched (default: all the device runs).
         gpus: processes (GPUs) to train on; ``budget`` is then per GPU, and the plan
             uses DDP when the model fits unsharded, FSDP2 otherwise (see ``plan_with_report``).
+        allow_lossy_optimizer: below the floor, 8-bit AdamW state (torchao) may be chosen;
+            it changes the optimizer's arithmetic, so it is never chosen without this.
 
     Returns:
         The Plan (``autofit.save_plan(plan, "plan.json")`` writes it).
@@ -87,7 +92,7 @@ def plan(
     spec = spec_from_model(model, example_batch, loss_fn=loss_fn, optimizer=optimizer)
     return make_plan(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate,
-        device_memory=device_memory, study=study, precisions=precisions, gpus=gpus,
+        device_memory=device_memory, study=study, precisions=precisions, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
     )
 
 
@@ -104,11 +109,13 @@ def make_plan(
     num_classes: int | None = None,
     log: Callable[[str], None] | None = None,
     gpus: int = 1,
+    allow_lossy_optimizer: bool = False,
 ) -> Plan:
     """Plan for a ModelSpec: see ``plan`` for the arguments; ``log`` receives progress lines."""
     return plan_with_report(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
         study=study, precisions=precisions, num_classes=num_classes, log=log, gpus=gpus,
+        allow_lossy_optimizer=allow_lossy_optimizer,
     ).plan
 
 
@@ -125,6 +132,7 @@ def plan_with_report(
     num_classes: int | None = None,
     log: Callable[[str], None] | None = None,
     gpus: int = 1,
+    allow_lossy_optimizer: bool = False,
 ) -> PlanReport:
     """``make_plan``, also returning how the plan was found (for the CLI's summary).
 
@@ -137,6 +145,10 @@ def plan_with_report(
     otherwise, its per-rank peak simulated (``simulate_fsdp_peak_bytes``).
     N processes are never run while planning: the plan says what was measured
     on one process and what was simulated or allowed for.
+
+    Below the floor on one process, the memory levers are tried (``levers``);
+    8-bit optimizer state only with ``allow_lossy_optimizer``. They run on one
+    process, so N > 1 plans do not use them.
     """
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise UserError(f"--gpus {gpus!r} must be a whole number of GPUs, at least 1")
@@ -146,7 +158,7 @@ def plan_with_report(
     if gpus > 1:
         return _plan_ranks(spec, world_size=gpus, budget=budget, batch_size=batch_size, study=study, **arguments)
     context = plan_context(spec, budget=budget, batch_size=batch_size, study=study, **arguments)
-    return _plan_one_process(context, _memory(context))
+    return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=allow_lossy_optimizer))
 
 
 def _memory(context: PlanContext) -> Costs:
@@ -158,11 +170,20 @@ def _memory(context: PlanContext) -> Costs:
     return stored_or_traced(context)
 
 
-def _plan_one_process(context: PlanContext, costs: Costs) -> PlanReport:
-    """Steps 2 to 6 on the memory model of step 1: floor, speed, search, verification, the plan."""
+def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | None = None) -> PlanReport:
+    """Steps 2 to 6 on the memory model of step 1: floor, speed, search, verification, the plan.
+
+    Args:
+        levers: below the floor, try the memory levers (None: one rank of several, where they do not run).
+    """
     G, model = context.global_batch_size, costs.model
     measurements = Measurements(context, host_sample_bytes=costs.host_sample_bytes, verified=context.study.load("verified") or {})
-    floor = check_floor(context, costs, measurements)
+    try:
+        floor = check_floor(context, costs, measurements)
+    except InfeasibleBudget as below:
+        if levers is None:
+            raise
+        return plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
     precision_notes = {} if costs.resumed else add_speeds(context, costs)
     evaluations, sampler = score_space(
         model, precisions=context.precisions, micro_batch_sizes=costs.micro_batch_sizes, global_batch_size=G,

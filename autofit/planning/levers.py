@@ -1,0 +1,268 @@
+"""Below the floor: the floor configuration again, with the memory levers, measured.
+
+When the budget is below the floor (``check_floor``), the floor configuration
+(the smallest micro-batch, the floor's checkpointing and precision) is tried
+with the levers, cheapest first and each adding to the last:
+
+1. the optimizer step in backward (no change to the arithmetic; only where the
+   floor has one micro-batch per step, and not with fp16),
+2. on a GPU: activation offload of every block not checkpointed and the
+   optimizer state on the host (same arithmetic; costs transfers),
+3. with ``allow_lossy_optimizer`` only: torchao's 8-bit AdamW state (it
+   changes the optimizer's arithmetic: a declared choice, never a silent one).
+
+Each candidate's peak is measured by the plan's meter (the device's, or the
+simulated one when simulating) under the same headroom; the first that fits is
+the plan, timed with plain training steps where the device runs. When none
+fits, the floor's one-line error names each lever with what it saved,
+measured.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from autofit.apply import TrainingConfig
+from autofit.errors import UserError
+from autofit.measure.meters import release_device_memory
+from autofit.measure.probe import measure
+from autofit.planning.context import Config, PlanContext
+from autofit.planning.cost_model import time_training
+from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
+from autofit.planning.modelling import Costs, add_speeds
+from autofit.planning.verify import Measurements
+from autofit.planning.writing import PlanReport, write_plan
+from autofit.units import format_bytes
+
+LOSSY_FLAG = "--allow-lossy-optimizer"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Levers:
+    """What the user allows the levers below the floor to change."""
+
+    allow_lossy_optimizer: bool = False
+    """8-bit optimizer state may be chosen (it changes the optimizer's arithmetic)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeverCandidate:
+    """The floor configuration with some levers on."""
+
+    name: str
+    """What the levers are, as the summary and the error say them."""
+    added: str
+    """The lever(s) this candidate adds to the one before it."""
+    config: TrainingConfig
+    lossy: bool = False
+    """It changes the optimizer's arithmetic (8-bit state)."""
+
+
+@dataclass(kw_only=True)
+class _Measured:
+    candidate: LeverCandidate
+    peak_bytes: int | None
+    """None: the device ran out of memory, or the lever cannot run here (``why``)."""
+    breakdown: dict
+    host_peak_bytes: int = 0
+    why: str = ""
+
+
+def lever_candidates(
+    context: PlanContext, floor: Floor, *, blocks: list[str], allow_lossy_optimizer: bool
+) -> tuple[list[LeverCandidate], list[str]]:
+    """The floor configuration with the levers, cheapest in speed first, and why any lever was left out.
+
+    The 8-bit candidate is always last and marked lossy; it is listed without
+    ``allow_lossy_optimizer`` too, so that the error can say what it would save.
+    """
+    config, G = floor.config, context.global_batch_size
+    base = TrainingConfig(
+        global_batch_size=G, micro_batch_size=config.micro_batch_size, precision=config.precision, checkpoint=list(config.checkpoint),
+    )
+    candidates, skipped, names = [], [], []
+    steps = math.ceil(G / config.micro_batch_size)
+    if steps > 1:
+        skipped.append(f"optimizer step in backward: the floor takes {steps} micro-batches per step (it needs one)")
+    elif config.precision == "fp16":
+        skipped.append("optimizer step in backward: fp16's GradScaler must see every gradient before any step")
+    else:
+        base = replace(base, optimizer_in_backward=True)
+        names.append("optimizer step in backward")
+        candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
+    if context.device == "cuda":
+        # The checkpointed blocks keep only their inputs: offload is for the others.
+        others = [name for name in blocks if name not in config.checkpoint]
+        added = []
+        if others:
+            base = replace(base, offload=others)
+            added.append(f"activation offload of {len(others)} block(s)")
+        if context.simulate:
+            # The simulated meter runs on the CPU, where the host is the device: host state would measure as a no-op.
+            skipped.append("optimizer state on the host: the simulated meter cannot measure it (it runs on the CPU); plan on the GPU")
+            state = "device"
+        else:
+            added.append("optimizer state on the host")
+            state = "host"
+        if added:
+            candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state=state)))
+        names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
+    else:
+        skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
+    # Last: 8-bit state on the device (on a GPU host state already keeps none there; this one is faster).
+    candidates.append(
+        LeverCandidate(
+            name=", ".join([*names, "8-bit AdamW state"]), added="8-bit AdamW state", config=replace(base, optimizer_state="8bit"), lossy=True,
+        )
+    )
+    if not allow_lossy_optimizer:
+        skipped.append(f"8-bit AdamW state: it changes the optimizer's arithmetic; allow it with {LOSSY_FLAG}")
+    return candidates, skipped
+
+
+def plan_with_levers(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, allow_lossy_optimizer: bool
+) -> PlanReport:
+    """The first lever candidate measured to fit, as the plan; the floor's error with the levers' savings otherwise.
+
+    Raises:
+        InfeasibleBudget: no candidate fits; the message names each lever and what it saved, measured.
+    """
+    floor = below.floor
+    floor_peak, _ = measurements.checked_peak(floor.config)
+    candidates, skipped = lever_candidates(context, floor, blocks=list(costs.model.blocks), allow_lossy_optimizer=allow_lossy_optimizer)
+    context.log(f"below the floor {format_bytes(floor.budget_bytes)}: the floor configuration with the memory levers")
+    for why in skipped:
+        context.log(f"  left out: {why}")
+    tried: list[_Measured] = []
+    for candidate in candidates:
+        measured = _measure(context, measurements, candidate)
+        tried.append(measured)
+        if measured.peak_bytes is None:
+            context.log(f"  {candidate.name}: {measured.why}")
+            continue
+        fits = measurements.headroom.fits(measured.peak_bytes)
+        context.log(
+            f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured "
+            f"({format_bytes(floor_peak - measured.peak_bytes)} less than the floor's); "
+            + ("fits" if fits else "does not fit") + ("" if allow_lossy_optimizer or not candidate.lossy else f" (not allowed without {LOSSY_FLAG})")
+        )
+        if fits and (allow_lossy_optimizer or not candidate.lossy):
+            return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
+        measurements.reject(floor.config, f"with {candidate.name}: measured peak {format_bytes(measured.peak_bytes)} does not fit"
+                            if not fits else f"with {candidate.name}: fits, but needs {LOSSY_FLAG}")
+    raise InfeasibleBudget(
+        below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, allow_lossy_optimizer=allow_lossy_optimizer,
+                                                                  fits=measurements.headroom.fits)),
+        floor_bytes=below.floor_bytes, breakdown=below.breakdown, floor=floor,
+    )
+
+
+def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: bool, fits) -> str:
+    """"optimizer step in backward (-3.09 MiB, measured; not enough), ": each measured lever with what it saves.
+
+    The candidates add to each other, so from the second on the saving is "in all".
+    """
+    parts = []
+    for measured in tried:
+        if measured.peak_bytes is None:
+            continue
+        candidate = measured.candidate
+        in_all = " in all" if parts else ""
+        saving = f"-{format_bytes(floor_peak - measured.peak_bytes)}{in_all}, measured"
+        if candidate.lossy:
+            flag = "" if allow_lossy_optimizer else f"{LOSSY_FLAG} for "
+            would = "; it would fit" if fits(measured.peak_bytes) else "; not enough"
+            parts.append(f"{flag}{candidate.added} ({saving}{would}; it changes the optimizer's arithmetic)")
+        else:
+            parts.append(f"{candidate.added} ({saving}; not enough)")
+    return "".join(f"{'then ' if index else ''}{part}, " for index, part in enumerate(parts))
+
+
+def _measure(context: PlanContext, measurements: Measurements, candidate: LeverCandidate) -> _Measured:
+    """A candidate's peak by the meter that has the last word, counted as ``Measurements`` counts its own.
+
+    Two micro-batches stand for all of them (later micro-steps repeat the
+    second); the samples not traced are added as the host's copy of the global
+    batch where the meter counts it.
+    """
+    G, m = context.global_batch_size, candidate.config.micro_batch_size
+    traced = min(G, 2 * m)
+    spec = context.sim_spec if context.simulate else context.spec
+    try:
+        result = measure(spec, replace(candidate.config, global_batch_size=traced), device=context.device, simulate=context.simulate, steps=2)
+    except torch.OutOfMemoryError:
+        release_device_memory(context.device)
+        return _Measured(candidate=candidate, peak_bytes=None, breakdown={}, why="out of memory on the device")
+    except UserError as error:  # 8-bit state needs AdamW or Adam, and torchao
+        return _Measured(candidate=candidate, peak_bytes=None, breakdown={}, why=f"cannot run here: {error}")
+    on_gpu = context.device == "cuda" and not context.simulate
+    if context.simulate:
+        measurements.simulated_checks += 1
+    else:
+        measurements.memory_probes += 1
+    breakdown = dict(result.breakdown)
+    context_bytes = breakdown.pop("context", 0) if on_gpu else 0
+    host = 0 if on_gpu else (G - traced) * measurements.host_sample_bytes
+    breakdown["activations"] = breakdown.get("activations", 0) + host
+    return _Measured(
+        candidate=candidate, peak_bytes=result.peak_bytes - context_bytes + host, breakdown=breakdown, host_peak_bytes=result.host_peak_bytes,
+    )
+
+
+def _report(
+    context: PlanContext, costs: Costs, measurements: Measurements, chosen: _Measured, *, floor: Floor, floor_peak: int, tried: int
+) -> PlanReport:
+    """The plan of the chosen lever candidate: measured to fit, timed where the device runs, its levers named."""
+    config, model = chosen.candidate.config, costs.model
+    precision_notes = {} if costs.resumed else add_speeds(context, costs)
+    blocks = frozenset(model.blocks.index(name) for name in floor.config.checkpoint)
+    speed = None
+    if not context.simulate:
+        speed = time_training(context.spec, config, device=context.device)
+        measurements.real_probes += 1
+        context.log(f"  timed: {speed:.1f} samples/s with {chosen.candidate.name}")
+    result = {
+        "config": Config(precision=config.precision, micro_batch_size=config.micro_batch_size, checkpoint=tuple(config.checkpoint)),
+        # The memory model has no lever terms: its prediction is the floor configuration's without them.
+        "predicted_peak_bytes": model.peak_bytes(config.precision, config.micro_batch_size, blocks),
+        "predicted_samples_per_s": model.samples_per_s(config.precision, config.micro_batch_size, blocks),
+        "measured_peak_bytes": chosen.peak_bytes, "measured_samples_per_s": speed,
+        "meter": "simulated" if context.simulate else context.device, "breakdown": chosen.breakdown,
+        "headroom": measurements.headroom.for_peak(chosen.peak_bytes),
+    }
+    plan = write_plan(context, model, chosen=result, evaluations=[], unconstrained={}, headroom=measurements.headroom, verified={})
+    plan = replace(
+        plan, selective_checkpoint=list(config.selective_checkpoint), offload=list(config.offload),
+        optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state,
+        notes=[*plan.notes, *lever_notes(chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes)],
+    )
+    return PlanReport(
+        plan=plan, floor_bytes=floor.budget_bytes, floor_breakdown=floor.breakdown, excluded_precisions=context.excluded_precisions,
+        precision_notes=precision_notes, sampler="adding the memory levers to the floor configuration", evaluations=tried,
+        simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes, real_probes=measurements.real_probes,
+        resumed=costs.resumed, seconds=time.perf_counter() - context.started, rejected=measurements.rejected, cost_model=model.to_dict(),
+    )
+
+
+def lever_notes(candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, host_peak_bytes: int) -> list[str]:
+    """The plan's notes on its levers: what they are, what they saved (measured), and any change of arithmetic."""
+    notes = [
+        f"below the floor without levers: {candidate.name} lowers the floor configuration's peak from "
+        f"{format_bytes(floor_peak)} to {format_bytes(peak_bytes)} (measured); the memory model does not model the "
+        "levers, so 'predicted' is the floor configuration without them"
+    ]
+    if host_peak_bytes:
+        notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
+    if candidate.lossy:
+        notes.append(
+            f"8-bit AdamW state (torchao, allowed by {LOSSY_FLAG}) changes the optimizer's arithmetic: its moments are "
+            "quantized block-wise, so training follows plain AdamW closely but not exactly"
+        )
+    else:
+        notes.append("the levers do not change the arithmetic: the updates are plain training's")
+    return notes
+
