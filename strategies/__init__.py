@@ -6,7 +6,7 @@ hooks do nothing, never a branch in the loop.
 """
 from strategies.base import Strategy
 from strategies.batch_split import BatchSplit, BatchSplitConfig
-from strategies.checkpointing import Checkpointing, CheckpointConfig, checkpoint_candidates
+from strategies.checkpointing import Checkpointing, CheckpointConfig, checkpoint_candidates, checkpoint_granularities
 from strategies.precision import PRECISIONS, Precision, PrecisionConfig
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "PrecisionConfig",
     "Strategy",
     "checkpoint_candidates",
+    "checkpoint_granularities",
 ]
