@@ -111,7 +111,10 @@ def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, devi
     plain = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=False)
     segments, prefix_shaped = _segments(plain.marks, plain.peaks, plain.drop_bytes)
     if plain.names:
-        checkpointed = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=True)
+        checkpointed = _run_trace(
+            spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=True,
+            blocks=plain.names,
+        )
         segments += _recompute_segments(checkpointed.marks, checkpointed.peaks, plain.drop_bytes)
     return MemoryTrace(
         micro_batch_size=micro_batch_size,
@@ -134,14 +137,18 @@ class _RawTrace:
     output_shape: list[int]
 
 
-def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, checkpoint_all: bool) -> _RawTrace:
+def _run_trace(
+    spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, checkpoint_all: bool,
+    blocks: list[str] | None = None,
+) -> _RawTrace:
+    """One traced step; ``blocks`` are the candidates when already found (else one fake forward finds them)."""
     meter = SimulatedMeter(for_device=device_type)
     torch.manual_seed(0)
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()
         inputs, targets = spec.example_batch(2 * micro_batch_size)
-        names = checkpoint_candidates(model, example_inputs=inputs)
+        names = blocks if blocks is not None else checkpoint_candidates(model, example_inputs=inputs)
         if checkpoint_all:
             Checkpointing(CheckpointConfig(blocks=names)).apply(model)
         modules = dict(model.named_modules())
