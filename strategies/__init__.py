@@ -16,6 +16,7 @@ from strategies.checkpointing import (
     Checkpointing,
     check_one_mode_per_block,
     checkpoint_candidates,
+    checkpoint_granularities,
     resolve_blocks,
 )
 from strategies.offload import ActivationOffload, OffloadConfig
@@ -25,13 +26,13 @@ from strategies.precision import PRECISIONS, Precision, PrecisionConfig, precisi
 from strategies.sharding import SHARDINGS, Sharding, ShardingConfig, unwrap_model
 
 __all__ = [
-    "OPTIMIZER_STATES",
     "ActivationOffload",
     "BatchSplit",
     "BatchSplitConfig",
     "CheckpointConfig",
     "Checkpointing",
     "HostOptimizer",
+    "OPTIMIZER_STATES",
     "OffloadConfig",
     "OptimizerInBackward",
     "OptimizerInBackwardConfig",
@@ -47,6 +48,7 @@ __all__ = [
     "Strategy",
     "check_one_mode_per_block",
     "checkpoint_candidates",
+    "checkpoint_granularities",
     "micro_batch_count",
     "precision_dtype",
     "rank_slice",

@@ -111,6 +111,32 @@ class PreNormLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class BiasedBlock(PreNormBlock):
+    """A pre-norm block whose attention takes an additive bias as a keyword argument (as Hugging Face layers take masks)."""
+
+    def forward(self, x: torch.Tensor, *, bias: torch.Tensor) -> torch.Tensor:  # (B, T, C), (T, T)
+        B, T, C = x.shape
+        q, k, v = self.attn.qkv(self.norm1(x)).view(B, T, 3, self.attn.heads, C // self.attn.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.attn.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.norm2(x))
+
+
+class BiasedLM(PreNormLM):
+    """PreNormLM whose layers get a causal bias by keyword: checkpointing keeps it until the layer's backward."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__(layers)
+        self.layers = nn.ModuleList(BiasedBlock(self.DIM, 2, causal=False) for _ in range(layers))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        T = tokens.shape[1]
+        bias = torch.full((T, T), float("-inf"), device=tokens.device).triu(1)
+        x = self.embed(tokens) + self.pos[:, :T]
+        for layer in self.layers:
+            x = layer(x, bias=bias)
+        return self.head(self.norm(x))
+
+
 class TinyViT(nn.Module):
     """ViT-style: patches, a class token, pre-norm blocks with LayerNorm in a Sequential."""
 

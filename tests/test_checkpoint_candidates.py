@@ -5,8 +5,8 @@ import torchvision
 from torch import nn
 
 from autofit.errors import UserError
-from strategies import CheckpointConfig, Checkpointing
-from strategies.checkpointing import checkpoint_candidates, checkpoint_granularities, resolve_blocks
+from strategies import CheckpointConfig, Checkpointing, checkpoint_candidates, checkpoint_granularities
+from strategies.checkpointing import resolve_blocks
 from tests.models import ConvBN, DictCNN, StagedCNN, TinyUNet, transformer_module
 
 IMAGES = torch.randn(2, 3, 16, 16)

@@ -3,12 +3,13 @@
 A training step's memory over time is recorded once (over fake tensors, so no
 arithmetic runs) together with where each checkpoint candidate's forward ends
 and where its backward begins. Checkpointing block ``b`` drops the bytes its
-forward saved for backward (less its input and output, which stay alive
-anyway) exactly between those two points, and recomputes them in its own
-backward. So the peak of any checkpoint set is a max over the trace's
-segments of "bytes in the segment minus the bytes of the checkpointed blocks
-that are dropped there". Everything is linear in the micro-batch size, so two
-traces (two micro-batch sizes) give the model for every size.
+forward saved for backward (less its inputs, positional and keyword, and its
+output, which its checkpoint keeps) exactly between those two points, and
+recomputes them in its own backward. So the peak of any checkpoint set is a
+max over the trace's segments of "bytes in the segment minus the bytes of the
+checkpointed blocks that are dropped there". Everything is linear in the
+micro-batch size, so traces at two micro-batch sizes give the model for every
+size (``cost_model.memory_costs``).
 
 The planner verifies what this model predicts with the exact simulated meter
 and with real probes; the model only has to rank configurations well.
@@ -111,7 +112,10 @@ def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, devi
     plain = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=False)
     segments, prefix_shaped = _segments(plain.marks, plain.peaks, plain.drop_bytes)
     if plain.names:
-        checkpointed = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=True)
+        checkpointed = _run_trace(
+            spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=True,
+            blocks=plain.names,
+        )
         segments += _recompute_segments(checkpointed.marks, checkpointed.peaks, plain.drop_bytes)
     return MemoryTrace(
         micro_batch_size=micro_batch_size,
@@ -134,14 +138,18 @@ class _RawTrace:
     output_shape: list[int]
 
 
-def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, checkpoint_all: bool) -> _RawTrace:
+def _run_trace(
+    spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, checkpoint_all: bool,
+    blocks: list[str] | None = None,
+) -> _RawTrace:
+    """One traced step; ``blocks`` are the candidates when already found (else one fake forward finds them)."""
     meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()
         inputs, targets = spec.example_batch(2 * micro_batch_size)
-        names = checkpoint_candidates(model, example_inputs=inputs)
+        names = blocks if blocks is not None else checkpoint_candidates(model, example_inputs=inputs)
         config = TrainingConfig(
             global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
             checkpoint=names if checkpoint_all else [],
@@ -176,15 +184,16 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
             def hook(module, args):
                 state["active"].append(index)
                 tracker.mark(("fwd_start", index, state["micro"]))
-                state["inputs"] = {id(t.untyped_storage()) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
             return hook
 
         def post_hook(index):
-            def hook(module, args, output):
+            def hook(module, args, kwargs, output):
                 state["active"].pop()
                 micro = state["micro"]
                 tracker.mark(("fwd_end", index, micro))
-                inputs_ = {id(t.untyped_storage()) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+                # Keyword inputs too (a Hugging Face layer's position embeddings and mask): a
+                # checkpointed block keeps all its inputs until its backward.
+                inputs_ = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
                 kept = inputs_ | {id(t.untyped_storage()) for t in outputs}
                 saved = state["saved"][names[index]].setdefault(micro, {})
@@ -207,7 +216,7 @@ def _run_trace(spec: ModelSpec, *, micro_batch_size: int, precision: str, device
         hooks = [model.register_forward_pre_hook(root_pre_hook), model.register_forward_hook(root_post_hook)]
         for index, name in enumerate(names):
             hooks.append(modules[name].register_forward_pre_hook(pre_hook(index)))
-            hooks.append(modules[name].register_forward_hook(post_hook(index)))
+            hooks.append(modules[name].register_forward_hook(post_hook(index), with_kwargs=True))
         # The checkpointed run's blocks keep their own saved-tensor hooks: nothing to count there.
         saved_hooks = nullcontext() if checkpoint_all else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         with tracker, saved_hooks:
