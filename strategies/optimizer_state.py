@@ -15,7 +15,9 @@
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -142,7 +144,8 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             "use optimizer state 'device' or 'host'"
         )
     try:
-        from torchao.optim import Adam8bit, AdamW8bit
+        with _quiet_torch_pytree():  # torchao's import registers enums torch now warns about on stderr
+            from torchao.optim import Adam8bit, AdamW8bit
     except ImportError as error:
         raise UserError(f"optimizer state '8bit' needs torchao ({error}); pip install torchao, or use 'device' or 'host'") from None
     groups = []
@@ -153,3 +156,19 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
     kind_8bit = AdamW8bit if kind is torch.optim.AdamW else Adam8bit
     return kind_8bit(groups, lr=groups[0]["lr"])
+
+
+@contextmanager
+def _quiet_torch_pytree() -> Iterator[None]:
+    """Silence ``torch.utils._pytree``'s deprecation warnings while a library registers its types.
+
+    A warning on stderr would break every command's promise of one line per
+    error (torchao 0.18 registers two Enum classes that torch 2.14 reports).
+    """
+    logger = logging.getLogger("torch.utils._pytree")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -168,8 +168,8 @@ def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: 
     """
     parts = []
     for measured in tried:
-        if measured.peak_bytes is None:
-            continue
+        if measured.peak_bytes is None or measured.peak_bytes >= floor_peak:
+            continue  # not measured, or it lowers nothing here (8-bit state of tiny tensors can cost more)
         candidate = measured.candidate
         in_all = " in all" if parts else ""
         saving = f"-{format_bytes(floor_peak - measured.peak_bytes)}{in_all}, measured"
