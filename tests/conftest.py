@@ -7,7 +7,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One intra-op thread for the whole session: on a shared two-core machine a second thread spins
+# against other jobs (a ResNet-18 probe took 5-17 s of CPU with two threads, 1 s with one).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
