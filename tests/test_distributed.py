@@ -31,6 +31,7 @@ needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="torch.distributed with the gloo backend is not available in this torch build",
 )
+# The tests on `runs` (two torchrun launches, 25-40 s) are marked slow: -m "not slow" leaves them out.
 
 SCENARIOS = [
     {"name": "fsdp_k1", "sharding": "fsdp", "global_batch_size": 8, "micro_batch_size": 4, "steps": 5},
@@ -104,6 +105,7 @@ def _assert_same_training(run: dict, reference: dict, *, rtol: float) -> None:
 
 
 @needs_gloo
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp_k1", "fsdp_k2_checkpointed", "fsdp_uneven", "ddp_k1", "ddp_k2", "ddp_uneven"])
 def test_two_processes_train_like_one(runs, name):
     """Same global batch, seed and AdamW: the same loss curve and weights as one process (fp32)."""
@@ -111,6 +113,7 @@ def test_two_processes_train_like_one(runs, name):
 
 
 @needs_gloo
+@pytest.mark.slow
 def test_accumulation_reduces_gradients_once_per_step(runs):
     """no_sync / set_requires_gradient_sync: two micro-batches communicate as often as one."""
     model = dist_worker.build_model()
@@ -122,6 +125,7 @@ def test_accumulation_reduces_gradients_once_per_step(runs):
 
 
 @needs_gloo
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_fp16"])
 def test_mixed_precision_policy_trains(runs, name):
     """bf16/fp16 parameters in compute (ShardedGradScaler for fp16): close to one process at that precision.
@@ -132,6 +136,7 @@ def test_mixed_precision_policy_trains(runs, name):
 
 
 @needs_gloo
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp_saved", "ddp_saved"])
 def test_resume_after_restart_continues_exactly(runs, name):
     """Saved with DCP after step 3, restarted as 2 new processes: steps 4-5 as if never stopped."""
@@ -140,6 +145,7 @@ def test_resume_after_restart_continues_exactly(runs, name):
 
 
 @needs_gloo
+@pytest.mark.slow
 def test_one_process_resumes_a_two_process_fsdp_save(runs):
     """DCP reshards: the 2-rank FSDP save at step 3 continues in one plain process as it did on two."""
     scenario = {**next(s for s in SCENARIOS if s["name"] == "fsdp_saved"), "sharding": "none"}
@@ -156,6 +162,7 @@ def test_loading_a_missing_sharded_checkpoint_names_it(tmp_path):
 
 
 @needs_gloo
+@pytest.mark.slow
 def test_per_rank_peak_matches_the_simulation_and_stays_under_the_estimate(runs):
     scenario = next(s for s in SCENARIOS if s["name"] == "memory")
     micro_batch_size = scenario["micro_batch_size"]

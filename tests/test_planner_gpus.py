@@ -157,6 +157,7 @@ def test_a_budget_too_small_even_when_sharded_says_so(spec):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # a torchrun launch: 13 s of CPU, over 20 s on a busy machine
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 def test_a_two_gpu_plan_trains_under_torchrun(sharded, tmp_path):
     """The FSDP plan runs 2 steps in 2 gloo processes.

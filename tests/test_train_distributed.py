@@ -176,6 +176,7 @@ def _assert_same_run(run, reference, *, rtol: float) -> None:
         assert torch.allclose(tensor, reference_weights[name], rtol=rtol, atol=1e-6), name
 
 
+@pytest.mark.slow  # `runs`: five torchrun launches, about a minute
 @pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
 def test_two_processes_give_the_single_process_loss_curve(runs, sharding):
     """Global batch 8 = 2 ranks x micro-batch 2 x 2 steps, checkpointed, vs 3+3+2 on one process: same curve and weights."""
@@ -188,6 +189,7 @@ def test_two_processes_give_the_single_process_loss_curve(runs, sharding):
     assert (root / sharding / "best.pt").is_file() and (root / sharding / "last_sharded" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_a_resumed_two_process_run_ends_as_an_uninterrupted_one(runs):
     """With dropout, so each rank's RNG must come back too: losses, validation and weights as if never stopped."""
     root, outputs = runs
