@@ -82,14 +82,15 @@ def test_compare_is_unsure_within_the_noise():
     assert compare(Samples(seconds=[1.0, 1.01]), Samples(seconds=[2.0, 2.0]), factor=3.0) == "no"
 
 
-class ScaledClock:
-    """Time 100x faster than the wall (so that no step counts as short), plus jumps inside bf16 forwards.
+class SyntheticClock:
+    """A clock that moves 10 ms per reading, whatever the machine does, plus jumps inside bf16 forwards.
 
+    Every precision's step reads it equally often, so without jumps they time the same.
     ``disturbed`` are the numbers of the bf16 forwards (1 = the first, the warm-up) during which time jumps.
     """
 
     def __init__(self, disturbed: set[int] | None = None, every_bf16: float = 0.0) -> None:
-        self.offset, self.forwards, self.inside = 0.0, 0, False
+        self.now, self.forwards, self.inside = 0.0, 0, False
         self.disturbed, self.every_bf16 = disturbed or set(), every_bf16
 
     def __call__(self) -> float:
@@ -97,16 +98,17 @@ class ScaledClock:
         if bf16 and not self.inside:
             self.forwards += 1
             if self.forwards in self.disturbed:
-                self.offset += 1000.0
-            self.offset += self.every_bf16
+                self.now += 10.0
+            self.now += self.every_bf16
         self.inside = bf16
-        return 100 * time.perf_counter() + self.offset
+        self.now += 0.01
+        return self.now
 
 
 def test_a_precision_is_not_ruled_out_by_one_disturbed_step():
     """The issue's case: bf16 timed "9.5x slower than fp32" under load. One disturbed step must not do that."""
     results = time_precisions(
-        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=ScaledClock(disturbed={2}),
+        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=SyntheticClock(disturbed={2}),
     )
     assert results["bf16"].note == "" and results["bf16"].sizes == [1, 2]
     assert results["bf16"].noise > 1.0  # the disturbance is reported as noise, not as speed
@@ -114,7 +116,7 @@ def test_a_precision_is_not_ruled_out_by_one_disturbed_step():
 
 def test_a_precision_far_slower_every_time_stops_early():
     results = time_precisions(
-        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=ScaledClock(every_bf16=1000.0),
+        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=SyntheticClock(every_bf16=10.0),
     )
     assert "slower than fp32" in results["bf16"].note and results["bf16"].sizes == [1, 2]  # the rest follows fp32, scaled
     assert results["bf16"].step_seconds[0] > 3 * results["fp32"].step_seconds[0]

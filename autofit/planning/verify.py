@@ -28,8 +28,9 @@ from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import CostModel, StepTimer
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom
 from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_checkpoint
-from autofit.planning.timing import MIN_ROUNDS, Race, Samples, interleaved_rounds, noise_of
+from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds, noise_of
 from autofit.units import format_bytes
+from strategies import PRECISIONS
 
 VERIFY_TOP = 3
 """Candidates timed on the device."""
@@ -357,6 +358,13 @@ def verify(
         UserError: no configuration was measured to fit.
     """
     candidates = _candidates(context, model, evaluations, measurements)
+    if reference is not None and reference.key() not in {c.config.key() for c in candidates}:
+        # Timed beside them anyway: where it fits it is a candidate too (the simplest, often the fastest).
+        plain = next((e for e in evaluations if Config(precision=e.precision, micro_batch_size=e.micro_batch_size).key() == reference.key()), None)
+        if plain is not None and plain.fits and not plain.checkpoint:
+            fitting = _fitting_checkpoint_set(context, model, plain, measurements)
+            if fitting is not None and not fitting.config.checkpoint:
+                candidates.append(fitting)
     if not candidates:
         candidates = [_candidate(model, floor_config)]
     for candidate in candidates:
@@ -408,6 +416,19 @@ def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evalua
         if candidate is not None:
             candidates.append(candidate)
             best_predicted = best_predicted or candidate.predicted_samples_per_s
+    if best_predicted is not None and not context.simulate:
+        # The predictions come from timings too: the simplest point predicted within their noise of the best
+        # could win the tie once measured, so it is timed as well (a noisy size is not ruled out unseen).
+        def band(e: Evaluation) -> float:
+            return min(max(TIE, model.precisions[e.precision].speed.noise), MAX_TIE)
+
+        near = [e for e in ranked if e.samples_per_s >= best_predicted * (1 - band(e))]
+        simplest = min(near, key=lambda e: (e.grad_accum_steps, len(e.checkpoint), PRECISIONS.index(e.precision)), default=None)
+        keys = {(c.config.precision, c.config.micro_batch_size) for c in candidates}
+        if simplest is not None and (simplest.precision, simplest.micro_batch_size) not in keys:
+            candidate = _fitting_checkpoint_set(context, model, simplest, measurements)
+            if candidate is not None:
+                candidates.append(candidate)
     return candidates
 
 
