@@ -36,8 +36,9 @@ class Machine:
         return run
 
 
-def race_on(machine: Machine, keys: list[str]) -> tuple[Race, dict]:
-    race = Race(contenders=keys)
+def race_on(machine: Machine, keys: list[str], *, simpler_first: bool = False) -> tuple[Race, dict]:
+    """The contenders raced; with ``simpler_first`` each is simpler than the next (it wins a tie)."""
+    race = Race(contenders=keys, simplicity=(lambda k: (keys.index(k),)) if simpler_first else (lambda k: ()))
     samples = interleaved_rounds({k: machine.measure(k) for k in keys}, settled=race.settled, active=race.running)
     return race, samples
 
@@ -49,12 +50,19 @@ def test_fastest_round_and_how_well_it_repeats():
 
 
 def test_one_disturbed_step_does_not_decide():
-    # A is truly 10% faster; its first step is disturbed 5x over.
-    machine = Machine({"A": 1.0, "B": 1.1}, disturb={1: 4.0})
-    race, samples = race_on(machine, ["A", "B"])
-    assert race.leader(samples) == "A"
-    assert "A" not in race.within_noise(samples) or race.within_noise(samples)[0] == "A"
-    assert len(samples["A"].seconds) >= MIN_ROUNDS + 1  # it was timed again while the noise left it unsure
+    # A is truly 10% faster than B, which is simpler (B would win a tie); A's first step is disturbed 5x over.
+    machine = Machine({"A": 1.0, "B": 1.1}, disturb={2: 4.0})
+    race, samples = race_on(machine, ["B", "A"], simpler_first=True)
+    assert race.leader(samples) == "A" and race.chosen(samples) == "A"
+    assert len(samples["A"].seconds) >= MIN_ROUNDS + 1  # timed again while the noise left the decision open
+
+
+def test_a_contender_that_cannot_win_is_not_timed_on():
+    # C is more complex than A and no faster: whatever the noise between them, A wins; only B (simpler) stays.
+    machine = Machine({"A": 1.0, "B": 1.06, "C": 1.02}, disturb={4: 0.5})
+    race, samples = race_on(machine, ["B", "A", "C"], simpler_first=True)
+    assert len(samples["C"].seconds) == MIN_ROUNDS
+    assert race.chosen(samples) in ("A", "B")
 
 
 def test_a_clearly_slower_contender_drops_out():

@@ -179,7 +179,10 @@ def timing_threads(device: str) -> tuple[int, str]:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    load = os.getloadavg()[0]
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average here (Windows)
+        return current, ""
     others = max(load - 1.0, 0.0)  # this process is one of the runnable tasks counted
     free = max(1, min(current, int(cores - others + 0.5)))
     if free >= current:

@@ -24,8 +24,9 @@ MAX_ROUNDS = 6
 """Rounds at most while a comparison stays within the noise."""
 TIE = 0.03
 """Speeds this close are a tie even on a quiet machine."""
-MAX_TIE = 0.10
-"""The widest a tie gets under noise: beyond it the faster minimum wins, noise or not."""
+MAX_TIE = 0.05
+"""The widest a tie gets under noise: beyond it the faster minimum wins, noise or not (so a tie never
+costs more than 5% of speed)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,9 +111,18 @@ def interleaved_rounds(
 
 @dataclass(kw_only=True, slots=True)
 class Race:
-    """Contenders timed in interleaved rounds until the fastest is clear or the rest are within noise."""
+    """Contenders timed in interleaved rounds until the fastest is clear or the rest are within noise.
+
+    The winner is the simplest contender within the noise of the fastest
+    (``chosen``). A contender stops being timed once it is clearly slower than
+    the fastest, or once it is neither simpler nor faster than the one that
+    would be chosen now (it could only win by turning out clearly faster later,
+    which the rounds so far make unlikely).
+    """
 
     contenders: list[Hashable]
+    simplicity: Callable[[Hashable], tuple] = lambda key: ()
+    """Sort key: smaller is simpler (the winner of a tie)."""
     tie: float = TIE
 
     def leader(self, samples: dict[Hashable, Samples]) -> Hashable:
@@ -130,15 +140,23 @@ class Race:
             result[key] = {"no": "tie", "yes": "slower", "unsure": "unsure"}[verdict]
         return result
 
-    def settled(self, samples: dict[Hashable, Samples]) -> bool:
-        return "unsure" not in self.standing(samples).values()
+    def chosen(self, samples: dict[Hashable, Samples]) -> Hashable:
+        return min(self.within_noise(samples), key=self.simplicity)
 
     def running(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
-        """Contenders still worth timing: a clearly slower one drops out (unless the race has just begun)."""
+        """Contenders still worth timing (all of them until each has MIN_ROUNDS rounds)."""
         if any(len(samples[k].seconds) < MIN_ROUNDS for k in self.contenders):
             return list(self.contenders)
+        standing, chosen = self.standing(samples), self.chosen(samples)
+        return [
+            k for k in self.contenders
+            if standing[k] != "slower"
+            and (k == chosen or self.simplicity(k) < self.simplicity(chosen) or samples[k].best < samples[chosen].best)
+        ]
+
+    def settled(self, samples: dict[Hashable, Samples]) -> bool:
         standing = self.standing(samples)
-        return [k for k in self.contenders if standing[k] != "slower"]
+        return all(standing[k] != "unsure" for k in self.running(samples))
 
     def within_noise(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
         """The leader and every contender it does not clearly beat: within the tie, or within the

@@ -204,11 +204,11 @@ class Measurements:
     def race(self, contenders: list[Config], *, reference: Config | None = None) -> list[Config]:
         """Time the contenders side by side; the fastest first, the simplest winning within the noise.
 
-        The contenders (and ``reference``, timed in the same rounds for the
-        speed ratio) take turns, one training step of the global batch each per
-        round, at least MIN_ROUNDS rounds after a warm-up, and more while a
-        contender's speed is within the noise of the leader's, up to MAX_ROUNDS;
-        one clearly slower drops out. Timings of an earlier run are used
+        The contenders (and ``reference``, timed in the first MIN_ROUNDS rounds
+        for the speed ratio) take turns, one training step of the global batch
+        each per round, at least MIN_ROUNDS rounds after a warm-up, and more
+        while a contender that could still win is within the noise of the
+        leader, up to MAX_ROUNDS (``timing.Race``). Timings of an earlier run are used
         instead only when that run timed all of them and they decide.
 
         Returns:
@@ -218,13 +218,13 @@ class Measurements:
         configs = {c.key(): c for c in contenders}
         if reference is not None:
             configs.setdefault(reference.key(), reference)
-        race = Race(contenders=keys)
+        race = Race(contenders=keys, simplicity=lambda k: configs[k].simplicity(self.context.global_batch_size))
         samples = self._stored_samples(list(configs), race)
         if samples is None:
             samples = self._time_now(configs, race)
         leader = race.leader(samples)
         tied = race.within_noise(samples)
-        chosen = min(tied, key=lambda k: configs[k].simplicity(self.context.global_batch_size))
+        chosen = race.chosen(samples)
         self.timing = {
             "rounds": max(len(samples[k].seconds) for k in keys),
             "noise": noise_of([samples[k] for k in tied]),
@@ -267,8 +267,9 @@ class Measurements:
             return run
 
         def active(current: dict[str, Samples]) -> list[str]:
-            running = race.running(current)
-            return running + [k for k in keys if k not in race.contenders]
+            # The reference is only for the speed ratio: MIN_ROUNDS rounds beside the contenders.
+            reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < MIN_ROUNDS]
+            return race.running(current) + reference
 
         try:
             samples = interleaved_rounds({k: measure(k) for k in keys}, settled=race.settled, active=active)
