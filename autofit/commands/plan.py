@@ -140,10 +140,14 @@ def _timing_lines(report) -> list[str]:
     timing = report.timing
     if timing:
         source = "stored from an earlier run" if timing.get("reused") else f"{timing['rounds']} interleaved round(s)"
-        lines.append(
-            f"  timing      candidates timed side by side ({source}); the fastest rounds repeated within "
-            f"{timing['noise']:.1%}" + (f", the speed model's within {report.speed_noise:.1%}" if report.speed_noise else "")
-        )
+        model_noise = f"the speed model's timings repeated within {report.speed_noise:.1%}" if report.speed_noise else ""
+        if timing["rounds"] > 1:
+            lines.append(
+                f"  timing      candidates timed side by side ({source}); the fastest rounds repeated within "
+                f"{timing['noise']:.1%}" + (f", {model_noise}" if model_noise else "")
+            )
+        else:
+            lines.append("  timing      one candidate: timed once (nothing to compare it with)" + (f"; {model_noise}" if model_noise else ""))
         if timing.get("within_noise"):
             others = "; ".join(_config_text(key) for key in timing["within_noise"])
             lines.append(f"              as fast within that noise: {others} (the simpler configuration is chosen)")

@@ -48,6 +48,11 @@ def probe(
     if micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {micro_batch_size} must be at least 1")
     spec = load_spec(model, input_shape=input_shape, num_classes=num_classes)
+    if simulate:
+        from autofit.planning.memory_model import simulation_spec
+
+        # As the planner does: a model whose build the simulated meter cannot fake (ViT's) is copied from meta.
+        spec = simulation_spec(spec)
     if list_blocks:
         blocks = profile_blocks(spec, micro_batch_size=micro_batch_size, precision=precision, device=device, simulate=simulate)
         if as_json:
@@ -85,6 +90,10 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
         raise UserError(f"--plan re-measures the plan's own configuration; drop {', '.join(given)} (or drop --plan)")
     the_plan = load_plan(path)
     spec = spec_for_plan(the_plan.model, model_file=model)
+    if the_plan.estimated:
+        from autofit.planning.memory_model import simulation_spec
+
+        spec = simulation_spec(spec)
     result = probe_plan(spec, the_plan, steps=steps)
     planned = {
         "budget_bytes": the_plan.budget_bytes,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 MIN_ROUNDS = 2
 """Timed rounds before any decision: one disturbed step can never decide alone."""
-MAX_ROUNDS = 6
-"""Rounds at most while a comparison stays within the noise."""
+MAX_ROUNDS = 4
+"""Rounds at most while a comparison stays within the noise (then it is a tie, or the faster minimum wins)."""
 TIE = 0.03
 """Speeds this close are a tie even on a quiet machine."""
 MAX_TIE = 0.05

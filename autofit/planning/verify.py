@@ -206,9 +206,10 @@ class Measurements:
 
         The contenders (and ``reference``, timed in the first MIN_ROUNDS rounds
         for the speed ratio) take turns, one training step of the global batch
-        each per round, at least MIN_ROUNDS rounds after a warm-up, and more
-        while a contender that could still win is within the noise of the
-        leader, up to MAX_ROUNDS (``timing.Race``). Timings of an earlier run are used
+        each per round, at least MIN_ROUNDS rounds after a warm-up (one when
+        there is a single contender: nothing to decide), and more while a
+        contender that could still win is within the noise of the leader, up
+        to MAX_ROUNDS (``timing.Race``). Timings of an earlier run are used
         instead only when that run timed all of them and they decide.
 
         Returns:
@@ -272,7 +273,9 @@ class Measurements:
             return race.running(current) + reference
 
         try:
-            samples = interleaved_rounds({k: measure(k) for k in keys}, settled=race.settled, active=active)
+            # One candidate has nothing to be compared with: one round gives its speed (and the ratio's).
+            rounds = MIN_ROUNDS if len(race.contenders) > 1 else 1
+            samples = interleaved_rounds({k: measure(k) for k in keys}, settled=race.settled, active=active, min_rounds=rounds)
         finally:
             for timer in timers.values():
                 timer.close()
