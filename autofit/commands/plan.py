@@ -142,9 +142,11 @@ def _timing_lines(report) -> list[str]:
         source = "stored from an earlier run" if timing.get("reused") else f"{timing['rounds']} interleaved round(s)"
         model_noise = f"the speed model's timings repeated within {report.speed_noise:.1%}" if report.speed_noise else ""
         if timing["rounds"] > 1:
+            worst = timing.get("worst_noise", timing["noise"])
             lines.append(
                 f"  timing      candidates timed side by side ({source}); the fastest rounds repeated within "
-                f"{timing['noise']:.1%}" + (f", {model_noise}" if model_noise else "")
+                f"{timing['noise']:.1%}" + (f" (median; {worst:.1%} at worst)" if worst > timing["noise"] else "")
+                + (f", {model_noise}" if model_noise else "")
             )
         else:
             lines.append("  timing      one candidate: timed once (nothing to compare it with)" + (f"; {model_noise}" if model_noise else ""))

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -47,8 +47,6 @@ class PlanContext:
     """One planning run's fixed inputs, shared by its steps."""
 
     spec: ModelSpec
-    sim_spec: ModelSpec
-    """The same model for the simulated meter (``simulation_spec``)."""
     device: str
     """"cpu" or "cuda"."""
     info: DeviceInfo
@@ -72,6 +70,12 @@ class PlanContext:
     """Why they are fewer than PyTorch's, when they are."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds spent so far per step of the run ("memory", "floor", "speed", "search", "verify", "write")."""
+
+    @cached_property
+    def sim_spec(self) -> ModelSpec:
+        """The same model for the simulated meter (``simulation_spec``), made on first use: a plan whose
+        costs all come from a stored study never needs it (nor the fake-tensor machinery's imports)."""
+        return simulation_spec(self.spec)
 
     def log(self, line: str) -> None:
         """A progress line, stamped with the seconds since the run started."""
@@ -120,13 +124,11 @@ def plan_context(
         raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
     total = parse_budget(device_memory) if device_memory is not None else None
     info = device_info(device, total_bytes=total)
-    sim_spec = simulation_spec(spec)
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
     kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions)
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise UserError(f"--threads {threads!r} must be a whole number of threads, at least 1")
-    with torch.device("meta"):
-        meta_model = sim_spec.build_model()
+    meta_model = _meta_model(spec)
     fingerprint = model_fingerprint(meta_model)
     # One prefix per model, device, meter, batch and precisions: a study of another budget shares its cost model.
     kind = "simulated" if simulate else "measured"
@@ -141,10 +143,17 @@ def plan_context(
         where = Study(storage=None, prefix=prefix, name=name, precisions=tuple(kept))
     count, note = (threads, "") if threads is not None else timing_threads(device)
     return PlanContext(
-        spec=spec, sim_spec=sim_spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
+        spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=num_classes,
         study=where, user_log=log, started=started, threads=count, threads_note=note,
     )
+
+
+def _meta_model(spec: ModelSpec) -> torch.nn.Module:
+    """The model on the meta device (names, shapes and code; no memory)."""
+    build = simulation_spec(spec).build_model if spec.source.startswith("python:") else spec.build_model
+    with torch.device("meta"):  # a copy of a Python object is made from a meta template (simulation_spec)
+        return build()
 
 
 def cache_dir() -> Path:

@@ -28,7 +28,7 @@ from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import CostModel, StepTimer
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom
 from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_checkpoint
-from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds, noise_of
+from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
 from autofit.units import format_bytes
 from strategies import PRECISIONS
 
@@ -226,9 +226,11 @@ class Measurements:
         leader = race.leader(samples)
         tied = race.within_noise(samples)
         chosen = race.chosen(samples)
+        spreads = sorted(samples[k].spread for k in keys if len(samples[k].seconds) >= 2)
         self.timing = {
             "rounds": max(len(samples[k].seconds) for k in keys),
-            "noise": noise_of([samples[k] for k in tied]),
+            "noise": spreads[len(spreads) // 2] if spreads else 0.0,
+            "worst_noise": spreads[-1] if spreads else 0.0,
             "within_noise": [k for k in tied if k != chosen],
             "fastest": leader,
             "reused": all(self.timings[k]["session"] != self.session for k in keys),
@@ -245,7 +247,8 @@ class Measurements:
         if len(sessions) != 1 or any(k not in self.timings for k in keys) or next(iter(sessions))[1] != self.context.threads:
             return None
         samples = {k: Samples(seconds=list(self.timings[k]["seconds"])) for k in keys}
-        if any(len(s.seconds) < MIN_ROUNDS for k, s in samples.items() if k in race.contenders):
+        required = MIN_ROUNDS if len(race.contenders) > 1 else 1
+        if any(len(s.seconds) < required for k, s in samples.items() if k in race.contenders):
             return None
         return samples
 
@@ -404,15 +407,17 @@ def verify(
 
 
 def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements) -> list[_Candidate]:
-    """Up to VERIFY_TOP candidates that fit (measured, or decided by the model), fastest predicted first."""
+    """Up to VERIFY_TOP candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
     # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
     ranked = sorted(
         (e for e in evaluations if e.fits), key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint))
     )
     candidates: list[_Candidate] = []
     best_predicted = None
+    # Simulating, the fastest predicted that fits wins: nothing is timed, so one candidate is enough.
+    wanted = 1 if context.simulate else VERIFY_TOP
     for evaluation in ranked:
-        if len(candidates) >= VERIFY_TOP:
+        if len(candidates) >= wanted:
             break
         if best_predicted is not None and evaluation.samples_per_s < VERIFY_WITHIN * best_predicted:
             break

@@ -51,7 +51,8 @@ class PlanReport:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per step of the run: memory, floor, speed, search, verify, write."""
     timing: dict = field(default_factory=dict)
-    """The verification's timing: "rounds", "noise" (how well the fastest rounds repeated: 0.05 is 5%),
+    """The verification's timing: "rounds", "noise" and "worst_noise" (how well the candidates' fastest rounds
+    repeated, the median and the largest: 0.05 is 5%),
     "within_noise" (configurations as fast as the chosen one within the noise), "reused" (from a stored run)."""
     speed_noise: float = 0.0
     """The largest spread of the speed model's timings (0 when estimated)."""
