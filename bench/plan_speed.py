@@ -212,7 +212,8 @@ def main() -> None:
                     if yardstick:
                         _last_probe[key + labels[tree]] = yardstick
     if args.load_test:
-        load_test(trees[-1], runs=args.load_test, env=env, scratch=scratch)
+        for tree in trees:  # the last tree (this one) gets every run; others two, to show what they did
+            load_test(tree, runs=args.load_test if tree == trees[-1] else min(2, args.load_test), env=env, scratch=scratch)
 
 
 _last_probe: dict[str, Run] = {}
@@ -235,11 +236,11 @@ def load_test(tree: Path, *, runs: int, env: dict, scratch: Path) -> None:
         )
         return run
 
-    quiet = [once("quiet", 0, i) for i in range(2)]
+    quiet = [once(f"quiet-{tree.name}", 0, i) for i in range(2)]
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         time.sleep(5)  # let the load average see them
-        loaded = [once("busy", 2, i) for i in range(runs)]
+        loaded = [once(f"busy-{tree.name}", 2, i) for i in range(runs)]
     finally:
         for process in busy:  # only the processes started here
             process.kill()
