@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,6 +381,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # The plans share a cache across one model's budgets, as a user's would, but never the user's own.
+    os.environ.setdefault("AUTOFIT_CACHE_DIR", tempfile.mkdtemp(prefix="plan-quality-cache-"))
     all_cases = cases()
     rows = []
     started = time.perf_counter()

@@ -165,7 +165,8 @@ def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
     front = [a for a in plan.alternatives if not a["chosen"]]
     peaks = [a["predicted_peak_bytes"] for a in front]
     speeds = [a["predicted_samples_per_s"] for a in front]
-    assert len(front) >= 2 and peaks == sorted(peaks) and speeds == sorted(speeds)  # a Pareto front
+    # a Pareto front (of the precisions traced: one too slow to reach the verification is not)
+    assert len(front) >= 1 and peaks == sorted(peaks) and speeds == sorted(speeds)
     # `autofit probe` with the plan's settings measures the same peak (16 = m x k here or the check is skipped)
     if plan.micro_batch_size * plan.grad_accum_steps == 16:
         code, stdout, err = run_cli(
@@ -220,9 +221,9 @@ def test_all_precisions_are_measured_not_assumed():
     """fp16 on a CPU is slow; the planner finds out by timing it, and never picks it here."""
     report = plan_with_report(uneven_spec(), budget="1GB", batch_size=16)
     assert report.plan.precision in ("fp32", "bf16")
-    speeds = {p: c.speed for p, c in report_model(report).precisions.items()}
-    assert set(speeds) == {"fp32", "bf16", "fp16"}
-    assert all(s.step_seconds[0] > 0 for s in speeds.values())
+    assert set(report.speeds) == {"fp32", "bf16", "fp16"}  # timed, each of them, traced or not
+    assert all(s["step_seconds"][0] > 0 for s in report.speeds.values())
+    assert set(report_model(report).precisions) <= {"fp32", "bf16", "fp16"}
 
 
 def report_model(report):
@@ -243,7 +244,8 @@ def test_study_resumes(tmp_path):
     import optuna
 
     names = [s.study_name for s in optuna.get_all_study_summaries(storage=storage)]
-    assert len(names) == 2
+    assert len(names) == 3  # one search per budget, and the costs and measurements they share
+    assert sum(name.endswith(":costs") for name in names) == 1
 
 
 def test_bad_study_url_is_one_line():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -21,12 +22,15 @@ from autofit.measure.blocks import profile_blocks
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.memory_model import MemoryTrace, Segment, trace_memory
+from autofit.planning.timing import MIN_ROUNDS, Samples, compare, interleaved_rounds, noise_of
 from autofit.spec import ModelSpec
 from autofit.training.step import to_device, train_step
 from strategies import BatchSplitConfig, checkpoint_candidates
 
 SLOW_PRECISION_RATIO = 3.0
 """A precision this many times slower than the fastest at the same micro-batch is timed at one size only."""
+SHORTEST_MEASUREMENT_S = 0.02
+"""A micro-step shorter than this is repeated within one measurement (the fastest repeat counts)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,6 +115,8 @@ class SpeedCosts:
     recompute_factor: float = 1.0
     """Measured seconds checkpointing adds per second of the blocks' plain forward."""
     note: str = ""
+    noise: float = 0.0
+    """The largest spread of these timings' fastest rounds (``timing.Samples.spread``): 0.05 is 5%."""
 
     def micro_step_seconds(self, micro_batch_size: int) -> float:
         return _loglog(self.sizes, self.step_seconds, micro_batch_size)
@@ -256,18 +262,29 @@ def time_precisions(
     precisions: list[str],
     sizes: list[int],
     device: str,
-    repeats: int = 2,
     time_limit_s: float = 20.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, SpeedCosts]:
     """Time forward, backward, each block and the optimizer step on the device.
 
     One model serves every precision (autocast is a context, not a change of
     the model). Sizes are timed smallest first, after one warm-up each
-    (kernels and allocator are set up per shape). A precision that turns out
-    far slower than the fastest so far, or whose remaining sizes would take
-    more than ``time_limit_s``, stops there and follows the fastest one's
-    curve scaled: it costs seconds to learn that fp16 on a CPU is slow, not
-    minutes. The verification probes measure whatever is chosen for real.
+    (kernels and allocator are set up per shape); at each size the precisions
+    still timed take turns in interleaved rounds (``timing``), at least
+    ``MIN_ROUNDS`` of them, and the fastest round of each counts. A precision
+    more than SLOW_PRECISION_RATIO times slower than the fastest stops there,
+    but only once the noise of both cannot explain the ratio (rounds continue
+    while it could), and follows the fastest one's curve scaled: it costs
+    seconds to learn that fp16 on a CPU is slow, not minutes, and one
+    disturbed step cannot rule a precision out. A precision whose remaining
+    sizes would take more than ``time_limit_s`` stops too, its larger sizes
+    extrapolated. The verification probes time whatever is chosen for real.
+
+    Args:
+        clock: seconds now (tests pass a noisy one).
+
+    Returns:
+        Precision -> its speeds; ``SpeedCosts.noise`` is the largest spread of its timings.
     """
     device_ = torch.device(device)
     torch.manual_seed(0)
@@ -288,13 +305,13 @@ def time_precisions(
     def pre_hook(name):
         def hook(module, args):
             sync()
-            starts[name] = time.perf_counter()
+            starts[name] = clock()
         return hook
 
     def post_hook(name):
         def hook(module, args, output):
             sync()
-            block_times[name] = block_times.get(name, 0.0) + time.perf_counter() - starts[name]
+            block_times[name] = block_times.get(name, 0.0) + clock() - starts[name]
         return hook
 
     handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in blocks]
@@ -304,120 +321,170 @@ def time_precisions(
         """One micro-batch's forward and backward: (forward s, forward + backward s, each block's forward s)."""
         block_times.clear()
         sync()
-        start = time.perf_counter()
+        start = clock()
         micro_inputs, micro_targets = to_device(inputs, device_), to_device(targets, device_)
         with applied.forward_context():
             loss = as_loss(spec.loss_fn).weighted(call_model(applied.model, micro_inputs), micro_targets, weight=1.0)
         sync()
-        forward_done = time.perf_counter()
+        forward_done = clock()
         applied.backward(loss)
         sync()
-        done = time.perf_counter()
+        done = clock()
         return forward_done - start, done - start, [block_times.get(n, 0.0) for n in blocks]
 
-    results: dict[str, SpeedCosts] = {}
-    reference: SpeedCosts | None = None
-    for name in precisions:
-        # Only the precision's hooks act here: one_step times a single micro-batch.
-        precision = apply_config(model, _one_micro_batch(sizes[-1], precision=name), device=device_, init_scale=1.0)
-        best: dict[int, tuple] = {}
-        batches: dict[int, tuple] = {}
-        note = ""
-        spent = 0.0
-        for index, size in enumerate(sizes):
-            if best:
-                # The next size costs about its share of the last one's time (twice: warm-up and timing).
-                last = max(best)
-                projected = 2 * best[last][1] * size / last
-                if spent + projected > time_limit_s:
-                    note = f"timed up to micro-batch {last} (the next size would pass {time_limit_s:.0f} s); larger sizes extrapolated"
-                    break
-            batches[size] = spec.example_batch(size)
-            started = time.perf_counter()
-            one_step(precision, *batches[size])  # warm-up: kernels and allocator are set up per shape
-            optimizer.zero_grad(set_to_none=True)
-            best[size] = one_step(precision, *batches[size])
-            optimizer.zero_grad(set_to_none=True)
-            spent += time.perf_counter() - started
-            if reference is not None:
-                ratio = best[size][1] / reference.micro_step_seconds(size)
-                if ratio > SLOW_PRECISION_RATIO:
-                    note = f"{ratio:.1f}x slower than {reference_name} at micro-batch {size}; timed up to there"
-                    break
-        timed = sorted(best)
-        # Repeats interleave the sizes, so that a burst of load elsewhere does not skew one size.
-        for _ in range(repeats - 1):
-            for size in timed:
-                measured = one_step(precision, *batches[size])
+    # Only the precision's hooks act here: one_step times a single micro-batch.
+    applied = {
+        name: apply_config(model, _one_micro_batch(sizes[-1], precision=name), device=device_, init_scale=1.0) for name in precisions
+    }
+    samples: dict[tuple[str, int], Samples] = {}
+    fastest: dict[tuple[str, int], tuple] = {}
+    """(precision, size) -> the parts of its fastest round."""
+    timed: dict[str, list[int]] = {name: [] for name in precisions}
+    notes: dict[str, str] = {}
+    slow: dict[str, str] = {}
+    """Precision -> the precision it was found far slower than."""
+    spent = dict.fromkeys(precisions, 0.0)
+    batches: dict[int, tuple] = {}
+
+    repeats: dict[tuple[str, int], int] = {}
+    """(precision, size) -> micro-steps per measurement: a step much shorter than a scheduler's slice is taken
+    several times, so that one preemption by other work cannot make it look many times slower."""
+
+    def measure(name: str, size: int) -> Callable[[], float]:
+        def run() -> float:
+            started = clock()
+            best = None
+            for _ in range(repeats[name, size]):
+                parts = one_step(applied[name], *batches[size])
                 optimizer.zero_grad(set_to_none=True)
-                if measured[1] < best[size][1]:
-                    best[size] = measured
-        costs = SpeedCosts(
-            sizes=timed,
-            step_seconds=[best[size][1] for size in timed],
-            forward_seconds=[best[size][0] for size in timed],
-            block_seconds=[best[size][2] for size in timed],
-            optimizer_seconds=_optimizer_seconds(model, optimizer, precision, one_step, spec, timed[0]),
-            note=note,
+                best = parts if best is None or parts[1] < best[1] else best
+            spent[name] += clock() - started
+            if (name, size) not in fastest or best[1] < fastest[name, size][1]:
+                fastest[name, size] = best
+            return best[1]
+        return run
+
+    for size in sizes:
+        running = []
+        for name in precisions:
+            if name in notes:
+                continue
+            if timed[name]:
+                # The next size costs about its share of the last one's time, per round and warm-up.
+                last = timed[name][-1]
+                projected = (MIN_ROUNDS + 1) * fastest[name, last][1] * size / last
+                if spent[name] + projected > time_limit_s:
+                    notes[name] = f"timed up to micro-batch {last} (the next size would pass {time_limit_s:.0f} s); larger sizes extrapolated"
+                    continue
+            running.append(name)
+        if not running:
+            break
+        batches[size] = spec.example_batch(size)
+        for name in running:
+            started = clock()
+            one_step(applied[name], *batches[size])  # warm-up: kernels and allocator are set up per shape
+            optimizer.zero_grad(set_to_none=True)
+            warm_up = clock() - started
+            spent[name] += warm_up
+            repeats[name, size] = min(max(math.ceil(SHORTEST_MEASUREMENT_S / max(warm_up, 1e-6)), 1), 16)
+        keys = [(name, size) for name in running]
+
+        def verdicts(current: dict) -> dict[str, str]:
+            reference = min(running, key=lambda n: current[n, size].best)
+            return {
+                name: compare(current[reference, size], current[name, size], factor=SLOW_PRECISION_RATIO)
+                for name in running if name != reference
+            }
+
+        interleaved_rounds(
+            {key: measure(*key) for key in keys}, samples=samples, settled=lambda current: "unsure" not in verdicts(current).values()
         )
-        if note and reference is not None and len(timed) < len(sizes):
-            # Untimed sizes follow the reference's shape, scaled by how this precision compared at the largest timed size.
-            ratio = costs.step_seconds[-1] / reference.micro_step_seconds(timed[-1])
-            scaled = _scaled_speed(reference, ratio, note=note)
-            scaled.optimizer_seconds = costs.optimizer_seconds
-            costs = scaled
-        results[name] = costs
-        if reference is None or costs.micro_step_seconds(sizes[-1]) < reference.micro_step_seconds(sizes[-1]):
-            reference, reference_name = costs, name
+        for name in running:
+            timed[name].append(size)
+        reference = min(running, key=lambda n: samples[n, size].best)
+        for name, verdict in verdicts(samples).items():
+            # Only a ratio that the noise cannot explain stops a precision ("unsure" after the last round does not).
+            if verdict == "yes":
+                ratio = samples[name, size].best / samples[reference, size].best
+                notes[name] = f"{ratio:.1f}x slower than {reference} at micro-batch {size}; timed up to there"
+                slow[name] = reference
+    results: dict[str, SpeedCosts] = {}
+    for name in precisions:
+        sizes_ = timed[name]
+        results[name] = SpeedCosts(
+            sizes=list(sizes_),
+            step_seconds=[fastest[name, s][1] for s in sizes_],
+            forward_seconds=[fastest[name, s][0] for s in sizes_],
+            block_seconds=[fastest[name, s][2] for s in sizes_],
+            optimizer_seconds=_optimizer_seconds(model, optimizer, applied[name], one_step, spec, sizes_[0], clock=clock),
+            note=notes.get(name, ""),
+            noise=noise_of([samples[name, s] for s in sizes_]),
+        )
     for handle in handles:
         handle.remove()
-    _measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, optimizer=optimizer)
-    del model, optimizer
+    _measure_recompute(
+        model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, optimizer=optimizer, clock=clock
+    )
+    for name, reference in slow.items():
+        # Untimed sizes follow the reference's shape, scaled by how this precision compared at its largest timed size.
+        costs = results[name]
+        ratio = costs.step_seconds[-1] / results[reference].micro_step_seconds(costs.sizes[-1])
+        scaled = _scaled_speed(results[reference], ratio, note=costs.note)
+        scaled.optimizer_seconds, scaled.noise = costs.optimizer_seconds, costs.noise
+        results[name] = scaled
+    del model, optimizer, applied
     release_device_memory(device)
     return results
 
 
-def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int) -> float:
+def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int, *, clock) -> float:
     """The optimizer step's time (its first call creates state: not timed)."""
     inputs, targets = spec.example_batch(size)
     best = math.inf
+    device = next(model.parameters()).device
     for attempt in range(3):
         one_step(precision, inputs, targets)
-        device = next(model.parameters()).device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         precision.optimizer_step(optimizer)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if attempt:
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock() - start)
         optimizer.zero_grad(set_to_none=True)
     return best
 
 
-def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, optimizer) -> None:
-    """Time one step with every block checkpointed: the real price of a second of recompute."""
-    if not blocks:
+def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, optimizer, clock) -> None:
+    """Time steps with every block checkpointed, interleaved: the real price of a second of recompute."""
+    timed = [name for name, costs in results.items() if not costs.note]
+    if not blocks or not timed:
         return
     size = sizes[len(sizes) // 2]
     inputs, targets = spec.example_batch(size)
-    for name, costs in results.items():
-        if costs.note:  # timed at one size only: keep the reference's factor
-            continue
-        precision = apply_config(model, _one_micro_batch(size, precision=name, checkpoint=blocks), device=device, init_scale=1.0)
-        one_step(precision, inputs, targets)
+    applied = {
+        name: apply_config(model, _one_micro_batch(size, precision=name, checkpoint=blocks), device=device, init_scale=1.0)
+        for name in timed
+    }
+
+    def step(name: str) -> float:
+        seconds = one_step(applied[name], inputs, targets)[1]
         optimizer.zero_grad(set_to_none=True)
-        seconds = min(one_step(precision, inputs, targets)[1] for _ in range(2))
-        optimizer.zero_grad(set_to_none=True)
+        return seconds
+
+    for name in timed:
+        step(name)  # warm-up
+    samples = interleaved_rounds({name: (lambda name=name: step(name)) for name in timed}, settled=lambda _: True)
+    for name in timed:
+        costs = results[name]
         plain_forward = sum(costs.recompute_seconds(size))
         if plain_forward > 0:
-            extra = seconds - costs.micro_step_seconds(size)
+            extra = samples[name].best - costs.micro_step_seconds(size)
             costs.recompute_factor = min(max(extra / plain_forward, 0.5), 3.0)
-    factors = [c.recompute_factor for c in results.values() if not c.note]
-    for costs in results.values():
-        if costs.note and factors:
-            costs.recompute_factor = factors[0]
+    for name, costs in results.items():
+        if name not in timed:  # not timed at every size: keep a timed precision's factor
+            costs.recompute_factor = results[timed[0]].recompute_factor
 
 
 def _one_micro_batch(size: int, *, precision: str, checkpoint: list[str] | None = None) -> TrainingConfig:
@@ -610,6 +677,75 @@ def _loglog(xs: list[int], ys: list[float], x: float) -> float:
     return math.exp(anchor[1] + slope * (lx - anchor[0]))
 
 
+class StepTimer:
+    """Plain training steps of one configuration, kept ready to be timed again (no meter running).
+
+    The memory meter's bookkeeping costs time on every operator; the speed a
+    plan promises is that of training, so it is timed here without it. The
+    model, optimizer and global batch are built once: the first step is a
+    warm-up and is not timed, and every later call times one more step, so
+    that candidates can take turns in interleaved rounds without a rebuild.
+    """
+
+    def __init__(self, spec: ModelSpec, config: TrainingConfig, *, device: str, seed: int = 0, clock=time.perf_counter) -> None:
+        self.spec, self.device, self.clock = spec, device, clock
+        self.global_batch_size = config.global_batch_size
+        torch.manual_seed(seed)
+        model = spec.build_model()
+        model.train()
+        self.applied = apply_config(model, config, device=device, init_scale=1.0)
+        self.optimizer = self.applied.build_optimizer(spec.build_optimizer)
+        self.inputs, self.targets = spec.example_batch(config.global_batch_size)
+        self._warm_up_config = _warm_up(config)
+        self._warm = False
+
+    def step_seconds(self) -> float:
+        """Seconds of one more training step of the global batch (after a warm-up step the first time)."""
+        if not self._warm:
+            self._warm_up()
+            self._warm = True
+        return self._step(self.applied, self.inputs, self.targets)
+
+    def _warm_up(self) -> None:
+        """One step of a micro-batch of each size the step uses: it sets up kernels and creates the optimizer's
+        state as a whole step would, without paying for every micro-step of a long accumulation."""
+        config = self._warm_up_config
+        if config.global_batch_size == self.global_batch_size:
+            self._step(self.applied, self.inputs, self.targets)
+            return
+        applied = apply_config(self.applied.model, config, device=self.device, init_scale=1.0)
+        inputs, targets = self.spec.example_batch(config.global_batch_size)
+        self._step(applied, inputs, targets)
+
+    def _step(self, applied: AppliedPlan, inputs, targets) -> float:
+        start = self.clock()
+        result = train_step(applied, inputs, targets, loss_fn=self.spec.loss_fn, optimizer=self.optimizer)
+        result.loss.item()  # waits for the device
+        return self.clock() - start
+
+    def close(self) -> None:
+        """Free the model, optimizer and batch (the device's cache too)."""
+        del self.applied, self.optimizer, self.inputs, self.targets
+        release_device_memory(self.device)
+
+
+def _warm_up(config: TrainingConfig) -> TrainingConfig:
+    """Two micro-batches of ``config``: a full one and its last (which may be smaller).
+
+    A configuration with levers warms up with a whole step: offload and the
+    step in backward hook the model once, and must not be applied twice.
+    """
+    sizes = BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size).sizes()
+    levers = config.selective_checkpoint or config.offload or config.optimizer_in_backward or config.optimizer_state != "device"
+    if len(sizes) <= 2 or levers:
+        return config
+    warm = config.micro_batch_size + sizes[-1]  # two micro-batches: the accumulation's path is set up too
+    return TrainingConfig(
+        global_batch_size=warm, micro_batch_size=config.micro_batch_size, precision=config.precision,
+        checkpoint=list(config.checkpoint), sharding=config.sharding, world_size=config.world_size,
+    )
+
+
 def time_configuration(
     spec: ModelSpec,
     *,
@@ -629,25 +765,10 @@ def time_configuration(
 
 
 def time_training(spec: ModelSpec, config: TrainingConfig, *, device: str, steps: int = 3, seed: int = 0) -> float:
-    """Samples/s of plain training steps of any configuration, levers included (no meter running).
-
-    The memory meter's bookkeeping costs time on every operator; the speed a
-    plan promises is that of training, so it is timed here without it. The
-    first step is a warm-up and is not timed; of the others the fastest
-    counts (other work on the machine only ever slows a step down).
-    """
-    torch.manual_seed(seed)
-    model = spec.build_model()
-    model.train()
-    applied = apply_config(model, config, device=device, init_scale=1.0)
-    optimizer = applied.build_optimizer(spec.build_optimizer)
-    inputs, targets = spec.example_batch(config.global_batch_size)
-    seconds = []
-    for _ in range(max(steps, 2)):
-        start = time.perf_counter()
-        result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
-        result.loss.item()  # waits for the device
-        seconds.append(time.perf_counter() - start)
-    del model, applied, optimizer, result
-    release_device_memory(device)
-    return config.global_batch_size / min(seconds[1:])
+    """Samples/s of plain training steps of any configuration, levers included (``StepTimer``):
+    the fastest of ``steps`` - 1 after a warm-up (other work on the machine only ever slows a step down)."""
+    timer = StepTimer(spec, config, device=device, seed=seed)
+    try:
+        return config.global_batch_size / min(timer.step_seconds() for _ in range(max(steps - 1, 1)))
+    finally:
+        timer.close()

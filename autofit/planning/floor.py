@@ -33,29 +33,43 @@ class InfeasibleBudget(UserError):
         """The floor configuration and its measured budget (what the levers start from)."""
 
 
+FLOOR_DECIDED_MARGIN = 0.05
+"""Where the memory model is the meter's twin (the CPU, the simulated meter), a budget this far above the
+floor it predicts needs no probe to be known possible (a candidate that misses falls back to it, measured)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Floor:
     config: Config
     budget_bytes: int
-    """The least budget whose headroom leaves room for the floor configuration's measured peak."""
+    """The least budget whose headroom leaves room for the floor configuration's peak (measured, or predicted)."""
     breakdown: dict[str, int] = field(default_factory=dict)
-    """Its measured peak and headroom, by cause."""
+    """Its measured peak and headroom, by cause (empty when predicted)."""
+    measured: bool = True
 
 
 def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) -> Floor:
-    """The floor, measured.
+    """The floor, measured unless the budget is well above what the memory model predicts for it.
+
+    It is the least of every precision traced so far (``Costs.memory_for_floor``):
+    the caller traces the others before taking a refusal as final.
 
     Raises:
         InfeasibleBudget: the budget is below it (the message says what would lower it).
     """
-    model, smallest = costs.model, costs.micro_batch_sizes[-1]
+    model, smallest, G = costs.model, costs.smallest, context.global_batch_size
     blocks = frozenset(range(len(model.blocks)))
     options = []
-    for precision in context.precisions:
+    for precision, memory in costs.memory_for_floor().items():
         for checkpoint in (blocks, frozenset()):
-            options.append((model.peak_bytes(precision, smallest, checkpoint), precision, checkpoint))
-    _, precision, checkpoint = min(options, key=lambda option: option[0])
+            peak = memory.peak_bytes(smallest, global_batch_size=G, checkpoint=checkpoint) * model.memory_scale
+            options.append((peak, precision, checkpoint))
+    predicted, precision, checkpoint = min(options, key=lambda option: option[0])
     config = Config(precision=precision, micro_batch_size=smallest, checkpoint=tuple(model.blocks[b] for b in sorted(checkpoint)))
+    predicted_budget = measurements.headroom.smallest_budget(predicted)
+    if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + FLOOR_DECIDED_MARGIN):
+        context.log(f"floor: {format_bytes(predicted_budget)} predicted, well under the budget: not measured")
+        return Floor(config=config, budget_bytes=predicted_budget, measured=False)
     peak, breakdown = measurements.checked_peak(config)
     headroom = measurements.headroom  # after the probe: on a GPU it holds the context just measured
     causes = headroom.for_peak(peak)
@@ -63,6 +77,7 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
         config=config, budget_bytes=headroom.smallest_budget(peak),
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
     )
+    context.log(f"floor: {format_bytes(floor.budget_bytes)} measured")
     if context.budget_bytes < floor.budget_bytes:
         raise InfeasibleBudget(below_floor(context, floor, measurements), floor_bytes=floor.budget_bytes, breakdown=floor.breakdown, floor=floor)
     return floor

@@ -30,7 +30,7 @@ from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
 from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import time_training
+from autofit.planning.cost_model import PrecisionCosts, time_training
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
 from autofit.planning.modelling import Costs, add_speeds
 from autofit.planning.verify import Measurements
@@ -218,7 +218,12 @@ def _report(
 ) -> PlanReport:
     """The plan of the chosen lever candidate: measured to fit, timed where the device runs, its levers named."""
     config, model = chosen.candidate.config, costs.model
-    precision_notes = {} if costs.resumed else add_speeds(context, costs)
+    precision_notes = add_speeds(context, costs)  # only what the costs do not hold yet
+    if config.precision not in model.precisions:
+        # Only the floor's trace (at the smallest micro-batch, the floor's) was needed: it predicts this configuration.
+        memory = costs.memory_for_floor()[config.precision]
+        speed = costs.speeds[config.precision]
+        model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
     blocks = frozenset(model.blocks.index(name) for name in floor.config.checkpoint)
     speed = None
     if not context.simulate:

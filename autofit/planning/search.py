@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +32,9 @@ ENUMERATE_LIMIT = 16
 """Blocks up to which a checkpoint problem of unusual shape is solved by enumerating every set."""
 MODEL_SLACK = 0.01
 """The memory model may be this pessimistic; candidates within it are checked exactly rather than dropped."""
+EXACT_SLACK = 0.001
+"""The same where the model is the meter's twin (the CPU, the simulated meter): it is exact there, or optimistic
+(which the verification's probes catch), so a candidate predicted further over the limit would fail its probe."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,7 +193,8 @@ def score_space(
     micro_batch_sizes: list[int],
     global_batch_size: int,
     usable_bytes: float,
-    study: Study,
+    study: Study | None,
+    slack: float = MODEL_SLACK,
 ) -> tuple[list[Evaluation], str]:
     """Score every (precision, micro-batch) point by the cost model, each with its cheapest checkpoint set that fits.
 
@@ -198,7 +203,8 @@ def score_space(
         precisions, micro_batch_sizes: the space.
         global_batch_size: samples per optimizer step.
         usable_bytes: the largest peak the budget's headroom leaves (``Headroom.usable_bytes``).
-        study: where the search is kept.
+        slack: how far over it a prediction still counts as a candidate (the model's pessimism).
+        study: where the search is kept (None: in memory).
 
     Returns:
         ``search``'s evaluations and the sampler's name.
@@ -215,7 +221,7 @@ def score_space(
             grad_accum_steps=math.ceil(global_batch_size / micro_batch_size),
             plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
         )
-        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit * (1 + MODEL_SLACK))
+        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit * (1 + slack))
         if choice is not None:
             result.fits = True
             result.checkpoint = [model.blocks[b] for b in sorted(choice.blocks)]
@@ -223,8 +229,12 @@ def score_space(
             result.samples_per_s = model.samples_per_s(precision, micro_batch_size, choice.blocks)
         return result
 
+    if study is None:
+        return search(evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name="search", storage=None)
+    searched = "" if tuple(precisions) == study.precisions else ":" + ",".join(precisions)
     return search(
-        evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name=study.name, storage=study.storage
+        evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name=study.name + searched,
+        storage=study.search_storage,
     )
 
 
@@ -304,37 +314,72 @@ def open_study(study_name: str, *, storage: str | None, sampler=None):
         ) from error
 
 
-def stored_attribute(storage: str | None, *, prefix: str, key: str):
-    """An attribute of any stored study whose name starts with ``prefix`` (e.g. a cost model to reuse)."""
-    if storage is None:
-        return None
-    import optuna
-
-    try:
-        summaries = optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
-    except Exception:  # an empty or new database
-        return None
-    for summary in summaries:
-        if summary.study_name.startswith(prefix) and key in summary.user_attrs:
-            return summary.user_attrs[key]
-    return None
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Study:
-    """Where a planning run keeps its search, cost model and measurements; nowhere when ``storage`` is None."""
+    """Where a planning run keeps its search, cost model and measurements; nowhere when ``storage`` is None.
+
+    The cost model and the measurements live in one study per model, device,
+    batch and precisions (``prefix`` + "costs"), shared by every budget; each
+    budget's search is a study of its own (``name``).
+    """
 
     storage: str | None
     """An Optuna storage URL such as "sqlite:///plans.db"."""
     prefix: str
     """Shared by the studies of every budget for the same model, device, batch and precisions."""
     name: str
+    precisions: tuple[str, ...] = ()
+    """The precisions of the run; a search of fewer (the others not worth tracing) is named after them."""
+    keep_trials: bool = True
+    """Keep the search's scored points too (the cache does not: they are scored again in milliseconds)."""
+    strict: bool = True
+    """A storage that fails is an error (``--study``); else the run goes on without it (the cache), noted in ``problems``."""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def search_storage(self) -> str | None:
+        """Where the search's trials go."""
+        return self.storage if self.keep_trials else None
 
     def load(self, key: str):
-        """An attribute stored by this study or another with the same prefix (None when there is none)."""
-        return stored_attribute(self.storage, prefix=self.prefix, key=key)
+        """An attribute stored for this model, device, batch and precisions (None when there is none)."""
+        if self.storage is None:
+            return None
+        try:
+            study = self._costs(create=False)
+            return None if study is None else study.user_attrs.get(key)
+        except Exception as error:  # a cache that cannot be read is a cache miss
+            return self._failed(error)
 
     def save(self, key: str, value) -> None:
         if self.storage is None:
             return
-        open_study(self.name, storage=self.storage).set_user_attr(key, value)
+        try:
+            self._costs(create=True).set_user_attr(key, value)
+        except Exception as error:  # a cache that cannot be written is no cache
+            self._failed(error)
+
+    def _costs(self, *, create: bool):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        name = f"{self.prefix}costs"
+        if create:
+            if self.storage.startswith("sqlite:///"):
+                Path(self.storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            return open_study(name, storage=self.storage) if self.strict else optuna.create_study(
+                study_name=name, storage=self.storage, load_if_exists=True
+            )
+        if self.storage.startswith("sqlite:///") and not Path(self.storage.removeprefix("sqlite:///")).exists():
+            return None
+        try:
+            return optuna.load_study(study_name=name, storage=self.storage)
+        except KeyError:  # no such study yet
+            return None
+
+    def _failed(self, error: Exception) -> None:
+        if self.strict:
+            raise UserError(
+                f"--study {self.storage!r} cannot be opened ({type(error).__name__}: {error}); use e.g. sqlite:///plans.db"
+            ) from error
+        self.problems.append(f"the cache {self.storage} was not used ({type(error).__name__}: {error}); --no-cache skips it")

@@ -46,6 +46,21 @@ class PlanReport:
     """Candidates that failed verification, with why."""
     cost_model: dict = field(default_factory=dict)
     """The cost model the search used (``CostModel.from_dict`` reads it)."""
+    speeds: dict[str, dict] = field(default_factory=dict)
+    """Every precision's speeds (``SpeedCosts`` as a dict), timed or estimated, traced or not."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per step of the run: memory, floor, speed, search, verify, write."""
+    timing: dict = field(default_factory=dict)
+    """The verification's timing: "rounds", "noise" and "worst_noise" (how well the candidates' fastest rounds
+    repeated, the median and the largest: 0.05 is 5%),
+    "within_noise" (configurations as fast as the chosen one within the noise), "reused" (from a stored run)."""
+    speed_noise: float = 0.0
+    """The largest spread of the speed model's timings (0 when estimated)."""
+    threads_note: str = ""
+    """Why the run measured with fewer threads than PyTorch's, when it did."""
+    study: str = ""
+    """Where the cost model and measurements were kept: the cache's or --study's storage, or "" (nowhere)."""
+    study_problems: list[str] = field(default_factory=list)
 
 
 def write_plan(
@@ -69,7 +84,7 @@ def write_plan(
     )
     measured.unconstrained = {
         key: unconstrained.get(key)
-        for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "samples_per_s")
+        for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "peak_measured", "samples_per_s")
     }
     if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
         measured.relative_to_unconstrained = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
