@@ -47,7 +47,7 @@ def floor_peak(spec, **levers) -> int:
 
 
 def smallest_budget(peak_bytes: int) -> int:
-    return Headroom(device_type="cpu", estimated=False, budget_bytes=1).smallest_budget(peak_bytes)
+    return Headroom(device_type="cpu", estimated=False, budget_bytes=1).smallest_budget(peak_bytes, persistent_bytes=0)
 
 
 def test_a_budget_between_the_lever_floor_and_the_floor_steps_in_backward(run_cli, one_thread, lm, tmp_path):

@@ -15,6 +15,7 @@ import torch
 from autofit.errors import UserError
 from autofit.measure.meters import frozen_note
 from autofit.planning.context import Config, PlanContext
+from autofit.planning.headroom import persistent_bytes
 from autofit.planning.modelling import Costs
 from autofit.planning.per_rank import fsdp_layout, smallest_world_size
 from autofit.planning.verify import Measurements
@@ -66,15 +67,17 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
             options.append((peak, precision, checkpoint))
     predicted, precision, checkpoint = min(options, key=lambda option: option[0])
     config = Config(precision=precision, micro_batch_size=smallest, checkpoint=tuple(model.blocks[b] for b in sorted(checkpoint)))
-    predicted_budget = measurements.headroom.smallest_budget(predicted)
+    # Predicted, its persistent bytes are at least the parameters and optimizer state (``resident_bytes``).
+    predicted_budget = measurements.headroom.smallest_budget(predicted, persistent_bytes=measurements.resident_bytes)
     if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + FLOOR_DECIDED_MARGIN):
         context.log(f"floor: {format_bytes(predicted_budget)} predicted, well under the budget: not measured")
         return Floor(config=config, budget_bytes=predicted_budget, measured=False)
     peak, breakdown = measurements.checked_peak(config)
     headroom = measurements.headroom  # after the probe: on a GPU it holds the context just measured
-    causes = headroom.for_peak(peak)
+    persistent = persistent_bytes(breakdown)
+    causes = headroom.for_peak(peak, persistent_bytes=persistent)
     floor = Floor(
-        config=config, budget_bytes=headroom.smallest_budget(peak),
+        config=config, budget_bytes=headroom.smallest_budget(peak, persistent_bytes=persistent),
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
     )
     context.log(f"floor: {format_bytes(floor.budget_bytes)} measured")
@@ -93,8 +96,8 @@ def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, 
     peak, breakdown = measurements.checked_peak(floor.config)  # measured by check_floor: reused
     headroom = measurements.headroom
     return _below_floor(
-        context, floor, breakdown=breakdown, headroom_bytes=sum(headroom.for_peak(peak).values()),
-        usable_bytes=headroom.usable_bytes(), levers=levers,
+        context, floor, breakdown=breakdown, headroom_bytes=sum(headroom.for_peak(peak, persistent_bytes=persistent_bytes(breakdown)).values()),
+        usable_bytes=measurements.usable_bytes(), levers=levers,
     )
 
 

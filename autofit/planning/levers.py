@@ -32,6 +32,7 @@ from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import PrecisionCosts, time_training
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
+from autofit.planning.headroom import persistent_bytes
 from autofit.planning.modelling import Costs, add_speeds
 from autofit.planning.verify import Measurements
 from autofit.planning.writing import PlanReport, write_plan
@@ -144,7 +145,7 @@ def plan_with_levers(
         if measured.peak_bytes is None:
             context.log(f"  {candidate.name}: {measured.why}")
             continue
-        fits = measurements.headroom.fits(measured.peak_bytes)
+        fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown)
         context.log(
             f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured "
             f"({format_bytes(floor_peak - measured.peak_bytes)} less than the floor's); "
@@ -156,7 +157,7 @@ def plan_with_levers(
                             if not fits else f"with {candidate.name}: fits, but needs {LOSSY_FLAG}")
     raise InfeasibleBudget(
         below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, allow_lossy_optimizer=allow_lossy_optimizer,
-                                                                  fits=measurements.headroom.fits)),
+                                                                  fits=measurements.fits_peak)),
         floor_bytes=below.floor_bytes, breakdown=below.breakdown, floor=floor,
     )
 
@@ -175,7 +176,7 @@ def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: 
         saving = f"-{format_bytes(floor_peak - measured.peak_bytes)}{in_all}, measured"
         if candidate.lossy:
             flag = "" if allow_lossy_optimizer else f"{LOSSY_FLAG} for "
-            would = "; it would fit" if fits(measured.peak_bytes) else "; not enough"
+            would = "; it would fit" if fits(measured.peak_bytes, measured.breakdown) else "; not enough"
             parts.append(f"{flag}{candidate.added} ({saving}{would}; it changes the optimizer's arithmetic)")
         else:
             parts.append(f"{candidate.added} ({saving}; not enough)")
@@ -237,9 +238,9 @@ def _report(
         "predicted_samples_per_s": model.samples_per_s(config.precision, config.micro_batch_size, blocks),
         "measured_peak_bytes": chosen.peak_bytes, "measured_samples_per_s": speed,
         "meter": "simulated" if context.simulate else context.device, "breakdown": chosen.breakdown,
-        "headroom": measurements.headroom.for_peak(chosen.peak_bytes),
+        "headroom": measurements.headroom.for_peak(chosen.peak_bytes, persistent_bytes=persistent_bytes(chosen.breakdown)),
     }
-    plan = write_plan(context, model, chosen=result, evaluations=[], unconstrained={}, headroom=measurements.headroom, verified={})
+    plan = write_plan(context, model, chosen=result, evaluations=[], unconstrained={}, usable_bytes=measurements.usable_bytes(), verified={})
     plan = replace(
         plan, selective_checkpoint=list(config.selective_checkpoint), offload=list(config.offload),
         optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state,

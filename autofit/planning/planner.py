@@ -243,7 +243,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     with context.phase("write"):
         plan = write_plan(
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
-            headroom=measurements.headroom, verified=measurements.verified,
+            usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
         )
         context.study.save("measurements", measurements.to_store())
     speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)
@@ -289,7 +289,7 @@ def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
 def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> tuple[list[Evaluation], str]:
     """Trace precisions in full, fastest first, while one could still reach the verification; score them."""
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
-    usable = measurements.headroom.usable_bytes()
+    usable = measurements.usable_bytes()
     evaluations: list[Evaluation] = []
     for index, precision in enumerate(order):
         best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)

@@ -98,18 +98,26 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
     smallest = Config(precision=context.precisions[0], micro_batch_size=costs.micro_batch_sizes[-1])
     _, single = measurements.exact_peak(smallest)
     headroom = measurements.headroom
-    candidates = _fsdp_candidates(context, costs, single=single, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size)
+    # A rank's share of the parameters and optimizer state: a lower bound of its persistent bytes at any peak (the
+    # simulated breakdown counts FSDP2's gathered parameters as parameters too, which come and go).
+    resident = measurements.resident_bytes // world_size
+    candidates = _fsdp_candidates(
+        context, costs, single=single, headroom=headroom, resident_bytes=resident, world_size=world_size, global_batch_size=global_batch_size
+    )
     context.log(f"FSDP2: {sum(c.fits_estimate for c in candidates)} of {len(candidates)} per-rank configurations fit by the estimate; simulating")
     chosen, simulated, alternatives, rejected = _simulate_fastest(
-        context, candidates, headroom=headroom, memory_scale=costs.model.memory_scale, world_size=world_size
+        context, candidates, headroom=headroom, resident_bytes=resident, memory_scale=costs.model.memory_scale, world_size=world_size
     )
     if chosen is None:
-        raise _infeasible(context, single=single, smallest=smallest, usable_bytes=headroom.usable_bytes(), world_size=world_size, global_batch_size=global_batch_size)
+        raise _infeasible(
+            context, single=single, smallest=smallest, usable_bytes=headroom.usable_bytes(persistent_bytes=resident), world_size=world_size,
+            global_batch_size=global_batch_size,
+        )
     candidate, measurement = chosen
     config = candidate.config
     context.log(f"FSDP2: {config.precision}, micro-batch {config.micro_batch_size} x {candidate.grad_accum_steps} per rank, simulated to fit")
     plan = _fsdp_plan(
-        context, costs, candidate=candidate, measurement=measurement, headroom=headroom, world_size=world_size,
+        context, costs, candidate=candidate, measurement=measurement, headroom=headroom, resident_bytes=resident, world_size=world_size,
         global_batch_size=global_batch_size, alternatives=sorted(alternatives, key=lambda a: a["predicted_peak_bytes"]),
     )
     return PlanReport(
@@ -120,7 +128,7 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
 
 
 def _fsdp_candidates(
-    context: PlanContext, costs: Costs, *, single: dict, headroom: Headroom, world_size: int, global_batch_size: int
+    context: PlanContext, costs: Costs, *, single: dict, headroom: Headroom, resident_bytes: int, world_size: int, global_batch_size: int
 ) -> list[_Candidate]:
     """Every (precision, micro-batch) with the cheapest checkpoint set the estimate says fits (every block when none does).
 
@@ -130,7 +138,7 @@ def _fsdp_candidates(
     state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
     with torch.device("meta"):
         layout = fsdp_layout(context.sim_spec.build_model(), world_size=world_size)
-    usable = headroom.usable_bytes() / model.memory_scale
+    usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
     candidates = []
     for precision in context.precisions:
         for size in costs.micro_batch_sizes:
@@ -158,7 +166,7 @@ def _fsdp_candidates(
 
 
 def _simulate_fastest(
-    context: PlanContext, candidates: list[_Candidate], *, headroom: Headroom, memory_scale: float, world_size: int
+    context: PlanContext, candidates: list[_Candidate], *, headroom: Headroom, resident_bytes: int, memory_scale: float, world_size: int
 ) -> tuple[tuple | None, int, list[dict], list[dict]]:
     """Simulate candidates in order until one fits (VERIFY_TOP + 1 at most).
 
@@ -174,7 +182,7 @@ def _simulate_fastest(
             "precision": config.precision, "micro_batch_size": config.micro_batch_size,
             "grad_accum_steps": candidate.grad_accum_steps, "checkpoint": list(config.checkpoint),
             "predicted_peak_bytes": int(candidate.estimate_bytes), "predicted_samples_per_s": candidate.samples_per_s,
-            "fits_budget": headroom.fits(candidate.estimate_bytes * memory_scale), "chosen": False,
+            "fits_budget": headroom.fits(candidate.estimate_bytes * memory_scale, persistent_bytes=resident_bytes), "chosen": False,
         }
         alternatives.append(entry)
         if chosen is not None or simulated >= VERIFY_TOP + 1:
@@ -185,7 +193,9 @@ def _simulate_fastest(
             checkpoint=list(config.checkpoint), backend=backend,
         )
         simulated += 1
-        entry.update(simulated_peak_bytes=measurement.peak_bytes, fits_budget=headroom.fits(measurement.peak_bytes))
+        entry.update(
+            simulated_peak_bytes=measurement.peak_bytes, fits_budget=headroom.fits(measurement.peak_bytes, persistent_bytes=resident_bytes)
+        )
         if entry["fits_budget"]:
             chosen, entry["chosen"] = (candidate, measurement), True
         else:
@@ -194,7 +204,7 @@ def _simulate_fastest(
 
 
 def _fsdp_plan(
-    context: PlanContext, costs: Costs, *, candidate: _Candidate, measurement, headroom: Headroom, world_size: int,
+    context: PlanContext, costs: Costs, *, candidate: _Candidate, measurement, headroom: Headroom, resident_bytes: int, world_size: int,
     global_batch_size: int, alternatives: list[dict],
 ) -> Plan:
     config = candidate.config
@@ -221,7 +231,7 @@ def _fsdp_plan(
                 + "; the per-rank peak is FSDP2 run in one process on a fake process group (simulated, not measured)",
             ),
         ),
-        headroom=headroom.for_peak(measurement.peak_bytes),
+        headroom=headroom.for_peak(measurement.peak_bytes, persistent_bytes=resident_bytes),
         alternatives=alternatives,
     )
 

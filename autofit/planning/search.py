@@ -202,7 +202,7 @@ def score_space(
         model: the cost model (memory and speed).
         precisions, micro_batch_sizes: the space.
         global_batch_size: samples per optimizer step.
-        usable_bytes: the largest peak the budget's headroom leaves (``Headroom.usable_bytes``).
+        usable_bytes: the largest peak the budget's headroom leaves (``Measurements.usable_bytes``).
         slack: how far over it a prediction still counts as a candidate (the model's pessimism).
         study: where the search is kept (None: in memory).
 

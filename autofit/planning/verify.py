@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit.apply import TrainingConfig
+from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
-from autofit.measure.meters import release_device_memory
-from autofit.measure.probe import probe
+from autofit.measure.meters import release_device_memory, simulated_meter
+from autofit.measure.probe import create_optimizer_state, probe
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import CostModel, StepTimer
-from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom
+from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
 from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_checkpoint
 from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
 from autofit.units import format_bytes
@@ -86,6 +86,7 @@ class Measurements:
         """Configuration key -> the cost model's peak, for keeping timers within memory (set by ``verify``)."""
         self._exact: dict[str, tuple[int, dict]] = {}
         self._measured_context_bytes: int | None = None
+        self._resident_bytes: int | None = None
 
     @property
     def headroom(self) -> Headroom:
@@ -97,6 +98,27 @@ class Measurements:
             device_type=context.device, estimated=context.simulate, budget_bytes=context.budget_bytes,
             context_bytes=assumed if measured is None else measured,
         )
+
+    @property
+    def resident_bytes(self) -> int:
+        """Parameters (with buffers) and optimizer state: on the device through every step of every configuration the
+        search scores, so a lower bound of the persistent bytes at any of their peaks (for the headroom of a peak
+        that is only predicted).
+
+        Counted (one model built and its optimizer state made, over fake tensors) only where the headroom
+        depends on it (``Headroom.depends_on_persistent``: planning for a GPU that is not here); 0 elsewhere.
+        """
+        if self._resident_bytes is None:
+            self._resident_bytes = _resident_bytes(self.context) if self.headroom.depends_on_persistent else 0
+        return self._resident_bytes
+
+    def usable_bytes(self) -> float:
+        """The largest predicted peak the budget's headroom leaves (``Headroom.usable_bytes``, with ``resident_bytes``)."""
+        return self.headroom.usable_bytes(persistent_bytes=self.resident_bytes)
+
+    def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
+        """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
+        return self.headroom.fits(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
 
     @property
     def model_is_exact(self) -> bool:
@@ -191,8 +213,8 @@ class Measurements:
 
     def fits(self, config: Config) -> bool:
         """Whether the measured peak (``checked_peak``) plus headroom fits the budget."""
-        peak, _ = self.checked_peak(config)
-        return not self.peaks[config.key()].get("oom") and self.headroom.fits(peak)
+        peak, breakdown = self.checked_peak(config)
+        return not self.peaks[config.key()].get("oom") and self.fits_peak(peak, breakdown)
 
     def samples_per_s(self, config: Config) -> float | None:
         """Measured samples/s of plain training steps: the global batch over the fastest round (None if never timed)."""
@@ -298,7 +320,8 @@ class Measurements:
         return {
             "measured_peak_bytes": peak, "measured_samples_per_s": None if self.context.simulate else self.samples_per_s(config),
             "meter": "simulated" if self.context.simulate else self.context.device, "breakdown": dict(entry["breakdown"]),
-            "context_bytes": entry.get("context_bytes", 0), "headroom": self.headroom.for_peak(peak),
+            "context_bytes": entry.get("context_bytes", 0),
+            "headroom": self.headroom.for_peak(peak, persistent_bytes=persistent_bytes(entry["breakdown"])),
         }
 
     @property
@@ -316,6 +339,21 @@ class Measurements:
 
     def to_store(self) -> dict:
         return {"peaks": self.peaks, "timings": self.timings}
+
+
+def _resident_bytes(context: PlanContext) -> int:
+    """The model's parameters, buffers and optimizer state on the device, made under the simulated meter (no step runs)."""
+    spec = context.sim_spec
+    meter = simulated_meter(spec, for_device=context.device)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        applied = apply_config(model, TrainingConfig(global_batch_size=1, micro_batch_size=1), device=meter.device, use_scaler=False)
+        optimizer = applied.build_optimizer(spec.build_optimizer)
+        create_optimizer_state(applied.model, optimizer)
+        state = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+        tensors = [*applied.model.parameters(), *applied.model.buffers(), *state]
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    return sum(storages.values())
 
 
 def _training_config(config: Config, context: PlanContext) -> TrainingConfig:
@@ -447,7 +485,7 @@ def _decided(model: CostModel, config: Config, measurements: Measurements) -> bo
         return False
     blocks = frozenset(model.blocks.index(n) for n in config.checkpoint)
     predicted = model.peak_bytes(config.precision, config.micro_batch_size, blocks) * measurements.scale(config.precision)
-    return predicted <= measurements.headroom.usable_bytes() * (1 - DECIDED_MARGIN)
+    return predicted <= measurements.usable_bytes() * (1 - DECIDED_MARGIN)
 
 
 def _fitting_checkpoint_set(
@@ -458,7 +496,7 @@ def _fitting_checkpoint_set(
     segments, drops = model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size)
     seconds = model.recompute_seconds(precision, size)
     # Limits below are in the model's own (unscaled) bytes.
-    limit = measurements.headroom.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
+    limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
     names = evaluation.checkpoint
     for _attempt in range(VERIFY_ATTEMPTS):
         blocks = frozenset(model.blocks.index(n) for n in names)
@@ -482,7 +520,7 @@ def _fitting_checkpoint_set(
             return _candidate(model, config)
         measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
-        limit = min(limit, raw, measurements.headroom.usable_bytes() / model.memory_scale / measurements.scale(precision)) - 1
+        limit = min(limit, raw, measurements.usable_bytes() / model.memory_scale / measurements.scale(precision)) - 1
         choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
         if choice is None:
             return None

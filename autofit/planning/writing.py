@@ -16,7 +16,6 @@ from autofit import __version__
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import CostModel
-from autofit.planning.headroom import Headroom
 from autofit.planning.search import Evaluation
 from autofit.spec import model_fingerprint
 
@@ -70,10 +69,16 @@ def write_plan(
     chosen: dict,
     evaluations: list[Evaluation],
     unconstrained: dict,
-    headroom: Headroom,
+    usable_bytes: float,
     verified: dict[str, dict],
 ) -> Plan:
-    """The plan of the verified choice (``verify``'s result) on one process."""
+    """The plan of the verified choice (``verify``'s result) on one process.
+
+    Args:
+        usable_bytes: the largest predicted peak that fits (``Measurements.usable_bytes``), for the
+            alternatives that were not measured.
+        verified: configuration key -> what was measured of it (``Measurements.verified``).
+    """
     config: Config = chosen["config"]
     G = context.global_batch_size
     measured = Measured(
@@ -101,7 +106,7 @@ def write_plan(
         ),
         measured=measured,
         headroom=chosen["headroom"],
-        alternatives=_alternatives(context, model, evaluations, chosen=chosen, headroom=headroom, verified=verified),
+        alternatives=_alternatives(context, model, evaluations, chosen=chosen, usable_bytes=usable_bytes, verified=verified),
     )
 
 
@@ -119,7 +124,7 @@ def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_si
 
 
 def _alternatives(
-    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, headroom: Headroom, verified: dict
+    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, usable_bytes: float, verified: dict
 ) -> list[dict]:
     """The Pareto front (less memory, more samples/s) of every configuration the search scored."""
     points = []
@@ -145,7 +150,7 @@ def _alternatives(
         entry = {
             "precision": precision, "micro_batch_size": size, "grad_accum_steps": steps, "checkpoint": list(checkpoint),
             "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
-            "fits_budget": headroom.fits(peak * model.memory_scale),
+            "fits_budget": peak * model.memory_scale <= usable_bytes,
             "chosen": config.key() == chosen["config"].key(),
         }
         stored = verified.get(config.key())
