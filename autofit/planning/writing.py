@@ -164,7 +164,9 @@ def _alternatives(
 def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
     with torch.device("meta"):
         model = context.sim_spec.build_model()
-    num_classes = context.num_classes
+    options = dict(context.spec.source_options)  # what else rebuilds it (hf: task, seq_len; torchvision, timm: num_classes)
+    given = options.pop("num_classes", None)
+    num_classes = context.num_classes if context.num_classes is not None else given
     if num_classes is None and len(output_shape) == 2:
         num_classes = output_shape[-1]
     return ModelInfo(
@@ -174,7 +176,7 @@ def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
         parameter_count=sum(p.numel() for p in model.parameters()),
         input_shape=list(context.spec.input_shape) if context.spec.input_shape else None,
         num_classes=num_classes,
-        **context.spec.source_options,  # what else rebuilds it (hf: task, seq_len)
+        **options,
     )
 
 
