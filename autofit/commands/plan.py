@@ -130,16 +130,21 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         lines.append(f"  note        {precision}: {note}")
     for note in plan.notes:
         lines.append(f"  note        {note}")
-    lines.append("  alternatives (Pareto front of memory vs samples/s, as predicted; * chosen):")
-    lines.append(f"    {'peak':>12} {'samples/s':>10}  {'precision':<9} {'micro-batch':>14}  checkpoint")
+    lines.append("  alternatives (Pareto front of memory vs samples/s as predicted; fits: measured where measured; * chosen):")
+    lines.append(f"    {'peak':>12} {'measured':>12} {'samples/s':>10}  {'precision':<9} {'micro-batch':>14}  {'fits':<14} checkpoint")
     for alt in plan.alternatives:
         mark = "*" if alt["chosen"] else (" " if alt["fits_budget"] else "!")
         split = f"{alt['micro_batch_size']} x {alt['grad_accum_steps']}"
+        measured_peak = alt.get("measured_peak_bytes", alt.get("simulated_peak_bytes"))
         lines.append(
-            f"  {mark} {format_bytes(alt['predicted_peak_bytes']):>12} {alt['predicted_samples_per_s']:>10.1f}  "
-            f"{alt['precision']:<9} {split:>14}  {_blocks(alt['checkpoint'])}"
+            f"  {mark} {format_bytes(alt['predicted_peak_bytes']):>12} {format_bytes(measured_peak) if measured_peak is not None else '-':>12} "
+            f"{alt['predicted_samples_per_s']:>10.1f}  {alt['precision']:<9} {split:>14}  {_fits_text(alt):<14} {_blocks(alt['checkpoint'])}"
         )
-    lines.append("    (! = does not fit the budget)")
+    lines.append(f"    (! = does not fit the budget; measured = by the {measured.meter or 'plan'} meter)")
+    if report.rejected:
+        lines.append("  rejected    by measurement (the memory model's candidates that did not fit):")
+        for rejection in report.rejected:
+            lines.append(f"              {_config_text(rejection['config'])}: {rejection['why']}")
     lines += _timing_lines(report)
     where = f"wrote {path}; " if path else ""
     lines.append(
@@ -155,6 +160,14 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     for problem in report.study_problems:
         lines.append(f"    note: {problem}")
     return lines
+
+
+def _fits_text(alternative: dict) -> str:
+    """Whether an alternative fits, and by what: "measured", "simulated" (a rank under FSDP2), "predicted", or "rejected"."""
+    if "rejected" in alternative:
+        return "rejected"
+    how = "simulated" if "simulated_peak_bytes" in alternative else "measured" if "measured_peak_bytes" in alternative else "predicted"
+    return how if alternative["fits_budget"] else f"no ({how})"
 
 
 def _levers(plan) -> str:

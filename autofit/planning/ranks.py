@@ -203,7 +203,8 @@ def _simulate_fastest(
         if entry["fits_budget"]:
             chosen, entry["chosen"] = (candidate, measurement), True
         else:
-            rejected.append({"config": config.key(), "why": f"simulated per-rank peak {format_bytes(measurement.peak_bytes)} does not fit"})
+            entry["rejected"] = f"simulated per-rank peak {format_bytes(measurement.peak_bytes)} does not fit"
+            rejected.append({"config": config.key(), "why": entry["rejected"]})
     return chosen, simulated, alternatives, rejected
 
 

@@ -326,15 +326,28 @@ class Measurements:
 
     @property
     def verified(self) -> dict[str, dict]:
-        """Configuration key -> measured peak and speed, for the alternatives of the plan."""
+        """Configuration key -> what was measured, for the alternatives of the plan.
+
+        "fits" (the measured peak and its headroom fit the budget), "measured_peak_bytes" and
+        "measured_samples_per_s" (None if never timed) where its peak was measured, and
+        "rejected" (why) where verification rejected it.
+        """
+        why: dict[str, str] = {}
+        for rejection in self.rejected:
+            why.setdefault(rejection["config"], rejection["why"])
         found = {}
         for key, entry in self.peaks.items():
             if entry.get("oom"):
-                found[key] = {"oom": True}
+                found[key] = {"fits": False, "rejected": why.get(key, "out of memory on the device")}
                 continue
             timing = self.timings.get(key)
             speed = self.context.global_batch_size / min(timing["seconds"]) if timing and timing["seconds"] else None
-            found[key] = {"measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": speed}
+            found[key] = {
+                "measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": speed,
+                "fits": self.fits_peak(entry["peak_bytes"], entry["breakdown"]),
+            }
+            if key in why:
+                found[key]["rejected"] = why[key]
         return found
 
     def to_store(self) -> dict:

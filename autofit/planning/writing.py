@@ -2,7 +2,8 @@
 
 ``write_plan`` turns the verified choice into a ``Plan``: what was predicted,
 what was measured, the headroom, and the Pareto front of everything the
-search scored as alternatives. ``PlanReport`` carries what the CLI's summary
+search scored as alternatives, each marked as measured or predicted to fit,
+or rejected with why. ``PlanReport`` carries what the CLI's summary
 shows beyond plan.json.
 """
 from __future__ import annotations
@@ -126,7 +127,12 @@ def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_si
 def _alternatives(
     context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, usable_bytes: float, verified: dict
 ) -> list[dict]:
-    """The Pareto front (less memory, more samples/s) of every configuration the search scored."""
+    """The Pareto front (less memory, more samples/s) of every configuration the search scored.
+
+    ``fits_budget`` is what was measured where a configuration was measured
+    (with ``measured_peak_bytes``, and ``rejected``: why, where verification
+    rejected it), else what the cost model predicts; the chosen one is measured.
+    """
     points = []
     for e in evaluations:
         points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, (), e.plain_peak_bytes, e.plain_samples_per_s))
@@ -144,19 +150,24 @@ def _alternatives(
         front.append((config.precision, config.micro_batch_size, math.ceil(context.global_batch_size / config.micro_batch_size),
                       tuple(config.checkpoint), chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
         front.sort(key=lambda p: (p[4], -p[5]))
+    measured_chosen = {
+        "measured_peak_bytes": chosen["measured_peak_bytes"], "measured_samples_per_s": chosen["measured_samples_per_s"], "fits": True,
+    }
     alternatives = []
     for precision, size, steps, checkpoint, peak, speed in front:
-        config = Config(precision=precision, micro_batch_size=size, checkpoint=checkpoint)
+        key = Config(precision=precision, micro_batch_size=size, checkpoint=checkpoint).key()
+        is_chosen = key == config.key()
         entry = {
             "precision": precision, "micro_batch_size": size, "grad_accum_steps": steps, "checkpoint": list(checkpoint),
             "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
-            "fits_budget": peak * model.memory_scale <= usable_bytes,
-            "chosen": config.key() == chosen["config"].key(),
+            "fits_budget": peak * model.memory_scale <= usable_bytes, "chosen": is_chosen,
         }
-        stored = verified.get(config.key())
-        if stored and not context.simulate and not stored.get("oom"):
-            entry["measured_peak_bytes"] = stored["measured_peak_bytes"]
-            entry["measured_samples_per_s"] = stored["measured_samples_per_s"]
+        measured = measured_chosen if is_chosen else verified.get(key)
+        if measured:
+            entry["fits_budget"] = measured["fits"]
+            for field_name in ("measured_peak_bytes", "measured_samples_per_s", "rejected"):
+                if field_name in measured:
+                    entry[field_name] = measured[field_name]
         alternatives.append(entry)
     return alternatives
 
