@@ -196,14 +196,15 @@ def sharded_floor(
             world_size=world_size, precision=precision, grad_accum_steps=steps,
         )
         budget = headroom.smallest_budget(estimate.peak_bytes, persistent_bytes=estimate.state_bytes)
-        if best is None or budget < best[1]:
+        fits = headroom.fits(estimate.peak_bytes, persistent_bytes=estimate.state_bytes)
+        if fits or best is None or budget < best[1]:
             best = (world_size, budget, estimate)
-        if budget <= headroom.budget_bytes:
+        if fits:
             break
     if best is None:
         raise ValueError(f"a batch of {global_batch_size} cannot be split between GPUs")
     world_size, budget, estimate = best
     return ShardedFloor(
-        gpus=world_size if budget <= headroom.budget_bytes else None, best_gpus=world_size, budget_bytes=budget,
+        gpus=world_size if fits else None, best_gpus=world_size, budget_bytes=budget,
         activation_bytes=estimate.activation_bytes, buffer_bytes=estimate.buffer_bytes, state_bytes=estimate.state_bytes,
     )
