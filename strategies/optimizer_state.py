@@ -6,8 +6,11 @@
   takes device memory. Each step copies the gradients to the host, steps the
   optimizer there, and copies the parameters back. It is the model file's own
   optimizer (class, hyper-parameters, groups) on other tensors, so the update
-  is the same arithmetic. On a CPU the host is the device and this changes
-  nothing, so there it is left off (the optimizer is the model file's).
+  is the same arithmetic. On a CPU the host is the device: the copies, the
+  gradients' buffers, the state and the update's temporaries are then made
+  inside ``host_allocation()``, which the cpu and simulated meters count as
+  host memory, not in the device peak (as activation offload's copies are),
+  so that a plan for a GPU simulated here measures what host state saves.
 - "8bit": ``torchao.optim.AdamW8bit`` (or ``Adam8bit``) with the model file's
   hyper-parameters: block-wise quantized moments, a quarter of the state
   bytes. Lossy: a declared change of the training arithmetic, never chosen
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.measure.host import host_allocation
 from strategies.base import OptimizerBuilder, Strategy
 
 OPTIMIZER_STATES = ("device", "host", "8bit")
@@ -46,7 +50,7 @@ class OptimizerState(Strategy):
 
     Args:
         config: where the state lives.
-        device: where the model trains; "host" is off when it is the CPU.
+        device: where the model trains.
     """
 
     def __init__(self, config: OptimizerStateConfig, *, device: torch.device | str) -> None:
@@ -55,7 +59,7 @@ class OptimizerState(Strategy):
 
     def wrap_optimizer_builder(self, build: OptimizerBuilder) -> OptimizerBuilder:
         where = self.config.optimizer_state
-        if where == "host" and self.device.type != "cpu":
+        if where == "host":
             return lambda params: HostOptimizer(params, build=build)
         if where == "8bit":
             return lambda params: eight_bit_adam(build(params))
@@ -70,6 +74,12 @@ class HostOptimizer(torch.optim.Optimizer):
     are the host optimizer's own objects, so a learning-rate schedule and
     ``state_dict()`` act on it directly.
 
+    Everything it keeps on the host (the parameters' copies, the gradients'
+    buffers, the state) and the update's temporaries are made inside
+    ``host_allocation()``: where the host is this same CPU, the meters count
+    them as host bytes (``host_tensors()`` lists those made before a
+    measurement began).
+
     Args:
         params: the parameters (on the device).
         build: params -> Optimizer (the model file's).
@@ -81,10 +91,11 @@ class HostOptimizer(torch.optim.Optimizer):
         self.params = [p for p in params if p.requires_grad]
         self.host = torch.device(host)
         pin = any(p.is_cuda for p in self.params)
-        # fp32 copies in pinned memory (when the parameters are on a GPU: copies run asynchronously).
-        self.copies = [_host_empty_like(p, self.host, pin=pin).copy_(p.detach()) for p in self.params]
-        self.grad_buffers = [_host_empty_like(p, self.host, pin=pin) for p in self.params]
-        self.inner = build(self.copies)
+        with host_allocation():
+            # fp32 copies in pinned memory (when the parameters are on a GPU: copies run asynchronously).
+            self.copies = [_host_empty_like(p, self.host, pin=pin).copy_(p.detach()) for p in self.params]
+            self.grad_buffers = [_host_empty_like(p, self.host, pin=pin) for p in self.params]
+            self.inner = build(self.copies)
         super().__init__(self.copies, dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
@@ -93,17 +104,23 @@ class HostOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise UserError("optimizer state on the host does not take a closure in step()")
-        for param, copy, buffer in zip(self.params, self.copies, self.grad_buffers):
-            if param.grad is None:
-                copy.grad = None
-                continue
-            copy.grad = buffer.copy_(param.grad, non_blocking=True)
-        _wait_for_copies(self.params)  # the gradients are on the host
-        self.inner.step()
+        with host_allocation():
+            for param, copy, buffer in zip(self.params, self.copies, self.grad_buffers):
+                if param.grad is None:
+                    copy.grad = None
+                    continue
+                copy.grad = buffer.copy_(param.grad, non_blocking=True)
+            _wait_for_copies(self.params)  # the gradients are on the host
+            self.inner.step()  # its state and temporaries are host memory
         for param, copy in zip(self.params, self.copies):
             if copy.grad is not None:
                 param.copy_(copy, non_blocking=True)  # waited for by the next step's gradient copy
         return None
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What this optimizer keeps in host memory: the parameters' copies, the gradients' buffers, the state."""
+        state = [v for values in self.inner.state.values() for v in values.values() if isinstance(v, torch.Tensor)]
+        return [*self.copies, *self.grad_buffers, *state]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self.params:
@@ -116,7 +133,8 @@ class HostOptimizer(torch.optim.Optimizer):
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.inner.load_state_dict(state_dict)
+        with host_allocation():
+            self.inner.load_state_dict(state_dict)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
 

@@ -58,7 +58,10 @@ LEVERS = {
     "selective checkpoint": dict(selective_checkpoint="all"),
     "offload": dict(offload="all"),
     "optimizer in backward": dict(optimizer_in_backward=True),
-    "all at once": dict(checkpoint=["layers.0"], selective_checkpoint=["layers.1"], offload=["layers.2"], optimizer_in_backward=True),
+    "host state": dict(optimizer_state="host"),
+    "all at once": dict(
+        checkpoint=["layers.0"], selective_checkpoint=["layers.1"], offload=["layers.2"], optimizer_in_backward=True, optimizer_state="host",
+    ),
 }
 
 
@@ -109,10 +112,14 @@ def test_host_adamw_equals_device_adamw():
     del scheduler
 
 
-def test_host_state_is_off_on_the_cpu_where_host_and_device_are_one():
+def test_host_state_on_the_cpu_runs_on_host_copies_the_meters_can_tell_apart():
+    """On the CPU the host is the device: the host optimizer still runs, so that its bytes are measured as host bytes."""
     model, _ = transformer()
     applied = apply_config(model, TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_state="host"), device="cpu")
-    assert type(applied.build_optimizer(adamw)) is torch.optim.AdamW
+    optimizer = applied.build_optimizer(adamw)
+    assert isinstance(optimizer, HostOptimizer)
+    assert len(optimizer.host_tensors()) == 2 * len(list(model.parameters()))  # copies and gradient buffers; no state before a step
+    assert all(c.data_ptr() != p.data_ptr() for c, p in zip(optimizer.copies, model.parameters()))
 
 
 def test_optimizer_in_backward_acts_as_one_optimizer():
@@ -191,11 +198,27 @@ EVERY_LEVER = dict(
 )
 
 
-@pytest.mark.parametrize("levers", [EVERY_LEVER, dict(selective_checkpoint="all"), dict(offload="all")], ids=["every lever", "selective", "offload"])
+@pytest.mark.parametrize(
+    "levers", [EVERY_LEVER, dict(selective_checkpoint="all"), dict(offload="all"), dict(optimizer_state="host")],
+    ids=["every lever", "selective", "offload", "host state"],
+)
 def test_the_simulated_meter_agrees_with_the_cpu_meter(one_thread, tiny, levers):
     real, simulated = peak(tiny, **levers), peak(tiny, simulate=True, **levers)
     assert simulated.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
     assert simulated.host_peak_bytes == pytest.approx(real.host_peak_bytes, rel=0.01)
+    if levers.get("optimizer_state") == "host":
+        assert real.host_peak_bytes > 0 and real.breakdown["optimizer_state"] == simulated.breakdown["optimizer_state"] == 0
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["cpu", "simulated"])
+def test_host_state_takes_the_optimizer_state_off_the_device(one_thread, tiny, simulate):
+    """The device peak drops by the AdamW state's bytes; the host holds the state, the parameters' copies and the
+    gradients' buffers (4 x the parameters) and the update's temporaries."""
+    plain, host = peak(tiny, simulate=simulate), peak(tiny, simulate=simulate, optimizer_state="host")
+    state_bytes, parameter_bytes = plain.breakdown["optimizer_state"], plain.breakdown["parameters"]
+    assert state_bytes > 0 and plain.peak_bytes - host.peak_bytes == pytest.approx(state_bytes, rel=0.01)
+    assert 4 * parameter_bytes <= host.host_peak_bytes < 5 * parameter_bytes
+    assert plain.host_peak_bytes == 0
 
 
 def test_selective_checkpointing_lowers_the_peak_less_than_full(one_thread, tiny):

@@ -100,15 +100,9 @@ def lever_candidates(
         if others:
             base = replace(base, offload=others)
             added.append(f"activation offload of {len(others)} block(s)")
-        if context.simulate:
-            # The simulated meter runs on the CPU, where the host is the device: host state would measure as a no-op.
-            skipped.append("optimizer state on the host: the simulated meter cannot measure it (it runs on the CPU); plan on the GPU")
-            state = "device"
-        else:
-            added.append("optimizer state on the host")
-            state = "host"
-        if added:
-            candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state=state)))
+        # Simulated too: the simulated meter counts the host optimizer's tensors as host bytes (``host_allocation``).
+        added.append("optimizer state on the host")
+        candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state="host")))
         names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
