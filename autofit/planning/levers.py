@@ -13,9 +13,12 @@ with the levers, cheapest first and each adding to the last:
 
 Each candidate's peak is measured by the plan's meter (the device's, or the
 simulated one when simulating) under the same headroom; the first that fits is
-the plan, timed with plain training steps where the device runs. When none
-fits, the floor's one-line error names each lever with what it saved,
-measured.
+the plan, timed with plain training steps where the device runs. Its
+predicted samples/s is the speed model's for the floor configuration plus
+the levers' costs (``lever_costs``: transfers over the host link, measured on
+a GPU here or assumed, and the update on the host), which the notes state.
+When none fits, the floor's one-line error names each lever with what it
+saved, measured.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ from autofit.measure.meters import release_device_memory
 from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import PrecisionCosts, time_training
+from autofit.measure.host_speed import time_host_update
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
+from autofit.planning.lever_costs import LeverTime, host_link, lever_time
 from autofit.planning.modelling import Costs, add_speeds
 from autofit.planning.verify import Measurements
 from autofit.planning.writing import PlanReport, write_plan
@@ -219,6 +224,7 @@ def _report(
         speed = costs.speeds[config.precision]
         model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
     blocks = frozenset(model.blocks.index(name) for name in floor.config.checkpoint)
+    levers_time = _lever_time(context, model, config, measured_parameter_bytes=chosen.breakdown.get("parameters", 0))
     speed = None
     if not context.simulate:
         speed = time_training(context.spec, config, device=context.device)
@@ -228,7 +234,10 @@ def _report(
         "config": Config(precision=config.precision, micro_batch_size=config.micro_batch_size, checkpoint=tuple(config.checkpoint)),
         # The memory model has no lever terms: its prediction is the floor configuration's without them.
         "predicted_peak_bytes": model.peak_bytes(config.precision, config.micro_batch_size, blocks),
-        "predicted_samples_per_s": model.samples_per_s(config.precision, config.micro_batch_size, blocks),
+        # The speed model's step of the floor configuration, plus what the levers cost (``lever_costs``).
+        "predicted_samples_per_s": context.global_batch_size / (
+            model.step_seconds(config.precision, config.micro_batch_size, blocks) + levers_time.seconds
+        ),
         "measured_peak_bytes": chosen.peak_bytes, "measured_samples_per_s": speed,
         "meter": "simulated" if context.simulate else context.device, "breakdown": chosen.breakdown,
         "headroom": measurements.headroom.for_peak(chosen.peak_bytes),
@@ -237,7 +246,11 @@ def _report(
     plan = replace(
         plan, selective_checkpoint=list(config.selective_checkpoint), offload=list(config.offload),
         optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state,
-        notes=[*plan.notes, *lever_notes(chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes)],
+        notes=[
+            *plan.notes,
+            *lever_notes(chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes),
+            *levers_time.notes,
+        ],
     )
     return PlanReport(
         plan=plan, floor_bytes=floor.budget_bytes, floor_breakdown=floor.breakdown, excluded_precisions=context.excluded_precisions,
@@ -252,7 +265,8 @@ def lever_notes(candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, 
     notes = [
         f"below the floor without levers: {candidate.name} lowers the floor configuration's peak from "
         f"{format_bytes(floor_peak)} to {format_bytes(peak_bytes)} (measured); the memory model does not model the "
-        "levers, so 'predicted' is the floor configuration without them"
+        "levers, so the predicted peak is the floor configuration's without them; the predicted speed adds the "
+        "levers' costs (planning/lever_costs.py)"
     ]
     if host_peak_bytes:
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
@@ -265,3 +279,21 @@ def lever_notes(candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, 
         notes.append("the levers do not change the arithmetic: the updates are plain training's")
     return notes
 
+
+def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured_parameter_bytes: int) -> LeverTime:
+    """What the chosen levers add to a step (``lever_costs``): the host link measured on a GPU here, else assumed;
+    the host update timed on this CPU."""
+    link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
+    elements, trainable_bytes = _trainable(context, fallback_bytes=measured_parameter_bytes)
+    update_seconds = time_host_update(context.spec.build_optimizer) * elements if config.optimizer_state == "host" else 0.0
+    return lever_time(config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds)
+
+
+def _trainable(context: PlanContext, *, fallback_bytes: int) -> tuple[int, int]:
+    """Elements and bytes of the parameters that train (built on the meta device: nothing allocated)."""
+    try:
+        with torch.device("meta"):
+            params = [p for p in context.spec.build_model().parameters() if p.requires_grad]
+    except Exception:  # a model that cannot be built on meta: the measured parameters, as fp32
+        return fallback_bytes // 4, fallback_bytes
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
