@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autofit._torch_private import without_dispatch_modes
 from autofit.errors import UserError
 from autofit.measure.host import host_allocation
 from strategies.base import OptimizerBuilder, Strategy
@@ -166,6 +167,7 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             from torchao.optim import Adam8bit, AdamW8bit
     except ImportError as error:
         raise UserError(f"optimizer state '8bit' needs torchao ({error}); pip install torchao, or use 'device' or 'host'") from None
+    _make_quantization_maps()
     groups = []
     for group in optimizer.param_groups:
         unsupported = [name for name in ("maximize", "differentiable", "capturable") if group.get(name)]
@@ -174,6 +176,22 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
     kind_8bit = AdamW8bit if kind is torch.optim.AdamW else Adam8bit
     return kind_8bit(groups, lr=groups[0]["lr"])
+
+
+def _make_quantization_maps() -> None:
+    """Build torchao's 8-bit quantization maps now, with real tensors.
+
+    torchao builds them on first use with ``.tolist()`` and keeps them
+    (``lru_cache``); first used under the simulated meter's fake tensors, that
+    would fail, and the simulation fall back to real tensors for the whole model.
+    """
+    try:
+        from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+    except ImportError:  # another torchao layout: its maps are its own business
+        return
+    with without_dispatch_modes():
+        get_qmap_signed()
+        get_qmap_unsigned()
 
 
 @contextmanager

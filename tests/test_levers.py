@@ -255,6 +255,17 @@ def test_eight_bit_state_quarters_the_state_and_is_measured_alike(one_thread, ti
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason="optimizer state '8bit' needs torchao")
+def test_eight_bit_state_is_simulated_on_first_use(one_thread, tiny, capsys):
+    """torchao builds its quantization maps on first use, with .tolist(): never over fake tensors (no fallback to real ones)."""
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    get_qmap_signed.cache_clear()
+    get_qmap_unsigned.cache_clear()
+    simulated = peak(tiny, micro_batch_size=2, checkpoint="all", optimizer_state="8bit", simulate=True)
+    assert simulated.meter == "simulated" and "cpu meter instead" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="optimizer state '8bit' needs torchao")
 def test_eight_bit_adamw_follows_the_fp32_loss_curve(one_thread):
     """Lossy, so declared: 30 steps on one batch, the 8-bit loss stays within 1e-3 of fp32's (measured here: 4.8e-5 at most)."""
     torch.manual_seed(0)

@@ -66,6 +66,20 @@ class LeverCandidate:
     """It changes the optimizer's arithmetic (8-bit state)."""
 
 
+class BelowLeverFloor(InfeasibleBudget):
+    """Below the floor even with the levers: also says the least budget each lever candidate was measured to need."""
+
+    def __init__(self, message: str, *, below: InfeasibleBudget, lever_budgets: list[tuple[LeverCandidate, int]]) -> None:
+        super().__init__(message, floor_bytes=below.floor_bytes, breakdown=below.breakdown, floor=below.floor)
+        self.lever_budgets = lever_budgets
+        """(candidate, the least budget whose headroom leaves room for its measured peak), for each candidate measured."""
+
+    def lever_floor_bytes(self, *, allow_lossy_optimizer: bool) -> int | None:
+        """The least budget a plan with the levers needs (None: no candidate was measured)."""
+        budgets = [budget for candidate, budget in self.lever_budgets if allow_lossy_optimizer or not candidate.lossy]
+        return min(budgets, default=None)
+
+
 @dataclass(kw_only=True)
 class _Measured:
     candidate: LeverCandidate
@@ -128,7 +142,8 @@ def plan_with_levers(
     """The first lever candidate measured to fit, as the plan; the floor's error with the levers' savings otherwise.
 
     Raises:
-        InfeasibleBudget: no candidate fits; the message names each lever and what it saved, measured.
+        BelowLeverFloor: no candidate fits; the message names each lever and what it saved, measured, and the
+            error holds the least budget each candidate needs.
     """
     floor = below.floor
     floor_peak, _ = measurements.checked_peak(floor.config)
@@ -153,10 +168,11 @@ def plan_with_levers(
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
         measurements.reject(floor.config, f"with {candidate.name}: measured peak {format_bytes(measured.peak_bytes)} does not fit"
                             if not fits else f"with {candidate.name}: fits, but needs {LOSSY_FLAG}")
-    raise InfeasibleBudget(
+    raise BelowLeverFloor(
         below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, allow_lossy_optimizer=allow_lossy_optimizer,
                                                                   fits=measurements.headroom.fits)),
-        floor_bytes=below.floor_bytes, breakdown=below.breakdown, floor=floor,
+        below=below,
+        lever_budgets=[(m.candidate, measurements.headroom.smallest_budget(m.peak_bytes)) for m in tried if m.peak_bytes is not None],
     )
 
 
