@@ -3,10 +3,12 @@
 - "device": the optimizer as the model file builds it.
 - "host" (ZeRO-Offload style): the optimizer runs on the host over fp32 copies
   of the parameters, so its state (AdamW: two tensors per parameter) never
-  takes device memory. Each step copies the gradients to the host, steps the
-  optimizer there, and copies the parameters back. It is the model file's own
-  optimizer (class, hyper-parameters, groups) on other tensors, so the update
-  is the same arithmetic. On a CPU the host is the device: the copies, the
+  takes device memory. Each gradient goes to the host as soon as backward has
+  it (accumulated there over micro-batches), so gradients do not stay on the
+  device either; each step runs the optimizer there and copies the
+  parameters back. It is the model file's own optimizer (class,
+  hyper-parameters, groups) on other tensors, so the update is the same
+  arithmetic. On a CPU the host is the device: the copies, the
   gradients' buffers, the state and the update's temporaries are then made
   inside ``host_allocation()``, which the cpu and simulated meters count as
   host memory, not in the device peak (as activation offload's copies are),
@@ -70,16 +72,28 @@ class OptimizerState(Strategy):
 class HostOptimizer(torch.optim.Optimizer):
     """The optimizer ``build`` makes, run on the host over copies of ``params``.
 
-    ``step()`` copies each gradient to the host, steps there, and copies the
-    updated values back into the parameters. ``param_groups`` and ``state``
-    are the host optimizer's own objects, so a learning-rate schedule and
-    ``state_dict()`` act on it directly.
+    Each gradient leaves the device as soon as backward has accumulated it (a
+    post-accumulate-grad hook, as ZeRO-Offload moves gradients during
+    backward): it is copied into the parameter's host buffer on the first
+    micro-batch after ``zero_grad``, added to it on the later ones, and freed
+    on the device. So gradients never all exist on the device, with or
+    without accumulation. The host buffer adds the micro-batches' gradients in
+    the order backward would add them on the device, so the sum is the same.
+    ``step()`` steps the optimizer on the host and copies the updated values
+    back into the parameters (a gradient set by hand rather than by backward
+    is copied to the host there). ``param_groups`` and ``state`` are the host
+    optimizer's own objects, so a learning-rate schedule, ``state_dict()`` and
+    fp16's GradScaler (which unscales the host gradients) act on it directly.
 
     Everything it keeps on the host (the parameters' copies, the gradients'
     buffers, the state) and the update's temporaries are made inside
     ``host_allocation()``: where the host is this same CPU, the meters count
     them as host bytes (``host_tensors()`` lists those made before a
     measurement began).
+
+    On a GPU the first copy of each step is asynchronous (into pinned memory,
+    on the compute stream); a later micro-batch's gradient is copied and
+    added synchronously.
 
     Args:
         params: the parameters (on the device).
@@ -100,6 +114,23 @@ class HostOptimizer(torch.optim.Optimizer):
         super().__init__(self.copies, dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+        self._hooks = [param.register_post_accumulate_grad_hook(self._gradient_to_host(index)) for index, param in enumerate(self.params)]
+
+    def _gradient_to_host(self, index: int):
+        copy, buffer = self.copies[index], self.grad_buffers[index]
+
+        @torch.no_grad()
+        def move(param: nn.Parameter) -> None:
+            if param.grad is None:
+                return
+            with host_allocation():
+                if copy.grad is None:  # the first micro-batch since zero_grad()
+                    copy.grad = buffer.copy_(param.grad, non_blocking=True)
+                else:
+                    copy.grad.add_(param.grad.to(self.host))  # waits for the gradient (and the earlier copies)
+            param.grad = None  # on a GPU the allocator reuses it only after the copy, on the same stream
+
+        return move
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -107,10 +138,8 @@ class HostOptimizer(torch.optim.Optimizer):
             raise UserError("optimizer state on the host does not take a closure in step()")
         with host_allocation():
             for param, copy, buffer in zip(self.params, self.copies, self.grad_buffers):
-                if param.grad is None:
-                    copy.grad = None
-                    continue
-                copy.grad = buffer.copy_(param.grad, non_blocking=True)
+                if param.grad is not None:  # set by hand, not by backward (whose hook moved it already)
+                    copy.grad = buffer.copy_(param.grad, non_blocking=True)
             _wait_for_copies(self.params)  # the gradients are on the host
             self.inner.step()  # its state and temporaries are host memory
         for param, copy in zip(self.params, self.copies):
@@ -124,11 +153,17 @@ class HostOptimizer(torch.optim.Optimizer):
         return [*self.copies, *self.grad_buffers, *state]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for param in self.params:
+        for tensor in [*self.params, *self.copies]:
             if set_to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.zero_()
+                tensor.grad = None
+            elif tensor.grad is not None:
+                tensor.grad.zero_()
+
+    def remove_hooks(self) -> None:
+        """Stop moving gradients to the host in backward (``step()`` then copies them)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

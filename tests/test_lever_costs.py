@@ -104,6 +104,12 @@ def test_lever_time_adds_each_lever_by_its_formula(lm_costs):
     assert host.offload_seconds == 0
     assert host.seconds == pytest.approx(4000 / 1e6 + 0.5 + 4000 / 2e6 - costs.speed.optimizer_seconds)
     assert "instead of the device's" in host.notes[0]
+    accumulating = lever_time(
+        TrainingConfig(global_batch_size=2, micro_batch_size=1, optimizer_state="host"),
+        model=model, link=slow, trainable_bytes=4000, host_update_seconds=0.5,
+    )
+    assert accumulating.seconds == pytest.approx(2 * 4000 / 1e6 + 0.5 + 4000 / 2e6 - costs.speed.optimizer_seconds)
+    assert "after each of 2 micro-batches" in accumulating.notes[0]
     in_backward = lever_time(TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_in_backward=True), model=model,
                              link=None, trainable_bytes=4000, host_update_seconds=0.0)
     assert in_backward.seconds == 0 and "no time" in in_backward.notes[0]

@@ -79,6 +79,41 @@ def test_each_lever_trains_exactly_the_weights_of_plain_pytorch(one_thread, leve
         assert torch.equal(ours, theirs), name
 
 
+@pytest.mark.parametrize(("attention", "precision"), [("sdpa", "fp32"), ("mha", "fp32"), ("sdpa", "fp16")])
+def test_host_state_accumulates_micro_batches_exactly(one_thread, attention, precision):
+    """Micro-batches of 4 + 4: each gradient leaves the device as backward makes it and is summed on the host, in the
+    order the device would sum it; 3 steps give the weights of device state (fp16: GradScaler unscales the host's)."""
+    model, example_batch = transformer(attention)
+    reference = copy.deepcopy(model)
+    data = batches(example_batch, steps=3)
+
+    def train(trained, optimizer_state):
+        config = TrainingConfig(global_batch_size=8, micro_batch_size=4, precision=precision, optimizer_state=optimizer_state)
+        applied = apply_config(trained, config, device="cpu", init_scale=2.0**8)
+        optimizer = applied.build_optimizer(adamw)
+        for inputs, targets in data:
+            train_step(applied, inputs, targets, loss_fn=F.cross_entropy, optimizer=optimizer)
+        return optimizer
+
+    train(reference, "device")
+    optimizer = train(model, "host")
+    assert isinstance(optimizer, HostOptimizer) and all(p.grad is None for p in model.parameters())
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_host_state_moves_each_gradient_off_the_device_in_backward():
+    model, example_batch = transformer()
+    applied = apply_config(model, TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_state="host"), device="cpu")
+    optimizer = applied.build_optimizer(adamw)
+    inputs, targets = example_batch(2)
+    F.cross_entropy(model(inputs), targets).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(c.grad is b for c, b in zip(optimizer.copies, optimizer.grad_buffers))
+    optimizer.zero_grad()
+    assert all(c.grad is None for c in optimizer.copies)
+
+
 def test_the_levers_are_applied_to_the_named_blocks():
     model, _ = transformer()
     apply_config(model, TrainingConfig(global_batch_size=2, micro_batch_size=2, **LEVERS["all at once"]), device="cpu")

@@ -16,15 +16,17 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 
       offload = sum over micro-steps of  max(0, B / down - F) + B / up
 
-- **optimizer state on the host** (``HostOptimizer``): every step the
-  gradients (G bytes) go down, the update runs on the host's CPU (U seconds:
+- **optimizer state on the host** (``HostOptimizer``): after each of the k
+  micro-batches' backward the gradients (G bytes) go down (accumulated on the
+  host), then the update runs on the host's CPU (U seconds:
   ``time_host_update`` on this CPU, per parameter element, times the
-  trainable elements), and the parameters (P bytes) go back up. Nothing
-  overlaps: the host step waits for the gradients' copies, and the copies up
-  run on the compute stream before the next forward. The device's own
-  optimizer step (``SpeedCosts.optimizer_seconds``, S) is no longer spent::
+  trainable elements), and the parameters (P bytes) go back up. Nothing is
+  taken to overlap: the copies run on the compute stream (those after the
+  first micro-batch wait for it), the host step waits for them, and the
+  copies up run before the next forward. The device's own optimizer step
+  (``SpeedCosts.optimizer_seconds``, S) is no longer spent::
 
-      host_state = G / down + U + P / up - S
+      host_state = k * G / down + U + P / up - S
 
 - **optimizer step in backward**: nothing. The same updates run, one
   parameter at a time inside backward (per-parameter launches are not
@@ -134,12 +136,14 @@ def lever_time(
             f"+{time.offload_seconds:.3g} s per step predicted (the copies down overlap the forward, the copies back do not)"
         )
     if on_host:
+        micro_steps = len(model.micro_sizes(config.micro_batch_size))
         time.host_state_seconds = host_state_seconds(
-            gradient_bytes=trainable_bytes, parameter_bytes=trainable_bytes, update_seconds=host_update_seconds,
+            gradient_bytes=micro_steps * trainable_bytes, parameter_bytes=trainable_bytes, update_seconds=host_update_seconds,
             device_optimizer_seconds=costs.speed.optimizer_seconds, link=link,
         )
+        gradients = f"the gradients ({format_bytes(trainable_bytes)}" + (f", after each of {micro_steps} micro-batches)" if micro_steps > 1 else ")")
         time.notes.append(
-            f"optimizer state on the host moves the gradients ({format_bytes(trainable_bytes)}) down and the parameters "
+            f"optimizer state on the host moves {gradients} down and the parameters "
             f"up each step at {rates}, and updates on the host's CPU in {host_update_seconds:.3g} s (timed on this "
             f"machine's CPU with {torch.get_num_threads()} thread(s)) instead of the device's "
             f"{costs.speed.optimizer_seconds:.3g} s: {time.host_state_seconds:+.3g} s per step predicted (nothing overlaps)"
