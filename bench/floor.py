@@ -20,15 +20,19 @@ below every floor fails with ``BelowLeverFloor``, which holds the floor and
 the least budget each lever candidate was measured to need; then the planner
 is asked again at each floor found (it must plan, with those levers, or
 without any at the plain floor) and at 0.999 of each lever floor (it must
-refuse). Whatever headroom the planner uses (``planning/headroom.py``) is in
-the figures.
+refuse). Where 8-bit state does not lower the lossless lever floor, the
+planner would try the same candidates in the same order, so that floor is not
+planned again. Whatever headroom the planner uses (``planning/headroom.py``)
+is in the figures.
 
-    python bench/floor.py                        # all three models (minutes on 2 cores)
+    python bench/floor.py                        # all three models (about 10 minutes on 2 cores)
     python bench/floor.py --models decoder
+    python bench/floor.py --no-checks            # the floors only (about 5 minutes)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -119,9 +123,14 @@ def decoder_spec() -> ModelSpec:
     )
 
 
+def torchvision_spec(name: str) -> ModelSpec:
+    # Without source_options: on a branch without memory-rest's a50d94a, plan writing gets num_classes twice from them.
+    return dataclasses.replace(load_spec(f"torchvision:{name}"), source_options={})
+
+
 MODELS = {
-    "resnet50": ("ResNet-50 224x224", lambda: load_spec("torchvision:resnet50"), 64),
-    "vit_b_16": ("ViT-B/16 224x224", lambda: load_spec("torchvision:vit_b_16"), 32),
+    "resnet50": ("ResNet-50 224x224", lambda: torchvision_spec("resnet50"), 64),
+    "vit_b_16": ("ViT-B/16 224x224", lambda: torchvision_spec("vit_b_16"), 32),
     "decoder": (f"decoder d{DIM} L{LAYERS} V{VOCAB // 1000}k T{SEQ_LEN}", decoder_spec, 8),
 }
 
@@ -167,7 +176,12 @@ def levers_of(plan_) -> str:
     return ", ".join(parts) or "none"
 
 
-def measure_floors(name: str, spec: ModelSpec, batch: int) -> Row:
+def headroom_of(plan_) -> str:
+    return " + ".join(f"{cause.replace('_', ' ')} {format_bytes(nbytes)}" for cause, nbytes in plan_.headroom.items())
+
+
+def measure_floors(name: str, spec: ModelSpec, batch: int, *, check: bool) -> Row:
+    """The floors from one refused plan; with ``check``, each confirmed by the planner (see the module docstring)."""
     started = time.perf_counter()
     parameters, state_bytes = fp32_state_bytes(spec)
     try:
@@ -180,14 +194,25 @@ def measure_floors(name: str, spec: ModelSpec, batch: int) -> Row:
     config = f"m={floor.config.micro_batch_size}, {floor.config.precision}, " + (
         f"{len(floor.config.checkpoint)} blocks checkpointed" if floor.config.checkpoint else "no checkpointing"
     )
-    checks = []
-    plain = plan(spec, batch, below.floor_bytes, lossy=False)
-    checks.append(f"floor {format_bytes(below.floor_bytes)}: planned with levers {levers_of(plain)}")
+    checks = [f"{candidate.name}: needs {format_bytes(budget)}" for candidate, budget in below.lever_budgets]
+    if check:
+        plain = plan(spec, batch, below.floor_bytes, lossy=False)
+        checks.append(
+            f"planned at the floor {format_bytes(below.floor_bytes)} with levers: {levers_of(plain)}, device peak "
+            f"{format_bytes(plain.measured.peak_bytes)} + headroom {headroom_of(plain)}"
+        )
     found = {}
     for lossy in (False, True):
         lever_floor = below.lever_floor_bytes(allow_lossy_optimizer=lossy)
         if lever_floor is None or lever_floor >= below.floor_bytes:
             found[lossy] = (None, "none lower the floor")
+            continue
+        if lossy and found[False][0] == lever_floor:
+            # The same least budget: the planner tries the candidates in the same order, so it plans and refuses alike.
+            found[lossy] = found[False]
+            continue
+        if not check:
+            found[lossy] = (lever_floor, next(c.name for c, b in below.lever_budgets if b == lever_floor))
             continue
         chosen = plan(spec, batch, lever_floor, lossy=lossy)
         try:
@@ -196,8 +221,9 @@ def measure_floors(name: str, spec: ModelSpec, batch: int) -> Row:
         except InfeasibleBudget:
             refused = "refused"
         checks.append(
-            f"{'8-bit allowed' if lossy else 'lossless'} levers {format_bytes(lever_floor)}: planned with {levers_of(chosen)}; "
-            f"{REFUSED_AT} of it {refused}"
+            f"planned at {format_bytes(lever_floor)} ({'8-bit state allowed' if lossy else 'lossless'}) with levers: "
+            f"{levers_of(chosen)}, device peak {format_bytes(chosen.measured.peak_bytes)} + headroom {headroom_of(chosen)}; "
+            f"at {REFUSED_AT} of it: {refused}"
         )
         found[lossy] = (lever_floor, levers_of(chosen))
     return Row(
@@ -214,6 +240,7 @@ def ratio(value: int | None, row: Row) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--no-checks", action="store_true", help="the floors from one refused plan per model, not re-planned")
     args = parser.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -225,10 +252,10 @@ def main() -> None:
     rows = []
     for name in names:
         title, make_spec, batch = MODELS[name]
-        row = measure_floors(title, make_spec(), batch)
+        row = measure_floors(title, make_spec(), batch, check=not args.no_checks)
         rows.append(row)
         print(f"\n{title}, batch {batch}: {row.parameters / 1e6:.1f}M parameters; fp32 parameters + gradients + AdamW "
-              f"{format_bytes(row.state_bytes)}; floor configuration {row.floor_config} ({row.seconds:.0f} s)")
+              f"{format_bytes(row.state_bytes)}; floor {format_bytes(row.floor)}, configuration {row.floor_config} ({row.seconds:.0f} s)")
         for check in row.checks:
             print(f"  {check}")
     print()
