@@ -6,8 +6,10 @@ with the levers, cheapest first and each adding to the last:
 
 1. the optimizer step in backward (no change to the arithmetic; only where the
    floor has one micro-batch per step, and not with fp16),
-2. on a GPU: activation offload of every block not checkpointed and the
-   optimizer state on the host (same arithmetic; costs transfers),
+2. on a GPU (simulated too: the simulated meter counts host tensors apart):
+   activation offload of every block not checkpointed and the optimizer
+   state on the host, whose gradients also leave the device in backward
+   (same arithmetic; costs transfers),
 3. with ``allow_lossy_optimizer`` only: torchao's 8-bit AdamW state (it
    changes the optimizer's arithmetic: a declared choice, never a silent one).
 
