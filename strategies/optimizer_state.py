@@ -114,7 +114,8 @@ class HostOptimizer(torch.optim.Optimizer):
         super().__init__(self.copies, dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        self._hooks = [param.register_post_accumulate_grad_hook(self._gradient_to_host(index)) for index, param in enumerate(self.params)]
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(self._gradient_to_host(index))
 
     def _gradient_to_host(self, index: int):
         copy, buffer = self.copies[index], self.grad_buffers[index]
@@ -158,12 +159,6 @@ class HostOptimizer(torch.optim.Optimizer):
                 tensor.grad = None
             elif tensor.grad is not None:
                 tensor.grad.zero_()
-
-    def remove_hooks(self) -> None:
-        """Stop moving gradients to the host in backward (``step()`` then copies them)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
