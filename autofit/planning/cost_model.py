@@ -121,6 +121,10 @@ class SpeedCosts:
     def micro_step_seconds(self, micro_batch_size: int) -> float:
         return _loglog(self.sizes, self.step_seconds, micro_batch_size)
 
+    def forward_seconds_at(self, micro_batch_size: int) -> float:
+        """One micro-batch's forward (what activation offload's copies to the host overlap, ``lever_costs``)."""
+        return _loglog(self.sizes, self.forward_seconds, micro_batch_size)
+
     def recompute_seconds(self, micro_batch_size: int) -> list[float]:
         columns = list(zip(*self.block_seconds)) if self.block_seconds else []
         return [self.recompute_factor * _loglog(self.sizes, list(col), micro_batch_size) for col in columns]
