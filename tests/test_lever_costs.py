@@ -8,7 +8,7 @@ from autofit.measure.host_speed import HostLink, measure_host_link, time_host_up
 from autofit.measure.probe import measure
 from autofit.planning import lever_costs, levers
 from autofit.planning.cost_model import CostModel
-from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom
+from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
 from autofit.planning.lever_costs import (
     ASSUMED_LINK_BYTES_PER_S, host_link, host_state_seconds, lever_time, offload_seconds,
 )
@@ -128,7 +128,10 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
 
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
     headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=ESTIMATED_CUDA_CONTEXT)
-    budget = (headroom.smallest_budget(host.peak_bytes) + headroom.smallest_budget(in_backward.peak_bytes)) // 2
+    def least(measured) -> int:
+        return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
+
+    budget = (least(host) + least(in_backward)) // 2
     report = plan_with_report(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
     plan, model = report.plan, CostModel.from_dict(report.cost_model)
     assert plan.optimizer_state == "host"

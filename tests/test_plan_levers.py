@@ -9,7 +9,7 @@ from autofit.apply import TrainingConfig
 from autofit.measure.probe import measure
 from autofit.plan_file import load_plan
 from autofit.planning.floor import InfeasibleBudget
-from autofit.planning.headroom import Headroom
+from autofit.planning.headroom import Headroom, persistent_bytes
 from autofit.planning.planner import make_plan
 from autofit.spec import load_spec
 
@@ -159,7 +159,10 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     # The state leaves the device, and with it the update's temporaries (at the peak here: a step in backward).
     assert in_backward.peak_bytes - host.peak_bytes >= in_backward.breakdown["optimizer_state"] > 0
     headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=ESTIMATED_CUDA_CONTEXT)
-    budget = (headroom.smallest_budget(host.peak_bytes) + headroom.smallest_budget(in_backward.peak_bytes)) // 2
+    def least(measured) -> int:
+        return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
+
+    budget = (least(host) + least(in_backward)) // 2
     plan = make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
     assert plan.estimated and plan.optimizer_state == "host" and plan.optimizer_in_backward and plan.checkpoint == BLOCKS
     assert plan.measured.peak_bytes == host.peak_bytes and plan.measured.breakdown["optimizer_state"] == 0
