@@ -9,7 +9,8 @@ recomputed forward, fully and selectively); with ``simulate`` it comes from
 FLOPs instead and is an estimate. Selective checkpointing recomputes only the
 ops its policy does not save: each block's share of its forward that those
 take is estimated over fake tensors (``selective_shares``), and the device's
-timing says what a second of that estimate really costs. Everything here is plain data, so a study can store it and resume.
+timing says what a second of that estimate really costs. Everything here is
+plain data, so a study can store it and resume.
 """
 from __future__ import annotations
 

@@ -25,10 +25,9 @@ and with real probes; the model only has to rank configurations well.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-
-import weakref
 
 import torch
 
