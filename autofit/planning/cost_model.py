@@ -76,8 +76,8 @@ class MemoryCosts:
             for i, segment in enumerate(self.low.segments)
             if accumulating or segment.phase != "later"
         ]
-        drops = [
-            self._interpolate([t.drop_bytes[b] for t in self._traces()], micro_batch_size)
+        drops = [  # negative where the checkpoint keeps an input that plain training frees: it adds bytes
+            self._interpolate([t.drop_bytes[b] for t in self._traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.drop_bytes))
         ]
         return segments, drops

@@ -220,7 +220,7 @@ def _run_trace(
         tracker.track(model.parameters(), "parameters")
         tracker.track(model.buffers(), "parameters")
         persistent = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
-        state = {"micro": -1, "active": [], "saved": {name: {} for name in names}, "output_shape": []}
+        state = {"micro": -1, "active": [], "saved": {name: {} for name in names}, "output_shape": [], "loose": {}}
         # Per block and micro-step: the outputs of the ops selective checkpointing would keep, as
         # (weak reference to the storage, bytes); a storage freed by plain training is kept by it.
         policy_kept: dict[str, dict[int, list]] = {name: {} for name in names}
@@ -254,12 +254,19 @@ def _run_trace(
                 tracker.mark(("fwd_end", index, micro))
                 # Keyword inputs too (a Hugging Face layer's position embeddings and mask): a
                 # checkpointed block keeps all its inputs until its backward.
-                inputs_ = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                inputs = {id(t.untyped_storage()): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-                kept = inputs_ | {id(t.untyped_storage()) for t in outputs}
+                kept = set(inputs) | {id(t.untyped_storage()) for t in outputs}
                 saved = state["saved"][names[index]].setdefault(micro, {})
                 dropped = sum(n for key, n in saved.items() if key not in kept)
                 state["dropped_" + str(micro) + "_" + str(index)] = dropped
+                # An input the block's own ops do not save (a block that starts with a matmul under autocast
+                # saves the input's cast, not the input) may die after the forward; kept by a checkpoint, it
+                # stays: what has died when the block's backward begins is what checkpointing adds.
+                state["loose"][micro, index] = [
+                    (weakref.ref(t.untyped_storage()), tracker.counted_bytes(t))
+                    for key, t in inputs.items() if key not in saved and key not in persistent
+                ]
                 # Selective checkpointing keeps the policy's outputs too (each storage once; one that died is no input or output).
                 also_kept: dict[int, int] = {}
                 for ref, nbytes in policy_kept[names[index]].get(micro, []):
@@ -270,9 +277,13 @@ def _run_trace(
                 state["selective_" + str(micro) + "_" + str(index)] = dropped - sum(also_kept.values())
                 for tensor in outputs:
                     if tensor.requires_grad:
-                        tensor.register_hook(lambda grad, index=index, micro=micro: tracker.mark(("bwd_start", index, micro)))
+                        tensor.register_hook(lambda grad, index=index, micro=micro: backward_starts(index, micro))
                         break
             return hook
+
+        def backward_starts(index, micro):
+            tracker.mark(("bwd_start", index, micro))
+            state["kept_inputs_" + str(micro) + "_" + str(index)] = sum(n for ref, n in state["loose"].pop((micro, index), []) if ref() is None)
 
         def watch(op, outputs):
             if state["active"] and selective_saves(op):
@@ -307,8 +318,10 @@ def _run_trace(
         for hook in hooks:
             hook.remove()
         tracker.watch = None
-        drop_bytes = [state.get(f"dropped_{_LATER_MICRO}_{i}", 0) for i in range(len(names))]
-        selective_drop_bytes = [state.get(f"selective_{_LATER_MICRO}_{i}", 0) for i in range(len(names))]
+        # Both modes keep the block's inputs: those plain training frees by the block's backward count against them.
+        kept_inputs = [state.get(f"kept_inputs_{_LATER_MICRO}_{i}", 0) for i in range(len(names))]
+        drop_bytes = [state.get(f"dropped_{_LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
+        selective_drop_bytes = [state.get(f"selective_{_LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,
