@@ -219,3 +219,67 @@ def test_cli_no_cache_and_the_summary(run_cli, tmp_path, monkeypatch):
     code, stdout, err = run_cli(*args)
     assert code == 0, err
     assert "costs and measurements kept in sqlite:///" in stdout and (tmp_path / "cache" / "plans.db").is_file()
+
+
+# -- selective recompute's price ---------------------------------------------------------------------
+class MixedBlock(nn.Module):
+    """A matmul alone (``pointwise=False``), or a narrow one followed by a chain of tanh and a residual add."""
+
+    def __init__(self, *, pointwise: bool) -> None:
+        super().__init__()
+        self.pointwise = pointwise
+        self.linear = nn.Linear(64, 4 if pointwise else 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        if not self.pointwise:
+            return self.linear(x)
+        h = self.linear(x).repeat(1, 1, 16)  # (B, T, C): a matmul of a sixteenth of the FLOPs
+        for _ in range(4):
+            h = torch.tanh(h)
+        return x + h
+
+
+class MixedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(MixedBlock(pointwise=False), MixedBlock(pointwise=True), MixedBlock(pointwise=False))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, classes)
+        return self.head(self.blocks(x).mean(dim=1))
+
+
+def mixed_spec() -> ModelSpec:
+    return ModelSpec(
+        source="tests:MixedNet", build_model=MixedNet, example_batch=lambda n: (torch.randn(n, 32, 64), torch.randint(0, 10, (n,))),
+        loss_fn=nn.functional.cross_entropy, build_optimizer=default_optimizer,
+    )
+
+
+@pytest.mark.parametrize("device_type, device_name", [("cpu", "cpu"), ("cuda", "NVIDIA H200")])
+def test_selective_recompute_from_flops_leaves_the_saved_ops_out(device_type, device_name):
+    """Simulated plans price selective recompute by what it repeats: a block that is one matmul repeats nothing in
+    fp32 (its output is kept) and only the casts under autocast; a block of tanh after a small matmul repeats most
+    of its forward."""
+    from autofit.planning.cost_model import flop_speed_costs
+
+    speed = flop_speed_costs(mixed_spec(), precisions=["fp32", "bf16"], sizes=[2, 8], device_type=device_type, device_name=device_name)
+    assert speed["fp32"].selective_shares[0] == speed["fp32"].selective_shares[2] == 0.0
+    assert speed["fp32"].selective_recompute_seconds(8)[0] == 0.0
+    for costs in speed.values():
+        matmul, pointwise, _ = costs.selective_shares
+        assert matmul < pointwise < 1, costs.selective_shares
+        full, selective = costs.recompute_seconds(8), costs.selective_recompute_seconds(8)
+        assert all(s < f for s, f in zip(selective, full)) and selective[1] > 0
+
+
+def test_selective_recompute_is_timed_on_the_device():
+    """Real timings: every block's selective share is estimated, and the steps with every block selective,
+    timed beside those with every block checkpointed, give its factor."""
+    from autofit.planning.cost_model import SELECTIVE_FACTOR_RANGE
+
+    results = time_precisions(mixed_spec(), precisions=["fp32"], sizes=[2, 4], device="cpu")
+    costs = results["fp32"]
+    assert len(costs.selective_shares) == 3 and costs.selective_shares[0] == 0.0 < costs.selective_shares[1]
+    assert SELECTIVE_FACTOR_RANGE[0] <= costs.selective_factor <= SELECTIVE_FACTOR_RANGE[1]
+    assert costs.selective_recompute_seconds(4)[1] > 0

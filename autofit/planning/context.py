@@ -305,15 +305,22 @@ def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | No
 
 @dataclass(kw_only=True, slots=True)
 class Config:
-    """One configuration the planner measures: precision, micro-batch size, checkpointed blocks."""
+    """One configuration the planner measures: precision, micro-batch size, checkpointed blocks (fully, selectively)."""
 
     precision: str
     micro_batch_size: int
     checkpoint: tuple[str, ...] = ()
+    selective_checkpoint: tuple[str, ...] = ()
 
     def key(self) -> str:
-        return f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
+        """"fp32:4:layers.0,layers.1", and ":layers.2" after it for selective blocks (stored measurements are
+        keyed by it: a configuration without selective blocks keeps the key it always had)."""
+        key = f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
+        return f"{key}:{','.join(self.selective_checkpoint)}" if self.selective_checkpoint else key
 
     def simplicity(self, global_batch_size: int) -> tuple:
-        """Order for ties: fewer micro-steps, fewer checkpointed blocks, fp32 before autocast."""
-        return (math.ceil(global_batch_size / self.micro_batch_size), len(self.checkpoint), PRECISIONS.index(self.precision))
+        """Order for ties: fewer micro-steps, fewer checkpointed blocks (either mode), fp32 before autocast."""
+        return (
+            math.ceil(global_batch_size / self.micro_batch_size), len(self.checkpoint) + len(self.selective_checkpoint),
+            PRECISIONS.index(self.precision),
+        )

@@ -5,11 +5,16 @@ linear in the micro-batch size, exact in the structure of where blocks free
 and recompute their activations. Time comes from real timings on the device
 (forward, forward+backward and each block's forward at a few micro-batch
 sizes, the optimizer step, and what checkpointing really costs per second of
-recomputed forward); with ``simulate`` it comes from FLOPs instead and is an
-estimate. Everything here is plain data, so a study can store it and resume.
+recomputed forward, fully and selectively); with ``simulate`` it comes from
+FLOPs instead and is an estimate. Selective checkpointing recomputes only the
+ops its policy does not save: each block's share of its forward that those
+take is estimated over fake tensors (``selective_shares``), and the device's
+timing says what a second of that estimate really costs. Everything here is
+plain data, so a study can store it and resume.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -21,16 +26,22 @@ from autofit.apply import AppliedPlan, TrainingConfig, apply_config
 from autofit.measure.blocks import profile_blocks
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.model_io import as_loss, call_model
-from autofit.planning.memory_model import MemoryTrace, Segment, trace_memory
+from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
+from autofit.planning.memory_model import MemoryTrace, Segment, peak_of, trace_memory
 from autofit.planning.timing import MIN_ROUNDS, Samples, compare, interleaved_rounds, noise_of
 from autofit.spec import ModelSpec
 from autofit.training.step import to_device, train_step
-from strategies import BatchSplitConfig, checkpoint_candidates
+from strategies import BatchSplitConfig, checkpoint_candidates, selective_saves
 
 SLOW_PRECISION_RATIO = 3.0
 """A precision this many times slower than the fastest at the same micro-batch is timed at one size only."""
 SHORTEST_MEASUREMENT_S = 0.02
 """A micro-step shorter than this is repeated within one measurement (the fastest repeat counts)."""
+SELECTIVE_FACTOR_RANGE = (0.25, 20.0)
+"""Bounds of the measured selective recompute factor. The share it prices is an estimate (FLOPs and bytes
+moved) that the CPU's slower transcendental ops and the policy's per-op Python dispatch can exceed several
+times (6.7 and 10 measured for a chain of tanh on 2 shared cores); the lower bound keeps one noisy round from
+pricing it at nothing."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,45 +71,55 @@ class MemoryCosts:
                     [t.segments[i].peak_bytes for t in self._traces()], last if segment.phase == "optimizer" else micro_batch_size,
                     global_batch_size=global_batch_size,
                 ),
-                dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes,
+                dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes, selective=segment.selective,
             )
             for i, segment in enumerate(self.low.segments)
             if accumulating or segment.phase != "later"
         ]
-        drops = [
-            self._interpolate([t.drop_bytes[b] for t in self._traces()], micro_batch_size)
+        drops = [  # negative where the checkpoint keeps an input that plain training frees: it adds bytes
+            self._interpolate([t.drop_bytes[b] for t in self._traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.drop_bytes))
         ]
         return segments, drops
 
+    def selective_drops(self, micro_batch_size: int) -> list[float] | None:
+        """Bytes each block's selective checkpointing frees at this size (negative where it keeps more than
+        plain training); None when it frees nothing anywhere (the traces hold no selective recomputation)."""
+        if not all(t.selective_drop_bytes for t in self._traces()):
+            return None
+        return [
+            self._interpolate([t.selective_drop_bytes[b] for t in self._traces()], micro_batch_size, at_least=None)
+            for b in range(len(self.low.selective_drop_bytes))
+        ]
+
     def _traces(self) -> list[MemoryTrace]:
         return [self.low] + ([self.middle] if self.middle is not None else []) + [self.high]
 
-    def _interpolate(self, values: list[float], size: int, *, global_batch_size: int | None = None) -> float:
+    def _interpolate(
+        self, values: list[float], size: int, *, global_batch_size: int | None = None, at_least: float | None = 0.0
+    ) -> float:
         """Bytes at ``size`` on the line through the two traces around it (``values`` holds each trace's).
 
         With ``global_batch_size``, the bytes of a whole step: the traces held a
         global batch of 2 micro-batches on the host; the real one holds G samples.
+        ``at_least`` bounds the line from below (None: it may go negative).
         """
         traces = self._traces()
         upper = next((i for i in range(1, len(traces)) if size <= traces[i].micro_batch_size), len(traces) - 1)
         a, b = traces[upper - 1].micro_batch_size, traces[upper].micro_batch_size
         weight = (size - a) / max(b - a, 1)
-        value = max(values[upper - 1] + (values[upper] - values[upper - 1]) * weight, 0.0)
+        value = values[upper - 1] + (values[upper] - values[upper - 1]) * weight
+        if at_least is not None:
+            value = max(value, at_least)
         if global_batch_size is not None:
             value += (global_batch_size - 2 * size) * self.high.host_sample_bytes
         return value
 
-    def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int]) -> float:
+    def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
+        """The peak with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices)."""
         segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
-        return max(
-            (
-                s.peak_bytes - sum(drops[b] for b in s.dropped if b in checkpoint)
-                for s in segments
-                if s.recomputes is None or s.recomputes in checkpoint
-            ),
-            default=0.0,
-        )
+        selective_drops = self.selective_drops(micro_batch_size) if selective else None
+        return peak_of(segments, drops, checkpoint, selective_drops=selective_drops, selective=selective)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,6 +138,11 @@ class SpeedCosts:
     note: str = ""
     noise: float = 0.0
     """The largest spread of these timings' fastest rounds (``timing.Samples.spread``): 0.05 is 5%."""
+    selective_shares: list[float] = field(default_factory=list)
+    """Per block: the share of its forward that selective checkpointing recomputes (``selective_shares``,
+    an estimate); empty when not known (then selective checkpointing is not searched)."""
+    selective_factor: float = 1.0
+    """Measured seconds selective checkpointing adds per second of that estimated share of the forward."""
 
     def micro_step_seconds(self, micro_batch_size: int) -> float:
         return _loglog(self.sizes, self.step_seconds, micro_batch_size)
@@ -126,8 +152,18 @@ class SpeedCosts:
         return _loglog(self.sizes, self.forward_seconds, micro_batch_size)
 
     def recompute_seconds(self, micro_batch_size: int) -> list[float]:
+        return [self.recompute_factor * seconds for seconds in self._block_forward_seconds(micro_batch_size)]
+
+    def selective_recompute_seconds(self, micro_batch_size: int) -> list[float] | None:
+        """Per block: seconds its selective checkpointing adds to a micro-step (None when not known)."""
+        forward = self._block_forward_seconds(micro_batch_size)
+        if len(self.selective_shares) != len(forward) or not forward:
+            return None
+        return [self.selective_factor * share * seconds for share, seconds in zip(self.selective_shares, forward)]
+
+    def _block_forward_seconds(self, micro_batch_size: int) -> list[float]:
         columns = list(zip(*self.block_seconds)) if self.block_seconds else []
-        return [self.recompute_factor * _loglog(self.sizes, list(col), micro_batch_size) for col in columns]
+        return [_loglog(self.sizes, list(col), micro_batch_size) for col in columns]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,30 +190,45 @@ class CostModel:
     def micro_sizes(self, micro_batch_size: int) -> list[int]:
         return BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size).sizes()
 
-    def peak_bytes(self, precision: str, micro_batch_size: int, checkpoint: set[int]) -> float:
+    def peak_bytes(self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
+        """Peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices)."""
         memory = self.precisions[precision].memory
-        raw = memory.peak_bytes(micro_batch_size, global_batch_size=self.global_batch_size, checkpoint=checkpoint)
+        raw = memory.peak_bytes(micro_batch_size, global_batch_size=self.global_batch_size, checkpoint=checkpoint, selective=selective)
         return raw * self.memory_scale
 
     def recompute_seconds(self, precision: str, micro_batch_size: int) -> list[float]:
         """Per block: seconds one optimizer step spends recomputing it if checkpointed."""
         speed = self.precisions[precision].speed
+        return self._per_step(micro_batch_size, speed.recompute_seconds)
+
+    def selective_recompute_seconds(self, precision: str, micro_batch_size: int) -> list[float] | None:
+        """Per block: seconds one optimizer step spends recomputing it if checkpointed selectively (None: not known)."""
+        speed = self.precisions[precision].speed
+        if speed.selective_recompute_seconds(micro_batch_size) is None:
+            return None
+        return self._per_step(micro_batch_size, speed.selective_recompute_seconds)
+
+    def _per_step(self, micro_batch_size: int, per_micro_step) -> list[float]:
         totals = [0.0] * len(self.blocks)
         for size in self.micro_sizes(micro_batch_size):
-            for index, seconds in enumerate(speed.recompute_seconds(size)):
+            for index, seconds in enumerate(per_micro_step(size)):
                 totals[index] += seconds
         return totals
 
-    def step_seconds(self, precision: str, micro_batch_size: int, checkpoint: set[int]) -> float:
+    def step_seconds(self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
         speed = self.precisions[precision].speed
         seconds = speed.optimizer_seconds
         for size in self.micro_sizes(micro_batch_size):
             seconds += speed.micro_step_seconds(size)
         recompute = self.recompute_seconds(precision, micro_batch_size)
-        return seconds + sum(recompute[b] for b in checkpoint)
+        seconds += sum(recompute[b] for b in checkpoint)
+        if selective:
+            selective_recompute = self.selective_recompute_seconds(precision, micro_batch_size)
+            seconds += sum(selective_recompute[b] for b in selective)
+        return seconds
 
-    def samples_per_s(self, precision: str, micro_batch_size: int, checkpoint: set[int]) -> float:
-        return self.global_batch_size / self.step_seconds(precision, micro_batch_size, checkpoint)
+    def samples_per_s(self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
+        return self.global_batch_size / self.step_seconds(precision, micro_batch_size, checkpoint, selective)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -241,9 +292,9 @@ def memory_costs(
 
 def _same_structure(trace: MemoryTrace, high_trace: MemoryTrace) -> MemoryTrace:
     """``trace``, or when the step's structure depends on the batch size (rare), the larger trace scaled down."""
-    if [(s.dropped, s.phase, s.recomputes) for s in trace.segments] != [
-        (s.dropped, s.phase, s.recomputes) for s in high_trace.segments
-    ]:
+    if [(s.dropped, s.phase, s.recomputes, s.selective) for s in trace.segments] != [
+        (s.dropped, s.phase, s.recomputes, s.selective) for s in high_trace.segments
+    ] or bool(trace.selective_drop_bytes) != bool(high_trace.selective_drop_bytes):
         return _scaled(high_trace, trace.micro_batch_size)
     return trace
 
@@ -257,6 +308,7 @@ def _scaled(trace: MemoryTrace, micro_batch_size: int) -> MemoryTrace:
         segments=trace.segments,
         prefix_shaped=trace.prefix_shaped,
         output_shape=trace.output_shape,
+        selective_drop_bytes=[int(b * ratio) for b in trace.selective_drop_bytes],
     )
 
 
@@ -426,15 +478,23 @@ def time_precisions(
         )
     for handle in handles:
         handle.remove()
+    if blocks:
+        flops_per_s, bytes_per_s = roofline_rates(device_.type, torch.cuda.get_device_name(device_) if device_.type == "cuda" else "")
+        inputs = to_device(spec.example_batch(sizes[0])[0], device_)
+        for name in precisions:
+            results[name].selective_shares = selective_shares(
+                applied[name], inputs, blocks=blocks, flops_per_s=flops_per_s[name], bytes_per_s=bytes_per_s
+            )
+        model.zero_grad(set_to_none=True)
     _measure_recompute(
-        model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, optimizer=optimizer, clock=clock
+        model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, clock=clock
     )
     for name, reference in slow.items():
         # Untimed sizes follow the reference's shape, scaled by how this precision compared at its largest timed size.
         costs = results[name]
         ratio = costs.step_seconds[-1] / results[reference].micro_step_seconds(costs.sizes[-1])
         scaled = _scaled_speed(results[reference], ratio, note=costs.note)
-        scaled.optimizer_seconds, scaled.noise = costs.optimizer_seconds, costs.noise
+        scaled.optimizer_seconds, scaled.noise, scaled.selective_shares = costs.optimizer_seconds, costs.noise, costs.selective_shares
         results[name] = scaled
     del model, optimizer, applied
     release_device_memory(device)
@@ -460,40 +520,68 @@ def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec:
     return best
 
 
-def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, optimizer, clock) -> None:
-    """Time steps with every block checkpointed, interleaved: the real price of a second of recompute."""
+def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, clock) -> None:
+    """Time steps with every block checkpointed, fully and selectively, interleaved: the real price of a second
+    of recompute (of the blocks' forward; of its selective share, ``SpeedCosts.selective_shares``).
+
+    The selective steps run on a copy of the model (a block is patched in one mode only); where the device
+    has no room for the copy, selective recompute is priced like full recompute per estimated second.
+    """
     timed = [name for name, costs in results.items() if not costs.note]
     if not blocks or not timed:
         return
     size = sizes[len(sizes) // 2]
     inputs, targets = spec.example_batch(size)
+    modes = {"full": model}
+    if any(share > 0 for name in timed for share in results[name].selective_shares):
+        try:
+            modes["selective"] = copy.deepcopy(model)
+        except torch.OutOfMemoryError:
+            release_device_memory(device)
     applied = {
-        name: apply_config(model, _one_micro_batch(size, precision=name, checkpoint=blocks), device=device, init_scale=1.0)
-        for name in timed
+        (name, mode): apply_config(
+            copied, _one_micro_batch(size, precision=name, checkpoint=blocks if mode == "full" else None,
+                                     selective_checkpoint=blocks if mode == "selective" else None),
+            device=device, init_scale=1.0,
+        )
+        for name in timed for mode, copied in modes.items()
     }
 
-    def step(name: str) -> float:
-        seconds = one_step(applied[name], inputs, targets)[1]
-        optimizer.zero_grad(set_to_none=True)
+    def step(key) -> float:
+        seconds = one_step(applied[key], inputs, targets)[1]
+        applied[key].model.zero_grad(set_to_none=True)
         return seconds
 
-    for name in timed:
-        step(name)  # warm-up
-    samples = interleaved_rounds({name: (lambda name=name: step(name)) for name in timed}, settled=lambda _: True)
+    for key in applied:
+        step(key)  # warm-up
+    samples = interleaved_rounds({key: (lambda key=key: step(key)) for key in applied}, settled=lambda _: True)
     for name in timed:
         costs = results[name]
+        extra = {mode: samples[name, mode].best - costs.micro_step_seconds(size) for mode in modes}
         plain_forward = sum(costs.recompute_seconds(size))
         if plain_forward > 0:
-            extra = samples[name].best - costs.micro_step_seconds(size)
-            costs.recompute_factor = min(max(extra / plain_forward, 0.5), 3.0)
+            costs.recompute_factor = min(max(extra["full"] / plain_forward, 0.5), 3.0)
+        estimated = sum(costs.selective_recompute_seconds(size) or [])
+        if estimated > 0:
+            if "selective" in extra:
+                costs.selective_factor = min(max(extra["selective"] / estimated, SELECTIVE_FACTOR_RANGE[0]), SELECTIVE_FACTOR_RANGE[1])
+            else:
+                costs.selective_factor = costs.recompute_factor
     for name, costs in results.items():
-        if name not in timed:  # not timed at every size: keep a timed precision's factor
+        if name not in timed:  # not timed at every size: keep a timed precision's factors
             costs.recompute_factor = results[timed[0]].recompute_factor
+            costs.selective_factor = results[timed[0]].selective_factor
+    del applied, modes
 
 
-def _one_micro_batch(size: int, *, precision: str, checkpoint: list[str] | None = None) -> TrainingConfig:
+def _one_micro_batch(
+    size: int, *, precision: str, checkpoint: list[str] | None = None, selective_checkpoint: list[str] | None = None
+) -> TrainingConfig:
     """A configuration whose global batch is one micro-batch: the timings run its hooks by hand."""
-    return TrainingConfig(global_batch_size=size, micro_batch_size=size, precision=precision, checkpoint=checkpoint or [])
+    return TrainingConfig(
+        global_batch_size=size, micro_batch_size=size, precision=precision, checkpoint=checkpoint or [],
+        selective_checkpoint=selective_checkpoint or [],
+    )
 
 
 def _scaled_speed(reference: SpeedCosts, ratio: float, *, note: str) -> SpeedCosts:
@@ -505,6 +593,8 @@ def _scaled_speed(reference: SpeedCosts, ratio: float, *, note: str) -> SpeedCos
         optimizer_seconds=reference.optimizer_seconds,
         recompute_factor=reference.recompute_factor,
         note=note,
+        selective_shares=list(reference.selective_shares),
+        selective_factor=reference.selective_factor,
     )
 
 
@@ -523,6 +613,7 @@ def flop_speed_costs(
     """
     size = max(sizes)
     profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
+    cpu = None if device_type == "cuda" else _cpu_throughput()
     flops = _forward_flops(spec, size)
     total_flops = max(sum(flops.values()), 1)
     param_bytes = _parameter_bytes(spec)
@@ -534,7 +625,7 @@ def flop_speed_costs(
             launch_s, bytes_per_s = GPU_LAUNCH_SECONDS, gpu.bandwidth * 0.5
             note = "estimated from FLOPs" + ("" if known else f" for an {_UNKNOWN_GPU_NAME}-class GPU ({device_name!r} is not in the table)")
         else:
-            cpu_flops_per_s, launch_s, bytes_per_s = _cpu_throughput()
+            cpu_flops_per_s, launch_s, bytes_per_s = cpu
             note = "estimated from FLOPs"
         for s in sizes:
             scaled = {family: n * s / size for family, n in flops.items()}
@@ -545,6 +636,7 @@ def flop_speed_costs(
             forward.append(seconds + launch_s)
             step.append(3 * (seconds + launch_s))
             per_block.append([p.forward_flops / total_flops * seconds for p in profiles])  # each block's share of the forward
+        flops_per_s, share_bytes_per_s = roofline_rates(device_type, device_name, cpu=cpu)
         results[name] = SpeedCosts(
             sizes=list(sizes),
             step_seconds=step,
@@ -552,8 +644,114 @@ def flop_speed_costs(
             block_seconds=per_block,
             optimizer_seconds=4 * param_bytes / bytes_per_s,
             note=note,
+            # The policy's saved ops (their FLOPs) are not recomputed: the rest, mostly bytes moved, is.
+            selective_shares=_simulated_selective_shares(
+                spec, micro_batch_size=min(sizes), precision=name, flops_per_s=flops_per_s[name], bytes_per_s=share_bytes_per_s,
+            ),
         )
     return results
+
+
+def roofline_rates(device_type: str, device_name: str, *, cpu: tuple[float, float, float] | None = None) -> tuple[dict, float]:
+    """What ``selective_shares`` costs ops at: per precision, FLOP/s by operator family ("conv", "matmul"); and bytes/s.
+
+    On a GPU, the table's throughput class of each family in each precision times the share training reaches
+    (as ``gpu_forward_seconds``), and half the memory bandwidth; on the CPU, a measured matmul's rate
+    (``_cpu_throughput``, or ``cpu`` when already measured).
+    """
+    from strategies import PRECISIONS
+
+    if device_type == "cuda":
+        gpu, _ = gpu_peaks(device_name)
+        efficiency = {"conv": CONV_EFFICIENCY, "matmul": MATMUL_EFFICIENCY}
+        rates = {
+            precision: {family: getattr(gpu, kind) * efficiency[family][kind] for family, kind in _gpu_classes(precision).items()}
+            for precision in PRECISIONS
+        }
+        return rates, gpu.bandwidth * 0.5
+    flops_per_s, _, bytes_per_s = cpu or _cpu_throughput()
+    return {precision: {"conv": flops_per_s, "matmul": flops_per_s} for precision in PRECISIONS}, bytes_per_s
+
+
+class _OpSeconds(TorchDispatchMode):
+    """Per block, the estimated seconds of the forward ops selective checkpointing keeps and of those it recomputes.
+
+    An op costs its FLOPs at its family's rate plus the bytes it reads and writes at the bandwidth; a view moves
+    nothing. Ops outside every block are not counted.
+    """
+
+    def __init__(self, *, flops_per_s: dict[str, float], bytes_per_s: float) -> None:
+        super().__init__()
+        self.flops_per_s, self.bytes_per_s = flops_per_s, bytes_per_s
+        self.block: int | None = None
+        self.kept: dict[int, float] = {}
+        self.recomputed: dict[int, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.block is not None:
+            into = self.kept if selective_saves(func) else self.recomputed
+            into[self.block] = into.get(self.block, 0.0) + self._seconds(func, args, kwargs, out)
+        return out
+
+    def _seconds(self, func, args, kwargs, out) -> float:
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outputs or all(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            return 0.0  # a view, or a query (a fake tensor's device)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
+        family = "conv" if "convolution" in str(func) else "matmul"
+        return op_flops(func, args, kwargs, out) / self.flops_per_s[family] + moved / self.bytes_per_s
+
+
+def selective_shares(
+    applied: AppliedPlan, inputs, *, blocks: list[str], flops_per_s: dict[str, float], bytes_per_s: float
+) -> list[float]:
+    """Per block: the share of its forward's estimated time that selective checkpointing recomputes.
+
+    One forward of ``inputs`` (real or fake tensors) under the configuration's
+    precision; each op costed by ``_OpSeconds``. The policy's saved ops
+    (``strategies.checkpointing.selective_saves``: matmuls, convolutions,
+    attention) are not recomputed; the rest (norms, activations, adds, casts)
+    are. The device's timing calibrates the estimate (``SpeedCosts.selective_factor``).
+    """
+    meter = _OpSeconds(flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
+    modules = dict(applied.model.named_modules())
+
+    def enter(index):
+        def hook(module, args):
+            meter.block = index
+        return hook
+
+    def leave(module, args, output):
+        meter.block = None
+
+    handles = [modules[name].register_forward_pre_hook(enter(index)) for index, name in enumerate(blocks)]
+    handles += [modules[name].register_forward_hook(leave) for name in blocks]
+    try:
+        with meter, applied.forward_context():
+            call_model(applied.model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    shares = []
+    for index in range(len(blocks)):
+        kept, recomputed = meter.kept.get(index, 0.0), meter.recomputed.get(index, 0.0)
+        shares.append(recomputed / (kept + recomputed) if kept + recomputed > 0 else 0.0)
+    return shares
+
+
+def _simulated_selective_shares(spec: ModelSpec, *, micro_batch_size: int, precision: str, flops_per_s, bytes_per_s) -> list[float]:
+    """``selective_shares`` over fake tensors (nothing runs), for the memory model's blocks."""
+    meter = simulated_meter(spec, for_device="cpu")
+    torch.manual_seed(0)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        inputs, _ = spec.example_batch(micro_batch_size)
+        blocks = checkpoint_candidates(model, example_inputs=inputs)
+        applied = apply_config(model, _one_micro_batch(micro_batch_size, precision=precision), device=meter.device, use_scaler=False)
+        return selective_shares(applied, inputs, blocks=blocks, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
 
 
 def _forward_flops(spec: ModelSpec, size: int) -> dict[str, int]:
@@ -639,16 +837,21 @@ def gpu_forward_seconds(flops: dict[str, float], *, gpu: GpuPeaks, precision: st
     half-precision tensor cores; fp32 convolutions on TF32 tensor cores and
     fp32 matmuls on CUDA cores (TF32 when ``torch.backends.cuda.matmul.allow_tf32``).
     """
-    classes = {"conv": "half", "matmul": "half"}
-    if precision == "fp32":
-        conv_tf32 = torch.backends.cudnn.allow_tf32
-        classes = {"conv": "tf32" if conv_tf32 else "fp32", "matmul": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"}
+    classes = _gpu_classes(precision)
     efficiency = {"conv": CONV_EFFICIENCY, "matmul": MATMUL_EFFICIENCY}
     step_at_peak = 3 * sum(n / getattr(gpu, classes[family]) for family, n in flops.items())  # forward + backward
     fill = step_at_peak / (step_at_peak + GPU_FILL_SECONDS)  # a small micro-step cannot keep a large GPU busy
     return sum(
         n / (getattr(gpu, classes[family]) * efficiency[family][classes[family]] * fill) for family, n in flops.items() if n
     )
+
+
+def _gpu_classes(precision: str) -> dict[str, str]:
+    """The throughput class ("fp32", "tf32", "half") each operator family runs at in ``precision``."""
+    if precision == "fp32":
+        conv_tf32 = torch.backends.cudnn.allow_tf32
+        return {"conv": "tf32" if conv_tf32 else "fp32", "matmul": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"}
+    return {"conv": "half", "matmul": "half"}
 
 
 def _cpu_throughput() -> tuple[float, float, float]:

@@ -27,7 +27,7 @@ from autofit.measure.probe import create_optimizer_state, probe
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import CostModel, StepTimer
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
-from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_checkpoint
+from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_for
 from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
 from autofit.units import format_bytes
 from strategies import PRECISIONS
@@ -179,7 +179,8 @@ class Measurements:
             traced = min(context.global_batch_size, 2 * m)
             result = probe(
                 context.sim_spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
-                checkpoint=list(config.checkpoint), device=context.device, simulate=True, steps=2,
+                checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
+                device=context.device, simulate=True, steps=2,
             )
             host = (context.global_batch_size - traced) * self.host_sample_bytes
             breakdown = dict(result.breakdown)
@@ -195,7 +196,8 @@ class Measurements:
         try:
             result = probe(
                 context.spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
-                checkpoint=list(config.checkpoint), device=context.device, steps=2,
+                checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
+                device=context.device, steps=2,
             )
         except torch.OutOfMemoryError:
             release_device_memory(context.device)
@@ -372,7 +374,7 @@ def _resident_bytes(context: PlanContext) -> int:
 def _training_config(config: Config, context: PlanContext) -> TrainingConfig:
     return TrainingConfig(
         global_batch_size=context.global_batch_size, micro_batch_size=config.micro_batch_size,
-        precision=config.precision, checkpoint=list(config.checkpoint),
+        precision=config.precision, checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
     )
 
 
@@ -419,9 +421,9 @@ def verify(
     if reference is not None and reference.key() not in {c.config.key() for c in candidates}:
         # Timed beside them anyway: where it fits it is a candidate too (the simplest, often the fastest).
         plain = next((e for e in evaluations if Config(precision=e.precision, micro_batch_size=e.micro_batch_size).key() == reference.key()), None)
-        if plain is not None and plain.fits and not plain.checkpoint:
+        if plain is not None and plain.fits and not plain.checkpoint and not plain.selective_checkpoint:
             fitting = _fitting_checkpoint_set(context, model, plain, measurements)
-            if fitting is not None and not fitting.config.checkpoint:
+            if fitting is not None and not fitting.config.checkpoint and not fitting.config.selective_checkpoint:
                 candidates.append(fitting)
     if not candidates:
         candidates = [_candidate(model, floor_config)]
@@ -461,7 +463,8 @@ def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evalua
     """Up to VERIFY_TOP candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
     # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
     ranked = sorted(
-        (e for e in evaluations if e.fits), key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint))
+        (e for e in evaluations if e.fits),
+        key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint)),
     )
     candidates: list[_Candidate] = []
     best_predicted = None
@@ -483,7 +486,10 @@ def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evalua
             return min(max(TIE, model.precisions[e.precision].speed.noise), MAX_TIE)
 
         near = [e for e in ranked if e.samples_per_s >= best_predicted * (1 - band(e))]
-        simplest = min(near, key=lambda e: (e.grad_accum_steps, len(e.checkpoint), PRECISIONS.index(e.precision)), default=None)
+        simplest = min(
+            near, key=lambda e: (e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint), PRECISIONS.index(e.precision)),
+            default=None,
+        )
         keys = {(c.config.precision, c.config.micro_batch_size) for c in candidates}
         if simplest is not None and (simplest.precision, simplest.micro_batch_size) not in keys:
             candidate = _fitting_checkpoint_set(context, model, simplest, measurements)
@@ -496,31 +502,30 @@ def _decided(model: CostModel, config: Config, measurements: Measurements) -> bo
     """Whether the memory model alone says this configuration fits, with DECIDED_MARGIN to spare."""
     if not measurements.model_is_exact:
         return False
-    blocks = frozenset(model.blocks.index(n) for n in config.checkpoint)
-    predicted = model.peak_bytes(config.precision, config.micro_batch_size, blocks) * measurements.scale(config.precision)
+    blocks, selective = _indices(model, config)
+    predicted = model.peak_bytes(config.precision, config.micro_batch_size, blocks, selective) * measurements.scale(config.precision)
     return predicted <= measurements.usable_bytes() * (1 - DECIDED_MARGIN)
 
 
 def _fitting_checkpoint_set(
     context: PlanContext, model: CostModel, evaluation: Evaluation, measurements: Measurements
 ) -> _Candidate | None:
-    """The search's checkpoint set for this point, measured unless decided; while it does not fit, one the model predicts smaller."""
+    """The search's checkpoint modes for this point, measured unless decided; while they do not fit, ones the model predicts smaller."""
     precision, size = evaluation.precision, evaluation.micro_batch_size
-    segments, drops = model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size)
-    seconds = model.recompute_seconds(precision, size)
     # Limits below are in the model's own (unscaled) bytes.
     limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
-    names = evaluation.checkpoint
+    config = Config(
+        precision=precision, micro_batch_size=size, checkpoint=tuple(evaluation.checkpoint),
+        selective_checkpoint=tuple(evaluation.selective_checkpoint),
+    )
     for _attempt in range(VERIFY_ATTEMPTS):
-        blocks = frozenset(model.blocks.index(n) for n in names)
-        raw = model.peak_bytes(precision, size, blocks) / model.memory_scale
+        raw = model.peak_bytes(precision, size, *_indices(model, config)) / model.memory_scale
         if raw > limit:  # the scale learnt from an earlier measurement rules this set out
-            choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
+            choice = cheapest_for(model, precision, size, limit_bytes=limit)
             if choice is None:
                 return None
-            names, blocks = [model.blocks[b] for b in sorted(choice.blocks)], choice.blocks
-            raw = model.peak_bytes(precision, size, blocks) / model.memory_scale
-        config = Config(precision=precision, micro_batch_size=size, checkpoint=tuple(names))
+            config = _config(model, precision, size, choice)
+            raw = model.peak_bytes(precision, size, choice.blocks, choice.selective) / model.memory_scale
         if _decided(model, config, measurements) and config.key() not in measurements.peaks:
             return _candidate(model, config)
         peak, _ = measurements.checked_peak(config)
@@ -534,19 +539,34 @@ def _fitting_checkpoint_set(
         measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
         limit = min(limit, raw, measurements.usable_bytes() / model.memory_scale / measurements.scale(precision)) - 1
-        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
+        choice = cheapest_for(model, precision, size, limit_bytes=limit)
         if choice is None:
             return None
-        names = [model.blocks[b] for b in sorted(choice.blocks)]
+        config = _config(model, precision, size, choice)
     return None
 
 
+def _indices(model: CostModel, config: Config) -> tuple[frozenset[int], frozenset[int]]:
+    """The configuration's fully and selectively checkpointed blocks, as the cost model's indices."""
+    return (
+        frozenset(model.blocks.index(n) for n in config.checkpoint),
+        frozenset(model.blocks.index(n) for n in config.selective_checkpoint),
+    )
+
+
+def _config(model: CostModel, precision: str, size: int, choice) -> Config:
+    return Config(
+        precision=precision, micro_batch_size=size, checkpoint=tuple(model.blocks[b] for b in sorted(choice.blocks)),
+        selective_checkpoint=tuple(model.blocks[b] for b in sorted(choice.selective)),
+    )
+
+
 def _candidate(model: CostModel, config: Config) -> _Candidate:
-    blocks = frozenset(model.blocks.index(n) for n in config.checkpoint)
+    blocks, selective = _indices(model, config)
     precision, size = config.precision, config.micro_batch_size
     return _Candidate(
-        config=config, predicted_samples_per_s=model.samples_per_s(precision, size, blocks),
-        predicted_peak_bytes=model.peak_bytes(precision, size, blocks),
+        config=config, predicted_samples_per_s=model.samples_per_s(precision, size, blocks, selective),
+        predicted_peak_bytes=model.peak_bytes(precision, size, blocks, selective),
     )
 
 

@@ -100,6 +100,7 @@ def write_plan(
         micro_batch_size=config.micro_batch_size,
         precision=config.precision,
         checkpoint=list(config.checkpoint),
+        selective_checkpoint=list(config.selective_checkpoint),
         estimated=context.simulate,
         predicted=Predicted(
             peak_bytes=int(chosen["predicted_peak_bytes"]),
@@ -135,30 +136,37 @@ def _alternatives(
     """
     points = []
     for e in evaluations:
-        points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, (), e.plain_peak_bytes, e.plain_samples_per_s))
-        if e.fits and e.checkpoint:
-            points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, tuple(e.checkpoint), e.peak_bytes, e.samples_per_s))
-    points.sort(key=lambda p: (p[4], -p[5]))
+        points.append((Config(precision=e.precision, micro_batch_size=e.micro_batch_size), e.grad_accum_steps, e.plain_peak_bytes, e.plain_samples_per_s))
+        if e.fits and (e.checkpoint or e.selective_checkpoint):
+            config = Config(
+                precision=e.precision, micro_batch_size=e.micro_batch_size, checkpoint=tuple(e.checkpoint),
+                selective_checkpoint=tuple(e.selective_checkpoint),
+            )
+            points.append((config, e.grad_accum_steps, e.peak_bytes, e.samples_per_s))
+    points.sort(key=lambda p: (p[2], -p[3]))
     front, best_speed = [], -1.0
     for point in points:
-        if point[5] > best_speed:
+        if point[3] > best_speed:
             front.append(point)
-            best_speed = point[5]
+            best_speed = point[3]
     config: Config = chosen["config"]
-    if not any(Config(precision=p[0], micro_batch_size=p[1], checkpoint=p[3]).key() == config.key() for p in front):
+    if not any(p[0].key() == config.key() for p in front):
         # Chosen by measurement though the model ranked it lower: list it with the front.
-        front.append((config.precision, config.micro_batch_size, math.ceil(context.global_batch_size / config.micro_batch_size),
-                      tuple(config.checkpoint), chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
-        front.sort(key=lambda p: (p[4], -p[5]))
+        front.append((config, math.ceil(context.global_batch_size / config.micro_batch_size),
+                      chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
+        front.sort(key=lambda p: (p[2], -p[3]))
     measured_chosen = {
         "measured_peak_bytes": chosen["measured_peak_bytes"], "measured_samples_per_s": chosen["measured_samples_per_s"], "fits": True,
     }
+    chosen_key = config.key()
     alternatives = []
-    for precision, size, steps, checkpoint, peak, speed in front:
-        key = Config(precision=precision, micro_batch_size=size, checkpoint=checkpoint).key()
-        is_chosen = key == config.key()
+    for config, steps, peak, speed in front:
+        key = config.key()
+        is_chosen = key == chosen_key
         entry = {
-            "precision": precision, "micro_batch_size": size, "grad_accum_steps": steps, "checkpoint": list(checkpoint),
+            "precision": config.precision, "micro_batch_size": config.micro_batch_size, "grad_accum_steps": steps,
+            "checkpoint": list(config.checkpoint),
+            **({"selective_checkpoint": list(config.selective_checkpoint)} if config.selective_checkpoint else {}),
             "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
             "fits_budget": peak * model.memory_scale <= usable_bytes, "chosen": is_chosen,
         }
