@@ -498,7 +498,7 @@ def chain_model(tmp_path_factory):
         for mode, levers in {"none": {}, "selective": {"selective_checkpoint": blocks}, "full": {"checkpoint": blocks}}.items()
     }
     assert peaks["full"] < peaks["selective"] < peaks["none"]
-    budget = Headroom(device_type="cpu", estimated=False, budget_bytes=1).smallest_budget(peaks["selective"])
+    budget = Headroom(device_type="cpu", estimated=False, budget_bytes=1).smallest_budget(peaks["selective"], persistent_bytes=0)
     return path, spec, blocks, budget
 
 
