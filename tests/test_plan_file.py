@@ -241,16 +241,15 @@ def test_autofit_train_refuses_a_bad_plan_with_one_line(tmp_path, run_cli, case)
 
 CLI_CASES = [
     ("micro_batch_size", {"micro_batch_size": "x"}),
-    ("global_batch_size", {"global_batch_size": True}),
-    ("model.fingerprint", {"model.fingerprint": 123}),
-    ("checkpoint", {"checkpoint": "blocks.0"}),
     ("grad_accum_steps", {"grad_accum_steps": 3}),
 ]
+"""A field of the wrong type and one that contradicts the others: every case of BAD runs through the CLI in this
+process above; a real process only adds the interpreter's own output, the same for any field."""
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=[case_id(c) for c in CLI_CASES])
 def test_python_m_autofit_train_refuses_a_bad_plan_without_a_traceback(tmp_path, case):
-    """A real process (`python -m autofit`), as a user runs it: a handful, each costs a torch import."""
+    """A real process (`python -m autofit`), as a user runs it: two, each costs a torch import."""
     name, changes = case
     path = write(tmp_path / "bad.json", changed(valid_plan().to_dict(), changes))
     done = subprocess.run(
