@@ -14,11 +14,12 @@ plain data, so a study can store it and resume.
 """
 from __future__ import annotations
 
+
 import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -283,11 +284,22 @@ def memory_costs(
         return MemoryCosts(low=low_trace, high=low_trace)
     high_trace = trace(high)
     middle_trace = trace(2) if low == 1 and high > 2 else None
+    traced = [t for t in (low_trace, middle_trace, high_trace) if t is not None]
+    if len({bool(t.selective_drop_bytes) for t in traced}) > 1:
+        # Selective checkpointing frees bytes at some sizes only (it is left out of a trace where it frees
+        # nothing): it is not offered at this precision, and the traces agree without it.
+        low_trace, high_trace = _without_selective(low_trace), _without_selective(high_trace)
+        middle_trace = _without_selective(middle_trace) if middle_trace is not None else None
     return MemoryCosts(
         low=_same_structure(low_trace, high_trace),
         high=high_trace,
         middle=_same_structure(middle_trace, high_trace) if middle_trace is not None else None,
     )
+
+
+def _without_selective(trace: MemoryTrace) -> MemoryTrace:
+    """``trace`` without its selective recomputations (selective checkpointing then is not a choice)."""
+    return replace(trace, segments=[s for s in trace.segments if not s.selective], selective_drop_bytes=[])
 
 
 def _same_structure(trace: MemoryTrace, high_trace: MemoryTrace) -> MemoryTrace:
