@@ -57,13 +57,13 @@ def run_cli(capsys, monkeypatch):
     return run
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def frozen_heap():
-    """Objects alive when a test module starts (torch, the libraries, the tests) are left out of garbage collections.
+    """Objects alive when a test starts (torch, the libraries, the tests' modules) are left out of garbage collections.
 
     Probes and the planner call gc.collect() between measurements; scanning the
     half-million objects the imports made took about 0.5 s a call, half of a
-    small plan's time. Objects made by the tests are collected as before.
+    small plan's time. What a test makes is collected as before.
     """
     gc.collect()
     gc.freeze()

@@ -47,9 +47,12 @@ def test_a_small_micro_step_does_not_fill_a_large_gpu():
 
 @pytest.mark.slow
 def test_an_estimated_gpu_plan_is_not_fp32_by_default(one_thread):
-    """A transformer with real work per step (1024 wide, 256 tokens): its matmuls run ~10x faster in bf16/fp16."""
+    """A transformer with real work per step (1024 wide, 256 tokens): its matmuls run ~10x faster in bf16/fp16.
+
+    One layer: the simulated traces cost per operator, not per FLOP, and a second layer only repeated the first.
+    """
     module = transformer_module("sdpa")
-    module.D_MODEL, module.SEQ_LEN, module.N_LAYERS, module.N_HEADS = 1024, 256, 2, 8
+    module.D_MODEL, module.SEQ_LEN, module.N_LAYERS, module.N_HEADS = 1024, 256, 1, 8
     spec = ModelSpec(
         source="wide transformer", build_model=lambda: module.TinyTransformer("sdpa"), example_batch=module.example_batch,
         loss_fn=torch.nn.functional.cross_entropy, build_optimizer=default_optimizer,
