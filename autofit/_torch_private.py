@@ -32,6 +32,7 @@ __all__ = [
     "grad_scaler_tensors",
     "inner_tensors",
     "new_fake_mode",
+    "op_flops",
     "reset_grad_scaler_step",
     "storage_resizes",
     "tree_leaves",
@@ -84,6 +85,15 @@ def reset_grad_scaler_step(scaler: torch.amp.GradScaler) -> None:
     from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
     scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
+
+
+def op_flops(op, args, kwargs, out) -> int:
+    """The FLOPs ``torch.utils.flop_counter`` counts for one ATen op call (0 for an op it has no formula for:
+    pointwise ops, norms, copies)."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(op.overloadpacket)
+    return 0 if formula is None else int(formula(*args, **(kwargs or {}), out_val=out))
 
 
 def new_fake_mode() -> FakeTensorMode:

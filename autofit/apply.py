@@ -95,8 +95,9 @@ class TrainingConfig:
     """Step each parameter as soon as backward has its gradient, so gradients never all exist at
     once. Needs one micro-batch per step, one process, and no fp16."""
     optimizer_state: str = "device"
-    """Where the optimizer's state lives: "device", "host" (update on the host; a GPU lever, a
-    no-op on the CPU) or "8bit" (torchao's 8-bit AdamW; lossy, a declared choice)."""
+    """Where the optimizer's state lives: "device", "host" (update on the host; a GPU lever: on the
+    CPU its host tensors are counted apart as host bytes) or "8bit" (torchao's 8-bit AdamW; lossy,
+    a declared choice)."""
     sharding: str = "none"
     """"none", "ddp" or "fsdp"."""
     world_size: int = 1

@@ -1,32 +1,44 @@
 """How good are the planner's plans? Against an exhaustive grid and the usual hand choices, on the CPU.
 
-For each model and each budget from the floor to the unconstrained peak:
+For each model, at budgets from the floor to the unconstrained peak (``--budgets``)
+and at fractions of it (``--fractions``, 0.33x and 0.66x by default; the
+unconstrained peak is plain fp32 training of the whole global batch, as MONeT
+states its budgets):
 
 - plan it (``make_plan``, all three precisions) and time the planning;
 - re-measure the plan from scratch with ``probe`` at the full global batch:
   a budget violation is measured peak + the plan's headroom > budget;
 - compare its samples/s with
   * the best configuration of an exhaustive grid over the same space
-    (precision x micro-batch x every checkpoint set): every grid point's
-    memory measured (simulated meter, see ``measure_peak``), every point that
-    could be best timed as plain training steps, the top three re-timed;
+    (precision x micro-batch x a checkpoint mode per block: none, selective
+    or full), every point that could be best timed as plain training steps,
+    the top three re-timed;
+  * the best block-only point of that grid (no block selective: what the
+    planner could do before it searched selective checkpointing), and the
+    best point with a selective block (what selective checkpointing costs here);
+  * the unconstrained configuration (the fastest with no budget: any precision and micro-batch, no
+    checkpointing; the three fastest by screening, re-timed);
   * "checkpoint every block, largest micro-batch that fits" (fp32);
   * "no checkpointing, largest micro-batch that fits" (fp32).
   The final ratios come from re-timing the contenders side by side, in
   interleaved rounds (best of 3), in the same run.
 
-Grid pruning, both sound under "recomputing more is never faster": for a
-(precision, micro-batch), a checkpoint set is not timed when a subset of it
-needs no more memory; fp16's points are measured only if its fastest
-unconstrained configuration (timed at every micro-batch) beats the best
-fitting configuration found without it at some budget.
+The grid's peaks come from the planner's memory model (simulated traces at
+the smallest micro-batch and the global batch), which equals the cpu meter in
+every cell of tests/test_memory_grid.py (selective modes included); the grid's
+leaders are confirmed with the cpu meter at the full global batch before they
+count. Timing is pruned, soundly under "checkpointing a block never makes a
+step faster": at a budget, a (precision, micro-batch) point is timed only with
+mode sets that fit and have no fitting set that checkpoints a subset of their
+blocks (a block none where they have it selective or full); fp16's points only
+if its fastest unconstrained configuration beats the best fitting one without it.
 
-ResNet-18 at 32x32 (G=256) is planned for the wall-time target; its
-8 blocks make 256 checkpoint sets per point, so its grid is restricted to
-checkpoint sets {none, all} and to fp32/bf16 (fp16 at G=256 takes about a
-minute per point on this CPU), and its "grid" ratio is marked partial.
+Modes per block: none / selective / full for models of up to SELECTIVE_GRID_LIMIT
+blocks (3^n sets a point); beyond, every block in one mode ({none, all
+selective, all full}), and the "grid" ratio is marked partial.
 
-    python bench/plan_quality.py            # all models (tens of minutes on 2 cores)
+    python bench/plan_quality.py --models chain,lm,uneven --budgets 0   # the selective rows (minutes on 2 cores)
+    python bench/plan_quality.py            # every model, floor-to-peak sweep too (tens of minutes on 2 cores)
     python bench/plan_quality.py --models cnn --budgets 3 --threads 2
 """
 from __future__ import annotations
@@ -34,8 +46,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +59,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofit.planning.cost_model import time_configuration  # noqa: E402
+from autofit.apply import TrainingConfig  # noqa: E402
+from autofit.planning.cost_model import memory_costs, time_training  # noqa: E402
 from autofit.planning.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.modelling import micro_batch_sizes  # noqa: E402
 from autofit.planning.planner import make_plan  # noqa: E402
@@ -55,6 +70,9 @@ from autofit.units import format_bytes  # noqa: E402
 from strategies import checkpoint_candidates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+NONE, SELECTIVE, FULL = "none", "selective", "full"
+SELECTIVE_GRID_LIMIT = 5
+"""Blocks up to which the grid holds every mode per block (3^5 = 243 sets a point)."""
 
 
 # -- models -----------------------------------------------------------------------------------
@@ -114,6 +132,76 @@ class UnevenNet(nn.Module):
         return self.head(self.blocks(x).mean(dim=(2, 3)))
 
 
+class ChainBlock(nn.Module):
+    """Two matmuls around a chain of ReLUs that each keep their (B, T, C) output for backward: selective
+    checkpointing keeps the matmul outputs and frees the chain (half of what full checkpointing frees)."""
+
+    def __init__(self, dim: int, chain: int = 4) -> None:
+        super().__init__()
+        self.up, self.down, self.chain = nn.Linear(dim, dim), nn.Linear(dim, dim), chain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        h = self.up(x)
+        for _ in range(self.chain):
+            h = torch.relu(h)
+        return x + self.down(h)
+
+
+class ChainNet(nn.Module):
+    """Four ChainBlocks over (B, 2048, 128) inputs: activations far above the parameters' state."""
+
+    def __init__(self, dim: int = 128, num_classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[ChainBlock(dim) for _ in range(4)])
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean(dim=1))
+
+
+class PreNormBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)  # (B, H, T, D)
+        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.norm2(x))
+
+
+class PreNormLM(nn.Module):
+    """A pre-norm causal LM (4 layers, width 64, 512 tokens, vocabulary 256), SDPA attention."""
+
+    VOCAB, SEQ_LEN, DIM = 256, 512, 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.VOCAB, self.DIM)
+        self.pos = nn.Parameter(torch.zeros(1, self.SEQ_LEN, self.DIM))
+        self.layers = nn.ModuleList(PreNormBlock(self.DIM, 4) for _ in range(4))
+        self.norm, self.head = nn.LayerNorm(self.DIM), nn.Linear(self.DIM, self.VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def lm_batch(n: int):
+    tokens = torch.randint(0, PreNormLM.VOCAB, (n, PreNormLM.SEQ_LEN + 1))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def image_spec(name: str, build, shape) -> ModelSpec:
     return ModelSpec(
         source=f"bench:{name}",
@@ -131,6 +219,7 @@ class Case:
     spec: ModelSpec
     global_batch_size: int
     full_grid: bool = True
+    """Every checkpoint mode set (else {none, all selective, all full}, or {none, all} as before selective)."""
     grid_precisions: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
@@ -143,20 +232,22 @@ def cases() -> dict[str, Case]:
             "torchvision resnet18 32x32", load_spec("torchvision:resnet18", input_shape="3x32x32", num_classes=10), 256,
             full_grid=False, grid_precisions=("fp32", "bf16"),
         ),
+        # Activations far above the parameters' state, so that 0.33x of the unconstrained peak is feasible.
+        "chain": Case("ReLU-chain blocks (4, T=2048, C=128)", image_spec("ChainNet", ChainNet, (2048, 128)), 2),
+        "lm": Case(
+            "pre-norm LM (4 layers, T=512, C=64)",
+            ModelSpec(source="bench:PreNormLM", build_model=PreNormLM, example_batch=lm_batch, loss_fn=token_loss,
+                      build_optimizer=default_optimizer),
+            2,
+        ),
     }
 
 
 # -- the grid -----------------------------------------------------------------------------------
-def measure_peak(spec, *, precision, micro_batch_size, global_batch_size, checkpoint) -> int:
-    """A grid point's peak: the simulated meter (the cpu meter's twin: equal in fp32, within
-    0.01% under autocast), one optimizer step of two micro-batches, plus the host copy of
-    the samples not traced (later micro-steps repeat the second; the meter counts the host batch)."""
-    traced = min(global_batch_size, 2 * micro_batch_size)
-    peak = probe(
-        spec, micro_batch_size=micro_batch_size, global_batch_size=traced, precision=precision,
-        checkpoint=list(checkpoint), simulate=True, steps=1,
-    ).peak_bytes
-    return peak + (global_batch_size - traced) * host_sample_bytes(spec)
+# A grid point is (precision, micro-batch, modes): one mode per block, in block order.
+def checkpoint_lists(blocks: list[str], modes: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(fully, selectively) checkpointed block names."""
+    return [b for b, m in zip(blocks, modes) if m == FULL], [b for b, m in zip(blocks, modes) if m == SELECTIVE]
 
 
 def host_sample_bytes(spec) -> int:
@@ -164,12 +255,13 @@ def host_sample_bytes(spec) -> int:
     return sum(t.untyped_storage().nbytes() for t in (inputs, targets))
 
 
-def speed(spec, config, global_batch_size, steps: int = 3) -> float:
-    precision, m, checkpoint = config
-    return time_configuration(
-        spec, precision=precision, micro_batch_size=m, global_batch_size=global_batch_size, checkpoint=list(checkpoint),
-        device="cpu", steps=steps,
+def speed(case: Case, g: dict, config, steps: int = 3) -> float:
+    precision, m, modes = config
+    full, selective = checkpoint_lists(g["blocks"], modes)
+    training = TrainingConfig(
+        global_batch_size=case.global_batch_size, micro_batch_size=m, precision=precision, checkpoint=full, selective_checkpoint=selective,
     )
+    return time_training(case.spec, training, device="cpu", steps=steps)
 
 
 def runnable_sizes(spec, global_batch_size: int) -> list[int]:
@@ -189,119 +281,135 @@ def runnable_sizes(spec, global_batch_size: int) -> list[int]:
     return sizes
 
 
-def fits_for_real(spec, config, global_batch_size: int, budget: int, headroom: int) -> bool:
+def fits_for_real(case: Case, g: dict, config, budget: int, headroom: int) -> bool:
     """The cpu meter at the full global batch: the last word on whether a contender fits."""
-    precision, m, checkpoint = config
-    return measure_real_peak(spec, precision=precision, micro_batch_size=m, global_batch_size=global_batch_size, checkpoint=checkpoint) + headroom <= budget
+    return measure_real_peak(case, g, config) + headroom <= budget
 
 
 _REAL_PEAKS: dict = {}
 
 
-def measure_real_peak(spec, *, precision, micro_batch_size, global_batch_size, checkpoint) -> int:
-    key = (id(spec), precision, micro_batch_size, global_batch_size, tuple(checkpoint))
+def measure_real_peak(case: Case, g: dict, config) -> int:
+    key = (case.name, config)
     if key not in _REAL_PEAKS:
+        precision, m, modes = config
+        full, selective = checkpoint_lists(g["blocks"], modes)
         _REAL_PEAKS[key] = probe(
-            spec, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, precision=precision,
-            checkpoint=list(checkpoint), steps=2,
+            case.spec, micro_batch_size=m, global_batch_size=case.global_batch_size, precision=precision,
+            checkpoint=full, selective_checkpoint=selective, steps=2,
         ).peak_bytes
     return _REAL_PEAKS[key]
 
 
 def grid(case: Case, log) -> dict:
-    """Peaks of every grid point (fp16's only when a budget needs them); speeds later, where needed."""
+    """Peaks of every grid point by the memory model (fp16's only when a budget needs them); speeds later, where needed."""
     spec, G = case.spec, case.global_batch_size
     with torch.device("meta"):
         blocks = checkpoint_candidates(spec.build_model())
-    if case.full_grid:
-        sets = [tuple(c) for r in range(len(blocks) + 1) for c in itertools.combinations(blocks, r)]
+    if case.full_grid and len(blocks) <= SELECTIVE_GRID_LIMIT:
+        sets = list(itertools.product((NONE, SELECTIVE, FULL), repeat=len(blocks)))
     else:
-        sets = [(), tuple(blocks)]
-    g = {"peaks": {}, "sizes": runnable_sizes(spec, G), "sets": sets, "blocks": blocks, "speeds": {}, "candidates": []}
+        case.full_grid = False
+        sets = [(mode,) * len(blocks) for mode in (NONE, SELECTIVE, FULL)]
+    g = {"peaks": {}, "sizes": runnable_sizes(spec, G), "sets": sets, "blocks": blocks, "speeds": {}, "memory": {}}
     start = time.perf_counter()
     for precision in ("fp32", "bf16"):
         add_precision(case, g, precision)
-    log(f"  grid: {len(g['peaks'])} points measured (simulated meter) in {time.perf_counter() - start:.0f} s")
+    log(f"  grid: {len(g['peaks'])} points ({len(sets)} mode sets a point) from the memory model in {time.perf_counter() - start:.0f} s")
     return g
 
 
 def add_precision(case: Case, g: dict, precision: str) -> None:
+    G = case.global_batch_size
+    memory = memory_costs(case.spec, precision=precision, low=g["sizes"][-1], high=G, device_type="cpu")
+    g["memory"][precision] = memory
     for m in g["sizes"]:
-        for checkpoint in g["sets"]:
-            g["peaks"][precision, m, checkpoint] = measure_peak(
-                case.spec, precision=precision, micro_batch_size=m, global_batch_size=case.global_batch_size, checkpoint=checkpoint
-            )
-    g["candidates"] += undominated(g, precision)
+        for modes in g["sets"]:
+            full = {b for b, mode in enumerate(modes) if mode == FULL}
+            selective = frozenset(b for b, mode in enumerate(modes) if mode == SELECTIVE)
+            if selective and memory.selective_drops(m) is None:
+                continue  # selective frees nothing anywhere in this model: no such point
+            g["peaks"][precision, m, modes] = memory.peak_bytes(m, global_batch_size=G, checkpoint=full, selective=selective)
 
 
-def undominated(g: dict, precision: str) -> list[tuple]:
-    """Points not beaten by a subset of their checkpoint set at no more memory."""
-    keep = []
-    for m in g["sizes"]:
-        for checkpoint in g["sets"]:
-            peak, chosen = g["peaks"][precision, m, checkpoint], set(checkpoint)
-            if not any(set(other) < chosen and g["peaks"][precision, m, other] <= peak for other in g["sets"]):
-                keep.append((precision, m, checkpoint))
-    return keep
+def less_recompute(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether ``a`` checkpoints a strict subset of ``b``'s blocks, each in ``b``'s mode (so it is never slower)."""
+    return a != b and all(x == NONE or x == y for x, y in zip(a, b))
+
+
+def worth_timing(g: dict, budget: int, headroom: int, *, selective: bool = True) -> list[tuple]:
+    """Fitting points with no fitting point of the same precision and micro-batch that recomputes less."""
+    fitting = [c for c, peak in g["peaks"].items() if peak + headroom <= budget and (selective or SELECTIVE not in c[2])]
+    by_point: dict = {}
+    for c in fitting:
+        by_point.setdefault(c[:2], []).append(c[2])
+    return [
+        (*point, modes) for point, sets in by_point.items() for modes in sets
+        if not any(less_recompute(other, modes) for other in sets)
+    ]
 
 
 def grid_speed(case: Case, g: dict, config) -> float:
     """A screening measurement (one timed step); contenders are re-timed side by side."""
     if config not in g["speeds"]:
-        g["speeds"][config] = speed(case.spec, config, case.global_batch_size, steps=2)
+        g["speeds"][config] = speed(case, g, config, steps=2)
     return g["speeds"][config]
 
 
-def best_of_grid(case: Case, g: dict, budget: int, headroom: int) -> list[tuple]:
-    """The grid's fitting points by measured speed, fastest first.
+def best_of_grid(case: Case, g: dict, budget: int, headroom: int, *, selective: bool = True) -> list[tuple]:
+    """The grid's fitting points by measured speed, fastest first (block-only ones when not ``selective``).
 
     fp16 enters only where its fastest unconstrained configuration beats the
     best fitting one without it (checkpointing or a smaller budget never make
     it faster).
     """
-    fitting = [c for c in g["candidates"] if g["peaks"][c] + headroom <= budget]
-    for c in fitting:
+    for c in worth_timing(g, budget, headroom, selective=selective):
         grid_speed(case, g, c)
-    best = max((g["speeds"][c] for c in fitting), default=0.0)
-    if "fp16" in case.grid_precisions and "fp16" not in {c[0] for c in g["peaks"]}:
-        ceiling = max(grid_speed(case, g, ("fp16", m, ())) for m in g["sizes"])
+    best = max((g["speeds"][c] for c in worth_timing(g, budget, headroom, selective=selective)), default=0.0)
+    none = (NONE,) * len(g["blocks"])
+    if "fp16" in case.grid_precisions and "fp16" not in g["memory"]:
+        ceiling = max(grid_speed(case, g, ("fp16", m, none)) for m in g["sizes"])
         if ceiling >= best:
             add_precision(case, g, "fp16")
-    fitting = [c for c in g["candidates"] if g["peaks"][c] + headroom <= budget]
-    for c in fitting:
-        grid_speed(case, g, c)
-    ranked = sorted(fitting, key=lambda c: -g["speeds"][c])
-    # The simulated meter can be a few hundred bytes under the cpu meter under autocast:
-    # the leaders are checked with the cpu meter itself.
+    ranked = sorted(worth_timing(g, budget, headroom, selective=selective), key=lambda c: -grid_speed(case, g, c))
+    # The leaders are checked with the cpu meter itself.
     confirmed = []
     for c in ranked:
-        if fits_for_real(case.spec, c, case.global_batch_size, budget, headroom):
+        if fits_for_real(case, g, c, budget, headroom):
             confirmed.append(c)
         if len(confirmed) == 3:
             break
     return confirmed
 
 
+def unconstrained(case: Case, g: dict) -> list[tuple]:
+    """The three fastest configurations with no budget (every precision and micro-batch, no checkpointing), by
+    screening; re-timed beside the plan, the fastest of them is the unconstrained speed."""
+    none = (NONE,) * len(g["blocks"])
+    plain = [(p, m, none) for p in ("fp32", "bf16") for m in g["sizes"]]
+    return sorted(plain, key=lambda c: -grid_speed(case, g, c))[:3]
+
+
 def hand_choice(case: Case, g: dict, budget: int, headroom: int, *, checkpoint_all: bool):
-    sets = [s for s in g["sets"] if (len(s) == len(g["blocks"]) if checkpoint_all else not s)]
+    modes = (FULL if checkpoint_all else NONE,) * len(g["blocks"])
     for m in g["sizes"]:  # largest first
-        config = ("fp32", m, sets[0])
-        if g["peaks"][config] + headroom <= budget and fits_for_real(case.spec, config, case.global_batch_size, budget, headroom):
+        config = ("fp32", m, modes)
+        if g["peaks"][config] + headroom <= budget and fits_for_real(case, g, config, budget, headroom):
             return config
     return None
 
 
-def side_by_side(case: Case, configs: list[tuple], rounds: int = 3) -> dict:
+def side_by_side(case: Case, g: dict, configs: list[tuple], rounds: int = 3) -> dict:
     """Samples/s of each config: the best of interleaved rounds (other work only ever slows a round down)."""
     speeds = {c: [] for c in configs}
     for _ in range(rounds):
         for c in configs:
-            speeds[c].append(speed(case.spec, c, case.global_batch_size))
+            speeds[c].append(speed(case, g, c))
     return {c: max(v) for c, v in speeds.items()}
 
 
 # -- the run ----------------------------------------------------------------------------------------
-def run_case(key: str, case: Case, *, budgets: int, log) -> list[dict]:
+def run_case(key: str, case: Case, *, budgets: int, fractions: list[float], log) -> tuple[list[dict], dict]:
     spec, G = case.spec, case.global_batch_size
     log(f"{case.name}, global batch {G}")
     try:
@@ -309,62 +417,100 @@ def run_case(key: str, case: Case, *, budgets: int, log) -> list[dict]:
     except InfeasibleBudget as error:
         floor = error.floor_bytes
     g = grid(case, log)
-    top_peak = max(g["peaks"][p, g["sizes"][0], ()] for p in ("fp32", "bf16"))
+    top_peak = max(g["peaks"][p, g["sizes"][0], (NONE,) * len(g["blocks"])] for p in ("fp32", "bf16"))
     top = math.ceil(top_peak / 0.98) + 1
-    log(f"  floor {format_bytes(floor)}, unconstrained peak {format_bytes(top_peak)}; {len(g['candidates'])} undominated grid points")
+    fastest = unconstrained(case, g)
+    plain_peak = measure_real_peak(case, g, ("fp32", G, (NONE,) * len(g["blocks"])))
+    log(f"  floor {format_bytes(floor)}, fp32 plain peak {format_bytes(plain_peak)}; the fastest with no budget "
+        f"(screened) {', '.join(describe(g, c) for c in fastest)}")
+    wanted = [(int(floor + (top - floor) * i / max(budgets - 1, 1)), None) for i in range(budgets)]
+    wanted += [(int(fraction * plain_peak), fraction) for fraction in fractions]
     rows = []
-    for i in range(budgets):
-        budget = int(floor + (top - floor) * i / max(budgets - 1, 1))
+    for budget, fraction in wanted:
+        if budget < floor:
+            log(f"  {format_bytes(budget):>11} ({fraction}x): below the floor {format_bytes(floor)}")
+            rows.append({"model": key, "budget": budget, "fraction": fraction, "below_floor": True})
+            continue
         start = time.perf_counter()
         plan = make_plan(spec, budget=budget, batch_size=G)
         plan_seconds = time.perf_counter() - start
         headroom = sum(plan.headroom.values())
-        again = probe(spec, micro_batch_size=plan.micro_batch_size, global_batch_size=G, precision=plan.precision, checkpoint=plan.checkpoint, steps=2)
+        again = probe(
+            spec, micro_batch_size=plan.micro_batch_size, global_batch_size=G, precision=plan.precision, checkpoint=plan.checkpoint,
+            selective_checkpoint=plan.selective_checkpoint, steps=2,
+        )
         violation = again.peak_bytes + headroom > budget
-        mine = (plan.precision, plan.micro_batch_size, tuple(plan.checkpoint))
+        mine = (plan.precision, plan.micro_batch_size, tuple(
+            FULL if b in plan.checkpoint else SELECTIVE if b in plan.selective_checkpoint else NONE for b in g["blocks"]
+        ))
         ranked = best_of_grid(case, g, budget, headroom)
+        block_only = best_of_grid(case, g, budget, headroom, selective=False)
+        with_selective = max(
+            (c for c in worth_timing(g, budget, headroom) if SELECTIVE in c[2] and fits_for_real(case, g, c, budget, headroom)),
+            key=lambda c: grid_speed(case, g, c), default=None,
+        )
         all_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=True)
         no_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=False)
-        contenders = list(dict.fromkeys([mine, *ranked[:3], *(c for c in (all_ckpt, no_ckpt) if c)]))
-        measured = side_by_side(case, contenders)
-        best_grid = max(measured[c] for c in ranked[:3]) if ranked else float("nan")
+        contenders = list(dict.fromkeys(
+            [mine, *ranked[:3], *block_only[:3], *fastest, *(c for c in (with_selective, all_ckpt, no_ckpt) if c)]
+        ))
+        measured = side_by_side(case, g, contenders)
+        best_grid = max(ranked[:3], key=lambda c: measured[c]) if ranked else None
+        best_blocks = max(block_only[:3], key=lambda c: measured[c]) if block_only else None
         row = {
-            "model": key, "budget": budget, "plan": mine, "plan_speed": measured[mine],
-            "grid_best": max(ranked[:3], key=lambda c: measured[c]) if ranked else None,
-            "vs_grid": measured[mine] / best_grid if ranked else float("nan"),
+            "model": key, "budget": budget, "fraction": fraction, "plan": mine, "plan_speed": measured[mine],
+            "grid_best": best_grid, "block_best": best_blocks,
+            "vs_grid": measured[mine] / measured[best_grid] if best_grid else float("nan"),
+            "vs_blocks": measured[mine] / measured[best_blocks] if best_blocks else None,
+            "selective_best": with_selective,
+            "selective_vs_plan": measured[with_selective] / measured[mine] if with_selective else None,
+            "vs_unconstrained": measured[mine] / max(measured[c] for c in fastest),
             "vs_all": measured[mine] / measured[all_ckpt] if all_ckpt else None,
             "vs_none": measured[mine] / measured[no_ckpt] if no_ckpt else None,
-            "violation": violation, "plan_seconds": plan_seconds, "partial": not case.full_grid,
+            "violation": violation, "plan_seconds": plan_seconds, "partial": not case.full_grid, "below_floor": False,
         }
         rows.append(row)
-        log(f"  {format_bytes(budget):>11}: {describe(mine)} {measured[mine]:.0f} samples/s; grid best {describe(row['grid_best'])}; "
-            f"vs grid {row['vs_grid']:.3f}, vs ckpt-all {fmt(row['vs_all'])}, vs no-ckpt {fmt(row['vs_none'])}; "
-            f"violation {violation}; planned in {plan_seconds:.1f} s")
-    return rows
+        log(f"  {format_bytes(budget):>11}{f' ({fraction}x)' if fraction else ''}: {describe(g, mine)} {measured[mine]:.1f} samples/s; "
+            f"grid best {describe(g, best_grid)}; block-only best {describe(g, best_blocks)}; vs grid {row['vs_grid']:.3f}, "
+            f"vs block-only {fmt(row['vs_blocks'])}, "
+            + (f"best with selective {describe(g, with_selective)} at {row['selective_vs_plan']:.2f}x the plan, " if with_selective
+               else "no fitting selective point worth timing, ")
+            + f"vs unconstrained {row['vs_unconstrained']:.2f}, vs ckpt-all {fmt(row['vs_all'])}, "
+            f"vs no-ckpt {fmt(row['vs_none'])}; violation {violation}; planned in {plan_seconds:.1f} s")
+    return rows, g
 
 
-def describe(config) -> str:
+def describe(g: dict, config) -> str:
+    """"bf16 m=4 full=2 sel=1": precision, micro-batch, blocks checkpointed fully and selectively."""
     if config is None:
         return "-"
-    precision, m, checkpoint = config
-    return f"{precision} m={m} ckpt={len(checkpoint)}"
+    precision, m, modes = config
+    selective = f" sel={modes.count(SELECTIVE)}" if SELECTIVE in modes else ""
+    return f"{precision} m={m} full={modes.count(FULL)}{selective}"
 
 
 def fmt(value) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
-def table(rows: list[dict], all_cases: dict[str, Case]) -> str:
+def table(rows: list[dict], all_cases: dict[str, Case], grids: dict[str, dict]) -> str:
     lines = [
-        "| model | G | budget | plan (precision, m, ckpt blocks) | plan samples/s | / grid best | / ckpt-all hand | / no-ckpt hand | violation | plan s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | G | budget | plan (precision, m, blocks full/selective) | plan samples/s | / unconstrained | / best block-only "
+        "| / grid best | best with a selective block, / plan | / ckpt-all hand | / no-ckpt hand | violation | plan s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         case = all_cases[r["model"]]
+        budget = format_bytes(r["budget"]) + (f" ({r['fraction']}x)" if r["fraction"] else "")
+        if r["below_floor"]:
+            lines.append(f"| {case.name} | {case.global_batch_size} | {budget} | below the floor | | | | | | | | | |")
+            continue
         grid_ratio = f"{r['vs_grid']:.3f}" + (" (partial)" if r["partial"] else "")
         lines.append(
-            f"| {case.name} | {case.global_batch_size} | {format_bytes(r['budget'])} | {describe(r['plan'])} | {r['plan_speed']:.0f} | "
-            f"{grid_ratio} | {fmt(r['vs_all'])} | {fmt(r['vs_none'])} | {'YES' if r['violation'] else 'no'} | {r['plan_seconds']:.1f} |"
+            f"| {case.name} | {case.global_batch_size} | {budget} | {describe(grids[r['model']], r['plan'])} | {r['plan_speed']:.1f} | "
+            f"{r['vs_unconstrained']:.2f} | {fmt(r['vs_blocks'])} | {grid_ratio} | "
+            f"{describe(grids[r['model']], r['selective_best'])}, {fmt(r['selective_vs_plan'])} | {fmt(r['vs_all'])} | {fmt(r['vs_none'])} | "
+            f"{'YES' if r['violation'] else 'no'} | {r['plan_seconds']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -372,29 +518,37 @@ def table(rows: list[dict], all_cases: dict[str, Case]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,transformer,uneven,resnet18")
-    parser.add_argument("--budgets", type=int, default=5)
+    parser.add_argument("--budgets", type=int, default=5, help="budgets from the floor to the unconstrained peak (0: none)")
+    parser.add_argument("--fractions", default="0.33,0.66", help="budgets as fractions of the fp32 plain peak of the global batch")
     parser.add_argument(
         "--threads", type=int, default=1,
         help="intra-op threads; 1 keeps timings meaningful when other jobs share the cores (2 threads then stall)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # The plans share a cache across one model's budgets, as a user's would, but never the user's own.
+    os.environ.setdefault("AUTOFIT_CACHE_DIR", tempfile.mkdtemp(prefix="plan-quality-cache-"))
     all_cases = cases()
-    rows = []
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    rows, grids = [], {}
     started = time.perf_counter()
     for key in args.models.split(","):
-        rows += run_case(key, all_cases[key], budgets=args.budgets, log=lambda line: print(line, flush=True))
+        found, grids[key] = run_case(key, all_cases[key], budgets=args.budgets, fractions=fractions, log=lambda line: print(line, flush=True))
+        rows += found
     print()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.perf_counter() - started:.0f} s in all")
-    print(table(rows, all_cases))
-    full = [r for r in rows if not r["partial"]]
+    print(table(rows, all_cases, grids))
+    planned = [r for r in rows if not r["below_floor"]]
+    full = [r for r in planned if not r["partial"]]
     if full:
         ratios = [r["vs_grid"] for r in full]
         print(f"\nfull-grid cases: plan / grid best min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
               f"{sum(r >= 0.95 for r in ratios)}/{len(ratios)} at >= 0.95")
-    print(f"budget violations: {sum(r['violation'] for r in rows)} of {len(rows)} plans")
-    for key in {r["model"] for r in rows}:
-        worst = max(r["plan_seconds"] for r in rows if r["model"] == key)
+    chosen = [r for r in planned if SELECTIVE in r["plan"][2]]
+    print(f"plans with selective blocks: {len(chosen)} of {len(planned)}")
+    print(f"budget violations: {sum(r['violation'] for r in planned)} of {len(planned)} plans")
+    for key in dict.fromkeys(r["model"] for r in planned):
+        worst = max(r["plan_seconds"] for r in planned if r["model"] == key)
         print(f"{all_cases[key].name}: planning wall time up to {worst:.1f} s")
 
 

@@ -18,6 +18,7 @@ from strategies.checkpointing import (
     checkpoint_candidates,
     checkpoint_granularities,
     resolve_blocks,
+    selective_saves,
 )
 from strategies.offload import ActivationOffload, OffloadConfig
 from strategies.optimizer_in_backward import OptimizerInBackward, OptimizerInBackwardConfig, StepInBackward
@@ -53,5 +54,6 @@ __all__ = [
     "precision_dtype",
     "rank_slice",
     "resolve_blocks",
+    "selective_saves",
     "unwrap_model",
 ]

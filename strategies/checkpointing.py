@@ -350,9 +350,15 @@ SAVED_OPS = frozenset({
 })
 
 
+def selective_saves(op) -> bool:
+    """Whether a selectively checkpointed block keeps this ATen op's outputs (one of ``SAVED_OPS``) rather than
+    recomputing it: the policy below, and the planner's memory and speed models of it, ask this one question."""
+    return op.overloadpacket in SAVED_OPS
+
+
 def _save_compute_heavy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """The selective policy: keep the outputs of ``SAVED_OPS``, recompute every other op."""
-    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if selective_saves(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():

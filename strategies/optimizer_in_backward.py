@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.measure.host import host_tensors
 from strategies.base import OptimizerBuilder, Strategy
 
 
@@ -86,6 +87,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         return None
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What the per-parameter optimizers keep in host memory (optimizer state on the host), for the meters."""
+        return [tensor for optimizer in self.optimizers for tensor in host_tensors(optimizer)]
 
     def state_dict(self) -> dict:
         return {"per_parameter": [optimizer.state_dict() for optimizer in self.optimizers]}

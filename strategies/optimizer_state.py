@@ -3,11 +3,16 @@
 - "device": the optimizer as the model file builds it.
 - "host" (ZeRO-Offload style): the optimizer runs on the host over fp32 copies
   of the parameters, so its state (AdamW: two tensors per parameter) never
-  takes device memory. Each step copies the gradients to the host, steps the
-  optimizer there, and copies the parameters back. It is the model file's own
-  optimizer (class, hyper-parameters, groups) on other tensors, so the update
-  is the same arithmetic. On a CPU the host is the device and this changes
-  nothing, so there it is left off (the optimizer is the model file's).
+  takes device memory. Each gradient goes to the host as soon as backward has
+  it (accumulated there over micro-batches), so gradients do not stay on the
+  device either; each step runs the optimizer there and copies the
+  parameters back. It is the model file's own optimizer (class,
+  hyper-parameters, groups) on other tensors, so the update is the same
+  arithmetic. On a CPU the host is the device: the copies, the
+  gradients' buffers, the state and the update's temporaries are then made
+  inside ``host_allocation()``, which the cpu and simulated meters count as
+  host memory, not in the device peak (as activation offload's copies are),
+  so that a plan for a GPU simulated here measures what host state saves.
 - "8bit": ``torchao.optim.AdamW8bit`` (or ``Adam8bit``) with the model file's
   hyper-parameters: block-wise quantized moments, a quarter of the state
   bytes. Lossy: a declared change of the training arithmetic, never chosen
@@ -23,7 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autofit._torch_private import without_dispatch_modes
 from autofit.errors import UserError
+from autofit.measure.host import host_allocation
 from strategies.base import OptimizerBuilder, Strategy
 
 OPTIMIZER_STATES = ("device", "host", "8bit")
@@ -46,7 +53,7 @@ class OptimizerState(Strategy):
 
     Args:
         config: where the state lives.
-        device: where the model trains; "host" is off when it is the CPU.
+        device: where the model trains.
     """
 
     def __init__(self, config: OptimizerStateConfig, *, device: torch.device | str) -> None:
@@ -55,7 +62,7 @@ class OptimizerState(Strategy):
 
     def wrap_optimizer_builder(self, build: OptimizerBuilder) -> OptimizerBuilder:
         where = self.config.optimizer_state
-        if where == "host" and self.device.type != "cpu":
+        if where == "host":
             return lambda params: HostOptimizer(params, build=build)
         if where == "8bit":
             return lambda params: eight_bit_adam(build(params))
@@ -65,10 +72,28 @@ class OptimizerState(Strategy):
 class HostOptimizer(torch.optim.Optimizer):
     """The optimizer ``build`` makes, run on the host over copies of ``params``.
 
-    ``step()`` copies each gradient to the host, steps there, and copies the
-    updated values back into the parameters. ``param_groups`` and ``state``
-    are the host optimizer's own objects, so a learning-rate schedule and
-    ``state_dict()`` act on it directly.
+    Each gradient leaves the device as soon as backward has accumulated it (a
+    post-accumulate-grad hook, as ZeRO-Offload moves gradients during
+    backward): it is copied into the parameter's host buffer on the first
+    micro-batch after ``zero_grad``, added to it on the later ones, and freed
+    on the device. So gradients never all exist on the device, with or
+    without accumulation. The host buffer adds the micro-batches' gradients in
+    the order backward would add them on the device, so the sum is the same.
+    ``step()`` steps the optimizer on the host and copies the updated values
+    back into the parameters (a gradient set by hand rather than by backward
+    is copied to the host there). ``param_groups`` and ``state`` are the host
+    optimizer's own objects, so a learning-rate schedule, ``state_dict()`` and
+    fp16's GradScaler (which unscales the host gradients) act on it directly.
+
+    Everything it keeps on the host (the parameters' copies, the gradients'
+    buffers, the state) and the update's temporaries are made inside
+    ``host_allocation()``: where the host is this same CPU, the meters count
+    them as host bytes (``host_tensors()`` lists those made before a
+    measurement began).
+
+    On a GPU the first copy of each step is asynchronous (into pinned memory,
+    on the compute stream); a later micro-batch's gradient is copied and
+    added synchronously.
 
     Args:
         params: the parameters (on the device).
@@ -81,42 +106,66 @@ class HostOptimizer(torch.optim.Optimizer):
         self.params = [p for p in params if p.requires_grad]
         self.host = torch.device(host)
         pin = any(p.is_cuda for p in self.params)
-        # fp32 copies in pinned memory (when the parameters are on a GPU: copies run asynchronously).
-        self.copies = [_host_empty_like(p, self.host, pin=pin).copy_(p.detach()) for p in self.params]
-        self.grad_buffers = [_host_empty_like(p, self.host, pin=pin) for p in self.params]
-        self.inner = build(self.copies)
+        with host_allocation():
+            # fp32 copies in pinned memory (when the parameters are on a GPU: copies run asynchronously).
+            self.copies = [_host_empty_like(p, self.host, pin=pin).copy_(p.detach()) for p in self.params]
+            self.grad_buffers = [_host_empty_like(p, self.host, pin=pin) for p in self.params]
+            self.inner = build(self.copies)
         super().__init__(self.copies, dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(self._gradient_to_host(index))
+
+    def _gradient_to_host(self, index: int):
+        copy, buffer = self.copies[index], self.grad_buffers[index]
+
+        @torch.no_grad()
+        def move(param: nn.Parameter) -> None:
+            if param.grad is None:
+                return
+            with host_allocation():
+                if copy.grad is None:  # the first micro-batch since zero_grad()
+                    copy.grad = buffer.copy_(param.grad, non_blocking=True)
+                else:
+                    copy.grad.add_(param.grad.to(self.host))  # waits for the gradient (and the earlier copies)
+            param.grad = None  # on a GPU the allocator reuses it only after the copy, on the same stream
+
+        return move
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise UserError("optimizer state on the host does not take a closure in step()")
-        for param, copy, buffer in zip(self.params, self.copies, self.grad_buffers):
-            if param.grad is None:
-                copy.grad = None
-                continue
-            copy.grad = buffer.copy_(param.grad, non_blocking=True)
-        _wait_for_copies(self.params)  # the gradients are on the host
-        self.inner.step()
+        with host_allocation():
+            for param, copy, buffer in zip(self.params, self.copies, self.grad_buffers):
+                if param.grad is not None:  # set by hand, not by backward (whose hook moved it already)
+                    copy.grad = buffer.copy_(param.grad, non_blocking=True)
+            _wait_for_copies(self.params)  # the gradients are on the host
+            self.inner.step()  # its state and temporaries are host memory
         for param, copy in zip(self.params, self.copies):
             if copy.grad is not None:
                 param.copy_(copy, non_blocking=True)  # waited for by the next step's gradient copy
         return None
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What this optimizer keeps in host memory: the parameters' copies, the gradients' buffers, the state."""
+        state = [v for values in self.inner.state.values() for v in values.values() if isinstance(v, torch.Tensor)]
+        return [*self.copies, *self.grad_buffers, *state]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for param in self.params:
+        for tensor in [*self.params, *self.copies]:
             if set_to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.zero_()
+                tensor.grad = None
+            elif tensor.grad is not None:
+                tensor.grad.zero_()
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.inner.load_state_dict(state_dict)
+        with host_allocation():
+            self.inner.load_state_dict(state_dict)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
 
@@ -148,6 +197,7 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             from torchao.optim import Adam8bit, AdamW8bit
     except ImportError as error:
         raise UserError(f"optimizer state '8bit' needs torchao ({error}); pip install torchao, or use 'device' or 'host'") from None
+    _make_quantization_maps()
     groups = []
     for group in optimizer.param_groups:
         unsupported = [name for name in ("maximize", "differentiable", "capturable") if group.get(name)]
@@ -156,6 +206,22 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
     kind_8bit = AdamW8bit if kind is torch.optim.AdamW else Adam8bit
     return kind_8bit(groups, lr=groups[0]["lr"])
+
+
+def _make_quantization_maps() -> None:
+    """Build torchao's 8-bit quantization maps now, with real tensors.
+
+    torchao builds them on first use with ``.tolist()`` and keeps them
+    (``lru_cache``); first used under the simulated meter's fake tensors, that
+    would fail, and the simulation fall back to real tensors for the whole model.
+    """
+    try:
+        from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+    except ImportError:  # another torchao layout: its maps are its own business
+        return
+    with without_dispatch_modes():
+        get_qmap_signed()
+        get_qmap_unsigned()
 
 
 @contextmanager

@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_plan_cache(tmp_path_factory):
+    """Plans made by the tests keep their costs in a temporary cache, never the user's (~/.cache/autofit)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path_factory.mktemp("autofit-cache")))
+        yield
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread: on a shared two-core machine two threads spin against other jobs."""

@@ -223,6 +223,39 @@ def layout_specs() -> dict[str, ModelSpec]:
     }
 
 
+class ReluChainBlock(nn.Module):
+    """A matmul first: under autocast it saves its input's bf16 cast, not the input, which plain training then
+    frees after the block's forward but a checkpoint keeps."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        h = self.up(x)
+        for _ in range(3):
+            h = torch.relu(h)
+        return x + self.down(h)
+
+
+class ReluChainNet(nn.Module):
+    def __init__(self, dim: int = 32, num_classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[ReluChainBlock(dim) for _ in range(3)])
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, classes)
+        return self.head(self.blocks(x).mean(dim=1))
+
+
+def relu_chain_spec() -> ModelSpec:
+    return ModelSpec(
+        source="tests:ReluChainNet", build_model=ReluChainNet,
+        example_batch=lambda n: (torch.randn(n, 16, 32), torch.randint(0, 10, (n,))),
+        loss_fn=F.cross_entropy, build_optimizer=default_optimizer,
+    )
+
+
 class Stage(nn.Module):
     """A ConvNeXt-style stage: a downsampling convolution, then its blocks in a Sequential."""
 

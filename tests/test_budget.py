@@ -1,4 +1,6 @@
 """Budgets: what parses, what is refused with one line, and what the planner does at the edges."""
+import re
+
 import pytest
 
 from autofit.errors import UserError
@@ -153,3 +155,57 @@ def test_the_floor_is_a_budget_that_works(model_file):
     assert again.peak_bytes + sum(plan.headroom.values()) <= floor
     with pytest.raises(InfeasibleBudget):
         make_plan(spec, budget=floor - 1, batch_size=8, precisions=["fp32"])
+
+
+def test_the_gpus_advice_is_a_number_of_gpus_that_plans(model_file):
+    """--gpus N is named only where N GPUs would fit the floor per rank: planning with it then succeeds."""
+    import re
+
+    from autofit.planning.floor import InfeasibleBudget
+    from autofit.planning.planner import make_plan
+    from autofit.spec import load_spec
+
+    spec = load_spec(str(model_file))
+    budget = 50_000
+    with pytest.raises(InfeasibleBudget) as error:
+        make_plan(spec, budget=budget, batch_size=8, precisions=["fp32"])
+    found = re.search(r"or --gpus (\d+) \(FSDP2", str(error.value))
+    assert found, str(error.value)
+    gpus = int(found.group(1))
+    assert 2 <= gpus <= 8  # never more GPUs than samples: each needs one
+    plan = make_plan(spec, budget=budget, batch_size=8, precisions=["fp32"], gpus=gpus)
+    assert plan.world_size == gpus and plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
+
+
+def test_more_gpus_would_not_help_a_batch_of_one(run_cli, model_file):
+    code, _, err = run_cli("plan", model_file, "--budget", "1000", "--batch-size", "1", "--precisions", "fp32", "--quiet")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "more GPUs would not help: a batch of 1 cannot be split between GPUs" in err and "--gpus" not in err
+
+
+def test_more_gpus_would_not_help_what_each_gpu_keeps(run_cli, model_file):
+    """Sharding divides parameters, gradients and optimizer state, not the activations or the headroom: the way out is a budget."""
+    code, _, err = run_cli("plan", model_file, "--budget", "1000", "--batch-size", "8", "--precisions", "fp32", "--quiet")
+    assert code == 2
+    assert "more GPUs would not help at this budget: each GPU would still hold the activations" in err
+    assert re.search(r"--gpus \d would need a budget of [\d.]+ KiB per GPU, estimated", err), err
+
+
+def test_ranks_that_accumulate_keep_whole_gradients(model_file):
+    """With micro-batches of 1 and a batch of 4, 2 or 3 GPUs accumulate (whole gradients until the last); 4 do not."""
+    from autofit.planning.floor import sharded_floor
+    from autofit.planning.headroom import Headroom
+    from autofit.spec import load_spec
+
+    breakdown = {"parameters": 0, "gradients": 1_000_000, "optimizer_state": 0, "activations": 0}
+    sharded = sharded_floor(
+        load_spec(str(model_file)), breakdown=breakdown, precision="fp32", headroom=Headroom(device_type="cpu", estimated=False, budget_bytes=600_000),
+        micro_batch_size=1, global_batch_size=4,
+    )
+    assert sharded.gpus == 4 and 250_000 <= sharded.state_bytes < 300_000  # a quarter, padded
+    # Micro-batches of 2: 2 GPUs take one each, and shard their gradients.
+    halves = sharded_floor(
+        load_spec(str(model_file)), breakdown=breakdown, precision="fp32", headroom=Headroom(device_type="cpu", estimated=False, budget_bytes=600_000),
+        micro_batch_size=2, global_batch_size=4,
+    )
+    assert halves.gpus == 2 and halves.state_bytes == 500_000

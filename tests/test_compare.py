@@ -66,8 +66,15 @@ def data_dir(tmp_path):
 
 def test_rows_cover_each_technique():
     names = [c.name for c in configurations(global_batch_size=16, amp_precisions=["bf16", "fp16"])]
-    assert names == ["fp32", "bf16 AMP", "fp16 AMP", "checkpoint all", "bf16 AMP + checkpoint all", "fp16 AMP + checkpoint all"]
-    assert [c.name for c in configurations(global_batch_size=16, amp_precisions=[])] == ["fp32", "checkpoint all"]
+    assert names == [
+        "fp32", "bf16 AMP", "fp16 AMP", "checkpoint all", "bf16 AMP + checkpoint all", "fp16 AMP + checkpoint all",
+        "selective checkpoint all", "optimizer step in backward",
+    ]
+    levers = ["selective checkpoint all", "optimizer step in backward"]
+    assert [c.name for c in configurations(global_batch_size=16, amp_precisions=[])] == ["fp32", "checkpoint all", *levers]
+    # the GPU levers are rows on a GPU only (on the CPU the host is the device)
+    on_gpu = [c.name for c in configurations(global_batch_size=16, amp_precisions=[], device="cuda")]
+    assert on_gpu == ["fp32", "checkpoint all", *levers, "offload all", "optimizer state on the host"]
 
 
 def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_cli):
@@ -88,6 +95,13 @@ def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_c
     assert rows["bf16 AMP + checkpoint all"]["peak_bytes"] < min(rows["bf16 AMP"]["peak_bytes"], rows["checkpoint all"]["peak_bytes"])
     assert rows["checkpoint all"]["checkpoint_blocks"] == 2
     assert rows["checkpoint all"]["activation_bytes"] < fp32["activation_bytes"]
+    # the levers beyond the recipe, measured: selective recomputes less and so frees less than full checkpointing;
+    # the step in backward frees each gradient as it is made
+    assert rows["checkpoint all"]["peak_bytes"] <= rows["selective checkpoint all"]["peak_bytes"] <= fp32["peak_bytes"]
+    assert rows["optimizer step in backward"]["peak_bytes"] < fp32["peak_bytes"]
+    for name in ("selective checkpoint all", "optimizer step in backward"):  # same arithmetic: the same training
+        assert rows[name]["eval_loss"] == pytest.approx(fp32["eval_loss"], rel=1e-6)
+        assert rows[name]["eval_accuracy"] == fp32["eval_accuracy"]
     # checkpointing recomputes, it does not change the training: the same loss and accuracy from the same seed
     for name in ("fp32", "bf16 AMP"):
         plain, checkpointed = rows[name], rows[f"{name} + checkpoint all" if name != "fp32" else "checkpoint all"]
@@ -153,3 +167,20 @@ def test_bad_inputs_are_one_line_errors(cnn_file, data_dir, tmp_path, run_cli):
         code, stdout, stderr = run_cli("compare", cnn_file, *args, "--out-dir", tmp_path / "o")
         assert code == 2, (args, stdout, stderr)
         assert message in stderr and len(stderr.strip().splitlines()) == 1, (args, stderr)
+
+
+def test_the_plan_row_measures_the_plan_with_its_levers(monkeypatch):
+    """The "autofit plan" row is the plan's own configuration, memory levers included (not just its recipe part)."""
+    from types import SimpleNamespace
+
+    import autofit.planning.planner as planner
+    from autofit.tools.compare import plan_configuration
+
+    chosen = SimpleNamespace(
+        precision="fp32", checkpoint=["layers.0"], micro_batch_size=1, selective_checkpoint=["layers.1"], offload=[],
+        optimizer_in_backward=True, optimizer_state="device",
+    )
+    monkeypatch.setattr(planner, "make_plan", lambda *args, **kwargs: chosen)
+    config = plan_configuration(None, budget_bytes=1, global_batch_size=1, device="cpu")
+    assert config.name == "autofit plan: fp32 + checkpoint 1 block + selective 1 + step in backward"
+    assert config.levers() == dict(selective_checkpoint=["layers.1"], offload=[], optimizer_in_backward=True, optimizer_state="device")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes, smallest_world_size
+from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
 from autofit.training.distributed import check_launch, init_distributed
 from autofit.training.sharded_checkpoints import load_sharded_checkpoint
 from strategies.batch_split import BatchSplit, rank_slice
@@ -314,14 +314,3 @@ def test_estimate_divides_states_and_adds_unit_buffers():
         layout=layout, world_size=2, precision="bf16", grad_accum_steps=4,
     )
     assert deferred.state_bytes == 2500
-
-
-def test_smallest_world_size_is_the_first_that_fits():
-    layout = fsdp_layout(dist_worker.build_model(), world_size=1)
-    fixed = (layout.root_numel + 3 * layout.largest_unit_numel) * 4 + layout.largest_unit_numel * 4 + 1000
-    kwargs = dict(parameter_bytes=4_000_000, gradient_bytes=4_000_000, optimizer_state_bytes=8_000_000,
-                  activation_bytes=1000, layout=layout, precision="fp32")
-    # 16 MB of states: 4 ranks hold 4 MB each.
-    assert smallest_world_size(budget_bytes=fixed + 4_000_000, **kwargs) == 4
-    assert smallest_world_size(budget_bytes=fixed + 3_999_999, **kwargs) == 5
-    assert smallest_world_size(budget_bytes=fixed - 1, **kwargs) is None

@@ -58,7 +58,10 @@ LEVERS = {
     "selective checkpoint": dict(selective_checkpoint="all"),
     "offload": dict(offload="all"),
     "optimizer in backward": dict(optimizer_in_backward=True),
-    "all at once": dict(checkpoint=["layers.0"], selective_checkpoint=["layers.1"], offload=["layers.2"], optimizer_in_backward=True),
+    "host state": dict(optimizer_state="host"),
+    "all at once": dict(
+        checkpoint=["layers.0"], selective_checkpoint=["layers.1"], offload=["layers.2"], optimizer_in_backward=True, optimizer_state="host",
+    ),
 }
 
 
@@ -74,6 +77,41 @@ def test_each_lever_trains_exactly_the_weights_of_plain_pytorch(one_thread, leve
     assert applied.model is model
     for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
         assert torch.equal(ours, theirs), name
+
+
+@pytest.mark.parametrize(("attention", "precision"), [("sdpa", "fp32"), ("mha", "fp32"), ("sdpa", "fp16")])
+def test_host_state_accumulates_micro_batches_exactly(one_thread, attention, precision):
+    """Micro-batches of 4 + 4: each gradient leaves the device as backward makes it and is summed on the host, in the
+    order the device would sum it; 3 steps give the weights of device state (fp16: GradScaler unscales the host's)."""
+    model, example_batch = transformer(attention)
+    reference = copy.deepcopy(model)
+    data = batches(example_batch, steps=3)
+
+    def train(trained, optimizer_state):
+        config = TrainingConfig(global_batch_size=8, micro_batch_size=4, precision=precision, optimizer_state=optimizer_state)
+        applied = apply_config(trained, config, device="cpu", init_scale=2.0**8)
+        optimizer = applied.build_optimizer(adamw)
+        for inputs, targets in data:
+            train_step(applied, inputs, targets, loss_fn=F.cross_entropy, optimizer=optimizer)
+        return optimizer
+
+    train(reference, "device")
+    optimizer = train(model, "host")
+    assert isinstance(optimizer, HostOptimizer) and all(p.grad is None for p in model.parameters())
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_host_state_moves_each_gradient_off_the_device_in_backward():
+    model, example_batch = transformer()
+    applied = apply_config(model, TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_state="host"), device="cpu")
+    optimizer = applied.build_optimizer(adamw)
+    inputs, targets = example_batch(2)
+    F.cross_entropy(model(inputs), targets).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(c.grad is b for c, b in zip(optimizer.copies, optimizer.grad_buffers))
+    optimizer.zero_grad()
+    assert all(c.grad is None for c in optimizer.copies)
 
 
 def test_the_levers_are_applied_to_the_named_blocks():
@@ -109,10 +147,14 @@ def test_host_adamw_equals_device_adamw():
     del scheduler
 
 
-def test_host_state_is_off_on_the_cpu_where_host_and_device_are_one():
+def test_host_state_on_the_cpu_runs_on_host_copies_the_meters_can_tell_apart():
+    """On the CPU the host is the device: the host optimizer still runs, so that its bytes are measured as host bytes."""
     model, _ = transformer()
     applied = apply_config(model, TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_state="host"), device="cpu")
-    assert type(applied.build_optimizer(adamw)) is torch.optim.AdamW
+    optimizer = applied.build_optimizer(adamw)
+    assert isinstance(optimizer, HostOptimizer)
+    assert len(optimizer.host_tensors()) == 2 * len(list(model.parameters()))  # copies and gradient buffers; no state before a step
+    assert all(c.data_ptr() != p.data_ptr() for c, p in zip(optimizer.copies, model.parameters()))
 
 
 def test_optimizer_in_backward_acts_as_one_optimizer():
@@ -191,11 +233,27 @@ EVERY_LEVER = dict(
 )
 
 
-@pytest.mark.parametrize("levers", [EVERY_LEVER, dict(selective_checkpoint="all"), dict(offload="all")], ids=["every lever", "selective", "offload"])
+@pytest.mark.parametrize(
+    "levers", [EVERY_LEVER, dict(selective_checkpoint="all"), dict(offload="all"), dict(optimizer_state="host")],
+    ids=["every lever", "selective", "offload", "host state"],
+)
 def test_the_simulated_meter_agrees_with_the_cpu_meter(one_thread, tiny, levers):
     real, simulated = peak(tiny, **levers), peak(tiny, simulate=True, **levers)
     assert simulated.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
     assert simulated.host_peak_bytes == pytest.approx(real.host_peak_bytes, rel=0.01)
+    if levers.get("optimizer_state") == "host":
+        assert real.host_peak_bytes > 0 and real.breakdown["optimizer_state"] == simulated.breakdown["optimizer_state"] == 0
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["cpu", "simulated"])
+def test_host_state_takes_the_optimizer_state_off_the_device(one_thread, tiny, simulate):
+    """The device peak drops by the AdamW state's bytes; the host holds the state, the parameters' copies and the
+    gradients' buffers (4 x the parameters) and the update's temporaries."""
+    plain, host = peak(tiny, simulate=simulate), peak(tiny, simulate=simulate, optimizer_state="host")
+    state_bytes, parameter_bytes = plain.breakdown["optimizer_state"], plain.breakdown["parameters"]
+    assert state_bytes > 0 and plain.peak_bytes - host.peak_bytes == pytest.approx(state_bytes, rel=0.01)
+    assert 4 * parameter_bytes <= host.host_peak_bytes < 5 * parameter_bytes
+    assert plain.host_peak_bytes == 0
 
 
 def test_selective_checkpointing_lowers_the_peak_less_than_full(one_thread, tiny):
@@ -229,6 +287,17 @@ def test_eight_bit_state_quarters_the_state_and_is_measured_alike(one_thread, ti
     assert simulated.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
     assert real.breakdown["optimizer_state"] < 0.3 * plain.breakdown["optimizer_state"]
     assert real.peak_bytes < plain.peak_bytes
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="optimizer state '8bit' needs torchao")
+def test_eight_bit_state_is_simulated_on_first_use(one_thread, tiny, capsys):
+    """torchao builds its quantization maps on first use, with .tolist(): never over fake tensors (no fallback to real ones)."""
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    get_qmap_signed.cache_clear()
+    get_qmap_unsigned.cache_clear()
+    simulated = peak(tiny, micro_batch_size=2, checkpoint="all", optimizer_state="8bit", simulate=True)
+    assert simulated.meter == "simulated" and "cpu meter instead" not in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason="optimizer state '8bit' needs torchao")

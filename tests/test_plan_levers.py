@@ -9,7 +9,7 @@ from autofit.apply import TrainingConfig
 from autofit.measure.probe import measure
 from autofit.plan_file import load_plan
 from autofit.planning.floor import InfeasibleBudget
-from autofit.planning.headroom import Headroom
+from autofit.planning.headroom import Headroom, persistent_bytes
 from autofit.planning.planner import make_plan
 from autofit.spec import load_spec
 
@@ -47,7 +47,7 @@ def floor_peak(spec, **levers) -> int:
 
 
 def smallest_budget(peak_bytes: int) -> int:
-    return Headroom(device_type="cpu", estimated=False, budget_bytes=1).smallest_budget(peak_bytes)
+    return Headroom(device_type="cpu", estimated=False, budget_bytes=1).smallest_budget(peak_bytes, persistent_bytes=0)
 
 
 def test_a_budget_between_the_lever_floor_and_the_floor_steps_in_backward(run_cli, one_thread, lm, tmp_path):
@@ -118,7 +118,7 @@ def test_simulated_lever_plan_is_estimated_and_fits(lm):
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["cuda", "simulated cuda"])
 def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, simulate):
-    """The candidates in order, each adding to the last; host state only where a meter can measure it (not the CPU's)."""
+    """The candidates in order, each adding to the last; host state simulated too (the simulated meter counts it as host bytes)."""
     from dataclasses import replace
 
     from autofit.planning.context import Config, plan_context
@@ -136,9 +136,35 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     steps = [(c.config.optimizer_in_backward, c.config.offload, c.config.optimizer_state, c.lossy) for c in candidates]
     assert steps == [
         (True, [], "device", False),
-        (True, ["layers.1", "layers.2"], "device" if simulate else "host", False),
+        (True, ["layers.1", "layers.2"], "host", False),
         (True, ["layers.1", "layers.2"], "8bit", True),
     ]
     assert candidates[-1].name == "optimizer step in backward, activation offload of 2 block(s), 8-bit AdamW state"
     assert any("--allow-lossy-optimizer" in why for why in skipped)
-    assert any("simulated meter cannot measure it" in why for why in skipped) == simulate
+    assert candidates[1].name == "optimizer step in backward, activation offload of 2 block(s), optimizer state on the host"
+
+
+def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
+    """--simulate --device cuda below the step in backward's floor: the state goes to the host, measured by the simulated
+    meter (the device peak without it, the host peak in the notes)."""
+    from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT
+
+    _, spec = lm
+
+    def simulated_cuda(**levers):
+        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_in_backward=True, **levers)
+        return measure(spec, config, device="cuda", simulate=True, steps=2)
+
+    in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
+    # The state leaves the device, and with it the update's temporaries (at the peak here: a step in backward).
+    assert in_backward.peak_bytes - host.peak_bytes >= in_backward.breakdown["optimizer_state"] > 0
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=ESTIMATED_CUDA_CONTEXT)
+    def least(measured) -> int:
+        return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
+
+    budget = (least(host) + least(in_backward)) // 2
+    plan = make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
+    assert plan.estimated and plan.optimizer_state == "host" and plan.optimizer_in_backward and plan.checkpoint == BLOCKS
+    assert plan.measured.peak_bytes == host.peak_bytes and plan.measured.breakdown["optimizer_state"] == 0
+    assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
+    assert any("in host memory" in note for note in plan.notes)

@@ -15,3 +15,17 @@ def test_no_note_without_batch_norm_or_without_a_split():
 def test_notes_round_trip_through_plan_json(tmp_path):
     plan = Plan(budget_bytes=1, global_batch_size=4, micro_batch_size=2, notes=["a note"])
     assert load_plan(save_plan(plan, tmp_path / "plan.json")).notes == ["a note"]
+
+
+def test_model_info_of_a_library_model_names_its_classes_once():
+    """torchvision and timm specs carry num_classes in their source options too: the plan's ModelInfo takes it once."""
+    from types import SimpleNamespace
+
+    from autofit.planning.writing import _model_info
+    from autofit.spec import load_spec
+
+    spec = load_spec("torchvision:resnet18", input_shape="3x32x32", num_classes=10)
+    assert spec.source_options == {"num_classes": 10}
+    for asked in (10, None):
+        info = _model_info(SimpleNamespace(spec=spec, sim_spec=spec, num_classes=asked), output_shape=[4, 10])
+        assert info.source == "torchvision:resnet18" and info.num_classes == 10 and info.input_shape == [3, 32, 32]

@@ -22,6 +22,8 @@ def plan(
     out: Path = typer.Option(Path("plan.json"), "--out", "-o", help="Where to write the plan."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (progress goes to stderr)."),
     study: str = typer.Option(None, "--study", help="Optuna storage to keep the search and resume it, e.g. sqlite:///plans.db."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither reuse nor keep costs in the cache ($AUTOFIT_CACHE_DIR, else ~/.cache/autofit)."),
+    threads: int = typer.Option(None, "--threads", help="Intra-op threads to time with (default: PyTorch's, fewer while other work keeps the cores busy)."),
     precisions: str = typer.Option("fp32,bf16,fp16", "--precisions", help="Precisions to search, separated by commas."),
     gpus: int = typer.Option(1, "--gpus", help="GPUs (processes) to train on; BUDGET is then per GPU: DDP if the model fits unsharded, else FSDP2."),
     allow_lossy_optimizer: bool = typer.Option(
@@ -56,6 +58,7 @@ def plan(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
         study=study, precisions=wanted, num_classes=spec.source_options.get("num_classes"),
         log=None if quiet else print_progress, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
+        cache=not no_cache, threads=threads,
     )
     path = save_plan(report.plan, out)
     if as_json:
@@ -116,9 +119,10 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         mine = speed or predicted.samples_per_s
         kind = "measured" if unconstrained.get("samples_per_s") else "predicted"
         peak = unconstrained.get("peak_bytes") or unconstrained["predicted_peak_bytes"]
+        peak_kind = "" if unconstrained.get("peak_measured", True) else " predicted"
         lines.append(
             f"              {mine / reference:.2f}x the unconstrained configuration ({unconstrained['precision']}, micro-batch "
-            f"{unconstrained['micro_batch_size']}, no checkpointing: {reference:.1f} samples/s {kind}, peak {format_bytes(peak)})"
+            f"{unconstrained['micro_batch_size']}, no checkpointing: {reference:.1f} samples/s {kind}, peak {format_bytes(peak)}{peak_kind})"
         )
     for precision, why in report.excluded_precisions.items():
         lines.append(f"  left out    {precision}: {why}")
@@ -126,23 +130,45 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         lines.append(f"  note        {precision}: {note}")
     for note in plan.notes:
         lines.append(f"  note        {note}")
-    lines.append("  alternatives (Pareto front of memory vs samples/s, as predicted; * chosen):")
-    lines.append(f"    {'peak':>12} {'samples/s':>10}  {'precision':<9} {'micro-batch':>14}  checkpoint")
+    lines.append("  alternatives (Pareto front of memory vs samples/s as predicted; fits: measured where measured; * chosen):")
+    lines.append(f"    {'peak':>12} {'measured':>12} {'samples/s':>10}  {'precision':<9} {'micro-batch':>14}  {'fits':<14} checkpoint")
     for alt in plan.alternatives:
         mark = "*" if alt["chosen"] else (" " if alt["fits_budget"] else "!")
         split = f"{alt['micro_batch_size']} x {alt['grad_accum_steps']}"
+        measured_peak = alt.get("measured_peak_bytes", alt.get("simulated_peak_bytes"))
         lines.append(
-            f"  {mark} {format_bytes(alt['predicted_peak_bytes']):>12} {alt['predicted_samples_per_s']:>10.1f}  "
-            f"{alt['precision']:<9} {split:>14}  {_blocks(alt['checkpoint'])}"
+            f"  {mark} {format_bytes(alt['predicted_peak_bytes']):>12} {format_bytes(measured_peak) if measured_peak is not None else '-':>12} "
+            f"{alt['predicted_samples_per_s']:>10.1f}  {alt['precision']:<9} {split:>14}  {_fits_text(alt):<14} {_blocks(alt['checkpoint'])}"
+            + (f"; selective {_blocks(alt['selective_checkpoint'])}" if alt.get("selective_checkpoint") else "")
         )
-    lines.append("    (! = does not fit the budget)")
+    lines.append(f"    (! = does not fit the budget; measured = by the {measured.meter or 'plan'} meter)")
+    if report.rejected:
+        lines.append("  rejected    by measurement (the memory model's candidates that did not fit):")
+        for rejection in report.rejected:
+            lines.append(f"              {_config_text(rejection['config'])}: {rejection['why']}")
+    lines += _timing_lines(report)
     where = f"wrote {path}; " if path else ""
     lines.append(
         f"  {where}planned in {report.seconds:.1f} s: {report.evaluations} points by {report.sampler}, "
         f"{report.simulated_checks} simulated checks, {report.memory_probes} memory probes, {report.real_probes} timed"
         + (" (resumed from the stored study)" if report.resumed else "")
     )
+    if report.phases:
+        split = ", ".join(f"{name} {seconds:.1f}" for name, seconds in report.phases.items() if seconds >= 0.05)
+        lines.append(f"    time by step (s): {split}")
+    if report.study:
+        lines.append(f"    costs and measurements kept in {report.study}")
+    for problem in report.study_problems:
+        lines.append(f"    note: {problem}")
     return lines
+
+
+def _fits_text(alternative: dict) -> str:
+    """Whether an alternative fits, and by what: "measured", "simulated" (a rank under FSDP2), "predicted", or "rejected"."""
+    if "rejected" in alternative:
+        return "rejected"
+    how = "simulated" if "simulated_peak_bytes" in alternative else "measured" if "measured_peak_bytes" in alternative else "predicted"
+    return how if alternative["fits_budget"] else f"no ({how})"
 
 
 def _levers(plan) -> str:
@@ -159,6 +185,37 @@ def _levers(plan) -> str:
     elif plan.optimizer_state == "8bit":
         levers.append("8-bit AdamW state (lossy)")
     return "".join(f", {lever}" for lever in levers)
+
+
+def _timing_lines(report) -> list[str]:
+    """How noisy the timings were, and what that left undecided."""
+    lines = []
+    timing = report.timing
+    if timing:
+        source = "stored from an earlier run" if timing.get("reused") else f"{timing['rounds']} interleaved round(s)"
+        model_noise = f"the speed model's timings repeated within {report.speed_noise:.1%}" if report.speed_noise else ""
+        if timing["rounds"] > 1:
+            worst = timing.get("worst_noise", timing["noise"])
+            lines.append(
+                f"  timing      candidates timed side by side ({source}); the fastest rounds repeated within "
+                f"{timing['noise']:.1%}" + (f" (median; {worst:.1%} at worst)" if worst > timing["noise"] else "")
+                + (f", {model_noise}" if model_noise else "")
+            )
+        else:
+            lines.append("  timing      one candidate: timed once (nothing to compare it with)" + (f"; {model_noise}" if model_noise else ""))
+        if timing.get("within_noise"):
+            others = "; ".join(_config_text(key) for key in timing["within_noise"])
+            lines.append(f"              as fast within that noise: {others} (the simpler configuration is chosen)")
+    if report.threads_note:
+        lines.append(f"  threads     {report.threads_note}")
+    return lines
+
+
+def _config_text(key: str) -> str:
+    """A configuration's key (``Config.key``: precision:micro-batch:checkpoint[:selective]) as words."""
+    precision, size, checkpoint, *selective = key.split(":")
+    text = f"{precision}, micro-batch {size}, checkpoint {_blocks(checkpoint.split(',')) if checkpoint else 'none'}"
+    return text + (f", selective checkpoint {_blocks(selective[0].split(','))}" if selective and selective[0] else "")
 
 
 def _blocks(names: list[str]) -> str:

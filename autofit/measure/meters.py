@@ -23,6 +23,7 @@ from torch import nn
 
 from autofit._torch_private import FAKE_TENSOR_LIMITS, new_fake_mode, without_dispatch_modes
 from autofit.errors import UserError
+from autofit.measure.host import host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
 from autofit.plan_file import DeviceInfo
 
@@ -117,6 +118,8 @@ class TrackedMeter(Meter):
         params = [p for p in model.parameters()]
         tracker.track(params, "parameters")
         tracker.track(model.buffers(), "parameters")
+        with host_allocation():  # optimizer state on the host, made before the measurement: host bytes
+            tracker.track(host_tensors(optimizer), "optimizer_state")
         tracker.track(_optimizer_state(optimizer), "optimizer_state")
         hooks = [
             p.register_post_accumulate_grad_hook(lambda p: tracker.label([p.grad], "gradients"))

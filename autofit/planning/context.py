@@ -3,14 +3,30 @@
 ``plan_context`` checks the arguments (device, batch, budget, precisions) and
 returns a frozen ``PlanContext`` that every step of the run receives: the
 model's spec, the device, the budget in bytes, the global batch, the
-precisions to search, where the study is kept, and the progress log.
+precisions to search, where the study is kept, the threads that time, and
+the progress log.
+
+The study is the user's ``--study``, else the cache: an Optuna SQLite study
+under ``cache_dir()`` keyed by everything a cost model depends on (the model's
+parameters and code, its example batch, loss and optimizer, the device, the
+meter, the batch, the precisions, and the versions of Python, PyTorch and
+autofit's own code), so that a plan of the same model at another budget
+measures only what it has not measured before.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import math
+import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+from pathlib import Path
 
 import torch
 
@@ -22,14 +38,15 @@ from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import parse_budget
 from strategies import PRECISIONS
 
+CACHE_FILE = "plans.db"
+"""The cache's SQLite file in ``cache_dir()``."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class PlanContext:
     """One planning run's fixed inputs, shared by its steps."""
 
     spec: ModelSpec
-    sim_spec: ModelSpec
-    """The same model for the simulated meter (``simulation_spec``)."""
     device: str
     """"cpu" or "cuda"."""
     info: DeviceInfo
@@ -47,11 +64,33 @@ class PlanContext:
     """Receives the progress lines (``log``)."""
     started: float = field(default_factory=time.perf_counter)
     """``time.perf_counter()`` when the run started."""
+    threads: int = 1
+    """Intra-op threads the run measures with (``timing_threads``)."""
+    threads_note: str = ""
+    """Why they are fewer than PyTorch's, when they are."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds spent so far per step of the run ("memory", "floor", "speed", "search", "verify", "write")."""
+
+    @cached_property
+    def sim_spec(self) -> ModelSpec:
+        """The same model for the simulated meter (``simulation_spec``), made on first use: a plan whose
+        costs all come from a stored study never needs it (nor the fake-tensor machinery's imports).
+        A model fake tensors cannot run measures with the cpu meter, after one line saying why."""
+        return checked_for_simulation(simulation_spec(self.spec))
 
     def log(self, line: str) -> None:
         """A progress line, stamped with the seconds since the run started."""
         if self.user_log is not None:
             self.user_log(f"[{time.perf_counter() - self.started:5.1f} s] {line}")
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count the time inside towards the step ``name`` (for the summary's split)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def plan_context(
@@ -66,8 +105,15 @@ def plan_context(
     precisions: Sequence[str] | None,
     num_classes: int | None,
     log: Callable[[str], None] | None,
+    cache: bool = True,
+    threads: int | None = None,
 ) -> PlanContext:
     """Check a planning run's arguments (see ``autofit.plan``) and fix what the run is about.
+
+    Args:
+        cache: keep the cost model and measurements in the cache (``cache_dir()``)
+            when no ``study`` is given.
+        threads: intra-op threads to measure with; default ``timing_threads``.
 
     Raises:
         UserError: an unknown device, a bad batch size or budget, no CUDA device
@@ -79,19 +125,165 @@ def plan_context(
         raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
     total = parse_budget(device_memory) if device_memory is not None else None
     info = device_info(device, total_bytes=total)
-    sim_spec = checked_for_simulation(simulation_spec(spec))  # or the cpu meter, with one line saying why
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
     kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions)
-    with torch.device("meta"):
-        fingerprint = model_fingerprint(sim_spec.build_model())
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise UserError(f"--threads {threads!r} must be a whole number of threads, at least 1")
+    meta_model = _meta_model(spec)
+    fingerprint = model_fingerprint(meta_model)
     # One prefix per model, device, meter, batch and precisions: a study of another budget shares its cost model.
     kind = "simulated" if simulate else "measured"
-    prefix = f"autofit:{fingerprint}:{device}:{kind}:batch{batch_size}:{','.join(kept)}:"
+    identity = model_identity(spec, meta_model, device_name=info.name)
+    prefix = f"autofit:{fingerprint}:{identity}:{device}:{kind}:batch{batch_size}:{','.join(kept)}:"
+    name = f"{prefix}budget{budget_bytes}"
+    if study is not None:
+        where = Study(storage=study, prefix=prefix, name=name, precisions=tuple(kept))
+    elif cache:
+        where = Study(storage=cache_storage(), prefix=prefix, name=name, precisions=tuple(kept), keep_trials=False, strict=False)
+    else:
+        where = Study(storage=None, prefix=prefix, name=name, precisions=tuple(kept))
+    count, note = (threads, "") if threads is not None else timing_threads(device)
     return PlanContext(
-        spec=spec, sim_spec=sim_spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
+        spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=num_classes,
-        study=Study(storage=study, prefix=prefix, name=f"{prefix}budget{budget_bytes}"), user_log=log, started=started,
+        study=where, user_log=log, started=started, threads=count, threads_note=note,
     )
+
+
+def _meta_model(spec: ModelSpec) -> torch.nn.Module:
+    """The model on the meta device (names, shapes and code; no memory)."""
+    build = simulation_spec(spec).build_model if spec.source.startswith("python:") else spec.build_model
+    with torch.device("meta"):  # a copy of a Python object is made from a meta template (simulation_spec)
+        return build()
+
+
+def cache_dir() -> Path:
+    """Where plans keep their cost models: $AUTOFIT_CACHE_DIR, else $XDG_CACHE_HOME/autofit, else ~/.cache/autofit."""
+    explicit = os.environ.get("AUTOFIT_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "autofit"
+
+
+def cache_storage() -> str:
+    """The cache as an Optuna storage URL (its folder is made on first use)."""
+    folder = cache_dir()
+    return f"sqlite:///{folder / CACHE_FILE}"
+
+
+def timing_threads(device: str) -> tuple[int, str]:
+    """Intra-op threads to measure with, and why when fewer than PyTorch's.
+
+    On a CPU that other work keeps busy, a step on N threads waits at every
+    parallel region for the slowest thread, which the other work holds off the
+    core: steps then slow down many times over and by very different amounts
+    (5x and more, seen on 2 cores at load 5). The run then measures with the
+    threads the other work leaves free (at least 1), so that timings rank
+    configurations as a quiet machine would; the summary says so.
+    """
+    current = torch.get_num_threads()
+    if device != "cpu" or current == 1:
+        return current, ""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average here (Windows)
+        return current, ""
+    others = max(load - 1.0, 0.0)  # this process is one of the runnable tasks counted
+    free = max(1, min(current, int(cores - others + 0.5)))
+    if free >= current:
+        return current, ""
+    return free, f"the machine was busy (load average {load:.1f} on {cores} cores): measured with {free} of {current} threads"
+
+
+def model_identity(spec: ModelSpec, meta_model: torch.nn.Module, *, device_name: str) -> str:
+    """A hash of what a cost model depends on beyond the parameters' names and shapes (the fingerprint).
+
+    The model's code (its file, or its class and module tree), the example
+    batch's shapes and dtypes, the loss and the optimizer, the device's name
+    (the CPU's model on a CPU) and the versions of Python, PyTorch and
+    autofit's own code. A model file's imports are not followed: ``--no-cache``
+    after changing only those.
+    """
+    parts = {
+        "source": spec.source,
+        "code": _source_hash(spec.source) or _object_code(meta_model),
+        "example": _example_signature(spec),
+        "loss": _qualified_name(spec.loss_fn),
+        "optimizer": _optimizer_signature(spec, meta_model),
+        "device": device_name if device_name != "cpu" else _cpu_name(),
+        "python": list(sys.version_info[:2]),
+        "torch": torch.__version__,
+        "autofit": _own_code_hash(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _source_hash(source: str) -> str | None:
+    path = Path(source)
+    if source.startswith(("torchvision:", "python:")) or not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _object_code(model: torch.nn.Module) -> str:
+    try:
+        code = inspect.getsource(type(model))
+    except (OSError, TypeError):  # defined in a notebook or compiled
+        code = type(model).__qualname__
+    return hashlib.sha256((code + repr(model)).encode()).hexdigest()
+
+
+def _example_signature(spec: ModelSpec) -> list:
+    from autofit._torch_private import tree_leaves
+
+    inputs, targets = spec.example_batch(2)
+    return [[str(t.dtype), list(t.shape)] if isinstance(t, torch.Tensor) else repr(t) for t in tree_leaves((inputs, targets))]
+
+
+def _qualified_name(function) -> str:
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def _optimizer_signature(spec: ModelSpec, meta_model: torch.nn.Module) -> str:
+    try:
+        optimizer = spec.build_optimizer(meta_model.parameters())
+    except Exception:  # an optimizer that refuses meta parameters: its builder's name stands for it
+        return _qualified_name(spec.build_optimizer)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k != "lr"}  # the learning rate changes no cost
+    return f"{type(optimizer).__qualname__}:{sorted(defaults.items(), key=lambda kv: kv[0])}"
+
+
+@lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=1)
+def _own_code_hash() -> str:
+    """autofit's and the strategies' source: a change to either can change what is measured."""
+    import autofit
+    import strategies
+
+    digest = hashlib.sha256()
+    for package in (autofit, strategies):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
@@ -113,15 +305,22 @@ def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | No
 
 @dataclass(kw_only=True, slots=True)
 class Config:
-    """One configuration the planner measures: precision, micro-batch size, checkpointed blocks."""
+    """One configuration the planner measures: precision, micro-batch size, checkpointed blocks (fully, selectively)."""
 
     precision: str
     micro_batch_size: int
     checkpoint: tuple[str, ...] = ()
+    selective_checkpoint: tuple[str, ...] = ()
 
     def key(self) -> str:
-        return f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
+        """"fp32:4:layers.0,layers.1", and ":layers.2" after it for selective blocks (stored measurements are
+        keyed by it: a configuration without selective blocks keeps the key it always had)."""
+        key = f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
+        return f"{key}:{','.join(self.selective_checkpoint)}" if self.selective_checkpoint else key
 
     def simplicity(self, global_batch_size: int) -> tuple:
-        """Order for ties: fewer micro-steps, fewer checkpointed blocks, fp32 before autocast."""
-        return (math.ceil(global_batch_size / self.micro_batch_size), len(self.checkpoint), PRECISIONS.index(self.precision))
+        """Order for ties: fewer micro-steps, fewer checkpointed blocks (either mode), fp32 before autocast."""
+        return (
+            math.ceil(global_batch_size / self.micro_batch_size), len(self.checkpoint) + len(self.selective_checkpoint),
+            PRECISIONS.index(self.precision),
+        )

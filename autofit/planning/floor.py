@@ -8,6 +8,7 @@ breakdown and what would lower it (an optimizer with less state, more GPUs).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -15,11 +16,13 @@ import torch
 from autofit.errors import UserError
 from autofit.measure.meters import frozen_note
 from autofit.planning.context import Config, PlanContext
+from autofit.planning.headroom import PERSISTENT, Headroom, persistent_bytes
 from autofit.planning.modelling import Costs
-from autofit.planning.per_rank import fsdp_layout, smallest_world_size
+from autofit.planning.per_rank import ShardedMemoryEstimate, estimate_fsdp_peak_bytes, fsdp_layout
 from autofit.planning.verify import Measurements
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
+from strategies import micro_batch_count
 
 
 class InfeasibleBudget(UserError):
@@ -33,36 +36,53 @@ class InfeasibleBudget(UserError):
         """The floor configuration and its measured budget (what the levers start from)."""
 
 
+FLOOR_DECIDED_MARGIN = 0.05
+"""Where the memory model is the meter's twin (the CPU, the simulated meter), a budget this far above the
+floor it predicts needs no probe to be known possible (a candidate that misses falls back to it, measured)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Floor:
     config: Config
     budget_bytes: int
-    """The least budget whose headroom leaves room for the floor configuration's measured peak."""
+    """The least budget whose headroom leaves room for the floor configuration's peak (measured, or predicted)."""
     breakdown: dict[str, int] = field(default_factory=dict)
-    """Its measured peak and headroom, by cause."""
+    """Its measured peak and headroom, by cause (empty when predicted)."""
+    measured: bool = True
 
 
 def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) -> Floor:
-    """The floor, measured.
+    """The floor, measured unless the budget is well above what the memory model predicts for it.
+
+    It is the least of every precision traced so far (``Costs.memory_for_floor``):
+    the caller traces the others before taking a refusal as final.
 
     Raises:
         InfeasibleBudget: the budget is below it (the message says what would lower it).
     """
-    model, smallest = costs.model, costs.micro_batch_sizes[-1]
+    model, smallest, G = costs.model, costs.smallest, context.global_batch_size
     blocks = frozenset(range(len(model.blocks)))
     options = []
-    for precision in context.precisions:
+    for precision, memory in costs.memory_for_floor().items():
         for checkpoint in (blocks, frozenset()):
-            options.append((model.peak_bytes(precision, smallest, checkpoint), precision, checkpoint))
-    _, precision, checkpoint = min(options, key=lambda option: option[0])
+            peak = memory.peak_bytes(smallest, global_batch_size=G, checkpoint=checkpoint) * model.memory_scale
+            options.append((peak, precision, checkpoint))
+    predicted, precision, checkpoint = min(options, key=lambda option: option[0])
     config = Config(precision=precision, micro_batch_size=smallest, checkpoint=tuple(model.blocks[b] for b in sorted(checkpoint)))
+    # Predicted, its persistent bytes are at least the parameters and optimizer state (``resident_bytes``).
+    predicted_budget = measurements.headroom.smallest_budget(predicted, persistent_bytes=measurements.resident_bytes)
+    if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + FLOOR_DECIDED_MARGIN):
+        context.log(f"floor: {format_bytes(predicted_budget)} predicted, well under the budget: not measured")
+        return Floor(config=config, budget_bytes=predicted_budget, measured=False)
     peak, breakdown = measurements.checked_peak(config)
     headroom = measurements.headroom  # after the probe: on a GPU it holds the context just measured
-    causes = headroom.for_peak(peak)
+    persistent = persistent_bytes(breakdown)
+    causes = headroom.for_peak(peak, persistent_bytes=persistent)
     floor = Floor(
-        config=config, budget_bytes=headroom.smallest_budget(peak),
+        config=config, budget_bytes=headroom.smallest_budget(peak, persistent_bytes=persistent),
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
     )
+    context.log(f"floor: {format_bytes(floor.budget_bytes)} measured")
     if context.budget_bytes < floor.budget_bytes:
         raise InfeasibleBudget(below_floor(context, floor, measurements), floor_bytes=floor.budget_bytes, breakdown=floor.breakdown, floor=floor)
     return floor
@@ -77,21 +97,13 @@ def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, 
     """
     peak, breakdown = measurements.checked_peak(floor.config)  # measured by check_floor: reused
     headroom = measurements.headroom
-    return _below_floor(
-        context, floor, breakdown=breakdown, headroom_bytes=sum(headroom.for_peak(peak).values()),
-        usable_bytes=headroom.usable_bytes(), levers=levers,
-    )
-
-
-def _below_floor(
-    context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom_bytes: int, usable_bytes: float, levers: str
-) -> str:
     config = floor.config
     frozen = frozen_note(context.sim_spec)  # LoRA, a frozen backbone: parameters without gradients or state
     parts = " + ".join(f"{k.replace('_', ' ')} {format_bytes(v)}{frozen if k == 'parameters' else ''}" for k, v in breakdown.items() if v)
+    headroom_bytes = sum(headroom.for_peak(peak, persistent_bytes=persistent_bytes(breakdown)).values())
     state = breakdown.get("optimizer_state", 0)
     what = f"micro-batch {config.micro_batch_size}, {config.precision}, " + ("every block checkpointed" if config.checkpoint else "no checkpointing")
-    gpus = _gpus_advice(context.sim_spec, breakdown=breakdown, precision=config.precision, usable_bytes=usable_bytes)
+    gpus = _gpus_advice(context, floor, breakdown=breakdown, headroom=headroom)
     return (
         f"budget {format_bytes(context.budget_bytes)} is below the floor {format_bytes(floor.budget_bytes)} for a batch of "
         f"{context.global_batch_size} ({what}: {parts} + headroom {format_bytes(headroom_bytes)}); "
@@ -100,15 +112,30 @@ def _below_floor(
     )
 
 
-def _gpus_advice(sim_spec: ModelSpec, *, breakdown: dict[str, int], precision: str, usable_bytes: float) -> str:
-    """How many GPUs FSDP2 would need for the floor configuration, by the conservative estimate."""
+def _gpus_advice(context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom: Headroom) -> str:
+    """--gpus N where N GPUs would fit the floor configuration per rank (the conservative estimate), else why not and what would."""
+    G = context.global_batch_size
+    if G < 2:
+        return "(more GPUs would not help: a batch of 1 cannot be split between GPUs)"
     try:
-        gpus = gpus_for(sim_spec, breakdown=breakdown, precision=precision, usable_bytes=usable_bytes)
+        sharded = sharded_floor(
+            context.sim_spec, breakdown=breakdown, precision=floor.config.precision, headroom=headroom,
+            micro_batch_size=floor.config.micro_batch_size, global_batch_size=G,
+        )
     except Exception:  # a model that cannot be built on meta: no count, the advice stays general
         return "or more GPUs (--gpus N: FSDP2 shards parameters, gradients and optimizer state)"
-    if gpus is None:
-        return "(more GPUs would not help: the activations and gathered blocks alone exceed it)"
-    return f"or --gpus {gpus} (FSDP2 shards parameters, gradients and optimizer state; estimated)"
+    if sharded.gpus is not None:
+        return f"or --gpus {sharded.gpus} (FSDP2 shards parameters, gradients and optimizer state; estimated)"
+    holds = (
+        f"each GPU would still hold the activations, {format_bytes(sharded.activation_bytes)}, and with {sharded.best_gpus} GPUs "
+        f"FSDP2's gathered blocks, {format_bytes(sharded.buffer_bytes)}, and {format_bytes(sharded.state_bytes)} of state"
+    )
+    if sharded.budget_bytes < floor.budget_bytes:
+        return (
+            f"(more GPUs would not help at this budget: {holds}; --gpus {sharded.best_gpus} would need a budget of "
+            f"{format_bytes(sharded.budget_bytes)} per GPU, estimated)"
+        )
+    return f"(more GPUs would not help: {holds}; the floor is the least budget)"
 
 
 def _optimizer_name(context: PlanContext) -> str:
@@ -120,17 +147,64 @@ def _optimizer_name(context: PlanContext) -> str:
             return "the optimizer"
 
 
-def gpus_for(spec: ModelSpec, *, breakdown: dict[str, int], precision: str, usable_bytes: float) -> int | None:
-    """The fewest GPUs FSDP2 would need for a configuration whose one-process peak breaks down as ``breakdown``.
+MAX_GPUS = 1024
+"""The most GPUs the floor's advice considers."""
 
-    By ``smallest_world_size`` (a conservative estimate: fewer may do); None when
-    no number of GPUs fits.
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedFloor:
+    """A configuration under FSDP2 over more GPUs, per GPU, by the conservative estimate (``estimate_fsdp_peak_bytes``)."""
+
+    gpus: int | None
+    """The fewest GPUs whose per-GPU peak and headroom fit the budget; None when no number up to the batch does."""
+    best_gpus: int
+    """The number of GPUs that needs the least per-GPU budget."""
+    budget_bytes: int
+    """That least per-GPU budget."""
+    activation_bytes: int
+    buffer_bytes: int
+    """FSDP2's gathered parameters and unsharded gradients of one block, and the reduce-scatter input, at ``best_gpus``."""
+    state_bytes: int
+    """Parameters, gradients and optimizer state one GPU holds at ``best_gpus``."""
+
+
+def sharded_floor(
+    spec: ModelSpec, *, breakdown: dict[str, int], precision: str, headroom: Headroom, micro_batch_size: int, global_batch_size: int
+) -> ShardedFloor:
+    """What 2 to ``global_batch_size`` GPUs (at most MAX_GPUS) would make of a configuration whose one-process peak breaks down as ``breakdown``.
+
+    Each GPU trains ceil(G / N) samples in micro-batches of ``micro_batch_size``;
+    FSDP2 divides the parameters, gradients and optimizer state (each
+    parameter's first dimension padded to N: a layer with fewer rows than GPUs
+    is not divided further), but not the activations, the gathered blocks or
+    the headroom, and a rank that accumulates micro-batches keeps its whole
+    gradients until the last one (``RankSplit``). Conservative: fewer GPUs may do.
     """
-    state = {key: breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+    state = {key: breakdown.get(key, 0) for key in PERSISTENT}
     activations = sum(value for key, value in breakdown.items() if key not in state)
     with torch.device("meta"):
-        layout = fsdp_layout(spec.build_model(), world_size=2)
-    return smallest_world_size(
-        budget_bytes=int(usable_bytes), parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
-        optimizer_state_bytes=state["optimizer_state"], activation_bytes=activations, layout=layout, precision=precision,
+        model = spec.build_model()
+    numel = sum(p.numel() for p in model.parameters()) or 1
+    best: tuple[int, int, ShardedMemoryEstimate] | None = None
+    for world_size in range(2, min(global_batch_size, MAX_GPUS) + 1):
+        layout = fsdp_layout(model, world_size=world_size)
+        padded = (layout.root_numel + sum(layout.unit_numels.values())) / numel  # shards are of the padded parameters
+        steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=micro_batch_size)
+        estimate = estimate_fsdp_peak_bytes(
+            parameter_bytes=math.ceil(state["parameters"] * padded), gradient_bytes=math.ceil(state["gradients"] * padded),
+            optimizer_state_bytes=math.ceil(state["optimizer_state"] * padded), activation_bytes=activations, layout=layout,
+            world_size=world_size, precision=precision, grad_accum_steps=steps,
+        )
+        budget = headroom.smallest_budget(estimate.peak_bytes, persistent_bytes=estimate.state_bytes)
+        fits = headroom.fits(estimate.peak_bytes, persistent_bytes=estimate.state_bytes)
+        if fits or best is None or budget < best[1]:
+            best = (world_size, budget, estimate)
+        if fits:
+            break
+    if best is None:
+        raise ValueError(f"a batch of {global_batch_size} cannot be split between GPUs")
+    world_size, budget, estimate = best
+    return ShardedFloor(
+        gpus=world_size if fits else None, best_gpus=world_size, budget_bytes=budget,
+        activation_bytes=estimate.activation_bytes, buffer_bytes=estimate.buffer_bytes, state_bytes=estimate.state_bytes,
     )

@@ -6,16 +6,21 @@ with the levers, cheapest first and each adding to the last:
 
 1. the optimizer step in backward (no change to the arithmetic; only where the
    floor has one micro-batch per step, and not with fp16),
-2. on a GPU: activation offload of every block not checkpointed and the
-   optimizer state on the host (same arithmetic; costs transfers),
+2. on a GPU (simulated too: the simulated meter counts host tensors apart):
+   activation offload of every block not checkpointed and the optimizer
+   state on the host, whose gradients also leave the device in backward
+   (same arithmetic; costs transfers),
 3. with ``allow_lossy_optimizer`` only: torchao's 8-bit AdamW state (it
    changes the optimizer's arithmetic: a declared choice, never a silent one).
 
 Each candidate's peak is measured by the plan's meter (the device's, or the
 simulated one when simulating) under the same headroom; the first that fits is
-the plan, timed with plain training steps where the device runs. When none
-fits, the floor's one-line error names each lever with what it saved,
-measured.
+the plan, timed with plain training steps where the device runs. Its
+predicted samples/s is the speed model's for the floor configuration plus
+the levers' costs (``lever_costs``: transfers over the host link, measured on
+a GPU here or assumed, and the update on the host), which the notes state.
+When none fits, the floor's one-line error names each lever with what it
+saved, measured.
 """
 from __future__ import annotations
 
@@ -30,8 +35,11 @@ from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
 from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import time_training
+from autofit.planning.cost_model import PrecisionCosts, time_training
+from autofit.measure.host_speed import time_host_update
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
+from autofit.planning.headroom import persistent_bytes
+from autofit.planning.lever_costs import LeverTime, host_link, lever_time
 from autofit.planning.modelling import Costs, add_speeds
 from autofit.planning.verify import Measurements
 from autofit.planning.writing import PlanReport, write_plan
@@ -59,6 +67,20 @@ class LeverCandidate:
     config: TrainingConfig
     lossy: bool = False
     """It changes the optimizer's arithmetic (8-bit state)."""
+
+
+class BelowLeverFloor(InfeasibleBudget):
+    """Below the floor even with the levers: also says the least budget each lever candidate was measured to need."""
+
+    def __init__(self, message: str, *, below: InfeasibleBudget, lever_budgets: list[tuple[LeverCandidate, int]]) -> None:
+        super().__init__(message, floor_bytes=below.floor_bytes, breakdown=below.breakdown, floor=below.floor)
+        self.lever_budgets = lever_budgets
+        """(candidate, the least budget whose headroom leaves room for its measured peak), for each candidate measured."""
+
+    def lever_floor_bytes(self, *, allow_lossy_optimizer: bool) -> int | None:
+        """The least budget a plan with the levers needs (None: no candidate was measured)."""
+        budgets = [budget for candidate, budget in self.lever_budgets if allow_lossy_optimizer or not candidate.lossy]
+        return min(budgets, default=None)
 
 
 @dataclass(kw_only=True)
@@ -100,15 +122,9 @@ def lever_candidates(
         if others:
             base = replace(base, offload=others)
             added.append(f"activation offload of {len(others)} block(s)")
-        if context.simulate:
-            # The simulated meter runs on the CPU, where the host is the device: host state would measure as a no-op.
-            skipped.append("optimizer state on the host: the simulated meter cannot measure it (it runs on the CPU); plan on the GPU")
-            state = "device"
-        else:
-            added.append("optimizer state on the host")
-            state = "host"
-        if added:
-            candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state=state)))
+        # Simulated too: the simulated meter counts the host optimizer's tensors as host bytes (``host_allocation``).
+        added.append("optimizer state on the host")
+        candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state="host")))
         names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
@@ -129,7 +145,8 @@ def plan_with_levers(
     """The first lever candidate measured to fit, as the plan; the floor's error with the levers' savings otherwise.
 
     Raises:
-        InfeasibleBudget: no candidate fits; the message names each lever and what it saved, measured.
+        BelowLeverFloor: no candidate fits; the message names each lever and what it saved, measured, and the
+            error holds the least budget each candidate needs.
     """
     floor = below.floor
     floor_peak, _ = measurements.checked_peak(floor.config)
@@ -144,7 +161,7 @@ def plan_with_levers(
         if measured.peak_bytes is None:
             context.log(f"  {candidate.name}: {measured.why}")
             continue
-        fits = measurements.headroom.fits(measured.peak_bytes)
+        fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown)
         context.log(
             f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured "
             f"({format_bytes(floor_peak - measured.peak_bytes)} less than the floor's); "
@@ -154,10 +171,14 @@ def plan_with_levers(
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
         measurements.reject(floor.config, f"with {candidate.name}: measured peak {format_bytes(measured.peak_bytes)} does not fit"
                             if not fits else f"with {candidate.name}: fits, but needs {LOSSY_FLAG}")
-    raise InfeasibleBudget(
+    raise BelowLeverFloor(
         below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, allow_lossy_optimizer=allow_lossy_optimizer,
-                                                                  fits=measurements.headroom.fits)),
-        floor_bytes=below.floor_bytes, breakdown=below.breakdown, floor=floor,
+                                                                  fits=measurements.fits_peak)),
+        below=below,
+        lever_budgets=[
+            (m.candidate, measurements.headroom.smallest_budget(m.peak_bytes, persistent_bytes=persistent_bytes(m.breakdown)))
+            for m in tried if m.peak_bytes is not None
+        ],
     )
 
 
@@ -175,7 +196,7 @@ def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: 
         saving = f"-{format_bytes(floor_peak - measured.peak_bytes)}{in_all}, measured"
         if candidate.lossy:
             flag = "" if allow_lossy_optimizer else f"{LOSSY_FLAG} for "
-            would = "; it would fit" if fits(measured.peak_bytes) else "; not enough"
+            would = "; it would fit" if fits(measured.peak_bytes, measured.breakdown) else "; not enough"
             parts.append(f"{flag}{candidate.added} ({saving}{would}; it changes the optimizer's arithmetic)")
         else:
             parts.append(f"{candidate.added} ({saving}; not enough)")
@@ -218,8 +239,14 @@ def _report(
 ) -> PlanReport:
     """The plan of the chosen lever candidate: measured to fit, timed where the device runs, its levers named."""
     config, model = chosen.candidate.config, costs.model
-    precision_notes = {} if costs.resumed else add_speeds(context, costs)
+    precision_notes = add_speeds(context, costs)  # only what the costs do not hold yet
+    if config.precision not in model.precisions:
+        # Only the floor's trace (at the smallest micro-batch, the floor's) was needed: it predicts this configuration.
+        memory = costs.memory_for_floor()[config.precision]
+        speed = costs.speeds[config.precision]
+        model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
     blocks = frozenset(model.blocks.index(name) for name in floor.config.checkpoint)
+    levers_time = _lever_time(context, model, config, measured_parameter_bytes=chosen.breakdown.get("parameters", 0))
     speed = None
     if not context.simulate:
         speed = time_training(context.spec, config, device=context.device)
@@ -229,16 +256,23 @@ def _report(
         "config": Config(precision=config.precision, micro_batch_size=config.micro_batch_size, checkpoint=tuple(config.checkpoint)),
         # The memory model has no lever terms: its prediction is the floor configuration's without them.
         "predicted_peak_bytes": model.peak_bytes(config.precision, config.micro_batch_size, blocks),
-        "predicted_samples_per_s": model.samples_per_s(config.precision, config.micro_batch_size, blocks),
+        # The speed model's step of the floor configuration, plus what the levers cost (``lever_costs``).
+        "predicted_samples_per_s": context.global_batch_size / (
+            model.step_seconds(config.precision, config.micro_batch_size, blocks) + levers_time.seconds
+        ),
         "measured_peak_bytes": chosen.peak_bytes, "measured_samples_per_s": speed,
         "meter": "simulated" if context.simulate else context.device, "breakdown": chosen.breakdown,
-        "headroom": measurements.headroom.for_peak(chosen.peak_bytes),
+        "headroom": measurements.headroom.for_peak(chosen.peak_bytes, persistent_bytes=persistent_bytes(chosen.breakdown)),
     }
-    plan = write_plan(context, model, chosen=result, evaluations=[], unconstrained={}, headroom=measurements.headroom, verified={})
+    plan = write_plan(context, model, chosen=result, evaluations=[], unconstrained={}, usable_bytes=measurements.usable_bytes(), verified={})
     plan = replace(
         plan, selective_checkpoint=list(config.selective_checkpoint), offload=list(config.offload),
         optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state,
-        notes=[*plan.notes, *lever_notes(chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes)],
+        notes=[
+            *plan.notes,
+            *lever_notes(chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes),
+            *levers_time.notes,
+        ],
     )
     return PlanReport(
         plan=plan, floor_bytes=floor.budget_bytes, floor_breakdown=floor.breakdown, excluded_precisions=context.excluded_precisions,
@@ -253,7 +287,8 @@ def lever_notes(candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, 
     notes = [
         f"below the floor without levers: {candidate.name} lowers the floor configuration's peak from "
         f"{format_bytes(floor_peak)} to {format_bytes(peak_bytes)} (measured); the memory model does not model the "
-        "levers, so 'predicted' is the floor configuration without them"
+        "levers, so the predicted peak is the floor configuration's without them; the predicted speed adds the "
+        "levers' costs (planning/lever_costs.py)"
     ]
     if host_peak_bytes:
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
@@ -266,3 +301,21 @@ def lever_notes(candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, 
         notes.append("the levers do not change the arithmetic: the updates are plain training's")
     return notes
 
+
+def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured_parameter_bytes: int) -> LeverTime:
+    """What the chosen levers add to a step (``lever_costs``): the host link measured on a GPU here, else assumed;
+    the host update timed on this CPU."""
+    link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
+    elements, trainable_bytes = _trainable(context, fallback_bytes=measured_parameter_bytes)
+    update_seconds = time_host_update(context.spec.build_optimizer) * elements if config.optimizer_state == "host" else 0.0
+    return lever_time(config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds)
+
+
+def _trainable(context: PlanContext, *, fallback_bytes: int) -> tuple[int, int]:
+    """Elements and bytes of the parameters that train (built on the meta device: nothing allocated)."""
+    try:
+        with torch.device("meta"):
+            params = [p for p in context.spec.build_model().parameters() if p.requires_grad]
+    except Exception:  # a model that cannot be built on meta: the measured parameters, as fp32
+        return fallback_bytes // 4, fallback_bytes
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)

@@ -11,11 +11,21 @@ checkpointed blocks that are dropped there". Everything is linear in the
 micro-batch size, so traces at two micro-batch sizes give the model for every
 size (``cost_model.memory_costs``).
 
+Selective checkpointing keeps more than the inputs and the output: the
+outputs of every op its policy saves (``strategies.checkpointing.selective_saves``:
+matmuls, convolutions, attention), also those plain backward would have freed
+(a projection whose output only feeds a residual add). What it drops is
+therefore what the block saved less all of those, and it can be nothing, or
+less than nothing. The plain trace records both sets per block; a trace with
+every block selective gives what each selective recomputation holds, as the
+all-checkpointed trace does for full checkpointing.
+
 The planner verifies what this model predicts with the exact simulated meter
 and with real probes; the model only has to rank configurations well.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -28,7 +38,7 @@ from autofit.measure.probe import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.spec import ModelSpec
 from autofit.training.step import train_step
-from strategies import checkpoint_candidates
+from strategies import checkpoint_candidates, selective_saves
 
 # Micro-steps of the traced run: one optimizer step of 2 micro-batches, its optimizer
 # state made beforehand (as the probe makes it). The first micro-step is what a step
@@ -49,6 +59,36 @@ class Segment:
     """"first" (first micro-step of an optimizer step), "later" (a micro-step with gradients alive), "optimizer"."""
     recomputes: int | None = None
     """Set for the stretch where a checkpointed block recomputes its forward: it exists only when that block is checkpointed."""
+    selective: bool = False
+    """With ``recomputes``: the stretch is that block's selective recomputation (it exists only when the block is
+    checkpointed selectively); else its full one."""
+
+
+def peak_of(
+    segments: list[Segment], drops: list[float], checkpoint, *, selective_drops: list[float] | None = None, selective=frozenset()
+) -> float:
+    """The model's peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively.
+
+    Args:
+        segments: the segments at one micro-batch size (``MemoryCosts.at``).
+        drops: bytes each block's full checkpointing frees.
+        checkpoint: indices of the fully checkpointed blocks.
+        selective_drops: bytes each block's selective checkpointing frees (needed when ``selective`` is not empty).
+        selective: indices of the selectively checkpointed blocks.
+    """
+    def freed(block: int) -> float:
+        if block in checkpoint:
+            return drops[block]
+        return selective_drops[block] if block in selective else 0.0
+
+    return max(
+        (
+            s.peak_bytes - sum(freed(b) for b in s.dropped)
+            for s in segments
+            if s.recomputes is None or s.recomputes in (selective if s.selective else checkpoint)
+        ),
+        default=0.0,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,19 +106,31 @@ class MemoryTrace:
     host_sample_bytes: int = 0
     """Bytes of one sample of the example batch: the meter counts the whole global batch once it is sliced."""
     output_shape: list[int] = field(default_factory=list)
+    selective_drop_bytes: list[int] = field(default_factory=list)
+    """Bytes each block's selective checkpointing frees between its forward and its backward (0 or less where it
+    keeps as much as plain training); empty when it frees nothing in any block (then it is never worth choosing,
+    and no selective trace was made)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class _TimelineTracker(StorageTracker):
-    """A StorageTracker that also keeps the highest live bytes since the last mark."""
+    """A StorageTracker that also keeps the highest live bytes since the last mark, and shows each op's outputs to ``watch``."""
 
     def __init__(self, *, round_bytes: int) -> None:
         super().__init__(round_bytes=round_bytes)
         self.segment_peaks: list[int] = []
         self.marks: list[tuple] = []
         self._segment_peak = 0
+        self.watch = None
+        """Called with (op, outputs) after every op while set."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = StorageTracker.__torch_dispatch__(self, func, types, args, kwargs)
+        if self.watch is not None:
+            self.watch(func, out)
+        return out
 
     def _grow(self, nbytes: int) -> None:
         StorageTracker._grow(self, nbytes)
@@ -92,13 +144,15 @@ class _TimelineTracker(StorageTracker):
 
 
 def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str = "cpu") -> MemoryTrace:
-    """Trace a simulated optimizer step of two micro-batches, plain and all-checkpointed.
+    """Trace a simulated optimizer step of two micro-batches: plain, all-checkpointed and all-selective.
 
     The traced global batch is 2 x micro_batch_size; a step's memory depends on
     the global batch only through its host copy (``host_sample_bytes``). The
-    plain run gives every segment and each block's dropped bytes; a second run
-    with every block checkpointed measures what each block's recomputation
-    holds at its peak.
+    plain run gives every segment and each block's dropped bytes, fully and
+    selectively; a second run with every block checkpointed measures what each
+    block's recomputation holds at its peak, and a third with every block
+    selective the same for selective recomputation (left out when selective
+    checkpointing frees nothing in any block).
 
     Args:
         spec: the model, its example batches, loss and optimizer.
@@ -109,14 +163,15 @@ def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, devi
     Returns:
         The segments of the trace and the bytes each block's checkpointing drops.
     """
-    plain = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=False)
+    plain = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode="none")
     segments, prefix_shaped = _segments(plain.marks, plain.peaks, plain.drop_bytes)
-    if plain.names:
-        checkpointed = _run_trace(
-            spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, checkpoint_all=True,
-            blocks=plain.names,
-        )
-        segments += _recompute_segments(checkpointed.marks, checkpointed.peaks, plain.drop_bytes)
+    selective_drops = plain.selective_drop_bytes if any(b > 0 for b in plain.selective_drop_bytes) else []
+    for mode, drops in (("full", plain.drop_bytes), ("selective", selective_drops)):
+        if plain.names and drops:
+            recomputed = _run_trace(
+                spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode=mode, blocks=plain.names,
+            )
+            segments += _recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
     return MemoryTrace(
         micro_batch_size=micro_batch_size,
         blocks=plain.names,
@@ -125,6 +180,7 @@ def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, devi
         prefix_shaped=prefix_shaped,
         host_sample_bytes=plain.host_bytes // (2 * micro_batch_size),
         output_shape=plain.output_shape,
+        selective_drop_bytes=selective_drops,
     )
 
 
@@ -136,13 +192,15 @@ class _RawTrace:
     drop_bytes: list[int]
     host_bytes: int
     output_shape: list[int]
+    selective_drop_bytes: list[int]
 
 
 def _run_trace(
-    spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, checkpoint_all: bool,
+    spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, mode: str,
     blocks: list[str] | None = None,
 ) -> _RawTrace:
-    """One traced step; ``blocks`` are the candidates when already found (else one fake forward finds them)."""
+    """One traced step with every block in ``mode`` ("none", "full" or "selective"); ``blocks`` are the candidates
+    when already found (else one fake forward finds them)."""
     meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
     with meter.environment():
@@ -152,7 +210,7 @@ def _run_trace(
         names = blocks if blocks is not None else checkpoint_candidates(model, example_inputs=inputs)
         config = TrainingConfig(
             global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
-            checkpoint=names if checkpoint_all else [],
+            checkpoint=names if mode == "full" else [], selective_checkpoint=names if mode == "selective" else [],
         )
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
         modules = dict(model.named_modules())
@@ -162,7 +220,10 @@ def _run_trace(
         tracker.track(model.parameters(), "parameters")
         tracker.track(model.buffers(), "parameters")
         persistent = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
-        state = {"micro": -1, "active": [], "saved": {name: {} for name in names}, "output_shape": []}
+        state = {"micro": -1, "active": [], "saved": {name: {} for name in names}, "output_shape": [], "loose": {}}
+        # Per block and micro-step: the outputs of the ops selective checkpointing would keep, as
+        # (weak reference to the storage, bytes); a storage freed by plain training is kept by it.
+        policy_kept: dict[str, dict[int, list]] = {name: {} for name in names}
 
         def root_pre_hook(module, args):
             state["micro"] += 1
@@ -193,16 +254,43 @@ def _run_trace(
                 tracker.mark(("fwd_end", index, micro))
                 # Keyword inputs too (a Hugging Face layer's position embeddings and mask): a
                 # checkpointed block keeps all its inputs until its backward.
-                inputs_ = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                inputs = {id(t.untyped_storage()): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-                kept = inputs_ | {id(t.untyped_storage()) for t in outputs}
+                kept = set(inputs) | {id(t.untyped_storage()) for t in outputs}
                 saved = state["saved"][names[index]].setdefault(micro, {})
-                state["dropped_" + str(micro) + "_" + str(index)] = sum(n for key, n in saved.items() if key not in kept)
+                dropped = sum(n for key, n in saved.items() if key not in kept)
+                state["dropped_" + str(micro) + "_" + str(index)] = dropped
+                # An input the block's own ops do not save (a block that starts with a matmul under autocast
+                # saves the input's cast, not the input) may die after the forward; kept by a checkpoint, it
+                # stays: what has died when the block's backward begins is what checkpointing adds.
+                state["loose"][micro, index] = [
+                    (weakref.ref(t.untyped_storage()), tracker.counted_bytes(t))
+                    for key, t in inputs.items() if key not in saved and key not in persistent
+                ]
+                # Selective checkpointing keeps the policy's outputs too (each storage once; one that died is no input or output).
+                also_kept: dict[int, int] = {}
+                for ref, nbytes in policy_kept[names[index]].get(micro, []):
+                    storage = ref()
+                    key = id(ref) if storage is None else id(storage)
+                    if storage is None or key not in kept:
+                        also_kept[key] = nbytes
+                state["selective_" + str(micro) + "_" + str(index)] = dropped - sum(also_kept.values())
                 for tensor in outputs:
                     if tensor.requires_grad:
-                        tensor.register_hook(lambda grad, index=index, micro=micro: tracker.mark(("bwd_start", index, micro)))
+                        tensor.register_hook(lambda grad, index=index, micro=micro: backward_starts(index, micro))
                         break
             return hook
+
+        def backward_starts(index, micro):
+            tracker.mark(("bwd_start", index, micro))
+            state["kept_inputs_" + str(micro) + "_" + str(index)] = sum(n for ref, n in state["loose"].pop((micro, index), []) if ref() is None)
+
+        def watch(op, outputs):
+            if state["active"] and selective_saves(op):
+                kept = policy_kept[names[state["active"][-1]]].setdefault(state["micro"], [])
+                for tensor in tree_leaves(outputs):
+                    if isinstance(tensor, torch.Tensor):
+                        kept.append((weakref.ref(tensor.untyped_storage()), tracker.counted_bytes(tensor)))
 
         def pack(tensor):
             if state["active"]:
@@ -217,8 +305,10 @@ def _run_trace(
         for index, name in enumerate(names):
             hooks.append(modules[name].register_forward_pre_hook(pre_hook(index)))
             hooks.append(modules[name].register_forward_hook(post_hook(index), with_kwargs=True))
-        # The checkpointed run's blocks keep their own saved-tensor hooks: nothing to count there.
-        saved_hooks = nullcontext() if checkpoint_all else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        # The checkpointed runs' blocks keep their own saved-tensor hooks: nothing to count there.
+        plain = mode == "none"
+        saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if plain else nullcontext()
+        tracker.watch = watch if plain else None
         with tracker, saved_hooks:
             create_optimizer_state(model, optimizer)
             hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
@@ -227,10 +317,14 @@ def _run_trace(
         tracker.mark(("end",))
         for hook in hooks:
             hook.remove()
-        drop_bytes = [state.get(f"dropped_{_LATER_MICRO}_{i}", 0) for i in range(len(names))]
+        tracker.watch = None
+        # Both modes keep the block's inputs: those plain training frees by the block's backward count against them.
+        kept_inputs = [state.get(f"kept_inputs_{_LATER_MICRO}_{i}", 0) for i in range(len(names))]
+        drop_bytes = [state.get(f"dropped_{_LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
+        selective_drop_bytes = [state.get(f"selective_{_LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
-        host_bytes=host_bytes, output_shape=state["output_shape"],
+        host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,
     )
 
 
@@ -241,18 +335,20 @@ def _segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int]) -> tu
     return segments, prefix_shaped
 
 
-def _recompute_segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int]) -> list[Segment]:
-    """From the all-checkpointed trace: the stretch after each block's backward begins (its recompute).
+def _recompute_segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int], *, selective: bool) -> list[Segment]:
+    """From an all-checkpointed (or all-selective) trace: the stretch after each block's backward begins (its recompute).
 
-    That trace had every block before it dropped; the segment's bytes are
-    stated as if none were (adding their drops back), like every other segment,
-    and it counts only when its block is checkpointed.
+    That trace had every block before it dropped (in its mode, ``drop_bytes``);
+    the segment's bytes are stated as if none were (adding their drops back),
+    like every other segment, and it counts only when its block is
+    checkpointed in that mode.
     """
     found = []
     for segment, opener in _labelled(marks, peaks, len(drop_bytes)):
         if opener[0] == "bwd_start" and segment.phase in ("first", "later"):
             segment.peak_bytes += sum(drop_bytes[b] for b in segment.dropped)
             segment.recomputes = opener[1]
+            segment.selective = selective
             found.append(segment)
     return found
 

@@ -1,103 +1,324 @@
-"""Steps 1 and 2 of planning: the cost model's memory half (simulated traces) and speed half (timings or FLOPs).
+"""Steps 1 and 3 of planning: the cost model's memory half (simulated traces) and speed half (timings or FLOPs).
 
 Memory: two simulated traces per precision (no arithmetic), at the smallest
 micro-batch the model trains with and at the global batch, give every
 configuration's peak (``memory_model``). Speed: real timings on the device at
 a few micro-batch sizes per precision (``cost_model``); with ``simulate``,
-FLOPs instead. A stored study can hold both, and a rerun then measures neither.
+FLOPs instead. A stored study (the cache, or ``--study``) can hold both, and
+a rerun then measures neither.
+
+Only what the search can use is traced:
+
+- the floor needs each precision's trace at the smallest micro-batch only,
+  and only until one precision shows the budget is above it;
+- a precision is traced in full only when the fastest it could run with no
+  budget at all (its speeds, no checkpointing) reaches VERIFY_WITHIN of the
+  fastest configuration found to fit so far: below that, the verification
+  would never time it (``worth_tracing``);
+- fp16 and bf16 autocast save tensors of the same sizes wherever autocast
+  follows the same rules for both (the CPU's, which the simulated meter uses
+  for a GPU too): one's traces serve the other once a forward of the model
+  under each has been checked to make the same operators with outputs of the
+  same shapes and element sizes (``same_autocast_bytes``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from autofit._torch_private import TorchDispatchMode, tree_leaves
+from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
+from autofit.measure.meters import simulated_meter
+from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
-from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, flop_speed_costs, memory_costs, time_precisions
-from autofit.planning.memory_model import MemoryTrace, trace_memory
+from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, flop_speed_costs, memory_costs, time_precisions
+from autofit.planning.memory_model import trace_memory
+from autofit.planning.verify import VERIFY_WITHIN
+from strategies import checkpoint_candidates
+
+HALF_PRECISIONS = ("bf16", "fp16")
+"""Autocast to one 2-byte type or the other: the same rules on the CPU."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class Costs:
-    """The run's cost model and the micro-batch sizes it covers (largest first)."""
+    """The run's cost model, the speeds of every precision, and the micro-batch sizes searched (largest first).
+
+    ``model.precisions`` holds the precisions traced in full; ``low_only``
+    those traced at the smallest micro-batch only (enough for the floor).
+    """
 
     model: CostModel
     micro_batch_sizes: list[int]
+    speeds: dict[str, SpeedCosts] = field(default_factory=dict)
+    """Precision -> its speeds (timed, or from FLOPs), traced or not."""
+    low_only: dict[str, MemoryCosts] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    """Precision -> a note on its speed or its traces."""
+    shared: dict[str, str] = field(default_factory=dict)
+    """Precision -> the precision whose traces it shares (checked: ``same_autocast_bytes``)."""
     resumed: bool = False
-    """The cost model, speeds included, came from a stored study."""
+    """The cost model came from a stored study."""
+    changed: bool = False
+    """Traced or timed in this run: the study should keep it."""
 
     @property
     def host_sample_bytes(self) -> int:
         """Bytes of one sample of the host's copy of the global batch."""
-        return next(iter(self.model.precisions.values())).memory.high.host_sample_bytes
+        memory = next(iter(self.model.precisions.values()), None)
+        memory = memory.memory if memory is not None else next(iter(self.low_only.values()))
+        return memory.low.host_sample_bytes
+
+    @property
+    def smallest(self) -> int:
+        return self.micro_batch_sizes[-1]
+
+    def memory_for_floor(self) -> dict[str, MemoryCosts]:
+        """Every precision traced at least at the smallest micro-batch (all the floor needs)."""
+        return {**self.low_only, **{p: c.memory for p, c in self.model.precisions.items()}}
+
+    def untraced(self, precisions: list[str]) -> list[str]:
+        return [p for p in precisions if p not in self.model.precisions]
+
+    def to_store(self) -> dict:
+        return {
+            "cost_model": self.model.to_dict(), "micro_batch_sizes": self.micro_batch_sizes,
+            "speeds": {p: _speed_dict(s) for p, s in self.speeds.items()},
+            "low_only": {p: {"low": m.low.to_dict()} for p, m in self.low_only.items()},
+            "notes": self.notes, "shared": self.shared,
+        }
 
 
-def stored_or_traced(context: PlanContext) -> Costs:
-    """The cost model of a stored study with the same model, device, batch and precisions; else the memory traced."""
-    stored = context.study.load("cost_model")
-    if stored is None:
-        return traced(context)
-    model = CostModel.from_dict(stored)
-    smallest = model.precisions[context.precisions[0]].memory.low.micro_batch_size
-    context.log("cost model loaded from the stored study")
-    return Costs(model=model, micro_batch_sizes=micro_batch_sizes(context.global_batch_size, smallest=smallest), resumed=True)
+def _speed_dict(speed: SpeedCosts) -> dict:
+    from dataclasses import asdict
+
+    return asdict(speed)
 
 
-def traced(context: PlanContext) -> Costs:
-    """The memory model: each precision traced at the smallest runnable micro-batch and at the global batch.
+def stored_or_new(context: PlanContext) -> Costs:
+    """The costs a stored study holds for this model, device, batch and precisions; else new ones.
 
-    Its speeds are placeholders until ``add_speeds``.
+    New costs know the smallest micro-batch the model trains with and hold the
+    first precision's trace at it (``smallest_runnable``); nothing else is traced yet.
     """
+    stored = context.study.load("costs")
+    if stored is not None:
+        try:
+            costs = _from_store(stored)
+        except (KeyError, TypeError, ValueError):  # a store written by another version: measure again
+            costs = None
+        if costs is not None:
+            context.log(
+                f"costs loaded from the stored study: {', '.join(costs.model.precisions) or 'no precision'} traced, "
+                f"{', '.join(costs.speeds) or 'no precision'} timed"
+            )
+            return costs
     G = context.global_batch_size
-    smallest, low_trace = smallest_runnable(context)
-    model = CostModel(blocks=low_trace.blocks, global_batch_size=G, device_type=context.device, estimated=context.simulate)
-    model.output_shape = low_trace.output_shape
-    context.log(f"memory: tracing {len(context.precisions)} precision(s) at micro-batch {smallest} and {G} (simulated)")
-    for precision in context.precisions:
-        reuse = low_trace if precision == context.precisions[0] else None
-        memory = memory_costs(context.sim_spec, precision=precision, low=smallest, high=G, device_type=context.device, low_trace=reuse)
-        empty = SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[1.0], block_seconds=[[]], optimizer_seconds=0.0)
-        model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=empty)
+    with torch.device("meta"):
+        blocks = checkpoint_candidates(context.sim_spec.build_model())
+    smallest = smallest_runnable(context)
+    model = CostModel(blocks=blocks, global_batch_size=G, device_type=context.device, estimated=context.simulate)
     return Costs(model=model, micro_batch_sizes=micro_batch_sizes(G, smallest=smallest))
 
 
-def smallest_runnable(context: PlanContext) -> tuple[int, MemoryTrace]:
-    """The smallest micro-batch the model trains with (BatchNorm refuses 1 sample per channel), and its trace."""
+def _from_store(stored: dict) -> Costs:
+    from autofit.planning.cost_model import _trace_from_dict
+
+    costs = Costs(
+        model=CostModel.from_dict(stored["cost_model"]), micro_batch_sizes=list(stored["micro_batch_sizes"]),
+        speeds={p: SpeedCosts(**s) for p, s in stored["speeds"].items()},
+        low_only={p: _low_memory(_trace_from_dict(m["low"])) for p, m in stored["low_only"].items()},
+        notes=dict(stored["notes"]), shared=dict(stored["shared"]), resumed=True,
+    )
+    return costs
+
+
+def _low_memory(trace) -> MemoryCosts:
+    """A precision's memory known at its low trace only: exact at that micro-batch, which is all the floor asks."""
+    return MemoryCosts(low=trace, high=trace)
+
+
+def smallest_runnable(context: PlanContext) -> int:
+    """The smallest micro-batch the model trains with (BatchNorm refuses 1 sample per channel).
+
+    A simulated forward and backward per size (no arithmetic), smallest first.
+    """
     errors = []
     for size in micro_batch_sizes(context.global_batch_size, smallest=1)[::-1]:
         try:
-            trace = trace_memory(context.sim_spec, micro_batch_size=size, precision=context.precisions[0], device_type=context.device)
+            _simulated_forward(context, size=size, precision=context.precisions[0], backward=True)
         except Exception as error:  # the user's model refused this batch size
             errors.append(f"micro-batch {size}: {type(error).__name__}: {error}")
             continue
         if errors:
             context.log(f"the model does not train below micro-batch {size} ({errors[0]})")
-        return size, trace
+        return size
     raise UserError(f"the model fails to train even at micro-batch {context.global_batch_size}: {errors[-1]}; fix the model file or the batch size")
 
 
+def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
+    """Trace a precision at the smallest micro-batch only (what the floor needs)."""
+    if precision in costs.model.precisions or precision in costs.low_only:
+        return
+    shared = _shared_with(context, costs, precision)
+    if shared is not None:
+        costs.low_only[precision] = costs.memory_for_floor()[shared]
+        return
+    context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} (simulated)")
+    trace = trace_memory(context.sim_spec, micro_batch_size=costs.smallest, precision=precision, device_type=context.device)
+    _check_blocks(costs, trace.blocks)
+    costs.low_only[precision] = _low_memory(trace)
+    costs.changed = True
+
+
+def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
+    """Trace a precision at the smallest micro-batch and at the global batch: its whole memory model."""
+    if precision in costs.model.precisions:
+        return
+    G = context.global_batch_size
+    shared = _shared_with(context, costs, precision, full=True)
+    if shared is not None:
+        memory = costs.model.precisions[shared].memory
+    else:
+        low = costs.low_only.get(precision)
+        context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + " (simulated)")
+        memory = memory_costs(
+            context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
+            low_trace=low.low if low else None,
+        )
+        _check_blocks(costs, memory.low.blocks)
+    costs.low_only.pop(precision, None)
+    if not costs.model.output_shape:
+        costs.model.output_shape = memory.high.output_shape
+    costs.model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=costs.speeds[precision])
+    costs.changed = True
+
+
+def _check_blocks(costs: Costs, traced_blocks: list[str]) -> None:
+    if traced_blocks != costs.model.blocks:  # the model on meta and over fake tensors must agree
+        costs.model.blocks = list(traced_blocks)
+
+
+def _shared_with(context: PlanContext, costs: Costs, precision: str, *, full: bool = False) -> str | None:
+    """The other half precision, when it is traced (in full, if asked) and autocast saves the same bytes under both."""
+    if precision not in HALF_PRECISIONS:
+        return None
+    other = next(p for p in HALF_PRECISIONS if p != precision)
+    traced = other in costs.model.precisions or (not full and other in costs.low_only)
+    if not traced:
+        return None
+    if costs.shared.get(precision) != other:
+        if not same_autocast_bytes(context, precision, other, size=costs.smallest):
+            context.log(f"memory: {precision} and {other} autocast save different bytes for this model: tracing both")
+            return None
+        costs.shared[precision] = other
+        costs.changed = True
+    context.log(f"memory: {precision} shares {other}'s traces (checked: autocast makes the same tensors under both)")
+    return other
+
+
+def same_autocast_bytes(context: PlanContext, first: str, second: str, *, size: int) -> bool:
+    """Whether a forward (with its loss) under the two precisions makes the same operators with outputs of the
+    same shapes and element sizes: then backward, the optimizer and every saved tensor weigh the same too.
+
+    Run over fake tensors (no arithmetic) at ``size`` samples.
+    """
+    try:
+        return _simulated_forward(context, size=size, precision=first) == _simulated_forward(context, size=size, precision=second)
+    except Exception:  # a model the comparison cannot run: trace both
+        return False
+
+
+class _OperatorLog(TorchDispatchMode):
+    """Each operator and its outputs' shapes and element sizes (the dtype's name left out: bf16 and fp16 are both 2 bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = tuple(
+            (tuple(t.shape), t.element_size(), t.dtype.is_floating_point) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+        )
+        self.entries.append((str(func), shapes))
+        return out
+
+
+def _simulated_forward(context: PlanContext, *, size: int, precision: str, backward: bool = False) -> list[tuple]:
+    """One micro-batch's forward and loss (and backward) over fake tensors; the operators it made."""
+    spec = context.sim_spec
+    meter = simulated_meter(spec, for_device=context.device)  # the cpu meter for a model fake tensors cannot run
+    torch.manual_seed(0)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        config = TrainingConfig(global_batch_size=size, micro_batch_size=size, precision=precision)
+        applied = apply_config(model, config, device=meter.device, use_scaler=False)
+        inputs, targets = spec.example_batch(size)
+        log = _OperatorLog()
+        with log, applied.forward_context():
+            loss = as_loss(spec.loss_fn).weighted(call_model(applied.model, inputs), targets, weight=1.0)
+        if backward:
+            loss.backward()
+    return log.entries
+
+
 def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
-    """Fill the cost model's speeds, and keep the model in the study.
+    """Time (or estimate) every precision's speeds, unless the costs already hold them.
 
     Returns:
         Precision -> a note on its speed (e.g. not timed past the smallest size: far slower than the fastest).
     """
-    sizes = timing_sizes(costs.micro_batch_sizes)
-    if context.simulate:
-        context.log(f"speed: estimating from FLOPs at micro-batch {', '.join(map(str, sizes))}")
-        speeds = flop_speed_costs(
-            context.sim_spec, precisions=context.precisions, sizes=sizes, device_type=context.device, device_name=context.info.name
-        )
-    else:
-        context.log(f"speed: timing {', '.join(context.precisions)} at micro-batch {', '.join(map(str, sizes))} on {context.device}")
-        speeds = time_precisions(context.spec, precisions=context.precisions, sizes=sizes, device=context.device)
-    notes = {}
-    for precision, speed in speeds.items():
-        costs.model.precisions[precision].speed = speed
-        if speed.note:
-            notes[precision] = speed.note
-    context.study.save("cost_model", costs.model.to_dict())
-    return notes
+    wanted = [p for p in context.precisions if p not in costs.speeds]
+    if wanted:
+        sizes = timing_sizes(costs.micro_batch_sizes)
+        if context.simulate:
+            context.log(f"speed: estimating from FLOPs at micro-batch {', '.join(map(str, sizes))}")
+            speeds = flop_speed_costs(
+                context.sim_spec, precisions=wanted, sizes=sizes, device_type=context.device, device_name=context.info.name
+            )
+        else:
+            context.log(f"speed: timing {', '.join(wanted)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")
+            speeds = time_precisions(context.spec, precisions=wanted, sizes=sizes, device=context.device)
+        costs.speeds.update(speeds)
+        costs.changed = True
+        for precision, speed in speeds.items():
+            if speed.note:
+                costs.notes[precision] = speed.note
+            if precision in costs.model.precisions:
+                costs.model.precisions[precision].speed = speed
+    return {p: costs.notes[p] for p in context.precisions if p in costs.notes}
+
+
+def best_plain_samples_per_s(costs: Costs, precision: str) -> float:
+    """The fastest a precision could train with no budget: its best micro-batch, no checkpointing (speeds only)."""
+    speed, G = costs.speeds[precision], costs.model.global_batch_size
+    best = 0.0
+    for size in costs.micro_batch_sizes:
+        seconds = speed.optimizer_seconds + sum(speed.micro_step_seconds(s) for s in costs.model.micro_sizes(size))
+        best = max(best, G / seconds)
+    return best
+
+
+def worth_tracing(costs: Costs, precision: str, *, best_fitting: float) -> bool:
+    """Whether a precision could reach the verification: its best plain speed is at least VERIFY_WITHIN of the best fit.
+
+    Checkpointing and accumulation only slow a precision down, so a precision
+    below that line at its fastest has no configuration the verification
+    would time, whatever its memory.
+    """
+    return best_plain_samples_per_s(costs, precision) >= VERIFY_WITHIN * best_fitting
+
+
+def save(context: PlanContext, costs: Costs) -> None:
+    """Keep the costs in the study (the cache or ``--study``) when this run added to them."""
+    if costs.changed:
+        context.study.save("costs", costs.to_store())
+        costs.changed = False
 
 
 def micro_batch_sizes(global_batch_size: int, *, smallest: int) -> list[int]:

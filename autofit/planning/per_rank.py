@@ -3,8 +3,8 @@
 - ``simulate_fsdp_peak_bytes`` runs FSDP2 in one process on a fake process
   group over fake tensors, through the one strategy owner: one rank's peak
   (what a plan records).
-- ``estimate_fsdp_peak_bytes`` is a quick conservative formula for searching;
-  ``smallest_world_size`` the fewest ranks it says could fit.
+- ``estimate_fsdp_peak_bytes`` is a quick conservative formula for searching
+  (and for the floor's advice, ``floor.sharded_floor``).
 - ``ShardAwareTracker`` measures a real rank on the CPU.
 """
 from __future__ import annotations
@@ -181,35 +181,6 @@ def estimate_fsdp_peak_bytes(
     return ShardedMemoryEstimate(
         peak_bytes=state + activation_bytes + buffers, state_bytes=state, activation_bytes=activation_bytes, buffer_bytes=buffers,
     )
-
-
-def smallest_world_size(
-    *,
-    budget_bytes: int,
-    parameter_bytes: int,
-    gradient_bytes: int,
-    optimizer_state_bytes: int,
-    activation_bytes: int,
-    layout: FSDPLayout,
-    precision: str,
-    max_world_size: int = 1024,
-) -> int | None:
-    """The fewest FSDP2 ranks whose ``estimate_fsdp_peak_bytes`` fits ``budget_bytes`` (for a floor message).
-
-    One micro-batch per step (nothing accumulates unsynced). The estimate is
-    conservative, so fewer ranks may do; None when no number fits (the
-    activations and the gathered units alone exceed the budget).
-    """
-    for world_size in range(2, max_world_size + 1):
-        estimate = estimate_fsdp_peak_bytes(
-            parameter_bytes=parameter_bytes, gradient_bytes=gradient_bytes, optimizer_state_bytes=optimizer_state_bytes,
-            activation_bytes=activation_bytes, layout=layout, world_size=world_size, precision=precision,
-        )
-        if estimate.peak_bytes <= budget_bytes:
-            return world_size
-        if estimate.peak_bytes - estimate.state_bytes > budget_bytes:
-            return None  # what does not shrink with more ranks is already too much
-    return None
 
 
 def _share(nbytes: int, world_size: int) -> int:

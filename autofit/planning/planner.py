@@ -2,19 +2,24 @@
 
 One process (``_plan_one_process``), in steps that pass values on:
 
-1. Memory (``modelling``): two simulated traces per precision (no arithmetic)
-   give every configuration's peak; a stored study's cost model is reused.
+1. Memory (``modelling``): simulated traces (no arithmetic) give every
+   configuration's peak; a stored study's costs (the cache, or ``--study``)
+   are reused, and only what is missing is traced.
 2. Floor (``floor``): the smallest micro-batch with every block checkpointed
-   (or none), measured, so an impossible budget fails in seconds with what
-   would lower it. Below it, on one process, the floor configuration is tried
-   with the memory levers (``levers``), measured; the first that fits is the plan.
+   (or none), so an impossible budget fails in seconds with what would lower
+   it; measured unless the budget is well above it. Below it, on one process,
+   the floor configuration is tried with the memory levers (``levers``),
+   measured; the first that fits is the plan.
 3. Speed (``modelling``): real timings on the device at a few micro-batch
-   sizes per precision; with ``simulate``, FLOPs instead.
+   sizes per precision, interleaved; with ``simulate``, FLOPs instead.
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
-   exact knapsack picks the cheapest checkpoint set that fits.
-5. Verification (``verify``): the best candidates are measured with the
-   device's meter (the simulated one when simulating); only a configuration
-   whose measured peak plus headroom fits is ever emitted.
+   exact knapsack picks the cheapest checkpoint set that fits. A precision is
+   traced in full only when it could reach the verification
+   (``modelling.worth_tracing``), fastest first.
+5. Verification (``verify``): the best candidates are timed side by side on the
+   device, and the chosen one's peak is measured with the device's meter (the
+   simulated one when simulating); only a configuration whose measured peak
+   plus headroom fits is ever emitted.
 6. The plan (``writing``).
 
 N > 1 processes (``_plan_ranks``): DDP when one rank's share plans as one
@@ -25,7 +30,9 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
 
 import torch
 
@@ -34,10 +41,12 @@ from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
 from autofit.planning.levers import Levers, plan_with_levers
-from autofit.planning.modelling import Costs, add_speeds, stored_or_traced, traced
+from autofit.planning.modelling import (
+    Costs, add_speeds, best_plain_samples_per_s, save, stored_or_new, trace_full, trace_low, worth_tracing,
+)
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
-from autofit.planning.search import score_space
-from autofit.planning.verify import Measurements, measure_unconstrained, verify
+from autofit.planning.search import Evaluation, score_space
+from autofit.planning.verify import VERIFY_WITHIN, Measurements, measure_unconstrained, timed_reference, verify
 from autofit.planning.writing import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
 from autofit.units import format_bytes
@@ -58,6 +67,8 @@ def plan(
     precisions: Sequence[str] | None = None,
     gpus: int = 1,
     allow_lossy_optimizer: bool = False,
+    cache: bool = True,
+    threads: int | None = None,
 ) -> Plan:
     """Find the fastest way to train ``model`` inside ``budget``, verified by real probes.
 
@@ -77,6 +88,12 @@ def plan(
             uses DDP when the model fits unsharded, FSDP2 otherwise (see ``plan_with_report``).
         allow_lossy_optimizer: below the floor, 8-bit AdamW state (torchao) may be chosen;
             it changes the optimizer's arithmetic, so it is never chosen without this.
+        cache: without ``study``, keep the cost model and measurements in the cache
+            (``autofit.planning.context.cache_dir()``: $AUTOFIT_CACHE_DIR, else
+            $XDG_CACHE_HOME/autofit or ~/.cache/autofit), so that another budget
+            for the same model measures only what is new; False keeps nothing.
+        threads: intra-op threads to time with; default PyTorch's, fewer when
+            other work keeps the CPU's cores busy (``context.timing_threads``).
 
     Returns:
         The Plan (``autofit.save_plan(plan, "plan.json")`` writes it).
@@ -93,6 +110,7 @@ def plan(
     return make_plan(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate,
         device_memory=device_memory, study=study, precisions=precisions, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
+        cache=cache, threads=threads,
     )
 
 
@@ -110,12 +128,14 @@ def make_plan(
     log: Callable[[str], None] | None = None,
     gpus: int = 1,
     allow_lossy_optimizer: bool = False,
+    cache: bool = True,
+    threads: int | None = None,
 ) -> Plan:
     """Plan for a ModelSpec: see ``plan`` for the arguments; ``log`` receives progress lines."""
     return plan_with_report(
         spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
-        study=study, precisions=precisions, num_classes=num_classes, log=log, gpus=gpus,
-        allow_lossy_optimizer=allow_lossy_optimizer,
+        study=study, precisions=precisions, num_classes=num_classes, log=log, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
+        cache=cache, threads=threads,
     ).plan
 
 
@@ -133,6 +153,8 @@ def plan_with_report(
     log: Callable[[str], None] | None = None,
     gpus: int = 1,
     allow_lossy_optimizer: bool = False,
+    cache: bool = True,
+    threads: int | None = None,
 ) -> PlanReport:
     """``make_plan``, also returning how the plan was found (for the CLI's summary).
 
@@ -154,58 +176,166 @@ def plan_with_report(
         raise UserError(f"--gpus {gpus!r} must be a whole number of GPUs, at least 1")
     arguments = dict(
         device=device, simulate=simulate, device_memory=device_memory, precisions=precisions, num_classes=num_classes, log=log,
+        cache=cache, threads=threads,
     )
     if gpus > 1:
         return _plan_ranks(spec, world_size=gpus, budget=budget, batch_size=batch_size, study=study, **arguments)
     context = plan_context(spec, budget=budget, batch_size=batch_size, study=study, **arguments)
-    return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=allow_lossy_optimizer))
+    with _threads(context):
+        return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=allow_lossy_optimizer))
+
+
+@contextmanager
+def _threads(context: PlanContext) -> Iterator[None]:
+    """Measure with the context's intra-op threads; PyTorch's setting is put back after."""
+    before = torch.get_num_threads()
+    if context.threads_note:
+        context.log(context.threads_note)
+    torch.set_num_threads(context.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _memory(context: PlanContext) -> Costs:
-    """Step 1: the memory model (with the speeds too when a stored study holds them)."""
+    """Step 1: the stored costs, or the smallest micro-batch the model trains with (nothing traced yet)."""
     context.log(
         f"planning {context.spec.source} for a batch of {context.global_batch_size} within "
         f"{format_bytes(context.budget_bytes)} on {context.device}"
     )
-    return stored_or_traced(context)
+    with context.phase("memory"):
+        return stored_or_new(context)
 
 
 def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | None = None) -> PlanReport:
-    """Steps 2 to 6 on the memory model of step 1: floor, speed, search, verification, the plan.
+    """Steps 2 to 6 on the costs of step 1: floor, speed, search, verification, the plan.
 
     Args:
         levers: below the floor, try the memory levers (None: one rank of several, where they do not run).
     """
-    G, model = context.global_batch_size, costs.model
-    measurements = Measurements(context, host_sample_bytes=costs.host_sample_bytes, verified=context.study.load("verified") or {})
+    if context.simulate:  # FLOPs cost a fraction of a trace: they say which precision to trace first
+        with context.phase("speed"):
+            add_speeds(context, costs)
+    with context.phase("memory"):
+        if not costs.memory_for_floor():
+            trace_low(context, costs, _fastest(context, costs))
+    measurements = Measurements(context, host_sample_bytes=costs.host_sample_bytes, stored=context.study.load("measurements"))
     try:
-        floor = check_floor(context, costs, measurements)
+        with context.phase("floor"):
+            floor = _floor(context, costs, measurements)
     except InfeasibleBudget as below:
         if levers is None:
             raise
-        return plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
-    precision_notes = {} if costs.resumed else add_speeds(context, costs)
-    evaluations, sampler = score_space(
-        model, precisions=context.precisions, micro_batch_sizes=costs.micro_batch_sizes, global_batch_size=G,
-        usable_bytes=measurements.headroom.usable_bytes(), study=context.study,
-    )
-    context.log(f"search: {len(evaluations)} (precision, micro-batch) points by {sampler}, {sum(e.fits for e in evaluations)} fit the model's budget")
-    chosen = verify(context, model, evaluations, floor_config=floor.config, floor_bytes=floor.budget_bytes, measurements=measurements)
-    unconstrained = measure_unconstrained(context, evaluations, chosen=chosen, measurements=measurements)
-    plan = write_plan(
-        context, model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
-        headroom=measurements.headroom, verified=measurements.verified,
-    )
+        with context.phase("levers"):
+            return plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+    with context.phase("speed"):
+        add_speeds(context, costs)
+    evaluations, sampler = _search(context, costs, measurements)
+    save(context, costs)
+    with context.phase("verify"):
+        reference = timed_reference(context, evaluations)
+        chosen = verify(
+            context, costs.model, evaluations, floor_config=floor.config, floor_bytes=floor.budget_bytes,
+            measurements=measurements, reference=reference,
+        )
+        unconstrained = measure_unconstrained(context, evaluations, chosen=chosen, measurements=measurements)
+    with context.phase("write"):
+        plan = write_plan(
+            context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
+            usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
+        )
+        context.study.save("measurements", measurements.to_store())
+    speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)
     report = PlanReport(
         plan=plan, floor_bytes=floor.budget_bytes, floor_breakdown=floor.breakdown,
-        excluded_precisions=context.excluded_precisions, precision_notes=precision_notes, unconstrained=unconstrained,
-        sampler=sampler, evaluations=len(evaluations), simulated_checks=measurements.simulated_checks,
+        excluded_precisions=context.excluded_precisions, precision_notes=_precision_notes(context, costs, evaluations),
+        unconstrained=unconstrained, sampler=sampler, evaluations=len(evaluations), simulated_checks=measurements.simulated_checks,
         memory_probes=measurements.memory_probes, real_probes=measurements.real_probes, resumed=costs.resumed,
-        seconds=time.perf_counter() - context.started, rejected=measurements.rejected, cost_model=model.to_dict(),
+        seconds=time.perf_counter() - context.started, rejected=measurements.rejected, cost_model=costs.model.to_dict(),
+        speeds={p: asdict(s) for p, s in costs.speeds.items() if p in context.precisions}, phases=dict(context.phases), timing=measurements.timing, speed_noise=0.0 if context.simulate else speed_noise,
+        threads_note=context.threads_note, study=context.study.storage or "", study_problems=list(context.study.problems),
     )
-    context.study.save("verified", measurements.verified)
     context.log(f"planned in {report.seconds:.1f} s")
     return report
+
+
+def _fastest(context: PlanContext, costs: Costs) -> str:
+    """The precision expected fastest: by its speeds when known, else the first asked for."""
+    known = [p for p in context.precisions if p in costs.speeds]
+    if not known:
+        return context.precisions[0]
+    return max(known, key=lambda p: best_plain_samples_per_s(costs, p))
+
+
+def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
+    """The floor over the precisions traced so far; before a refusal is final, over every precision."""
+    try:
+        return check_floor(context, costs, measurements)
+    except InfeasibleBudget:
+        missing = [p for p in context.precisions if p not in costs.memory_for_floor()]
+        if not missing:
+            save(context, costs)
+            raise
+    with context.phase("memory"):
+        for precision in missing:
+            trace_low(context, costs, precision)
+    try:
+        return check_floor(context, costs, measurements)
+    finally:
+        save(context, costs)
+
+
+def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> tuple[list[Evaluation], str]:
+    """Trace precisions in full, fastest first, while one could still reach the verification; score them."""
+    order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
+    usable = measurements.usable_bytes()
+    evaluations: list[Evaluation] = []
+    for index, precision in enumerate(order):
+        best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+        if precision not in costs.model.precisions and index > 0 and not worth_tracing(costs, precision, best_fitting=best):
+            continue
+        with context.phase("memory"):
+            trace_full(context, costs, precision)
+        with context.phase("search"):
+            evaluations, _ = score_space(
+                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
+                global_batch_size=context.global_batch_size, usable_bytes=usable, study=None, slack=measurements.slack,
+            )
+    with context.phase("search"):
+        # The search kept where the user asked (--study): over every precision traced.
+        evaluations, sampler = score_space(
+            costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
+            global_batch_size=context.global_batch_size, usable_bytes=usable, study=context.study, slack=measurements.slack,
+        )
+    skipped = costs.untraced(context.precisions)
+    context.log(
+        f"search: {len(evaluations)} (precision, micro-batch) points by {sampler}, {sum(e.fits for e in evaluations)} fit the "
+        f"model's budget" + (f"; {', '.join(skipped)} not traced (too slow to matter)" if skipped else "")
+    )
+    return evaluations, sampler
+
+
+def _traced(context: PlanContext, costs: Costs) -> list[str]:
+    return [p for p in context.precisions if p in costs.model.precisions]
+
+
+def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evaluation]) -> dict[str, str]:
+    """Per precision: its speed note, the traces it shares, or why it was not traced."""
+    best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+    notes = {}
+    for precision in context.precisions:
+        parts = [costs.notes[precision]] if precision in costs.notes else []
+        if precision in costs.shared and precision in costs.model.precisions:
+            parts.append(f"memory from {costs.shared[precision]}'s traces (autocast checked to make the same tensors)")
+        if precision not in costs.model.precisions:
+            parts.append(
+                f"not traced: at most {best_plain_samples_per_s(costs, precision):.1f} samples/s with no budget, under "
+                f"{VERIFY_WITHIN:.0%} of the {best:.1f} found to fit"
+            )
+        if parts:
+            notes[precision] = "; ".join(parts)
+    return notes
 
 
 def _plan_ranks(spec: ModelSpec, *, world_size: int, budget: str | int, batch_size: int, study: str | None, **arguments) -> PlanReport:
@@ -225,7 +355,8 @@ def _plan_ranks(spec: ModelSpec, *, world_size: int, budget: str | int, batch_si
         ddp = plan_context(spec, budget=rank.budget_bytes - allowance, batch_size=share, study=study, **arguments)
         costs = _memory(ddp)
         try:
-            report = _plan_one_process(ddp, costs)
+            with _threads(ddp):
+                report = _plan_one_process(ddp, costs)
         except InfeasibleBudget:
             # The memory model does not depend on the budget: FSDP2 reuses the one DDP's attempt traced.
             rank.log("DDP does not fit: every rank would hold the whole model's state; sharding it with FSDP2")
@@ -235,7 +366,8 @@ def _plan_ranks(spec: ModelSpec, *, world_size: int, budget: str | int, batch_si
             )
             report.seconds = time.perf_counter() - started
             return report
-    report = plan_fsdp(rank, costs or traced(rank), world_size=world_size, global_batch_size=batch_size)
+    with _threads(rank):
+        report = plan_fsdp(rank, costs or stored_or_new(rank), world_size=world_size, global_batch_size=batch_size)
     report.seconds = time.perf_counter() - started
     return report
 

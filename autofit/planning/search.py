@@ -1,12 +1,16 @@
-"""The planner's search: checkpoint sets by exact knapsack, the rest by Optuna.
+"""The planner's search: checkpoint modes by exact knapsack, the rest by Optuna.
 
-For one precision and micro-batch size, which blocks to checkpoint is a
-covering knapsack: drop enough bytes at every point of the step for the peak
-to fit, at the least recompute time. Its constraints come from the memory
-model's segments; in the usual case (blocks run forward in order and backward
-in reverse) every segment's droppable blocks are a prefix of the block list,
-and a dynamic programme over blocks with Pareto-pruned states (bytes dropped
-so far, seconds spent) solves it exactly for any number of blocks.
+For one precision and micro-batch size, how to checkpoint each block (not at
+all, selectively or fully) is a covering knapsack: drop enough bytes at every
+point of the step for the peak to fit, at the least recompute time. Each
+block offers its modes with the bytes they free (``MemoryCosts.at``,
+``MemoryCosts.selective_drops``) and the seconds they cost
+(``CostModel.recompute_seconds``, ``CostModel.selective_recompute_seconds``).
+The constraints come from the memory model's segments; in the usual case
+(blocks run forward in order and backward in reverse) every segment's
+droppable blocks are a prefix of the block list, and a dynamic programme over
+blocks with Pareto-pruned states (bytes dropped so far, seconds spent) solves
+it exactly for any number of blocks.
 
 Precision x micro-batch size is the outer space, searched by Optuna: brute
 force when it is small, TPE when it is not, in a study that can live in a
@@ -17,66 +21,119 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from autofit.errors import UserError
 from autofit.planning.cost_model import CostModel
-from autofit.planning.memory_model import Segment
+from autofit.planning.memory_model import Segment, peak_of
 
 BRUTE_FORCE_LIMIT = 256
 """Outer spaces up to this many (precision, micro-batch) points are enumerated; larger ones use TPE."""
 TPE_TRIALS = 96
 ENUMERATE_LIMIT = 16
-"""Blocks up to which a checkpoint problem of unusual shape is solved by enumerating every set."""
+"""A checkpoint problem of unusual shape is solved by enumerating every choice while there are at most
+2 ** ENUMERATE_LIMIT of them (16 blocks of two modes, 10 of three)."""
 MODEL_SLACK = 0.01
 """The memory model may be this pessimistic; candidates within it are checked exactly rather than dropped."""
+EXACT_SLACK = 0.001
+"""The same where the model is the meter's twin (the CPU, the simulated meter): it is exact there, or optimistic
+(which the verification's probes catch), so a candidate predicted further over the limit would fail its probe."""
+
+
+FULL, SELECTIVE = "full", "selective"
+"""A block's checkpoint modes (None: not checkpointed)."""
 
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointChoice:
     blocks: frozenset[int]
+    """Blocks checkpointed fully."""
     peak_bytes: float
     recompute_seconds: float
+    selective: frozenset[int] = frozenset()
+    """Blocks checkpointed selectively."""
 
 
-def peak_of(segments: list[Segment], drops: list[float], checkpoint: frozenset[int] | set[int]) -> float:
-    """The model's peak bytes when ``checkpoint`` blocks are checkpointed."""
-    return max(
-        (
-            s.peak_bytes - sum(drops[b] for b in s.dropped if b in checkpoint)
-            for s in segments
-            if s.recomputes is None or s.recomputes in checkpoint
-        ),
-        default=0.0,
-    )
+@dataclass(frozen=True, slots=True)
+class _Option:
+    mode: str | None
+    drop: float
+    seconds: float
 
 
 def cheapest_checkpoint(
-    segments: list[Segment], drops: list[float], seconds: list[float], *, limit_bytes: float
+    segments: list[Segment],
+    drops: list[float],
+    seconds: list[float],
+    *,
+    limit_bytes: float,
+    selective_drops: list[float] | None = None,
+    selective_seconds: list[float] | None = None,
 ) -> CheckpointChoice | None:
-    """The checkpoint set with the least recompute time whose peak is at most ``limit_bytes``.
+    """Each block's checkpoint mode (none, selective, full) with the least recompute time whose peak is at most ``limit_bytes``.
 
     Args:
         segments: the memory model's segments at this precision and micro-batch size.
-        drops: bytes each block's checkpointing frees.
-        seconds: recompute seconds each block costs per optimizer step.
+        drops: bytes each block's full checkpointing frees.
+        seconds: recompute seconds each block's full checkpointing costs per optimizer step.
         limit_bytes: the peak allowed.
+        selective_drops, selective_seconds: the same for selective checkpointing; None (either) leaves it out.
 
     Returns:
         The choice, or None when even checkpointing every block does not fit.
     """
     n = len(drops)
+    options = _options(drops, seconds, selective_drops=selective_drops, selective_seconds=selective_seconds)
     if _prefix_shaped(segments, n):
-        blocks = _prefix_knapsack(segments, drops, seconds, limit_bytes=limit_bytes)
-    elif n <= ENUMERATE_LIMIT:
-        blocks = _enumerate(segments, drops, seconds, limit_bytes=limit_bytes)
+        modes = _prefix_knapsack(segments, options, limit_bytes=limit_bytes)
+    elif math.prod(len(o) for o in options) <= 2**ENUMERATE_LIMIT:
+        modes = _enumerate(segments, options, limit_bytes=limit_bytes)
     else:
-        blocks = _greedy(segments, drops, seconds, limit_bytes=limit_bytes)
-    if blocks is None:
+        modes = _greedy(segments, options, limit_bytes=limit_bytes)
+    if modes is None:
         return None
+    full = frozenset(b for b, mode in enumerate(modes) if mode == FULL)
+    selective = frozenset(b for b, mode in enumerate(modes) if mode == SELECTIVE)
     return CheckpointChoice(
-        blocks=blocks, peak_bytes=peak_of(segments, drops, blocks), recompute_seconds=sum(seconds[b] for b in blocks)
+        blocks=full, selective=selective, peak_bytes=_peak(segments, options, modes),
+        recompute_seconds=sum(_chosen(options, modes, b).seconds for b in range(n)),
+    )
+
+
+def cheapest_for(model: CostModel, precision: str, micro_batch_size: int, *, limit_bytes: float) -> CheckpointChoice | None:
+    """``cheapest_checkpoint`` at one (precision, micro-batch) of the cost model, each block none, selective or full
+    (selective where the model knows what it frees and costs)."""
+    memory = model.precisions[precision].memory
+    segments, drops = memory.at(micro_batch_size, global_batch_size=model.global_batch_size)
+    return cheapest_checkpoint(
+        segments, drops, model.recompute_seconds(precision, micro_batch_size), limit_bytes=limit_bytes,
+        selective_drops=memory.selective_drops(micro_batch_size),
+        selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size),
+    )
+
+
+def _options(drops, seconds, *, selective_drops=None, selective_seconds=None) -> list[list[_Option]]:
+    """Per block, its modes with the bytes they free and the seconds they cost: none, full, and selective where known."""
+    options = [[_Option(None, 0.0, 0.0), _Option(FULL, drops[b], seconds[b])] for b in range(len(drops))]
+    if selective_drops is not None and selective_seconds is not None:
+        for b, block_options in enumerate(options):
+            block_options.append(_Option(SELECTIVE, selective_drops[b], selective_seconds[b]))
+    return options
+
+
+def _chosen(options: list[list[_Option]], modes, block: int) -> _Option:
+    return next(o for o in options[block] if o.mode == modes[block])
+
+
+def _peak(segments: list[Segment], options: list[list[_Option]], modes) -> float:
+    """``peak_of`` for a mode per block."""
+    return peak_of(
+        segments, [_chosen(options, modes, b).drop for b in range(len(options))],
+        {b for b, mode in enumerate(modes) if mode == FULL},
+        selective_drops=[_chosen(options, modes, b).drop for b in range(len(options))],
+        selective={b for b, mode in enumerate(modes) if mode == SELECTIVE},
     )
 
 
@@ -88,30 +145,32 @@ def _prefix_shaped(segments: list[Segment], n: int) -> bool:
     return True
 
 
-def _prefix_knapsack(segments, drops, seconds, *, limit_bytes: float) -> frozenset[int] | None:
-    """Exact: blocks in forward order; states (bytes dropped so far, seconds, set), Pareto-pruned.
+def _prefix_knapsack(segments, options: list[list[_Option]], *, limit_bytes: float) -> tuple | None:
+    """Exact: blocks in forward order; states (bytes dropped so far, seconds, modes), Pareto-pruned.
 
     Segment constraints: a segment whose droppable blocks are 0..j-1 needs the
-    chosen ones among them to drop at least (its bytes - limit). A block's
-    recompute segment exists only when it is chosen, so it is checked when the
-    block is taken, against what the blocks before it drop.
+    modes chosen for them to drop at least (its bytes - limit). A block's
+    recompute segment in a mode exists only when it takes that mode, so it is
+    checked when the block takes it, against what the blocks before it drop.
     """
-    n = len(drops)
+    n = len(options)
     need = [-np.inf] * (n + 1)
-    recompute = [-np.inf] * n
+    recompute = [{FULL: -np.inf, SELECTIVE: -np.inf} for _ in range(n)]
     for s in segments:
         if s.recomputes is None:
             need[len(s.dropped)] = max(need[len(s.dropped)], s.peak_bytes - limit_bytes)
         else:
-            recompute[s.recomputes] = max(recompute[s.recomputes], s.peak_bytes - limit_bytes)
+            mode = SELECTIVE if s.selective else FULL
+            recompute[s.recomputes][mode] = max(recompute[s.recomputes][mode], s.peak_bytes - limit_bytes)
     if need[0] > 0:
         return None
-    states: list[tuple[float, float, frozenset[int]]] = [(0.0, 0.0, frozenset())]
+    states: list[tuple[float, float, tuple]] = [(0.0, 0.0, ())]
     for block in range(n):
-        grown = list(states)
-        for dropped, cost, chosen in states:
-            if recompute[block] <= dropped:
-                grown.append((dropped + drops[block], cost + seconds[block], chosen | {block}))
+        grown = []
+        for dropped, cost, modes in states:
+            for option in options[block]:
+                if option.mode is None or recompute[block][option.mode] <= dropped:
+                    grown.append((dropped + option.drop, cost + option.seconds, (*modes, option.mode)))
         grown = [state for state in grown if state[0] >= need[block + 1]]
         if not grown:
             return None
@@ -125,42 +184,61 @@ def _prefix_knapsack(segments, drops, seconds, *, limit_bytes: float) -> frozens
     return min(states, key=lambda state: (state[1], -state[0]))[2]
 
 
-def _enumerate(segments, drops, seconds, *, limit_bytes: float) -> frozenset[int] | None:
-    """Exact for any shape: every subset, vectorised (at most 2^16 of them)."""
-    n = len(drops)
-    masks = np.arange(2**n, dtype=np.int64)
-    bits = ((masks[:, None] >> np.arange(n)) & 1).astype(np.float64)  # (2^n, n)
-    drops_ = np.asarray(drops, dtype=np.float64)
-    peak = np.full(2**n, -np.inf)
+def _enumerate(segments, options: list[list[_Option]], *, limit_bytes: float) -> tuple | None:
+    """Exact for any shape: every choice of a mode per block, vectorised (at most 2 ** ENUMERATE_LIMIT of them)."""
+    n = len(options)
+    counts = [len(o) for o in options]
+    total = math.prod(counts)
+    codes = np.arange(total, dtype=np.int64)
+    picks = np.empty((total, n), dtype=np.int64)  # (choices, blocks): each block's option index
+    for b in range(n):
+        picks[:, b] = codes % counts[b]
+        codes = codes // counts[b]
+    drop = np.stack([np.asarray([o.drop for o in options[b]])[picks[:, b]] for b in range(n)], axis=1) if n else np.zeros((1, 0))
+    cost = sum((np.asarray([o.seconds for o in options[b]])[picks[:, b]] for b in range(n)), np.zeros(total))
+    peak = np.full(total, -np.inf)
     for s in segments:
-        dropped = np.zeros(n)
-        dropped[s.dropped] = drops_[s.dropped]
-        value = s.peak_bytes - bits @ dropped
+        value = s.peak_bytes - drop[:, s.dropped].sum(axis=1)
         if s.recomputes is not None:
-            value = np.where(bits[:, s.recomputes] > 0, value, -np.inf)
+            mode = SELECTIVE if s.selective else FULL
+            index = next((i for i, o in enumerate(options[s.recomputes]) if o.mode == mode), None)
+            value = np.where(picks[:, s.recomputes] == index, value, -np.inf) if index is not None else np.full(total, -np.inf)
         peak = np.maximum(peak, value)
-    cost = bits @ np.asarray(seconds, dtype=np.float64)
     cost = np.where(peak <= limit_bytes, cost, np.inf)
     best = int(np.argmin(cost))
     if not np.isfinite(cost[best]):
         return None
-    return frozenset(b for b in range(n) if best >> b & 1)
+    return tuple(options[b][picks[best, b]].mode for b in range(n))
 
 
-def _greedy(segments, drops, seconds, *, limit_bytes: float) -> frozenset[int] | None:
-    """Many blocks of unusual shape: add the most bytes per second until it fits, then drop what is not needed."""
-    order = sorted(range(len(drops)), key=lambda b: -drops[b] / max(seconds[b], 1e-12))
-    chosen: set[int] = set()
-    for block in order:
-        if peak_of(segments, drops, chosen) <= limit_bytes:
-            break
-        chosen.add(block)
-    if peak_of(segments, drops, chosen) > limit_bytes:
-        return None
-    for block in sorted(chosen, key=lambda b: -seconds[b]):
-        if peak_of(segments, drops, chosen - {block}) <= limit_bytes:
-            chosen.discard(block)
-    return frozenset(chosen)
+def _greedy(segments, options: list[list[_Option]], *, limit_bytes: float) -> tuple | None:
+    """Many blocks of unusual shape: take the change of mode that drops the most bytes per second until it fits,
+    then give back, most expensive first, what is not needed."""
+    n = len(options)
+    current = [options[b][0] for b in range(n)]  # not checkpointed
+
+    def peak() -> float:
+        return _peak(segments, options, tuple(o.mode for o in current))
+
+    while peak() > limit_bytes:
+        moves = [
+            ((o.drop - current[b].drop) / max(o.seconds - current[b].seconds, 1e-12), b, o)
+            for b in range(n) for o in options[b] if o.drop > current[b].drop
+        ]
+        if not moves:
+            return None
+        _, block, option = max(moves, key=lambda move: move[0])
+        current[block] = option
+    for block in sorted(range(n), key=lambda b: -current[b].seconds):
+        taken = current[block]
+        for option in sorted(options[block], key=lambda o: o.seconds):
+            if option.seconds >= taken.seconds:
+                break
+            current[block] = option
+            if peak() <= limit_bytes:
+                break
+            current[block] = taken
+    return tuple(o.mode for o in current)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -171,6 +249,8 @@ class Evaluation:
     micro_batch_size: int
     grad_accum_steps: int
     checkpoint: list[str] = field(default_factory=list)
+    selective_checkpoint: list[str] = field(default_factory=list)
+    """Blocks checkpointed selectively (``checkpoint`` holds those checkpointed fully)."""
     fits: bool = False
     peak_bytes: float = 0.0
     samples_per_s: float = 0.0
@@ -189,16 +269,18 @@ def score_space(
     micro_batch_sizes: list[int],
     global_batch_size: int,
     usable_bytes: float,
-    study: Study,
+    study: Study | None,
+    slack: float = MODEL_SLACK,
 ) -> tuple[list[Evaluation], str]:
-    """Score every (precision, micro-batch) point by the cost model, each with its cheapest checkpoint set that fits.
+    """Score every (precision, micro-batch) point by the cost model, each with its cheapest checkpoint modes that fit.
 
     Args:
         model: the cost model (memory and speed).
         precisions, micro_batch_sizes: the space.
         global_batch_size: samples per optimizer step.
-        usable_bytes: the largest peak the budget's headroom leaves (``Headroom.usable_bytes``).
-        study: where the search is kept.
+        usable_bytes: the largest peak the budget's headroom leaves (``Measurements.usable_bytes``).
+        slack: how far over it a prediction still counts as a candidate (the model's pessimism).
+        study: where the search is kept (None: in memory).
 
     Returns:
         ``search``'s evaluations and the sampler's name.
@@ -206,8 +288,6 @@ def score_space(
     limit = usable_bytes / model.memory_scale
 
     def evaluate(precision: str, micro_batch_size: int) -> Evaluation:
-        segments, drops = model.precisions[precision].memory.at(micro_batch_size, global_batch_size=global_batch_size)
-        seconds = model.recompute_seconds(precision, micro_batch_size)
         plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
         plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
         result = Evaluation(
@@ -215,16 +295,21 @@ def score_space(
             grad_accum_steps=math.ceil(global_batch_size / micro_batch_size),
             plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
         )
-        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit * (1 + MODEL_SLACK))
+        choice = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit * (1 + slack))
         if choice is not None:
             result.fits = True
             result.checkpoint = [model.blocks[b] for b in sorted(choice.blocks)]
-            result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks)
-            result.samples_per_s = model.samples_per_s(precision, micro_batch_size, choice.blocks)
+            result.selective_checkpoint = [model.blocks[b] for b in sorted(choice.selective)]
+            result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective)
+            result.samples_per_s = model.samples_per_s(precision, micro_batch_size, choice.blocks, choice.selective)
         return result
 
+    if study is None:
+        return search(evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name="search", storage=None)
+    searched = "" if tuple(precisions) == study.precisions else ":" + ",".join(precisions)
     return search(
-        evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name=study.name, storage=study.storage
+        evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name=study.name + searched,
+        storage=study.search_storage,
     )
 
 
@@ -304,37 +389,72 @@ def open_study(study_name: str, *, storage: str | None, sampler=None):
         ) from error
 
 
-def stored_attribute(storage: str | None, *, prefix: str, key: str):
-    """An attribute of any stored study whose name starts with ``prefix`` (e.g. a cost model to reuse)."""
-    if storage is None:
-        return None
-    import optuna
-
-    try:
-        summaries = optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
-    except Exception:  # an empty or new database
-        return None
-    for summary in summaries:
-        if summary.study_name.startswith(prefix) and key in summary.user_attrs:
-            return summary.user_attrs[key]
-    return None
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Study:
-    """Where a planning run keeps its search, cost model and measurements; nowhere when ``storage`` is None."""
+    """Where a planning run keeps its search, cost model and measurements; nowhere when ``storage`` is None.
+
+    The cost model and the measurements live in one study per model, device,
+    batch and precisions (``prefix`` + "costs"), shared by every budget; each
+    budget's search is a study of its own (``name``).
+    """
 
     storage: str | None
     """An Optuna storage URL such as "sqlite:///plans.db"."""
     prefix: str
     """Shared by the studies of every budget for the same model, device, batch and precisions."""
     name: str
+    precisions: tuple[str, ...] = ()
+    """The precisions of the run; a search of fewer (the others not worth tracing) is named after them."""
+    keep_trials: bool = True
+    """Keep the search's scored points too (the cache does not: they are scored again in milliseconds)."""
+    strict: bool = True
+    """A storage that fails is an error (``--study``); else the run goes on without it (the cache), noted in ``problems``."""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def search_storage(self) -> str | None:
+        """Where the search's trials go."""
+        return self.storage if self.keep_trials else None
 
     def load(self, key: str):
-        """An attribute stored by this study or another with the same prefix (None when there is none)."""
-        return stored_attribute(self.storage, prefix=self.prefix, key=key)
+        """An attribute stored for this model, device, batch and precisions (None when there is none)."""
+        if self.storage is None:
+            return None
+        try:
+            study = self._costs(create=False)
+            return None if study is None else study.user_attrs.get(key)
+        except Exception as error:  # a cache that cannot be read is a cache miss
+            return self._failed(error)
 
     def save(self, key: str, value) -> None:
         if self.storage is None:
             return
-        open_study(self.name, storage=self.storage).set_user_attr(key, value)
+        try:
+            self._costs(create=True).set_user_attr(key, value)
+        except Exception as error:  # a cache that cannot be written is no cache
+            self._failed(error)
+
+    def _costs(self, *, create: bool):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        name = f"{self.prefix}costs"
+        if create:
+            if self.storage.startswith("sqlite:///"):
+                Path(self.storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            return open_study(name, storage=self.storage) if self.strict else optuna.create_study(
+                study_name=name, storage=self.storage, load_if_exists=True
+            )
+        if self.storage.startswith("sqlite:///") and not Path(self.storage.removeprefix("sqlite:///")).exists():
+            return None
+        try:
+            return optuna.load_study(study_name=name, storage=self.storage)
+        except KeyError:  # no such study yet
+            return None
+
+    def _failed(self, error: Exception) -> None:
+        if self.strict:
+            raise UserError(
+                f"--study {self.storage!r} cannot be opened ({type(error).__name__}: {error}); use e.g. sqlite:///plans.db"
+            ) from error
+        self.problems.append(f"the cache {self.storage} was not used ({type(error).__name__}: {error}); --no-cache skips it")

@@ -1,37 +1,50 @@
-"""Step 4 of planning: measure the best candidates; only a configuration measured to fit is chosen.
+"""Step 5 of planning: measure the best candidates; only a configuration measured to fit is chosen.
 
 ``Measurements`` holds every measurement of one run, by configuration: exact
 peaks by the simulated meter (equal to the CPU meter, no arithmetic), real
 probes with the device's meter, and timings of plain training steps.
-``verify`` measures the best predicted candidates with it and picks the
-fastest that fits; ``measure_unconstrained`` measures the fastest
-configuration with no budget, for the summary's ratio.
+``verify`` times the best predicted candidates side by side, in interleaved
+rounds until the fastest is clear or the rest are within the noise
+(``timing``), and measures the peak of the one it picks, in this run,
+before it is chosen; ``measure_unconstrained`` reports the fastest
+configuration with no budget, timed in the same rounds.
+
+A candidate's peak is measured before it is timed only where the memory
+model does not already decide that it fits: on a real GPU (whose allocator
+the model only scales to), or within ``DECIDED_MARGIN`` of the usable bytes.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import torch
 
+from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
-from autofit.measure.meters import release_device_memory
-from autofit.measure.probe import probe
+from autofit.measure.meters import release_device_memory, simulated_meter
+from autofit.measure.probe import create_optimizer_state, probe
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import CostModel, time_configuration
-from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom
-from autofit.planning.search import MODEL_SLACK, Evaluation, cheapest_checkpoint
+from autofit.planning.cost_model import CostModel, StepTimer
+from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
+from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_for
+from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
 from autofit.units import format_bytes
+from strategies import PRECISIONS
 
 VERIFY_TOP = 3
-"""Candidates verified with real probes."""
+"""Candidates timed on the device."""
 VERIFY_WITHIN = 0.75
-"""Only candidates predicted at least this fraction of the best candidate's speed are worth a real probe."""
-NOISE = 0.03
-"""Measured speeds this close are a tie (timing noise); the simpler configuration wins a tie."""
+"""Only candidates predicted at least this fraction of the best candidate's speed are worth timing."""
 VERIFY_ATTEMPTS = 5
 """Checkpoint sets measured per (precision, micro-batch) before it is given up."""
-TIMING_ROUNDS = 2
-"""Each verified candidate is timed this many times, in interleaved rounds; its fastest round counts."""
+DECIDED_MARGIN = 0.02
+"""Where the memory model is the meter's twin (the CPU, the simulated meter), a candidate predicted at least
+this far under the usable bytes is timed before its peak is measured: the model decides that it fits, and
+the one chosen is measured anyway."""
+KEEP_TIMERS_SHARE = 0.25
+"""On the CPU the timed candidates stay built between rounds while their peaks add up to at most this share of
+the machine's memory; on a GPU one is built at a time (its memory is the budget's)."""
 
 
 class Measurements:
@@ -40,21 +53,40 @@ class Measurements:
     Two micro-batches stand for all of them in a memory probe (later
     micro-steps repeat the second); the samples not traced are added as the
     host's copy of the global batch where the meter counts it.
+
+    Args:
+        stored: ``to_store()`` of an earlier run with the same model, device and
+            batch (from the study): peaks are reused, timings only where every
+            configuration compared was timed in one earlier run.
     """
 
-    def __init__(self, context: PlanContext, *, host_sample_bytes: int, verified: dict[str, dict]) -> None:
+    def __init__(self, context: PlanContext, *, host_sample_bytes: int, stored: dict | None = None) -> None:
         self.context = context
         self.host_sample_bytes = host_sample_bytes
-        self.verified = verified
-        """Real probes (peak and speed) by configuration key; kept in the study, so a rerun reuses them."""
+        stored = stored or {}
+        self.peaks: dict[str, dict] = dict(stored.get("peaks", {}))
+        """Configuration key -> the meter's peak ("peak_bytes", "breakdown", "context_bytes"; "oom" when it ran out)."""
+        self.timings: dict[str, dict] = dict(stored.get("timings", {}))
+        """Configuration key -> {"session": the run that timed it, "threads": with how many, "seconds": one step of
+        the global batch per round}."""
+        self.session = uuid.uuid4().hex[:12]
+        self.fresh: set[str] = set()
+        """Keys whose peak was measured in this run."""
         self.simulated_checks = 0
         self.memory_probes = 0
         self.real_probes = 0
+        """Configurations timed in this run."""
         self.rejected: list[dict] = []
         """Configurations ruled out, with why."""
+        self.timing: dict = {}
+        """What the verification's timing saw: rounds, noise, and the configurations within it of the fastest."""
+        self.learned: dict[str, float] = {}
+        """Precision -> measured / predicted peak, where a probe showed the model optimistic (``scale``)."""
+        self.predicted: dict[str, float] = {}
+        """Configuration key -> the cost model's peak, for keeping timers within memory (set by ``verify``)."""
         self._exact: dict[str, tuple[int, dict]] = {}
-        self._real: dict[str, tuple[int, dict, int]] = {}
         self._measured_context_bytes: int | None = None
+        self._resident_bytes: int | None = None
 
     @property
     def headroom(self) -> Headroom:
@@ -67,15 +99,77 @@ class Measurements:
             context_bytes=assumed if measured is None else measured,
         )
 
+    @property
+    def resident_bytes(self) -> int:
+        """Parameters (with buffers) and optimizer state: on the device through every step of every configuration the
+        search scores, so a lower bound of the persistent bytes at any of their peaks (for the headroom of a peak
+        that is only predicted).
+
+        Counted (one model built and its optimizer state made, over fake tensors) only where the headroom
+        depends on it (``Headroom.depends_on_persistent``: planning for a GPU that is not here); 0 elsewhere.
+        """
+        if self._resident_bytes is None:
+            self._resident_bytes = _resident_bytes(self.context) if self.headroom.depends_on_persistent else 0
+        return self._resident_bytes
+
+    def usable_bytes(self) -> float:
+        """The largest predicted peak the budget's headroom leaves (``Headroom.usable_bytes``, with ``resident_bytes``)."""
+        return self.headroom.usable_bytes(persistent_bytes=self.resident_bytes)
+
+    def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
+        """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
+        return self.headroom.fits(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
+
+    @property
+    def model_is_exact(self) -> bool:
+        """Whether the memory model stands for the meter with the last word (to within MODEL_SLACK).
+
+        It is built from the simulated meter, which equals the CPU meter; a real
+        GPU's allocator it only approaches through ``CostModel.memory_scale``.
+        """
+        return self.context.simulate or self.context.device == "cpu"
+
+    @property
+    def slack(self) -> float:
+        """How far over the usable bytes a prediction may be and still be worth a probe."""
+        return EXACT_SLACK if self.model_is_exact else MODEL_SLACK
+
+    def scale(self, precision: str) -> float:
+        """Measured over predicted peak, the largest seen for this precision in this run (at least 1).
+
+        Where the model is exact this stays 1; where it turns out optimistic for a
+        precision, the next candidates of that precision are judged by what the
+        probes showed, not probed one by one into the same miss.
+        """
+        return self.learned.get(precision, 1.0)
+
+    def learn(self, precision: str, *, measured: float, predicted: float) -> None:
+        if predicted > 0 and measured > predicted:
+            self.learned[precision] = max(self.scale(precision), measured / predicted)
+
     def reject(self, config: Config, why: str) -> None:
         self.rejected.append({"config": config.key(), "why": why})
 
-    def checked_peak(self, config: Config) -> tuple[int, dict]:
-        """A configuration's peak by the meter that has the last word: the device's, or the simulated one when simulating."""
-        if self.context.simulate:
-            return self.exact_peak(config)
-        peak, breakdown, _ = self.real_peak(config)
-        return peak, breakdown
+    def checked_peak(self, config: Config, *, fresh: bool = False) -> tuple[int, dict]:
+        """A configuration's peak by the meter that has the last word: the device's, or the simulated one when simulating.
+
+        Args:
+            fresh: measure it in this run even if an earlier run stored it (what is chosen always is).
+        """
+        key = config.key()
+        if key not in self.peaks or (fresh and key not in self.fresh):
+            if self.context.simulate:
+                peak, breakdown = self.exact_peak(config)
+                self.peaks[key] = {"peak_bytes": peak, "breakdown": breakdown}
+            else:
+                self._real_peak(config)
+            self.fresh.add(key)
+        entry = self.peaks[key]
+        if entry.get("oom"):
+            return self.context.info.total_bytes, {}
+        if entry.get("context_bytes") is not None and self.context.device == "cuda" and not self.context.simulate:
+            self._measured_context_bytes = max(self._measured_context_bytes or 0, entry["context_bytes"])
+        return entry["peak_bytes"], dict(entry["breakdown"])
 
     def exact_peak(self, config: Config) -> tuple[int, dict]:
         """The simulated meter's peak of a configuration and its breakdown: equal to the CPU meter, no arithmetic."""
@@ -85,7 +179,8 @@ class Measurements:
             traced = min(context.global_batch_size, 2 * m)
             result = probe(
                 context.sim_spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
-                checkpoint=list(config.checkpoint), device=context.device, simulate=True, steps=2,
+                checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
+                device=context.device, simulate=True, steps=2,
             )
             host = (context.global_batch_size - traced) * self.host_sample_bytes
             breakdown = dict(result.breakdown)
@@ -94,95 +189,207 @@ class Measurements:
             self.simulated_checks += 1
         return self._exact[key]
 
-    def real_peak(self, config: Config) -> tuple[int, dict, int]:
-        """The device meter's peak of a configuration (less the GPU context), its breakdown, and the context."""
-        key = config.key()
-        if key not in self._real:
-            context, m = self.context, config.micro_batch_size
-            traced = min(context.global_batch_size, 2 * m)
-            try:
-                result = probe(
-                    context.spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
-                    checkpoint=list(config.checkpoint), device=context.device, steps=2,
-                )
-            except torch.OutOfMemoryError:
-                release_device_memory(context.device)
-                self.reject(config, "out of memory on the device")
-                self._real[key] = (context.info.total_bytes, {}, 0)
-                return self._real[key]
-            on_gpu = context.device == "cuda"
-            breakdown = dict(result.breakdown)
-            context_bytes = breakdown.pop("context", 0) if on_gpu else 0
-            # The CPU meter counts the host's global batch too; the GPU meter does not see it.
-            host = 0 if on_gpu else (context.global_batch_size - traced) * self.host_sample_bytes
-            breakdown["activations"] = breakdown.get("activations", 0) + host
-            self._real[key] = (result.peak_bytes - context_bytes + host, breakdown, context_bytes)
-            self.memory_probes += 1
-            if on_gpu:
-                # The context is measured now: the largest seen replaces the assumption.
-                self._measured_context_bytes = max(self._measured_context_bytes or 0, context_bytes)
-        return self._real[key]
+    def _real_peak(self, config: Config) -> None:
+        """Probe a configuration with the device's meter; its peak less the GPU context goes into ``peaks``."""
+        context, m = self.context, config.micro_batch_size
+        traced = min(context.global_batch_size, 2 * m)
+        try:
+            result = probe(
+                context.spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
+                checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
+                device=context.device, steps=2,
+            )
+        except torch.OutOfMemoryError:
+            release_device_memory(context.device)
+            self.reject(config, "out of memory on the device")
+            self.peaks[config.key()] = {"oom": True}
+            return
+        on_gpu = context.device == "cuda"
+        breakdown = dict(result.breakdown)
+        context_bytes = breakdown.pop("context", 0) if on_gpu else 0
+        # The CPU meter counts the host's global batch too; the GPU meter does not see it.
+        host = 0 if on_gpu else (context.global_batch_size - traced) * self.host_sample_bytes
+        breakdown["activations"] = breakdown.get("activations", 0) + host
+        self.peaks[config.key()] = {"peak_bytes": result.peak_bytes - context_bytes + host, "breakdown": breakdown, "context_bytes": context_bytes}
+        self.memory_probes += 1
 
-    def real_probe(self, config: Config) -> dict:
-        """Measure a configuration on the device (or reuse a stored measurement): its peak, speed and headroom.
+    def fits(self, config: Config) -> bool:
+        """Whether the measured peak (``checked_peak``) plus headroom fits the budget."""
+        peak, breakdown = self.checked_peak(config)
+        return not self.peaks[config.key()].get("oom") and self.fits_peak(peak, breakdown)
 
-        Memory: ``real_peak``. Speed: plain training steps of the whole
-        global batch, timed without the meter's bookkeeping.
+    def samples_per_s(self, config: Config) -> float | None:
+        """Measured samples/s of plain training steps: the global batch over the fastest round (None if never timed)."""
+        entry = self.timings.get(config.key())
+        if not entry or not entry["seconds"]:
+            return None
+        return self.context.global_batch_size / min(entry["seconds"])
+
+    def race(self, contenders: list[Config], *, reference: Config | None = None) -> list[Config]:
+        """Time the contenders side by side; the fastest first, the simplest winning within the noise.
+
+        The contenders (and ``reference``, timed in the first MIN_ROUNDS rounds
+        for the speed ratio) take turns, one training step of the global batch
+        each per round, at least MIN_ROUNDS rounds after a warm-up (one when
+        there is a single contender: nothing to decide), and more while a
+        contender that could still win is within the noise of the leader, up
+        to MAX_ROUNDS (``timing.Race``). Timings of an earlier run are used
+        instead only when that run timed all of them and they decide.
+
+        Returns:
+            The contenders, the chosen one first, then the rest fastest first.
         """
-        key = config.key()
-        if key not in self.verified:
-            try:
-                peak, breakdown, context_bytes = self.real_peak(config)
-                speed = self._time(config)
-            except torch.OutOfMemoryError:
-                release_device_memory(self.context.device)
-                self.verified[key] = {"measured_peak_bytes": None, "measured_samples_per_s": 0.0, "meter": self.context.device, "oom": True}
-            else:
-                self.real_probes += 1
-                self.verified[key] = {
-                    "measured_peak_bytes": peak, "measured_samples_per_s": speed, "timing_rounds": 1,
-                    "meter": self.context.device, "breakdown": breakdown, "context_bytes": context_bytes,
-                }
-        measured = dict(self.verified[key])
-        if measured.get("oom"):
-            return {**measured, "fits": False, "headroom": {}}
-        headroom = self.headroom
-        measured.update(headroom=headroom.for_peak(measured["measured_peak_bytes"]), fits=headroom.fits(measured["measured_peak_bytes"]))
-        return measured
+        keys = [c.key() for c in contenders]
+        configs = {c.key(): c for c in contenders}
+        if reference is not None:
+            configs.setdefault(reference.key(), reference)
+        race = Race(contenders=keys, simplicity=lambda k: configs[k].simplicity(self.context.global_batch_size))
+        samples = self._stored_samples(list(configs), race)
+        if samples is None:
+            samples = self._time_now(configs, race)
+        leader = race.leader(samples)
+        tied = race.within_noise(samples)
+        chosen = race.chosen(samples)
+        spreads = sorted(samples[k].spread for k in keys if len(samples[k].seconds) >= 2)
+        self.timing = {
+            "rounds": max(len(samples[k].seconds) for k in keys),
+            "noise": spreads[len(spreads) // 2] if spreads else 0.0,
+            "worst_noise": spreads[-1] if spreads else 0.0,
+            "within_noise": [k for k in tied if k != chosen],
+            "fastest": leader,
+            "reused": all(self.timings[k]["session"] != self.session for k in keys),
+        }
+        rest = sorted((k for k in keys if k != chosen), key=lambda k: samples[k].best)
+        return [configs[k] for k in [chosen, *rest]]
 
-    def retime(self, config: Config) -> float:
-        """Time a measured configuration once more (up to TIMING_ROUNDS in all); its fastest round counts."""
-        entry = self.verified[config.key()]
-        if not entry.get("oom") and entry.get("timing_rounds", 1) < TIMING_ROUNDS:
-            entry["measured_samples_per_s"] = max(entry["measured_samples_per_s"], self._time(config))
-            entry["timing_rounds"] = entry.get("timing_rounds", 1) + 1
-        return entry["measured_samples_per_s"]
+    def _stored_samples(self, keys: list[str], race: Race) -> dict[str, Samples] | None:
+        """Samples of one earlier run that raced exactly these keys (it decided as this run would); else None.
 
-    def _time(self, config: Config) -> float:
-        context = self.context
-        return time_configuration(
-            context.spec, precision=config.precision, micro_batch_size=config.micro_batch_size,
-            global_batch_size=context.global_batch_size, checkpoint=list(config.checkpoint), device=context.device,
-        )
+        Timings of different runs are never compared: the load on the machine differs between them.
+        """
+        sessions = {(self.timings[k]["session"], self.timings[k].get("threads")) for k in keys if k in self.timings}
+        if len(sessions) != 1 or any(k not in self.timings for k in keys) or next(iter(sessions))[1] != self.context.threads:
+            return None
+        samples = {k: Samples(seconds=list(self.timings[k]["seconds"])) for k in keys}
+        required = MIN_ROUNDS if len(race.contenders) > 1 else 1
+        if any(len(s.seconds) < required for k, s in samples.items() if k in race.contenders):
+            return None
+        return samples
+
+    def _time_now(self, configs: dict[str, Config], race: Race) -> dict[str, Samples]:
+        """Interleaved rounds of the configurations in this run (``StepTimer``s kept between rounds where memory allows)."""
+        timers: dict[str, StepTimer] = {}
+        keys = list(configs)
+        on_gpu = self.context.device == "cuda"
+        allowance = KEEP_TIMERS_SHARE * self.context.info.total_bytes
+
+        def measure(key: str):
+            def run() -> float:
+                if key not in timers:
+                    kept = sum(self._peak_or_predicted(configs[k]) for k in timers)
+                    if on_gpu or kept + self._peak_or_predicted(configs[key]) > allowance:
+                        for other in list(timers):
+                            timers.pop(other).close()
+                    timers[key] = StepTimer(self.context.spec, _training_config(configs[key], self.context), device=self.context.device)
+                return timers[key].step_seconds()
+            return run
+
+        def active(current: dict[str, Samples]) -> list[str]:
+            # The reference is only for the speed ratio: MIN_ROUNDS rounds beside the contenders.
+            reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < MIN_ROUNDS]
+            return race.running(current) + reference
+
+        try:
+            # One candidate has nothing to be compared with: one round gives its speed (and the ratio's).
+            rounds = MIN_ROUNDS if len(race.contenders) > 1 else 1
+            samples = interleaved_rounds({k: measure(k) for k in keys}, settled=race.settled, active=active, min_rounds=rounds)
+        finally:
+            for timer in timers.values():
+                timer.close()
+        for key in keys:
+            self.timings[key] = {"session": self.session, "threads": self.context.threads, "seconds": samples[key].seconds}
+        self.real_probes += len(keys)
+        return samples
+
+    def _peak_or_predicted(self, config: Config) -> float:
+        entry = self.peaks.get(config.key())
+        return entry["peak_bytes"] if entry and not entry.get("oom") else self.predicted.get(config.key(), 0.0)
+
+    def result(self, config: Config) -> dict:
+        """What was measured of a configuration, for the plan."""
+        entry = self.peaks[config.key()]
+        peak = entry["peak_bytes"]
+        return {
+            "measured_peak_bytes": peak, "measured_samples_per_s": None if self.context.simulate else self.samples_per_s(config),
+            "meter": "simulated" if self.context.simulate else self.context.device, "breakdown": dict(entry["breakdown"]),
+            "context_bytes": entry.get("context_bytes", 0),
+            "headroom": self.headroom.for_peak(peak, persistent_bytes=persistent_bytes(entry["breakdown"])),
+        }
+
+    @property
+    def verified(self) -> dict[str, dict]:
+        """Configuration key -> what was measured, for the alternatives of the plan.
+
+        "fits" (the measured peak and its headroom fit the budget), "measured_peak_bytes" and
+        "measured_samples_per_s" (None if never timed) where its peak was measured, and
+        "rejected" (why) where verification rejected it.
+        """
+        why: dict[str, str] = {}
+        for rejection in self.rejected:
+            why.setdefault(rejection["config"], rejection["why"])
+        found = {}
+        for key, entry in self.peaks.items():
+            if entry.get("oom"):
+                found[key] = {"fits": False, "rejected": why.get(key, "out of memory on the device")}
+                continue
+            timing = self.timings.get(key)
+            speed = self.context.global_batch_size / min(timing["seconds"]) if timing and timing["seconds"] else None
+            found[key] = {
+                "measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": speed,
+                "fits": self.fits_peak(entry["peak_bytes"], entry["breakdown"]),
+            }
+            if key in why:
+                found[key]["rejected"] = why[key]
+        return found
+
+    def to_store(self) -> dict:
+        return {"peaks": self.peaks, "timings": self.timings}
+
+
+def _resident_bytes(context: PlanContext) -> int:
+    """The model's parameters, buffers and optimizer state on the device, made under the simulated meter (no step runs)."""
+    spec = context.sim_spec
+    meter = simulated_meter(spec, for_device=context.device)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        applied = apply_config(model, TrainingConfig(global_batch_size=1, micro_batch_size=1), device=meter.device, use_scaler=False)
+        optimizer = applied.build_optimizer(spec.build_optimizer)
+        create_optimizer_state(applied.model, optimizer)
+        state = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+        tensors = [*applied.model.parameters(), *applied.model.buffers(), *state]
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    return sum(storages.values())
+
+
+def _training_config(config: Config, context: PlanContext) -> TrainingConfig:
+    return TrainingConfig(
+        global_batch_size=context.global_batch_size, micro_batch_size=config.micro_batch_size,
+        precision=config.precision, checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
+    )
 
 
 @dataclass(kw_only=True, slots=True)
 class _Candidate:
-    """A configuration whose exact peak fits, with what the cost model predicted for it."""
+    """A configuration that fits (measured, or decided by the memory model), with what the cost model predicted."""
 
     config: Config
     predicted_samples_per_s: float
     predicted_peak_bytes: float
-    exact_peak_bytes: int
-    breakdown: dict
-    fallback: bool = False
-    """The floor configuration, added because no better candidate fit."""
 
     def result(self) -> dict:
         return {
             "config": self.config, "predicted_samples_per_s": self.predicted_samples_per_s,
-            "predicted_peak_bytes": self.predicted_peak_bytes, "exact_peak_bytes": self.exact_peak_bytes,
-            "breakdown": self.breakdown,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
         }
 
 
@@ -194,52 +401,77 @@ def verify(
     floor_config: Config,
     floor_bytes: int,
     measurements: Measurements,
+    reference: Config | None = None,
 ) -> dict:
     """The fastest configuration measured to fit, with its measurements (what ``write_plan`` reads).
 
-    1. Exact memory for the best predicted candidates, trying a few checkpoint sets each.
+    1. The best predicted candidates: each measured when the memory model does
+       not decide that it fits, trying a few checkpoint sets while it does not.
     2. The floor configuration when none of them fit (it fits by construction: a plan always exists).
-    3. When simulating, the fastest predicted wins. Otherwise each is probed on the
-       device and timed in interleaved rounds; measured speeds within NOISE are a
-       tie, won by the simpler configuration.
+    3. When simulating, the fastest predicted wins. Otherwise they are timed on
+       the device in interleaved rounds (``Measurements.race``, with
+       ``reference`` for the speed ratio); speeds within the noise are a tie,
+       won by the simpler configuration.
+    4. The winner's peak is measured in this run; one that does not fit gives way to the next.
 
     Raises:
         UserError: no configuration was measured to fit.
     """
-    candidates = _exactly_fitting(context, model, evaluations, measurements)
-    if not any(c.config.key() == floor_config.key() for c in candidates):
-        candidates.append(_floor_candidate(model, floor_config, measurements))
+    candidates = _candidates(context, model, evaluations, measurements)
+    if reference is not None and reference.key() not in {c.config.key() for c in candidates}:
+        # Timed beside them anyway: where it fits it is a candidate too (the simplest, often the fastest).
+        plain = next((e for e in evaluations if Config(precision=e.precision, micro_batch_size=e.micro_batch_size).key() == reference.key()), None)
+        if plain is not None and plain.fits and not plain.checkpoint and not plain.selective_checkpoint:
+            fitting = _fitting_checkpoint_set(context, model, plain, measurements)
+            if fitting is not None and not fitting.config.checkpoint and not fitting.config.selective_checkpoint:
+                candidates.append(fitting)
+    if not candidates:
+        candidates = [_candidate(model, floor_config)]
+    for candidate in candidates:
+        measurements.predicted[candidate.config.key()] = candidate.predicted_peak_bytes
     meter = "simulated meter" if context.simulate else f"{context.device} meter"
-    context.log(f"verify: {len(candidates)} candidate(s) measured to fit ({meter})" + ("" if context.simulate else "; timing them"))
+    measured = sum(c.config.key() in measurements.peaks for c in candidates)
+    context.log(
+        f"verify: {len(candidates)} candidate(s), {measured} measured to fit ({meter}), "
+        f"{len(candidates) - measured} by the memory model's margin" + ("" if context.simulate else "; timing them side by side")
+    )
     if context.simulate:
-        first = candidates[0]
-        return {
-            **first.result(), "measured_peak_bytes": first.exact_peak_bytes, "measured_samples_per_s": None,
-            "meter": "simulated", "headroom": measurements.headroom.for_peak(first.exact_peak_bytes),
-        }
-    fitting = _measured_on_device(candidates, measurements)
-    if not fitting:
+        order = [c.config for c in candidates]
+    else:
+        timed_reference = reference if reference is not None and reference.key() not in {c.config.key() for c in candidates} else None
+        order = measurements.race([c.config for c in candidates], reference=timed_reference)
+    by_key = {c.config.key(): c for c in candidates}
+    for config in order:
+        peak, _ = measurements.checked_peak(config, fresh=True)
+        if measurements.fits(config):
+            return {**by_key[config.key()].result(), **measurements.result(config)}
+        measurements.reject(config, f"measured peak {format_bytes(peak)} + headroom does not fit")
+    # Every guess missed: the floor fits by construction.
+    floor = _candidate(model, floor_config)
+    measurements.checked_peak(floor_config, fresh=True)
+    if not measurements.fits(floor_config):
         raise UserError(
             f"no configuration was measured to fit {format_bytes(context.budget_bytes)} (the floor is "
             f"{format_bytes(floor_bytes)}); raise the budget a little or lower --batch-size"
         )
-    fastest = max(r["measured_samples_per_s"] for r in fitting)
-    ties = [r for r in fitting if r["measured_samples_per_s"] >= (1 - NOISE) * fastest]
-    return min(ties, key=lambda r: r["config"].simplicity(context.global_batch_size))
+    if not context.simulate:
+        measurements.race([floor_config])
+    return {**floor.result(), **measurements.result(floor_config)}
 
 
-def _exactly_fitting(
-    context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements
-) -> list[_Candidate]:
-    """Up to VERIFY_TOP candidates whose exact peak fits, fastest predicted first."""
+def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements) -> list[_Candidate]:
+    """Up to VERIFY_TOP candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
     # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
     ranked = sorted(
-        (e for e in evaluations if e.fits), key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint))
+        (e for e in evaluations if e.fits),
+        key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint)),
     )
     candidates: list[_Candidate] = []
     best_predicted = None
+    # Simulating, the fastest predicted that fits wins: nothing is timed, so one candidate is enough.
+    wanted = 1 if context.simulate else VERIFY_TOP
     for evaluation in ranked:
-        if len(candidates) >= VERIFY_TOP:
+        if len(candidates) >= wanted:
             break
         if best_predicted is not None and evaluation.samples_per_s < VERIFY_WITHIN * best_predicted:
             break
@@ -247,101 +479,135 @@ def _exactly_fitting(
         if candidate is not None:
             candidates.append(candidate)
             best_predicted = best_predicted or candidate.predicted_samples_per_s
+    if best_predicted is not None and not context.simulate:
+        # The predictions come from timings too: the simplest point predicted within their noise of the best
+        # could win the tie once measured, so it is timed as well (a noisy size is not ruled out unseen).
+        def band(e: Evaluation) -> float:
+            return min(max(TIE, model.precisions[e.precision].speed.noise), MAX_TIE)
+
+        near = [e for e in ranked if e.samples_per_s >= best_predicted * (1 - band(e))]
+        simplest = min(
+            near, key=lambda e: (e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint), PRECISIONS.index(e.precision)),
+            default=None,
+        )
+        keys = {(c.config.precision, c.config.micro_batch_size) for c in candidates}
+        if simplest is not None and (simplest.precision, simplest.micro_batch_size) not in keys:
+            candidate = _fitting_checkpoint_set(context, model, simplest, measurements)
+            if candidate is not None:
+                candidates.append(candidate)
     return candidates
+
+
+def _decided(model: CostModel, config: Config, measurements: Measurements) -> bool:
+    """Whether the memory model alone says this configuration fits, with DECIDED_MARGIN to spare."""
+    if not measurements.model_is_exact:
+        return False
+    blocks, selective = _indices(model, config)
+    predicted = model.peak_bytes(config.precision, config.micro_batch_size, blocks, selective) * measurements.scale(config.precision)
+    return predicted <= measurements.usable_bytes() * (1 - DECIDED_MARGIN)
 
 
 def _fitting_checkpoint_set(
     context: PlanContext, model: CostModel, evaluation: Evaluation, measurements: Measurements
 ) -> _Candidate | None:
-    """The search's checkpoint set for this point, measured; while it does not fit, one the model predicts smaller."""
+    """The search's checkpoint modes for this point, measured unless decided; while they do not fit, ones the model predicts smaller."""
     precision, size = evaluation.precision, evaluation.micro_batch_size
-    segments, drops = model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size)
-    seconds = model.recompute_seconds(precision, size)
     # Limits below are in the model's own (unscaled) bytes.
-    limit = measurements.headroom.usable_bytes() / model.memory_scale * (1 + MODEL_SLACK)
-    names = evaluation.checkpoint
+    limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
+    config = Config(
+        precision=precision, micro_batch_size=size, checkpoint=tuple(evaluation.checkpoint),
+        selective_checkpoint=tuple(evaluation.selective_checkpoint),
+    )
     for _attempt in range(VERIFY_ATTEMPTS):
-        blocks = frozenset(model.blocks.index(n) for n in names)
-        raw = model.peak_bytes(precision, size, blocks) / model.memory_scale
+        raw = model.peak_bytes(precision, size, *_indices(model, config)) / model.memory_scale
         if raw > limit:  # the scale learnt from an earlier measurement rules this set out
-            choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
+            choice = cheapest_for(model, precision, size, limit_bytes=limit)
             if choice is None:
                 return None
-            names, blocks = [model.blocks[b] for b in sorted(choice.blocks)], choice.blocks
-            raw = model.peak_bytes(precision, size, blocks) / model.memory_scale
-        config = Config(precision=precision, micro_batch_size=size, checkpoint=tuple(names))
-        peak, breakdown = measurements.checked_peak(config)
+            config = _config(model, precision, size, choice)
+            raw = model.peak_bytes(precision, size, choice.blocks, choice.selective) / model.memory_scale
+        if _decided(model, config, measurements) and config.key() not in measurements.peaks:
+            return _candidate(model, config)
+        peak, _ = measurements.checked_peak(config)
         if context.device == "cuda" and not context.simulate and raw > 0:
             # The simulated bytes miss the allocator's rounding and cache: learn by how much.
             model.memory_scale = max(model.memory_scale, peak / raw)
-        if measurements.headroom.fits(peak):
-            return _Candidate(
-                config=config, predicted_samples_per_s=model.samples_per_s(precision, size, blocks),
-                predicted_peak_bytes=model.peak_bytes(precision, size, blocks), exact_peak_bytes=peak, breakdown=breakdown,
-            )
+        elif not measurements.peaks[config.key()].get("oom"):
+            measurements.learn(precision, measured=peak, predicted=raw * model.memory_scale)
+        if measurements.fits(config):
+            return _candidate(model, config)
         measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
-        limit = min(limit, raw) - 1
-        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit)
+        limit = min(limit, raw, measurements.usable_bytes() / model.memory_scale / measurements.scale(precision)) - 1
+        choice = cheapest_for(model, precision, size, limit_bytes=limit)
         if choice is None:
             return None
-        names = [model.blocks[b] for b in sorted(choice.blocks)]
+        config = _config(model, precision, size, choice)
     return None
 
 
-def _floor_candidate(model: CostModel, floor_config: Config, measurements: Measurements) -> _Candidate:
-    """The floor configuration as a candidate: it fits by construction, so a plan exists even if every guess missed."""
-    peak, breakdown = measurements.checked_peak(floor_config)
-    precision, size = floor_config.precision, floor_config.micro_batch_size
-    blocks = frozenset(model.blocks.index(n) for n in floor_config.checkpoint)
-    return _Candidate(
-        config=floor_config, predicted_samples_per_s=model.samples_per_s(precision, size, blocks),
-        predicted_peak_bytes=model.peak_bytes(precision, size, blocks), exact_peak_bytes=peak, breakdown=breakdown,
-        fallback=True,
+def _indices(model: CostModel, config: Config) -> tuple[frozenset[int], frozenset[int]]:
+    """The configuration's fully and selectively checkpointed blocks, as the cost model's indices."""
+    return (
+        frozenset(model.blocks.index(n) for n in config.checkpoint),
+        frozenset(model.blocks.index(n) for n in config.selective_checkpoint),
     )
 
 
-def _measured_on_device(candidates: list[_Candidate], measurements: Measurements) -> list[dict]:
-    """The candidates whose real probe fits, each with its fastest of TIMING_ROUNDS timings."""
-    fitting = []
-    for candidate in candidates:
-        if fitting and candidate.fallback:
-            continue  # the fallback is not needed
-        measured = measurements.real_probe(candidate.config)
-        if not measured["fits"]:
-            why = (
-                "out of memory on the device" if measured.get("oom")
-                else f"measured peak {format_bytes(measured['measured_peak_bytes'])} + headroom does not fit"
-            )
-            measurements.reject(candidate.config, why)
-            continue
-        fitting.append({**candidate.result(), **measured})
-    # Later rounds visit every candidate again, so that a burst of other work slows one round, not one candidate.
-    for _ in range(TIMING_ROUNDS - 1):
-        for result in fitting:
-            result["measured_samples_per_s"] = measurements.retime(result["config"])
-    return fitting
+def _config(model: CostModel, precision: str, size: int, choice) -> Config:
+    return Config(
+        precision=precision, micro_batch_size=size, checkpoint=tuple(model.blocks[b] for b in sorted(choice.blocks)),
+        selective_checkpoint=tuple(model.blocks[b] for b in sorted(choice.selective)),
+    )
+
+
+def _candidate(model: CostModel, config: Config) -> _Candidate:
+    blocks, selective = _indices(model, config)
+    precision, size = config.precision, config.micro_batch_size
+    return _Candidate(
+        config=config, predicted_samples_per_s=model.samples_per_s(precision, size, blocks, selective),
+        predicted_peak_bytes=model.peak_bytes(precision, size, blocks, selective),
+    )
+
+
+def unconstrained_config(evaluations: list[Evaluation]) -> tuple[Config, Evaluation]:
+    """The fastest configuration with no budget (no checkpointing), as the cost model sees it."""
+    best = max(evaluations, key=lambda e: (round(e.plain_samples_per_s, 6), -e.grad_accum_steps))
+    return Config(precision=best.precision, micro_batch_size=best.micro_batch_size), best
+
+
+def timed_reference(context: PlanContext, evaluations: list[Evaluation]) -> Config | None:
+    """The unconstrained configuration, when it is safe to time beside the candidates (not when simulating,
+    nor on a GPU where it would need most of the card)."""
+    if context.simulate:
+        return None
+    config, best = unconstrained_config(evaluations)
+    if context.device == "cpu" or best.plain_peak_bytes < 0.9 * context.info.total_bytes:
+        return config
+    return None
 
 
 def measure_unconstrained(
     context: PlanContext, evaluations: list[Evaluation], *, chosen: dict, measurements: Measurements
 ) -> dict:
-    """The fastest configuration with no budget (no checkpointing), measured for the speed ratio."""
-    best = max(evaluations, key=lambda e: (round(e.plain_samples_per_s, 6), -e.grad_accum_steps))
-    config = Config(precision=best.precision, micro_batch_size=best.micro_batch_size)
+    """The fastest configuration with no budget (no checkpointing), for the speed ratio.
+
+    Its speed was timed beside the candidates (``verify``'s ``reference``); its
+    peak is the measured one where it was measured, else the cost model's
+    (``peak_measured`` says which).
+    """
+    config, best = unconstrained_config(evaluations)
     result = {
         "precision": config.precision, "micro_batch_size": config.micro_batch_size,
         "grad_accum_steps": best.grad_accum_steps, "checkpoint": [],
         "predicted_peak_bytes": int(best.plain_peak_bytes), "predicted_samples_per_s": best.plain_samples_per_s,
     }
-    if context.simulate:
-        result["peak_bytes"] = measurements.exact_peak(config)[0]
-        result["samples_per_s"] = None
-    elif config.key() == chosen["config"].key():
-        result["peak_bytes"] = chosen["measured_peak_bytes"]
+    entry = measurements.peaks.get(config.key())
+    measured_peak = entry is not None and not entry.get("oom")
+    result["peak_bytes"] = entry["peak_bytes"] if measured_peak else int(best.plain_peak_bytes)
+    result["peak_measured"] = measured_peak
+    if config.key() == chosen["config"].key():
         result["samples_per_s"] = chosen["measured_samples_per_s"]
-    elif context.device == "cpu" or best.plain_peak_bytes < 0.9 * context.info.total_bytes:
-        measured = measurements.real_probe(config)
-        result["peak_bytes"] = measured["measured_peak_bytes"]
-        result["samples_per_s"] = (measurements.retime(config) if not measured.get("oom") else 0.0) or None
+    else:
+        result["samples_per_s"] = None if context.simulate else measurements.samples_per_s(config)
     return result

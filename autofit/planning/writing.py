@@ -2,7 +2,8 @@
 
 ``write_plan`` turns the verified choice into a ``Plan``: what was predicted,
 what was measured, the headroom, and the Pareto front of everything the
-search scored as alternatives. ``PlanReport`` carries what the CLI's summary
+search scored as alternatives, each marked as measured or predicted to fit,
+or rejected with why. ``PlanReport`` carries what the CLI's summary
 shows beyond plan.json.
 """
 from __future__ import annotations
@@ -16,7 +17,6 @@ from autofit import __version__
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import CostModel
-from autofit.planning.headroom import Headroom
 from autofit.planning.search import Evaluation
 from autofit.spec import model_fingerprint
 
@@ -46,6 +46,21 @@ class PlanReport:
     """Candidates that failed verification, with why."""
     cost_model: dict = field(default_factory=dict)
     """The cost model the search used (``CostModel.from_dict`` reads it)."""
+    speeds: dict[str, dict] = field(default_factory=dict)
+    """Every precision's speeds (``SpeedCosts`` as a dict), timed or estimated, traced or not."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per step of the run: memory, floor, speed, search, verify, write."""
+    timing: dict = field(default_factory=dict)
+    """The verification's timing: "rounds", "noise" and "worst_noise" (how well the candidates' fastest rounds
+    repeated, the median and the largest: 0.05 is 5%),
+    "within_noise" (configurations as fast as the chosen one within the noise), "reused" (from a stored run)."""
+    speed_noise: float = 0.0
+    """The largest spread of the speed model's timings (0 when estimated)."""
+    threads_note: str = ""
+    """Why the run measured with fewer threads than PyTorch's, when it did."""
+    study: str = ""
+    """Where the cost model and measurements were kept: the cache's or --study's storage, or "" (nowhere)."""
+    study_problems: list[str] = field(default_factory=list)
 
 
 def write_plan(
@@ -55,10 +70,16 @@ def write_plan(
     chosen: dict,
     evaluations: list[Evaluation],
     unconstrained: dict,
-    headroom: Headroom,
+    usable_bytes: float,
     verified: dict[str, dict],
 ) -> Plan:
-    """The plan of the verified choice (``verify``'s result) on one process."""
+    """The plan of the verified choice (``verify``'s result) on one process.
+
+    Args:
+        usable_bytes: the largest predicted peak that fits (``Measurements.usable_bytes``), for the
+            alternatives that were not measured.
+        verified: configuration key -> what was measured of it (``Measurements.verified``).
+    """
     config: Config = chosen["config"]
     G = context.global_batch_size
     measured = Measured(
@@ -69,7 +90,7 @@ def write_plan(
     )
     measured.unconstrained = {
         key: unconstrained.get(key)
-        for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "samples_per_s")
+        for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "peak_measured", "samples_per_s")
     }
     if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
         measured.relative_to_unconstrained = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
@@ -79,6 +100,7 @@ def write_plan(
         micro_batch_size=config.micro_batch_size,
         precision=config.precision,
         checkpoint=list(config.checkpoint),
+        selective_checkpoint=list(config.selective_checkpoint),
         estimated=context.simulate,
         predicted=Predicted(
             peak_bytes=int(chosen["predicted_peak_bytes"]),
@@ -86,7 +108,7 @@ def write_plan(
         ),
         measured=measured,
         headroom=chosen["headroom"],
-        alternatives=_alternatives(context, model, evaluations, chosen=chosen, headroom=headroom, verified=verified),
+        alternatives=_alternatives(context, model, evaluations, chosen=chosen, usable_bytes=usable_bytes, verified=verified),
     )
 
 
@@ -104,39 +126,56 @@ def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_si
 
 
 def _alternatives(
-    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, headroom: Headroom, verified: dict
+    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, usable_bytes: float, verified: dict
 ) -> list[dict]:
-    """The Pareto front (less memory, more samples/s) of every configuration the search scored."""
+    """The Pareto front (less memory, more samples/s) of every configuration the search scored.
+
+    ``fits_budget`` is what was measured where a configuration was measured
+    (with ``measured_peak_bytes``, and ``rejected``: why, where verification
+    rejected it), else what the cost model predicts; the chosen one is measured.
+    """
     points = []
     for e in evaluations:
-        points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, (), e.plain_peak_bytes, e.plain_samples_per_s))
-        if e.fits and e.checkpoint:
-            points.append((e.precision, e.micro_batch_size, e.grad_accum_steps, tuple(e.checkpoint), e.peak_bytes, e.samples_per_s))
-    points.sort(key=lambda p: (p[4], -p[5]))
+        points.append((Config(precision=e.precision, micro_batch_size=e.micro_batch_size), e.grad_accum_steps, e.plain_peak_bytes, e.plain_samples_per_s))
+        if e.fits and (e.checkpoint or e.selective_checkpoint):
+            config = Config(
+                precision=e.precision, micro_batch_size=e.micro_batch_size, checkpoint=tuple(e.checkpoint),
+                selective_checkpoint=tuple(e.selective_checkpoint),
+            )
+            points.append((config, e.grad_accum_steps, e.peak_bytes, e.samples_per_s))
+    points.sort(key=lambda p: (p[2], -p[3]))
     front, best_speed = [], -1.0
     for point in points:
-        if point[5] > best_speed:
+        if point[3] > best_speed:
             front.append(point)
-            best_speed = point[5]
+            best_speed = point[3]
     config: Config = chosen["config"]
-    if not any(Config(precision=p[0], micro_batch_size=p[1], checkpoint=p[3]).key() == config.key() for p in front):
+    if not any(p[0].key() == config.key() for p in front):
         # Chosen by measurement though the model ranked it lower: list it with the front.
-        front.append((config.precision, config.micro_batch_size, math.ceil(context.global_batch_size / config.micro_batch_size),
-                      tuple(config.checkpoint), chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
-        front.sort(key=lambda p: (p[4], -p[5]))
+        front.append((config, math.ceil(context.global_batch_size / config.micro_batch_size),
+                      chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
+        front.sort(key=lambda p: (p[2], -p[3]))
+    measured_chosen = {
+        "measured_peak_bytes": chosen["measured_peak_bytes"], "measured_samples_per_s": chosen["measured_samples_per_s"], "fits": True,
+    }
+    chosen_key = config.key()
     alternatives = []
-    for precision, size, steps, checkpoint, peak, speed in front:
-        config = Config(precision=precision, micro_batch_size=size, checkpoint=checkpoint)
+    for config, steps, peak, speed in front:
+        key = config.key()
+        is_chosen = key == chosen_key
         entry = {
-            "precision": precision, "micro_batch_size": size, "grad_accum_steps": steps, "checkpoint": list(checkpoint),
+            "precision": config.precision, "micro_batch_size": config.micro_batch_size, "grad_accum_steps": steps,
+            "checkpoint": list(config.checkpoint),
+            **({"selective_checkpoint": list(config.selective_checkpoint)} if config.selective_checkpoint else {}),
             "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
-            "fits_budget": headroom.fits(peak * model.memory_scale),
-            "chosen": config.key() == chosen["config"].key(),
+            "fits_budget": peak * model.memory_scale <= usable_bytes, "chosen": is_chosen,
         }
-        stored = verified.get(config.key())
-        if stored and not context.simulate and not stored.get("oom"):
-            entry["measured_peak_bytes"] = stored["measured_peak_bytes"]
-            entry["measured_samples_per_s"] = stored["measured_samples_per_s"]
+        measured = measured_chosen if is_chosen else verified.get(key)
+        if measured:
+            entry["fits_budget"] = measured["fits"]
+            for field_name in ("measured_peak_bytes", "measured_samples_per_s", "rejected"):
+                if field_name in measured:
+                    entry[field_name] = measured[field_name]
         alternatives.append(entry)
     return alternatives
 
@@ -144,7 +183,9 @@ def _alternatives(
 def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
     with torch.device("meta"):
         model = context.sim_spec.build_model()
-    num_classes = context.num_classes
+    options = dict(context.spec.source_options)  # what else rebuilds it (hf: task, seq_len; torchvision, timm: num_classes)
+    given = options.pop("num_classes", None)
+    num_classes = context.num_classes if context.num_classes is not None else given
     if num_classes is None and len(output_shape) == 2:
         num_classes = output_shape[-1]
     return ModelInfo(
@@ -154,7 +195,7 @@ def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
         parameter_count=sum(p.numel() for p in model.parameters()),
         input_shape=list(context.spec.input_shape) if context.spec.input_shape else None,
         num_classes=num_classes,
-        **context.spec.source_options,  # what else rebuilds it (hf: task, seq_len)
+        **options,
     )
 
 

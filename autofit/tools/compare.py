@@ -40,6 +40,20 @@ class Configuration:
     """"all" or block names; [] checkpoints nothing."""
     micro_batch_size: int
     """Samples per forward/backward; the global batch is fixed by the comparison."""
+    selective_checkpoint: str | list[str] = field(default_factory=list)
+    """"all" or block names recomputed selectively (the cheap ops only)."""
+    offload: str | list[str] = field(default_factory=list)
+    """"all" or block names whose saved activations go to host memory (a GPU lever)."""
+    optimizer_in_backward: bool = False
+    optimizer_state: str = "device"
+    """"device", "host" (a GPU lever) or "8bit" (lossy: torchao's AdamW8bit)."""
+
+    def levers(self) -> dict:
+        """The memory levers beyond the recipe, as ``probe`` and ``TrainingConfig`` take them."""
+        return dict(
+            selective_checkpoint=self.selective_checkpoint, offload=self.offload,
+            optimizer_in_backward=self.optimizer_in_backward, optimizer_state=self.optimizer_state,
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,13 +116,22 @@ def runnable_amp_precisions(device: str) -> list[str]:
     return runnable
 
 
-def configurations(*, global_batch_size: int, amp_precisions: list[str]) -> list[Configuration]:
-    """fp32, each AMP, checkpointing every block, and each AMP with it: all at the full batch."""
+def configurations(*, global_batch_size: int, amp_precisions: list[str], device: str = "cpu") -> list[Configuration]:
+    """fp32, each AMP, checkpointing every block, and each AMP with it (the recipe's rows), then the
+    levers beyond it, each alone in fp32: selective checkpointing of every block, the optimizer step
+    in backward, and on a GPU activation offload of every block and the optimizer state on the host.
+    All at the full batch. (8-bit optimizer state changes the arithmetic: it is a plan's declared
+    choice, not a row here.)"""
     full = global_batch_size
     configs = [Configuration(name="fp32", micro_batch_size=full)]
     configs += [Configuration(name=f"{p} AMP", precision=p, micro_batch_size=full) for p in amp_precisions]
     configs.append(Configuration(name="checkpoint all", checkpoint="all", micro_batch_size=full))
     configs += [Configuration(name=f"{p} AMP + checkpoint all", precision=p, checkpoint="all", micro_batch_size=full) for p in amp_precisions]
+    configs.append(Configuration(name="selective checkpoint all", selective_checkpoint="all", micro_batch_size=full))
+    configs.append(Configuration(name="optimizer step in backward", optimizer_in_backward=True, micro_batch_size=full))
+    if device == "cuda":
+        configs.append(Configuration(name="offload all", offload="all", micro_batch_size=full))
+        configs.append(Configuration(name="optimizer state on the host", optimizer_state="host", micro_batch_size=full))
     return configs
 
 
@@ -121,11 +144,19 @@ def plan_configuration(
     plan = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device, log=log)
     blocks = list(plan.checkpoint)
     checkpointed = f" + checkpoint {len(blocks)} block{'s' if len(blocks) != 1 else ''}" if blocks else ""
+    levers = [
+        f"selective {len(plan.selective_checkpoint)}" if plan.selective_checkpoint else "",
+        f"offload {len(plan.offload)}" if plan.offload else "",
+        "step in backward" if plan.optimizer_in_backward else "",
+        f"{plan.optimizer_state} optimizer state" if plan.optimizer_state != "device" else "",
+    ]
     return Configuration(
-        name=f"autofit plan: {plan.precision}{checkpointed}",
+        name=f"autofit plan: {plan.precision}{checkpointed}" + "".join(f" + {lever}" for lever in levers if lever),
         precision=plan.precision,
         checkpoint=blocks,
         micro_batch_size=plan.micro_batch_size,
+        selective_checkpoint=list(plan.selective_checkpoint), offload=list(plan.offload),
+        optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
     )
 
 
@@ -174,7 +205,7 @@ def compare(
     training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
     if training is not None:
         comparison.eval_data = training.eval_dir
-    configs = configurations(global_batch_size=global_batch_size, amp_precisions=runnable_amp_precisions(device))
+    configs = configurations(global_batch_size=global_batch_size, amp_precisions=runnable_amp_precisions(device), device=device)
     plan_failure = None
     if budget_bytes is not None:
         progress("planning at the budget")
@@ -194,6 +225,7 @@ def compare(
             result = probe(
                 spec, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size,
                 precision=config.precision, checkpoint=config.checkpoint, device=device, steps=probe_steps, seed=seed,
+                **config.levers(),
             )
         except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
             row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
@@ -286,7 +318,7 @@ class _TrainingData:
         global_batch_size = len(self.batches[0][1])
         applied = apply_config(model, TrainingConfig(
             global_batch_size=global_batch_size, micro_batch_size=min(config.micro_batch_size, global_batch_size),
-            precision=config.precision, checkpoint=config.checkpoint,
+            precision=config.precision, checkpoint=config.checkpoint, **config.levers(),
         ), device=device)
         model = applied.model
         optimizer = applied.build_optimizer(spec.build_optimizer)

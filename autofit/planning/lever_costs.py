@@ -1,0 +1,151 @@
+"""What the memory levers cost in time: the terms a lever plan's predicted samples/s adds, in one place.
+
+The speed model (``CostModel.step_seconds``) predicts a step of the floor
+configuration without levers. A lever candidate (``levers.py``) adds, per
+optimizer step of micro-batches m_1 .. m_k, with the host link's rates
+``down`` (device -> pinned host) and ``up`` (pinned host -> device):
+
+- **activation offload**: per micro-step, the offloaded blocks' saved
+  activations, B bytes (taken as the bytes checkpointing those blocks would
+  drop, ``MemoryCosts.at``: their saved tensors less input and output, so a
+  slight under-count of what is copied), go to the host in the forward and
+  come back in the backward (``strategies/offload.py``). The copies down run
+  on a side stream beside the forward, so only what exceeds the forward's
+  compute F shows; the copies back run on the compute stream when backward
+  needs them, so all of them show::
+
+      offload = sum over micro-steps of  max(0, B / down - F) + B / up
+
+- **optimizer state on the host** (``HostOptimizer``): after each of the k
+  micro-batches' backward the gradients (G bytes) go down (accumulated on the
+  host), then the update runs on the host's CPU (U seconds:
+  ``time_host_update`` on this CPU, per parameter element, times the
+  trainable elements), and the parameters (P bytes) go back up. Nothing is
+  taken to overlap: the copies run on the compute stream (those after the
+  first micro-batch wait for it), the host step waits for them, and the
+  copies up run before the next forward. The device's own optimizer step
+  (``SpeedCosts.optimizer_seconds``, S) is no longer spent::
+
+      host_state = k * G / down + U + P / up - S
+
+- **optimizer step in backward**: nothing. The same updates run, one
+  parameter at a time inside backward (per-parameter launches are not
+  modelled; with host state their copies are in the term above).
+- **8-bit state**: as the device optimizer (not modelled).
+
+``down`` and ``up`` are measured on this machine's GPU where there is one
+(``measure_host_link``); planning for a GPU that is not here, they are
+``ASSUMED_LINK_BYTES_PER_S`` and the plan's notes say so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from autofit.apply import TrainingConfig
+from autofit.measure.host_speed import HostLink, measure_host_link
+from autofit.planning.cost_model import CostModel
+from autofit.units import format_bytes
+
+ASSUMED_LINK_BYTES_PER_S = 12e9
+"""Pinned copies each way when no GPU is here to measure: PCIe 3.0 x16's practical rate. PCIe 4.0 x16
+reaches about 24 GB/s and 5.0 about 50, so an estimate from this errs slow, never fast."""
+
+
+def host_link(device_type: str) -> HostLink:
+    """The host link's rates: measured on this machine's GPU when planning for CUDA with one visible, else assumed."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return measure_host_link(torch.device("cuda", torch.cuda.current_device()))
+    return HostLink(
+        to_host_bytes_per_s=ASSUMED_LINK_BYTES_PER_S, to_device_bytes_per_s=ASSUMED_LINK_BYTES_PER_S, measured=False,
+        source=f"assumed (no GPU here to measure it: PCIe 3.0 x16's {ASSUMED_LINK_BYTES_PER_S / 1e9:.0f} GB/s each way)",
+    )
+
+
+def offload_seconds(*, offloaded_bytes: float, forward_seconds: float, link: HostLink) -> float:
+    """One micro-step's offload time: copies down beyond the forward's compute, and every copy back up."""
+    down = offloaded_bytes / link.to_host_bytes_per_s
+    return max(0.0, down - forward_seconds) + offloaded_bytes / link.to_device_bytes_per_s
+
+
+def host_state_seconds(
+    *, gradient_bytes: float, parameter_bytes: float, update_seconds: float, device_optimizer_seconds: float, link: HostLink
+) -> float:
+    """One step's time added by optimizer state on the host (may be negative when the host is fast)."""
+    return (
+        gradient_bytes / link.to_host_bytes_per_s + update_seconds + parameter_bytes / link.to_device_bytes_per_s
+        - device_optimizer_seconds
+    )
+
+
+@dataclass(kw_only=True)
+class LeverTime:
+    """Seconds the levers add to one optimizer step, and the notes that say how they were counted."""
+
+    offload_seconds: float = 0.0
+    host_state_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return self.offload_seconds + self.host_state_seconds
+
+
+def lever_time(
+    config: TrainingConfig,
+    *,
+    model: CostModel,
+    link: HostLink | None,
+    trainable_bytes: int,
+    host_update_seconds: float,
+) -> LeverTime:
+    """The levers' seconds per step of ``config`` (see the module docstring for the formulas).
+
+    Args:
+        model: the cost model; ``config.precision`` must be in it (memory and speed).
+        link: the host link (needed with offload or host state).
+        trainable_bytes: bytes of the parameters that train (their gradients are as many).
+        host_update_seconds: the optimizer's update of every trainable parameter on the host's CPU.
+    """
+    time = LeverTime()
+    offloading = bool(config.offload)
+    on_host = config.optimizer_state == "host"
+    if not (offloading or on_host):
+        if config.optimizer_in_backward:
+            time.notes.append("the optimizer step in backward is taken to cost no time (the same updates, run inside backward)")
+        return time
+    if link is None:
+        raise ValueError("offload and host optimizer state need the host link's rates")
+    rates = (
+        f"{link.to_host_bytes_per_s / 1e9:.1f} GB/s down and {link.to_device_bytes_per_s / 1e9:.1f} GB/s up, {link.source}"
+    )
+    costs = model.precisions[config.precision]
+    if offloading:
+        blocks = [model.blocks.index(name) for name in config.offload]
+        total_bytes = 0.0
+        for size in model.micro_sizes(config.micro_batch_size):
+            _, drops = costs.memory.at(size, global_batch_size=model.global_batch_size)
+            offloaded = sum(drops[b] for b in blocks)
+            total_bytes += offloaded
+            time.offload_seconds += offload_seconds(
+                offloaded_bytes=offloaded, forward_seconds=costs.speed.forward_seconds_at(size), link=link,
+            )
+        time.notes.append(
+            f"activation offload moves about {format_bytes(total_bytes)} per step each way at {rates}: "
+            f"+{time.offload_seconds:.3g} s per step predicted (the copies down overlap the forward, the copies back do not)"
+        )
+    if on_host:
+        micro_steps = len(model.micro_sizes(config.micro_batch_size))
+        time.host_state_seconds = host_state_seconds(
+            gradient_bytes=micro_steps * trainable_bytes, parameter_bytes=trainable_bytes, update_seconds=host_update_seconds,
+            device_optimizer_seconds=costs.speed.optimizer_seconds, link=link,
+        )
+        gradients = f"the gradients ({format_bytes(trainable_bytes)}" + (f", after each of {micro_steps} micro-batches)" if micro_steps > 1 else ")")
+        time.notes.append(
+            f"optimizer state on the host moves {gradients} down and the parameters "
+            f"up each step at {rates}, and updates on the host's CPU in {host_update_seconds:.3g} s (timed on this "
+            f"machine's CPU with {torch.get_num_threads()} thread(s)) instead of the device's "
+            f"{costs.speed.optimizer_seconds:.3g} s: {time.host_state_seconds:+.3g} s per step predicted (nothing overlaps)"
+        )
+    return time

@@ -1,0 +1,170 @@
+"""Timing on a shared machine: interleaved rounds, minima, and the noise they show.
+
+Other work on the machine only ever slows a step down, so the fastest of
+several rounds is the estimate of a configuration's time, and how well that
+fastest round repeats (the second fastest over the fastest) is the noise of
+the estimate. Rounds interleave the configurations, so that a burst of other
+work slows one round of each rather than every round of one. A comparison
+whose ratio lies within the noise is timed again, up to ``MAX_ROUNDS``; one
+that stays there is a tie, reported with the noise, and won by the simpler
+configuration.
+
+Nothing here runs a model: ``measure`` callables do, and tests pass a noisy
+clock instead.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+MIN_ROUNDS = 2
+"""Timed rounds before any decision: one disturbed step can never decide alone."""
+MAX_ROUNDS = 4
+"""Rounds at most while a comparison stays within the noise (then it is a tie, or the faster minimum wins)."""
+TIE = 0.03
+"""Speeds this close are a tie even on a quiet machine."""
+MAX_TIE = 0.05
+"""The widest a tie gets under noise: beyond it the faster minimum wins, noise or not (so a tie never
+costs more than 5% of speed)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Samples:
+    """Seconds of one thing timed in rounds."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def best(self) -> float:
+        """The fastest round: the estimate (other work only slows a step down)."""
+        return min(self.seconds) if self.seconds else math.inf
+
+    @property
+    def spread(self) -> float:
+        """How well the fastest round repeats: second fastest / fastest - 1 (inf with fewer than 2 rounds)."""
+        if len(self.seconds) < 2:
+            return math.inf
+        first, second = sorted(self.seconds)[:2]
+        return second / max(first, 1e-12) - 1.0
+
+
+def noise_of(samples: Sequence[Samples]) -> float:
+    """The largest spread among things timed at least twice (0 when none was)."""
+    spreads = [s.spread for s in samples if len(s.seconds) >= 2]
+    return max(spreads, default=0.0)
+
+
+def compare(fast: Samples, slow: Samples, *, factor: float = 1.0) -> str:
+    """Is ``slow`` more than ``factor`` times slower than ``fast``, given the noise of both?
+
+    Returns:
+        "yes" when even the noise cannot explain the ratio, "no" when even without
+        noise it is not, "unsure" in between (time both again).
+    """
+    ratio = slow.best / max(fast.best, 1e-12)
+    band = max(fast.spread, slow.spread)
+    if ratio <= factor:
+        return "no"
+    if ratio > factor * (1.0 + band):
+        return "yes"
+    return "unsure"
+
+
+def interleaved_rounds(
+    measure: dict[Hashable, Callable[[], float]],
+    *,
+    settled: Callable[[dict[Hashable, Samples]], bool],
+    samples: dict[Hashable, Samples] | None = None,
+    min_rounds: int = MIN_ROUNDS,
+    max_rounds: int = MAX_ROUNDS,
+    active: Callable[[dict[Hashable, Samples]], Sequence[Hashable]] | None = None,
+) -> dict[Hashable, Samples]:
+    """Time every key once per round, in a rotating order, until ``settled`` or ``max_rounds``.
+
+    Args:
+        measure: key -> a callable returning the seconds of one more measurement.
+        settled: whether the samples so far decide what the caller needs.
+        samples: samples to extend (e.g. from a first round at a smaller size).
+        min_rounds, max_rounds: bounds on the rounds each key gets.
+        active: which keys still need timing after a round (default all);
+            a key out of the race is timed no more.
+
+    Returns:
+        The samples by key.
+    """
+    samples = samples if samples is not None else {}
+    for key in measure:
+        samples.setdefault(key, Samples())
+    keys = list(measure)
+    for round_ in range(max_rounds):
+        running = [k for k in (active(samples) if active else keys) if len(samples[k].seconds) < max_rounds]
+        if not running:
+            break
+        if all(len(samples[k].seconds) >= min_rounds for k in running) and settled(samples):
+            break
+        shift = round_ % len(running)
+        for key in running[shift:] + running[:shift]:  # rotate: no key is always first after a pause
+            samples[key].seconds.append(measure[key]())
+    return samples
+
+
+@dataclass(kw_only=True, slots=True)
+class Race:
+    """Contenders timed in interleaved rounds until the fastest is clear or the rest are within noise.
+
+    The winner is the simplest contender within the noise of the fastest
+    (``chosen``). A contender stops being timed once it is clearly slower than
+    the fastest, or once it is neither simpler nor faster than the one that
+    would be chosen now (it could only win by turning out clearly faster later,
+    which the rounds so far make unlikely).
+    """
+
+    contenders: list[Hashable]
+    simplicity: Callable[[Hashable], tuple] = lambda key: ()
+    """Sort key: smaller is simpler (the winner of a tie)."""
+    tie: float = TIE
+
+    def leader(self, samples: dict[Hashable, Samples]) -> Hashable:
+        return min(self.contenders, key=lambda k: samples[k].best)
+
+    def standing(self, samples: dict[Hashable, Samples]) -> dict[Hashable, str]:
+        """Each contender against the leader: "leader", "tie", "slower" or "unsure"."""
+        lead = self.leader(samples)
+        result = {}
+        for key in self.contenders:
+            if key == lead:
+                result[key] = "leader"
+                continue
+            verdict = compare(samples[lead], samples[key], factor=1.0 + self.tie)
+            result[key] = {"no": "tie", "yes": "slower", "unsure": "unsure"}[verdict]
+        return result
+
+    def chosen(self, samples: dict[Hashable, Samples]) -> Hashable:
+        return min(self.within_noise(samples), key=self.simplicity)
+
+    def running(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
+        """Contenders still worth timing (all of them until each has MIN_ROUNDS rounds)."""
+        if any(len(samples[k].seconds) < MIN_ROUNDS for k in self.contenders):
+            return list(self.contenders)
+        standing, chosen = self.standing(samples), self.chosen(samples)
+        return [
+            k for k in self.contenders
+            if standing[k] != "slower"
+            and (k == chosen or self.simplicity(k) < self.simplicity(chosen) or samples[k].best < samples[chosen].best)
+        ]
+
+    def settled(self, samples: dict[Hashable, Samples]) -> bool:
+        standing = self.standing(samples)
+        return all(standing[k] != "unsure" for k in self.running(samples))
+
+    def within_noise(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
+        """The leader and every contender it does not clearly beat: within the tie, or within the
+        noise of the two (at most MAX_TIE), what stayed unsure after the last round included."""
+        lead = self.leader(samples)
+        found = []
+        for key in self.contenders:
+            band = min(max(self.tie, samples[lead].spread, samples[key].spread), MAX_TIE)
+            if samples[key].best <= samples[lead].best * (1.0 + band):
+                found.append(key)
+        return found

@@ -1,0 +1,258 @@
+"""How long does a plan take, where does the time go, and what is it worth in probes?
+
+For each case, `autofit plan` runs as its own process (imports included), its
+wall time is split by step (the summary's "time by step" line; for a source
+tree without it, the progress lines' stamps), and it is divided by the wall
+time of one `autofit probe` process of the plan's unconstrained configuration
+(same meter, one process, 3 steps; always from this tree), run right after it. A second plan of the
+same model at another budget shows what the cache saves.
+
+Given several source trees (--trees), each case runs in every tree in turn,
+so that before/after figures come from side-by-side runs on the same load.
+
+With --load-test, the digits plan runs again while the bench keeps two busy
+processes running, and the chosen configurations and times are compared with
+the runs without them.
+
+    python bench/plan_speed.py                                  # this tree
+    python bench/plan_speed.py --trees /tmp/before,. --threads 1
+    python bench/plan_speed.py --cases digits --load-test 5
+
+Every figure is printed with the machine's load average (1 minute) at its start.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autofit.units import format_bytes, parse_budget  # noqa: E402
+
+SIMULATED_GPU = ("--simulate", "--device", "cuda", "--device-memory", "24GiB")
+
+
+@dataclass
+class Case:
+    key: str
+    model: list[str]
+    """MODEL and the options that describe it (input shape, classes)."""
+    batch_size: int
+    budgets: tuple[str, str]
+    """The first plan's budget and the second's (served by the cache); "floor"/"2floor" are found first."""
+    simulate: bool = False
+
+
+CASES = {
+    "digits": Case("digits", ["examples/digits_cnn.py"], 64, ("64MB", "16MB")),
+    "transformer": Case("transformer", ["examples/tiny_transformer.py"], 64, ("200MB", "50MB")),
+    "resnet18": Case(
+        "resnet18", ["torchvision:resnet18", "--input-shape", "3x32x32", "--num-classes", "10"], 256, ("floor", "2floor"),
+    ),
+    "resnet50": Case(
+        "resnet50", ["torchvision:resnet50", "--input-shape", "3x224x224", "--num-classes", "1000"], 64, ("6GiB", "4GiB"), simulate=True,
+    ),
+    "vit": Case("vit", ["torchvision:vit_b_16", "--input-shape", "3x224x224", "--num-classes", "1000"], 32, ("5GiB", "4GiB"), simulate=True),
+}
+PHASES = ("startup", "memory", "floor", "speed", "search", "verify", "write")
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+@dataclass
+class Run:
+    seconds: float
+    load: float
+    phases: dict[str, float] = field(default_factory=dict)
+    chosen: str = ""
+    plan: dict = field(default_factory=dict)
+    noise: str = ""
+    threads: str = ""
+    error: str = ""
+
+
+def autofit(tree: Path, args: list[str], *, env: dict) -> tuple[float, float, subprocess.CompletedProcess]:
+    """Run `python -m autofit ARGS` with ``tree`` first on the path; (wall seconds, load at start, result)."""
+    env = {**env, "PYTHONPATH": str(tree)}
+    started_load, start = load(), time.perf_counter()
+    # Run from the tree itself: `python -m` puts the working directory first on the path.
+    done = subprocess.run([sys.executable, "-m", "autofit", *args], cwd=tree, env=env, capture_output=True, text=True)
+    return time.perf_counter() - start, started_load, done
+
+
+def plan(tree: Path, case: Case, budget: str, *, env: dict, out: Path) -> Run:
+    args = ["plan", *case.model, "--budget", budget, "--batch-size", str(case.batch_size), "--out", str(out)]
+    if case.simulate:
+        args += list(SIMULATED_GPU)
+    seconds, started_load, done = autofit(tree, args, env=env)
+    run = Run(seconds=seconds, load=started_load)
+    if done.returncode != 0:
+        run.error = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return run
+    run.plan = json.loads(out.read_text())
+    run.chosen = chosen_text(run.plan)
+    run.phases = phases(done.stdout, done.stderr, wall=seconds)
+    noise = re.search(r"repeated within ([\d.]+%)", done.stdout)
+    within = re.search(r"as fast within that noise: (.*) \(the simpler", done.stdout)
+    run.noise = (noise.group(1) if noise else "") + (f"; within it: {within.group(1)}" if within else "")
+    threads = re.search(r"threads     (.*)", done.stdout)
+    run.threads = threads.group(1) if threads else ""
+    return run
+
+
+def chosen_text(plan: dict) -> str:
+    steps = math.ceil(plan["global_batch_size"] / plan["micro_batch_size"])
+    return f"{plan['precision']} {plan['micro_batch_size']}x{steps} ckpt={len(plan['checkpoint'])}"
+
+
+def phases(stdout: str, stderr: str, *, wall: float) -> dict[str, float]:
+    """Seconds per step: the summary's split where there is one, else from the progress lines' stamps."""
+    planned = re.search(r"planned in ([\d.]+) s", stdout)
+    total = float(planned.group(1)) if planned else wall
+    split = re.search(r"time by step \(s\): (.*)", stdout)
+    found = {"startup": wall - total}
+    if split:
+        for part in split.group(1).split(","):
+            name, seconds = part.strip().rsplit(" ", 1)
+            found[name] = float(seconds)
+        return found
+    # The tree at the branch point: memory (with the floor), speed, search (with the candidates' memory probes),
+    # verification (timing and the unconstrained configuration), each from its line's stamp to the next.
+    stamps = [(float(m.group(1)), m.group(2)) for m in re.finditer(r"\[\s*([\d.]+) s\] (\w+)", stderr)]
+    names = {"memory": "memory", "speed": "speed", "search": "search", "verify": "verify", "planned": None}
+    marks = [(t, names[w]) for t, w in stamps if w in names]
+    for (start, name), (end, _) in zip(marks, marks[1:]):
+        if name:
+            found[name] = found.get(name, 0.0) + end - start
+    return found
+
+
+def probe(tree: Path, case: Case, plan_dict: dict, *, env: dict) -> Run:
+    """One `autofit probe` of the plan's unconstrained configuration (the plan's meter, 3 steps)."""
+    u = plan_dict["measured"]["unconstrained"]
+    args = [
+        "probe", *case.model, "-m", str(u["micro_batch_size"]), "-k", str(u["grad_accum_steps"]), "--precision", u["precision"],
+        "--steps", "3",
+    ]
+    if case.simulate:
+        args += ["--simulate", "--device", "cuda"]
+    seconds, started_load, done = autofit(tree, args, env=env)
+    return Run(seconds=seconds, load=started_load, error="" if done.returncode == 0 else done.stderr.strip()[-200:])
+
+
+def floor_budget(case: Case, *, env: dict) -> int:
+    """The floor, from the planner's refusal of a tiny budget (this tree, no cache)."""
+    args = ["plan", *case.model, "--budget", "1MB", "--batch-size", str(case.batch_size), "--no-cache", "-q", "--out", os.devnull]
+    _, _, done = autofit(ROOT, args, env=env)
+    found = re.search(r"below the floor ([\d.]+ \w+)", done.stderr)
+    if not found:
+        raise SystemExit(f"no floor found for {case.key}: {done.stderr[-300:]}")
+    value, unit = found.group(1).split()
+    return parse_budget(f"{float(value) + 0.01}{unit}")  # the message rounds to 0.01: stay above it
+
+
+def row(tree: str, case: Case, label: str, budget: str, run: Run, yardstick: Run | None) -> str:
+    cells = [f"{run.phases.get(p, 0.0):.1f}" if p in run.phases else "-" for p in PHASES]
+    ratio = f"{run.seconds / yardstick.seconds:.2f}" if yardstick and not yardstick.error and not run.error else "-"
+    probe_s = f"{yardstick.seconds:.1f} ({yardstick.load:.1f})" if yardstick else "-"
+    what = run.error or run.chosen
+    return (
+        f"| {case.key} | {label} | {budget} | {tree} | {run.seconds:.1f} | {run.load:.1f} | " + " | ".join(cells)
+        + f" | {probe_s} | {ratio} | {what} | {run.noise or '-'} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", default=str(ROOT), help="Source trees to compare, separated by commas (e.g. a checkout of the branch point).")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every process (default: unset).")
+    parser.add_argument("--load-test", type=int, default=0, help="Runs of the digits plan under two busy processes.")
+    parser.add_argument("--no-main", action="store_true", help="Only the load test.")
+    args = parser.parse_args()
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    labels = {tree: ("before" if i == 0 and len(trees) > 1 else "after") if len(trees) <= 2 else tree.name for i, tree in enumerate(trees)}
+    env = {k: v for k, v in os.environ.items() if k != "AUTOFIT_CACHE_DIR"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    scratch = Path(tempfile.mkdtemp(prefix="plan-speed-"))
+    print(f"# bench/plan_speed.py, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}")
+    header = "| case | plan | budget | tree | wall s | load | " + " | ".join(PHASES) + " | probe s (load) | plan / probe | chosen | timing noise |"
+    if not args.no_main:
+        print(header)
+        print("|" + "---|" * (header.count("|") - 1))
+        for key in args.cases.split(","):
+            case = CASES[key]
+            budgets = list(case.budgets)
+            if "floor" in budgets:
+                floor = floor_budget(case, env=env)
+                budgets = [str(floor) if b == "floor" else str(2 * floor) for b in budgets]
+            for tree in trees:
+                cache = scratch / f"cache-{key}-{labels[tree]}"
+                tree_env = {**env, "AUTOFIT_CACHE_DIR": str(cache)}
+                for label, budget in zip(("first", "second (cache)"), budgets):
+                    out = scratch / f"{key}-{labels[tree]}-{label[:5]}.json"
+                    run = plan(tree, case, budget, env=tree_env, out=out)
+                    # The yardstick runs from this tree: at the branch point `probe --simulate` failed for ViT.
+                    yardstick = probe(ROOT, case, run.plan, env=tree_env) if run.plan and label == "first" else None
+                    shown = format_bytes(int(budget)) if budget.isdigit() else budget
+                    print(row(labels[tree], case, label, shown, run, yardstick if label == "first" else _last_probe.get(key + labels[tree])), flush=True)
+                    if yardstick:
+                        _last_probe[key + labels[tree]] = yardstick
+    if args.load_test:
+        for tree in trees:  # the last tree (this one) gets every run; others two, to show what they did
+            load_test(tree, runs=args.load_test if tree == trees[-1] else min(2, args.load_test), env=env, scratch=scratch)
+
+
+_last_probe: dict[str, Run] = {}
+
+
+def load_test(tree: Path, *, runs: int, env: dict, scratch: Path) -> None:
+    """The digits plan without and with two more busy processes: the same choice, and how much slower."""
+    case = CASES["digits"]
+    print(f"\n## digits plan under load ({tree})\n")
+    print("| run | extra busy processes | load | wall s | chosen | timing noise | threads note |")
+    print("|---|---|---|---|---|---|---|")
+
+    def once(label: str, extra: int, index: int) -> Run:
+        out = scratch / f"load-{label}-{index}.json"
+        run_env = {**env, "AUTOFIT_CACHE_DIR": str(scratch / f"load-cache-{label}-{index}")}  # a cold cache each time
+        run = plan(tree, case, case.budgets[0], env=run_env, out=out)
+        print(
+            f"| {index} | {extra} | {run.load:.1f} | {run.seconds:.1f} | {run.error or run.chosen} | {run.noise or '-'} | {run.threads or '-'} |",
+            flush=True,
+        )
+        return run
+
+    quiet = [once(f"quiet-{tree.name}", 0, i) for i in range(2)]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(5)  # let the load average see them
+        loaded = [once(f"busy-{tree.name}", 2, i) for i in range(runs)]
+    finally:
+        for process in busy:  # only the processes started here
+            process.kill()
+            process.wait()
+    reference = quiet[0].chosen
+    same = sum(r.chosen == reference for r in loaded)
+    quiet_s = min(r.seconds for r in quiet)
+    print(
+        f"\nwithout the extra processes: {', '.join(r.chosen for r in quiet)}; with them: {same} of {runs} chose {reference}; "
+        f"time with / without: {', '.join(f'{r.seconds / quiet_s:.2f}' for r in loaded)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

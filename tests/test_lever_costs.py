@@ -1,0 +1,145 @@
+"""The levers' time terms (planning/lever_costs.py) and what feeds them: the host link (measured on a GPU,
+assumed without one) and the optimizer's update on the host."""
+import pytest
+import torch
+
+from autofit.apply import TrainingConfig
+from autofit.measure.host_speed import HostLink, measure_host_link, time_host_update
+from autofit.measure.probe import measure
+from autofit.planning import lever_costs, levers
+from autofit.planning.cost_model import CostModel
+from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
+from autofit.planning.lever_costs import (
+    ASSUMED_LINK_BYTES_PER_S, host_link, host_state_seconds, lever_time, offload_seconds,
+)
+from autofit.planning.planner import plan_with_report
+from autofit.spec import load_spec
+from tests.test_plan_levers import BLOCKS, MODEL_FILE
+
+GB = 1e9
+
+
+def link(down: float, up: float) -> HostLink:
+    return HostLink(to_host_bytes_per_s=down, to_device_bytes_per_s=up, measured=False, source="test")
+
+
+def test_offload_copies_down_hide_behind_the_forward_and_copies_back_do_not():
+    assert offload_seconds(offloaded_bytes=1 * GB, forward_seconds=0.5, link=link(10 * GB, 20 * GB)) == pytest.approx(0.05)
+    # Copies down longer than the forward: the rest shows.
+    assert offload_seconds(offloaded_bytes=1 * GB, forward_seconds=0.04, link=link(10 * GB, 20 * GB)) == pytest.approx(0.06 + 0.05)
+
+
+def test_host_state_moves_gradients_down_and_parameters_up_and_replaces_the_device_step():
+    seconds = host_state_seconds(
+        gradient_bytes=2 * GB, parameter_bytes=2 * GB, update_seconds=1.5, device_optimizer_seconds=0.25, link=link(10 * GB, 20 * GB),
+    )
+    assert seconds == pytest.approx(0.2 + 1.5 + 0.1 - 0.25)
+
+
+def test_without_a_gpu_the_link_is_assumed_and_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assumed = host_link("cuda")
+    assert not assumed.measured and assumed.to_host_bytes_per_s == assumed.to_device_bytes_per_s == ASSUMED_LINK_BYTES_PER_S
+    assert "assumed" in assumed.source and "12 GB/s" in assumed.source
+
+
+def test_with_a_gpu_the_link_is_measured(monkeypatch):
+    """The measuring itself needs CUDA (test_the_link_is_measured_on_a_gpu); here: that the planner asks for it."""
+    measured = HostLink(to_host_bytes_per_s=25 * GB, to_device_bytes_per_s=26 * GB, measured=True, source="measured on this GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(lever_costs, "measure_host_link", lambda device: measured)
+    assert host_link("cuda") is measured
+    monkeypatch.setattr(lever_costs, "measure_host_link", lambda device: pytest.fail("no link on the CPU"))
+    assert not host_link("cpu").measured
+
+
+def test_measuring_the_link_without_a_gpu_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        measure_host_link("cuda")
+
+
+@pytest.mark.gpu
+def test_the_link_is_measured_on_a_gpu():
+    measured = measure_host_link("cuda", nbytes=16 * 2**20)
+    assert measured.measured and "measured on this" in measured.source
+    for rate in (measured.to_host_bytes_per_s, measured.to_device_bytes_per_s):
+        assert 1 * GB < rate < 1000 * GB
+
+
+def test_the_host_update_is_timed_per_parameter(one_thread):
+    per_element = time_host_update(lambda params: torch.optim.AdamW(params, lr=1e-3), elements=2**16)
+    assert 0 < per_element < 1e-6  # well under a microsecond per element on any CPU
+    # A builder that needs more than a list of parameters: AdamW is timed instead.
+    assert time_host_update(lambda params: torch.optim.AdamW(params.parameters()), elements=2**16) > 0
+
+
+@pytest.fixture(scope="module")
+def lm_costs(tmp_path_factory):
+    """A small decoder LM's cost model, simulated for a GPU (no budget: nothing below the floor)."""
+    path = tmp_path_factory.mktemp("lm") / "lm.py"
+    path.write_text(MODEL_FILE)
+    spec = load_spec(str(path))
+    report = plan_with_report(spec, budget="3GiB", batch_size=2, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
+    return spec, CostModel.from_dict(report.cost_model)
+
+
+def test_lever_time_adds_each_lever_by_its_formula(lm_costs):
+    _, model = lm_costs
+    costs = model.precisions["fp32"]
+    config = TrainingConfig(global_batch_size=2, micro_batch_size=2, checkpoint=["layers.0"], offload=["layers.1", "layers.2"])
+    slow = link(1e6, 2e6)  # slow enough that the copies down outlast the forward
+    _, drops = costs.memory.at(2, global_batch_size=2)
+    moved = drops[1] + drops[2]
+    assert moved > 0
+    time = lever_time(config, model=model, link=slow, trainable_bytes=0, host_update_seconds=0.0)
+    assert time.offload_seconds == pytest.approx(moved / 1e6 - costs.speed.forward_seconds_at(2) + moved / 2e6)
+    assert time.host_state_seconds == 0 and "activation offload moves" in time.notes[0] and "test" in time.notes[0]
+    host = lever_time(
+        TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_state="host", optimizer_in_backward=True),
+        model=model, link=slow, trainable_bytes=4000, host_update_seconds=0.5,
+    )
+    assert host.offload_seconds == 0
+    assert host.seconds == pytest.approx(4000 / 1e6 + 0.5 + 4000 / 2e6 - costs.speed.optimizer_seconds)
+    assert "instead of the device's" in host.notes[0]
+    accumulating = lever_time(
+        TrainingConfig(global_batch_size=2, micro_batch_size=1, optimizer_state="host"),
+        model=model, link=slow, trainable_bytes=4000, host_update_seconds=0.5,
+    )
+    assert accumulating.seconds == pytest.approx(2 * 4000 / 1e6 + 0.5 + 4000 / 2e6 - costs.speed.optimizer_seconds)
+    assert "after each of 2 micro-batches" in accumulating.notes[0]
+    in_backward = lever_time(TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_in_backward=True), model=model,
+                             link=None, trainable_bytes=4000, host_update_seconds=0.0)
+    assert in_backward.seconds == 0 and "no time" in in_backward.notes[0]
+
+
+def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_costs, monkeypatch):
+    """--simulate --device cuda with host state: predicted samples/s is G / (the floor configuration's step + the host
+    state's term), with the assumed link in the notes."""
+    spec, _ = lm_costs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(levers, "time_host_update", lambda build: 1e-6)  # seconds per element
+
+    def simulated_cuda(**chosen):
+        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_in_backward=True, **chosen)
+        return measure(spec, config, device="cuda", simulate=True, steps=2)
+
+    in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=ESTIMATED_CUDA_CONTEXT)
+    def least(measured) -> int:
+        return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
+
+    budget = (least(host) + least(in_backward)) // 2
+    report = plan_with_report(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
+    plan, model = report.plan, CostModel.from_dict(report.cost_model)
+    assert plan.optimizer_state == "host"
+    with torch.device("meta"):
+        params = list(spec.build_model().parameters())
+    elements, nbytes = sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+    floor_step = model.step_seconds("fp32", 1, frozenset(range(len(BLOCKS))))
+    speed = model.precisions["fp32"].speed
+    expected = 1 / (floor_step + nbytes / ASSUMED_LINK_BYTES_PER_S + 1e-6 * elements + nbytes / ASSUMED_LINK_BYTES_PER_S - speed.optimizer_seconds)
+    assert plan.predicted.samples_per_s == pytest.approx(expected)
+    assert any("assumed (no GPU here to measure it" in note for note in plan.notes)

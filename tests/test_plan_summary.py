@@ -1,0 +1,85 @@
+"""The plan's alternatives and the summary: fitting is what was measured where it was measured; rejections are shown."""
+from types import SimpleNamespace
+
+from autofit.commands.plan import summary_lines
+from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
+from autofit.planning.context import Config
+from autofit.planning.search import Evaluation
+from autofit.planning.writing import PlanReport, _alternatives
+
+CHOSEN = Config(precision="bf16", micro_batch_size=4, checkpoint=("b0",))
+
+
+def alternatives() -> list[dict]:
+    """Five points on the front: measured to fit, rejected, predicted not to fit, chosen, and not measured."""
+    evaluations = [
+        Evaluation(precision="bf16", micro_batch_size=2, grad_accum_steps=4, plain_peak_bytes=90, plain_samples_per_s=5.0),
+        Evaluation(precision="fp32", micro_batch_size=2, grad_accum_steps=4, plain_peak_bytes=100, plain_samples_per_s=10.0),
+        Evaluation(
+            precision="bf16", micro_batch_size=4, grad_accum_steps=2, checkpoint=["b0"], fits=True, peak_bytes=150, samples_per_s=15.0,
+            plain_peak_bytes=500, plain_samples_per_s=16.0,
+        ),
+        Evaluation(precision="fp32", micro_batch_size=4, grad_accum_steps=2, plain_peak_bytes=200, plain_samples_per_s=20.0),
+        Evaluation(precision="fp32", micro_batch_size=8, grad_accum_steps=1, plain_peak_bytes=400, plain_samples_per_s=30.0),
+    ]
+    verified = {
+        "fp32:2:": {"measured_peak_bytes": 110, "measured_samples_per_s": 9.0, "fits": True},
+        "fp32:4:": {"measured_peak_bytes": 260, "measured_samples_per_s": None, "fits": False, "rejected": "measured peak 260 B does not fit"},
+    }
+    chosen = {
+        "config": CHOSEN, "predicted_peak_bytes": 150, "predicted_samples_per_s": 15.0,
+        "measured_peak_bytes": 140, "measured_samples_per_s": 14.0,
+    }
+    return _alternatives(
+        SimpleNamespace(global_batch_size=8), SimpleNamespace(memory_scale=1.0), evaluations, chosen=chosen, usable_bytes=250, verified=verified,
+    )
+
+
+def by_key(entries: list[dict]) -> dict[str, dict]:
+    return {Config(precision=a["precision"], micro_batch_size=a["micro_batch_size"], checkpoint=tuple(a["checkpoint"])).key(): a for a in entries}
+
+
+def test_fits_is_measured_where_measured_and_predicted_elsewhere():
+    entries = by_key(alternatives())
+    measured, rejected, too_big = entries["fp32:2:"], entries["fp32:4:"], entries["fp32:8:"]
+    assert measured["fits_budget"] and measured["measured_peak_bytes"] == 110
+    # predicted to fit (200 <= 250), measured not to: it does not fit, and says why
+    assert not rejected["fits_budget"] and rejected["rejected"] == "measured peak 260 B does not fit"
+    assert not too_big["fits_budget"] and "measured_peak_bytes" not in too_big
+    predicted = entries["bf16:2:"]
+    assert predicted["fits_budget"] and "measured_peak_bytes" not in predicted and "rejected" not in predicted
+
+
+def test_the_chosen_alternative_carries_its_measured_peak():
+    chosen = by_key(alternatives())[CHOSEN.key()]
+    assert chosen["chosen"] and chosen["fits_budget"]
+    assert chosen["measured_peak_bytes"] == 140 and chosen["measured_samples_per_s"] == 14.0
+
+
+def test_the_summary_marks_how_each_alternative_fits_and_lists_the_rejections():
+    plan = Plan(
+        model=ModelInfo(source="model.py"), budget_bytes=300, global_batch_size=8, micro_batch_size=4, precision="bf16",
+        checkpoint=["b0"], predicted=Predicted(peak_bytes=150, samples_per_s=15.0),
+        measured=Measured(peak_bytes=140, samples_per_s=14.0, meter="cpu"), headroom={"safety_margin": 6}, alternatives=alternatives(),
+    )
+    report = PlanReport(plan=plan, rejected=[{"config": "fp32:4:", "why": "measured peak 260 B does not fit"}])
+    lines = summary_lines(report)
+    rows = {key: next(line for line in lines if text in line) for key, text in [
+        ("measured", "10.0  fp32"), ("rejected", "20.0  fp32"), ("too big", "30.0  fp32"), ("predicted", "5.0  bf16"), ("chosen", "15.0  bf16"),
+    ]}
+    assert rows["measured"].split()[0] != "!" and " measured " in rows["measured"] and "110 B" in rows["measured"]
+    assert rows["rejected"].lstrip().startswith("!") and " rejected " in rows["rejected"] and "260 B" in rows["rejected"]
+    assert rows["too big"].lstrip().startswith("!") and "no (predicted)" in rows["too big"]
+    assert " predicted " in rows["predicted"] and not rows["predicted"].lstrip().startswith("!")
+    assert rows["chosen"].lstrip().startswith("*") and "140 B" in rows["chosen"]
+    assert any("fp32, micro-batch 4, checkpoint none: measured peak 260 B does not fit" in line for line in lines)
+
+
+def test_a_simulated_plan_lists_its_chosen_measured_peak():
+    """Simulating, the chosen configuration's peak is the simulated meter's: in the alternatives too, as measured."""
+    from autofit.planning.planner import make_plan
+    from tests.test_planner import uneven_spec
+
+    plan = make_plan(uneven_spec(), budget="3MB", batch_size=16, simulate=True, precisions=["fp32"])
+    chosen = [a for a in plan.alternatives if a["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["measured_peak_bytes"] == plan.measured.peak_bytes and chosen[0]["fits_budget"]
