@@ -10,6 +10,7 @@ checkpointing and none. The optimizer is AdamW with
 foreach kernels (as on a GPU; fewer operators to trace, so the grid stays fast).
 """
 import dataclasses
+import functools
 import gc
 
 import pytest
@@ -69,11 +70,17 @@ def memory_model(spec, precision: str) -> CostModel:
     return model
 
 
+@functools.cache
+def grid_memory_model(layout: str, precision: str) -> CostModel:
+    """A layout's memory model, traced once: the full, the selective and the what-each-mode-frees tests read it."""
+    return memory_model(grid_spec(layout), precision)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("layout", ["cnn", "lm", "vit", "unet"])
 def test_predicted_peak_is_the_measured_peak(layout, precision):
     spec = grid_spec(layout)
-    model = memory_model(spec, precision)
+    model = grid_memory_model(layout, precision)
     assert len(model.blocks) >= 3  # first, alternate and all differ
     misses = {}
     for micro_batch_size in MICRO_BATCHES:
@@ -94,7 +101,7 @@ def test_selective_checkpointing_predicted_peak_is_the_measured_peak(layout, pre
     """Selective blocks keep every saved op's output (a projection's too): the model predicts what they free, and
     what their recomputation holds, from the plain and all-selective traces."""
     spec = grid_spec(layout)
-    model = memory_model(spec, precision)
+    model = grid_memory_model(layout, precision)
     memory = model.precisions[precision].memory
     assert memory.selective_drops(GLOBAL_BATCH) is not None
     misses = {}
@@ -117,7 +124,7 @@ def test_selective_frees_less_than_full_checkpointing():
     of full checkpointing's bytes); the CNN's convolution outputs are what BatchNorm saves anyway (it frees only
     the statistics)."""
     for layout, least, most in (("lm", 0.2, 0.5), ("cnn", 0.0, 0.2)):
-        memory = memory_model(grid_spec(layout), "fp32").precisions["fp32"].memory
+        memory = grid_memory_model(layout, "fp32").precisions["fp32"].memory
         full, selective = memory.high.drop_bytes, memory.high.selective_drop_bytes
         assert all(least * f < s < most * f for f, s in zip(full, selective)), (layout, full, selective)
 
