@@ -60,7 +60,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.apply import TrainingConfig  # noqa: E402
-from autofit.planning.cost_model import memory_costs, time_training  # noqa: E402
+from autofit.planning.cost_model import memory_costs  # noqa: E402
+from autofit.planning.speed_timing import time_training  # noqa: E402
 from autofit.planning.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.modelling import micro_batch_sizes  # noqa: E402
 from autofit.planning.planner import make_plan  # noqa: E402

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autofit.planning.context import cache_dir
-from autofit.planning.cost_model import time_precisions
+from autofit.planning.speed_timing import time_precisions
 from autofit.planning.planner import plan_with_report
 from autofit.planning.timing import MAX_ROUNDS, MIN_ROUNDS, Race, Samples, compare, interleaved_rounds
 from autofit.spec import ModelSpec, default_optimizer
@@ -261,7 +261,7 @@ def test_selective_recompute_from_flops_leaves_the_saved_ops_out(device_type, de
     """Simulated plans price selective recompute by what it repeats: a block that is one matmul repeats nothing in
     fp32 (its output is kept) and only the casts under autocast; a block of tanh after a small matmul repeats most
     of its forward."""
-    from autofit.planning.cost_model import flop_speed_costs
+    from autofit.planning.flop_speed import flop_speed_costs
 
     speed = flop_speed_costs(mixed_spec(), precisions=["fp32", "bf16"], sizes=[2, 8], device_type=device_type, device_name=device_name)
     assert speed["fp32"].selective_shares[0] == speed["fp32"].selective_shares[2] == 0.0
@@ -276,7 +276,7 @@ def test_selective_recompute_from_flops_leaves_the_saved_ops_out(device_type, de
 def test_selective_recompute_is_timed_on_the_device():
     """Real timings: every block's selective share is estimated, and the steps with every block selective,
     timed beside those with every block checkpointed, give its factor."""
-    from autofit.planning.cost_model import SELECTIVE_FACTOR_RANGE
+    from autofit.planning.speed_timing import SELECTIVE_FACTOR_RANGE
 
     results = time_precisions(mixed_spec(), precisions=["fp32"], sizes=[2, 4], device="cpu")
     costs = results["fp32"]

@@ -35,7 +35,8 @@ from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
 from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import PrecisionCosts, time_training
+from autofit.planning.cost_model import PrecisionCosts
+from autofit.planning.speed_timing import time_training
 from autofit.measure.host_speed import time_host_update
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
 from autofit.planning.headroom import persistent_bytes

@@ -34,7 +34,9 @@ from autofit.errors import UserError
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
-from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, flop_speed_costs, memory_costs, time_precisions
+from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, memory_costs
+from autofit.planning.flop_speed import flop_speed_costs
+from autofit.planning.speed_timing import time_precisions
 from autofit.planning.memory_model import trace_memory
 from autofit.planning.verify import VERIFY_WITHIN
 from strategies import checkpoint_candidates

@@ -25,7 +25,8 @@ from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.measure.probe import create_optimizer_state, probe
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import CostModel, StepTimer
+from autofit.planning.cost_model import CostModel
+from autofit.planning.speed_timing import StepTimer
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
 from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_for
 from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
