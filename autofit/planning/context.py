@@ -34,6 +34,7 @@ from autofit.errors import UserError
 from autofit.measure.meters import DeviceInfo, check_device, checked_for_simulation, device_info
 from autofit.planning.memory_model import simulation_spec
 from autofit.planning.search import Study
+from autofit.planning.trace_pool import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import parse_budget
 from strategies import PRECISIONS
@@ -70,13 +71,23 @@ class PlanContext:
     """Why they are fewer than PyTorch's, when they are."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds spent so far per step of the run ("memory", "floor", "speed", "search", "verify", "write")."""
+    trace_pool: TracePool = field(default_factory=TracePool)
+    """Workers for the memory traces, started with ``sim_spec``, before the run's first backward pass."""
 
     @cached_property
     def sim_spec(self) -> ModelSpec:
         """The same model for the simulated meter (``simulation_spec``), made on first use: a plan whose
         costs all come from a stored study never needs it (nor the fake-tensor machinery's imports).
-        A model fake tensors cannot run measures with the cpu meter, after one line saying why."""
-        return checked_for_simulation(simulation_spec(self.spec))
+        A model fake tensors cannot run measures with the cpu meter, after one line saying why.
+
+        The trace workers start here, before the check's backward pass (a process forked after one cannot
+        run autograd); they are closed again when the check falls back to the cpu meter."""
+        spec = simulation_spec(self.spec)
+        self.trace_pool.start(spec)
+        checked = checked_for_simulation(spec)
+        if checked is not spec:
+            self.trace_pool.close()
+        return checked
 
     def log(self, line: str) -> None:
         """A progress line, stamped with the seconds since the run started."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from autofit.planning.memory_model import MemoryTrace, Segment, peak_of, trace_memory
+from autofit.planning.memory_model import MemoryTrace, Segment, peak_of, trace_memory_sizes
 from autofit.spec import ModelSpec
 from strategies import BatchSplitConfig
 
@@ -236,7 +236,8 @@ def _trace_from_dict(data: dict) -> MemoryTrace:
 
 
 def memory_costs(
-    spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None
+    spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None,
+    blocks: list[str] | None = None, pool=None,
 ) -> MemoryCosts:
     """Trace one precision at the smallest and the largest micro-batch size (simulated: no arithmetic).
 
@@ -250,16 +251,17 @@ def memory_costs(
         low: the smallest micro-batch size planned.
         high: the largest (the global batch).
         low_trace: an existing trace at ``low`` for this precision, to reuse.
+        blocks: the checkpoint candidates another trace of this model found (None: the first run finds them).
+        pool: a ``trace_pool.TracePool`` whose workers run the traces at once.
     """
-    def trace(size: int) -> MemoryTrace:
-        return trace_memory(spec, micro_batch_size=size, precision=precision, device_type=device_type)
-
-    if low_trace is None:
-        low_trace = trace(low)
     if high == low:
+        low_trace = low_trace or trace_memory_sizes(spec, sizes=[low], precision=precision, device_type=device_type, blocks=blocks, pool=pool)[0]
         return MemoryCosts(low=low_trace, high=low_trace)
-    high_trace = trace(high)
-    middle_trace = trace(2) if low == 1 and high > 2 else None
+    sizes = [high] + ([2] if low == 1 and high > 2 else []) + ([] if low_trace else [low])
+    traces = dict(zip(sizes, trace_memory_sizes(
+        spec, sizes=sizes, precision=precision, device_type=device_type, blocks=low_trace.blocks if low_trace else blocks, pool=pool,
+    )))
+    low_trace, high_trace, middle_trace = low_trace or traces[low], traces[high], traces.get(2) if low == 1 and high > 2 else None
     traced = [t for t in (low_trace, middle_trace, high_trace) if t is not None]
     if len({bool(t.selective_drop_bytes) for t in traced}) > 1:
         # Selective checkpointing frees bytes at some sizes only (it is left out of a trace where it frees

@@ -143,7 +143,9 @@ class _TimelineTracker(StorageTracker):
         self._segment_peak = self.current_bytes
 
 
-def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str = "cpu") -> MemoryTrace:
+def trace_memory(
+    spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str = "cpu", pool=None,
+) -> MemoryTrace:
     """Trace a simulated optimizer step of two micro-batches: plain, all-checkpointed and all-selective.
 
     The traced global batch is 2 x micro_batch_size; a step's memory depends on
@@ -159,29 +161,66 @@ def trace_memory(spec: ModelSpec, *, micro_batch_size: int, precision: str, devi
         micro_batch_size: samples per micro-batch.
         precision: "fp32", "bf16" or "fp16".
         device_type: the device planned for ("cuda" rounds storages like its allocator).
+        pool: a ``trace_pool.TracePool`` of ``spec`` whose workers run the traced runs at once (None: here, in turn).
 
     Returns:
         The segments of the trace and the bytes each block's checkpointing drops.
     """
-    plain = _run_trace(spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode="none")
-    segments, prefix_shaped = _segments(plain.marks, plain.peaks, plain.drop_bytes)
-    selective_drops = plain.selective_drop_bytes if any(b > 0 for b in plain.selective_drop_bytes) else []
-    for mode, drops in (("full", plain.drop_bytes), ("selective", selective_drops)):
-        if plain.names and drops:
-            recomputed = _run_trace(
-                spec, micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode=mode, blocks=plain.names,
-            )
-            segments += _recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
-    return MemoryTrace(
-        micro_batch_size=micro_batch_size,
-        blocks=plain.names,
-        drop_bytes=plain.drop_bytes,
-        segments=segments,
-        prefix_shaped=prefix_shaped,
-        host_sample_bytes=plain.host_bytes // (2 * micro_batch_size),
-        output_shape=plain.output_shape,
-        selective_drop_bytes=selective_drops,
-    )
+    return trace_memory_sizes(spec, sizes=[micro_batch_size], precision=precision, device_type=device_type, pool=pool)[0]
+
+
+def trace_memory_sizes(
+    spec: ModelSpec, *, sizes: list[int], precision: str, device_type: str = "cpu", blocks: list[str] | None = None,
+    pool=None,
+) -> list[MemoryTrace]:
+    """``trace_memory`` at each size; with a started ``trace_pool.TracePool`` of ``spec``, its runs at once in its workers.
+
+    The checkpoint candidates come from the first plain run unless ``blocks``
+    (a trace's ``blocks``) already names them; then every plain and
+    all-checkpointed run is handed out at once, and each all-selective run as
+    soon as its plain run shows that selective checkpointing frees something.
+    Without a pool the same runs go one after another in this process.
+    """
+    def start(size: int, mode: str) -> tuple:
+        kwargs = dict(micro_batch_size=size, precision=precision, device_type=device_type, mode=mode, blocks=blocks)
+        return (pool.submit(spec, kwargs) if pool is not None else None), kwargs
+
+    def result(pending: tuple) -> _RawTrace:
+        future, kwargs = pending
+        raw = pool.result(future) if future is not None else None
+        return raw if raw is not None else run_trace(spec, **kwargs)
+
+    plain: dict[int, object] = {}
+    if blocks is None:
+        first = result(start(sizes[0], "none"))
+        blocks, plain[sizes[0]] = first.names, first
+    plain.update({size: start(size, "none") for size in sizes if size not in plain})
+    full = {size: start(size, "full") for size in sizes} if blocks else {}
+    selective = {}
+    for size in sizes:
+        plain[size] = plain[size] if isinstance(plain[size], _RawTrace) else result(plain[size])
+        if blocks and any(b > 0 for b in plain[size].selective_drop_bytes):
+            selective[size] = start(size, "selective")
+    traces = []
+    for size in sizes:
+        raw = plain[size]
+        segments, prefix_shaped = _segments(raw.marks, raw.peaks, raw.drop_bytes)
+        selective_drops = raw.selective_drop_bytes if size in selective else []
+        for mode, drops, pending in (("full", raw.drop_bytes, full.get(size)), ("selective", selective_drops, selective.get(size))):
+            if pending is not None:
+                recomputed = result(pending)
+                segments += _recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
+        traces.append(MemoryTrace(
+            micro_batch_size=size,
+            blocks=raw.names,
+            drop_bytes=raw.drop_bytes,
+            segments=segments,
+            prefix_shaped=prefix_shaped,
+            host_sample_bytes=raw.host_bytes // (2 * size),
+            output_shape=raw.output_shape,
+            selective_drop_bytes=selective_drops,
+        ))
+    return traces
 
 
 @dataclass(slots=True)
@@ -195,7 +234,7 @@ class _RawTrace:
     selective_drop_bytes: list[int]
 
 
-def _run_trace(
+def run_trace(
     spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, mode: str,
     blocks: list[str] | None = None,
 ) -> _RawTrace:

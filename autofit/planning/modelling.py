@@ -37,7 +37,7 @@ from autofit.planning.context import PlanContext
 from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, memory_costs
 from autofit.planning.flop_speed import flop_speed_costs
 from autofit.planning.speed_timing import time_precisions
-from autofit.planning.memory_model import trace_memory
+from autofit.planning.memory_model import trace_memory_sizes
 from autofit.planning.verify import VERIFY_WITHIN
 from strategies import checkpoint_candidates
 
@@ -170,7 +170,10 @@ def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
         costs.low_only[precision] = costs.memory_for_floor()[shared]
         return
     context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} (simulated)")
-    trace = trace_memory(context.sim_spec, micro_batch_size=costs.smallest, precision=precision, device_type=context.device)
+    trace = trace_memory_sizes(
+        context.sim_spec, sizes=[costs.smallest], precision=precision, device_type=context.device, blocks=_traced_blocks(costs),
+        pool=context.trace_pool,
+    )[0]
     _check_blocks(costs, trace.blocks)
     costs.low_only[precision] = _low_memory(trace)
     costs.changed = True
@@ -189,7 +192,7 @@ def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
         context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + " (simulated)")
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
-            low_trace=low.low if low else None,
+            low_trace=low.low if low else None, blocks=_traced_blocks(costs), pool=context.trace_pool,
         )
         _check_blocks(costs, memory.low.blocks)
     costs.low_only.pop(precision, None)
@@ -197,6 +200,11 @@ def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
         costs.model.output_shape = memory.high.output_shape
     costs.model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=costs.speeds[precision])
     costs.changed = True
+
+
+def _traced_blocks(costs: Costs) -> list[str] | None:
+    """The checkpoint candidates as a trace over fake tensors found them (``_check_blocks``); None before the first trace."""
+    return list(costs.model.blocks) if costs.model.precisions or costs.low_only else None
 
 
 def _check_blocks(costs: Costs, traced_blocks: list[str]) -> None:

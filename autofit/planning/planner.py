@@ -181,8 +181,11 @@ def plan_with_report(
     if gpus > 1:
         return _plan_ranks(spec, world_size=gpus, budget=budget, batch_size=batch_size, study=study, **arguments)
     context = plan_context(spec, budget=budget, batch_size=batch_size, study=study, **arguments)
-    with _threads(context):
-        return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=allow_lossy_optimizer))
+    try:
+        with _threads(context):
+            return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=allow_lossy_optimizer))
+    finally:
+        context.trace_pool.close()
 
 
 @contextmanager
@@ -350,24 +353,29 @@ def _plan_ranks(spec: ModelSpec, *, world_size: int, budget: str | int, batch_si
         f"{world_size} GPUs: each rank trains {share} of the {batch_size} samples per step; DDP first, keeping "
         f"{format_bytes(allowance)} (one gradient size) for its gradient buckets"
     )
-    costs = None
-    if rank.budget_bytes > allowance:
-        ddp = plan_context(spec, budget=rank.budget_bytes - allowance, batch_size=share, study=study, **arguments)
-        costs = _memory(ddp)
-        try:
-            with _threads(ddp):
-                report = _plan_one_process(ddp, costs)
-        except InfeasibleBudget:
-            # The memory model does not depend on the budget: FSDP2 reuses the one DDP's attempt traced.
-            rank.log("DDP does not fit: every rank would hold the whole model's state; sharding it with FSDP2")
-        else:
-            report = restate_for_ddp(
-                report, budget_bytes=rank.budget_bytes, allowance=allowance, world_size=world_size, global_batch_size=batch_size
-            )
-            report.seconds = time.perf_counter() - started
-            return report
-    with _threads(rank):
-        report = plan_fsdp(rank, costs or stored_or_new(rank), world_size=world_size, global_batch_size=batch_size)
+    costs, contexts = None, [rank]
+    try:
+        if rank.budget_bytes > allowance:
+            ddp = plan_context(spec, budget=rank.budget_bytes - allowance, batch_size=share, study=study, **arguments)
+            contexts.append(ddp)
+            costs = _memory(ddp)
+            try:
+                with _threads(ddp):
+                    report = _plan_one_process(ddp, costs)
+            except InfeasibleBudget:
+                # The memory model does not depend on the budget: FSDP2 reuses the one DDP's attempt traced.
+                rank.log("DDP does not fit: every rank would hold the whole model's state; sharding it with FSDP2")
+            else:
+                report = restate_for_ddp(
+                    report, budget_bytes=rank.budget_bytes, allowance=allowance, world_size=world_size, global_batch_size=batch_size
+                )
+                report.seconds = time.perf_counter() - started
+                return report
+        with _threads(rank):
+            report = plan_fsdp(rank, costs or stored_or_new(rank), world_size=world_size, global_batch_size=batch_size)
+    finally:
+        for context in contexts:
+            context.trace_pool.close()
     report.seconds = time.perf_counter() - started
     return report
 
