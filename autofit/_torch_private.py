@@ -49,6 +49,11 @@ def without_dispatch_modes():
     return _disable_current_modes()
 
 
+def modes_active() -> bool:
+    """Whether any torch function mode (``torch.device(...)`` as a context) or dispatch mode (fake tensors, a tracker) is on."""
+    return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
 FAKE_TENSOR_LIMITS = (
     DataDependentOutputException,  # .item(), a Python branch on a tensor's value
     DynamicOutputShapeException,  # nonzero, masked_select: the output's shape depends on values

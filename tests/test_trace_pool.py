@@ -42,10 +42,15 @@ FRESH_PROCESS = textwrap.dedent("""
     pooled = trace_memory_sizes(spec, sizes=[4, 2], precision="bf16", pool=pool)
     in_pool = len(here)
     pool.close()
+    # A whole plan: its pool starts before its first backward pass, and every traced run goes to the workers.
+    from autofit.planning.planner import plan_with_report
+    report = plan_with_report(spec, budget="1GB", batch_size=4, simulate=True, cache=False)
+    in_plan = len(here) - in_pool
     alone = trace_memory_sizes(spec, sizes=[4, 2], precision="bf16")
     print(json.dumps({
-        "workers": workers, "runs_here_with_pool": in_pool, "runs_alone": len(here) - in_pool,
+        "workers": workers, "runs_here_with_pool": in_pool, "runs_here_in_plan": in_plan, "runs_alone": len(here) - in_pool - in_plan,
         "same": [t.to_dict() for t in pooled] == [t.to_dict() for t in alone],
+        "traced_in_plan": list(report.cost_model["precisions"]),
     }))
 """)
 
@@ -60,6 +65,18 @@ def test_a_fresh_process_traces_in_its_workers_and_gets_the_same_traces():
     # Alone: plain and all-checkpointed (and all-selective where it frees bytes) at two sizes; with the pool none here.
     assert result["runs_alone"] >= 4
     assert result["runs_here_with_pool"] == 0
+    assert result["traced_in_plan"] and result["runs_here_in_plan"] == 0
+
+
+def test_no_pool_inside_a_torch_mode(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "2")
+    monkeypatch.setattr(trace_pool, "_broken", False)
+    pool = TracePool()
+    with torch.device("meta"):  # a worker would keep it on for good: every tensor it made would be meta
+        pool.start(layout_specs()["lm"])
+    assert pool.workers == 0
 
 
 def test_workers_forked_after_a_backward_pass_give_their_runs_back(monkeypatch):
@@ -92,4 +109,4 @@ def test_one_worker_or_none_means_no_pool(monkeypatch, setting):
     pool = TracePool()
     pool.start(layout_specs()["lm"])
     assert pool.workers == 0
-    assert pool.submit(layout_specs()["lm"], {}) is None
+    assert pool.submit(len, layout_specs()["lm"]) is None

@@ -18,12 +18,13 @@ from autofit.measure.meters import simulated_meter
 from autofit.model_io import call_model
 from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
 from autofit.planning.cost_model import SpeedCosts
+from autofit.planning.trace_pool import call
 from autofit.spec import ModelSpec
 from strategies import checkpoint_candidates, selective_saves
 
 
 def flop_speed_costs(
-    spec: ModelSpec, *, precisions: list[str], sizes: list[int], device_type: str, device_name: str
+    spec: ModelSpec, *, precisions: list[str], sizes: list[int], device_type: str, device_name: str, pool=None,
 ) -> dict[str, SpeedCosts]:
     """Times estimated from FLOPs (``--simulate``): nothing runs on the device.
 
@@ -36,8 +37,17 @@ def flop_speed_costs(
     optimizer step reads and writes its state at an assumed memory bandwidth.
     """
     size = max(sizes)
-    profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
     cpu = None if device_type == "cuda" else _cpu_throughput()
+    flops_per_s, share_bytes_per_s = roofline_rates(device_type, device_name, cpu=cpu)
+    # Each precision's shares in the pool's workers (``pool``) while this process counts the FLOPs.
+    shares = {
+        name: call(
+            pool, _simulated_selective_shares, spec,
+            micro_batch_size=min(sizes), precision=name, flops_per_s=flops_per_s[name], bytes_per_s=share_bytes_per_s,
+        )
+        for name in precisions
+    }
+    profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
     flops = _forward_flops(spec, size)
     total_flops = max(sum(flops.values()), 1)
     param_bytes = _parameter_bytes(spec)
@@ -60,7 +70,6 @@ def flop_speed_costs(
             forward.append(seconds + launch_s)
             step.append(3 * (seconds + launch_s))
             per_block.append([p.forward_flops / total_flops * seconds for p in profiles])  # each block's share of the forward
-        flops_per_s, share_bytes_per_s = roofline_rates(device_type, device_name, cpu=cpu)
         results[name] = SpeedCosts(
             sizes=list(sizes),
             step_seconds=step,
@@ -69,9 +78,7 @@ def flop_speed_costs(
             optimizer_seconds=4 * param_bytes / bytes_per_s,
             note=note,
             # The policy's saved ops (their FLOPs) are not recomputed: the rest, mostly bytes moved, is.
-            selective_shares=_simulated_selective_shares(
-                spec, micro_batch_size=min(sizes), precision=name, flops_per_s=flops_per_s[name], bytes_per_s=share_bytes_per_s,
-            ),
+            selective_shares=shares[name](),
         )
     return results
 

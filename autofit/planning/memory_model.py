@@ -36,6 +36,7 @@ from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import SimulatedMeter, simulated_meter
 from autofit.measure.probe import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
+from autofit.planning.trace_pool import call
 from autofit.spec import ModelSpec
 from autofit.training.step import train_step
 from strategies import checkpoint_candidates, selective_saves
@@ -181,24 +182,18 @@ def trace_memory_sizes(
     soon as its plain run shows that selective checkpointing frees something.
     Without a pool the same runs go one after another in this process.
     """
-    def start(size: int, mode: str) -> tuple:
-        kwargs = dict(micro_batch_size=size, precision=precision, device_type=device_type, mode=mode, blocks=blocks)
-        return (pool.submit(spec, kwargs) if pool is not None else None), kwargs
-
-    def result(pending: tuple) -> _RawTrace:
-        future, kwargs = pending
-        raw = pool.result(future) if future is not None else None
-        return raw if raw is not None else run_trace(spec, **kwargs)
+    def start(size: int, mode: str):
+        return call(pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode=mode, blocks=blocks)
 
     plain: dict[int, object] = {}
     if blocks is None:
-        first = result(start(sizes[0], "none"))
+        first = start(sizes[0], "none")()
         blocks, plain[sizes[0]] = first.names, first
     plain.update({size: start(size, "none") for size in sizes if size not in plain})
     full = {size: start(size, "full") for size in sizes} if blocks else {}
     selective = {}
     for size in sizes:
-        plain[size] = plain[size] if isinstance(plain[size], _RawTrace) else result(plain[size])
+        plain[size] = plain[size] if isinstance(plain[size], _RawTrace) else plain[size]()
         if blocks and any(b > 0 for b in plain[size].selective_drop_bytes):
             selective[size] = start(size, "selective")
     traces = []
@@ -208,7 +203,7 @@ def trace_memory_sizes(
         selective_drops = raw.selective_drop_bytes if size in selective else []
         for mode, drops, pending in (("full", raw.drop_bytes, full.get(size)), ("selective", selective_drops, selective.get(size))):
             if pending is not None:
-                recomputed = result(pending)
+                recomputed = pending()
                 segments += _recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
         traces.append(MemoryTrace(
             micro_batch_size=size,

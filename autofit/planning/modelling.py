@@ -119,8 +119,9 @@ def stored_or_new(context: PlanContext) -> Costs:
             )
             return costs
     G = context.global_batch_size
+    spec = context.sim_spec  # made (and the trace workers forked) outside the meta device
     with torch.device("meta"):
-        blocks = checkpoint_candidates(context.sim_spec.build_model())
+        blocks = checkpoint_candidates(spec.build_model())
     smallest = smallest_runnable(context)
     model = CostModel(blocks=blocks, global_batch_size=G, device_type=context.device, estimated=context.simulate)
     return Costs(model=model, micro_batch_sizes=micro_batch_sizes(G, smallest=smallest))
@@ -289,7 +290,8 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
         if context.simulate:
             context.log(f"speed: estimating from FLOPs at micro-batch {', '.join(map(str, sizes))}")
             speeds = flop_speed_costs(
-                context.sim_spec, precisions=wanted, sizes=sizes, device_type=context.device, device_name=context.info.name
+                context.sim_spec, precisions=wanted, sizes=sizes, device_type=context.device, device_name=context.info.name,
+                pool=context.trace_pool,
             )
         else:
             context.log(f"speed: timing {', '.join(wanted)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")

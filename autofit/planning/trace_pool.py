@@ -1,4 +1,4 @@
-"""Worker processes for the memory model's traced runs: one plan's runs at once on the machine's cores.
+"""Worker processes for the planner's runs over fake tensors: one plan's runs at once on the machine's cores.
 
 A traced run (``memory_model.run_trace``) is Python over fake tensors: one core
 each, and a plan makes up to nine per precision (three micro-batch sizes,
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import torch
 
+from autofit._torch_private import modes_active
 from autofit.spec import ModelSpec
 
 MAX_WORKERS = 8
@@ -53,7 +55,8 @@ def trace_workers() -> int:
 
 
 class TracePool:
-    """Forked workers that run ``memory_model.run_trace`` for one spec, once ``start`` has forked them.
+    """Forked workers that run calls over one spec (``memory_model.run_trace``, ``flop_speed``'s estimates),
+    once ``start`` has forked them.
 
     Until then, and after ``close``, ``submit`` hands nothing out: the caller runs in its own process.
     """
@@ -64,10 +67,12 @@ class TracePool:
         self._executor: ProcessPoolExecutor | None = None
 
     def start(self, spec: ModelSpec) -> None:
-        """Fork ``trace_workers`` workers for ``spec`` (none where that is fewer than two); before any backward pass here."""
+        """Fork ``trace_workers`` workers for ``spec`` (none where that is fewer than two, or while a torch mode is on);
+        before any backward pass over fake tensors here."""
         global _spec
         workers = trace_workers()
-        if workers < 2 or self._executor is not None:
+        # A worker keeps the modes on at the fork for good (inside ``torch.device("meta")`` every tensor would be meta).
+        if workers < 2 or self._executor is not None or modes_active():
             return
         _spec = spec
         try:
@@ -80,18 +85,21 @@ class TracePool:
             return
         self.spec, self.workers = spec, workers
 
-    def submit(self, spec: ModelSpec, kwargs: dict) -> Future | None:
-        """A run of ``run_trace(spec, **kwargs)`` in a worker; None when there is none for ``spec`` (then run it here)."""
+    def submit(self, function, spec: ModelSpec, **kwargs) -> Future | None:
+        """``function(spec, **kwargs)`` in a worker; None when there is none for ``spec`` (then call it here).
+
+        ``function`` is a module's function (it goes to the worker by name); ``kwargs`` and its result must pickle.
+        """
         if self._executor is None or spec is not self.spec:
             return None
         try:
-            return self._executor.submit(_run, kwargs)
+            return self._executor.submit(_run, function, kwargs)
         except RuntimeError:  # the executor broke (a worker died): the rest go here
             self.close()
             return None
 
     def result(self, future: Future):
-        """The run's trace, or None where the worker could not make it (then make it here: the same run's
+        """The call's result, or None where the worker could not make it (then call it here: the same
         result or its error). A worker that cannot run backward stops the pool for the rest of this process."""
         global _broken
         try:
@@ -123,9 +131,19 @@ def _start_worker() -> None:
         _worker_fails = str(error)
 
 
-def _run(kwargs: dict):
-    from autofit.planning.memory_model import run_trace
-
+def _run(function, kwargs: dict):
     if _worker_fails is not None:
         raise WorkerCannotTrace(_worker_fails)
-    return run_trace(_spec, **kwargs)
+    return function(_spec, **kwargs)
+
+
+def call(pool: TracePool | None, function, spec: ModelSpec, **kwargs) -> Callable[[], object]:
+    """``function(spec, **kwargs)`` started in ``pool``'s workers where it has them: a function that returns its
+    result (made here, in this process, where no worker made it)."""
+    future = pool.submit(function, spec, **kwargs) if pool is not None else None
+
+    def result():
+        done = pool.result(future) if future is not None else None
+        return done if done is not None else function(spec, **kwargs)
+
+    return result
