@@ -39,7 +39,8 @@ def flop_speed_costs(
     size = max(sizes)
     cpu = None if device_type == "cuda" else _cpu_throughput()
     flops_per_s, share_bytes_per_s = roofline_rates(device_type, device_name, cpu=cpu)
-    # Each precision's shares in the pool's workers (``pool``) while this process counts the FLOPs.
+    # The blocks' profile and each precision's shares in the pool's workers (``pool``) while this process counts the FLOPs.
+    profiles = call(pool, profile_blocks, spec, micro_batch_size=size, simulate=True)
     shares = {
         name: call(
             pool, _simulated_selective_shares, spec,
@@ -47,8 +48,8 @@ def flop_speed_costs(
         )
         for name in precisions
     }
-    profiles = profile_blocks(spec, micro_batch_size=size, simulate=True)
     flops = _forward_flops(spec, size)
+    profiles = profiles()
     total_flops = max(sum(flops.values()), 1)
     param_bytes = _parameter_bytes(spec)
     results = {}

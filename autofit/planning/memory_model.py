@@ -176,16 +176,19 @@ def trace_memory_sizes(
 ) -> list[MemoryTrace]:
     """``trace_memory`` at each size; with a started ``trace_pool.TracePool`` of ``spec``, its runs at once in its workers.
 
-    The checkpoint candidates come from the first plain run unless ``blocks``
-    (a trace's ``blocks``) already names them; then every plain and
-    all-checkpointed run is handed out at once, and each all-selective run as
-    soon as its plain run shows that selective checkpointing frees something.
-    Without a pool the same runs go one after another in this process.
+    The checkpoint candidates are ``blocks`` (a trace's ``blocks``), else a
+    forward finds them (``traced_candidates``; without a pool, the first plain
+    run); then every plain and all-checkpointed run is handed out at once, and
+    each all-selective run as soon as its plain run shows that selective
+    checkpointing frees something. Without a pool the same runs go one after
+    another in this process.
     """
     def start(size: int, mode: str):
         return call(pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode=mode, blocks=blocks)
 
     plain: dict[int, object] = {}
+    if blocks is None and pool is not None and pool.spec is spec:
+        blocks = traced_candidates(spec, micro_batch_size=sizes[0], device_type=device_type)  # a forward, not a run
     if blocks is None:
         first = start(sizes[0], "none")()
         blocks, plain[sizes[0]] = first.names, first
@@ -216,6 +219,17 @@ def trace_memory_sizes(
             selective_drop_bytes=selective_drops,
         ))
     return traces
+
+
+def traced_candidates(spec: ModelSpec, *, micro_batch_size: int, device_type: str = "cpu") -> list[str]:
+    """The checkpoint candidates a traced run finds (one forward over fake tensors of a micro-batch)."""
+    meter = simulated_meter(spec, for_device=device_type)
+    torch.manual_seed(0)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        inputs, _ = spec.example_batch(2 * micro_batch_size)
+        return checkpoint_candidates(model, example_inputs=inputs)
 
 
 @dataclass(slots=True)
