@@ -206,6 +206,14 @@ def _timing_lines(report) -> list[str]:
         if timing.get("within_noise"):
             others = "; ".join(_config_text(key) for key in timing["within_noise"])
             lines.append(f"              as fast within that noise: {others} (the simpler configuration is chosen)")
+        # Beyond the tie (at most 5%) but within the noise reported: a quiet machine could rank these first.
+        close = {
+            key: behind for key, behind in timing.get("behind", {}).items()
+            if key not in timing.get("within_noise", []) and 0 < behind <= timing["noise"]
+        }
+        if close and timing["rounds"] > 1:
+            others = "; ".join(f"{_config_text(key)} ({behind:.1%} slower)" for key, behind in sorted(close.items(), key=lambda kv: kv[1]))
+            lines.append(f"              slower, but within that noise: {others}")
     if report.threads_note:
         lines.append(f"  threads     {report.threads_note}")
     return lines

@@ -22,6 +22,10 @@ MIN_ROUNDS = 2
 """Timed rounds before any decision: one disturbed step can never decide alone."""
 MAX_ROUNDS = 4
 """Rounds at most while a comparison stays within the noise (then it is a tie, or the faster minimum wins)."""
+MAX_NOISY_ROUNDS = 8
+"""Rounds at most when the fastest rounds repeat worse than MAX_TIE (a busy machine): more rounds bring each
+minimum nearer a quiet machine's, so the faster minimum wins on speed rather than on which rounds other work
+disturbed (``Race.noisy``)."""
 TIE = 0.03
 """Speeds this close are a tie even on a quiet machine."""
 MAX_TIE = 0.05
@@ -157,6 +161,25 @@ class Race:
     def settled(self, samples: dict[Hashable, Samples]) -> bool:
         standing = self.standing(samples)
         return all(standing[k] != "unsure" for k in self.running(samples))
+
+    def done(self, samples: dict[Hashable, Samples], *, may_go_on: bool = True) -> bool:
+        """``settled``, or MAX_ROUNDS rounds timed and not ``noisy`` (a noisy race goes on to MAX_NOISY_ROUNDS
+        where ``may_go_on``: the caller's time allows it)."""
+        if self.settled(samples):
+            return True
+        running = self.running(samples)
+        rounds = min((len(samples[k].seconds) for k in running), default=MAX_NOISY_ROUNDS)
+        return rounds >= MAX_ROUNDS and not (may_go_on and self.noisy(samples))
+
+    def noisy(self, samples: dict[Hashable, Samples]) -> bool:
+        """Whether the contenders still timed repeat their fastest rounds worse than MAX_TIE (median spread)."""
+        spreads = sorted(samples[k].spread for k in self.running(samples) if len(samples[k].seconds) >= 2)
+        return bool(spreads) and spreads[len(spreads) // 2] > MAX_TIE
+
+    def behind(self, samples: dict[Hashable, Samples]) -> dict[Hashable, float]:
+        """Each contender's fastest round over the chosen one's, less 1 (0.08: 8% slower; negative: faster)."""
+        chosen = samples[self.chosen(samples)].best
+        return {k: samples[k].best / max(chosen, 1e-12) - 1.0 for k in self.contenders}
 
     def within_noise(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
         """The leader and every contender it does not clearly beat: within the tie, or within the

@@ -15,6 +15,7 @@ the model only scales to), or within ``DECIDED_MARGIN`` of the usable bytes.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from autofit.planning.cost_model import CostModel
 from autofit.planning.speed_timing import StepTimer
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
 from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_for
-from autofit.planning.timing import MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
+from autofit.planning.timing import MAX_NOISY_ROUNDS, MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
 from autofit.units import format_bytes
 from strategies import PRECISIONS
 
@@ -257,6 +258,7 @@ class Measurements:
             "noise": spreads[len(spreads) // 2] if spreads else 0.0,
             "worst_noise": spreads[-1] if spreads else 0.0,
             "within_noise": [k for k in tied if k != chosen],
+            "behind": {k: v for k, v in race.behind(samples).items() if k != chosen},
             "fastest": leader,
             "reused": all(self.timings[k]["session"] != self.session for k in keys),
         }
@@ -300,10 +302,19 @@ class Measurements:
             reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < MIN_ROUNDS]
             return race.running(current) + reference
 
+        started = time.perf_counter()
+        before = started - self.context.started
+
+        def settled(current: dict[str, Samples]) -> bool:
+            # Past MAX_ROUNDS only a noisy race goes on, while it has taken less than half the plan before it.
+            return race.done(current, may_go_on=time.perf_counter() - started < 0.5 * before)
+
         try:
             # One candidate has nothing to be compared with: one round gives its speed (and the ratio's).
             rounds = MIN_ROUNDS if len(race.contenders) > 1 else 1
-            samples = interleaved_rounds({k: measure(k) for k in keys}, settled=race.settled, active=active, min_rounds=rounds)
+            samples = interleaved_rounds(
+                {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds, max_rounds=MAX_NOISY_ROUNDS,
+            )
         finally:
             for timer in timers.values():
                 timer.close()

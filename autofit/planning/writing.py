@@ -53,7 +53,8 @@ class PlanReport:
     timing: dict = field(default_factory=dict)
     """The verification's timing: "rounds", "noise" and "worst_noise" (how well the candidates' fastest rounds
     repeated, the median and the largest: 0.05 is 5%),
-    "within_noise" (configurations as fast as the chosen one within the noise), "reused" (from a stored run)."""
+    "within_noise" (configurations as fast as the chosen one within the noise), "behind" (each other contender:
+    how much slower its fastest round was than the chosen one's), "reused" (from a stored run)."""
     speed_noise: float = 0.0
     """The largest spread of the speed model's timings (0 when estimated)."""
     threads_note: str = ""
