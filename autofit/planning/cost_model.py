@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from autofit.planning.memory_model import MemoryTrace, Segment, peak_of, trace_memory_sizes
+from autofit.planning.memory_model import MemoryTrace, Segment, add_recomputes, peak_of, trace_memory_sizes
 from autofit.spec import ModelSpec
 from strategies import BatchSplitConfig
 
@@ -29,6 +29,9 @@ class MemoryCosts:
     high: MemoryTrace
     middle: MemoryTrace | None = None
     """A trace at 2 samples when ``low`` is at 1 (see ``memory_costs``): sizes from 2 up lie on the line through it and ``high``."""
+    floor: MemoryTrace | None = None
+    """Where the traces hold plain training only (not ``recomputed``): the whole trace at ``low``'s size, with its
+    recomputations (the floor's), so that checkpointed peaks at that one size stay known."""
 
     def at(self, micro_batch_size: int, *, global_batch_size: int) -> tuple[list[Segment], list[float]]:
         """The segments that bound the peak at this size, and each block's dropped bytes.
@@ -92,8 +95,28 @@ class MemoryCosts:
             value += (global_batch_size - 2 * size) * self.high.host_sample_bytes
         return value
 
+    @property
+    def recomputed(self) -> bool:
+        """Whether every trace holds its recomputations: else only plain training's peaks are known."""
+        return all(t.recomputed for t in self._traces())
+
+    def with_checkpointing(self, micro_batch_size: int) -> MemoryCosts | None:
+        """Memory costs that know checkpointed peaks at this size: these, or at the ``floor``'s size its trace alone;
+        None where only plain training's peaks are known."""
+        if self.recomputed:
+            return self
+        if self.floor is not None and micro_batch_size == self.floor.micro_batch_size:
+            return MemoryCosts(low=self.floor, high=self.floor)
+        return None
+
     def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
         """The peak with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices)."""
+        if checkpoint or selective:
+            known = self.with_checkpointing(micro_batch_size)
+            if known is None:
+                raise ValueError(f"checkpointed peaks at micro-batch {micro_batch_size} need the traces' recomputations (complete_memory)")
+            if known is not self:
+                return known.peak_bytes(micro_batch_size, global_batch_size=global_batch_size, checkpoint=checkpoint, selective=selective)
         segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
         selective_drops = self.selective_drops(micro_batch_size) if selective else None
         return peak_of(segments, drops, checkpoint, selective_drops=selective_drops, selective=selective)
@@ -222,6 +245,7 @@ class CostModel:
                     low=_trace_from_dict(memory["low"]),
                     high=_trace_from_dict(memory["high"]),
                     middle=_trace_from_dict(middle) if middle else None,
+                    floor=_trace_from_dict(memory["floor"]) if memory.get("floor") else None,
                 ),
                 speed=SpeedCosts(**costs["speed"]),
             )
@@ -237,7 +261,7 @@ def _trace_from_dict(data: dict) -> MemoryTrace:
 
 def memory_costs(
     spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None,
-    blocks: list[str] | None = None, pool=None,
+    blocks: list[str] | None = None, pool=None, recompute: bool = True,
 ) -> MemoryCosts:
     """Trace one precision at the smallest and the largest micro-batch size (simulated: no arithmetic).
 
@@ -253,15 +277,53 @@ def memory_costs(
         low_trace: an existing trace at ``low`` for this precision, to reuse.
         blocks: the checkpoint candidates another trace of this model found (None: the first run finds them).
         pool: a ``trace_pool.TracePool`` whose workers run the traces at once.
+        recompute: also the all-checkpointed and all-selective runs; without them only plain training's peaks
+            are known, until ``complete_memory`` adds them.
     """
+    floor = None
+    if low_trace is not None and not recompute:
+        floor, low_trace = low_trace, _plain_part(low_trace)
     if high == low:
-        low_trace = low_trace or trace_memory_sizes(spec, sizes=[low], precision=precision, device_type=device_type, blocks=blocks, pool=pool)[0]
-        return MemoryCosts(low=low_trace, high=low_trace)
+        low_trace = low_trace or trace_memory_sizes(
+            spec, sizes=[low], precision=precision, device_type=device_type, blocks=blocks, pool=pool, recompute=recompute,
+        )[0]
+        return MemoryCosts(low=floor or low_trace, high=floor or low_trace)
     sizes = [high] + ([2] if low == 1 and high > 2 else []) + ([] if low_trace else [low])
     traces = dict(zip(sizes, trace_memory_sizes(
         spec, sizes=sizes, precision=precision, device_type=device_type, blocks=low_trace.blocks if low_trace else blocks, pool=pool,
+        recompute=recompute,
     )))
-    low_trace, high_trace, middle_trace = low_trace or traces[low], traces[high], traces.get(2) if low == 1 and high > 2 else None
+    memory = _assembled(low_trace or traces[low], traces.get(2) if low == 1 and high > 2 else None, traces[high])
+    return replace(memory, floor=floor) if not memory.recomputed else memory
+
+
+def complete_memory(spec: ModelSpec, memory: MemoryCosts, *, precision: str, device_type: str, pool=None) -> MemoryCosts:
+    """``memory`` with the recomputations its traces were made without (``memory_costs``' ``recompute``)."""
+    if memory.recomputed:
+        return memory
+    own = {t.micro_batch_size: t for t in (memory.low, memory.middle, memory.high) if t is not None and not t.scaled}
+    if memory.floor is not None and memory.floor.micro_batch_size in own:
+        # The whole trace the low one was cut from (``_plain_part``), selective left out where ``_assembled`` left it out.
+        own[memory.floor.micro_batch_size] = memory.floor if memory.low.selective_drop_bytes else _without_selective(memory.floor)
+    done = dict(zip(own, add_recomputes(spec, list(own.values()), precision=precision, device_type=device_type, pool=pool)))
+    high = done[memory.high.micro_batch_size]
+    if memory.low.micro_batch_size == memory.high.micro_batch_size:
+        return MemoryCosts(low=high, high=high)
+
+    def again(trace: MemoryTrace | None) -> MemoryTrace | None:  # a scaled trace is scaled again from the whole high one
+        if trace is None:
+            return None
+        return _scaled(high, trace.micro_batch_size) if trace.scaled else done.get(trace.micro_batch_size, trace)
+
+    return _assembled(again(memory.low), again(memory.middle), high)
+
+
+def _plain_part(trace: MemoryTrace) -> MemoryTrace:
+    """``trace`` without its recomputations, as if traced without them."""
+    return replace(trace, segments=[s for s in trace.segments if s.recomputes is None], recomputed=False)
+
+
+def _assembled(low_trace: MemoryTrace, middle_trace: MemoryTrace | None, high_trace: MemoryTrace) -> MemoryCosts:
     traced = [t for t in (low_trace, middle_trace, high_trace) if t is not None]
     if len({bool(t.selective_drop_bytes) for t in traced}) > 1:
         # Selective checkpointing frees bytes at some sizes only (it is left out of a trace where it frees
@@ -299,6 +361,8 @@ def _scaled(trace: MemoryTrace, micro_batch_size: int) -> MemoryTrace:
         prefix_shaped=trace.prefix_shaped,
         output_shape=trace.output_shape,
         selective_drop_bytes=[int(b * ratio) for b in trace.selective_drop_bytes],
+        recomputed=trace.recomputed,
+        scaled=True,
     )
 
 

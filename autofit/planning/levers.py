@@ -241,7 +241,8 @@ def _report(
     """The plan of the chosen lever candidate: measured to fit, timed where the device runs, its levers named."""
     config, model = chosen.candidate.config, costs.model
     precision_notes = add_speeds(context, costs)  # only what the costs do not hold yet
-    if config.precision not in model.precisions:
+    known = model.precisions.get(config.precision)
+    if known is None or known.memory.with_checkpointing(config.micro_batch_size) is None:
         # Only the floor's trace (at the smallest micro-batch, the floor's) was needed: it predicts this configuration.
         memory = costs.memory_for_floor()[config.precision]
         speed = costs.speeds[config.precision]

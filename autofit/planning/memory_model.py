@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -111,6 +111,11 @@ class MemoryTrace:
     """Bytes each block's selective checkpointing frees between its forward and its backward (0 or less where it
     keeps as much as plain training); empty when it frees nothing in any block (then it is never worth choosing,
     and no selective trace was made)."""
+    recomputed: bool = True
+    """Whether the all-checkpointed and all-selective runs were traced: without them (``trace_memory_sizes``'
+    ``recompute``) the segments are plain training's only, and say nothing of a checkpointed block's backward."""
+    scaled: bool = False
+    """A larger trace scaled down to this size (``cost_model._scaled``), not a trace of its own."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +177,7 @@ def trace_memory(
 
 def trace_memory_sizes(
     spec: ModelSpec, *, sizes: list[int], precision: str, device_type: str = "cpu", blocks: list[str] | None = None,
-    pool=None,
+    pool=None, recompute: bool = True,
 ) -> list[MemoryTrace]:
     """``trace_memory`` at each size; with a started ``trace_pool.TracePool`` of ``spec``, its runs at once in its workers.
 
@@ -181,7 +186,8 @@ def trace_memory_sizes(
     run); then every plain and all-checkpointed run is handed out at once, and
     each all-selective run as soon as its plain run shows that selective
     checkpointing frees something. Without a pool the same runs go one after
-    another in this process.
+    another in this process. Without ``recompute``, only the plain runs
+    (``add_recomputes`` adds the others when they are needed).
     """
     def start(size: int, mode: str):
         return call(pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode=mode, blocks=blocks)
@@ -193,17 +199,19 @@ def trace_memory_sizes(
         first = start(sizes[0], "none")()
         blocks, plain[sizes[0]] = first.names, first
     plain.update({size: start(size, "none") for size in sizes if size not in plain})
-    full = {size: start(size, "full") for size in sizes} if blocks else {}
-    selective = {}
+    full = {size: start(size, "full") for size in sizes} if blocks and recompute else {}
+    selective, frees = {}, set()
     for size in sizes:
         plain[size] = plain[size] if isinstance(plain[size], _RawTrace) else plain[size]()
         if blocks and any(b > 0 for b in plain[size].selective_drop_bytes):
-            selective[size] = start(size, "selective")
+            frees.add(size)
+            if recompute:
+                selective[size] = start(size, "selective")
     traces = []
     for size in sizes:
         raw = plain[size]
         segments, prefix_shaped = _segments(raw.marks, raw.peaks, raw.drop_bytes)
-        selective_drops = raw.selective_drop_bytes if size in selective else []
+        selective_drops = raw.selective_drop_bytes if size in frees else []
         for mode, drops, pending in (("full", raw.drop_bytes, full.get(size)), ("selective", selective_drops, selective.get(size))):
             if pending is not None:
                 recomputed = pending()
@@ -217,8 +225,38 @@ def trace_memory_sizes(
             host_sample_bytes=raw.host_bytes // (2 * size),
             output_shape=raw.output_shape,
             selective_drop_bytes=selective_drops,
+            recomputed=recompute or not blocks,
         ))
     return traces
+
+
+def add_recomputes(
+    spec: ModelSpec, traces: list[MemoryTrace], *, precision: str, device_type: str = "cpu", pool=None,
+) -> list[MemoryTrace]:
+    """``traces`` (made without ``recompute``) with their all-checkpointed and all-selective runs' segments added:
+    what ``trace_memory_sizes`` would have made. Traces already recomputed come back as they are."""
+    pending = []
+    for trace in traces:
+        runs = []
+        if not trace.recomputed:
+            for mode, drops in (("full", trace.drop_bytes), ("selective", trace.selective_drop_bytes)):
+                if drops:
+                    runs.append((mode, drops, call(
+                        pool, run_trace, spec, micro_batch_size=trace.micro_batch_size, precision=precision,
+                        device_type=device_type, mode=mode, blocks=trace.blocks,
+                    )))
+        pending.append(runs)
+    completed = []
+    for trace, runs in zip(traces, pending):
+        if trace.recomputed:
+            completed.append(trace)
+            continue
+        segments = list(trace.segments)
+        for mode, drops, result in runs:
+            recomputed = result()
+            segments += _recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
+        completed.append(replace(trace, segments=segments, recomputed=True))
+    return completed
 
 
 def traced_candidates(spec: ModelSpec, *, micro_batch_size: int, device_type: str = "cpu") -> list[str]:

@@ -34,7 +34,7 @@ from autofit.errors import UserError
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
-from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, memory_costs
+from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs
 from autofit.planning.flop_speed import flop_speed_costs
 from autofit.planning.speed_timing import time_precisions
 from autofit.planning.memory_model import trace_memory_sizes
@@ -79,8 +79,11 @@ class Costs:
         return self.micro_batch_sizes[-1]
 
     def memory_for_floor(self) -> dict[str, MemoryCosts]:
-        """Every precision traced at least at the smallest micro-batch (all the floor needs)."""
-        return {**self.low_only, **{p: c.memory for p, c in self.model.precisions.items()}}
+        """Every precision traced with its recomputations at least at the smallest micro-batch (all the floor needs)."""
+        return {
+            **self.low_only,
+            **{p: c.memory for p, c in self.model.precisions.items() if c.memory.with_checkpointing(self.smallest) is not None},
+        }
 
     def untraced(self, precisions: list[str]) -> list[str]:
         return [p for p in precisions if p not in self.model.precisions]
@@ -164,7 +167,7 @@ def smallest_runnable(context: PlanContext) -> int:
 
 def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
     """Trace a precision at the smallest micro-batch only (what the floor needs)."""
-    if precision in costs.model.precisions or precision in costs.low_only:
+    if precision in costs.memory_for_floor():
         return
     shared = _shared_with(context, costs, precision)
     if shared is not None:
@@ -180,8 +183,12 @@ def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
     costs.changed = True
 
 
-def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
-    """Trace a precision at the smallest micro-batch and at the global batch: its whole memory model."""
+def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute: bool = True) -> None:
+    """Trace a precision at the smallest micro-batch and at the global batch: its whole memory model.
+
+    Without ``recompute``, plain training's runs only (``add_recomputations`` adds the checkpointed ones when
+    the search needs them); the floor's trace at the smallest micro-batch, with them, is kept (``MemoryCosts.floor``).
+    """
     if precision in costs.model.precisions:
         return
     G = context.global_batch_size
@@ -193,7 +200,7 @@ def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
         context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + " (simulated)")
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
-            low_trace=low.low if low else None, blocks=_traced_blocks(costs), pool=context.trace_pool,
+            low_trace=low.low if low else None, blocks=_traced_blocks(costs), pool=context.trace_pool, recompute=recompute,
         )
         _check_blocks(costs, memory.low.blocks)
     costs.low_only.pop(precision, None)
@@ -201,6 +208,34 @@ def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
         costs.model.output_shape = memory.high.output_shape
     costs.model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=costs.speeds[precision])
     costs.changed = True
+
+
+def add_recomputations(context: PlanContext, costs: Costs, precision: str) -> None:
+    """A precision traced without its recomputations (``trace_full``), with them: checkpointed peaks now known."""
+    memory = costs.model.precisions[precision].memory
+    if memory.recomputed:
+        return
+    shared = costs.shared.get(precision)
+    if shared in costs.model.precisions:  # its traces are this one's: complete them once
+        add_recomputations(context, costs, shared)
+        completed = costs.model.precisions[shared].memory
+    else:
+        context.log(f"memory: tracing {precision}'s recomputations (checkpointed blocks; simulated)")
+        completed = complete_memory(context.sim_spec, memory, precision=precision, device_type=context.device, pool=context.trace_pool)
+    for name, costs_of in costs.model.precisions.items():
+        if costs_of.memory is memory or name == precision:
+            costs_of.memory = completed
+    costs.changed = True
+
+
+def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> list[str]:
+    """Precisions traced without recomputations where a point that does not fit as plain training could, if
+    checkpointed, still come within ``within`` of the best that fits (nothing fits: every one)."""
+    best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+    return sorted({
+        e.precision for e in evaluations
+        if not e.fits and not costs.model.precisions[e.precision].memory.recomputed and e.plain_samples_per_s >= within * best
+    })
 
 
 def _traced_blocks(costs: Costs) -> list[str] | None:

@@ -42,7 +42,8 @@ from autofit.planning.context import PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
 from autofit.planning.levers import Levers, plan_with_levers
 from autofit.planning.modelling import (
-    Costs, add_speeds, best_plain_samples_per_s, save, stored_or_new, trace_full, trace_low, worth_tracing,
+    Costs, add_recomputations, add_speeds, best_plain_samples_per_s, needs_recomputations, save, stored_or_new, trace_full, trace_low,
+    worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
 from autofit.planning.search import Evaluation, score_space
@@ -290,21 +291,39 @@ def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
 
 
 def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> tuple[list[Evaluation], str]:
-    """Trace precisions in full, fastest first, while one could still reach the verification; score them."""
+    """Trace precisions in full, fastest first, while one could still reach the verification; score them.
+
+    Where the memory model has the last word (``Measurements.model_is_exact``), a precision is traced without
+    its recomputations first: checkpointing only slows a point down, so it is worth knowing only for points
+    whose plain speed could still come near the best that fits as plain training (``needs_recomputations``).
+    """
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     usable = measurements.usable_bytes()
+    lazy = measurements.model_is_exact
+    # The verification times candidates within VERIFY_WITHIN of the best predicted (one candidate when simulating).
+    within = 1.0 if context.simulate else VERIFY_WITHIN
     evaluations: list[Evaluation] = []
+
+    def scored() -> list[Evaluation]:
+        with context.phase("search"):
+            found, _ = score_space(
+                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
+                global_batch_size=context.global_batch_size, usable_bytes=usable, study=None, slack=measurements.slack,
+            )
+        return found
+
     for index, precision in enumerate(order):
         best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
         if precision not in costs.model.precisions and index > 0 and not worth_tracing(costs, precision, best_fitting=best):
             continue
         with context.phase("memory"):
-            trace_full(context, costs, precision)
-        with context.phase("search"):
-            evaluations, _ = score_space(
-                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-                global_batch_size=context.global_batch_size, usable_bytes=usable, study=None, slack=measurements.slack,
-            )
+            trace_full(context, costs, precision, recompute=not lazy)
+        evaluations = scored()
+        while needed := needs_recomputations(costs, evaluations, within=within):
+            with context.phase("memory"):
+                for name in needed:
+                    add_recomputations(context, costs, name)
+            evaluations = scored()
     with context.phase("search"):
         # The search kept where the user asked (--study): over every precision traced.
         evaluations, sampler = score_space(

@@ -21,7 +21,7 @@ from autofit.plan_file import Measured, MultiProcess, Plan, Predicted
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.floor import InfeasibleBudget, sharded_floor
 from autofit.planning.headroom import Headroom
-from autofit.planning.modelling import Costs, add_speeds, trace_full
+from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
 from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
 from autofit.planning.search import cheapest_checkpoint
 from autofit.planning.verify import VERIFY_TOP, Measurements
@@ -94,6 +94,7 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
     notes = add_speeds(context, costs)
     for precision in context.precisions:  # every precision is ranked by the FSDP2 estimate: each needs its memory
         trace_full(context, costs, precision)
+        add_recomputations(context, costs, precision)  # with every block checkpointed too (a DDP attempt may have left them out)
     measurements = Measurements(context, host_sample_bytes=costs.host_sample_bytes)
     smallest = Config(precision=context.precisions[0], micro_batch_size=costs.micro_batch_sizes[-1])
     _, single = measurements.exact_peak(smallest)

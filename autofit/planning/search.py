@@ -106,6 +106,14 @@ def cheapest_for(model: CostModel, precision: str, micro_batch_size: int, *, lim
     """``cheapest_checkpoint`` at one (precision, micro-batch) of the cost model, each block none, selective or full
     (selective where the model knows what it frees and costs)."""
     memory = model.precisions[precision].memory
+    known = memory.with_checkpointing(micro_batch_size)
+    if known is None:  # plain training's peaks only, so far (``cost_model.complete_memory``)
+        segments, drops = memory.at(micro_batch_size, global_batch_size=model.global_batch_size)
+        peak = peak_of(segments, drops, frozenset())
+        if peak > limit_bytes:
+            return None
+        return CheckpointChoice(blocks=frozenset(), selective=frozenset(), peak_bytes=peak, recompute_seconds=0.0)
+    memory = known
     segments, drops = memory.at(micro_batch_size, global_batch_size=model.global_batch_size)
     return cheapest_checkpoint(
         segments, drops, model.recompute_seconds(precision, micro_batch_size), limit_bytes=limit_bytes,
