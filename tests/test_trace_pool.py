@@ -3,9 +3,10 @@
 A forked worker cannot run autograd once its parent has run a backward pass
 over fake tensors (one on real CPU tensors does not stop it): the pool is
 checked in a fresh interpreter (a subprocess), where it must do the runs, and
-here after such a pass, where it must give them back.
+with workers that cannot, which must give them back.
 """
 import json
+from dataclasses import asdict
 import os
 import subprocess
 import sys
@@ -79,19 +80,17 @@ def test_no_pool_inside_a_torch_mode(monkeypatch):
     assert pool.workers == 0
 
 
-def test_workers_forked_after_a_backward_pass_give_their_runs_back(monkeypatch):
-    import torch
-
-    from autofit._torch_private import new_fake_mode
-
-    with new_fake_mode():  # a backward over fake tensors starts autograd's device threads: no fork can run autograd after it
-        torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()
+def test_workers_that_cannot_run_autograd_give_their_runs_back(monkeypatch):
+    # A worker forked after this process ran a backward pass over fake tensors finds autograd refusing to run
+    # (``_start_worker``); whether this process has is up to the tests before, so the workers are told here.
     monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "2")
     monkeypatch.setattr(trace_pool, "_broken", False)
+    monkeypatch.setattr(trace_pool, "_worker_fails", "autograd refuses to run in this fork")  # inherited by the fork
     spec = layout_specs()["lm"]
     pool = TracePool()
     pool.start(spec)
     assert pool.workers == 2
+    monkeypatch.setattr(trace_pool, "_worker_fails", None)  # this process can
     try:
         pooled = trace_memory_sizes(spec, sizes=[2], precision="fp32", pool=pool, blocks=None)
     finally:
@@ -110,3 +109,48 @@ def test_one_worker_or_none_means_no_pool(monkeypatch, setting):
     pool.start(layout_specs()["lm"])
     assert pool.workers == 0
     assert pool.submit(len, layout_specs()["lm"]) is None
+
+
+# -- recomputations traced only when checkpointing could matter -------------------------------------------------
+def test_recomputations_added_later_equal_those_traced_at_once(monkeypatch):
+    from autofit.planning.cost_model import complete_memory, memory_costs
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
+    spec = layout_specs()["lm"]
+    floor = trace_memory_sizes(spec, sizes=[1], precision="bf16")[0]
+    whole = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor)
+    plain = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor, recompute=False)
+    assert whole.recomputed and not plain.recomputed and plain.floor is floor
+    # Plain training's peaks are known at every size; checkpointed ones only at the floor's size.
+    assert plain.peak_bytes(5, global_batch_size=8, checkpoint=set()) == whole.peak_bytes(5, global_batch_size=8, checkpoint=set())
+    assert plain.peak_bytes(1, global_batch_size=8, checkpoint={0, 1}) == whole.peak_bytes(1, global_batch_size=8, checkpoint={0, 1})
+    with pytest.raises(ValueError):
+        plain.peak_bytes(5, global_batch_size=8, checkpoint={0})
+    completed = complete_memory(spec, plain, precision="bf16", device_type="cpu")
+    assert asdict(completed) == asdict(whole)
+
+
+def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypatch):
+    import autofit.planning.memory_model as memory_model
+    from autofit.planning.planner import plan_with_report
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
+    runs = []
+    run_trace = memory_model.run_trace
+
+    def counted(spec, **kwargs):
+        runs.append((kwargs["micro_batch_size"], kwargs["mode"]))
+        return run_trace(spec, **kwargs)
+
+    monkeypatch.setattr(memory_model, "run_trace", counted)
+    spec = layout_specs()["lm"]
+    generous = plan_with_report(spec, budget="1GB", batch_size=8, simulate=True, cache=False, precisions=["fp32"])
+    assert generous.plan.checkpoint == []
+    # Recomputing runs at the smallest micro-batch only (the floor's), none at the sizes the search interpolates.
+    assert {size for size, mode in runs if mode != "none"} == {1}
+    assert {size for size, mode in runs if mode == "none"} == {1, 2, 8}
+    peak = generous.plan.predicted.peak_bytes
+    runs.clear()
+    tight = plan_with_report(spec, budget=int(0.8 * peak), batch_size=8, simulate=True, cache=False, precisions=["fp32"])
+    assert tight.plan.checkpoint or tight.plan.selective_checkpoint or tight.plan.micro_batch_size < 8
+    assert {size for size, mode in runs if mode == "full"} >= {2, 8}
