@@ -2,7 +2,8 @@
 
 Memory comes from simulated traces per precision (``memory_model``):
 linear in the micro-batch size, exact in the structure of where blocks free
-and recompute their activations. Time comes from real timings on the device
+and recompute their activations, with the memory levers' terms
+(``lever_memory``) where a configuration asks for them. Time comes from real timings on the device
 (forward, forward+backward and each block's forward at a few micro-batch
 sizes, the optimizer step, and what checkpointing really costs per second of
 recomputed forward, fully and selectively); with ``simulate`` it comes from
@@ -28,6 +29,8 @@ from autofit.measure.blocks import profile_blocks
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
+from autofit.planning.lever_memory import LeverChoice, add_offloaded, lever_peak_bytes
+from autofit.planning.lever_memory import trace_from_dict as lever_trace_from_dict
 from autofit.planning.memory_model import MemoryTrace, Segment, peak_of, trace_memory
 from autofit.planning.timing import MIN_ROUNDS, Samples, compare, interleaved_rounds, noise_of
 from autofit.spec import ModelSpec
@@ -116,11 +119,32 @@ class MemoryCosts:
             value += (global_batch_size - 2 * size) * self.high.host_sample_bytes
         return value
 
-    def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
-        """The peak with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices)."""
+    def peak_bytes(
+        self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int], selective=frozenset(),
+        levers: LeverChoice | None = None,
+    ) -> float:
+        """The peak with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices), and
+        the memory levers of ``levers`` (``lever_memory``; None: none).
+
+        Raises:
+            ValueError: levers asked of traces that hold no lever record (``has_levers``).
+        """
         segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
         selective_drops = self.selective_drops(micro_batch_size) if selective else None
-        return peak_of(segments, drops, checkpoint, selective_drops=selective_drops, selective=selective)
+        if levers is None or levers == LeverChoice():
+            return peak_of(segments, drops, checkpoint, selective_drops=selective_drops, selective=selective)
+        peak = lever_peak_bytes(
+            self, micro_batch_size, global_batch_size=global_batch_size, drops=drops, selective_drops=selective_drops,
+            checkpoint=checkpoint, selective=selective, choice=levers,
+        )
+        if peak is None:
+            raise ValueError("these memory traces hold no lever record: trace again to model the levers")
+        return peak
+
+    def has_levers(self) -> bool:
+        """Whether the traces can model the memory levers (``lever_memory``; traces stored before could not)."""
+        traces = self._traces()
+        return all(t.levers is not None for t in traces) and len({repr(t.levers.structure()) for t in traces}) == 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -191,10 +215,15 @@ class CostModel:
     def micro_sizes(self, micro_batch_size: int) -> list[int]:
         return BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size).sizes()
 
-    def peak_bytes(self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
-        """Peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices)."""
+    def peak_bytes(
+        self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset(), levers: LeverChoice | None = None,
+    ) -> float:
+        """Peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices),
+        and the memory levers of ``levers`` (None: none)."""
         memory = self.precisions[precision].memory
-        raw = memory.peak_bytes(micro_batch_size, global_batch_size=self.global_batch_size, checkpoint=checkpoint, selective=selective)
+        raw = memory.peak_bytes(
+            micro_batch_size, global_batch_size=self.global_batch_size, checkpoint=checkpoint, selective=selective, levers=levers,
+        )
         return raw * self.memory_scale
 
     def recompute_seconds(self, precision: str, micro_batch_size: int) -> list[float]:
@@ -256,11 +285,13 @@ class CostModel:
 def _trace_from_dict(data: dict) -> MemoryTrace:
     fields_ = dict(data)
     fields_["segments"] = [Segment(**s) for s in data["segments"]]
+    fields_["levers"] = lever_trace_from_dict(data.get("levers"))
     return MemoryTrace(**fields_)
 
 
 def memory_costs(
-    spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None
+    spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None,
+    offload: bool = False,
 ) -> MemoryCosts:
     """Trace one precision at the smallest and the largest micro-batch size (simulated: no arithmetic).
 
@@ -274,12 +305,16 @@ def memory_costs(
         low: the smallest micro-batch size planned.
         high: the largest (the global batch).
         low_trace: an existing trace at ``low`` for this precision, to reuse.
+        offload: also trace each size with every block offloaded (``lever_memory.add_offloaded``), so that the
+            model predicts activation offload (a GPU lever: the planner asks for it for a GPU only).
     """
-    def trace(size: int) -> MemoryTrace:
-        return trace_memory(spec, micro_batch_size=size, precision=precision, device_type=device_type)
+    def with_offload(trace: MemoryTrace) -> MemoryTrace:
+        return add_offloaded(trace, spec, precision=precision, device_type=device_type) if offload else trace
 
-    if low_trace is None:
-        low_trace = trace(low)
+    def trace(size: int) -> MemoryTrace:
+        return with_offload(trace_memory(spec, micro_batch_size=size, precision=precision, device_type=device_type))
+
+    low_trace = trace(low) if low_trace is None else with_offload(low_trace)
     if high == low:
         return MemoryCosts(low=low_trace, high=low_trace)
     high_trace = trace(high)
