@@ -99,8 +99,8 @@ class LeverRecorder:
         self.freed_in: dict[tuple[int, int], list] = {}
         """(micro-step, ordinal) -> [the segment position where that storage was freed, whether before anything
         grew there (a block's input its caller drops once the block returns)]."""
-        self.afters_open: bool | None = None
-        """Set in the segment where backward has begun."""
+        self._backward_begun: bool | None = None
+        """Set in the segment where backward begins."""
         self._forward_starts: dict[tuple[int, int], int] = {}
         """(micro-step, block) -> the tracker's clock where the block's forward began."""
         self._policy_outputs: set[int] = set()
@@ -133,7 +133,7 @@ class LeverRecorder:
             return  # parameters (and views of them) and buffers stay where they are
         item = self.items.setdefault((micro, key), {
             "bytes": record.nbytes, "holders": [], "inputs_of": [], "outside": False, "small": False,
-            "policy": id(record) in self._policy_outputs, "ordinal": self._ordinals.get(id(record), (micro, -1))[1],
+            "policy": id(record) in self._policy_outputs, "ordinal": list(self._ordinals.get(id(record), (micro, -1))),
         })
         if block is None:
             item["outside"] = True
@@ -173,11 +173,11 @@ class LeverRecorder:
         self._peak = max(self._peak, level)
         self._grown = True
         backward = in_autograd_backward()
-        if backward and not self._in_backward and self.afters_open is None:
+        if backward and not self._in_backward and self._backward_begun is None:
             # Backward begins: the forward's Python frames and autocast's cache of casts are gone.
-            self.afters_open = True
+            self._backward_begun = True
         self._in_backward = backward
-        if self.afters_open:
+        if self._backward_begun:
             self._after = _higher(self._after, [self.tracker.current_bytes, level])
         else:
             self._rest = _higher(self._rest, [self.tracker.current_bytes, level])
@@ -191,9 +191,9 @@ class LeverRecorder:
         self.openings.append((self.tracker.current_bytes, self.gradient_bytes))
         self.steps.append(self._steps)
         self.rests.append(self._rest)
-        self.afters.append(self._after if self.afters_open else None)
+        self.afters.append(self._after if self._backward_begun else None)
         self._peak = self.tracker.current_bytes - self.gradient_bytes
-        self._steps, self._rest, self._after, self._grown, self.afters_open = [], None, None, False, None
+        self._steps, self._rest, self._after, self._grown, self._backward_begun = [], None, None, False, None
 
 
 def _higher(peaks: list[int] | None, levels: list[int]) -> list[int]:
@@ -231,7 +231,8 @@ class LeverTrace:
     """Storages saved for backward in the forward: {"micro", "bytes" (0 when a small saved tensor keeps it on
     the device), "holders" (the blocks that saved it), "outside" (an op outside the blocks saved it),
     "inputs_of" (the holders it is an input of: a checkpoint keeps it), "policy" (made by an op selective
-    checkpointing keeps), "ordinal" (how many device storages its micro-step made before it)}."""
+    checkpointing keeps), "ordinal" ([the micro-step it was made in, how many device storages that one made
+    before it]: the same tensor in another trace of the same step)}."""
     state_bytes: int = 0
     """The optimizer's state on the device (every trainable parameter's)."""
     step_temporaries: list[int] = field(default_factory=list)
@@ -318,7 +319,7 @@ def add_offloaded(trace, spec, *, precision: str, device_type: str):
     if positions != plain:
         return trace
     # The same tensors are made in the same order in both forwards: a saved storage is known by its ordinal.
-    found["freed_in"] = [recorder.freed_in.get((item["micro"], item["ordinal"])) for item in levers.items]
+    found["freed_in"] = [recorder.freed_in.get(tuple(item["ordinal"])) for item in levers.items]
     return replace(trace, levers=replace(levers, offloaded=found))
 
 
@@ -347,9 +348,11 @@ def optimizer_bytes(spec, *, device_type: str) -> tuple[int, list[int]]:
                 optimizer.step()  # makes the state
                 state = [t for t in optimizer.state[param].values() if isinstance(t, torch.Tensor)]
                 tracker = StorageTracker(round_bytes=meter.round_bytes)
+                tracker.track([param, param.grad, *state])  # what the step updates in place is not new
+                held = tracker.current_bytes
                 with tracker:
                     optimizer.step()
-                seen[key] = (sum(counter.counted_bytes(t) for t in state), tracker.peak_bytes)
+                seen[key] = (sum(counter.counted_bytes(t) for t in state), tracker.peak_bytes - held)
                 param.grad = None
                 del optimizer
             state_bytes += seen[key][0]

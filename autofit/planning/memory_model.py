@@ -71,7 +71,8 @@ class Segment:
 
 
 def peak_of(
-    segments: list[Segment], drops: list[float], checkpoint, *, selective_drops: list[float] | None = None, selective=frozenset()
+    segments: list[Segment], drops: list[float], checkpoint, *, selective_drops: list[float] | None = None, selective=frozenset(),
+    offload=frozenset(),
 ) -> float:
     """The model's peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively.
 
@@ -81,6 +82,7 @@ def peak_of(
         checkpoint: indices of the fully checkpointed blocks.
         selective_drops: bytes each block's selective checkpointing frees (needed when ``selective`` is not empty).
         selective: indices of the selectively checkpointed blocks.
+        offload: indices in ``checkpoint`` whose ``drops`` are what offloading them frees (no recomputation).
     """
     def freed(block: int) -> float:
         if block in checkpoint:
@@ -91,7 +93,7 @@ def peak_of(
         (
             s.peak_bytes - sum(freed(b) for b in s.dropped)
             for s in segments
-            if s.recomputes is None or s.recomputes in (selective if s.selective else checkpoint)
+            if s.recomputes is None or s.recomputes in (selective if s.selective else set(checkpoint) - set(offload))
         ),
         default=0.0,
     )

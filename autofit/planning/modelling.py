@@ -187,7 +187,7 @@ def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
         context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + " (simulated)")
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
-            low_trace=low.low if low else None,
+            low_trace=low.low if low else None, offload=context.device == "cuda",  # offload is a GPU lever
         )
         _check_blocks(costs, memory.low.blocks)
     costs.low_only.pop(precision, None)

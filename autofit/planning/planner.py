@@ -13,7 +13,9 @@ One process (``_plan_one_process``), in steps that pass values on:
 3. Speed (``modelling``): real timings on the device at a few micro-batch
    sizes per precision, interleaved; with ``simulate``, FLOPs instead.
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
-   exact knapsack picks the cheapest checkpoint set that fits. A precision is
+   exact knapsack picks the cheapest checkpoint set that fits, with each
+   allowed memory lever (``levers.lever_search``: the step in backward; on a
+   GPU offload per block and host optimizer state). A precision is
    traced in full only when it could reach the verification
    (``modelling.worth_tracing``), fastest first.
 5. Verification (``verify``): the best candidates are timed side by side on the
@@ -32,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -40,12 +42,12 @@ from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
-from autofit.planning.levers import Levers, plan_with_levers
+from autofit.planning.levers import Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
     Costs, add_speeds, best_plain_samples_per_s, save, stored_or_new, trace_full, trace_low, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
-from autofit.planning.search import Evaluation, score_space
+from autofit.planning.search import Evaluation, LeverSearch, score_space
 from autofit.planning.verify import VERIFY_WITHIN, Measurements, measure_unconstrained, timed_reference, verify
 from autofit.planning.writing import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
@@ -231,13 +233,14 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             return plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
     with context.phase("speed"):
         add_speeds(context, costs)
-    evaluations, sampler = _search(context, costs, measurements)
+        search = lever_search(context) if levers is not None else None
+    evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     with context.phase("verify"):
         reference = timed_reference(context, evaluations)
         chosen = verify(
             context, costs.model, evaluations, floor_config=floor.config, floor_bytes=floor.budget_bytes,
-            measurements=measurements, reference=reference,
+            measurements=measurements, reference=reference, levers=search,
         )
         unconstrained = measure_unconstrained(context, evaluations, chosen=chosen, measurements=measurements)
     with context.phase("write"):
@@ -245,6 +248,8 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
             usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
         )
+        if chosen["config"].levers():
+            plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(context, costs.model, chosen["config"], search)])
         context.study.save("measurements", measurements.to_store())
     speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)
     report = PlanReport(
@@ -286,8 +291,11 @@ def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
         save(context, costs)
 
 
-def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> tuple[list[Evaluation], str]:
-    """Trace precisions in full, fastest first, while one could still reach the verification; score them."""
+def _search(
+    context: PlanContext, costs: Costs, measurements: Measurements, *, levers: LeverSearch | None = None,
+) -> tuple[list[Evaluation], str]:
+    """Trace precisions in full, fastest first, while one could still reach the verification; score them (with
+    the memory levers of ``levers``)."""
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     usable = measurements.usable_bytes()
     evaluations: list[Evaluation] = []
@@ -301,12 +309,14 @@ def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> t
             evaluations, _ = score_space(
                 costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
                 global_batch_size=context.global_batch_size, usable_bytes=usable, study=None, slack=measurements.slack,
+                levers=levers,
             )
     with context.phase("search"):
         # The search kept where the user asked (--study): over every precision traced.
         evaluations, sampler = score_space(
             costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
             global_batch_size=context.global_batch_size, usable_bytes=usable, study=context.study, slack=measurements.slack,
+            levers=levers,
         )
     skipped = costs.untraced(context.precisions)
     context.log(
