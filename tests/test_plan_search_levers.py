@@ -79,3 +79,18 @@ def test_cpu_plans_never_offload():
     report = plan_with_report(spec, budget=1_250_000, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"])
     plan = report.plan
     assert not plan.offload and plan.optimizer_state == "device" and (plan.checkpoint or plan.selective_checkpoint or plan.micro_batch_size < 8)
+
+
+def test_configuration_keys_name_the_levers_and_keep_the_old_ones():
+    """Stored measurements are keyed by configuration: one without levers keeps the key it always had."""
+    from autofit.planning.context import Config
+
+    plain = Config(precision="fp32", micro_batch_size=4, checkpoint=("a",))
+    assert plain.key() == "fp32:4:a"
+    levers = Config(precision="fp32", micro_batch_size=4, checkpoint=("a",), offload=("b",), optimizer_state="host")
+    assert levers.key() == "fp32:4:a::offload=b;state=host"
+    stepping = Config(precision="bf16", micro_batch_size=8, optimizer_in_backward=True)
+    assert stepping.key() == "bf16:8:::step-in-backward"
+    assert len({plain.key(), levers.key(), stepping.key()}) == 3
+    assert plain.simplicity(8) < levers.simplicity(8)
+    assert levers.training_config(8).offload == ["b"] and levers.training_config(8).optimizer_state == "host"
