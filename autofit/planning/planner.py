@@ -9,7 +9,8 @@ One process (``_plan_one_process``), in steps that pass values on:
    (or none), so an impossible budget fails in seconds with what would lower
    it; measured unless the budget is well above it. Below it, on one process,
    the floor configuration is tried with the memory levers (``levers``),
-   measured; the first that fits is the plan.
+   measured; once one fits, the search with the levers (steps 3 to 5) looks
+   for a faster configuration, and the faster of the two is the plan.
 3. Speed (``modelling``): real timings on the device at a few micro-batch
    sizes per precision, interleaved; with ``simulate``, FLOPs instead.
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
@@ -40,7 +41,7 @@ import torch
 
 from autofit.errors import UserError
 from autofit.plan_file import Plan
-from autofit.planning.context import PlanContext, plan_context
+from autofit.planning.context import Config, PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
 from autofit.planning.levers import Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
@@ -230,7 +231,8 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         if levers is None:
             raise
         with context.phase("levers"):
-            return plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+            ladder = plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+        return _searched_below_floor(context, costs, measurements, below, ladder) or ladder
     with context.phase("speed"):
         add_speeds(context, costs)
         search = lever_search(context) if levers is not None else None
@@ -263,6 +265,65 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     )
     context.log(f"planned in {report.seconds:.1f} s")
     return report
+
+
+def _searched_below_floor(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport,
+) -> PlanReport | None:
+    """Below the floor, once the floor configuration with the levers fits (``ladder``): the search with the
+    memory levers, for a faster configuration measured to fit (a larger micro-batch with the step in backward
+    or host state, fewer checkpointed blocks). None when it finds none faster.
+
+    The ladder's plan is the verification's fallback: it was measured to fit.
+    """
+    plan = ladder.plan
+    fallback = Config(
+        precision=plan.precision, micro_batch_size=plan.micro_batch_size, checkpoint=tuple(plan.checkpoint),
+        selective_checkpoint=tuple(plan.selective_checkpoint), offload=tuple(plan.offload),
+        optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
+    )
+    with context.phase("speed"):
+        add_speeds(context, costs)
+        search = lever_search(context)
+    evaluations, sampler = _search(context, costs, measurements, levers=search)
+    save(context, costs)
+    if not any(e.fits for e in evaluations):
+        return None
+    with context.phase("verify"):
+        try:
+            chosen = verify(
+                context, costs.model, evaluations, floor_config=fallback, floor_bytes=below.floor_bytes,
+                measurements=measurements, levers=search,
+            )
+        except UserError:  # nothing the search found fits as measured: the ladder's plan stands
+            return None
+    speed, ladder_speed = (
+        (chosen["predicted_samples_per_s"], plan.predicted.samples_per_s) if context.simulate
+        else (chosen["measured_samples_per_s"], plan.measured.samples_per_s)
+    )
+    if chosen["config"].key() == fallback.key() or not speed or not ladder_speed or speed <= ladder_speed:
+        return None
+    context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {ladder_speed:.1f}")
+    with context.phase("write"):
+        plan = write_plan(
+            context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained={},
+            usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
+        )
+        plan = replace(plan, notes=[
+            *plan.notes,
+            f"below the floor without levers ({format_bytes(below.floor_bytes)}): the search with the memory levers found "
+            f"this configuration faster than the floor configuration with them ({ladder_speed:.1f} samples/s)",
+            *(searched_lever_notes(context, costs.model, chosen["config"], search) if chosen["config"].levers() else []),
+        ])
+        context.study.save("measurements", measurements.to_store())
+    return PlanReport(
+        plan=plan, floor_bytes=below.floor_bytes, floor_breakdown=below.breakdown, excluded_precisions=context.excluded_precisions,
+        precision_notes=_precision_notes(context, costs, evaluations), sampler=sampler, evaluations=len(evaluations),
+        simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes,
+        real_probes=measurements.real_probes, resumed=costs.resumed, seconds=time.perf_counter() - context.started,
+        rejected=measurements.rejected, cost_model=costs.model.to_dict(), phases=dict(context.phases),
+        timing=measurements.timing, study=context.study.storage or "", study_problems=list(context.study.problems),
+    )
 
 
 def _fastest(context: PlanContext, costs: Costs) -> str:
