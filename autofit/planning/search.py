@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from autofit.errors import UserError
+from autofit.measure.host_speed import HostLink
 from autofit.planning.cost_model import CostModel
 from autofit.planning.lever_costs import offload_block_seconds
 from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
@@ -82,7 +83,7 @@ class LeverSearch:
     step_in_backward: bool = False
     host_state: bool = False
     offload: bool = False
-    link: object | None = None
+    link: HostLink | None = None
     """The host link's rates (``lever_costs.host_link``), with host state or offload."""
     trainable_bytes: int = 0
     """Bytes of the parameters that train (their gradients are as many)."""
@@ -187,30 +188,30 @@ def cheapest_for(
     G = model.global_batch_size
     segments, drops = memory.at(micro_batch_size, global_batch_size=G)
     seconds = model.recompute_seconds(precision, micro_batch_size)
-    selective = dict(
+    modes = dict(
         selective_drops=memory.selective_drops(micro_batch_size),
         selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size),
     )
     levers = levers or LeverChoice()
     offloading = search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is not None
     if levers == LeverChoice() and not offloading:
-        return cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit_bytes, **selective)
+        return cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit_bytes, **modes)
     found = lever_segments(memory, micro_batch_size, global_batch_size=G, choice=levers)
     if found is None:
         return None
-    lever_segments_, items = found
+    with_levers, items = found
     segments = [
         Segment(peak_bytes=s.peak_bytes, dropped=s.dropped, phase=s.phase, recomputes=s.recomputes, selective=s.selective)
-        for s in lever_segments_
+        for s in with_levers
     ]
     if offloading:
-        selective.update(
+        modes.update(
             offload_drops=offload_drops(items, len(drops)),
             offload_seconds=offload_block_seconds(model, precision, micro_batch_size, link=search.link),
         )
     target = limit_bytes
     for _attempt in range(4):
-        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=target, **selective)
+        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=target, **modes)
         if choice is None:
             return None
         if not choice.offload:
