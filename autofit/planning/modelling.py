@@ -35,6 +35,7 @@ from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
 from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, flop_speed_costs, memory_costs, time_precisions
+from autofit.planning.lever_memory import add_offloaded
 from autofit.planning.memory_model import trace_memory
 from autofit.planning.verify import VERIFY_WITHIN
 from strategies import checkpoint_candidates
@@ -187,13 +188,37 @@ def trace_full(context: PlanContext, costs: Costs, precision: str) -> None:
         context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + " (simulated)")
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
-            low_trace=low.low if low else None, offload=context.device == "cuda",  # offload is a GPU lever
+            low_trace=low.low if low else None,
         )
         _check_blocks(costs, memory.low.blocks)
     costs.low_only.pop(precision, None)
     if not costs.model.output_shape:
         costs.model.output_shape = memory.high.output_shape
     costs.model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=costs.speeds[precision])
+    costs.changed = True
+
+
+def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> None:
+    """On a GPU, where the budget needs activations dropped at the global batch (its plain peak does not fit),
+    trace the precision's sizes again with every block offloaded, so that the search can offload
+    (``lever_memory.add_offloaded``). A roomy budget never pays for that trace."""
+    if context.device != "cuda" or precision not in costs.model.precisions:
+        return
+    model = costs.model
+    memory = model.precisions[precision].memory
+    traces = memory._traces()
+    if all(t.levers is None or t.levers.offloaded is not None for t in traces):
+        return
+    if model.peak_bytes(precision, model.global_batch_size, frozenset()) <= usable_bytes:
+        return
+    context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(str(t.micro_batch_size) for t in traces)} (simulated)")
+
+    def offloaded(trace):
+        return add_offloaded(trace, context.sim_spec, precision=precision, device_type=context.device)
+
+    memory.low, memory.high = offloaded(memory.low), offloaded(memory.high)
+    if memory.middle is not None:
+        memory.middle = offloaded(memory.middle)
     costs.changed = True
 
 

@@ -45,7 +45,7 @@ from autofit.planning.context import Config, PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
 from autofit.planning.levers import Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
-    Costs, add_speeds, best_plain_samples_per_s, save, stored_or_new, trace_full, trace_low, worth_tracing,
+    Costs, add_speeds, best_plain_samples_per_s, save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
 from autofit.planning.search import Evaluation, LeverSearch, score_space
@@ -366,6 +366,8 @@ def _search(
             continue
         with context.phase("memory"):
             trace_full(context, costs, precision)
+            if levers is not None and levers.offload:
+                trace_offload(context, costs, precision, usable_bytes=usable)
         with context.phase("search"):
             evaluations, _ = score_space(
                 costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
