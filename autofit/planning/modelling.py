@@ -134,6 +134,8 @@ def _from_store(stored: dict) -> Costs:
         low_only={p: _low_memory(_trace_from_dict(m["low"])) for p, m in stored["low_only"].items()},
         notes=dict(stored["notes"]), shared=dict(stored["shared"]), resumed=True,
     )
+    if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory._traces()):
+        raise ValueError("traces stored before the memory levers were modelled")  # measured again
     return costs
 
 
