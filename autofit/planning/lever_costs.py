@@ -1,7 +1,8 @@
 """What the memory levers cost in time: the terms a lever plan's predicted samples/s adds, in one place.
 
-The speed model (``CostModel.step_seconds``) predicts a step of the floor
-configuration without levers. A lever candidate (``levers.py``) adds, per
+The speed model (``CostModel.step_seconds``) predicts a step of a
+configuration without levers. Its levers (the search's, ``search.LeverSearch``,
+or a candidate below the floor, ``levers.py``) add, per
 optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 ``down`` (device -> pinned host) and ``up`` (pinned host -> device):
 
