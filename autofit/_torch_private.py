@@ -164,3 +164,8 @@ def call_when_backward_ends(callback) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(callback)
+
+
+def in_autograd_backward() -> bool:
+    """Whether the autograd engine is running a backward node now (also inside a dispatch mode's ``__torch_dispatch__``)."""
+    return torch._C._current_autograd_node() is not None

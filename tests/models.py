@@ -294,3 +294,27 @@ class DictCNN(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         return self.heads["classify"](x.mean(dim=(2, 3)))
+
+
+class ConvThenWide(nn.Module):
+    """Convolutions with large activations and few parameters, then a wide linear head with many parameters and
+    small activations: its gradients appear at the start of backward, beside every convolution's activations,
+    so plain training peaks there and the optimizer step in backward (no gradients kept) lowers the peak."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(ConvBN(3, 16), ConvBN(16, 16), ConvBN(16, 16))
+        self.wide = nn.Sequential(nn.Linear(16 * 8 * 8, 512), nn.ReLU(), nn.Linear(512, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 32, 32) -> (B, classes)
+        return self.wide(F.adaptive_avg_pool2d(self.blocks(x), 8).flatten(1))
+
+
+def conv_then_wide_spec() -> ModelSpec:
+    """With SGD and momentum: its step makes no temporaries, so stepping in backward adds nothing beside the
+    activations (AdamW's per-parameter temporaries, about 2.5 times the wide layer's weight, would)."""
+    return ModelSpec(
+        source="tests:ConvThenWide", build_model=ConvThenWide,
+        example_batch=lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
+        loss_fn=F.cross_entropy, build_optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    )

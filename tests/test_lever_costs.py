@@ -116,8 +116,9 @@ def test_lever_time_adds_each_lever_by_its_formula(lm_costs):
 
 
 def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_costs, monkeypatch):
-    """--simulate --device cuda with host state: predicted samples/s is G / (the floor configuration's step + the host
-    state's term), with the assumed link in the notes."""
+    """--simulate --device cuda with host state: predicted samples/s is G / (the chosen configuration's step + the host
+    state's term), with the assumed link in the notes (below the floor: the floor configuration with the levers,
+    or what the search with them finds faster)."""
     spec, _ = lm_costs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(levers, "time_host_update", lambda build: 1e-6)  # seconds per element
@@ -138,7 +139,8 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
     with torch.device("meta"):
         params = list(spec.build_model().parameters())
     elements, nbytes = sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
-    floor_step = model.step_seconds("fp32", 1, frozenset(range(len(BLOCKS))))
+    checkpointed = frozenset(model.blocks.index(b) for b in plan.checkpoint)
+    floor_step = model.step_seconds("fp32", 1, checkpointed, frozenset(model.blocks.index(b) for b in plan.selective_checkpoint))
     speed = model.precisions["fp32"].speed
     expected = 1 / (floor_step + nbytes / ASSUMED_LINK_BYTES_PER_S + 1e-6 * elements + nbytes / ASSUMED_LINK_BYTES_PER_S - speed.optimizer_seconds)
     assert plan.predicted.samples_per_s == pytest.approx(expected)

@@ -60,7 +60,10 @@ def test_a_budget_between_the_lever_floor_and_the_floor_steps_in_backward(run_cl
     assert code == 0, err
     plan = load_plan(out)
     assert plan.optimizer_in_backward and plan.optimizer_state == "device" and plan.offload == []
-    assert plan.checkpoint == BLOCKS and plan.micro_batch_size == 1 and plan.measured.samples_per_s > 0
+    # The floor configuration (every block checkpointed) with the step in backward fits; the search with it may
+    # then find fewer blocks checkpointed, timed faster.
+    assert set(plan.checkpoint + plan.selective_checkpoint) <= set(BLOCKS) and plan.micro_batch_size == 1
+    assert plan.measured.samples_per_s > 0
     assert plan.measured.breakdown["gradients"] == 0  # each gradient is stepped and freed in backward
     assert "optimizer step in backward" in stdout.splitlines()[1]  # the chosen line
     assert any("do not change the arithmetic" in note for note in plan.notes)
@@ -164,7 +167,9 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
 
     budget = (least(host) + least(in_backward)) // 2
     plan = make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
-    assert plan.estimated and plan.optimizer_state == "host" and plan.optimizer_in_backward and plan.checkpoint == BLOCKS
-    assert plan.measured.peak_bytes == host.peak_bytes and plan.measured.breakdown["optimizer_state"] == 0
+    # The floor configuration fits with the state on the host; the search with the levers then finds the state on
+    # the host with fewer blocks checkpointed (it needs no step in backward: the gradients leave the device anyway).
+    assert plan.estimated and plan.optimizer_state == "host" and len(plan.checkpoint) + len(plan.selective_checkpoint) < len(BLOCKS)
+    assert plan.measured.breakdown["optimizer_state"] == 0 and plan.measured.peak_bytes <= host.peak_bytes * 1.5
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
-    assert any("in host memory" in note for note in plan.notes)
+    assert any("the search with the memory levers found" in note for note in plan.notes)

@@ -88,7 +88,9 @@ def remeasure(spec, plan, device="cpu"):
     """The plan's settings, probed again from scratch (as `autofit probe` does)."""
     return probe(
         spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
-        precision=plan.precision, checkpoint=plan.checkpoint, device=device,
+        precision=plan.precision, checkpoint=plan.checkpoint, selective_checkpoint=plan.selective_checkpoint,
+        offload=plan.offload, optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
+        device=device,
     )
 
 

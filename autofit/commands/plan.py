@@ -140,6 +140,9 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
             f"  {mark} {format_bytes(alt['predicted_peak_bytes']):>12} {format_bytes(measured_peak) if measured_peak is not None else '-':>12} "
             f"{alt['predicted_samples_per_s']:>10.1f}  {alt['precision']:<9} {split:>14}  {_fits_text(alt):<14} {_blocks(alt['checkpoint'])}"
             + (f"; selective {_blocks(alt['selective_checkpoint'])}" if alt.get("selective_checkpoint") else "")
+            + (f"; offload {_blocks(alt['offload'])}" if alt.get("offload") else "")
+            + ("; step in backward" if alt.get("optimizer_in_backward") else "")
+            + (f"; {alt['optimizer_state']} state" if alt.get("optimizer_state", "device") != "device" else "")
         )
     lines.append(f"    (! = does not fit the budget; measured = by the {measured.meter or 'plan'} meter)")
     if report.rejected:
@@ -220,10 +223,11 @@ def _timing_lines(report) -> list[str]:
 
 
 def _config_text(key: str) -> str:
-    """A configuration's key (``Config.key``: precision:micro-batch:checkpoint[:selective]) as words."""
-    precision, size, checkpoint, *selective = key.split(":")
+    """A configuration's key (``Config.key``: precision:micro-batch:checkpoint[:selective[:levers]]) as words."""
+    precision, size, checkpoint, *rest = key.split(":")
     text = f"{precision}, micro-batch {size}, checkpoint {_blocks(checkpoint.split(',')) if checkpoint else 'none'}"
-    return text + (f", selective checkpoint {_blocks(selective[0].split(','))}" if selective and selective[0] else "")
+    text += f", selective checkpoint {_blocks(rest[0].split(','))}" if rest and rest[0] else ""
+    return text + (f", {rest[1].replace(';', ', ').replace('=', ' ')}" if len(rest) > 1 and rest[1] else "")
 
 
 def _blocks(names: list[str]) -> str:

@@ -2,9 +2,10 @@
 
 Memory comes from simulated traces per precision (``memory_model``):
 linear in the micro-batch size, exact in the structure of where blocks free
-and recompute their activations (``memory_costs``). Time comes from real
-timings on the device (``speed_timing``: forward, forward+backward and each
-block's forward at a few micro-batch sizes, the optimizer step, and what
+and recompute their activations (``memory_costs``), with the memory levers'
+terms (``lever_memory``) where a configuration asks for them. Time comes from
+real timings on the device (``speed_timing``: forward, forward+backward and
+each block's forward at a few micro-batch sizes, the optimizer step, and what
 checkpointing really costs per second of recomputed forward, fully and
 selectively); with ``simulate`` it comes from FLOPs instead and is an
 estimate (``flop_speed``). Everything here is plain data, so a study can store
@@ -16,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from autofit.planning.lever_memory import LeverChoice, add_offloaded, lever_peak_bytes
+from autofit.planning.lever_memory import trace_from_dict as lever_trace_from_dict
 from autofit.planning.memory_model import MemoryTrace, Segment, add_recomputes, peak_of, trace_memory_sizes
 from autofit.spec import ModelSpec
 from strategies import BatchSplitConfig
@@ -109,17 +112,41 @@ class MemoryCosts:
             return MemoryCosts(low=self.floor, high=self.floor)
         return None
 
-    def peak_bytes(self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
-        """The peak with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices)."""
+    def peak_bytes(
+        self, micro_batch_size: int, *, global_batch_size: int, checkpoint: set[int], selective=frozenset(),
+        levers: LeverChoice | None = None,
+    ) -> float:
+        """The peak with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices), and
+        the memory levers of ``levers`` (``lever_memory``; None: none).
+
+        Raises:
+            ValueError: levers asked of traces that hold no lever record (``has_levers``), or checkpointed blocks
+                at a size where the traces hold plain training only (``with_checkpointing``).
+        """
         if checkpoint or selective:
             known = self.with_checkpointing(micro_batch_size)
             if known is None:
                 raise ValueError(f"checkpointed peaks at micro-batch {micro_batch_size} need the traces' recomputations (complete_memory)")
             if known is not self:
-                return known.peak_bytes(micro_batch_size, global_batch_size=global_batch_size, checkpoint=checkpoint, selective=selective)
+                return known.peak_bytes(
+                    micro_batch_size, global_batch_size=global_batch_size, checkpoint=checkpoint, selective=selective, levers=levers,
+                )
         segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
         selective_drops = self.selective_drops(micro_batch_size) if selective else None
-        return peak_of(segments, drops, checkpoint, selective_drops=selective_drops, selective=selective)
+        if levers is None or levers == LeverChoice():
+            return peak_of(segments, drops, checkpoint, selective_drops=selective_drops, selective=selective)
+        peak = lever_peak_bytes(
+            self, micro_batch_size, global_batch_size=global_batch_size, drops=drops, selective_drops=selective_drops,
+            checkpoint=checkpoint, selective=selective, choice=levers,
+        )
+        if peak is None:
+            raise ValueError("these memory traces hold no lever record: trace again to model the levers")
+        return peak
+
+    def has_levers(self) -> bool:
+        """Whether the traces can model the memory levers (``lever_memory``; traces stored before could not)."""
+        traces = self._traces()
+        return all(t.levers is not None for t in traces) and len({repr(t.levers.structure()) for t in traces}) == 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,10 +217,15 @@ class CostModel:
     def micro_sizes(self, micro_batch_size: int) -> list[int]:
         return BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size).sizes()
 
-    def peak_bytes(self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
-        """Peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices)."""
+    def peak_bytes(
+        self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset(), levers: LeverChoice | None = None,
+    ) -> float:
+        """Peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices),
+        and the memory levers of ``levers`` (None: none)."""
         memory = self.precisions[precision].memory
-        raw = memory.peak_bytes(micro_batch_size, global_batch_size=self.global_batch_size, checkpoint=checkpoint, selective=selective)
+        raw = memory.peak_bytes(
+            micro_batch_size, global_batch_size=self.global_batch_size, checkpoint=checkpoint, selective=selective, levers=levers,
+        )
         return raw * self.memory_scale
 
     def recompute_seconds(self, precision: str, micro_batch_size: int) -> list[float]:
@@ -256,12 +288,13 @@ class CostModel:
 def _trace_from_dict(data: dict) -> MemoryTrace:
     fields_ = dict(data)
     fields_["segments"] = [Segment(**s) for s in data["segments"]]
+    fields_["levers"] = lever_trace_from_dict(data.get("levers"))
     return MemoryTrace(**fields_)
 
 
 def memory_costs(
     spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None,
-    blocks: list[str] | None = None, pool=None, recompute: bool = True,
+    blocks: list[str] | None = None, pool=None, recompute: bool = True, offload: bool = False,
 ) -> MemoryCosts:
     """Trace one precision at the smallest and the largest micro-batch size (simulated: no arithmetic).
 
@@ -279,20 +312,26 @@ def memory_costs(
         pool: a ``trace_pool.TracePool`` whose workers run the traces at once.
         recompute: also the all-checkpointed and all-selective runs; without them only plain training's peaks
             are known, until ``complete_memory`` adds them.
+        offload: also trace each size with every block offloaded (``lever_memory.add_offloaded``), so that the
+            model predicts activation offload (a GPU lever: the planner asks for it for a GPU only).
     """
-    floor = None
+    def with_offload(trace: MemoryTrace | None) -> MemoryTrace | None:
+        return add_offloaded(trace, spec, precision=precision, device_type=device_type) if offload and trace is not None else trace
+
+    floor, low_trace = None, with_offload(low_trace)
     if low_trace is not None and not recompute:
         floor, low_trace = low_trace, _plain_part(low_trace)
     if high == low:
-        low_trace = low_trace or trace_memory_sizes(
+        low_trace = low_trace or with_offload(trace_memory_sizes(
             spec, sizes=[low], precision=precision, device_type=device_type, blocks=blocks, pool=pool, recompute=recompute,
-        )[0]
+        )[0])
         return MemoryCosts(low=floor or low_trace, high=floor or low_trace)
     sizes = [high] + ([2] if low == 1 and high > 2 else []) + ([] if low_trace else [low])
-    traces = dict(zip(sizes, trace_memory_sizes(
+    traced = trace_memory_sizes(
         spec, sizes=sizes, precision=precision, device_type=device_type, blocks=low_trace.blocks if low_trace else blocks, pool=pool,
         recompute=recompute,
-    )))
+    )
+    traces = {size: with_offload(trace) for size, trace in zip(sizes, traced)}
     memory = _assembled(low_trace or traces[low], traces.get(2) if low == 1 and high > 2 else None, traces[high])
     return replace(memory, floor=floor) if not memory.recomputed else memory
 

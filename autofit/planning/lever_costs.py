@@ -1,7 +1,8 @@
 """What the memory levers cost in time: the terms a lever plan's predicted samples/s adds, in one place.
 
-The speed model (``CostModel.step_seconds``) predicts a step of the floor
-configuration without levers. A lever candidate (``levers.py``) adds, per
+The speed model (``CostModel.step_seconds``) predicts a step of a
+configuration without levers. Its levers (the search's, ``search.LeverSearch``,
+or a candidate below the floor, ``levers.py``) add, per
 optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 ``down`` (device -> pinned host) and ``up`` (pinned host -> device):
 
@@ -32,6 +33,10 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
   parameter at a time inside backward (per-parameter launches are not
   modelled; with host state their copies are in the term above).
 - **8-bit state**: as the device optimizer (not modelled).
+
+The search prices offload per block (``offload_block_seconds``): the bytes
+the block alone saved, down beyond its own forward and all back up, summed
+over blocks at least the term above.
 
 ``down`` and ``up`` are measured on this machine's GPU where there is one
 (``measure_host_link``); planning for a GPU that is not here, they are
@@ -149,3 +154,25 @@ def lever_time(
             f"{costs.speed.optimizer_seconds:.3g} s: {time.host_state_seconds:+.3g} s per step predicted (nothing overlaps)"
         )
     return time
+
+
+def offload_block_seconds(model: CostModel, precision: str, micro_batch_size: int, *, link: HostLink) -> list[float]:
+    """Per block: what offloading it alone costs per optimizer step, the search's additive term.
+
+    Per micro-step, the bytes it alone saved (``lever_memory.offload_drops``), down beyond its own forward's
+    compute and all of them back up: a sum over blocks of this is at least ``lever_time``'s offload term (whose
+    copies down overlap the whole forward), so the knapsack errs slow.
+    """
+    from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
+
+    costs = model.precisions[precision]
+    totals = [0.0] * len(model.blocks)
+    for size in model.micro_sizes(micro_batch_size):
+        found = lever_segments(costs.memory, size, global_batch_size=model.global_batch_size, choice=LeverChoice())
+        if found is None:
+            return [float("inf")] * len(model.blocks)
+        block_bytes = offload_drops(found[1], len(model.blocks))
+        forward = costs.speed._block_forward_seconds(size) or [0.0] * len(model.blocks)
+        for b, (nbytes, seconds) in enumerate(zip(block_bytes, forward)):
+            totals[b] += offload_seconds(offloaded_bytes=nbytes, forward_seconds=seconds, link=link)
+    return totals

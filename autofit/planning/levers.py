@@ -1,4 +1,8 @@
-"""Below the floor: the floor configuration again, with the memory levers, measured.
+"""The memory levers in planning: what the search may add above the floor (``lever_search``), and below it the
+floor configuration again, with the levers, measured.
+
+Above the floor, the search scores the step in backward, and on a GPU offload per block and host optimizer
+state, with the memory model's lever terms (``lever_memory``) and ``lever_costs``' time (``search.LeverSearch``).
 
 When the budget is below the floor (``check_floor``), the floor configuration
 (the smallest micro-batch, the floor's checkpointing and precision) is tried
@@ -18,7 +22,9 @@ simulated one when simulating) under the same headroom; the first that fits is
 the plan, timed with plain training steps where the device runs. Its
 predicted samples/s is the speed model's for the floor configuration plus
 the levers' costs (``lever_costs``: transfers over the host link, measured on
-a GPU here or assumed, and the update on the host), which the notes state.
+a GPU here or assumed, and the update on the host), which the notes state; its
+predicted peak is the memory model's with the levers where the floor's trace
+models them.
 When none fits, the floor's one-line error names each lever with what it
 saved, measured.
 """
@@ -41,7 +47,9 @@ from autofit.measure.host_speed import time_host_update
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
 from autofit.planning.headroom import persistent_bytes
 from autofit.planning.lever_costs import LeverTime, host_link, lever_time
+from autofit.planning.lever_memory import LeverChoice
 from autofit.planning.modelling import Costs, add_speeds
+from autofit.planning.search import LeverSearch
 from autofit.planning.verify import Measurements
 from autofit.planning.writing import PlanReport, write_plan
 from autofit.units import format_bytes
@@ -254,10 +262,11 @@ def _report(
         speed = time_training(context.spec, config, device=context.device)
         measurements.real_probes += 1
         context.log(f"  timed: {speed:.1f} samples/s with {chosen.candidate.name}")
+    modelled = _modelled_peak(model, config, blocks)
     result = {
         "config": Config(precision=config.precision, micro_batch_size=config.micro_batch_size, checkpoint=tuple(config.checkpoint)),
-        # The memory model has no lever terms: its prediction is the floor configuration's without them.
-        "predicted_peak_bytes": model.peak_bytes(config.precision, config.micro_batch_size, blocks),
+        # The memory model's lever terms where it has them (8-bit state it has not): else the floor configuration's.
+        "predicted_peak_bytes": modelled if modelled is not None else model.peak_bytes(config.precision, config.micro_batch_size, blocks),
         # The speed model's step of the floor configuration, plus what the levers cost (``lever_costs``).
         "predicted_samples_per_s": context.global_batch_size / (
             model.step_seconds(config.precision, config.micro_batch_size, blocks) + levers_time.seconds
@@ -272,7 +281,10 @@ def _report(
         optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state,
         notes=[
             *plan.notes,
-            *lever_notes(chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes),
+            *lever_notes(
+                chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes,
+                modelled=modelled is not None,
+            ),
             *levers_time.notes,
         ],
     )
@@ -284,13 +296,23 @@ def _report(
     )
 
 
-def lever_notes(candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, host_peak_bytes: int) -> list[str]:
-    """The plan's notes on its levers: what they are, what they saved (measured), and any change of arithmetic."""
+def lever_notes(
+    candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, host_peak_bytes: int, modelled: bool = False,
+) -> list[str]:
+    """The plan's notes on its levers: what they are, what they saved (measured), and any change of arithmetic.
+
+    Args:
+        modelled: the predicted peak is the memory model's with the levers (else the floor configuration's).
+    """
+    predicted = (
+        "the predicted peak is the memory model's with them (planning/lever_memory.py)" if modelled else
+        "the memory model does not model these levers (8-bit state, or traces without the offload trace), so the "
+        "predicted peak is the floor configuration's without them"
+    )
     notes = [
         f"below the floor without levers: {candidate.name} lowers the floor configuration's peak from "
-        f"{format_bytes(floor_peak)} to {format_bytes(peak_bytes)} (measured); the memory model does not model the "
-        "levers, so the predicted peak is the floor configuration's without them; the predicted speed adds the "
-        "levers' costs (planning/lever_costs.py)"
+        f"{format_bytes(floor_peak)} to {format_bytes(peak_bytes)} (measured); {predicted}; the predicted speed adds "
+        "the levers' costs (planning/lever_costs.py)"
     ]
     if host_peak_bytes:
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
@@ -302,6 +324,20 @@ def lever_notes(candidate: LeverCandidate, *, floor_peak: int, peak_bytes: int, 
     else:
         notes.append("the levers do not change the arithmetic: the updates are plain training's")
     return notes
+
+
+def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> float | None:
+    """The memory model's peak of a lever candidate, where its traces model its levers (not 8-bit state)."""
+    if config.optimizer_state == "8bit" or config.selective_checkpoint:
+        return None
+    choice = LeverChoice(
+        offload=frozenset(model.blocks.index(name) for name in config.offload), optimizer_in_backward=config.optimizer_in_backward,
+        optimizer_state=config.optimizer_state,
+    )
+    try:
+        return model.peak_bytes(config.precision, config.micro_batch_size, blocks, levers=choice)
+    except ValueError:  # traces without a lever record, or without the offload trace
+        return None
 
 
 def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured_parameter_bytes: int) -> LeverTime:
@@ -321,3 +357,35 @@ def _trainable(context: PlanContext, *, fallback_bytes: int) -> tuple[int, int]:
     except Exception:  # a model that cannot be built on meta: the measured parameters, as fp32
         return fallback_bytes // 4, fallback_bytes
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
+def lever_search(context: PlanContext) -> LeverSearch:
+    """The memory levers the search may add above the floor on one process (``search.LeverSearch``).
+
+    The step in backward everywhere (the search tries it where a point allows it); on a GPU (simulated too)
+    also offload per block and optimizer state on the host, with the host link's rates (measured on a GPU
+    here, else assumed) and the host's update timed on this CPU. 8-bit state stays below the floor only:
+    it changes the arithmetic.
+    """
+    if context.device != "cuda":
+        return LeverSearch(step_in_backward=True)
+    elements, trainable_bytes = _trainable(context, fallback_bytes=0)
+    return LeverSearch(
+        step_in_backward=True, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable_bytes,
+        host_update_seconds=time_host_update(context.spec.build_optimizer) * elements,
+    )
+
+
+def searched_lever_notes(context: PlanContext, model, config: Config, search: LeverSearch) -> list[str]:
+    """The notes of a plan whose search chose memory levers: which, what they cost in time, and that the
+    arithmetic is plain training's."""
+    training = config.training_config(context.global_batch_size)
+    time = lever_time(
+        training, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
+    )
+    return [
+        f"memory levers chosen by the search ({config.levers()}): the memory model predicts their peak "
+        "(planning/lever_memory.py) and the chosen configuration was measured with them",
+        *time.notes,
+        "the levers do not change the arithmetic: the updates are plain training's",
+    ]

@@ -20,6 +20,11 @@ less than nothing. The plain trace records both sets per block; a trace with
 every block selective gives what each selective recomputation holds, as the
 all-checkpointed trace does for full checkpointing.
 
+The memory levers (step in backward, optimizer state on the host, activation
+offload) are modelled from what the plain trace's tracker also records
+(``lever_memory``: gradients, optimizer state and saved tensors over time);
+offload adds one trace with every block offloaded, made only when asked.
+
 The planner verifies what this model predicts with the exact simulated meter
 and with real probes; the model only has to rank configurations well.
 """
@@ -36,6 +41,7 @@ from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import SimulatedMeter, simulated_meter
 from autofit.measure.probe import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
+from autofit.planning.lever_memory import LeverRecorder, LeverTrace, lever_trace
 from autofit.planning.trace_pool import call
 from autofit.spec import ModelSpec
 from autofit.training.step import train_step
@@ -66,7 +72,8 @@ class Segment:
 
 
 def peak_of(
-    segments: list[Segment], drops: list[float], checkpoint, *, selective_drops: list[float] | None = None, selective=frozenset()
+    segments: list[Segment], drops: list[float], checkpoint, *, selective_drops: list[float] | None = None, selective=frozenset(),
+    offload=frozenset(),
 ) -> float:
     """The model's peak bytes with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively.
 
@@ -76,6 +83,7 @@ def peak_of(
         checkpoint: indices of the fully checkpointed blocks.
         selective_drops: bytes each block's selective checkpointing frees (needed when ``selective`` is not empty).
         selective: indices of the selectively checkpointed blocks.
+        offload: indices in ``checkpoint`` whose ``drops`` are what offloading them frees (no recomputation).
     """
     def freed(block: int) -> float:
         if block in checkpoint:
@@ -86,7 +94,7 @@ def peak_of(
         (
             s.peak_bytes - sum(freed(b) for b in s.dropped)
             for s in segments
-            if s.recomputes is None or s.recomputes in (selective if s.selective else checkpoint)
+            if s.recomputes is None or s.recomputes in (selective if s.selective else set(checkpoint) - set(offload))
         ),
         default=0.0,
     )
@@ -116,6 +124,9 @@ class MemoryTrace:
     ``recompute``) the segments are plain training's only, and say nothing of a checkpointed block's backward."""
     scaled: bool = False
     """A larger trace scaled down to this size (``cost_model._scaled``), not a trace of its own."""
+    levers: LeverTrace | None = None
+    """What the memory levers change in the plain trace's segments (``lever_memory``); None in a trace stored
+    before the levers were modelled (then they are not searched)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,22 +142,39 @@ class _TimelineTracker(StorageTracker):
         self._segment_peak = 0
         self.watch = None
         """Called with (op, outputs) after every op while set."""
+        self.levers = LeverRecorder(self)
+        """What the memory levers' terms need (``lever_memory``): gradients' and saved tensors' bytes over time."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = StorageTracker.__torch_dispatch__(self, func, types, args, kwargs)
         if self.watch is not None:
             self.watch(func, out)
+        self.levers.made(func, out)
         return out
 
     def _grow(self, nbytes: int) -> None:
         StorageTracker._grow(self, nbytes)
         if self.current_bytes > self._segment_peak:
             self._segment_peak = self.current_bytes
+        self.levers.grown()
+
+    def _track_one(self, tensor, *, widen: int = 1):
+        made = len(self._records)
+        record = StorageTracker._track_one(self, tensor, widen=widen)
+        if len(self._records) > made:
+            self.levers.created(record)
+        return record
+
+    def _free(self, key: int) -> None:
+        record = self._live.get(key)
+        StorageTracker._free(self, key)
+        self.levers.freed(key, record)
 
     def mark(self, event: tuple) -> None:
         self.segment_peaks.append(self._segment_peak)
         self.marks.append(event)
         self._segment_peak = self.current_bytes
+        self.levers.mark(event)
 
 
 def trace_memory(
@@ -226,6 +254,7 @@ def trace_memory_sizes(
             output_shape=raw.output_shape,
             selective_drop_bytes=selective_drops,
             recomputed=recompute or not blocks,
+            levers=lever_trace(raw.levers, raw.marks, raw.peaks, spec=spec, device_type=device_type),
         ))
     return traces
 
@@ -279,14 +308,15 @@ class _RawTrace:
     host_bytes: int
     output_shape: list[int]
     selective_drop_bytes: list[int]
+    levers: LeverRecorder | None = None
 
 
 def run_trace(
     spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, mode: str,
     blocks: list[str] | None = None,
 ) -> _RawTrace:
-    """One traced step with every block in ``mode`` ("none", "full" or "selective"); ``blocks`` are the candidates
-    when already found (else one fake forward finds them)."""
+    """One traced step with every block in ``mode`` ("none", "full", "selective" or "offload"); ``blocks`` are the
+    candidates when already found (else one fake forward finds them)."""
     meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
     with meter.environment():
@@ -297,6 +327,7 @@ def run_trace(
         config = TrainingConfig(
             global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
             checkpoint=names if mode == "full" else [], selective_checkpoint=names if mode == "selective" else [],
+            offload=names if mode == "offload" else [],
         )
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
         modules = dict(model.named_modules())
@@ -305,6 +336,7 @@ def run_trace(
         tracker = _TimelineTracker(round_bytes=meter.round_bytes)
         tracker.track(model.parameters(), "parameters")
         tracker.track(model.buffers(), "parameters")
+        tracker.levers.follow_gradients(list(model.parameters()))
         persistent = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
         state = {"micro": -1, "active": [], "saved": {name: {} for name in names}, "output_shape": [], "loose": {}}
         # Per block and micro-step: the outputs of the ops selective checkpointing would keep, as
@@ -379,6 +411,7 @@ def run_trace(
                         kept.append((weakref.ref(tensor.untyped_storage()), tracker.counted_bytes(tensor)))
 
         def pack(tensor):
+            tracker.levers.saved(tensor, block=state["active"][-1] if state["active"] else None, micro=state["micro"])
             if state["active"]:
                 storage = tensor.untyped_storage()
                 key = id(storage)
@@ -400,8 +433,9 @@ def run_trace(
             _create_state_at_once(model, optimizer)
             hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
             hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
-            # The recomputing runs are read only until backward ends (``_recompute_segments``): no step to trace.
-            train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer if plain else _NoStep(optimizer))
+            # The recomputing runs are read only until backward ends (``_recompute_segments``): no step to trace
+            # (the offloading run is read to its end: ``lever_memory.add_offloaded``).
+            train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer if mode in ("none", "offload") else _NoStep(optimizer))
         tracker.mark(("end",))
         for hook in hooks:
             hook.remove()
@@ -413,6 +447,7 @@ def run_trace(
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,
+        levers=tracker.levers,
     )
 
 
@@ -454,7 +489,7 @@ class _NoStep:
 
 def _segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int]) -> tuple[list[Segment], bool]:
     """The plain trace's segments, and whether their dropped blocks are always a prefix."""
-    segments = [segment for segment, _ in _labelled(marks, peaks, len(drop_bytes))]
+    segments = [segment for segment, _, _ in _labelled(marks, peaks, len(drop_bytes))]
     prefix_shaped = all(s.dropped == list(range(len(s.dropped))) for s in segments)
     return segments, prefix_shaped
 
@@ -468,7 +503,7 @@ def _recompute_segments(marks: list[tuple], peaks: list[int], drop_bytes: list[i
     checkpointed in that mode.
     """
     found = []
-    for segment, opener in _labelled(marks, peaks, len(drop_bytes)):
+    for segment, opener, _ in _labelled(marks, peaks, len(drop_bytes)):
         if opener[0] == "bwd_start" and segment.phase in ("first", "later"):
             segment.peak_bytes += sum(drop_bytes[b] for b in segment.dropped)
             segment.recomputes = opener[1]
@@ -478,7 +513,7 @@ def _recompute_segments(marks: list[tuple], peaks: list[int], drop_bytes: list[i
 
 
 def _labelled(marks: list[tuple], peaks: list[int], num_blocks: int):
-    """Yield (segment, the mark that opened it) for the traced micro-steps and optimizer step.
+    """Yield (segment, the mark that opened it, its position i) for the traced micro-steps and optimizer step.
 
     Segment i lies between marks[i-1] and marks[i]; it belongs to the micro-step
     (or optimizer step) that the last "micro"/"optimizer" mark before it opened.
@@ -513,7 +548,7 @@ def _labelled(marks: list[tuple], peaks: list[int], num_blocks: int):
                 end, start = fwd_end.get((micro, block)), bwd_start.get((micro, block))
                 if end is not None and end <= i - 1 and (start is None or start >= i):
                     active.append(block)
-        yield Segment(peak_bytes=peaks[i], dropped=active, phase=segment_phase), opener
+        yield Segment(peak_bytes=peaks[i], dropped=active, phase=segment_phase), opener, i
 
 
 def simulation_spec(spec: ModelSpec) -> ModelSpec:

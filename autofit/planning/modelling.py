@@ -36,8 +36,9 @@ from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
 from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs
 from autofit.planning.flop_speed import flop_speed_costs
-from autofit.planning.speed_timing import time_precisions
+from autofit.planning.lever_memory import add_offloaded
 from autofit.planning.memory_model import trace_memory_sizes
+from autofit.planning.speed_timing import time_precisions
 from autofit.planning.verify import VERIFY_WITHIN
 from strategies import checkpoint_candidates
 
@@ -139,6 +140,8 @@ def _from_store(stored: dict) -> Costs:
         low_only={p: _low_memory(_trace_from_dict(m["low"])) for p, m in stored["low_only"].items()},
         notes=dict(stored["notes"]), shared=dict(stored["shared"]), resumed=True,
     )
+    if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory._traces()):
+        raise ValueError("traces stored before the memory levers were modelled")  # measured again
     return costs
 
 
@@ -241,6 +244,32 @@ def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> l
 def _traced_blocks(costs: Costs) -> list[str] | None:
     """The checkpoint candidates as a trace over fake tensors found them (``_check_blocks``); None before the first trace."""
     return list(costs.model.blocks) if costs.model.precisions or costs.low_only else None
+
+
+def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> None:
+    """On a GPU, where the budget needs activations dropped at the global batch (its plain peak does not fit),
+    trace the precision's sizes again with every block offloaded, so that the search can offload
+    (``lever_memory.add_offloaded``). A roomy budget never pays for that trace."""
+    if context.device != "cuda" or precision not in costs.model.precisions:
+        return
+    model = costs.model
+    memory = model.precisions[precision].memory
+    traces = memory._traces()
+    if all(t.levers is None or t.levers.offloaded is not None for t in traces):
+        return
+    if model.peak_bytes(precision, model.global_batch_size, frozenset()) <= usable_bytes:
+        return
+    context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(str(t.micro_batch_size) for t in traces)} (simulated)")
+
+    def offloaded(trace):
+        return add_offloaded(trace, context.sim_spec, precision=precision, device_type=context.device)
+
+    memory.low, memory.high = offloaded(memory.low), offloaded(memory.high)
+    if memory.middle is not None:
+        memory.middle = offloaded(memory.middle)
+    if memory.floor is not None:
+        memory.floor = offloaded(memory.floor)
+    costs.changed = True
 
 
 def _check_blocks(costs: Costs, traced_blocks: list[str]) -> None:

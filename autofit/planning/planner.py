@@ -9,11 +9,14 @@ One process (``_plan_one_process``), in steps that pass values on:
    (or none), so an impossible budget fails in seconds with what would lower
    it; measured unless the budget is well above it. Below it, on one process,
    the floor configuration is tried with the memory levers (``levers``),
-   measured; the first that fits is the plan.
+   measured; once one fits, the search with the levers (steps 3 to 5) looks
+   for a faster configuration, and the faster of the two is the plan.
 3. Speed (``modelling``): real timings on the device at a few micro-batch
    sizes per precision, interleaved; with ``simulate``, FLOPs instead.
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
-   exact knapsack picks the cheapest checkpoint set that fits. A precision is
+   exact knapsack picks the cheapest checkpoint set that fits, with each
+   allowed memory lever (``levers.lever_search``: the step in backward; on a
+   GPU offload per block and host optimizer state). A precision is
    traced in full only when it could reach the verification
    (``modelling.worth_tracing``), fastest first.
 5. Verification (``verify``): the best candidates are timed side by side on the
@@ -32,21 +35,21 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from autofit.errors import UserError
 from autofit.plan_file import Plan
-from autofit.planning.context import PlanContext, plan_context
+from autofit.planning.context import Config, PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
-from autofit.planning.levers import Levers, plan_with_levers
+from autofit.planning.levers import Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
     Costs, add_recomputations, add_speeds, best_plain_samples_per_s, needs_recomputations, save, stored_or_new, trace_full, trace_low,
-    worth_tracing,
+    trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
-from autofit.planning.search import Evaluation, score_space
+from autofit.planning.search import Evaluation, LeverSearch, score_space
 from autofit.planning.verify import VERIFY_WITHIN, Measurements, measure_unconstrained, timed_reference, verify
 from autofit.planning.writing import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
@@ -232,16 +235,18 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         if levers is None:
             raise
         with context.phase("levers"):
-            return plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+            ladder = plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+        return _searched_below_floor(context, costs, measurements, below, ladder) or ladder
     with context.phase("speed"):
         add_speeds(context, costs)
-    evaluations, sampler = _search(context, costs, measurements)
+        search = lever_search(context) if levers is not None else None
+    evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     with context.phase("verify"):
         reference = timed_reference(context, evaluations)
         chosen = verify(
             context, costs.model, evaluations, floor_config=floor.config, floor_bytes=floor.budget_bytes,
-            measurements=measurements, reference=reference,
+            measurements=measurements, reference=reference, levers=search,
         )
         unconstrained = measure_unconstrained(context, evaluations, chosen=chosen, measurements=measurements)
     with context.phase("write"):
@@ -249,6 +254,8 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
             usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
         )
+        if chosen["config"].levers():
+            plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(context, costs.model, chosen["config"], search)])
         context.study.save("measurements", measurements.to_store())
     speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)
     report = PlanReport(
@@ -262,6 +269,65 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     )
     context.log(f"planned in {report.seconds:.1f} s")
     return report
+
+
+def _searched_below_floor(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport,
+) -> PlanReport | None:
+    """Below the floor, once the floor configuration with the levers fits (``ladder``): the search with the
+    memory levers, for a faster configuration measured to fit (a larger micro-batch with the step in backward
+    or host state, fewer checkpointed blocks). None when it finds none faster.
+
+    The ladder's plan is the verification's fallback: it was measured to fit.
+    """
+    plan = ladder.plan
+    fallback = Config(
+        precision=plan.precision, micro_batch_size=plan.micro_batch_size, checkpoint=tuple(plan.checkpoint),
+        selective_checkpoint=tuple(plan.selective_checkpoint), offload=tuple(plan.offload),
+        optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
+    )
+    with context.phase("speed"):
+        add_speeds(context, costs)
+        search = lever_search(context)
+    evaluations, sampler = _search(context, costs, measurements, levers=search)
+    save(context, costs)
+    if not any(e.fits for e in evaluations):
+        return None
+    with context.phase("verify"):
+        try:
+            chosen = verify(
+                context, costs.model, evaluations, floor_config=fallback, floor_bytes=below.floor_bytes,
+                measurements=measurements, levers=search,
+            )
+        except UserError:  # nothing the search found fits as measured: the ladder's plan stands
+            return None
+    speed, ladder_speed = (
+        (chosen["predicted_samples_per_s"], plan.predicted.samples_per_s) if context.simulate
+        else (chosen["measured_samples_per_s"], plan.measured.samples_per_s)
+    )
+    if chosen["config"].key() == fallback.key() or not speed or not ladder_speed or speed <= ladder_speed:
+        return None
+    context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {ladder_speed:.1f}")
+    with context.phase("write"):
+        plan = write_plan(
+            context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained={},
+            usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
+        )
+        plan = replace(plan, notes=[
+            *plan.notes,
+            f"below the floor without levers ({format_bytes(below.floor_bytes)}): the search with the memory levers found "
+            f"this configuration faster than the floor configuration with them ({ladder_speed:.1f} samples/s)",
+            *(searched_lever_notes(context, costs.model, chosen["config"], search) if chosen["config"].levers() else []),
+        ])
+        context.study.save("measurements", measurements.to_store())
+    return PlanReport(
+        plan=plan, floor_bytes=below.floor_bytes, floor_breakdown=below.breakdown, excluded_precisions=context.excluded_precisions,
+        precision_notes=_precision_notes(context, costs, evaluations), sampler=sampler, evaluations=len(evaluations),
+        simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes,
+        real_probes=measurements.real_probes, resumed=costs.resumed, seconds=time.perf_counter() - context.started,
+        rejected=measurements.rejected, cost_model=costs.model.to_dict(), phases=dict(context.phases),
+        timing=measurements.timing, study=context.study.storage or "", study_problems=list(context.study.problems),
+    )
 
 
 def _fastest(context: PlanContext, costs: Costs) -> str:
@@ -290,12 +356,15 @@ def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
         save(context, costs)
 
 
-def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> tuple[list[Evaluation], str]:
-    """Trace precisions in full, fastest first, while one could still reach the verification; score them.
+def _search(
+    context: PlanContext, costs: Costs, measurements: Measurements, *, levers: LeverSearch | None = None,
+) -> tuple[list[Evaluation], str]:
+    """Trace precisions in full, fastest first, while one could still reach the verification; score them (with
+    the memory levers of ``levers``).
 
     Where the memory model has the last word (``Measurements.model_is_exact``), a precision is traced without
     its recomputations first: checkpointing only slows a point down, so it is worth knowing only for points
-    whose plain speed could still come near the best that fits as plain training (``needs_recomputations``).
+    whose plain speed could still come near the best that fits without it (``needs_recomputations``).
     """
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     usable = measurements.usable_bytes()
@@ -309,6 +378,7 @@ def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> t
             found, _ = score_space(
                 costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
                 global_batch_size=context.global_batch_size, usable_bytes=usable, study=None, slack=measurements.slack,
+                levers=levers,
             )
         return found
 
@@ -318,6 +388,8 @@ def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> t
             continue
         with context.phase("memory"):
             trace_full(context, costs, precision, recompute=not lazy)
+            if levers is not None and levers.offload:
+                trace_offload(context, costs, precision, usable_bytes=usable)
         evaluations = scored()
         while needed := needs_recomputations(costs, evaluations, within=within):
             with context.phase("memory"):
@@ -329,6 +401,7 @@ def _search(context: PlanContext, costs: Costs, measurements: Measurements) -> t
         evaluations, sampler = score_space(
             costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
             global_batch_size=context.global_batch_size, usable_bytes=usable, study=context.study, slack=measurements.slack,
+            levers=levers,
         )
     skipped = costs.untraced(context.precisions)
     context.log(

@@ -12,6 +12,12 @@ droppable blocks are a prefix of the block list, and a dynamic programme over
 blocks with Pareto-pruned states (bytes dropped so far, seconds spent) solves
 it exactly for any number of blocks.
 
+With the memory levers (``LeverSearch``), each point also tries the step in
+backward and host optimizer state (the memory model's segments with them,
+``lever_memory.lever_segments``), and offload is a fourth mode per block
+(freeing what the block alone saved, at its copies' time); the knapsack's
+choice is then checked against the model's whole prediction.
+
 Precision x micro-batch size is the outer space, searched by Optuna: brute
 force when it is small, TPE when it is not, in a study that can live in a
 database and resume. ``score_space`` scores each point by the cost model.
@@ -20,13 +26,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from autofit.errors import UserError
+from autofit.measure.host_speed import HostLink
 from autofit.planning.cost_model import CostModel
+from autofit.planning.lever_costs import offload_block_seconds
+from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
 from autofit.planning.memory_model import Segment, peak_of
 
 BRUTE_FORCE_LIMIT = 256
@@ -42,8 +51,8 @@ EXACT_SLACK = 0.001
 (which the verification's probes catch), so a candidate predicted further over the limit would fail its probe."""
 
 
-FULL, SELECTIVE = "full", "selective"
-"""A block's checkpoint modes (None: not checkpointed)."""
+FULL, SELECTIVE, OFFLOAD = "full", "selective", "offload"
+"""A block's modes (None: none of them): checkpointed fully or selectively, or its activations offloaded."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,6 +63,57 @@ class CheckpointChoice:
     recompute_seconds: float
     selective: frozenset[int] = frozenset()
     """Blocks checkpointed selectively."""
+    offload: frozenset[int] = frozenset()
+    """Blocks whose activations are offloaded."""
+    offload_seconds: float = 0.0
+    """What offloading them costs per optimizer step (in ``recompute_seconds`` too)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeverSearch:
+    """The memory levers the search may add to checkpointing (one process), and what their time terms need.
+
+    The step in backward is tried where a point has one micro-batch per step and is not fp16 (its GradScaler
+    must see every gradient first); optimizer state on the host and offload (per block, a fourth mode beside
+    none, selective and full) on a GPU only: on the CPU the host is the device. Their time is
+    ``lever_costs``': nothing for the step in backward; transfers over the host link (measured on a GPU
+    here, else assumed) and the host's update for the others.
+    """
+
+    step_in_backward: bool = False
+    host_state: bool = False
+    offload: bool = False
+    link: HostLink | None = None
+    """The host link's rates (``lever_costs.host_link``), with host state or offload."""
+    trainable_bytes: int = 0
+    """Bytes of the parameters that train (their gradients are as many)."""
+    host_update_seconds: float = 0.0
+    """The optimizer's update of every trainable parameter on the host's CPU."""
+
+    def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
+        """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
+        found = [LeverChoice()]
+        if self.step_in_backward and micro_batch_size >= global_batch_size and precision != "fp16":
+            found.append(LeverChoice(optimizer_in_backward=True))
+        if self.host_state:
+            found.append(LeverChoice(optimizer_state="host"))  # with the step in backward too it frees nothing more
+        return found
+
+    def lever_seconds(self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice) -> float:
+        """Seconds the levers add to one optimizer step (``lever_costs.lever_time``)."""
+        if not choice.offload and choice.optimizer_state == "device":
+            return 0.0
+        from autofit.apply import TrainingConfig
+        from autofit.planning.lever_costs import lever_time
+
+        config = TrainingConfig(
+            global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size, precision=precision,
+            offload=[model.blocks[b] for b in sorted(choice.offload)], optimizer_in_backward=choice.optimizer_in_backward,
+            optimizer_state=choice.optimizer_state,
+        )
+        return lever_time(
+            config, model=model, link=self.link, trainable_bytes=self.trainable_bytes, host_update_seconds=self.host_update_seconds,
+        ).seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +131,12 @@ def cheapest_checkpoint(
     limit_bytes: float,
     selective_drops: list[float] | None = None,
     selective_seconds: list[float] | None = None,
+    offload_drops: list[float] | None = None,
+    offload_seconds: list[float] | None = None,
+    checkpointing: bool = True,
 ) -> CheckpointChoice | None:
-    """Each block's checkpoint mode (none, selective, full) with the least recompute time whose peak is at most ``limit_bytes``.
+    """Each block's checkpoint mode (none, selective, full, offload) with the least added time whose peak is at most
+    ``limit_bytes``.
 
     Args:
         segments: the memory model's segments at this precision and micro-batch size.
@@ -80,12 +144,17 @@ def cheapest_checkpoint(
         seconds: recompute seconds each block's full checkpointing costs per optimizer step.
         limit_bytes: the peak allowed.
         selective_drops, selective_seconds: the same for selective checkpointing; None (either) leaves it out.
+        offload_drops, offload_seconds: the same for activation offload; None (either) leaves it out.
+        checkpointing: False leaves full and selective checkpointing out (segments of plain training only).
 
     Returns:
         The choice, or None when even checkpointing every block does not fit.
     """
     n = len(drops)
-    options = _options(drops, seconds, selective_drops=selective_drops, selective_seconds=selective_seconds)
+    options = _options(
+        drops, seconds, selective_drops=selective_drops, selective_seconds=selective_seconds, offload_drops=offload_drops,
+        offload_seconds=offload_seconds, checkpointing=checkpointing,
+    )
     if _prefix_shaped(segments, n):
         modes = _prefix_knapsack(segments, options, limit_bytes=limit_bytes)
     elif math.prod(len(o) for o in options) <= 2**ENUMERATE_LIMIT:
@@ -96,38 +165,89 @@ def cheapest_checkpoint(
         return None
     full = frozenset(b for b, mode in enumerate(modes) if mode == FULL)
     selective = frozenset(b for b, mode in enumerate(modes) if mode == SELECTIVE)
+    offloaded = frozenset(b for b, mode in enumerate(modes) if mode == OFFLOAD)
     return CheckpointChoice(
-        blocks=full, selective=selective, peak_bytes=_peak(segments, options, modes),
+        blocks=full, selective=selective, offload=offloaded, peak_bytes=_peak(segments, options, modes),
         recompute_seconds=sum(_chosen(options, modes, b).seconds for b in range(n)),
+        offload_seconds=sum(_chosen(options, modes, b).seconds for b in offloaded),
     )
 
 
-def cheapest_for(model: CostModel, precision: str, micro_batch_size: int, *, limit_bytes: float) -> CheckpointChoice | None:
+def cheapest_for(
+    model: CostModel, precision: str, micro_batch_size: int, *, limit_bytes: float, levers: LeverChoice | None = None,
+    search: LeverSearch | None = None,
+) -> CheckpointChoice | None:
     """``cheapest_checkpoint`` at one (precision, micro-batch) of the cost model, each block none, selective or full
-    (selective where the model knows what it frees and costs)."""
+    (selective where the model knows what it frees and costs), with ``levers``' step in backward and optimizer
+    state, and offload as a fourth mode where ``search`` allows it.
+
+    With levers the knapsack's segments are the memory model's with them (``lever_memory.lever_segments``) and
+    offload frees what each block alone saved (additive); the choice is then checked against the model's whole
+    prediction (storages blocks share, copies backward brings back) and, while that does not fit, sought again
+    under a limit lowered by the miss.
+    """
     memory = model.precisions[precision].memory
+    G = model.global_batch_size
+    # Where the traces hold plain training only (``cost_model.complete_memory``), no block is checkpointed; at the
+    # floor's size its own trace knows.
     known = memory.with_checkpointing(micro_batch_size)
-    if known is None:  # plain training's peaks only, so far (``cost_model.complete_memory``)
-        segments, drops = memory.at(micro_batch_size, global_batch_size=model.global_batch_size)
-        peak = peak_of(segments, drops, frozenset())
-        if peak > limit_bytes:
-            return None
-        return CheckpointChoice(blocks=frozenset(), selective=frozenset(), peak_bytes=peak, recompute_seconds=0.0)
-    memory = known
-    segments, drops = memory.at(micro_batch_size, global_batch_size=model.global_batch_size)
-    return cheapest_checkpoint(
-        segments, drops, model.recompute_seconds(precision, micro_batch_size), limit_bytes=limit_bytes,
+    checkpointing = known is not None
+    memory = known or memory
+    segments, drops = memory.at(micro_batch_size, global_batch_size=G)
+    seconds = model.recompute_seconds(precision, micro_batch_size)
+    modes = dict(
+        checkpointing=checkpointing,
         selective_drops=memory.selective_drops(micro_batch_size),
         selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size),
     )
+    levers = levers or LeverChoice()
+    offloading = search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is not None
+    if levers == LeverChoice() and not offloading:
+        return cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit_bytes, **modes)
+    found = lever_segments(memory, micro_batch_size, global_batch_size=G, choice=levers)
+    if found is None:
+        return None
+    with_levers, items = found
+    segments = [
+        Segment(peak_bytes=s.peak_bytes, dropped=s.dropped, phase=s.phase, recomputes=s.recomputes, selective=s.selective)
+        for s in with_levers
+    ]
+    if offloading:
+        modes.update(
+            offload_drops=offload_drops(items, len(drops)),
+            offload_seconds=offload_block_seconds(model, precision, micro_batch_size, link=search.link),
+        )
+    target = limit_bytes
+    for _attempt in range(4):
+        choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=target, **modes)
+        if choice is None:
+            return None
+        if not choice.offload:
+            return choice
+        exact = memory.peak_bytes(
+            micro_batch_size, global_batch_size=G, checkpoint=choice.blocks, selective=choice.selective,
+            levers=replace(levers, offload=choice.offload),
+        )
+        if exact <= limit_bytes:
+            choice.peak_bytes = exact
+            return choice
+        target -= exact - limit_bytes + 1
+    return None
 
 
-def _options(drops, seconds, *, selective_drops=None, selective_seconds=None) -> list[list[_Option]]:
-    """Per block, its modes with the bytes they free and the seconds they cost: none, full, and selective where known."""
-    options = [[_Option(None, 0.0, 0.0), _Option(FULL, drops[b], seconds[b])] for b in range(len(drops))]
-    if selective_drops is not None and selective_seconds is not None:
-        for b, block_options in enumerate(options):
-            block_options.append(_Option(SELECTIVE, selective_drops[b], selective_seconds[b]))
+def _options(
+    drops, seconds, *, selective_drops=None, selective_seconds=None, offload_drops=None, offload_seconds=None,
+    checkpointing: bool = True,
+) -> list[list[_Option]]:
+    """Per block, its modes with the bytes they free and the seconds they cost: none, full, and selective and
+    offload where known (full and selective only with ``checkpointing``)."""
+    options = [[_Option(None, 0.0, 0.0)] + ([_Option(FULL, drops[b], seconds[b])] if checkpointing else []) for b in range(len(drops))]
+    for mode, mode_drops, mode_seconds in ((SELECTIVE, selective_drops, selective_seconds), (OFFLOAD, offload_drops, offload_seconds)):
+        if mode == SELECTIVE and not checkpointing:
+            continue
+        if mode_drops is not None and mode_seconds is not None:
+            for b, block_options in enumerate(options):
+                block_options.append(_Option(mode, mode_drops[b], mode_seconds[b]))
     return options
 
 
@@ -136,12 +256,12 @@ def _chosen(options: list[list[_Option]], modes, block: int) -> _Option:
 
 
 def _peak(segments: list[Segment], options: list[list[_Option]], modes) -> float:
-    """``peak_of`` for a mode per block."""
+    """``peak_of`` for a mode per block (an offloaded block frees its drop where it is dropped, and recomputes nothing)."""
+    chosen = [_chosen(options, modes, b).drop for b in range(len(options))]
     return peak_of(
-        segments, [_chosen(options, modes, b).drop for b in range(len(options))],
-        {b for b, mode in enumerate(modes) if mode == FULL},
-        selective_drops=[_chosen(options, modes, b).drop for b in range(len(options))],
-        selective={b for b, mode in enumerate(modes) if mode == SELECTIVE},
+        segments, chosen, {b for b, mode in enumerate(modes) if mode in (FULL, OFFLOAD)},
+        selective_drops=chosen, selective={b for b, mode in enumerate(modes) if mode == SELECTIVE},
+        offload={b for b, mode in enumerate(modes) if mode == OFFLOAD},
     )
 
 
@@ -163,7 +283,7 @@ def _prefix_knapsack(segments, options: list[list[_Option]], *, limit_bytes: flo
     """
     n = len(options)
     need = [-np.inf] * (n + 1)
-    recompute = [{FULL: -np.inf, SELECTIVE: -np.inf} for _ in range(n)]
+    recompute = [{FULL: -np.inf, SELECTIVE: -np.inf, OFFLOAD: -np.inf} for _ in range(n)]
     for s in segments:
         if s.recomputes is None:
             need[len(s.dropped)] = max(need[len(s.dropped)], s.peak_bytes - limit_bytes)
@@ -259,6 +379,10 @@ class Evaluation:
     checkpoint: list[str] = field(default_factory=list)
     selective_checkpoint: list[str] = field(default_factory=list)
     """Blocks checkpointed selectively (``checkpoint`` holds those checkpointed fully)."""
+    offload: list[str] = field(default_factory=list)
+    """Blocks whose activations are offloaded."""
+    optimizer_in_backward: bool = False
+    optimizer_state: str = "device"
     fits: bool = False
     peak_bytes: float = 0.0
     samples_per_s: float = 0.0
@@ -279,8 +403,10 @@ def score_space(
     usable_bytes: float,
     study: Study | None,
     slack: float = MODEL_SLACK,
+    levers: LeverSearch | None = None,
 ) -> tuple[list[Evaluation], str]:
-    """Score every (precision, micro-batch) point by the cost model, each with its cheapest checkpoint modes that fit.
+    """Score every (precision, micro-batch) point by the cost model, each with its fastest checkpoint modes and
+    memory levers that fit.
 
     Args:
         model: the cost model (memory and speed).
@@ -289,6 +415,7 @@ def score_space(
         usable_bytes: the largest peak the budget's headroom leaves (``Measurements.usable_bytes``).
         slack: how far over it a prediction still counts as a candidate (the model's pessimism).
         study: where the search is kept (None: in memory).
+        levers: the memory levers the search may add (None: none); each point keeps the fastest of its choices.
 
     Returns:
         ``search``'s evaluations and the sampler's name.
@@ -303,13 +430,27 @@ def score_space(
             grad_accum_steps=math.ceil(global_batch_size / micro_batch_size),
             plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
         )
-        choice = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit * (1 + slack))
-        if choice is not None:
+        search = levers or LeverSearch()
+        memory = model.precisions[precision].memory
+        choices = search.choices(precision, micro_batch_size, global_batch_size) if memory.has_levers() else [LeverChoice()]
+        for lever_choice in choices:
+            choice = cheapest_for(
+                model, precision, micro_batch_size, limit_bytes=limit * (1 + slack), levers=lever_choice, search=search,
+            )
+            if choice is None:
+                continue
+            chosen = replace(lever_choice, offload=choice.offload)
+            seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
+            speed = global_batch_size / (seconds + search.lever_seconds(model, precision, micro_batch_size, chosen))
+            if result.fits and speed <= result.samples_per_s:
+                continue
             result.fits = True
             result.checkpoint = [model.blocks[b] for b in sorted(choice.blocks)]
             result.selective_checkpoint = [model.blocks[b] for b in sorted(choice.selective)]
-            result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective)
-            result.samples_per_s = model.samples_per_s(precision, micro_batch_size, choice.blocks, choice.selective)
+            result.offload = [model.blocks[b] for b in sorted(choice.offload)]
+            result.optimizer_in_backward, result.optimizer_state = chosen.optimizer_in_backward, chosen.optimizer_state
+            result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
+            result.samples_per_s = speed
         return result
 
     if study is None:

@@ -24,12 +24,13 @@ import torch
 from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory, simulated_meter
-from autofit.measure.probe import create_optimizer_state, probe
+from autofit.measure.probe import create_optimizer_state, measure
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import CostModel
 from autofit.planning.speed_timing import StepTimer
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
-from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, cheapest_for
+from autofit.planning.lever_memory import LeverChoice
+from autofit.planning.search import EXACT_SLACK, MODEL_SLACK, Evaluation, LeverSearch, cheapest_for
 from autofit.planning.timing import MAX_NOISY_ROUNDS, MAX_TIE, MIN_ROUNDS, TIE, Race, Samples, interleaved_rounds
 from autofit.units import format_bytes
 from strategies import PRECISIONS
@@ -179,11 +180,7 @@ class Measurements:
         if key not in self._exact:
             context, m = self.context, config.micro_batch_size
             traced = min(context.global_batch_size, 2 * m)
-            result = probe(
-                context.sim_spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
-                checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
-                device=context.device, simulate=True, steps=2,
-            )
+            result = measure(context.sim_spec, config.training_config(traced), device=context.device, simulate=True, steps=2)
             host = (context.global_batch_size - traced) * self.host_sample_bytes
             breakdown = dict(result.breakdown)
             breakdown["activations"] = breakdown.get("activations", 0) + host
@@ -196,11 +193,7 @@ class Measurements:
         context, m = self.context, config.micro_batch_size
         traced = min(context.global_batch_size, 2 * m)
         try:
-            result = probe(
-                context.spec, micro_batch_size=m, global_batch_size=traced, precision=config.precision,
-                checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
-                device=context.device, steps=2,
-            )
+            result = measure(context.spec, config.training_config(traced), device=context.device, steps=2)
         except torch.OutOfMemoryError:
             release_device_memory(context.device)
             self.reject(config, "out of memory on the device")
@@ -384,10 +377,7 @@ def _resident_bytes(context: PlanContext) -> int:
 
 
 def _training_config(config: Config, context: PlanContext) -> TrainingConfig:
-    return TrainingConfig(
-        global_batch_size=context.global_batch_size, micro_batch_size=config.micro_batch_size,
-        precision=config.precision, checkpoint=list(config.checkpoint), selective_checkpoint=list(config.selective_checkpoint),
-    )
+    return config.training_config(context.global_batch_size)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -414,6 +404,7 @@ def verify(
     floor_bytes: int,
     measurements: Measurements,
     reference: Config | None = None,
+    levers: LeverSearch | None = None,
 ) -> dict:
     """The fastest configuration measured to fit, with its measurements (what ``write_plan`` reads).
 
@@ -426,19 +417,23 @@ def verify(
        won by the simpler configuration.
     4. The winner's peak is measured in this run; one that does not fit gives way to the next.
 
+    ``levers``: the memory levers the search used (their time terms, and what a candidate may fall back on).
+
     Raises:
         UserError: no configuration was measured to fit.
     """
-    candidates = _candidates(context, model, evaluations, measurements)
+    levers = levers or LeverSearch()
+    candidates = _candidates(context, model, evaluations, measurements, levers)
     if reference is not None and reference.key() not in {c.config.key() for c in candidates}:
         # Timed beside them anyway: where it fits it is a candidate too (the simplest, often the fastest).
         plain = next((e for e in evaluations if Config(precision=e.precision, micro_batch_size=e.micro_batch_size).key() == reference.key()), None)
         if plain is not None and plain.fits and not plain.checkpoint and not plain.selective_checkpoint:
-            fitting = _fitting_checkpoint_set(context, model, plain, measurements)
-            if fitting is not None and not fitting.config.checkpoint and not fitting.config.selective_checkpoint:
+            fitting = _fitting_checkpoint_set(context, model, plain, measurements, levers)
+            config = fitting.config if fitting is not None else None
+            if config is not None and not config.checkpoint and not config.selective_checkpoint and not config.levers():
                 candidates.append(fitting)
     if not candidates:
-        candidates = [_candidate(model, floor_config)]
+        candidates = [_candidate(model, floor_config, levers)]
     for candidate in candidates:
         measurements.predicted[candidate.config.key()] = candidate.predicted_peak_bytes
     meter = "simulated meter" if context.simulate else f"{context.device} meter"
@@ -459,7 +454,7 @@ def verify(
             return {**by_key[config.key()].result(), **measurements.result(config)}
         measurements.reject(config, f"measured peak {format_bytes(peak)} + headroom does not fit")
     # Every guess missed: the floor fits by construction.
-    floor = _candidate(model, floor_config)
+    floor = _candidate(model, floor_config, levers)
     measurements.checked_peak(floor_config, fresh=True)
     if not measurements.fits(floor_config):
         raise UserError(
@@ -471,12 +466,14 @@ def verify(
     return {**floor.result(), **measurements.result(floor_config)}
 
 
-def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements) -> list[_Candidate]:
+def _candidates(
+    context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements, levers: LeverSearch,
+) -> list[_Candidate]:
     """Up to VERIFY_TOP candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
     # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
     ranked = sorted(
         (e for e in evaluations if e.fits),
-        key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint)),
+        key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint) + len(e.offload)),
     )
     candidates: list[_Candidate] = []
     best_predicted = None
@@ -487,7 +484,7 @@ def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evalua
             break
         if best_predicted is not None and evaluation.samples_per_s < VERIFY_WITHIN * best_predicted:
             break
-        candidate = _fitting_checkpoint_set(context, model, evaluation, measurements)
+        candidate = _fitting_checkpoint_set(context, model, evaluation, measurements, levers)
         if candidate is not None:
             candidates.append(candidate)
             best_predicted = best_predicted or candidate.predicted_samples_per_s
@@ -504,7 +501,7 @@ def _candidates(context: PlanContext, model: CostModel, evaluations: list[Evalua
         )
         keys = {(c.config.precision, c.config.micro_batch_size) for c in candidates}
         if simplest is not None and (simplest.precision, simplest.micro_batch_size) not in keys:
-            candidate = _fitting_checkpoint_set(context, model, simplest, measurements)
+            candidate = _fitting_checkpoint_set(context, model, simplest, measurements, levers)
             if candidate is not None:
                 candidates.append(candidate)
     return candidates
@@ -514,32 +511,34 @@ def _decided(model: CostModel, config: Config, measurements: Measurements) -> bo
     """Whether the memory model alone says this configuration fits, with DECIDED_MARGIN to spare."""
     if not measurements.model_is_exact:
         return False
-    blocks, selective = _indices(model, config)
-    predicted = model.peak_bytes(config.precision, config.micro_batch_size, blocks, selective) * measurements.scale(config.precision)
+    predicted = _predicted_peak(model, config) * measurements.scale(config.precision)
     return predicted <= measurements.usable_bytes() * (1 - DECIDED_MARGIN)
 
 
 def _fitting_checkpoint_set(
-    context: PlanContext, model: CostModel, evaluation: Evaluation, measurements: Measurements
+    context: PlanContext, model: CostModel, evaluation: Evaluation, measurements: Measurements, levers: LeverSearch,
 ) -> _Candidate | None:
-    """The search's checkpoint modes for this point, measured unless decided; while they do not fit, ones the model predicts smaller."""
+    """The search's checkpoint modes and levers for this point, measured unless decided; while they do not fit,
+    modes the model predicts smaller (with the same step in backward and optimizer state)."""
     precision, size = evaluation.precision, evaluation.micro_batch_size
     # Limits below are in the model's own (unscaled) bytes.
     limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
     config = Config(
         precision=precision, micro_batch_size=size, checkpoint=tuple(evaluation.checkpoint),
-        selective_checkpoint=tuple(evaluation.selective_checkpoint),
+        selective_checkpoint=tuple(evaluation.selective_checkpoint), offload=tuple(evaluation.offload),
+        optimizer_in_backward=evaluation.optimizer_in_backward, optimizer_state=evaluation.optimizer_state,
     )
+    gradient_levers = LeverChoice(optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state)
     for _attempt in range(VERIFY_ATTEMPTS):
-        raw = model.peak_bytes(precision, size, *_indices(model, config)) / model.memory_scale
+        raw = _predicted_peak(model, config) / model.memory_scale
         if raw > limit:  # the scale learnt from an earlier measurement rules this set out
-            choice = cheapest_for(model, precision, size, limit_bytes=limit)
+            choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
             if choice is None:
                 return None
-            config = _config(model, precision, size, choice)
-            raw = model.peak_bytes(precision, size, choice.blocks, choice.selective) / model.memory_scale
+            config = _config(model, precision, size, choice, gradient_levers)
+            raw = _predicted_peak(model, config) / model.memory_scale
         if _decided(model, config, measurements) and config.key() not in measurements.peaks:
-            return _candidate(model, config)
+            return _candidate(model, config, levers)
         peak, _ = measurements.checked_peak(config)
         if context.device == "cuda" and not context.simulate and raw > 0:
             # The simulated bytes miss the allocator's rounding and cache: learn by how much.
@@ -547,14 +546,14 @@ def _fitting_checkpoint_set(
         elif not measurements.peaks[config.key()].get("oom"):
             measurements.learn(precision, measured=peak, predicted=raw * model.memory_scale)
         if measurements.fits(config):
-            return _candidate(model, config)
+            return _candidate(model, config, levers)
         measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
         limit = min(limit, raw, measurements.usable_bytes() / model.memory_scale / measurements.scale(precision)) - 1
-        choice = cheapest_for(model, precision, size, limit_bytes=limit)
+        choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
         if choice is None:
             return None
-        config = _config(model, precision, size, choice)
+        config = _config(model, precision, size, choice, gradient_levers)
     return None
 
 
@@ -566,19 +565,35 @@ def _indices(model: CostModel, config: Config) -> tuple[frozenset[int], frozense
     )
 
 
-def _config(model: CostModel, precision: str, size: int, choice) -> Config:
+def _config(model: CostModel, precision: str, size: int, choice, levers: LeverChoice) -> Config:
     return Config(
         precision=precision, micro_batch_size=size, checkpoint=tuple(model.blocks[b] for b in sorted(choice.blocks)),
         selective_checkpoint=tuple(model.blocks[b] for b in sorted(choice.selective)),
+        offload=tuple(model.blocks[b] for b in sorted(choice.offload)), optimizer_in_backward=levers.optimizer_in_backward,
+        optimizer_state=levers.optimizer_state,
     )
 
 
-def _candidate(model: CostModel, config: Config) -> _Candidate:
+def lever_choice(model: CostModel, config: Config) -> LeverChoice:
+    """The configuration's memory levers, as the memory model takes them."""
+    return LeverChoice(
+        offload=frozenset(model.blocks.index(n) for n in config.offload), optimizer_in_backward=config.optimizer_in_backward,
+        optimizer_state=config.optimizer_state,
+    )
+
+
+def _predicted_peak(model: CostModel, config: Config) -> float:
+    blocks, selective = _indices(model, config)
+    return model.peak_bytes(config.precision, config.micro_batch_size, blocks, selective, levers=lever_choice(model, config))
+
+
+def _candidate(model: CostModel, config: Config, levers: LeverSearch) -> _Candidate:
     blocks, selective = _indices(model, config)
     precision, size = config.precision, config.micro_batch_size
+    seconds = model.step_seconds(precision, size, blocks, selective)
+    seconds += levers.lever_seconds(model, precision, size, lever_choice(model, config))
     return _Candidate(
-        config=config, predicted_samples_per_s=model.samples_per_s(precision, size, blocks, selective),
-        predicted_peak_bytes=model.peak_bytes(precision, size, blocks, selective),
+        config=config, predicted_samples_per_s=model.global_batch_size / seconds, predicted_peak_bytes=_predicted_peak(model, config),
     )
 
 

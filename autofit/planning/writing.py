@@ -102,6 +102,9 @@ def write_plan(
         precision=config.precision,
         checkpoint=list(config.checkpoint),
         selective_checkpoint=list(config.selective_checkpoint),
+        offload=list(config.offload),
+        optimizer_in_backward=config.optimizer_in_backward,
+        optimizer_state=config.optimizer_state,
         estimated=context.simulate,
         predicted=Predicted(
             peak_bytes=int(chosen["predicted_peak_bytes"]),
@@ -138,10 +141,11 @@ def _alternatives(
     points = []
     for e in evaluations:
         points.append((Config(precision=e.precision, micro_batch_size=e.micro_batch_size), e.grad_accum_steps, e.plain_peak_bytes, e.plain_samples_per_s))
-        if e.fits and (e.checkpoint or e.selective_checkpoint):
+        if e.fits and (e.checkpoint or e.selective_checkpoint or e.offload or e.optimizer_in_backward or e.optimizer_state != "device"):
             config = Config(
                 precision=e.precision, micro_batch_size=e.micro_batch_size, checkpoint=tuple(e.checkpoint),
-                selective_checkpoint=tuple(e.selective_checkpoint),
+                selective_checkpoint=tuple(e.selective_checkpoint), offload=tuple(e.offload),
+                optimizer_in_backward=e.optimizer_in_backward, optimizer_state=e.optimizer_state,
             )
             points.append((config, e.grad_accum_steps, e.peak_bytes, e.samples_per_s))
     points.sort(key=lambda p: (p[2], -p[3]))
@@ -168,6 +172,9 @@ def _alternatives(
             "precision": config.precision, "micro_batch_size": config.micro_batch_size, "grad_accum_steps": steps,
             "checkpoint": list(config.checkpoint),
             **({"selective_checkpoint": list(config.selective_checkpoint)} if config.selective_checkpoint else {}),
+            **({"offload": list(config.offload)} if config.offload else {}),
+            **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
+            **({"optimizer_state": config.optimizer_state} if config.optimizer_state != "device" else {}),
             "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
             "fits_budget": peak * model.memory_scale <= usable_bytes, "chosen": is_chosen,
         }

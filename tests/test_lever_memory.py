@@ -1,0 +1,148 @@
+"""The memory model with the levers against the cpu meter: step in backward, host optimizer state, offload.
+
+The LM and the CNN of tests/models.py in fp32 and bf16, traced at 2 and 8
+samples (offload's extra trace included), each lever alone and mixed with
+each other and with checkpointing, in one micro-step and in several
+(3 + 3 + 2). On the CPU the meters count host state and offloaded storages
+as host bytes, so the device peak is what the model predicts.
+"""
+import dataclasses
+import functools
+
+import pytest
+
+from autofit.measure.probe import probe
+from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+from autofit.planning.lever_memory import LeverChoice
+from tests.test_memory_grid import grid_spec, quiet_process  # noqa: F401 (the module's fixture)
+
+TOLERANCE = 0.002
+"""Of the measured peak; the issue asks for 1%. Measured: the step in backward and host state within 0.03%,
+offload within 0.19% (bf16, a selective block between offloaded ones) and -0.14% (a micro-batch between the
+traced sizes: saved tensors under ``MIN_OFFLOAD_BYTES`` at one of them only)."""
+
+
+@functools.cache
+def lever_model(layout: str, precision: str) -> CostModel:
+    memory = memory_costs(grid_spec(layout), precision=precision, low=2, high=8, device_type="cpu", offload=True)
+    model = CostModel(blocks=memory.high.blocks, global_batch_size=8, device_type="cpu", estimated=False)
+    no_speed = SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[1.0], block_seconds=[[]], optimizer_seconds=0.0)
+    model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=no_speed)
+    return model
+
+
+def miss(layout: str, precision: str, *, micro_batch_size: int, global_batch_size: int, **levers) -> float:
+    """(predicted - measured) / measured for one configuration (block names in ``levers``)."""
+    model = dataclasses.replace(lever_model(layout, precision), global_batch_size=global_batch_size)
+    blocks = model.blocks
+
+    def indices(key: str) -> frozenset[int]:
+        return frozenset(blocks.index(b) for b in levers.get(key, []))
+
+    choice = LeverChoice(
+        offload=indices("offload"), optimizer_in_backward=levers.get("optimizer_in_backward", False),
+        optimizer_state=levers.get("optimizer_state", "device"),
+    )
+    predicted = model.peak_bytes(
+        precision, micro_batch_size, set(indices("checkpoint")), indices("selective_checkpoint"), levers=choice,
+    )
+    measured = probe(
+        grid_spec(layout), micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, precision=precision,
+        steps=1, **levers,
+    ).peak_bytes
+    return (predicted - measured) / measured
+
+
+def gradient_cases(blocks: list[str]) -> dict[str, dict]:
+    return {
+        "step in backward, 8": dict(micro_batch_size=8, global_batch_size=8, optimizer_in_backward=True),
+        "step in backward, 2": dict(micro_batch_size=2, global_batch_size=2, optimizer_in_backward=True),
+        "step in backward, checkpointed": dict(micro_batch_size=2, global_batch_size=2, optimizer_in_backward=True, checkpoint=blocks[::2]),
+        "host state, 8": dict(micro_batch_size=8, global_batch_size=8, optimizer_state="host"),
+        "host state, 3+3+2": dict(micro_batch_size=3, global_batch_size=8, optimizer_state="host"),
+        "host state, selective": dict(micro_batch_size=3, global_batch_size=8, optimizer_state="host", selective_checkpoint=blocks[1:]),
+        "both, 2": dict(micro_batch_size=2, global_batch_size=2, optimizer_in_backward=True, optimizer_state="host"),
+    }
+
+
+def offload_cases(blocks: list[str]) -> dict[str, dict]:
+    return {
+        "all, 8": dict(micro_batch_size=8, global_batch_size=8, offload=blocks),
+        "all, 3+3+2": dict(micro_batch_size=3, global_batch_size=8, offload=blocks),
+        "first": dict(micro_batch_size=3, global_batch_size=8, offload=blocks[:1]),
+        "alternate": dict(micro_batch_size=8, global_batch_size=8, offload=blocks[1::2]),
+        "beside full checkpointing": dict(micro_batch_size=3, global_batch_size=8, offload=blocks[1:], checkpoint=blocks[:1]),
+        "with step in backward": dict(micro_batch_size=2, global_batch_size=2, offload=blocks[1:], optimizer_in_backward=True),
+        "with host state": dict(micro_batch_size=3, global_batch_size=8, offload=blocks[::2], optimizer_state="host"),
+        "beside selective, host state": dict(
+            micro_batch_size=3, global_batch_size=8, offload=blocks[::2], selective_checkpoint=blocks[1:2], optimizer_state="host",
+        ),
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["lm", "cnn"])
+def test_gradient_levers_predicted_peak_is_the_measured_peak(layout, precision):
+    """The step in backward and host state free gradients as they are accumulated, and host state its state."""
+    blocks = lever_model(layout, precision).blocks
+    misses = {label: miss(layout, precision, **case) for label, case in gradient_cases(blocks).items()}
+    assert all(abs(m) <= TOLERANCE for m in misses.values()), {k: f"{v:+.4%}" for k, v in misses.items()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["lm", "cnn"])
+def test_offload_predicted_peak_is_the_measured_peak(layout, precision):
+    """Offloaded blocks' saved tensors leave the device between forward and backward; a storage two blocks save
+    (a CNN block's ReLU output, the next convolution's input) leaves only when both are offloaded."""
+    blocks = lever_model(layout, precision).blocks
+    misses = {label: miss(layout, precision, **case) for label, case in offload_cases(blocks).items()}
+    assert all(abs(m) <= TOLERANCE for m in misses.values()), {k: f"{v:+.4%}" for k, v in misses.items()}
+
+
+def test_levers_change_the_prediction_as_they_change_the_peak():
+    """What each lever frees in the LM (checked against the meter above): at two samples, whose peak is the
+    optimizer step's, host state its state and the gradients, the step in backward the gradients alone, and
+    offload nothing; at eight, whose peak is the activations', offload about half of it."""
+    model = lever_model("lm", "fp32")
+    every = frozenset(range(len(model.blocks)))
+
+    def peak(size: int, **levers) -> float:
+        return dataclasses.replace(model, global_batch_size=size).peak_bytes("fp32", size, set(), frozenset(), levers=LeverChoice(**levers))
+
+    plain, step, host = peak(2), peak(2, optimizer_in_backward=True), peak(2, optimizer_state="host")
+    assert host < step < plain and peak(2, offload=every) == plain
+    assert peak(8, offload=every) < 0.7 * peak(8)
+
+
+def test_offload_is_not_modelled_without_its_trace():
+    """The planner traces offload for a GPU only: traces without it still model the gradient levers."""
+    memory = memory_costs(grid_spec("lm"), precision="fp32", low=2, high=8, device_type="cpu")
+    assert memory.has_levers()
+    memory.peak_bytes(8, global_batch_size=8, checkpoint=set(), levers=LeverChoice(optimizer_in_backward=True))
+    with pytest.raises(ValueError):
+        memory.peak_bytes(8, global_batch_size=8, checkpoint=set(), levers=LeverChoice(offload=frozenset({0})))
+
+
+def test_lever_record_survives_the_store():
+    """A study keeps the cost model as plain data: the lever record comes back and predicts the same."""
+    import json
+
+    model = lever_model("cnn", "fp32")
+    back = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    choice = LeverChoice(offload=frozenset({1, 2}), optimizer_state="host")
+    assert back.peak_bytes("fp32", 3, set(), frozenset(), levers=choice) == model.peak_bytes("fp32", 3, set(), frozenset(), levers=choice)
+
+
+def test_step_in_backward_counts_each_parameters_step():
+    """AdamW (its for-loop kernel, the CPU's default) makes temporaries of about 2.5 times a parameter in its step:
+    stepped in backward, beside the activations, the wide head's weight raises the peak (16.1 MB against 10.8 MB
+    plain), and the model says so, so the search never takes it for a saving."""
+    from autofit.spec import default_optimizer
+    from tests.models import conv_then_wide_spec
+
+    spec = dataclasses.replace(conv_then_wide_spec(), build_optimizer=default_optimizer)
+    memory = memory_costs(spec, precision="fp32", low=2, high=8, device_type="cpu")
+    predicted = memory.peak_bytes(8, global_batch_size=8, checkpoint=set(), levers=LeverChoice(optimizer_in_backward=True))
+    measured = probe(spec, micro_batch_size=8, global_batch_size=8, optimizer_in_backward=True, steps=1).peak_bytes
+    assert abs(predicted - measured) <= 0.001 * measured
+    assert predicted > memory.peak_bytes(8, global_batch_size=8, checkpoint=set())

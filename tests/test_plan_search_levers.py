@@ -1,0 +1,96 @@
+"""The memory levers in the search above the floor: the step in backward where one micro-batch per step allows
+it, offload per block and host optimizer state on a GPU, each plan re-measured by ``probe_plan``."""
+import pytest
+import torch
+
+from autofit.measure.probe import probe, probe_plan
+from autofit.planning.planner import plan_with_report
+from autofit.planning.search import LeverSearch
+from autofit.planning.lever_memory import LeverChoice
+from tests.models import conv_then_wide_spec, layout_specs
+
+STEP_BUDGET = 10_300_000
+"""Bytes: above ConvThenWide's floor (9.0 MB), below its plain peak at micro-batch 8 (10.8 MB) and the peak with
+its first block checkpointed (10.3 MB); the step in backward brings micro-batch 8 down to 9.8 MB."""
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_step_in_backward_lets_the_whole_batch_fit_above_the_floor():
+    """Its wide head's gradients appear beside every convolution's activations; stepped in backward they never
+    coexist, so micro-batch 8 fits without recomputation: faster than checkpointing or accumulating."""
+    spec = conv_then_wide_spec()
+    report = plan_with_report(spec, budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"])
+    plan = report.plan
+    assert report.floor_bytes < STEP_BUDGET
+    assert plan.optimizer_in_backward and plan.micro_batch_size == 8 and not plan.checkpoint and not plan.selective_checkpoint
+    assert plan.measured.peak_bytes <= STEP_BUDGET
+    assert abs(plan.predicted.peak_bytes - plan.measured.peak_bytes) <= 0.001 * plan.measured.peak_bytes
+    assert any("optimizer step in backward" in note for note in plan.notes)
+    # Without it the same configuration does not fit, and whatever fits instead is predicted slower.
+    plain = probe(spec, micro_batch_size=8, global_batch_size=8, simulate=True, steps=1)
+    assert plain.peak_bytes > STEP_BUDGET
+    others = [a for a in plan.alternatives if a["fits_budget"] and not a.get("optimizer_in_backward")]
+    assert others and all(a["predicted_samples_per_s"] < plan.predicted.samples_per_s for a in others)
+    remeasured = probe_plan(spec, plan, steps=2)
+    assert remeasured.optimizer_in_backward and remeasured.peak_bytes <= STEP_BUDGET
+
+
+def test_step_in_backward_is_searched_only_where_a_point_allows_it():
+    """One micro-batch per step, and not fp16 (its GradScaler must see every gradient before any step); host state
+    and offload only when the search allows them (a GPU)."""
+    search = LeverSearch(step_in_backward=True)
+    assert LeverChoice(optimizer_in_backward=True) in search.choices("fp32", 8, 8)
+    assert search.choices("fp32", 4, 8) == [LeverChoice()]
+    assert search.choices("fp16", 8, 8) == [LeverChoice()]
+    gpu = LeverSearch(step_in_backward=True, host_state=True, offload=True)
+    assert LeverChoice(optimizer_state="host") in gpu.choices("fp16", 4, 8)
+
+
+def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
+    """The LM at micro-batch 8 on a simulated GPU, at a budget where dropping its blocks' activations is needed:
+    offloading a block costs its copies over the assumed host link, less than recomputing it or splitting the batch,
+    and the plan names it; ``autofit probe --plan`` re-measures it within the budget."""
+    spec = layout_specs()["lm"]
+    report = plan_with_report(
+        spec, budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"],
+    )
+    plan = report.plan
+    assert plan.offload and plan.micro_batch_size == 8
+    assert not set(plan.offload) & set(plan.checkpoint + plan.selective_checkpoint)
+    assert abs(plan.predicted.peak_bytes - plan.measured.peak_bytes) <= 0.002 * plan.measured.peak_bytes
+    assert any("activation offload moves" in note and "assumed" in note for note in plan.notes)
+    remeasured = probe_plan(spec, plan, steps=2)
+    assert remeasured.offload == plan.offload and remeasured.host_peak_bytes > 0
+    assert remeasured.peak_bytes == plan.measured.peak_bytes
+    assert remeasured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
+
+
+def test_cpu_plans_never_offload():
+    """On the CPU the host is the device: the search offers neither offload nor host state, even where dropping
+    activations is needed (the LM at 1.25 MB checkpoints instead)."""
+    spec = layout_specs()["lm"]
+    report = plan_with_report(spec, budget=1_250_000, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"])
+    plan = report.plan
+    assert not plan.offload and plan.optimizer_state == "device" and (plan.checkpoint or plan.selective_checkpoint or plan.micro_batch_size < 8)
+
+
+def test_configuration_keys_name_the_levers_and_keep_the_old_ones():
+    """Stored measurements are keyed by configuration: one without levers keeps the key it always had."""
+    from autofit.planning.context import Config
+
+    plain = Config(precision="fp32", micro_batch_size=4, checkpoint=("a",))
+    assert plain.key() == "fp32:4:a"
+    levers = Config(precision="fp32", micro_batch_size=4, checkpoint=("a",), offload=("b",), optimizer_state="host")
+    assert levers.key() == "fp32:4:a::offload=b;state=host"
+    stepping = Config(precision="bf16", micro_batch_size=8, optimizer_in_backward=True)
+    assert stepping.key() == "bf16:8:::step-in-backward"
+    assert len({plain.key(), levers.key(), stepping.key()}) == 3
+    assert plain.simplicity(8) < levers.simplicity(8)
+    assert levers.training_config(8).offload == ["b"] and levers.training_config(8).optimizer_state == "host"
