@@ -66,7 +66,7 @@ def test_a_fresh_process_traces_in_its_workers_and_gets_the_same_traces():
     # Alone: plain and all-checkpointed (and all-selective where it frees bytes) at two sizes; with the pool none here.
     assert result["runs_alone"] >= 4
     assert result["runs_here_with_pool"] == 0
-    assert result["traced_in_plan"] and result["runs_here_in_plan"] == 0
+    assert result["traced_in_plan"] and result["runs_here_in_plan"] == 0, result
 
 
 def test_no_pool_inside_a_torch_mode(monkeypatch):
