@@ -94,3 +94,19 @@ def test_configuration_keys_name_the_levers_and_keep_the_old_ones():
     assert len({plain.key(), levers.key(), stepping.key()}) == 3
     assert plain.simplicity(8) < levers.simplicity(8)
     assert levers.training_config(8).offload == ["b"] and levers.training_config(8).optimizer_state == "host"
+
+
+def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
+    """Levers only add time (the step in backward none): at a budget every point fits without checkpointing,
+    the search never models one (the lever search costs most of a tight plan's search)."""
+    import autofit.planning.search as search
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a lever was tried at a point that fits as plain training")
+
+    monkeypatch.setattr(search, "lever_segments", refuse)
+    report = plan_with_report(
+        layout_specs()["lm"], budget="4GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False,
+    )
+    plan = report.plan
+    assert not plan.optimizer_in_backward and plan.offload == [] and plan.optimizer_state == "device" and not plan.checkpoint

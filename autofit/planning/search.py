@@ -433,6 +433,11 @@ def score_space(
         search = levers or LeverSearch()
         memory = model.precisions[precision].memory
         choices = search.choices(precision, micro_batch_size, global_batch_size) if memory.has_levers() else [LeverChoice()]
+        plain = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit * (1 + slack))
+        if plain is not None and not plain.blocks and not plain.selective:
+            # It fits as plain training: every lever adds time (the step in backward none), so none is tried.
+            choices = [LeverChoice()]
+            search = LeverSearch()
         for lever_choice in choices:
             choice = cheapest_for(
                 model, precision, micro_batch_size, limit_bytes=limit * (1 + slack), levers=lever_choice, search=search,
