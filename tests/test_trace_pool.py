@@ -154,3 +154,10 @@ def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypa
     tight = plan_with_report(spec, budget=int(0.8 * peak), batch_size=8, simulate=True, cache=False, precisions=["fp32"])
     assert tight.plan.checkpoint or tight.plan.selective_checkpoint or tight.plan.micro_batch_size < 8
     assert {size for size, mode in runs if mode == "full"} >= {2, 8}
+
+
+def test_a_bad_worker_count_is_one_line_naming_it(run_cli, monkeypatch):
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "many")
+    monkeypatch.setattr(trace_pool, "_broken", False)
+    code, out, err = run_cli("plan", "torchvision:resnet18", "--input-shape", "3x32x32", "--budget", "1GB", "--batch-size", "4", "--no-cache")
+    assert code != 0 and "AUTOFIT_TRACE_WORKERS='many'" in err and "Traceback" not in err

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 import torch
 
 from autofit._torch_private import modes_active
+from autofit.errors import UserError
 from autofit.spec import ModelSpec
 
 MAX_WORKERS = 8
@@ -53,7 +54,9 @@ def trace_workers() -> int:
     if _broken or "fork" not in multiprocessing.get_all_start_methods():
         return 0
     wanted = os.environ.get(WORKERS_VARIABLE, "").strip()
-    if wanted.isdigit():
+    if wanted:
+        if not wanted.isdigit():
+            raise UserError(f"{WORKERS_VARIABLE}={wanted!r} must be a whole number of trace workers (0 or 1: none); unset it to use the free cores")
         return int(wanted)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
