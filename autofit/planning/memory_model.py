@@ -211,39 +211,26 @@ def trace_memory_sizes(
 
     The checkpoint candidates are ``blocks`` (a trace's ``blocks``), else a
     forward finds them (``traced_candidates``; without a pool, the first plain
-    run); then every plain and all-checkpointed run is handed out at once, and
-    each all-selective run as soon as its plain run shows that selective
-    checkpointing frees something. Without a pool the same runs go one after
-    another in this process. Without ``recompute``, only the plain runs
-    (``add_recomputes`` adds the others when they are needed).
+    run); then every plain run is handed out at once, and with ``recompute``
+    the all-checkpointed and all-selective runs after them (``add_recomputes``,
+    which adds them later otherwise). Without a pool the same runs go one after
+    another in this process.
     """
-    def start(size: int, mode: str):
-        return call(pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode=mode, blocks=blocks)
+    def start(size: int):
+        return call(pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode="none", blocks=blocks)
 
     plain: dict[int, object] = {}
     if blocks is None and pool is not None and pool.spec is spec:
         blocks = traced_candidates(spec, micro_batch_size=sizes[0], device_type=device_type)  # a forward, not a run
     if blocks is None:
-        first = start(sizes[0], "none")()
+        first = start(sizes[0])()
         blocks, plain[sizes[0]] = first.names, first
-    plain.update({size: start(size, "none") for size in sizes if size not in plain})
-    full = {size: start(size, "full") for size in sizes} if blocks and recompute else {}
-    selective, frees = {}, set()
-    for size in sizes:
-        plain[size] = plain[size] if isinstance(plain[size], _RawTrace) else plain[size]()
-        if blocks and any(b > 0 for b in plain[size].selective_drop_bytes):
-            frees.add(size)
-            if recompute:
-                selective[size] = start(size, "selective")
+    pending = {size: start(size) for size in sizes if size not in plain}
+    plain.update({size: result() for size, result in pending.items()})
     traces = []
     for size in sizes:
         raw = plain[size]
         segments, prefix_shaped = _segments(raw.marks, raw.peaks, raw.drop_bytes)
-        selective_drops = raw.selective_drop_bytes if size in frees else []
-        for mode, drops, pending in (("full", raw.drop_bytes, full.get(size)), ("selective", selective_drops, selective.get(size))):
-            if pending is not None:
-                recomputed = pending()
-                segments += _recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
         traces.append(MemoryTrace(
             micro_batch_size=size,
             blocks=raw.names,
@@ -252,11 +239,12 @@ def trace_memory_sizes(
             prefix_shaped=prefix_shaped,
             host_sample_bytes=raw.host_bytes // (2 * size),
             output_shape=raw.output_shape,
-            selective_drop_bytes=selective_drops,
-            recomputed=recompute or not blocks,
+            # Left out where selective checkpointing frees nothing in any block: then it is never traced.
+            selective_drop_bytes=raw.selective_drop_bytes if blocks and any(b > 0 for b in raw.selective_drop_bytes) else [],
+            recomputed=not blocks,
             levers=lever_trace(raw.levers, raw.marks, raw.peaks, spec=spec, device_type=device_type),
         ))
-    return traces
+    return add_recomputes(spec, traces, precision=precision, device_type=device_type, pool=pool) if recompute else traces
 
 
 def add_recomputes(
