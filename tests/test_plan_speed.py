@@ -11,12 +11,7 @@ from autofit.spec import ModelSpec, default_optimizer
 from tests.test_planner import uneven_spec
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
 
 
 # -- the decisions, with a noisy clock ------------------------------------------------------------
