@@ -33,6 +33,7 @@ __all__ = [
     "inner_tensors",
     "new_fake_mode",
     "op_flops",
+    "optimizers_step_as_on_cuda",
     "reset_grad_scaler_step",
     "storage_resizes",
     "tree_leaves",
@@ -169,3 +170,31 @@ def call_when_backward_ends(callback) -> None:
 def in_autograd_backward() -> bool:
     """Whether the autograd engine is running a backward node now (also inside a dispatch mode's ``__torch_dispatch__``)."""
     return torch._C._current_autograd_node() is not None
+
+
+@contextmanager
+def optimizers_step_as_on_cuda() -> Iterator[None]:
+    """Inside, PyTorch's optimizers left to choose (``foreach=None``, ``fused=None``) pick the kernels they pick for
+    CUDA tensors (``torch.optim.optimizer._default_to_fused_or_foreach``): foreach, one operator over every
+    parameter of a group. Over the simulated meter's fake CPU tensors they would step one parameter at a time,
+    which holds one parameter's temporaries at the step where a card holds all of them (AdamW: a copy of every
+    parameter, ``bench/RESULTS.md``)."""
+    import importlib
+    import pkgutil
+
+    import torch.optim
+
+    def as_on_cuda(params, differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
+        if torch.jit.is_scripting() or differentiable:
+            return False, False
+        return use_fused, not use_fused
+
+    modules = [importlib.import_module(f"torch.optim.{m.name}") for m in pkgutil.iter_modules(torch.optim.__path__)]
+    patched = [(m, m._default_to_fused_or_foreach) for m in modules if hasattr(m, "_default_to_fused_or_foreach")]
+    for module, _ in patched:
+        module._default_to_fused_or_foreach = as_on_cuda
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module._default_to_fused_or_foreach = original

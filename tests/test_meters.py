@@ -81,3 +81,23 @@ def test_simulated_equals_cpu_tracked_with_fp16_and_its_scaler():
     simulated = probe(spec, simulate=True, **settings)
     assert simulated.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
     assert real.breakdown["optimizer_state"] == simulated.breakdown["optimizer_state"] > 0
+
+
+def test_simulating_a_gpu_steps_the_optimizer_as_on_the_card():
+    """PyTorch's AdamW left to choose steps CUDA tensors with foreach kernels, which hold a temporary copy of every
+    parameter at once; over fake CPU tensors it would step one parameter at a time. The simulated meter for a GPU
+    steps as the card does: an MLP whose optimizer step is its peak holds every parameter once more there."""
+    from autofit.spec import ModelSpec, default_optimizer
+
+    def build():
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)], torch.nn.Linear(256, 4))
+
+    spec = ModelSpec(
+        source="tests:mlp", build_model=build, build_optimizer=default_optimizer, loss_fn=torch.nn.functional.cross_entropy,
+        example_batch=lambda n: (torch.randn(n, 256), torch.randint(0, 4, (n,))), input_shape=(256,),
+    )
+    parameter_bytes = sum(p.numel() * 4 for p in build().parameters())
+    on_gpu = probe(spec, micro_batch_size=2, global_batch_size=2, simulate=True, device="cuda", steps=2)
+    on_cpu = probe(spec, micro_batch_size=2, global_batch_size=2, simulate=True, device="cpu", steps=2)
+    assert on_gpu.breakdown["activations"] >= parameter_bytes  # the step's temporaries: a copy of every parameter
+    assert on_cpu.breakdown["activations"] < 0.5 * parameter_bytes  # one parameter's at a time (each an eighth)

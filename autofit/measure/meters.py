@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from autofit._torch_private import FAKE_TENSOR_LIMITS, new_fake_mode, without_dispatch_modes
+from autofit._torch_private import FAKE_TENSOR_LIMITS, new_fake_mode, optimizers_step_as_on_cuda, without_dispatch_modes
 from autofit.errors import UserError
 from autofit.measure.host import host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
@@ -157,6 +157,8 @@ class SimulatedMeter(TrackedMeter):
         stack = ExitStack()
         stack.enter_context(self._fake_mode)
         stack.enter_context(torch.compiler.set_stance("force_eager"))
+        if self.for_device == "cuda":  # the optimizer's step holds what it holds on a card
+            stack.enter_context(optimizers_step_as_on_cuda())
         return stack
 
     def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
@@ -367,6 +369,7 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
 
 def _one_simulated_step(spec) -> None:
     from autofit.apply import TrainingConfig, apply_config
+    from autofit.measure.probe import stepping_at_once
     from autofit.training.step import train_step
 
     meter = SimulatedMeter()
@@ -377,7 +380,8 @@ def _one_simulated_step(spec) -> None:
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
         optimizer = spec.build_optimizer(applied.model.parameters())
         inputs, targets = spec.example_batch(2)
-        train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
+        with stepping_at_once(optimizer):  # whether fake tensors run the step, in fewer operators
+            train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
