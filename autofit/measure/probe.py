@@ -6,6 +6,8 @@ and samples per second of a configuration, on the device that will train.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -203,14 +205,43 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
     )
 
 
-def create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, at_once: bool = False) -> None:
     """Make the optimizer's lazily created state now, as any real step would.
 
     fp16's GradScaler skips the first steps while it finds its scale; without
     this a short probe could end before the state exists and under-count it.
+
+    With ``at_once``, every parameter group steps at once (``stepping_at_once``) where the optimizer can: the
+    same state, made about twice as fast over fake tensors; the step's transient bytes differ (read only the state).
     """
-    for param in model.parameters():
-        if param.requires_grad:
-            param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    def step() -> None:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if not at_once:
+        return step()
+    try:
+        with stepping_at_once(optimizer):
+            step()
+    except Exception:  # an optimizer (or a parameter type) foreach does not take: one parameter at a time
+        optimizer.state.clear()
+        step()
+
+
+@contextmanager
+def stepping_at_once(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, the optimizer's groups step all their parameters at once (``foreach``) where the optimizer has the
+    choice. Over fake tensors each operator costs the same whatever its size, so a step with one operator per
+    list of tensors runs several times faster than one per parameter; it makes the same state."""
+    groups = [group for group in optimizer.param_groups if "foreach" in group]
+    before = [group["foreach"] for group in groups]
+    for group in groups:
+        group["foreach"] = True
+    try:
+        yield
+    finally:
+        for group, value in zip(groups, before):
+            group["foreach"] = value

@@ -418,7 +418,7 @@ def run_trace(
         tracker.watch = watch if plain else None
         with tracker, saved_hooks:
             # Before the first micro-step's mark: what the state's creation holds at its peak is in no segment.
-            _create_state_at_once(model, optimizer)
+            create_optimizer_state(model, optimizer, at_once=True)
             hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
             hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
             # The recomputing runs are read only until backward ends (``_recompute_segments``): no step to trace
@@ -437,29 +437,6 @@ def run_trace(
         host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,
         levers=tracker.levers,
     )
-
-
-def _create_state_at_once(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """``create_optimizer_state``, stepping every parameter group at once (``foreach``) where the optimizer can.
-
-    Over fake tensors each operator costs the same whatever its size, so one
-    operator over all parameters makes the same state about twice as fast as one
-    per parameter; the transient bytes differ, but no segment holds them.
-    """
-    groups = [group for group in optimizer.param_groups if "foreach" in group]
-    before = [group["foreach"] for group in groups]
-    try:
-        for group in groups:
-            group["foreach"] = True
-        create_optimizer_state(model, optimizer)
-    except Exception:  # an optimizer (or a parameter type) foreach does not take: one parameter at a time
-        for group, value in zip(groups, before):
-            group["foreach"] = value
-        optimizer.state.clear()
-        create_optimizer_state(model, optimizer)
-    finally:
-        for group, value in zip(groups, before):
-            group["foreach"] = value
 
 
 class _NoStep:

@@ -89,7 +89,7 @@ class Measurements:
         """Configuration key -> the cost model's peak, for keeping timers within memory (set by ``verify``)."""
         self._exact: dict[str, tuple[int, dict]] = {}
         self._measured_context_bytes: int | None = None
-        self._resident_bytes: int | None = None
+        self._resident_bytes: int | None = stored.get("resident_bytes")
 
     @property
     def headroom(self) -> Headroom:
@@ -110,6 +110,7 @@ class Measurements:
 
         Counted (one model built and its optimizer state made, over fake tensors) only where the headroom
         depends on it (``Headroom.depends_on_persistent``: planning for a GPU that is not here); 0 elsewhere.
+        Kept with the measurements (the study's key holds the model, device and batch).
         """
         if self._resident_bytes is None:
             self._resident_bytes = _resident_bytes(self.context) if self.headroom.depends_on_persistent else 0
@@ -358,7 +359,8 @@ class Measurements:
         return found
 
     def to_store(self) -> dict:
-        return {"peaks": self.peaks, "timings": self.timings}
+        kept = {"resident_bytes": self._resident_bytes} if self._resident_bytes else {}
+        return {"peaks": self.peaks, "timings": self.timings, **kept}
 
 
 def _resident_bytes(context: PlanContext) -> int:
@@ -369,7 +371,7 @@ def _resident_bytes(context: PlanContext) -> int:
         model = meter.build_model(spec.build_model)
         applied = apply_config(model, TrainingConfig(global_batch_size=1, micro_batch_size=1), device=meter.device, use_scaler=False)
         optimizer = applied.build_optimizer(spec.build_optimizer)
-        create_optimizer_state(applied.model, optimizer)
+        create_optimizer_state(applied.model, optimizer, at_once=True)  # the state's bytes only
         state = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
         tensors = [*applied.model.parameters(), *applied.model.buffers(), *state]
         storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
