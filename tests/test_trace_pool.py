@@ -133,6 +133,52 @@ def test_recomputations_added_later_equal_those_traced_at_once(monkeypatch):
     assert asdict(completed) == asdict(whole)
 
 
+def test_the_bound_before_recomputations_is_never_below_the_search_with_them(monkeypatch):
+    """``needs_recomputations`` skips a precision whose bound cannot beat the best: the bound (plain traces, the
+    search's choice as if recomputing held nothing) must be at least what the search finds once they are traced,
+    and 0 only where nothing fits with them either."""
+    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+    from autofit.planning.search import score_space
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
+    spec = layout_specs()["lm"]
+    floor = trace_memory_sizes(spec, sizes=[1], precision="bf16")[0]
+    whole = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor)
+    plain = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor, recompute=False)
+    n = len(whole.high.blocks)
+    # Blocks of unequal cost, selective recomputing a third of a block, the step's time growing with the size.
+    speed = SpeedCosts(
+        sizes=[1, 8], step_seconds=[0.01, 0.05], forward_seconds=[0.004, 0.02],
+        block_seconds=[[0.001 * (b + 1) for b in range(n)], [0.005 * (b + 1) for b in range(n)]], optimizer_seconds=0.002,
+        selective_shares=[1 / 3] * n,
+    )
+
+    def scored(memory, usable: float) -> dict:
+        model = CostModel(blocks=whole.high.blocks, global_batch_size=8, device_type="cpu", estimated=False)
+        model.precisions["bf16"] = PrecisionCosts(precision="bf16", memory=memory, speed=speed)
+        found, _ = score_space(
+            model, precisions=["bf16"], micro_batch_sizes=[1, 2, 4, 8], global_batch_size=8, usable_bytes=usable, study=None, slack=0.0,
+        )
+        return {e.micro_batch_size: e for e in found}
+
+    top = whole.peak_bytes(8, global_batch_size=8, checkpoint=set())
+    low = whole.peak_bytes(1, global_batch_size=8, checkpoint=set(range(n)))
+    bounded, below_plain = 0, 0
+    for share in (0.0, 0.2, 0.4, 0.6, 0.8, 0.95):
+        usable = low + share * (top - low)
+        exact, before = scored(whole, usable), scored(plain, usable)
+        for m, e in before.items():
+            if e.bound_samples_per_s is None:  # fits as plain training, or the floor's size (its own trace knows)
+                assert e.fits == exact[m].fits and (m == 1 or e.samples_per_s == exact[m].samples_per_s)
+                continue
+            bounded += 1
+            assert e.bound_samples_per_s >= exact[m].samples_per_s * (1 - 1e-12), (usable, m)
+            assert e.bound_samples_per_s <= e.plain_samples_per_s * (1 + 1e-12)
+            assert (e.bound_samples_per_s == 0) <= (not exact[m].fits)
+            below_plain += e.bound_samples_per_s < 0.999 * e.plain_samples_per_s
+    assert bounded >= 6 and below_plain >= 3  # the bound is tighter than the plain speed it replaces
+
+
 def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypatch):
     import autofit.planning.memory_model as memory_model
     from autofit.planning.planner import plan_with_report

@@ -175,11 +175,16 @@ def cheapest_checkpoint(
 
 def cheapest_for(
     model: CostModel, precision: str, micro_batch_size: int, *, limit_bytes: float, levers: LeverChoice | None = None,
-    search: LeverSearch | None = None,
+    search: LeverSearch | None = None, relaxed: bool = False,
 ) -> CheckpointChoice | None:
     """``cheapest_checkpoint`` at one (precision, micro-batch) of the cost model, each block none, selective or full
     (selective where the model knows what it frees and costs), with ``levers``' step in backward and optimizer
     state, and offload as a fourth mode where ``search`` allows it.
+
+    With ``relaxed``, where the traces hold plain training only, blocks are checkpointed all the same as if
+    recomputing them held nothing (no recomputation's segment constrains the choice; selective frees at most
+    what full does where its drops are not known): no choice the traces' recomputations would allow adds
+    less time, so its speed bounds the point's (``needs_recomputations``). Its peak is then no prediction.
 
     With levers the knapsack's segments are the memory model's with them (``lever_memory.lever_segments``) and
     offload frees what each block alone saved (additive); the choice is then checked against the model's whole
@@ -191,13 +196,15 @@ def cheapest_for(
     # Where the traces hold plain training only (``cost_model.complete_memory``), no block is checkpointed; at the
     # floor's size its own trace knows.
     known = memory.with_checkpointing(micro_batch_size)
-    checkpointing = known is not None
+    relaxed = relaxed and known is None
+    checkpointing = known is not None or relaxed
     memory = known or memory
     segments, drops = memory.at(micro_batch_size, global_batch_size=G)
     seconds = model.recompute_seconds(precision, micro_batch_size)
+    selective_drops = memory.selective_drops(micro_batch_size)
     modes = dict(
         checkpointing=checkpointing,
-        selective_drops=memory.selective_drops(micro_batch_size),
+        selective_drops=drops if relaxed and selective_drops is None else selective_drops,
         selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size),
     )
     levers = levers or LeverChoice()
@@ -222,7 +229,7 @@ def cheapest_for(
         choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=target, **modes)
         if choice is None:
             return None
-        if not choice.offload:
+        if not choice.offload or relaxed:
             return choice
         exact = memory.peak_bytes(
             micro_batch_size, global_batch_size=G, checkpoint=choice.blocks, selective=choice.selective,
@@ -389,6 +396,10 @@ class Evaluation:
     plain_peak_bytes: float = 0.0
     """Peak without checkpointing."""
     plain_samples_per_s: float = 0.0
+    bound_samples_per_s: float | None = None
+    """Where the memory model knows plain training's peaks only at this size and the point does not fit as
+    plain training: the most it could reach with checkpointing (``cheapest_for``'s ``relaxed``; 0: nothing
+    fits); None where the checkpointed peaks are known."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -456,6 +467,10 @@ def score_space(
             result.optimizer_in_backward, result.optimizer_state = chosen.optimizer_in_backward, chosen.optimizer_state
             result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
             result.samples_per_s = speed
+        if plain is None and memory.with_checkpointing(micro_batch_size) is None:
+            result.bound_samples_per_s = _bound_samples_per_s(
+                model, precision, micro_batch_size, choices, search, limit_bytes=limit * (1 + slack),
+            )
         return result
 
     if study is None:
@@ -465,6 +480,22 @@ def score_space(
         evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name=study.name + searched,
         storage=study.search_storage,
     )
+
+
+def _bound_samples_per_s(
+    model: CostModel, precision: str, micro_batch_size: int, choices: list[LeverChoice], search: LeverSearch, *,
+    limit_bytes: float,
+) -> float:
+    """The fastest a point could be with checkpointing, before its recomputations are traced (``Evaluation``)."""
+    best = 0.0
+    for lever_choice in choices:
+        choice = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit_bytes, levers=lever_choice, search=search, relaxed=True)
+        if choice is None:
+            continue
+        chosen = replace(lever_choice, offload=choice.offload)
+        seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
+        best = max(best, model.global_batch_size / (seconds + search.lever_seconds(model, precision, micro_batch_size, chosen)))
+    return best
 
 
 def search(
