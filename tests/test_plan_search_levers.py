@@ -110,3 +110,24 @@ def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
     )
     plan = report.plan
     assert not plan.optimizer_in_backward and plan.offload == [] and plan.optimizer_state == "device" and not plan.checkpoint
+
+
+def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
+    """Offload only adds time: a precision's offloading runs are traced only when one of its points that does
+    not fit as plain training is, as plain training, faster than the best that fits (``needs_offload``)."""
+    import autofit.planning.modelling as modelling
+    from autofit.planning.search import Evaluation
+
+    monkeypatch.setattr(modelling, "offload_untraced", lambda context, costs, precision, *, usable_bytes: True)
+
+    def point(precision, m, *, fits, speed, plain):
+        return Evaluation(precision=precision, micro_batch_size=m, grad_accum_steps=8 // m, fits=fits, samples_per_s=speed, plain_samples_per_s=plain)
+
+    fitting = point("bf16", 4, fits=True, speed=100.0, plain=100.0)
+    slower = point("fp32", 8, fits=False, speed=0.0, plain=90.0)
+    faster = point("fp32", 8, fits=False, speed=0.0, plain=120.0)
+    checkpointed = point("bf16", 8, fits=True, speed=95.0, plain=130.0)  # fits only checkpointed: offload might beat it
+    assert modelling.needs_offload(None, None, [fitting, slower], within=1.0, usable_bytes=0) == []
+    assert modelling.needs_offload(None, None, [fitting, faster], within=1.0, usable_bytes=0) == ["fp32"]
+    assert modelling.needs_offload(None, None, [fitting, slower], within=0.8, usable_bytes=0) == ["fp32"]
+    assert modelling.needs_offload(None, None, [fitting, checkpointed], within=1.0, usable_bytes=0) == ["bf16"]

@@ -316,7 +316,9 @@ def memory_costs(
             model predicts activation offload (a GPU lever: the planner asks for it for a GPU only).
     """
     def with_offload(trace: MemoryTrace | None) -> MemoryTrace | None:
-        return add_offloaded(trace, spec, precision=precision, device_type=device_type) if offload and trace is not None else trace
+        if not offload or trace is None:
+            return trace
+        return add_offloaded([trace], spec, precision=precision, device_type=device_type, pool=pool)[0]
 
     floor, low_trace = None, with_offload(low_trace)
     if low_trace is not None and not recompute:
@@ -331,7 +333,9 @@ def memory_costs(
         spec, sizes=sizes, precision=precision, device_type=device_type, blocks=low_trace.blocks if low_trace else blocks, pool=pool,
         recompute=recompute,
     )
-    traces = {size: with_offload(trace) for size, trace in zip(sizes, traced)}
+    if offload:
+        traced = add_offloaded(traced, spec, precision=precision, device_type=device_type, pool=pool)
+    traces = dict(zip(sizes, traced))
     memory = _assembled(low_trace or traces[low], traces.get(2) if low == 1 and high > 2 else None, traces[high])
     return replace(memory, floor=floor) if not memory.recomputed else memory
 

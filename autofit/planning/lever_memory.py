@@ -295,19 +295,30 @@ def lever_trace(recorder: LeverRecorder | None, marks: list[tuple], peaks: list[
     return trace
 
 
-def add_offloaded(trace, spec, *, precision: str, device_type: str):
-    """``trace`` (a ``MemoryTrace``) with its step traced again with every block offloaded (``LeverTrace.offloaded``).
+def add_offloaded(traces: list, spec, *, precision: str, device_type: str, pool=None) -> list:
+    """``traces`` (``MemoryTrace``) each with its step traced again with every block offloaded
+    (``LeverTrace.offloaded``): one run per size, at once in ``pool``'s workers where it has them.
 
-    Left unchanged when the two traces' segments differ (offload is then not modelled).
+    A trace is left unchanged when the two runs' segments differ (offload is then not modelled).
     """
-    from autofit.planning.memory_model import _labelled, run_trace
+    from autofit.planning.memory_model import run_trace
+    from autofit.planning.trace_pool import call
 
-    if trace.levers is None or not trace.blocks or trace.levers.offloaded is not None:
-        return trace
-    raw = run_trace(
-        spec, micro_batch_size=trace.micro_batch_size, precision=precision, device_type=device_type, mode="offload",
-        blocks=trace.blocks,
-    )
+    wanted = [t for t in traces if t.levers is not None and t.blocks and t.levers.offloaded is None]
+    runs = {
+        t.micro_batch_size: call(
+            pool, run_trace, spec, micro_batch_size=t.micro_batch_size, precision=precision, device_type=device_type,
+            mode="offload", blocks=t.blocks,
+        )
+        for t in wanted
+    }
+    chosen = {id(t) for t in wanted}
+    return [_with_offloaded(t, runs[t.micro_batch_size]()) if id(t) in chosen else t for t in traces]
+
+
+def _with_offloaded(trace, raw):
+    from autofit.planning.memory_model import _labelled
+
     recorder = raw.levers
     found = {"peak_bytes": [], "without_gradients": [], "opening_without_gradients": [], "steps": []}
     positions = []

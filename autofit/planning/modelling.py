@@ -233,11 +233,18 @@ def add_recomputations(context: PlanContext, costs: Costs, precision: str) -> No
 
 def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> list[str]:
     """Precisions traced without recomputations where a point that does not fit as plain training could, if
-    checkpointed, still come within ``within`` of the best that fits (nothing fits: every one)."""
+    checkpointed, beat what it reaches without and come within ``within`` of the best that fits (nothing fits:
+    every one where checkpointing could fit a point). Its speed with checkpointing is bounded by the search's
+    choice as if recomputing held nothing (``Evaluation.bound_samples_per_s``; the plain speed where unknown)."""
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+
+    def could_gain(e) -> bool:
+        bound = e.plain_samples_per_s if e.bound_samples_per_s is None else e.bound_samples_per_s
+        return bound > 0 and bound > (e.samples_per_s if e.fits else 0.0) and bound >= within * best
+
     return sorted({
         e.precision for e in evaluations
-        if not e.fits and not costs.model.precisions[e.precision].memory.recomputed and e.plain_samples_per_s >= within * best
+        if not costs.model.precisions[e.precision].memory.recomputed and could_gain(e)
     })
 
 
@@ -246,29 +253,44 @@ def _traced_blocks(costs: Costs) -> list[str] | None:
     return list(costs.model.blocks) if costs.model.precisions or costs.low_only else None
 
 
-def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> None:
-    """On a GPU, where the budget needs activations dropped at the global batch (its plain peak does not fit),
-    trace the precision's sizes again with every block offloaded, so that the search can offload
-    (``lever_memory.add_offloaded``). A roomy budget never pays for that trace."""
+def offload_untraced(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> bool:
+    """Whether ``trace_offload`` would trace this precision: a GPU, traces that model the levers without their
+    offloading runs, and a budget that needs activations dropped at the global batch (its plain peak does not fit)."""
     if context.device != "cuda" or precision not in costs.model.precisions:
-        return
+        return False
     model = costs.model
-    memory = model.precisions[precision].memory
-    traces = memory._traces()
+    traces = model.precisions[precision].memory._traces()
     if all(t.levers is None or t.levers.offloaded is not None for t in traces):
-        return
-    if model.peak_bytes(precision, model.global_batch_size, frozenset()) <= usable_bytes:
-        return
-    context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(str(t.micro_batch_size) for t in traces)} (simulated)")
+        return False
+    return model.peak_bytes(precision, model.global_batch_size, frozenset()) > usable_bytes
 
-    def offloaded(trace):
-        return add_offloaded(trace, context.sim_spec, precision=precision, device_type=context.device)
 
-    memory.low, memory.high = offloaded(memory.low), offloaded(memory.high)
-    if memory.middle is not None:
-        memory.middle = offloaded(memory.middle)
-    if memory.floor is not None:
-        memory.floor = offloaded(memory.floor)
+def needs_offload(context: PlanContext, costs: Costs, evaluations: list, *, within: float, usable_bytes: float) -> list[str]:
+    """Precisions ``trace_offload`` would trace where a point that does not fit as plain training could, if
+    offloaded, beat what it reaches without and come within ``within`` of the best that fits: offload only
+    adds time, so its plain speed bounds it."""
+    best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+    return sorted({
+        e.precision for e in evaluations
+        if e.plain_samples_per_s > (e.samples_per_s if e.fits else 0.0) and e.plain_samples_per_s >= within * best
+        and offload_untraced(context, costs, e.precision, usable_bytes=usable_bytes)
+    })
+
+
+def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> None:
+    """On a GPU, where the budget needs activations dropped at the global batch (``offload_untraced``), trace
+    the precision's sizes again with every block offloaded, so that the search can offload
+    (``lever_memory.add_offloaded``; the runs at once in the trace pool's workers where it has them). A roomy
+    budget never pays for that trace; the search asks for it only where it could matter (``needs_offload``)."""
+    if not offload_untraced(context, costs, precision, usable_bytes=usable_bytes):
+        return
+    memory = costs.model.precisions[precision].memory
+    names = [name for name in ("low", "middle", "high", "floor") if getattr(memory, name) is not None]
+    sizes = sorted({getattr(memory, name).micro_batch_size for name in names})
+    context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(map(str, sizes))} (simulated)")
+    done = add_offloaded([getattr(memory, name) for name in names], context.sim_spec, precision=precision, device_type=context.device, pool=context.trace_pool)
+    for name, trace in zip(names, done):
+        setattr(memory, name, trace)
     costs.changed = True
 
 

@@ -45,8 +45,8 @@ from autofit.planning.context import Config, PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
 from autofit.planning.levers import Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
-    Costs, add_recomputations, add_speeds, best_plain_samples_per_s, needs_recomputations, save, stored_or_new, trace_full, trace_low,
-    trace_offload, worth_tracing,
+    Costs, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations, save, stored_or_new,
+    trace_full, trace_low, trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
 from autofit.planning.search import Evaluation, LeverSearch, score_space
@@ -364,7 +364,8 @@ def _search(
 
     Where the memory model has the last word (``Measurements.model_is_exact``), a precision is traced without
     its recomputations first: checkpointing only slows a point down, so it is worth knowing only for points
-    whose plain speed could still come near the best that fits without it (``needs_recomputations``).
+    whose speed could still come near the best that fits without it (``needs_recomputations``). On a GPU the
+    offloading runs are traced on the same terms (``needs_offload``).
     """
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     usable = measurements.usable_bytes()
@@ -372,10 +373,18 @@ def _search(
     # The verification times candidates within VERIFY_WITHIN of the best predicted (one candidate when simulating).
     within = 1.0 if context.simulate else VERIFY_WITHIN
     evaluations: list[Evaluation] = []
+    sampler, scored_for = "", None
 
     def scored() -> list[Evaluation]:
+        nonlocal sampler, scored_for
+        # What the scores depend on that tracing changes (a precision stored in the cache adds nothing).
+        key = [(p, costs.model.precisions[p].memory) for p in _traced(context, costs)]
+        key = [(p, memory.recomputed, [t.levers.offloaded is not None for t in memory._traces() if t.levers]) for p, memory in key]
+        if key == scored_for:
+            return evaluations
+        scored_for = key
         with context.phase("search"):
-            found, _ = score_space(
+            found, sampler = score_space(
                 costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
                 global_batch_size=context.global_batch_size, usable_bytes=usable, study=None, slack=measurements.slack,
                 levers=levers,
@@ -388,21 +397,26 @@ def _search(
             continue
         with context.phase("memory"):
             trace_full(context, costs, precision, recompute=not lazy)
-            if levers is not None and levers.offload:
-                trace_offload(context, costs, precision, usable_bytes=usable)
         evaluations = scored()
-        while needed := needs_recomputations(costs, evaluations, within=within):
+        while True:
+            offloads = needs_offload(context, costs, evaluations, within=within, usable_bytes=usable) if levers and levers.offload else []
+            recomputations = needs_recomputations(costs, evaluations, within=within)
+            if not offloads and not recomputations:
+                break
             with context.phase("memory"):
-                for name in needed:
+                for name in offloads:
+                    trace_offload(context, costs, name, usable_bytes=usable)
+                for name in recomputations:
                     add_recomputations(context, costs, name)
             evaluations = scored()
-    with context.phase("search"):
-        # The search kept where the user asked (--study): over every precision traced.
-        evaluations, sampler = score_space(
-            costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-            global_batch_size=context.global_batch_size, usable_bytes=usable, study=context.study, slack=measurements.slack,
-            levers=levers,
-        )
+    if context.study.search_storage is not None or not evaluations:
+        with context.phase("search"):
+            # The search kept where the user asked (--study): over every precision traced.
+            evaluations, sampler = score_space(
+                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
+                global_batch_size=context.global_batch_size, usable_bytes=usable, study=context.study, slack=measurements.slack,
+                levers=levers,
+            )
     skipped = costs.untraced(context.precisions)
     context.log(
         f"search: {len(evaluations)} (precision, micro-batch) points by {sampler}, {sum(e.fits for e in evaluations)} fit the "
