@@ -66,7 +66,7 @@ LOSSY_NOTE = (
 
 @dataclass(frozen=True, kw_only=True)
 class Levers:
-    """What the user allows the levers below the floor to change."""
+    """What the user allows the memory levers (the search's, and below the floor the ladder's) to change."""
 
     allow_lossy_optimizer: bool = False
     """8-bit optimizer state may be chosen (it changes the optimizer's arithmetic)."""
@@ -352,7 +352,9 @@ def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured
     link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
     elements, trainable_bytes = _trainable(context, fallback_bytes=measured_parameter_bytes)
     update_seconds = time_host_update(context.spec.build_optimizer) * elements if config.optimizer_state == "host" else 0.0
-    eight_bit = eight_bit_time(context) if config.optimizer_state == "8bit" else None
+    eight_bit = None
+    if config.optimizer_state == "8bit":
+        eight_bit = eight_bit_time(context) or EightBitTime(seconds=0.0, source="not measured: its update could not be timed here")
     return lever_time(
         config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
     )
@@ -406,6 +408,9 @@ def eight_bit_time(context: PlanContext) -> EightBitTime | None:
         per_element = time_eight_bit_update(context.spec.build_optimizer, device=device)
     except UserError as error:
         context.log(f"  left out: 8-bit AdamW state: {error}")
+        return None
+    except Exception as error:  # torchao's compiled step cannot run here (a compiler missing): training could not either
+        context.log(f"  left out: 8-bit AdamW state: its step failed here ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
         return None
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
     context.log(f"speed: 8-bit AdamW state's update {per_element * 1e9:+.3g} ns per parameter element (timed on this {where})")
