@@ -179,13 +179,17 @@ def test_offload_is_not_modelled_without_its_trace():
 
 
 def test_lever_record_survives_the_store():
-    """A study keeps the cost model as plain data: the lever record comes back and predicts the same."""
+    """A study keeps the cost model as plain data: the lever record (8-bit state's too) comes back and predicts the same."""
     import json
 
     model = lever_model("cnn", "fp32")
     back = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
     choice = LeverChoice(offload=frozenset({1, 2}), optimizer_state="host")
     assert back.peak_bytes("fp32", 3, set(), frozenset(), levers=choice) == model.peak_bytes("fp32", 3, set(), frozenset(), levers=choice)
+    eight_bit = eight_bit_model("lm", "fp32")
+    back = CostModel.from_dict(json.loads(json.dumps(eight_bit.to_dict())))
+    choice = LeverChoice(optimizer_state="8bit", optimizer_in_backward=True)
+    assert back.peak_bytes("fp32", 2, set(), frozenset(), levers=choice) == eight_bit.peak_bytes("fp32", 2, set(), frozenset(), levers=choice)
 
 
 def test_step_in_backward_counts_each_parameters_step():
