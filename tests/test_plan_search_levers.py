@@ -6,6 +6,7 @@ import torch
 
 from autofit.measure.probe import probe, probe_plan
 from autofit.commands.plan import summary_lines
+from autofit.measure.optimizer_speed import UpdateCost
 from autofit.planning import levers
 from autofit.planning.lever_costs import EightBitTime
 from autofit.planning.planner import plan_with_report
@@ -142,7 +143,7 @@ def eight_bit_plan(monkeypatch, *, per_element_seconds: float, allow_lossy_optim
     without the flag it is never timed."""
     def timed(build, device):
         assert allow_lossy_optimizer, "8-bit state was timed without --allow-lossy-optimizer"
-        return per_element_seconds
+        return UpdateCost(per_tensor_seconds=0.0, per_element_seconds=per_element_seconds)
 
     monkeypatch.setattr(levers, "time_eight_bit_update", timed)
     return plan_with_report(

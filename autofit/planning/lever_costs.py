@@ -34,9 +34,9 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
   modelled; with host state their copies are in the term above).
 - **8-bit state** (torchao, with ``--allow-lossy-optimizer``): the same
   step, its update dequantizing and quantizing the moments: E seconds more
-  per step (``time_eight_bit_update`` on the device the plan is for, per
-  parameter element, times the trainable elements; negative where it is
-  faster). Planning for a GPU that is not here it is not measured, and taken
+  per step (``time_eight_bit_update`` on the device the plan is for, a cost
+  per parameter tensor and per element, for the trainable tensors and
+  elements; negative where it is faster). Planning for a GPU that is not here it is not measured, and taken
   as nothing (the plan's notes say so)::
 
       eight_bit = E
@@ -107,7 +107,7 @@ class LeverTime:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EightBitTime:
-    """What 8-bit optimizer state adds to one optimizer step (``time_eight_bit_update`` times the trainable elements)."""
+    """What 8-bit optimizer state adds to one optimizer step (``time_eight_bit_update``, for the trainable tensors and elements)."""
 
     seconds: float
     """May be negative (a faster update)."""

@@ -390,9 +390,9 @@ def lever_search(context: PlanContext, *, allow_lossy_optimizer: bool = False) -
 
 def eight_bit_time(context: PlanContext) -> EightBitTime | None:
     """What 8-bit optimizer state adds to a step of this model (``lever_costs``): its update timed against the model
-    file's on the device the plan is for (``time_eight_bit_update``), times the trainable elements; taken as nothing
-    when that device is a GPU that is not here. None (logged) where 8-bit state cannot run: the optimizer is not
-    AdamW or Adam, or torchao is missing."""
+    file's on the device the plan is for (``time_eight_bit_update``: per tensor and per element), for the model's
+    trainable tensors and elements; taken as nothing when that device is a GPU that is not here. None (logged)
+    where 8-bit state cannot run: the optimizer is not AdamW or Adam, or torchao is missing."""
     try:
         eight_bit_adam(context.spec.build_optimizer([torch.nn.Parameter(torch.empty(EIGHT_BIT_ELEMENTS, device="meta"))]))
     except UserError as error:
@@ -400,25 +400,37 @@ def eight_bit_time(context: PlanContext) -> EightBitTime | None:
         return None
     except Exception:  # a builder that needs the model's named groups: the timing falls back on AdamW
         pass
-    elements, _ = _trainable(context, fallback_bytes=0)
     if context.device == "cuda" and not torch.cuda.is_available():
         return EightBitTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
     device = torch.device("cuda", torch.cuda.current_device()) if context.device == "cuda" else torch.device("cpu")
     try:
-        per_element = time_eight_bit_update(context.spec.build_optimizer, device=device)
+        cost = time_eight_bit_update(context.spec.build_optimizer, device=device)
     except UserError as error:
         context.log(f"  left out: 8-bit AdamW state: {error}")
         return None
     except Exception as error:  # torchao's compiled step cannot run here (a compiler missing): training could not either
-        context.log(f"  left out: 8-bit AdamW state: its step failed here ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+        first_line = (str(error).splitlines() or [""])[0]
+        context.log(f"  left out: 8-bit AdamW state: its step failed here ({type(error).__name__}: {first_line})")
         return None
+    tensors, elements = _trainable_tensors(context)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
-    context.log(f"speed: 8-bit AdamW state's update {per_element * 1e9:+.3g} ns per parameter element (timed on this {where})")
+    rates = f"{cost.per_tensor_seconds * 1e6:+.3g} us per tensor and {cost.per_element_seconds * 1e9:+.3g} ns per element"
+    context.log(f"speed: 8-bit AdamW state's update {rates} (timed on this {where})")
     return EightBitTime(
-        seconds=per_element * elements,
-        source=f"its update timed against the model's optimizer on this {where}, {per_element * 1e9:+.3g} ns per element, "
-        f"times {elements:,} trainable elements",
+        seconds=cost.seconds(tensors=tensors, elements=elements),
+        source=f"its update timed against the model's optimizer on this {where}, {rates}, for {tensors} trainable "
+        f"tensors of {elements:,} elements",
     )
+
+
+def _trainable_tensors(context: PlanContext) -> tuple[int, int]:
+    """How many parameter tensors train, and their elements (built on the meta device; (0, 0) where it cannot be)."""
+    try:
+        with torch.device("meta"):
+            params = [p for p in context.spec.build_model().parameters() if p.requires_grad]
+    except Exception:  # a model that cannot be built on meta
+        return 0, 0
+    return len(params), sum(p.numel() for p in params)
 
 
 def searched_lever_notes(context: PlanContext, model, config: Config, search: LeverSearch) -> list[str]:
