@@ -1,16 +1,18 @@
 """The levers' time terms (planning/lever_costs.py) and what feeds them: the host link (measured on a GPU,
-assumed without one) and the optimizer's update on the host."""
+assumed without one), the optimizer's update on the host, and what 8-bit state adds to the update."""
 import pytest
 import torch
 
 from autofit.apply import TrainingConfig
+from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink, measure_host_link, time_host_update
+from autofit.measure.optimizer_speed import time_eight_bit_update
 from autofit.measure.probe import measure
 from autofit.planning import lever_costs, levers
 from autofit.planning.cost_model import CostModel
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
 from autofit.planning.lever_costs import (
-    ASSUMED_LINK_BYTES_PER_S, host_link, host_state_seconds, lever_time, offload_seconds,
+    ASSUMED_LINK_BYTES_PER_S, EightBitTime, host_link, host_state_seconds, lever_time, offload_seconds,
 )
 from autofit.planning.planner import plan_with_report
 from autofit.spec import load_spec
@@ -76,6 +78,20 @@ def test_the_host_update_is_timed_per_parameter(one_thread):
     assert time_host_update(lambda params: torch.optim.AdamW(params.parameters()), elements=2**16) > 0
 
 
+def test_the_eight_bit_update_is_timed_against_the_models_optimizer(one_thread):
+    """torchao's compiled 8-bit step against the model's AdamW, over one large tensor and several small ones: on this
+    CPU it dequantizes and quantizes both moments, so it costs more per element than plain AdamW (well under a
+    microsecond), and one compiled call per tensor costs more than AdamW's for-loop pays per tensor (measured:
+    +29 ns per element, +320 us per tensor; the LM of tests/test_memory_grid, 42 tensors of 42,848 elements, then
+    takes 14.7 ms more a step, and ``time_training`` measured 15 to 20 ms more)."""
+    cost = time_eight_bit_update(lambda params: torch.optim.AdamW(params, lr=1e-3), device="cpu")
+    assert 0 < cost.per_element_seconds < 1e-6
+    assert 0 < cost.per_tensor_seconds < 0.1
+    assert cost.seconds(tensors=2, elements=10) == pytest.approx(2 * cost.per_tensor_seconds + 10 * cost.per_element_seconds)
+    with pytest.raises(UserError, match="replaces AdamW or Adam"):
+        time_eight_bit_update(lambda params: torch.optim.SGD(params, lr=0.1), device="cpu", elements=2**16)
+
+
 @pytest.fixture(scope="module")
 def lm_costs(tmp_path_factory):
     """A small decoder LM's cost model, simulated for a GPU (no budget: nothing below the floor)."""
@@ -113,6 +129,16 @@ def test_lever_time_adds_each_lever_by_its_formula(lm_costs):
     in_backward = lever_time(TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_in_backward=True), model=model,
                              link=None, trainable_bytes=4000, host_update_seconds=0.0)
     assert in_backward.seconds == 0 and "no time" in in_backward.notes[0]
+
+
+def test_lever_time_adds_the_eight_bit_update_it_is_given(lm_costs):
+    _, model = lm_costs
+    config = TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_state="8bit")
+    eight_bit = EightBitTime(seconds=0.25, source="timed in a test")
+    time = lever_time(config, model=model, link=None, trainable_bytes=4000, host_update_seconds=0.0, eight_bit=eight_bit)
+    assert time.seconds == time.eight_bit_seconds == 0.25 and "timed in a test" in time.notes[0]
+    with pytest.raises(ValueError, match="8-bit"):
+        lever_time(config, model=model, link=None, trainable_bytes=4000, host_update_seconds=0.0)
 
 
 def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_costs, monkeypatch):

@@ -1,13 +1,19 @@
 """The memory levers in the search above the floor: the step in backward where one micro-batch per step allows
-it, offload per block and host optimizer state on a GPU, each plan re-measured by ``probe_plan``."""
+it, offload per block and host optimizer state on a GPU, 8-bit optimizer state with --allow-lossy-optimizer, each
+plan re-measured by ``probe_plan``."""
 import pytest
 import torch
 
 from autofit.measure.probe import probe, probe_plan
+from autofit.commands.plan import summary_lines
+from autofit.measure.optimizer_speed import UpdateCost
+from autofit.planning import levers
+from autofit.planning.lever_costs import EightBitTime
 from autofit.planning.planner import plan_with_report
 from autofit.planning.search import LeverSearch
 from autofit.planning.lever_memory import LeverChoice
 from tests.models import conv_then_wide_spec, layout_specs
+from tests.test_memory_grid import grid_spec
 
 STEP_BUDGET = 10_300_000
 """Bytes: above ConvThenWide's floor (9.0 MB), below its plain peak at micro-batch 8 (10.8 MB) and the peak with
@@ -51,6 +57,19 @@ def test_step_in_backward_is_searched_only_where_a_point_allows_it():
     assert search.choices("fp16", 8, 8) == [LeverChoice()]
     gpu = LeverSearch(step_in_backward=True, host_state=True, offload=True)
     assert LeverChoice(optimizer_state="host") in gpu.choices("fp16", 4, 8)
+    assert all(c.optimizer_state != "8bit" for c in gpu.choices("fp32", 8, 8))
+
+
+def test_eight_bit_state_is_searched_only_when_allowed():
+    """8-bit state changes the arithmetic: a choice only with --allow-lossy-optimizer (``LeverSearch.eight_bit``), alone
+    or with the step in backward where a point allows that."""
+    allowed = LeverSearch(step_in_backward=True, eight_bit=EightBitTime(seconds=0.0, source="test"))
+    assert allowed.choices("fp32", 8, 8) == [
+        LeverChoice(), LeverChoice(optimizer_in_backward=True), LeverChoice(optimizer_state="8bit"),
+        LeverChoice(optimizer_in_backward=True, optimizer_state="8bit"),
+    ]
+    assert allowed.choices("fp32", 4, 8) == [LeverChoice(), LeverChoice(optimizer_state="8bit")]
+    assert all(c.optimizer_state != "8bit" for c in LeverSearch(step_in_backward=True).choices("fp32", 8, 8))
 
 
 def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
@@ -131,3 +150,66 @@ def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
     assert modelling.needs_offload(None, None, [fitting, faster], within=1.0, usable_bytes=0) == ["fp32"]
     assert modelling.needs_offload(None, None, [fitting, slower], within=0.8, usable_bytes=0) == ["fp32"]
     assert modelling.needs_offload(None, None, [fitting, checkpointed], within=1.0, usable_bytes=0) == ["bf16"]
+
+
+EIGHT_BIT_BUDGET = 900_000
+"""Bytes: the LM of tests/test_memory_grid (foreach AdamW) for a batch of 4 on the CPU, above its floor (880 KB with
+headroom) and below its plain peak at micro-batch 4 (997 KB; 997 KB with the step in backward too: the foreach step's
+temporaries peak after backward). With 8-bit state micro-batch 4 peaks at 862 KB, without checkpointing; without it
+the first block is checkpointed (876 KB)."""
+
+
+def eight_bit_plan(monkeypatch, *, per_element_seconds: float, allow_lossy_optimizer: bool, budget=EIGHT_BIT_BUDGET):
+    """A simulated CPU plan of the LM with the 8-bit update's time per element set (its timing has its own test);
+    without the flag it is never timed."""
+    def timed(build, device):
+        assert allow_lossy_optimizer, "8-bit state was timed without --allow-lossy-optimizer"
+        return UpdateCost(per_tensor_seconds=0.0, per_element_seconds=per_element_seconds)
+
+    monkeypatch.setattr(levers, "time_eight_bit_update", timed)
+    return plan_with_report(
+        grid_spec("lm"), budget=budget, batch_size=4, device="cpu", simulate=True, cache=False, precisions=["fp32"],
+        allow_lossy_optimizer=allow_lossy_optimizer,
+    )
+
+
+def test_eight_bit_state_lets_the_whole_batch_fit_without_recomputation(monkeypatch):
+    """Allowed, and its update cheaper than recomputing a block, 8-bit state is the plan: micro-batch 4 without
+    checkpointing, predicted within 0.01% of the simulated meter, named lossy in the notes and the summary, and
+    re-measured by ``autofit probe --plan`` within the budget. Not allowed, the same budget checkpoints instead."""
+    report = eight_bit_plan(monkeypatch, per_element_seconds=1e-12, allow_lossy_optimizer=True)
+    plan = report.plan
+    assert report.floor_bytes < EIGHT_BIT_BUDGET
+    assert plan.optimizer_state == "8bit" and plan.micro_batch_size == 4 and not plan.checkpoint and not plan.selective_checkpoint
+    assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= EIGHT_BIT_BUDGET
+    assert abs(plan.predicted.peak_bytes - plan.measured.peak_bytes) <= 0.0001 * plan.measured.peak_bytes
+    assert any("changes the optimizer's arithmetic" in note for note in plan.notes)
+    assert any("8-bit optimizer state:" in note and "timed against the model's optimizer" in note for note in plan.notes)
+    assert any("8-bit AdamW state (lossy)" in line for line in summary_lines(report))
+    # Without it the same micro-batch does not fit, with or without the step in backward.
+    for in_backward in (False, True):
+        plain = probe(grid_spec("lm"), micro_batch_size=4, global_batch_size=4, simulate=True, steps=1, optimizer_in_backward=in_backward)
+        assert plain.peak_bytes > EIGHT_BIT_BUDGET
+    remeasured = probe_plan(grid_spec("lm"), plan, steps=2)
+    assert remeasured.optimizer_state == "8bit" and remeasured.peak_bytes + sum(plan.headroom.values()) <= EIGHT_BIT_BUDGET
+
+    refused = eight_bit_plan(monkeypatch, per_element_seconds=1e-12, allow_lossy_optimizer=False).plan
+    assert refused.optimizer_state == "device" and refused.checkpoint
+
+
+def test_eight_bit_state_is_chosen_only_where_it_is_fastest(monkeypatch):
+    """Its measured time counts: an update slower than recomputing the first block loses to checkpointing, even allowed."""
+    plan = eight_bit_plan(monkeypatch, per_element_seconds=1e-6, allow_lossy_optimizer=True).plan
+    assert plan.optimizer_state == "device" and plan.checkpoint
+
+
+def test_eight_bit_state_is_not_tried_where_plain_training_fits(monkeypatch):
+    """At a budget where every point fits as plain training, the search models no lever, 8-bit state included."""
+    import autofit.planning.search as search
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a lever was tried at a point that fits as plain training")
+
+    monkeypatch.setattr(search, "lever_segments", refuse)
+    plan = eight_bit_plan(monkeypatch, per_element_seconds=1e-12, allow_lossy_optimizer=True, budget="4MiB").plan
+    assert plan.optimizer_state == "device" and not plan.checkpoint and not plan.optimizer_in_backward

@@ -28,7 +28,7 @@ def plan(
     gpus: int = typer.Option(1, "--gpus", help="GPUs (processes) to train on; BUDGET is then per GPU: DDP if the model fits unsharded, else FSDP2."),
     allow_lossy_optimizer: bool = typer.Option(
         False, "--allow-lossy-optimizer",
-        help="Below the floor, 8-bit AdamW state (torchao) may be chosen; it changes the optimizer's arithmetic.",
+        help="8-bit AdamW state (torchao) may be chosen, above the floor and below it; it changes the optimizer's arithmetic.",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,

@@ -32,7 +32,14 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 - **optimizer step in backward**: nothing. The same updates run, one
   parameter at a time inside backward (per-parameter launches are not
   modelled; with host state their copies are in the term above).
-- **8-bit state**: as the device optimizer (not modelled).
+- **8-bit state** (torchao, with ``--allow-lossy-optimizer``): the same
+  step, its update dequantizing and quantizing the moments: E seconds more
+  per step (``time_eight_bit_update`` on the device the plan is for, a cost
+  per parameter tensor and per element, for the trainable tensors and
+  elements; negative where it is faster). Planning for a GPU that is not here it is not measured, and taken
+  as nothing (the plan's notes say so)::
+
+      eight_bit = E
 
 The search prices offload per block (``offload_block_seconds``): the bytes
 the block alone saved, down beyond its own forward and all back up, summed
@@ -90,11 +97,22 @@ class LeverTime:
 
     offload_seconds: float = 0.0
     host_state_seconds: float = 0.0
+    eight_bit_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
-        return self.offload_seconds + self.host_state_seconds
+        return self.offload_seconds + self.host_state_seconds + self.eight_bit_seconds
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EightBitTime:
+    """What 8-bit optimizer state adds to one optimizer step (``time_eight_bit_update``, for the trainable tensors and elements)."""
+
+    seconds: float
+    """May be negative (a faster update)."""
+    source: str
+    """How it was counted, as the plan's notes say it."""
 
 
 def lever_time(
@@ -104,6 +122,7 @@ def lever_time(
     link: HostLink | None,
     trainable_bytes: int,
     host_update_seconds: float,
+    eight_bit: EightBitTime | None = None,
 ) -> LeverTime:
     """The levers' seconds per step of ``config`` (see the module docstring for the formulas).
 
@@ -112,10 +131,16 @@ def lever_time(
         link: the host link (needed with offload or host state).
         trainable_bytes: bytes of the parameters that train (their gradients are as many).
         host_update_seconds: the optimizer's update of every trainable parameter on the host's CPU.
+        eight_bit: what 8-bit state adds to a step (needed with it).
     """
     time = LeverTime()
     offloading = bool(config.offload)
     on_host = config.optimizer_state == "host"
+    if config.optimizer_state == "8bit":
+        if eight_bit is None:
+            raise ValueError("8-bit optimizer state needs its update's time (time_eight_bit_update)")
+        time.eight_bit_seconds = eight_bit.seconds
+        time.notes.append(f"8-bit optimizer state: {eight_bit.seconds:+.3g} s per step predicted for its update ({eight_bit.source})")
     if not (offloading or on_host):
         if config.optimizer_in_backward:
             time.notes.append("the optimizer step in backward is taken to cost no time (the same updates, run inside backward)")

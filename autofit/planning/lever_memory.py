@@ -11,7 +11,8 @@ tracker), so that the step in backward and host state cost no traced run:
   other gradients at that moment (where the step in backward steps it).
 - **optimizer state**: its bytes, and what one parameter's step alone holds
   beyond them (``optimizer_bytes``: one step per distinct parameter shape
-  over fake tensors, not per micro-batch size).
+  over fake tensors, not per micro-batch size); the same of 8-bit state when
+  asked (``add_eight_bit``).
 - **saved tensors**: each storage saved for backward in the forward, its
   bytes, the blocks that saved it, whether an op outside every block did,
   whether it is an input of a block that saved it (a checkpoint keeps those)
@@ -28,6 +29,13 @@ From these, for any configuration (``lever_peak_bytes``):
   are accumulated (with or without accumulation), the state is never there,
   and the update runs on the host: the optimizer step holds on the device
   only what was alive when it began.
+- **8-bit optimizer state** (torchao's, with ``--allow-lossy-optimizer``;
+  its record made only when asked, ``add_eight_bit``): every segment holds
+  the 8-bit state instead of the optimizer's (the difference is
+  ``optimizer_bytes`` of both), and the optimizer step holds what was alive
+  when it began plus the largest one parameter's 8-bit step makes (torchao
+  steps them one at a time; the meters run its compiled step eagerly); with
+  the step in backward, each parameter's 8-bit step at its gradient.
 - **activation offload** (a GPU lever; traced only when asked,
   ``add_offloaded``): the step is traced once more with every block
   offloaded. Where an offloaded block runs (its forward, its backward) the
@@ -53,7 +61,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from autofit._torch_private import in_autograd_backward, tree_leaves
+from autofit._torch_private import in_autograd_backward, inner_tensors, tree_leaves
 from autofit.measure.tracker import StorageTracker
 from strategies.checkpointing import selective_saves
 from strategies.offload import MIN_OFFLOAD_BYTES
@@ -241,6 +249,10 @@ class LeverTrace:
     """The optimizer's state on the device (every trainable parameter's)."""
     step_temporaries: list[int] = field(default_factory=list)
     """Per parameter (``model.parameters()`` order): what stepping it alone holds beyond its state."""
+    eight_bit: dict | None = None
+    """torchao's 8-bit AdamW in place of the optimizer (``add_eight_bit``): {"state_bytes" (its state on the device),
+    "step_temporaries" (per parameter, what stepping it alone holds beyond its state)}. None when not made: 8-bit
+    state is then not modelled."""
     offloaded: dict | None = None
     """The step traced again with every block offloaded (``add_offloaded``): per plain segment "peak_bytes",
     "without_gradients", "opening_without_gradients", "steps"; per item "freed_in" ([the segment position where
@@ -338,15 +350,28 @@ def _with_offloaded(trace, raw):
     return replace(trace, levers=replace(levers, offloaded=found))
 
 
-def optimizer_bytes(spec, *, device_type: str) -> tuple[int, list[int]]:
+def optimizer_bytes(spec, *, device_type: str, optimizer_state: str = "device") -> tuple[int, list[int]]:
     """The optimizer state's bytes, and per parameter what its step alone holds beyond them (over fake tensors).
 
     One optimizer per distinct parameter shape, built by the spec's own
     builder over that parameter alone (as the step in backward builds them),
-    stepped once to make its state and once more under a tracker.
+    stepped once to make its state and once more under a tracker. With
+    ``optimizer_state`` "8bit", the builder's optimizer made 8-bit as the
+    strategy makes it (``strategies.optimizer_state.eight_bit_adam``): torchao
+    quantizes the moments of the parameters with at least 4096 elements, a
+    whole number of its 256-element blocks (uint8 codes, an fp32 scale per
+    block, a 256-entry fp32 map per moment) and keeps the others' in fp32;
+    its step runs eagerly under the meters, as here.
+
+    Raises:
+        UserError: "8bit" for an optimizer other than AdamW or Adam, or without torchao.
     """
     from autofit.measure.meters import simulated_meter
+    from strategies.optimizer_state import eight_bit_adam
 
+    build = spec.build_optimizer
+    if optimizer_state == "8bit":
+        build = lambda params: eight_bit_adam(spec.build_optimizer(params))  # noqa: E731
     meter = simulated_meter(spec, for_device=device_type)
     counter = StorageTracker(round_bytes=meter.round_bytes)
     state_bytes, temporaries, seen = 0, [], {}
@@ -358,7 +383,7 @@ def optimizer_bytes(spec, *, device_type: str) -> tuple[int, list[int]]:
                 continue
             key = (tuple(param.shape), param.dtype)
             if key not in seen:
-                optimizer = spec.build_optimizer([param])
+                optimizer = build([param])
                 param.grad = torch.zeros_like(param)
                 optimizer.step()  # makes the state
                 state = [t for t in optimizer.state[param].values() if isinstance(t, torch.Tensor)]
@@ -367,12 +392,36 @@ def optimizer_bytes(spec, *, device_type: str) -> tuple[int, list[int]]:
                 held = tracker.current_bytes
                 with tracker:
                     optimizer.step()
-                seen[key] = (sum(counter.counted_bytes(t) for t in state), tracker.peak_bytes - held)
+                seen[key] = (sum(_counted(counter, t) for t in state), tracker.peak_bytes - held)
                 param.grad = None
                 del optimizer
             state_bytes += seen[key][0]
             temporaries.append(seen[key][1])
     return state_bytes, temporaries
+
+
+def _counted(counter: StorageTracker, tensor: torch.Tensor) -> int:
+    """Bytes the meters count for a state tensor: a wrapper subclass's (torchao's 8-bit state) are its inner tensors'."""
+    inner = inner_tensors(tensor)
+    return sum(counter.counted_bytes(t) for t in (inner if inner is not None else [tensor]))
+
+
+def add_eight_bit(trace, record: dict):
+    """``trace`` (a ``MemoryTrace``) with 8-bit state's record (``LeverTrace.eight_bit``; ``eight_bit_record``)."""
+    if trace is None or trace.levers is None or trace.levers.eight_bit == record:
+        return trace
+    return replace(trace, levers=replace(trace.levers, eight_bit=record))
+
+
+def eight_bit_record(spec, *, device_type: str) -> dict:
+    """What 8-bit optimizer state holds on the device (``LeverTrace.eight_bit``): it is the same at every micro-batch
+    size and precision, so one record serves every trace of a plan.
+
+    Raises:
+        UserError: the spec's optimizer is not AdamW or Adam, or torchao is missing.
+    """
+    state_bytes, temporaries = optimizer_bytes(spec, device_type=device_type, optimizer_state="8bit")
+    return {"state_bytes": state_bytes, "step_temporaries": temporaries}
 
 
 def trace_from_dict(data: dict | None) -> LeverTrace | None:
@@ -387,7 +436,7 @@ class LeverChoice:
     """Indices of the offloaded blocks."""
     optimizer_in_backward: bool = False
     optimizer_state: str = "device"
-    """"device" or "host" (8-bit state is not modelled)."""
+    """"device", "host" or "8bit" (modelled where the traces hold its record, ``add_eight_bit``)."""
 
     @property
     def frees_gradients(self) -> bool:
@@ -445,8 +494,17 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     def delta(values: list[float], size: int) -> float:
         return memory._interpolate(values, size, at_least=0.0)
 
-    state = delta([r.state_bytes for r in records], m) if choice.optimizer_state == "host" else 0.0
-    stepping = choice.optimizer_in_backward and choice.optimizer_state == "device"
+    eight_bit = choice.optimizer_state == "8bit"
+    if eight_bit and any(r.eight_bit is None for r in records):
+        return None
+    # What the state frees in every segment: all of it on the host; 8-bit state keeps its codes, scales and maps.
+    state = 0.0
+    if choice.optimizer_state == "host":
+        state = delta([r.state_bytes for r in records], m)
+    elif eight_bit:
+        state = memory._interpolate([r.state_bytes - r.eight_bit["state_bytes"] for r in records], m, at_least=None)
+    temporaries = low.eight_bit["step_temporaries"] if eight_bit else low.step_temporaries
+    stepping = choice.optimizer_in_backward and choice.optimizer_state in ("device", "8bit")
     found = []
     for i, segment in enumerate(memory.low.segments):
         if not accumulating and segment.phase == "later":
@@ -485,14 +543,17 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
             # once the block returns, and autocast's cache of casts, are gone from the second and the third.
             opening = [r.opening_without_gradients[i] + (0 if choice.frees_gradients else r.opening_gradients[i]) for r in records]
             parts = [(level(opening, size), 0)]
-            if segment.phase != "optimizer" or not choice.frees_gradients:  # with them, nothing grows in the step
+            if segment.phase == "optimizer" and eight_bit and not choice.frees_gradients:
+                # torchao steps one parameter at a time: the opening, and the largest parameter's step on top of it.
+                parts.append((parts[0][0] + max(temporaries, default=0), 1))
+            elif segment.phase != "optimizer" or not choice.frees_gradients:  # with them, nothing grows in the step
                 for stage, name in ((1, "rests"), (2, "afters")):
                     if getattr(low, name)[i] is not None:
                         parts.append((level([getattr(r, name)[i][gradients] for r in records], size), stage))
         if stepping and segment.phase != "optimizer":
             steps = values("steps")
             at_steps = max(
-                (level([s[n][1] for s in steps], size) + low.step_temporaries[param] for n, (param, _) in enumerate(steps[0])),
+                (level([s[n][1] for s in steps], size) + temporaries[param] for n, (param, _) in enumerate(steps[0])),
                 default=0.0,
             )
             bytes_, stage = parts[-1]

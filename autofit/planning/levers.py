@@ -1,8 +1,9 @@
 """The memory levers in planning: what the search may add above the floor (``lever_search``), and below it the
 floor configuration again, with the levers, measured.
 
-Above the floor, the search scores the step in backward, and on a GPU offload per block and host optimizer
-state, with the memory model's lever terms (``lever_memory``) and ``lever_costs``' time (``search.LeverSearch``).
+Above the floor, the search scores the step in backward, on a GPU offload per block and host optimizer
+state, and with ``allow_lossy_optimizer`` 8-bit optimizer state, with the memory model's lever terms
+(``lever_memory``) and ``lever_costs``' time (``search.LeverSearch``).
 
 When the budget is below the floor (``check_floor``), the floor configuration
 (the smallest micro-batch, the floor's checkpointing and precision) is tried
@@ -44,22 +45,28 @@ from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import PrecisionCosts
 from autofit.planning.speed_timing import time_training
 from autofit.measure.host_speed import time_host_update
+from autofit.measure.optimizer_speed import EIGHT_BIT_ELEMENTS, time_eight_bit_update
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
 from autofit.planning.headroom import persistent_bytes
-from autofit.planning.lever_costs import LeverTime, host_link, lever_time
+from autofit.planning.lever_costs import EightBitTime, LeverTime, host_link, lever_time
 from autofit.planning.lever_memory import LeverChoice
-from autofit.planning.modelling import Costs, add_speeds
+from autofit.planning.modelling import Costs, add_eight_bit_state, add_speeds
 from autofit.planning.search import LeverSearch
 from autofit.planning.verify import Measurements
 from autofit.planning.writing import PlanReport, write_plan
 from autofit.units import format_bytes
+from strategies.optimizer_state import eight_bit_adam
 
 LOSSY_FLAG = "--allow-lossy-optimizer"
+LOSSY_NOTE = (
+    f"8-bit AdamW state (torchao, allowed by {LOSSY_FLAG}) changes the optimizer's arithmetic: its moments are "
+    "quantized block-wise, so training follows plain AdamW closely but not exactly"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Levers:
-    """What the user allows the levers below the floor to change."""
+    """What the user allows the memory levers (the search's, and below the floor the ladder's) to change."""
 
     allow_lossy_optimizer: bool = False
     """8-bit optimizer state may be chosen (it changes the optimizer's arithmetic)."""
@@ -249,6 +256,8 @@ def _report(
     """The plan of the chosen lever candidate: measured to fit, timed where the device runs, its levers named."""
     config, model = chosen.candidate.config, costs.model
     precision_notes = add_speeds(context, costs)  # only what the costs do not hold yet
+    if config.optimizer_state == "8bit":
+        add_eight_bit_state(context, costs)  # the memory model's term for it
     known = model.precisions.get(config.precision)
     if known is None or known.memory.with_checkpointing(config.micro_batch_size) is None:
         # Only the floor's trace (at the smallest micro-batch, the floor's) was needed: it predicts this configuration.
@@ -265,7 +274,7 @@ def _report(
     modelled = _modelled_peak(model, config, blocks)
     result = {
         "config": Config(precision=config.precision, micro_batch_size=config.micro_batch_size, checkpoint=tuple(config.checkpoint)),
-        # The memory model's lever terms where it has them (8-bit state it has not): else the floor configuration's.
+        # The memory model's lever terms where it has them: else the floor configuration's.
         "predicted_peak_bytes": modelled if modelled is not None else model.peak_bytes(config.precision, config.micro_batch_size, blocks),
         # The speed model's step of the floor configuration, plus what the levers cost (``lever_costs``).
         "predicted_samples_per_s": context.global_batch_size / (
@@ -306,7 +315,7 @@ def lever_notes(
     """
     predicted = (
         "the predicted peak is the memory model's with them (planning/lever_memory.py)" if modelled else
-        "the memory model does not model these levers (8-bit state, or traces without the offload trace), so the "
+        "the memory model does not model these levers (traces without the offload trace), so the "
         "predicted peak is the floor configuration's without them"
     )
     notes = [
@@ -317,18 +326,15 @@ def lever_notes(
     if host_peak_bytes:
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
     if candidate.lossy:
-        notes.append(
-            f"8-bit AdamW state (torchao, allowed by {LOSSY_FLAG}) changes the optimizer's arithmetic: its moments are "
-            "quantized block-wise, so training follows plain AdamW closely but not exactly"
-        )
+        notes.append(LOSSY_NOTE)
     else:
         notes.append("the levers do not change the arithmetic: the updates are plain training's")
     return notes
 
 
 def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> float | None:
-    """The memory model's peak of a lever candidate, where its traces model its levers (not 8-bit state)."""
-    if config.optimizer_state == "8bit" or config.selective_checkpoint:
+    """The memory model's peak of a lever candidate, where its traces model its levers."""
+    if config.selective_checkpoint:
         return None
     choice = LeverChoice(
         offload=frozenset(model.blocks.index(name) for name in config.offload), optimizer_in_backward=config.optimizer_in_backward,
@@ -346,7 +352,12 @@ def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured
     link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
     elements, trainable_bytes = _trainable(context, fallback_bytes=measured_parameter_bytes)
     update_seconds = time_host_update(context.spec.build_optimizer) * elements if config.optimizer_state == "host" else 0.0
-    return lever_time(config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds)
+    eight_bit = None
+    if config.optimizer_state == "8bit":
+        eight_bit = eight_bit_time(context) or EightBitTime(seconds=0.0, source="not measured: its update could not be timed here")
+    return lever_time(
+        config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
+    )
 
 
 def _trainable(context: PlanContext, *, fallback_bytes: int) -> tuple[int, int]:
@@ -359,33 +370,80 @@ def _trainable(context: PlanContext, *, fallback_bytes: int) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def lever_search(context: PlanContext) -> LeverSearch:
+def lever_search(context: PlanContext, *, allow_lossy_optimizer: bool = False) -> LeverSearch:
     """The memory levers the search may add above the floor on one process (``search.LeverSearch``).
 
     The step in backward everywhere (the search tries it where a point allows it); on a GPU (simulated too)
     also offload per block and optimizer state on the host, with the host link's rates (measured on a GPU
-    here, else assumed) and the host's update timed on this CPU. 8-bit state stays below the floor only:
-    it changes the arithmetic.
+    here, else assumed) and the host's update timed on this CPU. 8-bit state only with
+    ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for.
     """
+    eight_bit = eight_bit_time(context) if allow_lossy_optimizer else None
     if context.device != "cuda":
-        return LeverSearch(step_in_backward=True)
+        return LeverSearch(step_in_backward=True, eight_bit=eight_bit)
     elements, trainable_bytes = _trainable(context, fallback_bytes=0)
     return LeverSearch(
         step_in_backward=True, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable_bytes,
-        host_update_seconds=time_host_update(context.spec.build_optimizer) * elements,
+        host_update_seconds=time_host_update(context.spec.build_optimizer) * elements, eight_bit=eight_bit,
     )
 
 
+def eight_bit_time(context: PlanContext) -> EightBitTime | None:
+    """What 8-bit optimizer state adds to a step of this model (``lever_costs``): its update timed against the model
+    file's on the device the plan is for (``time_eight_bit_update``: per tensor and per element), for the model's
+    trainable tensors and elements; taken as nothing when that device is a GPU that is not here. None (logged)
+    where 8-bit state cannot run: the optimizer is not AdamW or Adam, or torchao is missing."""
+    try:
+        eight_bit_adam(context.spec.build_optimizer([torch.nn.Parameter(torch.empty(EIGHT_BIT_ELEMENTS, device="meta"))]))
+    except UserError as error:
+        context.log(f"  left out: 8-bit AdamW state: {error}")
+        return None
+    except Exception:  # a builder that needs the model's named groups: the timing falls back on AdamW
+        pass
+    if context.device == "cuda" and not torch.cuda.is_available():
+        return EightBitTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
+    device = torch.device("cuda", torch.cuda.current_device()) if context.device == "cuda" else torch.device("cpu")
+    try:
+        cost = time_eight_bit_update(context.spec.build_optimizer, device=device)
+    except UserError as error:
+        context.log(f"  left out: 8-bit AdamW state: {error}")
+        return None
+    except Exception as error:  # torchao's compiled step cannot run here (a compiler missing): training could not either
+        first_line = (str(error).splitlines() or [""])[0]
+        context.log(f"  left out: 8-bit AdamW state: its step failed here ({type(error).__name__}: {first_line})")
+        return None
+    tensors, elements = _trainable_tensors(context)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
+    rates = f"{cost.per_tensor_seconds * 1e6:+.3g} us per tensor and {cost.per_element_seconds * 1e9:+.3g} ns per element"
+    context.log(f"speed: 8-bit AdamW state's update {rates} (timed on this {where})")
+    return EightBitTime(
+        seconds=cost.seconds(tensors=tensors, elements=elements),
+        source=f"its update timed against the model's optimizer on this {where}, {rates}, for {tensors} trainable "
+        f"tensors of {elements:,} elements",
+    )
+
+
+def _trainable_tensors(context: PlanContext) -> tuple[int, int]:
+    """How many parameter tensors train, and their elements (built on the meta device; (0, 0) where it cannot be)."""
+    try:
+        with torch.device("meta"):
+            params = [p for p in context.spec.build_model().parameters() if p.requires_grad]
+    except Exception:  # a model that cannot be built on meta
+        return 0, 0
+    return len(params), sum(p.numel() for p in params)
+
+
 def searched_lever_notes(context: PlanContext, model, config: Config, search: LeverSearch) -> list[str]:
-    """The notes of a plan whose search chose memory levers: which, what they cost in time, and that the
-    arithmetic is plain training's."""
+    """The notes of a plan whose search chose memory levers: which, what they cost in time, and whether they change
+    the arithmetic (8-bit state does: a declared choice)."""
     training = config.training_config(context.global_batch_size)
     time = lever_time(
         training, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
+        eight_bit=search.eight_bit,
     )
     return [
         f"memory levers chosen by the search ({config.levers()}): the memory model predicts their peak "
         "(planning/lever_memory.py) and the chosen configuration was measured with them",
         *time.notes,
-        "the levers do not change the arithmetic: the updates are plain training's",
+        LOSSY_NOTE if training.optimizer_state == "8bit" else "the levers do not change the arithmetic: the updates are plain training's",
     ]

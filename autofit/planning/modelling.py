@@ -36,7 +36,7 @@ from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
 from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs
 from autofit.planning.flop_speed import flop_speed_costs
-from autofit.planning.lever_memory import add_offloaded
+from autofit.planning.lever_memory import add_eight_bit, add_offloaded, eight_bit_record
 from autofit.planning.memory_model import trace_memory_sizes
 from autofit.planning.speed_timing import time_precisions
 from autofit.planning.verify import VERIFY_WITHIN
@@ -235,7 +235,11 @@ def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> l
     """Precisions traced without recomputations where a point that does not fit as plain training could, if
     checkpointed, beat what it reaches without and come within ``within`` of the best that fits (nothing fits:
     every one where checkpointing could fit a point). Its speed with checkpointing is bounded by the search's
-    choice as if recomputing held nothing (``Evaluation.bound_samples_per_s``; the plain speed where unknown)."""
+    choice as if recomputing held nothing (``Evaluation.bound_samples_per_s``; the plain speed where unknown).
+
+    A point that fits only with a memory lever that costs time (8-bit state, host state, offload) counts too:
+    checkpointing might cost less.
+    """
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
 
     def could_gain(e) -> bool:
@@ -292,6 +296,26 @@ def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_
     for name, trace in zip(names, done):
         setattr(memory, name, trace)
     costs.changed = True
+
+
+def add_eight_bit_state(context: PlanContext, costs: Costs) -> None:
+    """With --allow-lossy-optimizer: 8-bit optimizer state's record in every trace, so that the memory model predicts
+    it (``lever_memory.add_eight_bit``). The record is the same at every size and precision: made once (over fake
+    tensors, one 8-bit step per parameter shape), or taken from a trace that has it (a stored study's)."""
+    memories = [c.memory for c in costs.model.precisions.values()] + list(costs.low_only.values())
+    names = ("low", "middle", "high", "floor")
+    traces = [getattr(m, name) for m in memories for name in names if getattr(m, name) is not None]
+    record = next((t.levers.eight_bit for t in traces if t.levers is not None and t.levers.eight_bit is not None), None)
+    if record is None:
+        context.log("memory: 8-bit optimizer state's bytes, one 8-bit step per parameter shape (simulated)")
+        record = eight_bit_record(context.sim_spec, device_type=context.device)
+    for memory in memories:
+        for name in names:
+            trace = getattr(memory, name)
+            added = add_eight_bit(trace, record)
+            if added is not trace:
+                setattr(memory, name, added)
+                costs.changed = True
 
 
 def _check_blocks(costs: Costs, traced_blocks: list[str]) -> None:

@@ -16,7 +16,8 @@ One process (``_plan_one_process``), in steps that pass values on:
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
    exact knapsack picks the cheapest checkpoint set that fits, with each
    allowed memory lever (``levers.lever_search``: the step in backward; on a
-   GPU offload per block and host optimizer state). A precision is
+   GPU offload per block and host optimizer state; with
+   ``allow_lossy_optimizer`` 8-bit optimizer state). A precision is
    traced in full only when it could reach the verification
    (``modelling.worth_tracing``), fastest first.
 5. Verification (``verify``): the best candidates are timed side by side on the
@@ -45,8 +46,8 @@ from autofit.planning.context import Config, PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
 from autofit.planning.levers import Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
-    Costs, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations, save, stored_or_new,
-    trace_full, trace_low, trace_offload, worth_tracing,
+    Costs, add_eight_bit_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
+    save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
 from autofit.planning.search import Evaluation, LeverSearch, score_space
@@ -90,8 +91,8 @@ def plan(
         precisions: restrict the precisions searched (default: all the device runs).
         gpus: processes (GPUs) to train on; ``budget`` is then per GPU, and the plan
             uses DDP when the model fits unsharded, FSDP2 otherwise (see ``plan_with_report``).
-        allow_lossy_optimizer: below the floor, 8-bit AdamW state (torchao) may be chosen;
-            it changes the optimizer's arithmetic, so it is never chosen without this.
+        allow_lossy_optimizer: 8-bit AdamW state (torchao) may be chosen, by the search and below
+            the floor; it changes the optimizer's arithmetic, so it is never chosen without this.
         cache: without ``study``, keep the cost model and measurements in the cache
             (``autofit.planning.context.cache_dir()``: $AUTOFIT_CACHE_DIR, else
             $XDG_CACHE_HOME/autofit or ~/.cache/autofit), so that another budget
@@ -172,7 +173,7 @@ def plan_with_report(
     N processes are never run while planning: the plan says what was measured
     on one process and what was simulated or allowed for.
 
-    Below the floor on one process, the memory levers are tried (``levers``);
+    On one process the search adds the memory levers, and below the floor they are tried (``levers``);
     8-bit optimizer state only with ``allow_lossy_optimizer``. They run on one
     process, so N > 1 plans do not use them.
     """
@@ -236,10 +237,10 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             raise
         with context.phase("levers"):
             ladder = plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
-        return _searched_below_floor(context, costs, measurements, below, ladder) or ladder
+        return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context) if levers is not None else None
+        search = lever_search(context, allow_lossy_optimizer=levers.allow_lossy_optimizer) if levers is not None else None
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     with context.phase("verify"):
@@ -272,7 +273,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
 
 
 def _searched_below_floor(
-    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport,
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport, *, levers: Levers,
 ) -> PlanReport | None:
     """Below the floor, once the floor configuration with the levers fits (``ladder``): the search with the
     memory levers, for a faster configuration measured to fit (a larger micro-batch with the step in backward
@@ -288,7 +289,7 @@ def _searched_below_floor(
     )
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context)
+        search = lever_search(context, allow_lossy_optimizer=levers.allow_lossy_optimizer)
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     if not any(e.fits for e in evaluations):
@@ -377,6 +378,9 @@ def _search(
 
     def scored() -> list[Evaluation]:
         nonlocal sampler, scored_for
+        if levers is not None and levers.eight_bit is not None:
+            with context.phase("memory"):
+                add_eight_bit_state(context, costs)
         # What the scores depend on that tracing changes (a precision stored in the cache adds nothing).
         key = [(p, costs.model.precisions[p].memory) for p in _traced(context, costs)]
         key = [(p, memory.recomputed, [t.levers.offloaded is not None for t in memory._traces() if t.levers]) for p, memory in key]

@@ -13,7 +13,8 @@ blocks with Pareto-pruned states (bytes dropped so far, seconds spent) solves
 it exactly for any number of blocks.
 
 With the memory levers (``LeverSearch``), each point also tries the step in
-backward and host optimizer state (the memory model's segments with them,
+backward, host optimizer state and, with ``--allow-lossy-optimizer``, 8-bit
+optimizer state (the memory model's segments with them,
 ``lever_memory.lever_segments``), and offload is a fourth mode per block
 (freeing what the block alone saved, at its copies' time); the knapsack's
 choice is then checked against the model's whole prediction.
@@ -34,7 +35,7 @@ import numpy as np
 from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink
 from autofit.planning.cost_model import CostModel
-from autofit.planning.lever_costs import offload_block_seconds
+from autofit.planning.lever_costs import EightBitTime, offload_block_seconds
 from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
 from autofit.planning.memory_model import Segment, peak_of
 
@@ -75,14 +76,17 @@ class LeverSearch:
 
     The step in backward is tried where a point has one micro-batch per step and is not fp16 (its GradScaler
     must see every gradient first); optimizer state on the host and offload (per block, a fourth mode beside
-    none, selective and full) on a GPU only: on the CPU the host is the device. Their time is
-    ``lever_costs``': nothing for the step in backward; transfers over the host link (measured on a GPU
-    here, else assumed) and the host's update for the others.
+    none, selective and full) on a GPU only: on the CPU the host is the device; 8-bit optimizer state only
+    when the user allowed it (it changes the optimizer's arithmetic), alone or with the step in backward.
+    Their time is ``lever_costs``': nothing for the step in backward; transfers over the host link (measured
+    on a GPU here, else assumed) and the host's update for host state and offload; the 8-bit update's, measured.
     """
 
     step_in_backward: bool = False
     host_state: bool = False
     offload: bool = False
+    eight_bit: EightBitTime | None = None
+    """8-bit optimizer state may be chosen (``--allow-lossy-optimizer``): what it adds to a step (None: not searched)."""
     link: HostLink | None = None
     """The host link's rates (``lever_costs.host_link``), with host state or offload."""
     trainable_bytes: int = 0
@@ -93,10 +97,15 @@ class LeverSearch:
     def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
         """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
         found = [LeverChoice()]
-        if self.step_in_backward and micro_batch_size >= global_batch_size and precision != "fp16":
+        stepping = self.step_in_backward and micro_batch_size >= global_batch_size and precision != "fp16"
+        if stepping:
             found.append(LeverChoice(optimizer_in_backward=True))
         if self.host_state:
             found.append(LeverChoice(optimizer_state="host"))  # with the step in backward too it frees nothing more
+        if self.eight_bit is not None:  # on the device, so the step in backward frees the gradients beside it
+            found.append(LeverChoice(optimizer_state="8bit"))
+            if stepping:
+                found.append(LeverChoice(optimizer_in_backward=True, optimizer_state="8bit"))
         return found
 
     def lever_seconds(self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice) -> float:
@@ -113,6 +122,7 @@ class LeverSearch:
         )
         return lever_time(
             config, model=model, link=self.link, trainable_bytes=self.trainable_bytes, host_update_seconds=self.host_update_seconds,
+            eight_bit=self.eight_bit,
         ).seconds
 
 
