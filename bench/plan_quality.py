@@ -564,13 +564,13 @@ def best_fitting(case: Case, g: dict, budget: int, headroom: int, wanted) -> tup
 
 
 def describe(g: dict, config) -> str:
-    """"bf16 m=4 full=2 sel=1 bwd": precision, micro-batch, blocks checkpointed fully and selectively, and "bwd" where
-    the optimizer steps in backward."""
+    """"bf16 m=4 FS-- bwd": precision, micro-batch, each block's mode in block order (F full, S selective, - none),
+    and "bwd" where the optimizer steps in backward."""
     if config is None:
         return "-"
     precision, m, modes, in_backward = config
-    selective = f" sel={modes.count(SELECTIVE)}" if SELECTIVE in modes else ""
-    return f"{precision} m={m} full={modes.count(FULL)}{selective}{' bwd' if in_backward else ''}"
+    letters = "".join({NONE: "-", SELECTIVE: "S", FULL: "F"}[mode] for mode in modes)
+    return f"{precision} m={m} {letters}{' bwd' if in_backward else ''}"
 
 
 def fmt(value) -> str:
@@ -579,7 +579,7 @@ def fmt(value) -> str:
 
 def table(rows: list[dict], all_cases: dict[str, Case], grids: dict[str, dict]) -> str:
     lines = [
-        "| model | G | budget | plan (precision, m, blocks full/selective, bwd: step in backward) | plan samples/s | / unconstrained "
+        "| model | G | budget | plan (precision, m, block modes F/S/-, bwd: step in backward) | plan samples/s | / unconstrained "
         "| / best block-only | / grid best | best with a selective block, / plan | best with the step in backward, / plan "
         "| / ckpt-all hand | / no-ckpt hand | violation | plan s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
