@@ -10,7 +10,11 @@ One process (``_plan_one_process``), in steps that pass values on:
    it; measured unless the budget is well above it. Below it, on one process,
    the floor configuration is tried with the memory levers (``levers``),
    measured; once one fits, the search with the levers (steps 3 to 5) looks
-   for a faster configuration, and the faster of the two is the plan.
+   for a faster configuration, and the faster of the two is the plan. When
+   none fits and the floor takes several micro-batches (the ladder then has no
+   step in backward), the search still runs where the budget holds the
+   parameters and the optimizer state: the whole batch in one micro-batch,
+   stepping in backward, may fit.
 3. Speed (``modelling``): real timings on the device at a few micro-batch
    sizes per precision, interleaved; with ``simulate``, FLOPs instead.
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
