@@ -11,11 +11,13 @@ states its budgets):
 - compare its samples/s with
   * the best configuration of an exhaustive grid over the same space
     (precision x micro-batch x a checkpoint mode per block: none, selective
-    or full), every point that could be best timed as plain training steps,
-    the top three re-timed;
-  * the best block-only point of that grid (no block selective: what the
-    planner could do before it searched selective checkpointing), and the
-    best point with a selective block (what selective checkpointing costs here);
+    or full x the optimizer step in backward, off or on where a step is one
+    micro-batch and not fp16), every point that could be best timed as plain
+    training steps, the top three re-timed;
+  * the best block-only point of that grid (no block selective and no step in
+    backward: what the planner could do before it searched selective
+    checkpointing and the levers), the best point with a selective block and
+    the best with the step in backward (what each costs or gains here);
   * the unconstrained configuration (the fastest with no budget: any precision and micro-batch, no
     checkpointing; the three fastest by screening, re-timed);
   * "checkpoint every block, largest micro-batch that fits" (fp32);
@@ -25,25 +27,38 @@ states its budgets):
 
 The grid's peaks come from the planner's memory model (simulated traces at
 the smallest micro-batch and the global batch), which equals the cpu meter in
-every cell of tests/test_memory_grid.py (selective modes included); the grid's
-leaders are confirmed with the cpu meter at the full global batch before they
-count. Timing is pruned, soundly under "checkpointing a block never makes a
-step faster": at a budget, a (precision, micro-batch) point is timed only with
-mode sets that fit and have no fitting set that checkpoints a subset of their
-blocks (a block none where they have it selective or full); fp16's points only
-if its fastest unconstrained configuration beats the best fitting one without it.
+every cell of tests/test_memory_grid.py (selective modes included); with the
+step in backward, from its lever terms (``MemoryCosts.peak_bytes(levers=...)``,
+``lever_memory.lever_peak_bytes``, as the planner's search). The grid's
+leaders are confirmed with the cpu meter at the full global batch (``probe``
+with the same configuration) before they count. Timing is pruned, soundly
+under "checkpointing a block never makes a step faster": at a budget, a
+(precision, micro-batch, step in backward) point is timed only with mode sets
+that fit and have no fitting set that checkpoints a subset of their blocks (a
+block none where they have it selective or full); a point with the step in
+backward is timed like one without (it is not assumed to cost nothing); fp16's
+points only if its fastest unconstrained configuration beats the best fitting
+one without it.
+
+Besides the budgets above, a case may name budgets as fractions of its
+parameters + gradients + AdamW state (``state_fractions``: 16 bytes a
+parameter), where plain training cannot fit and only the step in backward
+(which frees each gradient once its parameter has stepped) can: there a
+refusal by the planner while the grid holds a fitting point counts as 0.
 
 Modes per block: none / selective / full for models of up to SELECTIVE_GRID_LIMIT
 blocks (3^n sets a point); beyond, every block in one mode ({none, all
 selective, all full}), and the "grid" ratio is marked partial.
 
-    python bench/plan_quality.py --models chain,lm,uneven --budgets 0   # the selective rows (minutes on 2 cores)
+    python bench/plan_quality.py --models chain,lm,cnn --budgets 0   # the selective rows (minutes on 2 cores)
+    python bench/plan_quality.py --models lmwide --budgets 0         # the step in backward's rows
     python bench/plan_quality.py            # every model, floor-to-peak sweep too (tens of minutes on 2 cores)
     python bench/plan_quality.py --models cnn --budgets 3 --threads 2
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import os
@@ -63,6 +78,7 @@ from autofit.apply import TrainingConfig  # noqa: E402
 from autofit.planning.cost_model import memory_costs  # noqa: E402
 from autofit.planning.speed_timing import time_training  # noqa: E402
 from autofit.planning.floor import InfeasibleBudget  # noqa: E402
+from autofit.planning.lever_memory import LeverChoice  # noqa: E402
 from autofit.planning.modelling import micro_batch_sizes  # noqa: E402
 from autofit.planning.planner import make_plan  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
@@ -176,16 +192,14 @@ class PreNormBlock(nn.Module):
 
 
 class PreNormLM(nn.Module):
-    """A pre-norm causal LM (4 layers, width 64, 512 tokens, vocabulary 256), SDPA attention."""
+    """A pre-norm causal LM of 4 layers, SDPA attention (by default width 64, 512 tokens, vocabulary 256)."""
 
-    VOCAB, SEQ_LEN, DIM = 256, 512, 64
-
-    def __init__(self) -> None:
+    def __init__(self, *, vocab: int = 256, seq_len: int = 512, dim: int = 64) -> None:
         super().__init__()
-        self.embed = nn.Embedding(self.VOCAB, self.DIM)
-        self.pos = nn.Parameter(torch.zeros(1, self.SEQ_LEN, self.DIM))
-        self.layers = nn.ModuleList(PreNormBlock(self.DIM, 4) for _ in range(4))
-        self.norm, self.head = nn.LayerNorm(self.DIM), nn.Linear(self.DIM, self.VOCAB)
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, seq_len, dim))
+        self.layers = nn.ModuleList(PreNormBlock(dim, 4) for _ in range(4))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
@@ -194,9 +208,16 @@ class PreNormLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def lm_batch(n: int):
-    tokens = torch.randint(0, PreNormLM.VOCAB, (n, PreNormLM.SEQ_LEN + 1))
+def lm_batch(n: int, *, vocab: int = 256, seq_len: int = 512):
+    tokens = torch.randint(0, vocab, (n, seq_len + 1))  # (B, T + 1)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def lm_spec(name: str, *, vocab: int, seq_len: int, dim: int) -> ModelSpec:
+    return ModelSpec(
+        source=f"bench:{name}", build_model=functools.partial(PreNormLM, vocab=vocab, seq_len=seq_len, dim=dim),
+        example_batch=functools.partial(lm_batch, vocab=vocab, seq_len=seq_len), loss_fn=token_loss, build_optimizer=default_optimizer,
+    )
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # (B, T, V), (B, T)
@@ -222,6 +243,8 @@ class Case:
     full_grid: bool = True
     """Every checkpoint mode set (else {none, all selective, all full}, or {none, all} as before selective)."""
     grid_precisions: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    state_fractions: tuple[float, ...] = ()
+    """Budgets as fractions of the parameters + gradients + AdamW state (16 bytes per fp32 parameter)."""
 
 
 def cases() -> dict[str, Case]:
@@ -235,17 +258,19 @@ def cases() -> dict[str, Case]:
         ),
         # Activations far above the parameters' state, so that 0.33x of the unconstrained peak is feasible.
         "chain": Case("ReLU-chain blocks (4, T=2048, C=128)", image_spec("ChainNet", ChainNet, (2048, 128)), 2),
-        "lm": Case(
-            "pre-norm LM (4 layers, T=512, C=64)",
-            ModelSpec(source="bench:PreNormLM", build_model=PreNormLM, example_batch=lm_batch, loss_fn=token_loss,
-                      build_optimizer=default_optimizer),
-            2,
+        "lm": Case("pre-norm LM (4 layers, T=512, C=64)", lm_spec("PreNormLM", vocab=256, seq_len=512, dim=64), 2),
+        # Parameters' state far above the activations: at m = G = 2 the optimizer step's peak (parameters,
+        # gradients, AdamW state) is the step's, which only the step in backward lowers.
+        "lmwide": Case(
+            "pre-norm LM (4 layers, T=64, C=256, V=1024)", lm_spec("WideLM", vocab=1024, seq_len=64, dim=256), 2,
+            state_fractions=(0.9, 1.0),
         ),
     }
 
 
 # -- the grid -----------------------------------------------------------------------------------
-# A grid point is (precision, micro-batch, modes): one mode per block, in block order.
+# A grid point is (precision, micro-batch, modes, in_backward): one mode per block, in block order, and whether
+# the optimizer steps in backward.
 def checkpoint_lists(blocks: list[str], modes: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """(fully, selectively) checkpointed block names."""
     return [b for b, m in zip(blocks, modes) if m == FULL], [b for b, m in zip(blocks, modes) if m == SELECTIVE]
@@ -256,13 +281,18 @@ def host_sample_bytes(spec) -> int:
     return sum(t.untyped_storage().nbytes() for t in (inputs, targets))
 
 
-def speed(case: Case, g: dict, config, steps: int = 3) -> float:
-    precision, m, modes = config
+def training_config(case: Case, g: dict, config) -> TrainingConfig:
+    precision, m, modes, in_backward = config
     full, selective = checkpoint_lists(g["blocks"], modes)
-    training = TrainingConfig(
+    return TrainingConfig(
         global_batch_size=case.global_batch_size, micro_batch_size=m, precision=precision, checkpoint=full, selective_checkpoint=selective,
+        optimizer_in_backward=in_backward,
     )
-    return time_training(case.spec, training, device="cpu", steps=steps)
+
+
+def speed(case: Case, g: dict, config, steps: int = 3) -> float:
+    """Samples/s of plain training steps (``time_training``: the config goes through ``apply_config``)."""
+    return time_training(case.spec, training_config(case, g, config), device="cpu", steps=steps)
 
 
 def runnable_sizes(spec, global_batch_size: int) -> list[int]:
@@ -293,11 +323,11 @@ _REAL_PEAKS: dict = {}
 def measure_real_peak(case: Case, g: dict, config) -> int:
     key = (case.name, config)
     if key not in _REAL_PEAKS:
-        precision, m, modes = config
-        full, selective = checkpoint_lists(g["blocks"], modes)
+        training = training_config(case, g, config)
         _REAL_PEAKS[key] = probe(
-            case.spec, micro_batch_size=m, global_batch_size=case.global_batch_size, precision=precision,
-            checkpoint=full, selective_checkpoint=selective, steps=2,
+            case.spec, micro_batch_size=training.micro_batch_size, global_batch_size=training.global_batch_size,
+            precision=training.precision, checkpoint=training.checkpoint, selective_checkpoint=training.selective_checkpoint,
+            optimizer_in_backward=training.optimizer_in_backward, steps=2,
         ).peak_bytes
     return _REAL_PEAKS[key]
 
@@ -321,16 +351,22 @@ def grid(case: Case, log) -> dict:
 
 
 def add_precision(case: Case, g: dict, precision: str) -> None:
+    """Every point of one precision; with the step in backward where a step is one micro-batch and not fp16
+    (as ``search.LeverSearch.choices``), its peak from the memory model's lever terms."""
     G = case.global_batch_size
     memory = memory_costs(case.spec, precision=precision, low=g["sizes"][-1], high=G, device_type="cpu")
     g["memory"][precision] = memory
     for m in g["sizes"]:
+        in_backward = (False, True) if m >= G and precision != "fp16" and memory.has_levers() else (False,)
         for modes in g["sets"]:
             full = {b for b, mode in enumerate(modes) if mode == FULL}
             selective = frozenset(b for b, mode in enumerate(modes) if mode == SELECTIVE)
             if selective and memory.selective_drops(m) is None:
                 continue  # selective frees nothing anywhere in this model: no such point
-            g["peaks"][precision, m, modes] = memory.peak_bytes(m, global_batch_size=G, checkpoint=full, selective=selective)
+            for lever in in_backward:
+                g["peaks"][precision, m, modes, lever] = memory.peak_bytes(
+                    m, global_batch_size=G, checkpoint=full, selective=selective, levers=LeverChoice(optimizer_in_backward=lever),
+                )
 
 
 def less_recompute(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
@@ -338,14 +374,20 @@ def less_recompute(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     return a != b and all(x == NONE or x == y for x, y in zip(a, b))
 
 
-def worth_timing(g: dict, budget: int, headroom: int, *, selective: bool = True) -> list[tuple]:
-    """Fitting points with no fitting point of the same precision and micro-batch that recomputes less."""
-    fitting = [c for c, peak in g["peaks"].items() if peak + headroom <= budget and (selective or SELECTIVE not in c[2])]
+def block_only(config) -> bool:
+    """No selective block and no step in backward."""
+    return SELECTIVE not in config[2] and not config[3]
+
+
+def worth_timing(g: dict, budget: int, headroom: int, *, blocks_only: bool = False) -> list[tuple]:
+    """Fitting points with no fitting point of the same precision, micro-batch and step in backward that
+    recomputes less (block-only points alone with ``blocks_only``)."""
+    fitting = [c for c, peak in g["peaks"].items() if peak + headroom <= budget and (not blocks_only or block_only(c))]
     by_point: dict = {}
-    for c in fitting:
-        by_point.setdefault(c[:2], []).append(c[2])
+    for precision, m, modes, in_backward in fitting:
+        by_point.setdefault((precision, m, in_backward), []).append(modes)
     return [
-        (*point, modes) for point, sets in by_point.items() for modes in sets
+        (precision, m, modes, in_backward) for (precision, m, in_backward), sets in by_point.items() for modes in sets
         if not any(less_recompute(other, modes) for other in sets)
     ]
 
@@ -357,22 +399,22 @@ def grid_speed(case: Case, g: dict, config) -> float:
     return g["speeds"][config]
 
 
-def best_of_grid(case: Case, g: dict, budget: int, headroom: int, *, selective: bool = True) -> list[tuple]:
-    """The grid's fitting points by measured speed, fastest first (block-only ones when not ``selective``).
+def best_of_grid(case: Case, g: dict, budget: int, headroom: int, *, blocks_only: bool = False) -> list[tuple]:
+    """The grid's fitting points by measured speed, fastest first (block-only ones with ``blocks_only``).
 
     fp16 enters only where its fastest unconstrained configuration beats the
     best fitting one without it (checkpointing or a smaller budget never make
     it faster).
     """
-    for c in worth_timing(g, budget, headroom, selective=selective):
+    for c in worth_timing(g, budget, headroom, blocks_only=blocks_only):
         grid_speed(case, g, c)
-    best = max((g["speeds"][c] for c in worth_timing(g, budget, headroom, selective=selective)), default=0.0)
+    best = max((g["speeds"][c] for c in worth_timing(g, budget, headroom, blocks_only=blocks_only)), default=0.0)
     none = (NONE,) * len(g["blocks"])
     if "fp16" in case.grid_precisions and "fp16" not in g["memory"]:
-        ceiling = max(grid_speed(case, g, ("fp16", m, none)) for m in g["sizes"])
+        ceiling = max(grid_speed(case, g, ("fp16", m, none, False)) for m in g["sizes"])
         if ceiling >= best:
             add_precision(case, g, "fp16")
-    ranked = sorted(worth_timing(g, budget, headroom, selective=selective), key=lambda c: -grid_speed(case, g, c))
+    ranked = sorted(worth_timing(g, budget, headroom, blocks_only=blocks_only), key=lambda c: -grid_speed(case, g, c))
     # The leaders are checked with the cpu meter itself.
     confirmed = []
     for c in ranked:
@@ -384,17 +426,18 @@ def best_of_grid(case: Case, g: dict, budget: int, headroom: int, *, selective: 
 
 
 def unconstrained(case: Case, g: dict) -> list[tuple]:
-    """The three fastest configurations with no budget (every precision and micro-batch, no checkpointing), by
-    screening; re-timed beside the plan, the fastest of them is the unconstrained speed."""
+    """The three fastest configurations with no budget (every precision and micro-batch, no checkpointing and no
+    step in backward: plain training), by screening; re-timed beside the plan, the fastest of them is the
+    unconstrained speed."""
     none = (NONE,) * len(g["blocks"])
-    plain = [(p, m, none) for p in ("fp32", "bf16") for m in g["sizes"]]
+    plain = [(p, m, none, False) for p in ("fp32", "bf16") for m in g["sizes"]]
     return sorted(plain, key=lambda c: -grid_speed(case, g, c))[:3]
 
 
 def hand_choice(case: Case, g: dict, budget: int, headroom: int, *, checkpoint_all: bool):
     modes = (FULL if checkpoint_all else NONE,) * len(g["blocks"])
     for m in g["sizes"]:  # largest first
-        config = ("fp32", m, modes)
+        config = ("fp32", m, modes, False)
         if g["peaks"][config] + headroom <= budget and fits_for_real(case, g, config, budget, headroom):
             return config
     return None
@@ -418,76 +461,116 @@ def run_case(key: str, case: Case, *, budgets: int, fractions: list[float], log)
     except InfeasibleBudget as error:
         floor = error.floor_bytes
     g = grid(case, log)
-    top_peak = max(g["peaks"][p, g["sizes"][0], (NONE,) * len(g["blocks"])] for p in ("fp32", "bf16"))
+    none = (NONE,) * len(g["blocks"])
+    top_peak = max(g["peaks"][p, g["sizes"][0], none, False] for p in ("fp32", "bf16"))
     top = math.ceil(top_peak / 0.98) + 1
     fastest = unconstrained(case, g)
-    plain_peak = measure_real_peak(case, g, ("fp32", G, (NONE,) * len(g["blocks"])))
-    log(f"  floor {format_bytes(floor)}, fp32 plain peak {format_bytes(plain_peak)}; the fastest with no budget "
-        f"(screened) {', '.join(describe(g, c) for c in fastest)}")
+    plain_peak = measure_real_peak(case, g, ("fp32", G, none, False))
+    state_bytes = 16 * sum(p.numel() for p in spec.build_model().parameters() if p.requires_grad)
+    log(f"  floor {format_bytes(floor)}, fp32 plain peak {format_bytes(plain_peak)}, parameters + gradients + AdamW state "
+        f"{format_bytes(state_bytes)}; the fastest with no budget (screened) {', '.join(describe(g, c) for c in fastest)}")
     wanted = [(int(floor + (top - floor) * i / max(budgets - 1, 1)), None) for i in range(budgets)]
-    wanted += [(int(fraction * plain_peak), fraction) for fraction in fractions]
+    wanted += [(int(fraction * plain_peak), f"{fraction}x") for fraction in fractions]
+    wanted += [(int(fraction * state_bytes), f"{fraction}x state") for fraction in case.state_fractions]
     rows = []
-    for budget, fraction in wanted:
-        if budget < floor:
-            log(f"  {format_bytes(budget):>11} ({fraction}x): below the floor {format_bytes(floor)}")
-            rows.append({"model": key, "budget": budget, "fraction": fraction, "below_floor": True})
-            continue
-        start = time.perf_counter()
-        plan = make_plan(spec, budget=budget, batch_size=G)
-        plan_seconds = time.perf_counter() - start
-        headroom = sum(plan.headroom.values())
-        again = probe(
-            spec, micro_batch_size=plan.micro_batch_size, global_batch_size=G, precision=plan.precision, checkpoint=plan.checkpoint,
-            selective_checkpoint=plan.selective_checkpoint, steps=2,
-        )
-        violation = again.peak_bytes + headroom > budget
-        mine = (plan.precision, plan.micro_batch_size, tuple(
-            FULL if b in plan.checkpoint else SELECTIVE if b in plan.selective_checkpoint else NONE for b in g["blocks"]
-        ))
-        ranked = best_of_grid(case, g, budget, headroom)
-        block_only = best_of_grid(case, g, budget, headroom, selective=False)
-        with_selective = max(
-            (c for c in worth_timing(g, budget, headroom) if SELECTIVE in c[2] and fits_for_real(case, g, c, budget, headroom)),
-            key=lambda c: grid_speed(case, g, c), default=None,
-        )
-        all_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=True)
-        no_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=False)
-        contenders = list(dict.fromkeys(
-            [mine, *ranked[:3], *block_only[:3], *fastest, *(c for c in (with_selective, all_ckpt, no_ckpt) if c)]
-        ))
-        measured = side_by_side(case, g, contenders)
-        best_grid = max(ranked[:3], key=lambda c: measured[c]) if ranked else None
-        best_blocks = max(block_only[:3], key=lambda c: measured[c]) if block_only else None
-        row = {
-            "model": key, "budget": budget, "fraction": fraction, "plan": mine, "plan_speed": measured[mine],
-            "grid_best": best_grid, "block_best": best_blocks,
-            "vs_grid": measured[mine] / measured[best_grid] if best_grid else float("nan"),
-            "vs_blocks": measured[mine] / measured[best_blocks] if best_blocks else None,
-            "selective_best": with_selective,
-            "selective_vs_plan": measured[with_selective] / measured[mine] if with_selective else None,
-            "vs_unconstrained": measured[mine] / max(measured[c] for c in fastest),
-            "vs_all": measured[mine] / measured[all_ckpt] if all_ckpt else None,
-            "vs_none": measured[mine] / measured[no_ckpt] if no_ckpt else None,
-            "violation": violation, "plan_seconds": plan_seconds, "partial": not case.full_grid, "below_floor": False,
-        }
-        rows.append(row)
-        log(f"  {format_bytes(budget):>11}{f' ({fraction}x)' if fraction else ''}: {describe(g, mine)} {measured[mine]:.1f} samples/s; "
-            f"grid best {describe(g, best_grid)}; block-only best {describe(g, best_blocks)}; vs grid {row['vs_grid']:.3f}, "
-            f"vs block-only {fmt(row['vs_blocks'])}, "
-            + (f"best with selective {describe(g, with_selective)} at {row['selective_vs_plan']:.2f}x the plan, " if with_selective
-               else "no fitting selective point worth timing, ")
-            + f"vs unconstrained {row['vs_unconstrained']:.2f}, vs ckpt-all {fmt(row['vs_all'])}, "
-            f"vs no-ckpt {fmt(row['vs_none'])}; violation {violation}; planned in {plan_seconds:.1f} s")
+    for budget, label in wanted:
+        rows.append({**budget_row(key, case, g, budget, fastest=fastest, log=log, label=label), "label": label})
     return rows, g
 
 
+def budget_row(key: str, case: Case, g: dict, budget: int, *, fastest: list[tuple], log, label: str | None) -> dict:
+    """Plan at one budget, and time the plan beside the grid's best points and the hand choices."""
+    spec, G = case.spec, case.global_batch_size
+    where = f"{format_bytes(budget):>11}" + (f" ({label})" if label else "")
+    start = time.perf_counter()
+    try:
+        plan = make_plan(spec, budget=budget, batch_size=G)
+    except InfeasibleBudget as error:  # below the floor, the levers included
+        plan_seconds = time.perf_counter() - start
+        headroom = sum(v for k, v in error.breakdown.items() if k.startswith("headroom"))
+        ranked = best_of_grid(case, g, budget, headroom)
+        if not ranked:
+            log(f"  {where}: refused (floor {format_bytes(error.floor_bytes)}), and no grid point fits")
+            return {"model": key, "budget": budget, "below_floor": True, "floor": error.floor_bytes}
+        # The planner refused a budget the grid fits: a miss, scored 0.
+        with_in_backward = best_fitting(case, g, budget, headroom, lambda c: c[3])
+        measured = side_by_side(case, g, list(dict.fromkeys([*ranked[:3], *fastest, *(c for c in (with_in_backward,) if c)])))
+        best_grid = max(ranked[:3], key=lambda c: measured[c])
+        log(f"  {where}: REFUSED (floor {format_bytes(error.floor_bytes)}) but the grid fits "
+            f"{describe(g, best_grid)} at {measured[best_grid]:.1f} samples/s, "
+            f"{measured[best_grid] / max(measured[c] for c in fastest):.2f}x unconstrained; planned in {plan_seconds:.1f} s")
+        return {
+            "model": key, "budget": budget, "below_floor": False, "refused": True, "floor": error.floor_bytes, "plan": None,
+            "grid_best": best_grid, "grid_speed": measured[best_grid], "vs_grid": 0.0,
+            "grid_vs_unconstrained": measured[best_grid] / max(measured[c] for c in fastest),
+            "in_backward_best": with_in_backward, "partial": not case.full_grid, "plan_seconds": plan_seconds, "violation": False,
+        }
+    plan_seconds = time.perf_counter() - start
+    headroom = sum(plan.headroom.values())
+    again = probe(
+        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=G, precision=plan.precision, checkpoint=plan.checkpoint,
+        selective_checkpoint=plan.selective_checkpoint, optimizer_in_backward=plan.optimizer_in_backward, steps=2,
+    )
+    violation = again.peak_bytes + headroom > budget
+    mine = (plan.precision, plan.micro_batch_size, tuple(
+        FULL if b in plan.checkpoint else SELECTIVE if b in plan.selective_checkpoint else NONE for b in g["blocks"]
+    ), plan.optimizer_in_backward)
+    ranked = best_of_grid(case, g, budget, headroom)
+    blocks = best_of_grid(case, g, budget, headroom, blocks_only=True)
+    with_selective = best_fitting(case, g, budget, headroom, lambda c: SELECTIVE in c[2])
+    with_in_backward = best_fitting(case, g, budget, headroom, lambda c: c[3])
+    all_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=True)
+    no_ckpt = hand_choice(case, g, budget, headroom, checkpoint_all=False)
+    contenders = list(dict.fromkeys(
+        [mine, *ranked[:3], *blocks[:3], *fastest, *(c for c in (with_selective, with_in_backward, all_ckpt, no_ckpt) if c)]
+    ))
+    measured = side_by_side(case, g, contenders)
+    best_grid = max(ranked[:3], key=lambda c: measured[c]) if ranked else None
+    best_blocks = max(blocks[:3], key=lambda c: measured[c]) if blocks else None
+
+    def over_plan(config) -> float | None:
+        return measured[config] / measured[mine] if config else None
+
+    row = {
+        "model": key, "budget": budget, "plan": mine, "plan_speed": measured[mine], "refused": False,
+        "grid_best": best_grid, "block_best": best_blocks,
+        "vs_grid": measured[mine] / measured[best_grid] if best_grid else float("nan"),
+        "vs_blocks": measured[mine] / measured[best_blocks] if best_blocks else None,
+        "selective_best": with_selective, "selective_vs_plan": over_plan(with_selective),
+        "in_backward_best": with_in_backward, "in_backward_vs_plan": over_plan(with_in_backward),
+        "vs_unconstrained": measured[mine] / max(measured[c] for c in fastest),
+        "vs_all": measured[mine] / measured[all_ckpt] if all_ckpt else None,
+        "vs_none": measured[mine] / measured[no_ckpt] if no_ckpt else None,
+        "violation": violation, "plan_seconds": plan_seconds, "partial": not case.full_grid, "below_floor": False,
+    }
+    log(f"  {where}: {describe(g, mine)} {measured[mine]:.1f} samples/s; "
+        f"grid best {describe(g, best_grid)}; block-only best {describe(g, best_blocks)}; vs grid {row['vs_grid']:.3f}, "
+        f"vs block-only {fmt(row['vs_blocks'])}, "
+        + (f"best with selective {describe(g, with_selective)} at {row['selective_vs_plan']:.2f}x the plan, " if with_selective
+           else "no fitting selective point worth timing, ")
+        + (f"best with the step in backward {describe(g, with_in_backward)} at {row['in_backward_vs_plan']:.2f}x the plan, "
+           if with_in_backward else "no fitting step-in-backward point worth timing, ")
+        + f"vs unconstrained {row['vs_unconstrained']:.2f}, vs ckpt-all {fmt(row['vs_all'])}, "
+        f"vs no-ckpt {fmt(row['vs_none'])}; violation {violation}; planned in {plan_seconds:.1f} s")
+    return row
+
+
+def best_fitting(case: Case, g: dict, budget: int, headroom: int, wanted) -> tuple | None:
+    """The fastest point worth timing that is ``wanted`` and fits by the cpu meter (by the screening's speeds)."""
+    return max(
+        (c for c in worth_timing(g, budget, headroom) if wanted(c) and fits_for_real(case, g, c, budget, headroom)),
+        key=lambda c: grid_speed(case, g, c), default=None,
+    )
+
+
 def describe(g: dict, config) -> str:
-    """"bf16 m=4 full=2 sel=1": precision, micro-batch, blocks checkpointed fully and selectively."""
+    """"bf16 m=4 FS-- bwd": precision, micro-batch, each block's mode in block order (F full, S selective, - none),
+    and "bwd" where the optimizer steps in backward."""
     if config is None:
         return "-"
-    precision, m, modes = config
-    selective = f" sel={modes.count(SELECTIVE)}" if SELECTIVE in modes else ""
-    return f"{precision} m={m} full={modes.count(FULL)}{selective}"
+    precision, m, modes, in_backward = config
+    letters = "".join({NONE: "-", SELECTIVE: "S", FULL: "F"}[mode] for mode in modes)
+    return f"{precision} m={m} {letters}{' bwd' if in_backward else ''}"
 
 
 def fmt(value) -> str:
@@ -496,21 +579,31 @@ def fmt(value) -> str:
 
 def table(rows: list[dict], all_cases: dict[str, Case], grids: dict[str, dict]) -> str:
     lines = [
-        "| model | G | budget | plan (precision, m, blocks full/selective) | plan samples/s | / unconstrained | / best block-only "
-        "| / grid best | best with a selective block, / plan | / ckpt-all hand | / no-ckpt hand | violation | plan s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | G | budget | plan (precision, m, block modes F/S/-, bwd: step in backward) | plan samples/s | / unconstrained "
+        "| / best block-only | / grid best | best with a selective block, / plan | best with the step in backward, / plan "
+        "| / ckpt-all hand | / no-ckpt hand | violation | plan s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        case = all_cases[r["model"]]
-        budget = format_bytes(r["budget"]) + (f" ({r['fraction']}x)" if r["fraction"] else "")
+        case, g = all_cases[r["model"]], grids[r["model"]]
+        budget = format_bytes(r["budget"]) + (f" ({r['label']})" if r["label"] else "")
+        start = f"| {case.name} | {case.global_batch_size} | {budget} |"
         if r["below_floor"]:
-            lines.append(f"| {case.name} | {case.global_batch_size} | {budget} | below the floor | | | | | | | | | |")
+            lines.append(f"{start} refused (floor {format_bytes(r['floor'])}); no grid point fits | | | | | | | | | | |")
             continue
         grid_ratio = f"{r['vs_grid']:.3f}" + (" (partial)" if r["partial"] else "")
+        if r["refused"]:
+            lines.append(
+                f"{start} **refused** (floor {format_bytes(r['floor'])}) | - | - | - | {grid_ratio}: grid best {describe(g, r['grid_best'])} "
+                f"{r['grid_speed']:.1f} samples/s, {r['grid_vs_unconstrained']:.2f} of unconstrained | | {describe(g, r['in_backward_best'])} "
+                f"| | | | {r['plan_seconds']:.1f} |"
+            )
+            continue
         lines.append(
-            f"| {case.name} | {case.global_batch_size} | {budget} | {describe(grids[r['model']], r['plan'])} | {r['plan_speed']:.1f} | "
+            f"{start} {describe(g, r['plan'])} | {r['plan_speed']:.1f} | "
             f"{r['vs_unconstrained']:.2f} | {fmt(r['vs_blocks'])} | {grid_ratio} | "
-            f"{describe(grids[r['model']], r['selective_best'])}, {fmt(r['selective_vs_plan'])} | {fmt(r['vs_all'])} | {fmt(r['vs_none'])} | "
+            f"{describe(g, r['selective_best'])}, {fmt(r['selective_vs_plan'])} | "
+            f"{describe(g, r['in_backward_best'])}, {fmt(r['in_backward_vs_plan'])} | {fmt(r['vs_all'])} | {fmt(r['vs_none'])} | "
             f"{'YES' if r['violation'] else 'no'} | {r['plan_seconds']:.1f} |"
         )
     return "\n".join(lines)
@@ -545,8 +638,11 @@ def main() -> None:
         ratios = [r["vs_grid"] for r in full]
         print(f"\nfull-grid cases: plan / grid best min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
               f"{sum(r >= 0.95 for r in ratios)}/{len(ratios)} at >= 0.95")
-    chosen = [r for r in planned if SELECTIVE in r["plan"][2]]
-    print(f"plans with selective blocks: {len(chosen)} of {len(planned)}")
+    planned = [r for r in planned if not r["refused"]]
+    refused = [r for r in rows if not r["below_floor"] and r["refused"]]
+    print(f"budgets the planner refused where the grid fits: {len(refused)}")
+    print(f"plans with selective blocks: {sum(SELECTIVE in r['plan'][2] for r in planned)} of {len(planned)}")
+    print(f"plans with the step in backward: {sum(r['plan'][3] for r in planned)} of {len(planned)}")
     print(f"budget violations: {sum(r['violation'] for r in planned)} of {len(planned)} plans")
     for key in dict.fromkeys(r["model"] for r in planned):
         worst = max(r["plan_seconds"] for r in planned if r["model"] == key)

@@ -96,6 +96,32 @@ def test_micro_steps_leave_the_step_in_backward_out(one_thread, lm):
     assert any("takes 2 micro-batches per step (it needs one)" in line for line in lines)
 
 
+def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backward(one_thread, lm):
+    """A global batch of 2: the floor (micro-batch 1) takes two micro-batches, so the ladder has no step in backward;
+    one micro-batch of 2 with it and every block checkpointed fits under the floor, and the search finds it
+    (bench/plan_quality.py's wide LM was refused there)."""
+    _, spec = lm
+
+    def peak(micro_batch_size: int, **levers) -> int:
+        config = TrainingConfig(global_batch_size=2, micro_batch_size=micro_batch_size, checkpoint=BLOCKS, **levers)
+        return measure(spec, config, device="cpu", steps=2).peak_bytes
+
+    floor, lever_floor = smallest_budget(peak(1)), smallest_budget(peak(2, optimizer_in_backward=True))
+    plain = smallest_budget(peak(2))  # the whole batch, every block checkpointed, no lever
+    budget = (lever_floor + min(floor, plain)) // 2
+    plan = make_plan(spec, budget=budget, batch_size=2, precisions=["fp32"])
+    assert plan.micro_batch_size == 2 and plan.grad_accum_steps == 1 and plan.optimizer_in_backward
+    assert any("the search with the memory levers found this configuration, measured to fit" in note for note in plan.notes)
+    config = TrainingConfig(
+        global_batch_size=2, micro_batch_size=2, checkpoint=plan.checkpoint, selective_checkpoint=plan.selective_checkpoint,
+        optimizer_in_backward=True,
+    )
+    assert measure(spec, config, device="cpu", steps=2).peak_bytes + sum(plan.headroom.values()) <= budget
+    # Under the lever floor the search finds nothing either: the ladder's refusal stands.
+    with pytest.raises(InfeasibleBudget, match="takes 2 micro-batches|below the floor"):
+        make_plan(spec, budget=lever_floor * 99 // 100, batch_size=2, precisions=["fp32"])
+
+
 @pytest.mark.skipif(not HAS_TORCHAO, reason="8-bit optimizer state needs torchao")
 def test_eight_bit_state_only_with_the_flag(one_thread, lm):
     _, spec = lm

@@ -10,7 +10,11 @@ One process (``_plan_one_process``), in steps that pass values on:
    it; measured unless the budget is well above it. Below it, on one process,
    the floor configuration is tried with the memory levers (``levers``),
    measured; once one fits, the search with the levers (steps 3 to 5) looks
-   for a faster configuration, and the faster of the two is the plan.
+   for a faster configuration, and the faster of the two is the plan. When
+   none fits and the floor takes several micro-batches (the ladder then has no
+   step in backward), the search still runs where the budget holds the
+   parameters and the optimizer state: the whole batch in one micro-batch,
+   stepping in backward, may fit.
 3. Speed (``modelling``): real timings on the device at a few micro-batch
    sizes per precision, interleaved; with ``simulate``, FLOPs instead.
 4. Search (``search``): Optuna over precision x micro-batch; for each point an
@@ -44,7 +48,7 @@ from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import Config, PlanContext, plan_context
 from autofit.planning.floor import InfeasibleBudget, check_floor
-from autofit.planning.levers import Levers, lever_search, plan_with_levers, searched_lever_notes
+from autofit.planning.levers import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
     Costs, add_eight_bit_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
     save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
@@ -236,7 +240,18 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         if levers is None:
             raise
         with context.phase("levers"):
-            ladder = plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+            try:
+                ladder = plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+            except BelowLeverFloor as refused:
+                # The ladder adds the levers to the floor configuration only; where that takes several micro-batches
+                # the step in backward (one micro-batch per step) is not among them, yet a larger micro-batch with it
+                # may fit: the search with the levers has the last word.
+                if not _lever_search_may_fit(context, measurements, below):
+                    raise
+                searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers)
+                if searched is None:
+                    raise refused
+                return searched
         return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
     with context.phase("speed"):
         add_speeds(context, costs)
@@ -272,17 +287,31 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     return report
 
 
-def _searched_below_floor(
-    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport, *, levers: Levers,
-) -> PlanReport | None:
-    """Below the floor, once the floor configuration with the levers fits (``ladder``): the search with the
-    memory levers, for a faster configuration measured to fit (a larger micro-batch with the step in backward
-    or host state, fewer checkpointed blocks). None when it finds none faster.
+def _lever_search_may_fit(context: PlanContext, measurements: Measurements, below: InfeasibleBudget) -> bool:
+    """Whether, the ladder having failed, the search with the levers could find a configuration that fits: the floor
+    takes several micro-batches (so the ladder left the step in backward out) and the budget leaves room for the
+    parameters and the optimizer state, which every configuration with the step in backward holds (measured at the
+    floor). Else the refusal stays fast: the search needs every precision's speeds and traces."""
+    floor = below.floor
+    if floor is None or math.ceil(context.global_batch_size / floor.config.micro_batch_size) == 1:
+        return False
+    resident = below.breakdown.get("parameters", 0) + below.breakdown.get("optimizer_state", 0)
+    return measurements.usable_bytes() >= resident
 
-    The ladder's plan is the verification's fallback: it was measured to fit.
+
+def _searched_below_floor(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport | None, *,
+    levers: Levers,
+) -> PlanReport | None:
+    """Below the floor: the search with the memory levers, for a configuration measured to fit (a larger micro-batch
+    with the step in backward or host state, fewer checkpointed blocks). With the floor configuration's levers
+    fitting (``ladder``), None when it finds none faster; without (None), None when it finds none that fits.
+
+    The verification falls back on the ladder's plan (measured to fit) or, without one, on the floor
+    configuration (which does not fit: the verification then raises, and None is returned).
     """
-    plan = ladder.plan
-    fallback = Config(
+    plan = ladder.plan if ladder is not None else None
+    fallback = below.floor.config if plan is None else Config(
         precision=plan.precision, micro_batch_size=plan.micro_batch_size, checkpoint=tuple(plan.checkpoint),
         selective_checkpoint=tuple(plan.selective_checkpoint), offload=tuple(plan.offload),
         optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
@@ -300,15 +329,23 @@ def _searched_below_floor(
                 context, costs.model, evaluations, floor_config=fallback, floor_bytes=below.floor_bytes,
                 measurements=measurements, levers=search,
             )
-        except UserError:  # nothing the search found fits as measured: the ladder's plan stands
+        except UserError:  # nothing the search found fits as measured: the ladder's plan (or the refusal) stands
             return None
-    speed, ladder_speed = (
-        (chosen["predicted_samples_per_s"], plan.predicted.samples_per_s) if context.simulate
-        else (chosen["measured_samples_per_s"], plan.measured.samples_per_s)
-    )
-    if chosen["config"].key() == fallback.key() or not speed or not ladder_speed or speed <= ladder_speed:
+    if chosen["config"].key() == fallback.key():
         return None
-    context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {ladder_speed:.1f}")
+    if plan is not None:
+        speed, ladder_speed = (
+            (chosen["predicted_samples_per_s"], plan.predicted.samples_per_s) if context.simulate
+            else (chosen["measured_samples_per_s"], plan.measured.samples_per_s)
+        )
+        if not speed or not ladder_speed or speed <= ladder_speed:
+            return None
+        context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {ladder_speed:.1f}")
+        found = f"this configuration faster than the floor configuration with them ({ladder_speed:.1f} samples/s)"
+    else:
+        context.log("below the floor: the floor configuration with the memory levers does not fit; the search with them found one that does")
+        found = ("this configuration, measured to fit, where the floor configuration with them does not (it takes several "
+                 "micro-batches a step, and the step in backward needs one)")
     with context.phase("write"):
         plan = write_plan(
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained={},
@@ -316,8 +353,7 @@ def _searched_below_floor(
         )
         plan = replace(plan, notes=[
             *plan.notes,
-            f"below the floor without levers ({format_bytes(below.floor_bytes)}): the search with the memory levers found "
-            f"this configuration faster than the floor configuration with them ({ladder_speed:.1f} samples/s)",
+            f"below the floor without levers ({format_bytes(below.floor_bytes)}): the search with the memory levers found {found}",
             *(searched_lever_notes(context, costs.model, chosen["config"], search) if chosen["config"].levers() else []),
         ])
         context.study.save("measurements", measurements.to_store())
