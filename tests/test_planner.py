@@ -582,3 +582,33 @@ def test_cuda_plans_fit_the_card_when_measured_again():
         again = remeasure(spec, plan, device="cuda")
         margins = sum(v for k, v in plan.headroom.items() if k != "context")  # the probe's peak holds the context
         assert again.peak_bytes + margins <= plan.budget_bytes
+
+
+def test_a_selective_candidate_races_its_point_without_selective_blocks(chain_model, monkeypatch):
+    """Selective recomputation's price comes from an estimated share and a factor that load skews: a candidate
+    with selective blocks is timed side by side with its point's cheapest set without them (here the speed model
+    is told selective costs next to nothing, so the search's candidate is selective)."""
+    import autofit.planning.planner as planner
+    from autofit.planning.context import Config
+    from autofit.planning.planner import plan_with_report
+
+    add_speeds = planner.add_speeds
+
+    def selective_nearly_free(context, costs):
+        add_speeds(context, costs)
+        for speed in costs.speeds.values():
+            speed.selective_factor = 0.01
+
+    monkeypatch.setattr(planner, "add_speeds", selective_nearly_free)
+    path, spec, blocks, budget = chain_model
+    report = plan_with_report(spec, budget=budget, batch_size=1, precisions=["fp32"], cache=False)
+    plan = report.plan
+    chosen = Config(
+        precision=plan.precision, micro_batch_size=plan.micro_batch_size, checkpoint=tuple(plan.checkpoint),
+        selective_checkpoint=tuple(plan.selective_checkpoint),
+    )
+    raced = [chosen.key(), *report.timing["behind"]]  # every contender: the chosen one and those behind it
+    selective_sets = [k.split(":")[3] for k in raced if len(k.split(":")) > 3]
+    block_only = [k for k in raced if len(k.split(":")) == 3 and k.split(":")[2]]
+    assert any(selective_sets) and block_only, raced
+    assert report.plan.measured.peak_bytes + sum(report.plan.headroom.values()) <= budget

@@ -185,11 +185,13 @@ def cheapest_checkpoint(
 
 def cheapest_for(
     model: CostModel, precision: str, micro_batch_size: int, *, limit_bytes: float, levers: LeverChoice | None = None,
-    search: LeverSearch | None = None, relaxed: bool = False,
+    search: LeverSearch | None = None, relaxed: bool = False, selective: bool = True,
 ) -> CheckpointChoice | None:
     """``cheapest_checkpoint`` at one (precision, micro-batch) of the cost model, each block none, selective or full
     (selective where the model knows what it frees and costs), with ``levers``' step in backward and optimizer
     state, and offload as a fourth mode where ``search`` allows it.
+
+    Without ``selective``, no block is checkpointed selectively (the point's cheapest block-only set).
 
     With ``relaxed``, where the traces hold plain training only, blocks are checkpointed all the same as if
     recomputing them held nothing (no recomputation's segment constrains the choice; selective frees at most
@@ -211,11 +213,11 @@ def cheapest_for(
     memory = known or memory
     segments, drops = memory.at(micro_batch_size, global_batch_size=G)
     seconds = model.recompute_seconds(precision, micro_batch_size)
-    selective_drops = memory.selective_drops(micro_batch_size)
+    selective_drops = memory.selective_drops(micro_batch_size) if selective else None
     modes = dict(
         checkpointing=checkpointing,
-        selective_drops=drops if relaxed and selective_drops is None else selective_drops,
-        selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size),
+        selective_drops=drops if relaxed and selective and selective_drops is None else selective_drops,
+        selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size) if selective else None,
     )
     levers = levers or LeverChoice()
     offloading = search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is not None
