@@ -6,13 +6,13 @@ import torch
 from autofit.apply import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink, measure_host_link, time_host_update
-from autofit.measure.optimizer_speed import time_eight_bit_update
+from autofit.measure.optimizer_speed import time_eight_bit_update, time_step_in_backward
 from autofit.measure.probe import measure
 from autofit.planning import lever_costs, levers
 from autofit.planning.cost_model import CostModel
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
 from autofit.planning.lever_costs import (
-    ASSUMED_LINK_BYTES_PER_S, EightBitTime, host_link, host_state_seconds, lever_time, offload_seconds,
+    ASSUMED_LINK_BYTES_PER_S, UpdateTime, host_link, host_state_seconds, lever_time, offload_seconds,
 )
 from autofit.planning.planner import plan_with_report
 from autofit.spec import load_spec
@@ -134,11 +134,48 @@ def test_lever_time_adds_each_lever_by_its_formula(lm_costs):
 def test_lever_time_adds_the_eight_bit_update_it_is_given(lm_costs):
     _, model = lm_costs
     config = TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_state="8bit")
-    eight_bit = EightBitTime(seconds=0.25, source="timed in a test")
+    eight_bit = UpdateTime(seconds=0.25, source="timed in a test")
     time = lever_time(config, model=model, link=None, trainable_bytes=4000, host_update_seconds=0.0, eight_bit=eight_bit)
     assert time.seconds == time.eight_bit_seconds == 0.25 and "timed in a test" in time.notes[0]
     with pytest.raises(ValueError, match="8-bit"):
         lever_time(config, model=model, link=None, trainable_bytes=4000, host_update_seconds=0.0)
+
+
+def test_lever_time_adds_the_step_in_backward_it_is_given(lm_costs):
+    _, model = lm_costs
+    config = TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_in_backward=True)
+    stepping = UpdateTime(seconds=0.125, source="timed in a test")
+    time = lever_time(config, model=model, link=None, trainable_bytes=4000, host_update_seconds=0.0, step_in_backward=stepping)
+    assert time.seconds == time.step_in_backward_seconds == 0.125 and "timed in a test" in time.notes[0]
+    # With host state the update is the host's: its term counts it.
+    host = lever_time(
+        TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_in_backward=True, optimizer_state="host"), model=model,
+        link=link(1e6, 2e6), trainable_bytes=4000, host_update_seconds=0.5, step_in_backward=stepping,
+    )
+    assert host.step_in_backward_seconds == 0
+
+
+def test_the_step_in_backward_is_timed_per_parameter_against_the_models_optimizer(one_thread):
+    """One optimizer per parameter against one for all, over the same small tensors: what each parameter's own
+    step adds (a call and its hooks here; on a GPU the launches a foreach step shares). Nothing per element: the
+    updates are the same."""
+    cost = time_step_in_backward(lambda params: torch.optim.AdamW(params, lr=1e-3), device="cpu")
+    assert cost.per_element_seconds == 0 and abs(cost.per_tensor_seconds) < 0.01
+    assert cost.seconds(tensors=3, elements=10**9) == pytest.approx(3 * cost.per_tensor_seconds)
+
+
+def test_a_step_in_backward_that_costs_more_than_recomputing_is_not_chosen(monkeypatch):
+    """ConvThenWide at the budget where the step in backward lets micro-batch 8 fit unchecked
+    (tests/test_plan_search_levers.py): priced at a second per parameter, it loses to recomputation or accumulation."""
+    from autofit.measure.optimizer_speed import UpdateCost
+    from tests.models import conv_then_wide_spec
+    from tests.test_plan_search_levers import STEP_BUDGET
+
+    monkeypatch.setattr(levers, "time_step_in_backward", lambda build, device: UpdateCost(per_tensor_seconds=1.0, per_element_seconds=0.0))
+    plan = plan_with_report(
+        conv_then_wide_spec(), budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"],
+    ).plan
+    assert not plan.optimizer_in_backward and plan.measured.peak_bytes <= STEP_BUDGET
 
 
 def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_costs, monkeypatch):

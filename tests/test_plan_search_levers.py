@@ -8,7 +8,7 @@ from autofit.measure.probe import probe, probe_plan
 from autofit.commands.plan import summary_lines
 from autofit.measure.optimizer_speed import UpdateCost
 from autofit.planning import levers
-from autofit.planning.lever_costs import EightBitTime
+from autofit.planning.lever_costs import UpdateTime
 from autofit.planning.planner import plan_with_report
 from autofit.planning.search import LeverSearch
 from autofit.planning.lever_memory import LeverChoice
@@ -63,7 +63,7 @@ def test_step_in_backward_is_searched_only_where_a_point_allows_it():
 def test_eight_bit_state_is_searched_only_when_allowed():
     """8-bit state changes the arithmetic: a choice only with --allow-lossy-optimizer (``LeverSearch.eight_bit``), alone
     or with the step in backward where a point allows that."""
-    allowed = LeverSearch(step_in_backward=True, eight_bit=EightBitTime(seconds=0.0, source="test"))
+    allowed = LeverSearch(step_in_backward=True, eight_bit=UpdateTime(seconds=0.0, source="test"))
     assert allowed.choices("fp32", 8, 8) == [
         LeverChoice(), LeverChoice(optimizer_in_backward=True), LeverChoice(optimizer_state="8bit"),
         LeverChoice(optimizer_in_backward=True, optimizer_state="8bit"),

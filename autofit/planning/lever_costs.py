@@ -29,9 +29,15 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 
       host_state = k * G / down + U + P / up - S
 
-- **optimizer step in backward**: nothing. The same updates run, one
-  parameter at a time inside backward (per-parameter launches are not
-  modelled; with host state their copies are in the term above).
+- **optimizer step in backward**: the same updates, one optimizer per
+  parameter stepped inside backward: each parameter pays a step's own
+  overheads (a call, its hooks, on a GPU the launches a foreach step shares),
+  B seconds per trainable tensor (``time_step_in_backward`` on the device the
+  plan is for; planning for a GPU that is not here it is not measured and
+  taken as nothing, as the notes say; with host state the update is the
+  host's, in the term above)::
+
+      step_in_backward = B * tensors
 - **8-bit state** (torchao, with ``--allow-lossy-optimizer``): the same
   step, its update dequantizing and quantizing the moments: E seconds more
   per step (``time_eight_bit_update`` on the device the plan is for, a cost
@@ -98,16 +104,18 @@ class LeverTime:
     offload_seconds: float = 0.0
     host_state_seconds: float = 0.0
     eight_bit_seconds: float = 0.0
+    step_in_backward_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
-        return self.offload_seconds + self.host_state_seconds + self.eight_bit_seconds
+        return self.offload_seconds + self.host_state_seconds + self.eight_bit_seconds + self.step_in_backward_seconds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EightBitTime:
-    """What 8-bit optimizer state adds to one optimizer step (``time_eight_bit_update``, for the trainable tensors and elements)."""
+class UpdateTime:
+    """What a lever's update adds to one optimizer step, for the trainable tensors and elements (8-bit state:
+    ``time_eight_bit_update``; the step in backward: ``time_step_in_backward``)."""
 
     seconds: float
     """May be negative (a faster update)."""
@@ -122,7 +130,8 @@ def lever_time(
     link: HostLink | None,
     trainable_bytes: int,
     host_update_seconds: float,
-    eight_bit: EightBitTime | None = None,
+    eight_bit: UpdateTime | None = None,
+    step_in_backward: UpdateTime | None = None,
 ) -> LeverTime:
     """The levers' seconds per step of ``config`` (see the module docstring for the formulas).
 
@@ -132,6 +141,7 @@ def lever_time(
         trainable_bytes: bytes of the parameters that train (their gradients are as many).
         host_update_seconds: the optimizer's update of every trainable parameter on the host's CPU.
         eight_bit: what 8-bit state adds to a step (needed with it).
+        step_in_backward: what the step in backward adds to a step (None: taken as nothing, and the notes say so).
     """
     time = LeverTime()
     offloading = bool(config.offload)
@@ -141,9 +151,16 @@ def lever_time(
             raise ValueError("8-bit optimizer state needs its update's time (time_eight_bit_update)")
         time.eight_bit_seconds = eight_bit.seconds
         time.notes.append(f"8-bit optimizer state: {eight_bit.seconds:+.3g} s per step predicted for its update ({eight_bit.source})")
-    if not (offloading or on_host):
-        if config.optimizer_in_backward:
+    if config.optimizer_in_backward and not on_host:
+        if step_in_backward is None:
             time.notes.append("the optimizer step in backward is taken to cost no time (the same updates, run inside backward)")
+        else:
+            time.step_in_backward_seconds = step_in_backward.seconds
+            time.notes.append(
+                f"the optimizer step in backward: {step_in_backward.seconds:+.3g} s per step predicted, the same updates "
+                f"one parameter at a time ({step_in_backward.source})"
+            )
+    if not (offloading or on_host):
         return time
     if link is None:
         raise ValueError("offload and host optimizer state need the host link's rates")

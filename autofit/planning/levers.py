@@ -45,10 +45,10 @@ from autofit.planning.context import Config, PlanContext
 from autofit.planning.cost_model import PrecisionCosts
 from autofit.planning.speed_timing import time_training
 from autofit.measure.host_speed import time_host_update
-from autofit.measure.optimizer_speed import EIGHT_BIT_ELEMENTS, time_eight_bit_update
+from autofit.measure.optimizer_speed import EIGHT_BIT_ELEMENTS, time_eight_bit_update, time_step_in_backward
 from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
 from autofit.planning.headroom import persistent_bytes
-from autofit.planning.lever_costs import EightBitTime, LeverTime, host_link, lever_time
+from autofit.planning.lever_costs import UpdateTime, LeverTime, host_link, lever_time
 from autofit.planning.lever_memory import LeverChoice
 from autofit.planning.modelling import Costs, add_eight_bit_state, add_speeds
 from autofit.planning.search import LeverSearch
@@ -354,9 +354,11 @@ def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured
     update_seconds = time_host_update(context.spec.build_optimizer) * elements if config.optimizer_state == "host" else 0.0
     eight_bit = None
     if config.optimizer_state == "8bit":
-        eight_bit = eight_bit_time(context) or EightBitTime(seconds=0.0, source="not measured: its update could not be timed here")
+        eight_bit = eight_bit_time(context) or UpdateTime(seconds=0.0, source="not measured: its update could not be timed here")
+    stepping = step_in_backward_time(context) if config.optimizer_in_backward else None
     return lever_time(
         config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
+        step_in_backward=stepping,
     )
 
 
@@ -379,16 +381,35 @@ def lever_search(context: PlanContext, *, allow_lossy_optimizer: bool = False) -
     ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for.
     """
     eight_bit = eight_bit_time(context) if allow_lossy_optimizer else None
+    stepping = step_in_backward_time(context)
     if context.device != "cuda":
-        return LeverSearch(step_in_backward=True, eight_bit=eight_bit)
+        return LeverSearch(step_in_backward=True, eight_bit=eight_bit, step_in_backward_time=stepping)
     elements, trainable_bytes = _trainable(context, fallback_bytes=0)
     return LeverSearch(
         step_in_backward=True, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable_bytes,
         host_update_seconds=time_host_update(context.spec.build_optimizer) * elements, eight_bit=eight_bit,
+        step_in_backward_time=stepping,
     )
 
 
-def eight_bit_time(context: PlanContext) -> EightBitTime | None:
+def step_in_backward_time(context: PlanContext) -> UpdateTime:
+    """What the optimizer step in backward adds to a step of this model (``lever_costs``): one optimizer per
+    parameter timed against the model file's on the device the plan is for (``time_step_in_backward``), for the
+    model's trainable tensors; taken as nothing when that device is a GPU that is not here."""
+    if context.device == "cuda" and not torch.cuda.is_available():
+        return UpdateTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
+    device = torch.device("cuda", torch.cuda.current_device()) if context.device == "cuda" else torch.device("cpu")
+    cost = time_step_in_backward(context.spec.build_optimizer, device=device)
+    tensors, _ = _trainable_tensors(context)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
+    return UpdateTime(
+        seconds=cost.seconds(tensors=tensors, elements=0),
+        source=f"one optimizer per parameter timed against one for all on this {where}: {cost.per_tensor_seconds * 1e6:+.3g} us "
+        f"per tensor, for {tensors} trainable tensors",
+    )
+
+
+def eight_bit_time(context: PlanContext) -> UpdateTime | None:
     """What 8-bit optimizer state adds to a step of this model (``lever_costs``): its update timed against the model
     file's on the device the plan is for (``time_eight_bit_update``: per tensor and per element), for the model's
     trainable tensors and elements; taken as nothing when that device is a GPU that is not here. None (logged)
@@ -401,7 +422,7 @@ def eight_bit_time(context: PlanContext) -> EightBitTime | None:
     except Exception:  # a builder that needs the model's named groups: the timing falls back on AdamW
         pass
     if context.device == "cuda" and not torch.cuda.is_available():
-        return EightBitTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
+        return UpdateTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
     device = torch.device("cuda", torch.cuda.current_device()) if context.device == "cuda" else torch.device("cpu")
     try:
         cost = time_eight_bit_update(context.spec.build_optimizer, device=device)
@@ -416,7 +437,7 @@ def eight_bit_time(context: PlanContext) -> EightBitTime | None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
     rates = f"{cost.per_tensor_seconds * 1e6:+.3g} us per tensor and {cost.per_element_seconds * 1e9:+.3g} ns per element"
     context.log(f"speed: 8-bit AdamW state's update {rates} (timed on this {where})")
-    return EightBitTime(
+    return UpdateTime(
         seconds=cost.seconds(tensors=tensors, elements=elements),
         source=f"its update timed against the model's optimizer on this {where}, {rates}, for {tensors} trainable "
         f"tensors of {elements:,} elements",
@@ -439,7 +460,7 @@ def searched_lever_notes(context: PlanContext, model, config: Config, search: Le
     training = config.training_config(context.global_batch_size)
     time = lever_time(
         training, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
-        eight_bit=search.eight_bit,
+        eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time,
     )
     return [
         f"memory levers chosen by the search ({config.levers()}): the memory model predicts their peak "

@@ -35,7 +35,7 @@ import numpy as np
 from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink
 from autofit.planning.cost_model import CostModel
-from autofit.planning.lever_costs import EightBitTime, offload_block_seconds
+from autofit.planning.lever_costs import UpdateTime, offload_block_seconds
 from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
 from autofit.planning.memory_model import Segment, peak_of
 
@@ -78,14 +78,14 @@ class LeverSearch:
     must see every gradient first); optimizer state on the host and offload (per block, a fourth mode beside
     none, selective and full) on a GPU only: on the CPU the host is the device; 8-bit optimizer state only
     when the user allowed it (it changes the optimizer's arithmetic), alone or with the step in backward.
-    Their time is ``lever_costs``': nothing for the step in backward; transfers over the host link (measured
+    Their time is ``lever_costs``': the step in backward's per-parameter overheads, measured; transfers over the host link (measured
     on a GPU here, else assumed) and the host's update for host state and offload; the 8-bit update's, measured.
     """
 
     step_in_backward: bool = False
     host_state: bool = False
     offload: bool = False
-    eight_bit: EightBitTime | None = None
+    eight_bit: UpdateTime | None = None
     """8-bit optimizer state may be chosen (``--allow-lossy-optimizer``): what it adds to a step (None: not searched)."""
     link: HostLink | None = None
     """The host link's rates (``lever_costs.host_link``), with host state or offload."""
@@ -93,6 +93,8 @@ class LeverSearch:
     """Bytes of the parameters that train (their gradients are as many)."""
     host_update_seconds: float = 0.0
     """The optimizer's update of every trainable parameter on the host's CPU."""
+    step_in_backward_time: UpdateTime | None = None
+    """What the step in backward adds to a step (``time_step_in_backward``; None: taken as nothing)."""
 
     def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
         """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
@@ -110,7 +112,7 @@ class LeverSearch:
 
     def lever_seconds(self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice) -> float:
         """Seconds the levers add to one optimizer step (``lever_costs.lever_time``)."""
-        if not choice.offload and choice.optimizer_state == "device":
+        if not choice.offload and choice.optimizer_state == "device" and not choice.optimizer_in_backward:
             return 0.0
         from autofit.apply import TrainingConfig
         from autofit.planning.lever_costs import lever_time
@@ -122,7 +124,7 @@ class LeverSearch:
         )
         return lever_time(
             config, model=model, link=self.link, trainable_bytes=self.trainable_bytes, host_update_seconds=self.host_update_seconds,
-            eight_bit=self.eight_bit,
+            eight_bit=self.eight_bit, step_in_backward=self.step_in_backward_time,
         ).seconds
 
 
