@@ -300,3 +300,31 @@ def test_selective_recompute_is_timed_on_the_device():
     assert len(costs.selective_shares) == 3 and costs.selective_shares[0] == 0.0 < costs.selective_shares[1]
     assert SELECTIVE_FACTOR_RANGE[0] <= costs.selective_factor <= SELECTIVE_FACTOR_RANGE[1]
     assert costs.selective_recompute_seconds(4)[1] > 0
+
+
+def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
+    """On a machine twice as loaded as when the speed model timed its plain steps, the checkpointed steps come out
+    twice as slow: priced against the old plain step, recompute looked far dearer than it is (and full and
+    selective lost their order once clamped). The plain step timed beside them gives each its own price."""
+    from autofit.planning.cost_model import SpeedCosts
+    from autofit.planning.speed_timing import _measure_recompute
+    from strategies import checkpoint_candidates
+
+    spec = mixed_spec()
+    model = spec.build_model()
+    blocks = checkpoint_candidates(model)
+    assert len(blocks) == 3
+
+    def one_step(applied, inputs, targets):
+        flags = [(getattr(m, "_autofit_checkpointed", False), getattr(m, "_autofit_selective", False)) for m in applied.model.modules()]
+        seconds = 1.25 if any(f for f, _ in flags) else 1.1 if any(s for _, s in flags) else 1.0
+        return None, 2.0 * seconds  # twice the load the speed model was timed under
+
+    results = {"fp32": SpeedCosts(
+        sizes=[4], step_seconds=[1.0], forward_seconds=[0.4], block_seconds=[[0.1, 0.1, 0.05]], optimizer_seconds=0.0,
+        selective_shares=[0.0, 0.5, 0.5],
+    )}
+    _measure_recompute(model, spec, results, blocks=blocks, sizes=[4], device="cpu", one_step=one_step, clock=None)
+    costs = results["fp32"]
+    assert sum(costs.recompute_seconds(4)) == pytest.approx(2.0 * 0.25)
+    assert sum(costs.selective_recompute_seconds(4)) == pytest.approx(2.0 * 0.1)

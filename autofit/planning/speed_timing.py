@@ -244,11 +244,14 @@ def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec:
 
 
 def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, clock) -> None:
-    """Time steps with every block checkpointed, fully and selectively, interleaved: the real price of a second
-    of recompute (of the blocks' forward; of its selective share, ``SpeedCosts.selective_shares``).
+    """Time steps with every block checkpointed, fully and selectively, interleaved with plain steps: the real
+    price of a second of recompute (of the blocks' forward; of its selective share, ``SpeedCosts.selective_shares``).
 
-    The selective steps run on a copy of the model (a block is patched in one mode only); where the device
-    has no room for the copy, selective recompute is priced like full recompute per estimated second.
+    The selective and the plain steps run on copies of the model (a block is patched in one mode only); where
+    the device has no room for the selective copy, selective recompute is priced like full recompute per
+    estimated second, and without the plain copy the plain step is the speed model's (timed in other rounds:
+    on a loaded machine a difference of steps timed apart can shrink or grow, and selective was once priced
+    below full where it ran slower).
     """
     timed = [name for name, costs in results.items() if not costs.note]
     if not blocks or not timed:
@@ -256,9 +259,10 @@ def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step,
     size = sizes[len(sizes) // 2]
     inputs, targets = spec.example_batch(size)
     modes = {"full": model}
-    if any(share > 0 for name in timed for share in results[name].selective_shares):
+    wanted = ["none"] + (["selective"] if any(share > 0 for name in timed for share in results[name].selective_shares) else [])
+    for mode in wanted:
         try:
-            modes["selective"] = copy.deepcopy(model)
+            modes[mode] = copy.deepcopy(model)
         except torch.OutOfMemoryError:
             release_device_memory(device)
     applied = {
@@ -280,7 +284,8 @@ def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step,
     samples = interleaved_rounds({key: (lambda key=key: step(key)) for key in applied}, settled=lambda _: True)
     for name in timed:
         costs = results[name]
-        extra = {mode: samples[name, mode].best - costs.micro_step_seconds(size) for mode in modes}
+        plain = samples[name, "none"].best if "none" in modes else costs.micro_step_seconds(size)
+        extra = {mode: samples[name, mode].best - plain for mode in modes if mode != "none"}
         plain_forward = sum(costs.recompute_seconds(size))
         if plain_forward > 0:
             costs.recompute_factor = min(max(extra["full"] / plain_forward, 0.5), 3.0)
