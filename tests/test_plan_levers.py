@@ -199,3 +199,51 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     assert plan.measured.breakdown["optimizer_state"] == 0 and plan.measured.peak_bytes <= host.peak_bytes * 1.5
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
     assert any("the search with the memory levers found" in note for note in plan.notes)
+
+
+WIDE_LM_FILE = '''
+import torch
+from torch.nn import functional as F
+from tests.models import PreNormLM
+
+
+class WideLM(PreNormLM):
+    """A decoder whose parameters outweigh its activations, in many tensors none of them large: 8 layers of width
+    128, vocabulary 512, 32 tokens."""
+
+    VOCAB, SEQ_LEN, DIM = 512, 32, 128
+
+
+def build_model():
+    return WideLM(layers=8)
+
+
+def example_batch(n):
+    tokens = torch.randint(0, WideLM.VOCAB, (n, WideLM.SEQ_LEN + 1))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+'''
+
+
+def test_a_decoder_trains_below_its_parameters_gradients_and_adamw_state(run_cli, one_thread, tmp_path):
+    """Issue #11's CPU target: real probes, a budget of 0.85x the fp32 parameters + gradients + AdamW state of a
+    small decoder (1.7M parameters, one sequence a step): the optimizer step in backward frees the gradients, and
+    ``autofit probe --plan`` re-measures the plan within the budget."""
+    path = tmp_path / "wide_lm.py"
+    path.write_text(WIDE_LM_FILE)
+    spec = load_spec(str(path))
+    state_bytes = 4 * sum(p.numel() * p.element_size() for p in spec.build_model().parameters())
+    budget = int(0.85 * state_bytes)
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli("plan", str(path), "--budget", budget, "--batch-size", "1", "--precisions", "fp32", "--no-cache", "--out", out, "-q")
+    assert code == 0, err
+    plan = load_plan(out)
+    assert plan.optimizer_in_backward and plan.optimizer_state == "device"
+    assert plan.measured.breakdown["gradients"] < state_bytes / 4 / 4  # never all alive: at most a few at once
+    code, stdout, err = run_cli("probe", "--plan", out, "--json")
+    assert code == 0, err
+    again = json.loads(stdout)
+    assert again["optimizer_in_backward"] and again["peak_bytes"] + sum(plan.headroom.values()) <= budget
