@@ -548,7 +548,7 @@ def test_measured_plan_with_selective_candidates_fits(chain_model, run_cli, tmp_
 def test_selective_blocks_are_in_the_configuration_key_and_the_timed_steps():
     from autofit.commands.plan import _config_text
     from autofit.planning.context import Config
-    from autofit.planning.verify import _training_config
+    from autofit.planning.measurements import _training_config
 
     plain = Config(precision="bf16", micro_batch_size=4, checkpoint=("layers.0",))
     mixed = Config(precision="bf16", micro_batch_size=4, checkpoint=("layers.0",), selective_checkpoint=("layers.1", "layers.2"))

@@ -52,7 +52,7 @@ from autofit.planning.lever_costs import UpdateTime, LeverTime, host_link, lever
 from autofit.planning.lever_memory import LeverChoice
 from autofit.planning.modelling import Costs, add_eight_bit_state, add_speeds
 from autofit.planning.search import LeverSearch
-from autofit.planning.verify import Measurements
+from autofit.planning.measurements import Measurements
 from autofit.planning.writing import PlanReport, write_plan
 from autofit.units import format_bytes
 from strategies.optimizer_state import eight_bit_adam

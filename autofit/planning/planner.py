@@ -55,7 +55,8 @@ from autofit.planning.modelling import (
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
 from autofit.planning.search import Evaluation, LeverSearch, score_space
-from autofit.planning.verify import VERIFY_WITHIN, Measurements, measure_unconstrained, timed_reference, verify
+from autofit.planning.measurements import Measurements
+from autofit.planning.verify import VERIFY_WITHIN, measure_unconstrained, timed_reference, verify
 from autofit.planning.writing import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
 from autofit.units import format_bytes

@@ -1,0 +1,360 @@
+"""What one planning run measured, by configuration: exact peaks, real probes and timings (``Measurements``).
+
+Peaks by the simulated meter (equal to the CPU meter, no arithmetic), real
+probes with the device's meter, timings of plain training steps in
+interleaved rounds (``timing``), the budget's headroom as measured so far,
+and what a store of an earlier run with the same model, device and batch
+holds of them. ``verify`` chooses with them; the floor, the levers' ladder
+and the multi-process plans measure through them too.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from autofit.apply import TrainingConfig, apply_config
+from autofit.measure.meters import release_device_memory, simulated_meter
+from autofit.measure.probe import create_optimizer_state, measure
+from autofit.planning.context import Config, PlanContext
+from autofit.planning.speed_timing import StepTimer
+from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
+from autofit.planning.search import EXACT_SLACK, MODEL_SLACK
+from autofit.planning.timing import MAX_NOISY_ROUNDS, MIN_ROUNDS, Race, Samples, interleaved_rounds
+
+KEEP_TIMERS_SHARE = 0.25
+"""On the CPU the timed candidates stay built between rounds while their peaks add up to at most this share of
+the machine's memory; on a GPU one is built at a time (its memory is the budget's)."""
+
+
+class Measurements:
+    """Every measurement of one planning run, by configuration, counted for the report.
+
+    Two micro-batches stand for all of them in a memory probe (later
+    micro-steps repeat the second); the samples not traced are added as the
+    host's copy of the global batch where the meter counts it.
+
+    Args:
+        stored: ``to_store()`` of an earlier run with the same model, device and
+            batch (from the study): peaks are reused, timings only where every
+            configuration compared was timed in one earlier run.
+    """
+
+    def __init__(self, context: PlanContext, *, host_sample_bytes: int, stored: dict | None = None) -> None:
+        self.context = context
+        self.host_sample_bytes = host_sample_bytes
+        stored = stored or {}
+        self.peaks: dict[str, dict] = dict(stored.get("peaks", {}))
+        """Configuration key -> the meter's peak ("peak_bytes", "breakdown", "context_bytes"; "oom" when it ran out)."""
+        self.timings: dict[str, dict] = dict(stored.get("timings", {}))
+        """Configuration key -> {"session": the run that timed it, "threads": with how many, "seconds": one step of
+        the global batch per round}."""
+        self.session = uuid.uuid4().hex[:12]
+        self.fresh: set[str] = set()
+        """Keys whose peak was measured in this run."""
+        self.simulated_checks = 0
+        self.memory_probes = 0
+        self.real_probes = 0
+        """Configurations timed in this run."""
+        self.rejected: list[dict] = []
+        """Configurations ruled out, with why."""
+        self.timing: dict = {}
+        """What the verification's timing saw: rounds, noise, and the configurations within it of the fastest."""
+        self.learned: dict[str, float] = {}
+        """Precision -> measured / predicted peak, where a probe showed the model optimistic (``scale``)."""
+        self.predicted: dict[str, float] = {}
+        """Configuration key -> the cost model's peak, for keeping timers within memory (set by ``verify``)."""
+        self._exact: dict[str, tuple[int, dict]] = {}
+        self._measured_context_bytes: int | None = None
+        self._resident_bytes: int | None = stored.get("resident_bytes")
+
+    @property
+    def headroom(self) -> Headroom:
+        """The budget's headroom as measured so far: on a real GPU the first probe replaces the assumed context."""
+        context = self.context
+        assumed = ESTIMATED_CUDA_CONTEXT if context.device == "cuda" else 0
+        measured = self._measured_context_bytes
+        return Headroom(
+            device_type=context.device, estimated=context.simulate, budget_bytes=context.budget_bytes,
+            context_bytes=assumed if measured is None else measured,
+        )
+
+    @property
+    def resident_bytes(self) -> int:
+        """Parameters (with buffers) and optimizer state: on the device through every step of every configuration the
+        search scores, so a lower bound of the persistent bytes at any of their peaks (for the headroom of a peak
+        that is only predicted).
+
+        Counted (one model built and its optimizer state made, over fake tensors) only where the headroom
+        depends on it (``Headroom.depends_on_persistent``: planning for a GPU that is not here); 0 elsewhere.
+        Kept with the measurements (the study's key holds the model, device and batch).
+        """
+        if self._resident_bytes is None:
+            self._resident_bytes = _resident_bytes(self.context) if self.headroom.depends_on_persistent else 0
+        return self._resident_bytes
+
+    def usable_bytes(self) -> float:
+        """The largest predicted peak the budget's headroom leaves (``Headroom.usable_bytes``, with ``resident_bytes``)."""
+        return self.headroom.usable_bytes(persistent_bytes=self.resident_bytes)
+
+    def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
+        """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
+        return self.headroom.fits(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
+
+    @property
+    def model_is_exact(self) -> bool:
+        """Whether the memory model stands for the meter with the last word (to within MODEL_SLACK).
+
+        It is built from the simulated meter, which equals the CPU meter; a real
+        GPU's allocator it only approaches through ``CostModel.memory_scale``.
+        """
+        return self.context.simulate or self.context.device == "cpu"
+
+    @property
+    def slack(self) -> float:
+        """How far over the usable bytes a prediction may be and still be worth a probe."""
+        return EXACT_SLACK if self.model_is_exact else MODEL_SLACK
+
+    def scale(self, precision: str) -> float:
+        """Measured over predicted peak, the largest seen for this precision in this run (at least 1).
+
+        Where the model is exact this stays 1; where it turns out optimistic for a
+        precision, the next candidates of that precision are judged by what the
+        probes showed, not probed one by one into the same miss.
+        """
+        return self.learned.get(precision, 1.0)
+
+    def learn(self, precision: str, *, measured: float, predicted: float) -> None:
+        if predicted > 0 and measured > predicted:
+            self.learned[precision] = max(self.scale(precision), measured / predicted)
+
+    def reject(self, config: Config, why: str) -> None:
+        self.rejected.append({"config": config.key(), "why": why})
+
+    def checked_peak(self, config: Config, *, fresh: bool = False) -> tuple[int, dict]:
+        """A configuration's peak by the meter that has the last word: the device's, or the simulated one when simulating.
+
+        Args:
+            fresh: measure it in this run even if an earlier run stored it (what is chosen always is).
+        """
+        key = config.key()
+        if key not in self.peaks or (fresh and key not in self.fresh):
+            if self.context.simulate:
+                peak, breakdown = self.exact_peak(config)
+                self.peaks[key] = {"peak_bytes": peak, "breakdown": breakdown}
+            else:
+                self._real_peak(config)
+            self.fresh.add(key)
+        entry = self.peaks[key]
+        if entry.get("oom"):
+            return self.context.info.total_bytes, {}
+        if entry.get("context_bytes") is not None and self.context.device == "cuda" and not self.context.simulate:
+            self._measured_context_bytes = max(self._measured_context_bytes or 0, entry["context_bytes"])
+        return entry["peak_bytes"], dict(entry["breakdown"])
+
+    def exact_peak(self, config: Config) -> tuple[int, dict]:
+        """The simulated meter's peak of a configuration and its breakdown: equal to the CPU meter, no arithmetic."""
+        key = config.key()
+        if key not in self._exact:
+            context, m = self.context, config.micro_batch_size
+            traced = min(context.global_batch_size, 2 * m)
+            result = measure(context.sim_spec, config.training_config(traced), device=context.device, simulate=True, steps=2)
+            host = (context.global_batch_size - traced) * self.host_sample_bytes
+            breakdown = dict(result.breakdown)
+            breakdown["activations"] = breakdown.get("activations", 0) + host
+            self._exact[key] = (result.peak_bytes + host, breakdown)
+            self.simulated_checks += 1
+        return self._exact[key]
+
+    def _real_peak(self, config: Config) -> None:
+        """Probe a configuration with the device's meter; its peak less the GPU context goes into ``peaks``."""
+        context, m = self.context, config.micro_batch_size
+        traced = min(context.global_batch_size, 2 * m)
+        try:
+            result = measure(context.spec, config.training_config(traced), device=context.device, steps=2)
+        except torch.OutOfMemoryError:
+            release_device_memory(context.device)
+            self.reject(config, "out of memory on the device")
+            self.peaks[config.key()] = {"oom": True}
+            return
+        on_gpu = context.device == "cuda"
+        breakdown = dict(result.breakdown)
+        context_bytes = breakdown.pop("context", 0) if on_gpu else 0
+        # The CPU meter counts the host's global batch too; the GPU meter does not see it.
+        host = 0 if on_gpu else (context.global_batch_size - traced) * self.host_sample_bytes
+        breakdown["activations"] = breakdown.get("activations", 0) + host
+        self.peaks[config.key()] = {"peak_bytes": result.peak_bytes - context_bytes + host, "breakdown": breakdown, "context_bytes": context_bytes}
+        self.memory_probes += 1
+
+    def fits(self, config: Config) -> bool:
+        """Whether the measured peak (``checked_peak``) plus headroom fits the budget."""
+        peak, breakdown = self.checked_peak(config)
+        return not self.peaks[config.key()].get("oom") and self.fits_peak(peak, breakdown)
+
+    def samples_per_s(self, config: Config) -> float | None:
+        """Measured samples/s of plain training steps: the global batch over the fastest round (None if never timed)."""
+        entry = self.timings.get(config.key())
+        if not entry or not entry["seconds"]:
+            return None
+        return self.context.global_batch_size / min(entry["seconds"])
+
+    def race(self, contenders: list[Config], *, reference: Config | None = None) -> list[Config]:
+        """Time the contenders side by side; the fastest first, the simplest winning within the noise.
+
+        The contenders (and ``reference``, timed in the first MIN_ROUNDS rounds
+        for the speed ratio) take turns, one training step of the global batch
+        each per round, at least MIN_ROUNDS rounds after a warm-up (one when
+        there is a single contender: nothing to decide), and more while a
+        contender that could still win is within the noise of the leader, up
+        to MAX_ROUNDS (``timing.Race``). Timings of an earlier run are used
+        instead only when that run timed all of them and they decide.
+
+        Returns:
+            The contenders, the chosen one first, then the rest fastest first.
+        """
+        keys = [c.key() for c in contenders]
+        configs = {c.key(): c for c in contenders}
+        if reference is not None:
+            configs.setdefault(reference.key(), reference)
+        race = Race(contenders=keys, simplicity=lambda k: configs[k].simplicity(self.context.global_batch_size))
+        samples = self._stored_samples(list(configs), race)
+        if samples is None:
+            samples = self._time_now(configs, race)
+        leader = race.leader(samples)
+        tied = race.within_noise(samples)
+        chosen = race.chosen(samples)
+        spreads = sorted(samples[k].spread for k in keys if len(samples[k].seconds) >= 2)
+        self.timing = {
+            "rounds": max(len(samples[k].seconds) for k in keys),
+            "noise": spreads[len(spreads) // 2] if spreads else 0.0,
+            "worst_noise": spreads[-1] if spreads else 0.0,
+            "within_noise": [k for k in tied if k != chosen],
+            "behind": {k: v for k, v in race.behind(samples).items() if k != chosen},
+            "fastest": leader,
+            "reused": all(self.timings[k]["session"] != self.session for k in keys),
+        }
+        rest = sorted((k for k in keys if k != chosen), key=lambda k: samples[k].best)
+        return [configs[k] for k in [chosen, *rest]]
+
+    def _stored_samples(self, keys: list[str], race: Race) -> dict[str, Samples] | None:
+        """Samples of one earlier run that raced exactly these keys (it decided as this run would); else None.
+
+        Timings of different runs are never compared: the load on the machine differs between them.
+        """
+        sessions = {(self.timings[k]["session"], self.timings[k].get("threads")) for k in keys if k in self.timings}
+        if len(sessions) != 1 or any(k not in self.timings for k in keys) or next(iter(sessions))[1] != self.context.threads:
+            return None
+        samples = {k: Samples(seconds=list(self.timings[k]["seconds"])) for k in keys}
+        required = MIN_ROUNDS if len(race.contenders) > 1 else 1
+        if any(len(s.seconds) < required for k, s in samples.items() if k in race.contenders):
+            return None
+        return samples
+
+    def _time_now(self, configs: dict[str, Config], race: Race) -> dict[str, Samples]:
+        """Interleaved rounds of the configurations in this run (``StepTimer``s kept between rounds where memory allows)."""
+        timers: dict[str, StepTimer] = {}
+        keys = list(configs)
+        on_gpu = self.context.device == "cuda"
+        allowance = KEEP_TIMERS_SHARE * self.context.info.total_bytes
+
+        def measure(key: str):
+            def run() -> float:
+                if key not in timers:
+                    kept = sum(self._peak_or_predicted(configs[k]) for k in timers)
+                    if on_gpu or kept + self._peak_or_predicted(configs[key]) > allowance:
+                        for other in list(timers):
+                            timers.pop(other).close()
+                    timers[key] = StepTimer(self.context.spec, _training_config(configs[key], self.context), device=self.context.device)
+                return timers[key].step_seconds()
+            return run
+
+        def active(current: dict[str, Samples]) -> list[str]:
+            # The reference is only for the speed ratio: MIN_ROUNDS rounds beside the contenders.
+            reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < MIN_ROUNDS]
+            return race.running(current) + reference
+
+        started = time.perf_counter()
+        before = started - self.context.started
+
+        def settled(current: dict[str, Samples]) -> bool:
+            # Past MAX_ROUNDS only a noisy race goes on, while it has taken less than half the plan before it.
+            return race.done(current, may_go_on=time.perf_counter() - started < 0.5 * before)
+
+        try:
+            # One candidate has nothing to be compared with: one round gives its speed (and the ratio's).
+            rounds = MIN_ROUNDS if len(race.contenders) > 1 else 1
+            samples = interleaved_rounds(
+                {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds, max_rounds=MAX_NOISY_ROUNDS,
+            )
+        finally:
+            for timer in timers.values():
+                timer.close()
+        for key in keys:
+            self.timings[key] = {"session": self.session, "threads": self.context.threads, "seconds": samples[key].seconds}
+        self.real_probes += len(keys)
+        return samples
+
+    def _peak_or_predicted(self, config: Config) -> float:
+        entry = self.peaks.get(config.key())
+        return entry["peak_bytes"] if entry and not entry.get("oom") else self.predicted.get(config.key(), 0.0)
+
+    def result(self, config: Config) -> dict:
+        """What was measured of a configuration, for the plan."""
+        entry = self.peaks[config.key()]
+        peak = entry["peak_bytes"]
+        return {
+            "measured_peak_bytes": peak, "measured_samples_per_s": None if self.context.simulate else self.samples_per_s(config),
+            "meter": "simulated" if self.context.simulate else self.context.device, "breakdown": dict(entry["breakdown"]),
+            "context_bytes": entry.get("context_bytes", 0),
+            "headroom": self.headroom.for_peak(peak, persistent_bytes=persistent_bytes(entry["breakdown"])),
+        }
+
+    @property
+    def verified(self) -> dict[str, dict]:
+        """Configuration key -> what was measured, for the alternatives of the plan.
+
+        "fits" (the measured peak and its headroom fit the budget), "measured_peak_bytes" and
+        "measured_samples_per_s" (None if never timed) where its peak was measured, and
+        "rejected" (why) where verification rejected it.
+        """
+        why: dict[str, str] = {}
+        for rejection in self.rejected:
+            why.setdefault(rejection["config"], rejection["why"])
+        found = {}
+        for key, entry in self.peaks.items():
+            if entry.get("oom"):
+                found[key] = {"fits": False, "rejected": why.get(key, "out of memory on the device")}
+                continue
+            timing = self.timings.get(key)
+            speed = self.context.global_batch_size / min(timing["seconds"]) if timing and timing["seconds"] else None
+            found[key] = {
+                "measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": speed,
+                "fits": self.fits_peak(entry["peak_bytes"], entry["breakdown"]),
+            }
+            if key in why:
+                found[key]["rejected"] = why[key]
+        return found
+
+    def to_store(self) -> dict:
+        kept = {"resident_bytes": self._resident_bytes} if self._resident_bytes else {}
+        return {"peaks": self.peaks, "timings": self.timings, **kept}
+
+
+def _resident_bytes(context: PlanContext) -> int:
+    """The model's parameters, buffers and optimizer state on the device, made under the simulated meter (no step runs)."""
+    spec = context.sim_spec
+    meter = simulated_meter(spec, for_device=context.device)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        applied = apply_config(model, TrainingConfig(global_batch_size=1, micro_batch_size=1), device=meter.device, use_scaler=False)
+        optimizer = applied.build_optimizer(spec.build_optimizer)
+        create_optimizer_state(applied.model, optimizer, at_once=True)  # the state's bytes only
+        state = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+        tensors = [*applied.model.parameters(), *applied.model.buffers(), *state]
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    return sum(storages.values())
+
+
+def _training_config(config: Config, context: PlanContext) -> TrainingConfig:
+    return config.training_config(context.global_batch_size)
