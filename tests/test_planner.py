@@ -17,7 +17,7 @@ from autofit.planning.headroom import ESTIMATED_CUDA_FRAGMENTATION
 from autofit.planning.modelling import micro_batch_sizes
 from autofit.planning.planner import make_plan, plan_with_report
 from autofit.measure.probe import probe
-from autofit.planning.search import FULL, SELECTIVE, _enumerate, _greedy, _options, _prefix_knapsack, cheapest_checkpoint, peak_of
+from autofit.planning.knapsack import FULL, SELECTIVE, _enumerate, _greedy, _options, _prefix_knapsack, cheapest_checkpoint, peak_of
 from autofit.spec import ModelSpec, default_optimizer
 from tests.models import transformer_module
 

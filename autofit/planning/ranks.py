@@ -23,7 +23,7 @@ from autofit.planning.floor import InfeasibleBudget, sharded_floor
 from autofit.planning.headroom import Headroom
 from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
 from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
-from autofit.planning.search import cheapest_checkpoint
+from autofit.planning.knapsack import cheapest_checkpoint
 from autofit.planning.measurements import Measurements
 from autofit.planning.verify import VERIFY_TOP
 from autofit.planning.writing import PlanReport, plan_basics

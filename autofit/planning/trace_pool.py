@@ -132,11 +132,21 @@ class TracePool:
 
 
 def _start_worker() -> None:
-    """In a new worker: leave Ctrl-C to the planner's process (which stops the pool), and check that backward runs."""
+    """In a new worker: leave Ctrl-C to the planner's process (which stops the pool), send the worker's own stderr
+    nowhere, and check that backward runs.
+
+    Its errors reach the planner with its results; what a worker writes itself would only interleave with the
+    planner's lines. A forked worker whose first backward pass cannot start its threads (seen on a quiet 2-core
+    machine, once in a few real-probe plans: PyTorch's thread pool assertion, then an abort) dies with it, and the
+    pool, broken, leaves every trace to the planner's process: without this the abort's C++ stack reached the
+    user's terminal."""
     import signal
 
     global _worker_fails
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     try:
         torch.ones(1, requires_grad=True).sum().backward()
     except RuntimeError as error:  # forked after the parent's backward: autograd refuses to run
