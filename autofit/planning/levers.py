@@ -265,7 +265,7 @@ def _report(
         speed = costs.speeds[config.precision]
         model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
     blocks = frozenset(model.blocks.index(name) for name in floor.config.checkpoint)
-    levers_time = _lever_time(context, model, config, measured_parameter_bytes=chosen.breakdown.get("parameters", 0))
+    levers_time = _lever_time(context, costs, model, config, measured_parameter_bytes=chosen.breakdown.get("parameters", 0))
     speed = None
     if not context.simulate:
         speed = time_training(context.spec, config, device=context.device)
@@ -346,7 +346,7 @@ def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> flo
         return None
 
 
-def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured_parameter_bytes: int) -> LeverTime:
+def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfig, *, measured_parameter_bytes: int) -> LeverTime:
     """What the chosen levers add to a step (``lever_costs``): the host link measured on a GPU here, else assumed;
     the host update timed on this CPU."""
     link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
@@ -355,7 +355,7 @@ def _lever_time(context: PlanContext, model, config: TrainingConfig, *, measured
     eight_bit = None
     if config.optimizer_state == "8bit":
         eight_bit = eight_bit_time(context) or UpdateTime(seconds=0.0, source="not measured: its update could not be timed here")
-    stepping = step_in_backward_time(context) if config.optimizer_in_backward else None
+    stepping = step_in_backward_time(context, costs) if config.optimizer_in_backward else None
     return lever_time(
         config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
         step_in_backward=stepping,
@@ -372,7 +372,7 @@ def _trainable(context: PlanContext, *, fallback_bytes: int) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def lever_search(context: PlanContext, *, allow_lossy_optimizer: bool = False) -> LeverSearch:
+def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: bool = False) -> LeverSearch:
     """The memory levers the search may add above the floor on one process (``search.LeverSearch``).
 
     The step in backward everywhere (the search tries it where a point allows it); on a GPU (simulated too)
@@ -381,7 +381,7 @@ def lever_search(context: PlanContext, *, allow_lossy_optimizer: bool = False) -
     ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for.
     """
     eight_bit = eight_bit_time(context) if allow_lossy_optimizer else None
-    stepping = step_in_backward_time(context)
+    stepping = step_in_backward_time(context, costs)
     if context.device != "cuda":
         return LeverSearch(step_in_backward=True, eight_bit=eight_bit, step_in_backward_time=stepping)
     elements, trainable_bytes = _trainable(context, fallback_bytes=0)
@@ -392,19 +392,24 @@ def lever_search(context: PlanContext, *, allow_lossy_optimizer: bool = False) -
     )
 
 
-def step_in_backward_time(context: PlanContext) -> UpdateTime:
+def step_in_backward_time(context: PlanContext, costs: Costs) -> UpdateTime:
     """What the optimizer step in backward adds to a step of this model (``lever_costs``): one optimizer per
-    parameter timed against the model file's on the device the plan is for (``time_step_in_backward``), for the
-    model's trainable tensors; taken as nothing when that device is a GPU that is not here."""
+    parameter timed against the model file's on the device the plan is for (``time_step_in_backward``; once, then
+    kept with the costs), for the model's trainable tensors; taken as nothing when that device is a GPU that is
+    not here."""
     if context.device == "cuda" and not torch.cuda.is_available():
         return UpdateTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
     device = torch.device("cuda", torch.cuda.current_device()) if context.device == "cuda" else torch.device("cpu")
-    cost = time_step_in_backward(context.spec.build_optimizer, device=device)
+    per_tensor = costs.update_seconds.get("step_in_backward")
+    if per_tensor is None:
+        per_tensor = time_step_in_backward(context.spec.build_optimizer, device=device).per_tensor_seconds
+        costs.update_seconds["step_in_backward"] = per_tensor
+        costs.changed = True
     tensors, _ = _trainable_tensors(context)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
     return UpdateTime(
-        seconds=cost.seconds(tensors=tensors, elements=0),
-        source=f"one optimizer per parameter timed against one for all on this {where}: {cost.per_tensor_seconds * 1e6:+.3g} us "
+        seconds=per_tensor * tensors,
+        source=f"one optimizer per parameter timed against one for all on this {where}: {per_tensor * 1e6:+.3g} us "
         f"per tensor, for {tensors} trainable tensors",
     )
 

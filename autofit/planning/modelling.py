@@ -63,6 +63,9 @@ class Costs:
     """Precision -> a note on its speed or its traces."""
     shared: dict[str, str] = field(default_factory=dict)
     """Precision -> the precision whose traces it shares (checked: ``same_autocast_bytes``)."""
+    update_seconds: dict[str, float] = field(default_factory=dict)
+    """What a lever adds to the optimizer's update on this device, timed once ("step_in_backward": per parameter
+    tensor, ``levers.step_in_backward_time``)."""
     resumed: bool = False
     """The cost model came from a stored study."""
     changed: bool = False
@@ -94,7 +97,7 @@ class Costs:
             "cost_model": self.model.to_dict(), "micro_batch_sizes": self.micro_batch_sizes,
             "speeds": {p: _speed_dict(s) for p, s in self.speeds.items()},
             "low_only": {p: {"low": m.low.to_dict()} for p, m in self.low_only.items()},
-            "notes": self.notes, "shared": self.shared,
+            "notes": self.notes, "shared": self.shared, "update_seconds": self.update_seconds,
         }
 
 
@@ -138,7 +141,7 @@ def _from_store(stored: dict) -> Costs:
         model=CostModel.from_dict(stored["cost_model"]), micro_batch_sizes=list(stored["micro_batch_sizes"]),
         speeds={p: SpeedCosts(**s) for p, s in stored["speeds"].items()},
         low_only={p: _low_memory(_trace_from_dict(m["low"])) for p, m in stored["low_only"].items()},
-        notes=dict(stored["notes"]), shared=dict(stored["shared"]), resumed=True,
+        notes=dict(stored["notes"]), shared=dict(stored["shared"]), update_seconds=dict(stored.get("update_seconds", {})), resumed=True,
     )
     if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory._traces()):
         raise ValueError("traces stored before the memory levers were modelled")  # measured again

@@ -256,7 +256,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context, allow_lossy_optimizer=levers.allow_lossy_optimizer) if levers is not None else None
+        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer) if levers is not None else None
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     with context.phase("verify"):
@@ -319,7 +319,7 @@ def _searched_below_floor(
     )
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer)
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     if not any(e.fits for e in evaluations):
