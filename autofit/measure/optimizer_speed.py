@@ -59,7 +59,7 @@ def time_eight_bit_update(
     return UpdateCost(per_tensor_seconds=eight_bit[0] - plain[0], per_element_seconds=eight_bit[1] - plain[1])
 
 
-def time_step_in_backward(build_optimizer: Callable, *, device: torch.device | str, repeats: int = 3) -> UpdateCost:
+def time_step_in_backward(build_optimizer: Callable, *, device: torch.device | str, repeats: int = 7) -> UpdateCost:
     """What the optimizer step in backward adds to the update on ``device``: a cost per parameter tensor.
 
     The same updates run, but one optimizer per parameter, each stepped on its own (``OptimizerInBackward``, as
