@@ -115,14 +115,24 @@ def test_one_worker_or_none_means_no_pool(monkeypatch, setting):
 
 
 # -- recomputations traced only when checkpointing could matter -------------------------------------------------
-def test_recomputations_added_later_equal_those_traced_at_once(monkeypatch):
-    from autofit.planning.cost_model import complete_memory, memory_costs
+@pytest.fixture(scope="module")
+def lm_memory():
+    """The LM's bf16 memory model traced at once (``whole``) and as plain training only (``plain``), from one floor
+    trace, in this process."""
+    from autofit.planning.cost_model import memory_costs
 
-    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
     spec = layout_specs()["lm"]
     floor = trace_memory_sizes(spec, sizes=[1], precision="bf16")[0]
     whole = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor)
     plain = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor, recompute=False)
+    return spec, floor, whole, plain
+
+
+def test_recomputations_added_later_equal_those_traced_at_once(monkeypatch, lm_memory):
+    from autofit.planning.cost_model import complete_memory
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
+    spec, floor, whole, plain = lm_memory
     assert whole.recomputed and not plain.recomputed and plain.floor is floor
     # Plain training's peaks are known at every size; checkpointed ones only at the floor's size.
     assert plain.peak_bytes(5, global_batch_size=8, checkpoint=set()) == whole.peak_bytes(5, global_batch_size=8, checkpoint=set())
@@ -133,18 +143,14 @@ def test_recomputations_added_later_equal_those_traced_at_once(monkeypatch):
     assert asdict(completed) == asdict(whole)
 
 
-def test_the_bound_before_recomputations_is_never_below_the_search_with_them(monkeypatch):
+def test_the_bound_before_recomputations_is_never_below_the_search_with_them(lm_memory):
     """``needs_recomputations`` skips a precision whose bound cannot beat the best: the bound (plain traces, the
     search's choice as if recomputing held nothing) must be at least what the search finds once they are traced,
     and 0 only where nothing fits with them either."""
-    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts
     from autofit.planning.search import score_space
 
-    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
-    spec = layout_specs()["lm"]
-    floor = trace_memory_sizes(spec, sizes=[1], precision="bf16")[0]
-    whole = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor)
-    plain = memory_costs(spec, precision="bf16", low=1, high=8, device_type="cpu", low_trace=floor, recompute=False)
+    _, _, whole, plain = lm_memory
     n = len(whole.high.blocks)
     # Blocks of unequal cost, selective recomputing a third of a block, the step's time growing with the size.
     speed = SpeedCosts(
