@@ -277,11 +277,11 @@ def needs_offload(context: PlanContext, costs: Costs, evaluations: list, *, with
     offloaded, beat what it reaches without and come within ``within`` of the best that fits: offload only
     adds time, so its plain speed bounds it."""
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
-    return sorted({
+    could_win = {
         e.precision for e in evaluations
         if e.plain_samples_per_s > (e.samples_per_s if e.fits else 0.0) and e.plain_samples_per_s >= within * best
-        and offload_untraced(context, costs, e.precision, usable_bytes=usable_bytes)
-    })
+    }
+    return sorted(p for p in could_win if offload_untraced(context, costs, p, usable_bytes=usable_bytes))
 
 
 def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> None:

@@ -251,9 +251,7 @@ def score_space(
             )
             if choice is None:
                 continue
-            chosen = replace(lever_choice, offload=choice.offload)
-            seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
-            speed = global_batch_size / (seconds + search.lever_seconds(model, precision, micro_batch_size, chosen))
+            speed, chosen = _samples_per_s(model, precision, micro_batch_size, choice, lever_choice, search, global_batch_size)
             if result.fits and speed <= result.samples_per_s:
                 continue
             result.fits = True
@@ -288,10 +286,18 @@ def _bound_samples_per_s(
         choice = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit_bytes, levers=lever_choice, search=search, relaxed=True)
         if choice is None:
             continue
-        chosen = replace(lever_choice, offload=choice.offload)
-        seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
-        best = max(best, model.global_batch_size / (seconds + search.lever_seconds(model, precision, micro_batch_size, chosen)))
+        best = max(best, _samples_per_s(model, precision, micro_batch_size, choice, lever_choice, search, model.global_batch_size)[0])
     return best
+
+
+def _samples_per_s(
+    model: CostModel, precision: str, micro_batch_size: int, choice: CheckpointChoice, lever_choice: LeverChoice,
+    search: LeverSearch, global_batch_size: int,
+) -> tuple[float, LeverChoice]:
+    """A point's samples/s with the knapsack's choice and the levers' time, and the levers with its offloaded blocks."""
+    chosen = replace(lever_choice, offload=choice.offload)
+    seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
+    return global_batch_size / (seconds + search.lever_seconds(model, precision, micro_batch_size, chosen)), chosen
 
 
 def search(
