@@ -350,26 +350,52 @@ def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfi
     """What the chosen levers add to a step (``lever_costs``): the host link measured on a GPU here, else assumed;
     the host update timed on this CPU."""
     link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
-    elements, trainable_bytes = _trainable(context, fallback_bytes=measured_parameter_bytes)
-    update_seconds = time_host_update(context.spec.build_optimizer) * elements if config.optimizer_state == "host" else 0.0
+    trainable = _trainable(context, fallback_bytes=measured_parameter_bytes)
+    update_seconds = time_host_update(context.spec.build_optimizer) * trainable.elements if config.optimizer_state == "host" else 0.0
     eight_bit = None
     if config.optimizer_state == "8bit":
-        eight_bit = eight_bit_time(context) or UpdateTime(seconds=0.0, source="not measured: its update could not be timed here")
-    stepping = step_in_backward_time(context, costs) if config.optimizer_in_backward else None
+        eight_bit = eight_bit_time(context, trainable) or UpdateTime(seconds=0.0, source="not measured: its update could not be timed here")
+    stepping = step_in_backward_time(context, costs, trainable) if config.optimizer_in_backward else None
     return lever_time(
-        config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
+        config, model=model, link=link, trainable_bytes=trainable.bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
         step_in_backward=stepping,
     )
 
 
-def _trainable(context: PlanContext, *, fallback_bytes: int) -> tuple[int, int]:
-    """Elements and bytes of the parameters that train (built on the meta device: nothing allocated)."""
+@dataclass(frozen=True, slots=True)
+class _Trainable:
+    """The parameters that train: how many tensors, their elements and bytes."""
+
+    tensors: int
+    elements: int
+    bytes: int
+
+
+def _trainable(context: PlanContext, *, fallback_bytes: int = 0) -> _Trainable:
+    """The parameters that train, built on the meta device (nothing allocated); for a model that cannot be built
+    there, no tensors and ``fallback_bytes`` (the measured parameters) as fp32."""
     try:
         with torch.device("meta"):
             params = [p for p in context.spec.build_model().parameters() if p.requires_grad]
-    except Exception:  # a model that cannot be built on meta: the measured parameters, as fp32
-        return fallback_bytes // 4, fallback_bytes
-    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+    except Exception:  # a model that cannot be built on meta
+        return _Trainable(tensors=0, elements=fallback_bytes // 4, bytes=fallback_bytes)
+    return _Trainable(
+        tensors=len(params), elements=sum(p.numel() for p in params), bytes=sum(p.numel() * p.element_size() for p in params),
+    )
+
+
+def _timing_device(context: PlanContext) -> tuple[torch.device, str] | None:
+    """The device the plan is for, to time a lever's update on, and its name for the notes; None for a GPU that
+    is not here (nothing to time on)."""
+    if context.device == "cuda" and not torch.cuda.is_available():
+        return None
+    if context.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        return device, torch.cuda.get_device_name(device)
+    return torch.device("cpu"), f"CPU with {torch.get_num_threads()} thread(s)"
+
+
+NOT_TIMED = "not measured: no GPU here to time it on, so taken as nothing"
 
 
 def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: bool = False) -> LeverSearch:
@@ -380,41 +406,40 @@ def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: b
     here, else assumed) and the host's update timed on this CPU. 8-bit state only with
     ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for.
     """
-    eight_bit = eight_bit_time(context) if allow_lossy_optimizer else None
-    stepping = step_in_backward_time(context, costs)
+    trainable = _trainable(context)
+    eight_bit = eight_bit_time(context, trainable) if allow_lossy_optimizer else None
+    stepping = step_in_backward_time(context, costs, trainable)
     if context.device != "cuda":
         return LeverSearch(step_in_backward=True, eight_bit=eight_bit, step_in_backward_time=stepping)
-    elements, trainable_bytes = _trainable(context, fallback_bytes=0)
     return LeverSearch(
-        step_in_backward=True, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable_bytes,
-        host_update_seconds=time_host_update(context.spec.build_optimizer) * elements, eight_bit=eight_bit,
+        step_in_backward=True, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable.bytes,
+        host_update_seconds=time_host_update(context.spec.build_optimizer) * trainable.elements, eight_bit=eight_bit,
         step_in_backward_time=stepping,
     )
 
 
-def step_in_backward_time(context: PlanContext, costs: Costs) -> UpdateTime:
+def step_in_backward_time(context: PlanContext, costs: Costs, trainable: _Trainable) -> UpdateTime:
     """What the optimizer step in backward adds to a step of this model (``lever_costs``): one optimizer per
     parameter timed against the model file's on the device the plan is for (``time_step_in_backward``; once, then
     kept with the costs), for the model's trainable tensors; taken as nothing when that device is a GPU that is
     not here."""
-    if context.device == "cuda" and not torch.cuda.is_available():
-        return UpdateTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
-    device = torch.device("cuda", torch.cuda.current_device()) if context.device == "cuda" else torch.device("cpu")
+    timing = _timing_device(context)
+    if timing is None:
+        return UpdateTime(seconds=0.0, source=NOT_TIMED)
+    device, where = timing
     per_tensor = costs.update_seconds.get("step_in_backward")
     if per_tensor is None:
         per_tensor = time_step_in_backward(context.spec.build_optimizer, device=device).per_tensor_seconds
         costs.update_seconds["step_in_backward"] = per_tensor
         costs.changed = True
-    tensors, _ = _trainable_tensors(context)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
     return UpdateTime(
-        seconds=per_tensor * tensors,
+        seconds=per_tensor * trainable.tensors,
         source=f"one optimizer per parameter timed against one for all on this {where}: {per_tensor * 1e6:+.3g} us "
-        f"per tensor, for {tensors} trainable tensors",
+        f"per tensor, for {trainable.tensors} trainable tensors",
     )
 
 
-def eight_bit_time(context: PlanContext) -> UpdateTime | None:
+def eight_bit_time(context: PlanContext, trainable: _Trainable) -> UpdateTime | None:
     """What 8-bit optimizer state adds to a step of this model (``lever_costs``): its update timed against the model
     file's on the device the plan is for (``time_eight_bit_update``: per tensor and per element), for the model's
     trainable tensors and elements; taken as nothing when that device is a GPU that is not here. None (logged)
@@ -426,9 +451,10 @@ def eight_bit_time(context: PlanContext) -> UpdateTime | None:
         return None
     except Exception:  # a builder that needs the model's named groups: the timing falls back on AdamW
         pass
-    if context.device == "cuda" and not torch.cuda.is_available():
-        return UpdateTime(seconds=0.0, source="not measured: no GPU here to time it on, so taken as nothing")
-    device = torch.device("cuda", torch.cuda.current_device()) if context.device == "cuda" else torch.device("cpu")
+    timing = _timing_device(context)
+    if timing is None:
+        return UpdateTime(seconds=0.0, source=NOT_TIMED)
+    device, where = timing
     try:
         cost = time_eight_bit_update(context.spec.build_optimizer, device=device)
     except UserError as error:
@@ -438,25 +464,13 @@ def eight_bit_time(context: PlanContext) -> UpdateTime | None:
         first_line = (str(error).splitlines() or [""])[0]
         context.log(f"  left out: 8-bit AdamW state: its step failed here ({type(error).__name__}: {first_line})")
         return None
-    tensors, elements = _trainable_tensors(context)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} thread(s)"
     rates = f"{cost.per_tensor_seconds * 1e6:+.3g} us per tensor and {cost.per_element_seconds * 1e9:+.3g} ns per element"
     context.log(f"speed: 8-bit AdamW state's update {rates} (timed on this {where})")
     return UpdateTime(
-        seconds=cost.seconds(tensors=tensors, elements=elements),
-        source=f"its update timed against the model's optimizer on this {where}, {rates}, for {tensors} trainable "
-        f"tensors of {elements:,} elements",
+        seconds=cost.seconds(tensors=trainable.tensors, elements=trainable.elements),
+        source=f"its update timed against the model's optimizer on this {where}, {rates}, for {trainable.tensors} trainable "
+        f"tensors of {trainable.elements:,} elements",
     )
-
-
-def _trainable_tensors(context: PlanContext) -> tuple[int, int]:
-    """How many parameter tensors train, and their elements (built on the meta device; (0, 0) where it cannot be)."""
-    try:
-        with torch.device("meta"):
-            params = [p for p in context.spec.build_model().parameters() if p.requires_grad]
-    except Exception:  # a model that cannot be built on meta
-        return 0, 0
-    return len(params), sum(p.numel() for p in params)
 
 
 def searched_lever_notes(context: PlanContext, model, config: Config, search: LeverSearch) -> list[str]:
