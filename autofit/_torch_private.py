@@ -50,6 +50,21 @@ def without_dispatch_modes():
     return _disable_current_modes()
 
 
+def to_empty_quickly(module: torch.nn.Module, *, device: str) -> torch.nn.Module:
+    """``module.to_empty(device=device)``, each tensor made by shape rather than ``empty_like`` of a meta tensor.
+
+    Under a fake-tensor mode ``empty_like`` first converts its meta argument (about 1 ms a tensor: 0.2 s of
+    every ResNet-50 build); a constructor from the shape does not. A tensor that is not contiguous keeps
+    ``empty_like``'s layout. ``Module._apply`` is what ``to_empty`` itself calls (modules such as RNNs hook it).
+    """
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_contiguous():
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        return torch.empty_like(tensor, device=device)
+
+    return module._apply(empty)
+
+
 def modes_active() -> bool:
     """Whether any torch function mode (``torch.device(...)`` as a context) or dispatch mode (fake tensors, a tracker) is on."""
     return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())

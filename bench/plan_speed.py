@@ -71,6 +71,16 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def settle(*, below: float = 1.0, longest_s: float = 180.0) -> float:
+    """Wait until the 1-minute load average falls below ``below`` (at most ``longest_s``): the quiet runs must not
+    start under the load the last runs' busy processes leave in the average. Returns the load at the end."""
+    waited = 0.0
+    while load() >= below and waited < longest_s:
+        time.sleep(5)
+        waited += 5
+    return load()
+
+
 @dataclass
 class Run:
     seconds: float
@@ -239,6 +249,7 @@ def load_test(tree: Path, *, runs: int, env: dict, scratch: Path) -> None:
         )
         return run
 
+    settle()
     quiet = [once(f"quiet-{tree.name}", 0, i) for i in range(2)]
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:

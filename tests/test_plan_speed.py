@@ -1,4 +1,6 @@
 """Planning fast and robustly: timing that one disturbed step cannot decide, traces shared only when checked, the cache."""
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -6,7 +8,7 @@ from torch import nn
 from autofit.planning.context import cache_dir
 from autofit.planning.speed_timing import time_precisions
 from autofit.planning.planner import plan_with_report
-from autofit.planning.timing import MAX_NOISY_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, Race, Samples, compare, interleaved_rounds
+from autofit.planning.timing import BUSY_TIE, MAX_NOISY_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, TIE, Race, Samples, compare, interleaved_rounds
 from autofit.spec import ModelSpec, default_optimizer
 from tests.test_planner import uneven_spec
 
@@ -98,6 +100,38 @@ def test_a_noisy_race_goes_on_until_the_minima_settle():
     )
     assert max(len(s.seconds) for s in samples.values()) == MAX_ROUNDS
     assert race.chosen(samples) == "B"  # what the disturbed minima say
+
+
+def test_a_busy_machine_ties_speeds_within_its_wider_band():
+    # B (simpler) is 8% slower than A in every round: beyond a quiet machine's widest tie, within a busy one's.
+    machine = Machine({"A": 1.0, "B": 1.08})
+    quiet, samples = race_on(machine, ["B", "A"], simpler_first=True)
+    assert quiet.chosen(samples) == "A"
+    busy = Race(contenders=["B", "A"], simplicity=lambda k: (["B", "A"].index(k),), tie=BUSY_TIE)
+    assert busy.chosen(samples) == "B" and set(busy.within_noise(samples)) == {"A", "B"}
+    far = {"A": Samples(seconds=[1.0, 1.0]), "B": Samples(seconds=[1.12, 1.12])}
+    assert busy.chosen(far) == "A"  # beyond the busy tie the faster wins still
+
+
+def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
+    from autofit.commands.plan import _timing_lines
+    from autofit.planning.context import plan_context
+
+    context = plan_context(
+        uneven_spec(), budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None,
+        precisions=None, num_classes=None, log=None, cache=False,
+    )
+    assert context.tie == TIE
+    note = "the machine was busy (load average 4.0 on 2 cores): measured with 1 of 2 threads"
+    assert replace(context, threads_note=note).tie == BUSY_TIE
+
+    class Report:
+        timing = {"rounds": 4, "noise": 0.02, "worst_noise": 0.02, "within_noise": [], "behind": {}, "tie": BUSY_TIE}
+        speed_noise, threads_note = 0.0, note
+
+    assert any("speeds within 10% count as a tie" in line for line in _timing_lines(Report()))
+    Report.timing = {**Report.timing, "tie": TIE}
+    assert not any("count as a tie" in line for line in _timing_lines(Report()))
 
 
 def test_compare_is_unsure_within_the_noise():
@@ -328,3 +362,21 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
     costs = results["fp32"]
     assert sum(costs.recompute_seconds(4)) == pytest.approx(2.0 * 0.25)
     assert sum(costs.selective_recompute_seconds(4)) == pytest.approx(2.0 * 0.1)
+
+
+def test_precisions_sharing_traces_share_them_again_when_loaded_from_the_cache():
+    """A stored study's fp16 and bf16 are one set of traces again: what a later plan adds (offload's runs,
+    the recomputations) is traced once for both, as in the run that first traced them."""
+    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+    from autofit.planning.modelling import Costs, _from_store
+
+    spec = uneven_spec()
+    memory = memory_costs(spec, precision="bf16", low=1, high=4, device_type="cpu", recompute=False)
+    speed = SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[0.5], block_seconds=[[0.1] * len(memory.low.blocks)], optimizer_seconds=0.1)
+    model = CostModel(blocks=list(memory.low.blocks), global_batch_size=4, device_type="cpu", estimated=False)
+    model.precisions = {p: PrecisionCosts(precision=p, memory=memory, speed=speed) for p in ("bf16", "fp16")}
+    costs = Costs(model=model, micro_batch_sizes=[4, 2, 1], speeds={"bf16": speed, "fp16": speed}, shared={"fp16": "bf16"})
+    loaded = _from_store(costs.to_store()).model.precisions
+    assert loaded["fp16"].memory is loaded["bf16"].memory
+    unshared = _from_store({**costs.to_store(), "shared": {}}).model.precisions
+    assert unshared["fp16"].memory is not unshared["bf16"].memory

@@ -8,6 +8,7 @@ import typer
 from autofit.cli import app
 from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
+from autofit.planning.timing import TIE
 from autofit.units import format_bytes
 
 
@@ -206,6 +207,11 @@ def _timing_lines(report) -> list[str]:
             )
         else:
             lines.append("  timing      one candidate: timed once (nothing to compare it with)" + (f"; {model_noise}" if model_noise else ""))
+        if timing.get("tie", TIE) > TIE and timing["rounds"] > 1:
+            lines.append(
+                f"              the machine was busy: speeds within {timing['tie']:.0%} count as a tie (whole runs under load "
+                "rank configurations this close differently)"
+            )
         if timing.get("within_noise"):
             others = "; ".join(_config_text(key) for key in timing["within_noise"])
             lines.append(f"              as fast within that noise: {others} (the simpler configuration is chosen)")

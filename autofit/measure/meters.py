@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from autofit._torch_private import FAKE_TENSOR_LIMITS, new_fake_mode, optimizers_step_as_on_cuda, without_dispatch_modes
+from autofit._torch_private import (
+    FAKE_TENSOR_LIMITS, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly, without_dispatch_modes,
+)
 from autofit.errors import UserError
 from autofit.measure.host import host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
@@ -169,9 +171,12 @@ class SimulatedMeter(TrackedMeter):
         with ``linspace(...).tolist()`` while constructing); under the fake mode
         (a model whose construction needs real parameters). Building under the
         fake mode first would fail on data-dependent init (``trunc_normal_``).
+        The first two build outside the fake mode and the trackers: their
+        initializers would run through them op by op (ResNet-50: 0.3 s a build
+        against 0.05 s), only for tensors ``to_empty`` replaces.
         """
         try:
-            with torch.device("meta"):
+            with without_dispatch_modes(), torch.device("meta"):
                 model = build()
             return to_empty_keeping_ties(model)
         except Exception:  # construction reads a value: build again with only the parameters empty
@@ -197,7 +202,7 @@ def to_empty_keeping_ties(model: nn.Module, *, device: str = "cpu") -> nn.Module
         for name, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), []).append((module, name))
-    model = model.to_empty(device=device)
+    model = to_empty_quickly(model, device=device)
     for places in owners.values():
         first_module, first_name = places[0]
         shared = first_module._parameters[first_name]

@@ -35,6 +35,7 @@ from autofit.errors import UserError
 from autofit.measure.meters import DeviceInfo, check_device, checked_for_simulation, device_info
 from autofit.planning.memory_model import simulation_spec
 from autofit.planning.search import Study
+from autofit.planning.timing import BUSY_TIE, TIE
 from autofit.planning.trace_pool import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import parse_budget
@@ -89,6 +90,12 @@ class PlanContext:
         if checked is not spec:
             self.trace_pool.close()
         return checked
+
+    @property
+    def tie(self) -> float:
+        """Speeds this close are a tie in this run: ``BUSY_TIE`` where other work kept the machine busy (the
+        threads were cut, ``threads_note``), else ``TIE``."""
+        return BUSY_TIE if self.threads_note else TIE
 
     def log(self, line: str) -> None:
         """A progress line, stamped with the seconds since the run started."""

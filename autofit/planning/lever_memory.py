@@ -350,8 +350,15 @@ def _with_offloaded(trace, raw):
     return replace(trace, levers=replace(levers, offloaded=found))
 
 
+_optimizer_bytes_made: dict = {"spec": None, "made": {}}
+"""``optimizer_bytes``' results in this process for the last spec asked about, by (device type, state). Every trace
+of a plan asks for the same (it depends on neither the micro-batch nor the precision); one spec only, so a Python
+session that plans many models holds none of the earlier ones."""
+
+
 def optimizer_bytes(spec, *, device_type: str, optimizer_state: str = "device") -> tuple[int, list[int]]:
-    """The optimizer state's bytes, and per parameter what its step alone holds beyond them (over fake tensors).
+    """The optimizer state's bytes, and per parameter what its step alone holds beyond them (over fake tensors):
+    made once per spec, device type and state in a process.
 
     One optimizer per distinct parameter shape, built by the spec's own
     builder over that parameter alone (as the step in backward builds them),
@@ -366,6 +373,16 @@ def optimizer_bytes(spec, *, device_type: str, optimizer_state: str = "device") 
     Raises:
         UserError: "8bit" for an optimizer other than AdamW or Adam, or without torchao.
     """
+    if _optimizer_bytes_made["spec"] is not spec:
+        _optimizer_bytes_made.update(spec=spec, made={})
+    made = _optimizer_bytes_made["made"]
+    if (device_type, optimizer_state) not in made:
+        made[device_type, optimizer_state] = _optimizer_bytes(spec, device_type=device_type, optimizer_state=optimizer_state)
+    state_bytes, temporaries = made[device_type, optimizer_state]
+    return state_bytes, list(temporaries)
+
+
+def _optimizer_bytes(spec, *, device_type: str, optimizer_state: str) -> tuple[int, list[int]]:
     from autofit.measure.meters import simulated_meter
     from strategies.optimizer_state import eight_bit_adam
 

@@ -217,7 +217,7 @@ class Measurements:
         configs = {c.key(): c for c in contenders}
         if reference is not None:
             configs.setdefault(reference.key(), reference)
-        race = Race(contenders=keys, simplicity=lambda k: configs[k].simplicity(self.context.global_batch_size))
+        race = Race(contenders=keys, simplicity=lambda k: configs[k].simplicity(self.context.global_batch_size), tie=self.context.tie)
         samples = self._stored_samples(list(configs), race)
         if samples is None:
             samples = self._time_now(configs, race)
@@ -233,6 +233,7 @@ class Measurements:
             "behind": {k: v for k, v in race.behind(samples).items() if k != chosen},
             "fastest": leader,
             "reused": all(self.timings[k]["session"] != self.session for k in keys),
+            "tie": race.tie,
         }
         rest = sorted((k for k in keys if k != chosen), key=lambda k: samples[k].best)
         return [configs[k] for k in [chosen, *rest]]

@@ -145,6 +145,10 @@ def _from_store(stored: dict) -> Costs:
     )
     if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory._traces()):
         raise ValueError("traces stored before the memory levers were modelled")  # measured again
+    precisions = costs.model.precisions
+    for precision, other in costs.shared.items():  # one set of traces again, as when traced: completed once for both
+        if precision in precisions and other in precisions:
+            precisions[precision].memory = precisions[other].memory
     return costs
 
 

@@ -22,7 +22,7 @@ from autofit.planning.cost_model import CostModel
 from autofit.planning.lever_memory import LeverChoice
 from autofit.planning.measurements import Measurements
 from autofit.planning.search import Evaluation, LeverSearch, cheapest_for
-from autofit.planning.timing import MAX_TIE, TIE
+from autofit.planning.timing import tie_cap
 from autofit.units import format_bytes
 from strategies import PRECISIONS
 
@@ -150,7 +150,7 @@ def _candidates(
         # The predictions come from timings too: the simplest point predicted within their noise of the best
         # could win the tie once measured, so it is timed as well (a noisy size is not ruled out unseen).
         def band(e: Evaluation) -> float:
-            return min(max(TIE, model.precisions[e.precision].speed.noise), MAX_TIE)
+            return min(max(context.tie, model.precisions[e.precision].speed.noise), tie_cap(context.tie))
 
         near = [e for e in ranked if e.samples_per_s >= best_predicted * (1 - band(e))]
         simplest = min(
