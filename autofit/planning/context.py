@@ -63,6 +63,8 @@ class PlanContext:
     """Precision -> why it is not searched."""
     num_classes: int | None
     study: Study
+    meta_model: torch.nn.Module
+    """The model on the meta device, built once for the run (its fingerprint, identity and the plan's model info)."""
     user_log: Callable[[str], None] | None = None
     """Receives the progress lines (``log``)."""
     started: float = field(default_factory=time.perf_counter)
@@ -165,7 +167,7 @@ def plan_context(
     return PlanContext(
         spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=num_classes,
-        study=where, user_log=log, started=started, threads=count, threads_note=note,
+        study=where, user_log=log, started=started, threads=count, threads_note=note, meta_model=meta_model,
     )
 
 

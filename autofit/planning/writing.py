@@ -189,8 +189,7 @@ def _alternatives(
 
 
 def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
-    with torch.device("meta"):
-        model = context.sim_spec.build_model()
+    model = context.meta_model
     options = dict(context.spec.source_options)  # what else rebuilds it (hf: task, seq_len; torchvision, timm: num_classes)
     given = options.pop("num_classes", None)
     num_classes = context.num_classes if context.num_classes is not None else given
