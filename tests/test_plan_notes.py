@@ -1,3 +1,5 @@
+import torch
+
 from autofit.plan_file import ModelInfo, Plan, load_plan, save_plan
 from autofit.planning.writing import batch_norm_notes
 
@@ -26,6 +28,8 @@ def test_model_info_of_a_library_model_names_its_classes_once():
 
     spec = load_spec("torchvision:resnet18", input_shape="3x32x32", num_classes=10)
     assert spec.source_options == {"num_classes": 10}
+    with torch.device("meta"):
+        model = spec.build_model()
     for asked in (10, None):
-        info = _model_info(SimpleNamespace(spec=spec, sim_spec=spec, num_classes=asked), output_shape=[4, 10])
+        info = _model_info(SimpleNamespace(spec=spec, meta_model=model, num_classes=asked), output_shape=[4, 10])
         assert info.source == "torchvision:resnet18" and info.num_classes == 10 and info.input_shape == [3, 32, 32]
