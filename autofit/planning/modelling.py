@@ -36,7 +36,8 @@ from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
 from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs
 from autofit.planning.flop_speed import flop_speed_costs
-from autofit.planning.lever_memory import add_eight_bit, add_offloaded, eight_bit_record
+from autofit.planning.lever_memory import add_eight_bit, add_offloaded
+from autofit.planning.optimizer_memory import eight_bit_record
 from autofit.planning.memory_model import trace_memory_sizes
 from autofit.planning.speed_timing import time_precisions
 from autofit.planning.verify import VERIFY_WITHIN
