@@ -51,7 +51,7 @@ class MemoryCosts:
         segments = [
             Segment(
                 peak_bytes=self._interpolate(
-                    [t.segments[i].peak_bytes for t in self._traces()], last if segment.phase == "optimizer" else micro_batch_size,
+                    [t.segments[i].peak_bytes for t in self.traces()], last if segment.phase == "optimizer" else micro_batch_size,
                     global_batch_size=global_batch_size,
                 ),
                 dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes, selective=segment.selective,
@@ -60,7 +60,7 @@ class MemoryCosts:
             if accumulating or segment.phase != "later"
         ]
         drops = [  # negative where the checkpoint keeps an input that plain training frees: it adds bytes
-            self._interpolate([t.drop_bytes[b] for t in self._traces()], micro_batch_size, at_least=None)
+            self._interpolate([t.drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.drop_bytes))
         ]
         return segments, drops
@@ -68,15 +68,30 @@ class MemoryCosts:
     def selective_drops(self, micro_batch_size: int) -> list[float] | None:
         """Bytes each block's selective checkpointing frees at this size (negative where it keeps more than
         plain training); None when it frees nothing anywhere (the traces hold no selective recomputation)."""
-        if not all(t.selective_drop_bytes for t in self._traces()):
+        if not all(t.selective_drop_bytes for t in self.traces()):
             return None
         return [
-            self._interpolate([t.selective_drop_bytes[b] for t in self._traces()], micro_batch_size, at_least=None)
+            self._interpolate([t.selective_drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.selective_drop_bytes))
         ]
 
-    def _traces(self) -> list[MemoryTrace]:
+    def traces(self) -> list[MemoryTrace]:
+        """The traces sizes interpolate between: low, middle where there is one, high."""
         return [self.low] + ([self.middle] if self.middle is not None else []) + [self.high]
+
+    def named(self) -> dict[str, MemoryTrace]:
+        """Every trace held, by its field's name ("low", "middle", "high", "floor"): what a change to all of them
+        (offload's runs, 8-bit state's record) goes through."""
+        return {name: getattr(self, name) for name in ("low", "middle", "high", "floor") if getattr(self, name) is not None}
+
+    def replace_traces(self, traces: dict[str, MemoryTrace]) -> bool:
+        """Put ``traces`` (by name, as ``named`` gives them) in place; whether any of them is a new one."""
+        changed = False
+        for name, trace in traces.items():
+            if getattr(self, name) is not trace:
+                setattr(self, name, trace)
+                changed = True
+        return changed
 
     def _interpolate(
         self, values: list[float], size: int, *, global_batch_size: int | None = None, at_least: float | None = 0.0
@@ -87,7 +102,7 @@ class MemoryCosts:
         global batch of 2 micro-batches on the host; the real one holds G samples.
         ``at_least`` bounds the line from below (None: it may go negative).
         """
-        traces = self._traces()
+        traces = self.traces()
         upper = next((i for i in range(1, len(traces)) if size <= traces[i].micro_batch_size), len(traces) - 1)
         a, b = traces[upper - 1].micro_batch_size, traces[upper].micro_batch_size
         weight = (size - a) / max(b - a, 1)
@@ -101,7 +116,7 @@ class MemoryCosts:
     @property
     def recomputed(self) -> bool:
         """Whether every trace holds its recomputations: else only plain training's peaks are known."""
-        return all(t.recomputed for t in self._traces())
+        return all(t.recomputed for t in self.traces())
 
     def with_checkpointing(self, micro_batch_size: int) -> MemoryCosts | None:
         """Memory costs that know checkpointed peaks at this size: these, or at the ``floor``'s size its trace alone;
@@ -145,7 +160,7 @@ class MemoryCosts:
 
     def has_levers(self) -> bool:
         """Whether the traces can model the memory levers (``lever_memory``; traces stored before could not)."""
-        traces = self._traces()
+        traces = self.traces()
         return all(t.levers is not None for t in traces) and len({repr(t.levers.structure()) for t in traces}) == 1
 
 
@@ -344,7 +359,7 @@ def complete_memory(spec: ModelSpec, memory: MemoryCosts, *, precision: str, dev
     """``memory`` with the recomputations its traces were made without (``memory_costs``' ``recompute``)."""
     if memory.recomputed:
         return memory
-    own = {t.micro_batch_size: t for t in (memory.low, memory.middle, memory.high) if t is not None and not t.scaled}
+    own = {t.micro_batch_size: t for t in memory.traces() if not t.scaled}
     if memory.floor is not None and memory.floor.micro_batch_size in own:
         # The whole trace the low one was cut from (``_plain_part``), selective left out where ``_assembled`` left it out.
         own[memory.floor.micro_batch_size] = memory.floor if memory.low.selective_drop_bytes else _without_selective(memory.floor)

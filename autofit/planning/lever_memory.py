@@ -409,7 +409,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
         (segments, items): ``LeverSegment`` list (checkpointing's and offload's drops not yet applied), and the
         saved storages with their bytes at this size.
     """
-    traces = memory._traces()
+    traces = memory.traces()
     records = [t.levers for t in traces]
     if any(r is None for r in records) or len({repr(r.structure()) for r in records}) > 1:
         return None

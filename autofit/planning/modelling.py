@@ -144,7 +144,7 @@ def _from_store(stored: dict) -> Costs:
         low_only={p: _low_memory(_trace_from_dict(m["low"])) for p, m in stored["low_only"].items()},
         notes=dict(stored["notes"]), shared=dict(stored["shared"]), update_seconds=dict(stored.get("update_seconds", {})), resumed=True,
     )
-    if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory._traces()):
+    if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory.traces()):
         raise ValueError("traces stored before the memory levers were modelled")  # measured again
     precisions = costs.model.precisions
     for precision, other in costs.shared.items():  # one set of traces again, as when traced: completed once for both
@@ -271,7 +271,7 @@ def offload_untraced(context: PlanContext, costs: Costs, precision: str, *, usab
     if context.device != "cuda" or precision not in costs.model.precisions:
         return False
     model = costs.model
-    traces = model.precisions[precision].memory._traces()
+    traces = model.precisions[precision].memory.traces()
     if all(t.levers is None or t.levers.offloaded is not None for t in traces):
         return False
     return model.peak_bytes(precision, model.global_batch_size, frozenset()) > usable_bytes
@@ -297,12 +297,11 @@ def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_
     if not offload_untraced(context, costs, precision, usable_bytes=usable_bytes):
         return
     memory = costs.model.precisions[precision].memory
-    names = [name for name in ("low", "middle", "high", "floor") if getattr(memory, name) is not None]
-    sizes = sorted({getattr(memory, name).micro_batch_size for name in names})
+    named = memory.named()
+    sizes = sorted({trace.micro_batch_size for trace in named.values()})
     context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(map(str, sizes))} (simulated)")
-    done = add_offloaded([getattr(memory, name) for name in names], context.sim_spec, precision=precision, device_type=context.device, pool=context.trace_pool)
-    for name, trace in zip(names, done):
-        setattr(memory, name, trace)
+    done = add_offloaded(list(named.values()), context.sim_spec, precision=precision, device_type=context.device, pool=context.trace_pool)
+    memory.replace_traces(dict(zip(named, done)))
     costs.changed = True
 
 
@@ -311,19 +310,14 @@ def add_eight_bit_state(context: PlanContext, costs: Costs) -> None:
     it (``lever_memory.add_eight_bit``). The record is the same at every size and precision: made once (over fake
     tensors, one 8-bit step per parameter shape), or taken from a trace that has it (a stored study's)."""
     memories = [c.memory for c in costs.model.precisions.values()] + list(costs.low_only.values())
-    names = ("low", "middle", "high", "floor")
-    traces = [getattr(m, name) for m in memories for name in names if getattr(m, name) is not None]
+    traces = [t for memory in memories for t in memory.named().values()]
     record = next((t.levers.eight_bit for t in traces if t.levers is not None and t.levers.eight_bit is not None), None)
     if record is None:
         context.log("memory: 8-bit optimizer state's bytes, one 8-bit step per parameter shape (simulated)")
         record = eight_bit_record(context.sim_spec, device_type=context.device)
     for memory in memories:
-        for name in names:
-            trace = getattr(memory, name)
-            added = add_eight_bit(trace, record)
-            if added is not trace:
-                setattr(memory, name, added)
-                costs.changed = True
+        if memory.replace_traces({name: add_eight_bit(t, record) for name, t in memory.named().items()}):
+            costs.changed = True
 
 
 def _check_blocks(costs: Costs, traced_blocks: list[str]) -> None:

@@ -422,7 +422,7 @@ def _search(
                 add_eight_bit_state(context, costs)
         # What the scores depend on that tracing changes (a precision stored in the cache adds nothing).
         key = [(p, costs.model.precisions[p].memory) for p in _traced(context, costs)]
-        key = [(p, memory.recomputed, [t.levers.offloaded is not None for t in memory._traces() if t.levers]) for p, memory in key]
+        key = [(p, memory.recomputed, [t.levers.offloaded is not None for t in memory.traces() if t.levers]) for p, memory in key]
         if key == scored_for:
             return evaluations
         scored_for = key
