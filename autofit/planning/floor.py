@@ -139,12 +139,10 @@ def _gpus_advice(context: PlanContext, floor: Floor, *, breakdown: dict[str, int
 
 
 def _optimizer_name(context: PlanContext) -> str:
-    with torch.device("meta"):
-        try:
-            model = context.sim_spec.build_model()
-            return type(context.spec.build_optimizer(model.parameters())).__name__
-        except Exception:  # a model that cannot be built on meta: the name is cosmetic
-            return "the optimizer"
+    try:
+        return type(context.spec.build_optimizer(context.meta_model.parameters())).__name__
+    except Exception:  # an optimizer that refuses meta parameters: the name is cosmetic
+        return "the optimizer"
 
 
 MAX_GPUS = 1024

@@ -265,7 +265,7 @@ def _report(
         speed = costs.speeds[config.precision]
         model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
     blocks = frozenset(model.blocks.index(name) for name in floor.config.checkpoint)
-    levers_time = _lever_time(context, costs, model, config, measured_parameter_bytes=chosen.breakdown.get("parameters", 0))
+    levers_time = _lever_time(context, costs, model, config)
     speed = None
     if not context.simulate:
         speed = time_training(context.spec, config, device=context.device)
@@ -346,11 +346,11 @@ def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> flo
         return None
 
 
-def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfig, *, measured_parameter_bytes: int) -> LeverTime:
+def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfig) -> LeverTime:
     """What the chosen levers add to a step (``lever_costs``): the host link measured on a GPU here, else assumed;
     the host update timed on this CPU."""
     link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
-    trainable = _trainable(context, fallback_bytes=measured_parameter_bytes)
+    trainable = _trainable(context)
     update_seconds = time_host_update(context.spec.build_optimizer) * trainable.elements if config.optimizer_state == "host" else 0.0
     eight_bit = None
     if config.optimizer_state == "8bit":
@@ -371,14 +371,9 @@ class _Trainable:
     bytes: int
 
 
-def _trainable(context: PlanContext, *, fallback_bytes: int = 0) -> _Trainable:
-    """The parameters that train, built on the meta device (nothing allocated); for a model that cannot be built
-    there, no tensors and ``fallback_bytes`` (the measured parameters) as fp32."""
-    try:
-        with torch.device("meta"):
-            params = [p for p in context.spec.build_model().parameters() if p.requires_grad]
-    except Exception:  # a model that cannot be built on meta
-        return _Trainable(tensors=0, elements=fallback_bytes // 4, bytes=fallback_bytes)
+def _trainable(context: PlanContext) -> _Trainable:
+    """The parameters that train, from the run's model on the meta device (nothing allocated)."""
+    params = [p for p in context.meta_model.parameters() if p.requires_grad]
     return _Trainable(
         tensors=len(params), elements=sum(p.numel() for p in params), bytes=sum(p.numel() * p.element_size() for p in params),
     )

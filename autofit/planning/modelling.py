@@ -127,9 +127,7 @@ def stored_or_new(context: PlanContext) -> Costs:
             )
             return costs
     G = context.global_batch_size
-    spec = context.sim_spec  # made (and the trace workers forked) outside the meta device
-    with torch.device("meta"):
-        blocks = checkpoint_candidates(spec.build_model())
+    blocks = checkpoint_candidates(context.meta_model)
     smallest = smallest_runnable(context)
     model = CostModel(blocks=blocks, global_batch_size=G, device_type=context.device, estimated=context.simulate)
     return Costs(model=model, micro_batch_sizes=micro_batch_sizes(G, smallest=smallest))
