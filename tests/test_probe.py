@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from autofit.errors import UserError
 from autofit.measure.probe import probe
@@ -91,3 +92,32 @@ def test_uneven_global_batch():
     spec = load_spec(TRANSFORMER)
     result = probe(spec, micro_batch_size=3, global_batch_size=8, steps=1, simulate=True)
     assert result.grad_accum_steps == 3 and result.global_batch_size == 8
+
+
+def test_optimizer_state_is_made_again_from_its_record():
+    """The planner's traces make the optimizer's state at once (``create_optimizer_state``): with a step the first
+    time, then for the same parameters and settings from the record of it, without a step, the same tensors
+    (shapes, strides, dtypes, devices, the step count); other settings step again."""
+    from autofit.measure import probe as probe_module
+    from autofit.measure.probe import create_optimizer_state
+
+    def made(lr: float = 1e-3) -> tuple[list, int]:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        steps = []
+        optimizer.register_step_post_hook(lambda *_: steps.append(1))
+        create_optimizer_state(model, optimizer, at_once=True)
+        state = [
+            (name, tuple(v.shape), v.stride(), v.dtype, v.device, v.item() if v.dim() == 0 else float(v.abs().sum()))
+            for p in model.parameters() for name, v in sorted(optimizer.state[p].items())
+        ]
+        assert all(p.grad is None for p in model.parameters())
+        return state, len(steps)
+
+    probe_module._last_state.key = None
+    first, stepped = made()
+    assert stepped == 1 and len(first) == 4 * 3
+    again, stepped = made()
+    assert stepped == 0 and again == first
+    other, stepped = made(lr=1e-2)
+    assert stepped == 1 and other == first
