@@ -10,7 +10,7 @@ from autofit.measure.optimizer_speed import UpdateCost
 from autofit.planning import levers
 from autofit.planning.lever_costs import UpdateTime
 from autofit.planning.planner import plan_with_report
-from autofit.planning.search import LeverSearch
+from autofit.planning.search import LeverSearch, score_space
 from autofit.planning.lever_memory import LeverChoice
 from tests.models import conv_then_wide_spec, layout_specs
 from tests.test_memory_grid import grid_spec
@@ -140,14 +140,18 @@ def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
 
 def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
     """Offload only adds time: a precision's offloading runs are traced only when one of its points that does
-    not fit as plain training is, as plain training, faster than the best that fits (``needs_offload``)."""
+    not fit as plain training is, as plain training, faster than the best that fits (``needs_offload``), or
+    where the search bounded its speed with offload (``bound_samples_per_s``), by that bound."""
     import autofit.planning.modelling as modelling
     from autofit.planning.search import Evaluation
 
     monkeypatch.setattr(modelling, "offload_untraced", lambda context, costs, precision, *, usable_bytes: True)
 
-    def point(precision, m, *, fits, speed, plain):
-        return Evaluation(precision=precision, micro_batch_size=m, grad_accum_steps=8 // m, fits=fits, samples_per_s=speed, plain_samples_per_s=plain)
+    def point(precision, m, *, fits, speed, plain, bound=None):
+        return Evaluation(
+            precision=precision, micro_batch_size=m, grad_accum_steps=8 // m, fits=fits, samples_per_s=speed, plain_samples_per_s=plain,
+            bound_samples_per_s=bound,
+        )
 
     fitting = point("bf16", 4, fits=True, speed=100.0, plain=100.0)
     slower = point("fp32", 8, fits=False, speed=0.0, plain=90.0)
@@ -157,6 +161,37 @@ def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
     assert modelling.needs_offload(None, None, [fitting, faster], within=1.0, usable_bytes=0) == ["fp32"]
     assert modelling.needs_offload(None, None, [fitting, slower], within=0.8, usable_bytes=0) == ["fp32"]
     assert modelling.needs_offload(None, None, [fitting, checkpointed], within=1.0, usable_bytes=0) == ["bf16"]
+    bounded = point("fp32", 8, fits=False, speed=0.0, plain=120.0, bound=99.0)  # faster as plain training, not with offload
+    assert modelling.needs_offload(None, None, [fitting, bounded], within=1.0, usable_bytes=0) == []
+    bounded.bound_samples_per_s = 101.0
+    assert modelling.needs_offload(None, None, [fitting, bounded], within=1.0, usable_bytes=0) == ["fp32"]
+
+
+def test_the_bound_before_offload_is_traced_holds(monkeypatch):
+    """Before the offloading runs are traced, the search bounds each point's speed with offload (its copies back
+    at the least they cost, ``offload_floor_seconds``); every point the search then offloads is no faster than its
+    bound was, and the plan of ``test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest`` still offloads."""
+    import autofit.planning.planner as planner
+
+    scorings = []
+
+    def spy(*args, **kwargs):
+        found, sampler = score_space(*args, **kwargs)
+        scorings.append({(e.precision, e.micro_batch_size): e for e in found})
+        return found, sampler
+
+    monkeypatch.setattr(planner, "score_space", spy)
+    report = plan_with_report(
+        layout_specs()["lm"], budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False,
+        precisions=["fp32"],
+    )
+    assert report.plan.offload
+    before = next(i for i, scored in enumerate(scorings) if any(e.offload for e in scored.values()))
+    offloading = [key for key, e in scorings[before].items() if e.offload]
+    assert offloading and before > 0
+    for key in offloading:
+        bound = scorings[before - 1][key].bound_samples_per_s
+        assert bound is not None and scorings[before][key].samples_per_s <= bound * (1 + 1e-9)
 
 
 EIGHT_BIT_BUDGET = 900_000

@@ -198,6 +198,25 @@ def lever_time(
     return time
 
 
+def offload_floor_seconds(model: CostModel, precision: str, micro_batch_size: int, *, link: HostLink) -> list[float]:
+    """Per block: the least that offloading it adds to an optimizer step, before the offloading runs are traced.
+
+    ``lever_time``'s offload term moves, per micro-step, the offloaded blocks' dropped bytes back up after their
+    copies down (which may overlap the forward): at least those bytes over the link's rate up. Per block, its
+    dropped bytes (``MemoryCosts.at``, known from plain training's traces; a block whose checkpointing keeps more
+    than it frees counts nothing) over that rate, summed over the micro-steps: a sum over blocks of this is at
+    most ``lever_time``'s offload term, so a speed found with it bounds the speed with offload from above
+    (``search.cheapest_for``'s ``relaxed``).
+    """
+    costs = model.precisions[precision]
+    totals = [0.0] * len(model.blocks)
+    for size in model.micro_sizes(micro_batch_size):
+        _, drops = costs.memory.at(size, global_batch_size=model.global_batch_size)
+        for b, nbytes in enumerate(drops):
+            totals[b] += max(nbytes, 0.0) / link.to_device_bytes_per_s
+    return totals
+
+
 def offload_block_seconds(model: CostModel, precision: str, micro_batch_size: int, *, link: HostLink) -> list[float]:
     """Per block: what offloading it alone costs per optimizer step, the search's additive term.
 

@@ -277,14 +277,17 @@ def offload_untraced(context: PlanContext, costs: Costs, precision: str, *, usab
 
 def needs_offload(context: PlanContext, costs: Costs, evaluations: list, *, within: float, usable_bytes: float) -> list[str]:
     """Precisions ``trace_offload`` would trace where a point that does not fit as plain training could, if
-    offloaded, beat what it reaches without and come within ``within`` of the best that fits: offload only
-    adds time, so its plain speed bounds it."""
+    offloaded, beat what it reaches without and come within ``within`` of the best that fits. Its speed with
+    offload is bounded by the search's choice as if the copies back held nothing and cost the least they can
+    (``Evaluation.bound_samples_per_s``; the plain speed where unknown: offload only adds time)."""
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
-    could_win = {
-        e.precision for e in evaluations
-        if e.plain_samples_per_s > (e.samples_per_s if e.fits else 0.0) and e.plain_samples_per_s >= within * best
-    }
-    return sorted(p for p in could_win if offload_untraced(context, costs, p, usable_bytes=usable_bytes))
+
+    def could_win(e) -> bool:
+        bound = e.plain_samples_per_s if e.bound_samples_per_s is None else e.bound_samples_per_s
+        return bound > (e.samples_per_s if e.fits else 0.0) and bound >= within * best
+
+    winning = {e.precision for e in evaluations if could_win(e)}
+    return sorted(p for p in winning if offload_untraced(context, costs, p, usable_bytes=usable_bytes))
 
 
 def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> None:

@@ -402,7 +402,9 @@ def _search(
 
     A simulated plan traces a precision without its recomputations first: checkpointing only slows a point down,
     so it is worth knowing only for points whose speed could still come near the best that fits without it
-    (``needs_recomputations``). On a GPU the offloading runs are traced on the same terms (``needs_offload``).
+    (``needs_recomputations``). On a GPU the offloading runs are traced on the same terms (``needs_offload``:
+    bounded as if the copies back held nothing and cost the least they can), after the recomputations, whose
+    speed may leave offload nothing to win.
     A plan that times real steps traces them with the plain runs: its traces cost a fraction of its timing, and a
     plan of the same model at a tighter budget, which needs them, then finds them in the cache (the digits plan at
     16 MB after one at 64 MB: 1.7 s of its 8.3 s were the recomputing runs the first plan had left out).
@@ -442,8 +444,11 @@ def _search(
             trace_full(context, costs, precision, recompute=not lazy)
         evaluations = scored()
         while True:
-            offloads = needs_offload(context, costs, evaluations, within=within, usable_bytes=usable) if levers and levers.offload else []
+            # Recomputations first: the speed they make fit may leave offload nothing to win.
             recomputations = needs_recomputations(costs, evaluations, within=within)
+            offloads = []
+            if not recomputations and levers and levers.offload:
+                offloads = needs_offload(context, costs, evaluations, within=within, usable_bytes=usable)
             if not offloads and not recomputations:
                 break
             with context.phase("memory"):

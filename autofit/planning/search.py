@@ -28,7 +28,7 @@ from pathlib import Path
 from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink
 from autofit.planning.cost_model import CostModel
-from autofit.planning.lever_costs import UpdateTime, offload_block_seconds
+from autofit.planning.lever_costs import UpdateTime, offload_block_seconds, offload_floor_seconds
 from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
 from autofit.planning.knapsack import CheckpointChoice, cheapest_checkpoint
 from autofit.planning.memory_model import Segment
@@ -114,7 +114,11 @@ def cheapest_for(
     With ``relaxed``, where the traces hold plain training only, blocks are checkpointed all the same as if
     recomputing them held nothing (no recomputation's segment constrains the choice; selective frees at most
     what full does where its drops are not known): no choice the traces' recomputations would allow adds
-    less time, so its speed bounds the point's (``needs_recomputations``). Its peak is then no prediction.
+    less time, so its speed bounds the point's (``needs_recomputations``). Where ``search`` offloads but the
+    traces hold no offloading run yet, offload is a mode all the same, freeing what each block alone saved
+    (known from plain training's traces) at the least its copies back cost (``offload_floor_seconds``), as if
+    the copies brought back held nothing: no choice the offloading runs would allow adds less time
+    (``needs_offload``). Its peak is then no prediction.
 
     With levers the knapsack's segments are the memory model's with them (``lever_memory.lever_segments``) and
     offload frees what each block alone saved (additive); the choice is then checked against the model's whole
@@ -126,6 +130,7 @@ def cheapest_for(
     # Where the traces hold plain training only (``cost_model.complete_memory``), no block is checkpointed; at the
     # floor's size its own trace knows.
     known = memory.with_checkpointing(micro_batch_size)
+    relaxed_offload = relaxed and _offload_untraced(memory, search)
     relaxed = relaxed and known is None
     checkpointing = known is not None or relaxed
     memory = known or memory
@@ -139,6 +144,8 @@ def cheapest_for(
     )
     levers = levers or LeverChoice()
     offloading = search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is not None
+    offloading = offloading or relaxed_offload
+    relaxed = relaxed or relaxed_offload
     if levers == LeverChoice() and not offloading:
         return cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit_bytes, **modes)
     found = lever_segments(memory, micro_batch_size, global_batch_size=G, choice=levers)
@@ -150,9 +157,9 @@ def cheapest_for(
         for s in with_levers
     ]
     if offloading:
+        priced = offload_floor_seconds if relaxed_offload else offload_block_seconds
         modes.update(
-            offload_drops=offload_drops(items, len(drops)),
-            offload_seconds=offload_block_seconds(model, precision, micro_batch_size, link=search.link),
+            offload_drops=offload_drops(items, len(drops)), offload_seconds=priced(model, precision, micro_batch_size, link=search.link),
         )
     target = limit_bytes
     for _attempt in range(4):
@@ -261,7 +268,8 @@ def score_space(
             result.optimizer_in_backward, result.optimizer_state = chosen.optimizer_in_backward, chosen.optimizer_state
             result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
             result.samples_per_s = speed
-        if plain is None and memory.with_checkpointing(micro_batch_size) is None:
+        fits_plain = plain is not None and not plain.blocks and not plain.selective
+        if not fits_plain and (memory.with_checkpointing(micro_batch_size) is None or _offload_untraced(memory, search)):
             result.bound_samples_per_s = _bound_samples_per_s(
                 model, precision, micro_batch_size, choices, search, limit_bytes=limit * (1 + slack),
             )
@@ -280,14 +288,28 @@ def _bound_samples_per_s(
     model: CostModel, precision: str, micro_batch_size: int, choices: list[LeverChoice], search: LeverSearch, *,
     limit_bytes: float,
 ) -> float:
-    """The fastest a point could be with checkpointing, before its recomputations are traced (``Evaluation``)."""
+    """The fastest a point could be with checkpointing (and offload), before its recomputations (or offloading runs)
+    are traced (``Evaluation``). Offload's time is the knapsack's least (``offload_floor_seconds``), not
+    ``lever_time``'s for the blocks it chose: that bounds every offloading choice's."""
     best = 0.0
+    G = model.global_batch_size
     for lever_choice in choices:
         choice = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit_bytes, levers=lever_choice, search=search, relaxed=True)
         if choice is None:
             continue
-        best = max(best, _samples_per_s(model, precision, micro_batch_size, choice, lever_choice, search, model.global_batch_size)[0])
+        if choice.offload and _offload_untraced(model.precisions[precision].memory, search):
+            seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
+            seconds += search.lever_seconds(model, precision, micro_batch_size, lever_choice) + choice.offload_seconds
+            best = max(best, G / seconds)
+            continue
+        best = max(best, _samples_per_s(model, precision, micro_batch_size, choice, lever_choice, search, G)[0])
     return best
+
+
+def _offload_untraced(memory, search: LeverSearch | None) -> bool:
+    """Whether ``search`` offloads and ``memory`` (a ``MemoryCosts``) models the levers without the offloading runs
+    (``modelling.trace_offload`` adds them where ``modelling.needs_offload`` finds they could matter)."""
+    return search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is None
 
 
 def _samples_per_s(
