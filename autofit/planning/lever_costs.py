@@ -49,7 +49,9 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 
 The search prices offload per block (``offload_block_seconds``): the bytes
 the block alone saved, down beyond its own forward and all back up, summed
-over blocks at least the term above.
+over blocks at least the term above. Before the offloading runs are traced,
+it bounds offload's speed with the least that term can be
+(``offload_floor_seconds``: the dropped bytes back up, nothing else).
 
 ``down`` and ``up`` are measured on this machine's GPU where there is one
 (``measure_host_link``); planning for a GPU that is not here, they are
