@@ -256,6 +256,30 @@ def test_a_cache_that_cannot_be_used_is_only_a_note(tmp_path, monkeypatch):
     assert report.study_problems and "--no-cache" in report.study_problems[0]
 
 
+def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
+    """On the CPU with one intra-op thread steps are timed by that thread's CPU time (``PlanContext.clock``): the
+    time other work holds it off a core is not the step's. The speed model's timings and the verification's read
+    it; with more threads, or on a GPU, the wall clock."""
+    import time
+
+    from autofit.planning.context import plan_context
+
+    one = plan_context(
+        uneven_spec(), budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None,
+        precisions=None, num_classes=None, log=None, cache=False, threads=1,
+    )
+    assert one.clock is time.thread_time
+    assert replace(one, threads=2).clock is time.perf_counter and replace(one, device="cuda").clock is time.perf_counter
+    read = []
+    real = time.thread_time
+    monkeypatch.setattr(time, "thread_time", lambda: read.append(1) or real())
+    report = plan_with_report(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=1)
+    assert report.timing["rounds"] >= MIN_ROUNDS and len(read) > 20
+    read.clear()
+    plan_with_report(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=2)
+    assert not read
+
+
 def test_cli_no_cache_and_the_summary(run_cli, tmp_path, monkeypatch):
     from tests.test_planner import MODEL_FILE
 

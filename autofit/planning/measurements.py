@@ -266,7 +266,9 @@ class Measurements:
                     if on_gpu or kept + self._peak_or_predicted(configs[key]) > allowance:
                         for other in list(timers):
                             timers.pop(other).close()
-                    timers[key] = StepTimer(self.context.spec, _training_config(configs[key], self.context), device=self.context.device)
+                    timers[key] = StepTimer(
+                        self.context.spec, _training_config(configs[key], self.context), device=self.context.device, clock=self.context.clock,
+                    )
                 return timers[key].step_seconds()
             return run
 

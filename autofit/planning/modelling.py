@@ -408,7 +408,7 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
             )
         else:
             context.log(f"speed: timing {', '.join(wanted)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")
-            speeds = time_precisions(context.spec, precisions=wanted, sizes=sizes, device=context.device)
+            speeds = time_precisions(context.spec, precisions=wanted, sizes=sizes, device=context.device, clock=context.clock)
         costs.speeds.update(speeds)
         costs.changed = True
         for precision, speed in speeds.items():
