@@ -98,8 +98,8 @@ def test_optimizer_state_is_made_again_from_its_record():
     """The planner's traces make the optimizer's state at once (``create_optimizer_state``): with a step the first
     time, then for the same parameters and settings from the record of it, without a step, the same tensors
     (shapes, strides, dtypes, devices, the step count); other settings step again."""
-    from autofit.measure import probe as probe_module
-    from autofit.measure.probe import create_optimizer_state
+    from autofit.measure import optimizer_state
+    from autofit.measure.optimizer_state import create_optimizer_state
 
     def made(lr: float = 1e-3) -> tuple[list, int]:
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -114,7 +114,7 @@ def test_optimizer_state_is_made_again_from_its_record():
         assert all(p.grad is None for p in model.parameters())
         return state, len(steps)
 
-    probe_module._last_state.key = None
+    optimizer_state._last_state.key = None
     first, stepped = made()
     assert stepped == 1 and len(first) == 4 * 3
     again, stepped = made()

@@ -374,7 +374,7 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
 
 def _one_simulated_step(spec) -> None:
     from autofit.apply import TrainingConfig, apply_config
-    from autofit.measure.probe import stepping_at_once
+    from autofit.measure.optimizer_state import stepping_at_once
     from autofit.training.step import train_step
 
     meter = SimulatedMeter()

@@ -16,7 +16,8 @@ import torch
 
 from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import release_device_memory, simulated_meter
-from autofit.measure.probe import create_optimizer_state, measure
+from autofit.measure.optimizer_state import create_optimizer_state
+from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
 from autofit.planning.speed_timing import StepTimer
 from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes

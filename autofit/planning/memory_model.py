@@ -39,7 +39,7 @@ import torch
 from autofit._torch_private import call_when_backward_ends, tree_leaves
 from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import SimulatedMeter, simulated_meter
-from autofit.measure.probe import create_optimizer_state
+from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.planning.lever_memory import LeverRecorder, LeverTrace, lever_trace
 from autofit.planning.trace_pool import call

@@ -200,9 +200,10 @@ class Evaluation:
     """Peak without checkpointing."""
     plain_samples_per_s: float = 0.0
     bound_samples_per_s: float | None = None
-    """Where the memory model knows plain training's peaks only at this size and the point does not fit as
-    plain training: the most it could reach with checkpointing (``cheapest_for``'s ``relaxed``; 0: nothing
-    fits); None where the checkpointed peaks are known."""
+    """Where the point does not fit as plain training and the memory model knows plain training's peaks only at
+    this size (or models offload, which the search may choose, without its offloading runs): the most it could
+    reach with checkpointing and offload (``cheapest_for``'s ``relaxed``; 0: nothing fits); None where those
+    peaks are known."""
 
     def to_dict(self) -> dict:
         return asdict(self)
