@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from autofit._torch_private import FakeTensor
 
 
 def create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, at_once: bool = False) -> None:
