@@ -143,9 +143,9 @@ def cheapest_for(
         selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size) if selective else None,
     )
     levers = levers or LeverChoice()
-    offloading = search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is not None
-    offloading = offloading or relaxed_offload
-    relaxed = relaxed or relaxed_offload
+    # Offload is a mode where its runs are traced, or (relaxed) before they are.
+    traced = search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is not None
+    offloading, relaxed = traced or relaxed_offload, relaxed or relaxed_offload
     if levers == LeverChoice() and not offloading:
         return cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit_bytes, **modes)
     found = lever_segments(memory, micro_batch_size, global_batch_size=G, choice=levers)
