@@ -218,6 +218,37 @@ def test_fp16_shares_bf16_traces_only_when_autocast_makes_the_same_tensors():
     assert not same_autocast_bytes(context(odd), "bf16", "fp16", size=2)
 
 
+def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(monkeypatch):
+    """Simulating, the fastest predicted wins: a precision whose fastest with no budget is below the best found to fit
+    is not traced, even within the share (VERIFY_WITHIN) a timed verification would race."""
+    from autofit.planning import modelling
+    from autofit.planning.verify import VERIFY_WITHIN
+
+    estimated = modelling.flop_speed_costs
+
+    def fp32_at_four_fifths(spec, **kwargs):  # fp32 steps 1.25x bf16's: within VERIFY_WITHIN of it, never faster
+        speeds = estimated(spec, **kwargs)
+        bf16 = speeds["bf16"]
+        speeds["fp32"] = replace(
+            bf16, step_seconds=[1.25 * s for s in bf16.step_seconds], forward_seconds=[1.25 * s for s in bf16.forward_seconds],
+            block_seconds=[[1.25 * s for s in row] for row in bf16.block_seconds],
+        )
+        return speeds
+
+    monkeypatch.setattr(modelling, "flop_speed_costs", fp32_at_four_fifths)
+    report = plan_with_report(
+        uneven_spec(), budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB", cache=False,
+    )
+    best = report.plan.predicted.samples_per_s
+    assert report.plan.precision in ("bf16", "fp16") and report.plan.grad_accum_steps == 1
+    note = report.precision_notes["fp32"]
+    fastest = float(note.split("not traced: at most ")[1].split(" ")[0])
+    assert VERIFY_WITHIN * best <= fastest < best  # a timed verification would have raced it: traced before
+    assert f"under the {best:.1f} found to fit" in note
+    # On a tie of bf16 and fp16 (the same traces and speeds here), bf16 wins: it needs no loss scaler.
+    assert report.plan.precision == "bf16"
+
+
 # -- the cache -------------------------------------------------------------------------------------------
 def test_the_cache_serves_another_budget(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))

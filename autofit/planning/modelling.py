@@ -13,8 +13,8 @@ Only what the search can use is traced:
   and only until one precision shows the budget is above it;
 - a precision is traced in full only when the fastest it could run with no
   budget at all (its speeds, no checkpointing) reaches VERIFY_WITHIN of the
-  fastest configuration found to fit so far: below that, the verification
-  would never time it (``worth_tracing``);
+  fastest configuration found to fit so far (simulating, the fastest itself):
+  below that, the verification would never time it (``worth_tracing``);
 - fp16 and bf16 autocast save tensors of the same sizes wherever autocast
   follows the same rules for both (the CPU's, which the simulated meter uses
   for a GPU too): one's traces serve the other once a forward of the model
@@ -429,14 +429,15 @@ def best_plain_samples_per_s(costs: Costs, precision: str) -> float:
     return best
 
 
-def worth_tracing(costs: Costs, precision: str, *, best_fitting: float) -> bool:
-    """Whether a precision could reach the verification: its best plain speed is at least VERIFY_WITHIN of the best fit.
+def worth_tracing(costs: Costs, precision: str, *, best_fitting: float, within: float = VERIFY_WITHIN) -> bool:
+    """Whether a precision could reach the verification: its best plain speed is at least ``within`` of the best fit.
 
     Checkpointing and accumulation only slow a precision down, so a precision
     below that line at its fastest has no configuration the verification
-    would time, whatever its memory.
+    would time, whatever its memory. A simulated plan times nothing and takes
+    the fastest predicted: there ``within`` is 1.
     """
-    return best_plain_samples_per_s(costs, precision) >= VERIFY_WITHIN * best_fitting
+    return best_plain_samples_per_s(costs, precision) >= within * best_fitting
 
 
 def save(context: PlanContext, costs: Costs) -> None:

@@ -412,8 +412,7 @@ def _search(
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     usable = measurements.usable_bytes()
     lazy = context.simulate
-    # The verification times candidates within VERIFY_WITHIN of the best predicted (one candidate when simulating).
-    within = 1.0 if context.simulate else VERIFY_WITHIN
+    within = _verify_within(context)
     evaluations: list[Evaluation] = []
     sampler, scored_for = "", None
 
@@ -438,7 +437,7 @@ def _search(
 
     for index, precision in enumerate(order):
         best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
-        if precision not in costs.model.precisions and index > 0 and not worth_tracing(costs, precision, best_fitting=best):
+        if precision not in costs.model.precisions and index > 0 and not worth_tracing(costs, precision, best_fitting=best, within=within):
             continue
         with context.phase("memory"):
             trace_full(context, costs, precision, recompute=not lazy)
@@ -473,6 +472,12 @@ def _search(
     return evaluations, sampler
 
 
+def _verify_within(context: PlanContext) -> float:
+    """The share of the best predicted speed a candidate needs for the verification to time it; simulating, nothing
+    is timed and the fastest predicted wins (one candidate)."""
+    return 1.0 if context.simulate else VERIFY_WITHIN
+
+
 def _traced(context: PlanContext, costs: Costs) -> list[str]:
     return [p for p in context.precisions if p in costs.model.precisions]
 
@@ -486,9 +491,10 @@ def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evalu
         if precision in costs.shared and precision in costs.model.precisions:
             parts.append(f"memory from {costs.shared[precision]}'s traces (autocast checked to make the same tensors)")
         if precision not in costs.model.precisions:
+            fastest = best_plain_samples_per_s(costs, precision)
             parts.append(
-                f"not traced: at most {best_plain_samples_per_s(costs, precision):.1f} samples/s with no budget, under "
-                f"{VERIFY_WITHIN:.0%} of the {best:.1f} found to fit"
+                f"not traced: at most {fastest:.1f} samples/s with no budget, "
+                + (f"under the {best:.1f} found to fit" if context.simulate else f"under {VERIFY_WITHIN:.0%} of the {best:.1f} found to fit")
             )
         if parts:
             notes[precision] = "; ".join(parts)

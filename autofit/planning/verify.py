@@ -128,10 +128,14 @@ def _candidates(
     context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements, levers: LeverSearch,
 ) -> list[_Candidate]:
     """Up to VERIFY_TOP candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
-    # Fastest predicted first; on a tie, fewer micro-steps and fewer checkpointed blocks first.
+    # Fastest predicted first; on a tie, fewer micro-steps, fewer checkpointed blocks, then the simpler precision
+    # (bf16 before fp16, which needs a loss scaler) first.
     ranked = sorted(
         (e for e in evaluations if e.fits),
-        key=lambda e: (-round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint) + len(e.offload)),
+        key=lambda e: (
+            -round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint) + len(e.offload),
+            PRECISIONS.index(e.precision),
+        ),
     )
     candidates: list[_Candidate] = []
     best_predicted = None
