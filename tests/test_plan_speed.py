@@ -311,15 +311,18 @@ def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
     assert not read
 
 
-def test_threads_are_cut_by_the_work_running_now(monkeypatch):
-    """The planner measures with the threads other work leaves free, read from the tasks running now
-    (``other_runnable``); the load average, which lags by a minute, only where that cannot be read."""
+def test_threads_and_workers_are_cut_by_the_work_running_now(monkeypatch):
+    """The planner measures with the threads other work leaves free, and starts trace workers on the cores it leaves
+    free, both read from the tasks running now (``other_runnable``); the load average, which lags by a minute, only
+    where that cannot be read."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from autofit.measure import other_work
     from autofit.planning import context as context_module
+    from autofit.planning import trace_pool
 
     if not Path("/proc/loadavg").exists():
         pytest.skip("reads Linux's /proc/loadavg")
@@ -328,22 +331,27 @@ def test_threads_are_cut_by_the_work_running_now(monkeypatch):
         import time
 
         time.sleep(0.3)
-        assert context_module.other_runnable() >= 0.9  # the busy process at least
+        assert other_work.other_runnable() >= 0.9  # the busy process at least
     finally:
         busy.kill()
         busy.wait()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    monkeypatch.setattr(context_module, "other_runnable", lambda: 2.0)
+    monkeypatch.delenv(trace_pool.WORKERS_VARIABLE, raising=False)
+    monkeypatch.setattr(trace_pool, "_broken", False)
+    monkeypatch.setattr(other_work, "other_runnable", lambda: 2.0)
     threads, note = context_module.timing_threads("cpu")
     assert threads == 1 and "2.0 other tasks running on 2 cores" in note and "CPU time" in note
-    monkeypatch.setattr(context_module, "other_runnable", lambda: 0.3)
+    assert trace_pool.trace_workers() == 0
+    monkeypatch.setattr(other_work, "other_runnable", lambda: 0.3)
     assert context_module.timing_threads("cpu") == (2, "")
-    monkeypatch.setattr(context_module, "other_runnable", lambda: None)
+    assert trace_pool.trace_workers() == 2
+    monkeypatch.setattr(other_work, "other_runnable", lambda: None)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 0.0, 0.0))
     threads, note = context_module.timing_threads("cpu")
     assert threads == 1 and "load average 3.0 on 2 cores" in note
+    assert trace_pool.trace_workers() == 0
     assert context_module.timing_threads("cuda") == (2, "")
 
 

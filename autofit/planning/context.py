@@ -33,6 +33,7 @@ import torch
 from autofit.apply import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.meters import DeviceInfo, check_device, checked_for_simulation, device_info
+from autofit.measure.other_work import other_work, usable_cores
 from autofit.planning.memory_model import simulation_spec
 from autofit.planning.search import Study
 from autofit.planning.timing import BUSY_TIE, TIE
@@ -213,50 +214,21 @@ def timing_threads(device: str) -> tuple[int, str]:
     core: steps then slow down many times over and by very different amounts
     (5x and more, seen on 2 cores at load 5). The run then measures with the
     threads the other work leaves free (at least 1), so that timings rank
-    configurations as a quiet machine would; the summary says so.
-
-    The other work is what runs now (``other_runnable``); where that cannot be
-    read, the load average's last minute, which lags: it saw two busy
-    processes started 5 s before a plan as load 1.2 on 2 cores, and still
-    read 2.5 a minute after they ended.
+    configurations as a quiet machine would; the summary says so. The other
+    work is what runs now (``measure.other_work``).
     """
     current = torch.get_num_threads()
     if device != "cpu" or current == 1:
         return current, ""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    others = other_runnable()
-    if others is not None:
-        seen = f"{others:.1f} other tasks running on {cores} cores"
-    else:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):  # no load average here (Windows)
-            return current, ""
-        others = max(load - 1.0, 0.0)  # this process is one of the runnable tasks counted
-        seen = f"load average {load:.1f} on {cores} cores"
+    cores, seen = usable_cores(), other_work()
+    if seen is None:
+        return current, ""
+    others, how = seen
     free = max(1, min(current, int(cores - others + 0.5)))
     if free >= current:
         return current, ""
     clock = ", steps timed by its CPU time" if free == 1 else ""  # ``PlanContext.clock``
-    return free, f"the machine was busy ({seen}): measured with {free} of {current} threads{clock}"
-
-
-def other_runnable(readings: int = 20, gap_s: float = 0.005) -> float | None:
-    """Tasks other than this thread running or waiting for a core now: the kernel's count of runnable tasks
-    (``/proc/loadavg``'s fourth field, this thread included) averaged over ``readings`` 5 ms apart, less this
-    one; None where it cannot be read (not Linux)."""
-    counts = []
-    try:
-        for _ in range(readings):
-            with open("/proc/loadavg") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]))
-            time.sleep(gap_s)
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(sum(counts) / len(counts) - 1.0, 0.0)
+    return free, f"the machine was busy ({how} on {cores} cores): measured with {free} of {current} threads{clock}"
 
 
 def model_identity(spec: ModelSpec, meta_model: torch.nn.Module, *, device_name: str) -> str:

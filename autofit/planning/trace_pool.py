@@ -25,6 +25,7 @@ import torch
 
 from autofit._torch_private import modes_active
 from autofit.errors import UserError
+from autofit.measure.other_work import other_work, usable_cores
 from autofit.spec import ModelSpec
 
 MAX_WORKERS = 8
@@ -45,8 +46,8 @@ class WorkerCannotTrace(RuntimeError):
 
 def trace_workers() -> int:
     """Workers a pool would start: ``AUTOFIT_TRACE_WORKERS``, else the cores this process may use that other work
-    leaves free (load average; at most ``MAX_WORKERS``); 0 where processes cannot be forked, or a pool here
-    already found it could not trace.
+    leaves free now (``measure.other_work``; at most ``MAX_WORKERS``); 0 where processes cannot be forked, or a pool
+    here already found it could not trace.
 
     Workers on cores that other work holds only add the cost of each one's own start (measured on 2 cores at
     load 2: 27% more CPU time, the plan 8 s slower), so a busy machine traces in this process.
@@ -58,12 +59,9 @@ def trace_workers() -> int:
         if not wanted.isdigit():
             raise UserError(f"{WORKERS_VARIABLE}={wanted!r} must be a whole number of trace workers (0 or 1: none); unset it to use the free cores")
         return int(wanted)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        others = max(os.getloadavg()[0] - 1.0, 0.0)  # this process is one of the runnable tasks counted
-    except (AttributeError, OSError):  # no load average here
-        others = 0.0
-    return min(int(cores - others + 0.5), MAX_WORKERS)
+    seen = other_work()
+    others = seen[0] if seen is not None else 0.0
+    return min(int(usable_cores() - others + 0.5), MAX_WORKERS)
 
 
 class TracePool:
