@@ -1,3 +1,3 @@
-from autofit.cli import main
+from autofit.cli import run
 
-main()
+run()

@@ -3,6 +3,7 @@ this file owns the app and turns a UserError into one line and a non-zero exit.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 
@@ -70,6 +71,20 @@ def main() -> None:
         print("autofit: interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def run() -> None:
+    """The process's entry point (the ``autofit`` script, ``python -m autofit``): ``main``, and then the collector
+    leaves the objects the run made alone while Python ends.
+
+    At exit Python would walk every object still held, to collect cycles that are about to go anyway: 1.1-1.5 s
+    after importing torchvision, a quarter of a simulated plan's start. ``gc.freeze`` moves them out of its reach;
+    everything else about exit (threads joined, exit handlers, files flushed and closed) stays as it was.
+    """
+    try:
+        main()
+    finally:
+        gc.freeze()
 
 
 def _fail(message: str) -> None:
