@@ -491,10 +491,10 @@ def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evalu
         if precision in costs.shared and precision in costs.model.precisions:
             parts.append(f"memory from {costs.shared[precision]}'s traces (autocast checked to make the same tensors)")
         if precision not in costs.model.precisions:
-            fastest = best_plain_samples_per_s(costs, precision)
+            within = _verify_within(context)
             parts.append(
-                f"not traced: at most {fastest:.1f} samples/s with no budget, "
-                + (f"under the {best:.1f} found to fit" if context.simulate else f"under {VERIFY_WITHIN:.0%} of the {best:.1f} found to fit")
+                f"not traced: at most {best_plain_samples_per_s(costs, precision):.1f} samples/s with no budget, under "
+                + (f"{within:.0%} of " if within < 1 else "") + f"the {best:.1f} found to fit"
             )
         if parts:
             notes[precision] = "; ".join(parts)
