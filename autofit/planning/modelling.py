@@ -247,15 +247,17 @@ def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> l
     checkpointing might cost less.
     """
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
-
-    def could_gain(e) -> bool:
-        bound = e.plain_samples_per_s if e.bound_samples_per_s is None else e.bound_samples_per_s
-        return bound > 0 and bound > (e.samples_per_s if e.fits else 0.0) and bound >= within * best
-
     return sorted({
         e.precision for e in evaluations
-        if not costs.model.precisions[e.precision].memory.recomputed and could_gain(e)
+        if not costs.model.precisions[e.precision].memory.recomputed and _bound_could_win(e, best=best, within=within)
     })
+
+
+def _bound_could_win(e, *, best: float, within: float) -> bool:
+    """Whether a point's speed bound (``Evaluation.bound_samples_per_s``; its plain speed where unknown) beats what it
+    reaches now (nothing where it does not fit) and comes within ``within`` of ``best``, the best that fits."""
+    bound = e.plain_samples_per_s if e.bound_samples_per_s is None else e.bound_samples_per_s
+    return bound > 0 and bound > (e.samples_per_s if e.fits else 0.0) and bound >= within * best
 
 
 def _traced_blocks(costs: Costs) -> list[str] | None:
@@ -281,12 +283,7 @@ def needs_offload(context: PlanContext, costs: Costs, evaluations: list, *, with
     offload is bounded by the search's choice as if the copies back held nothing and cost the least they can
     (``Evaluation.bound_samples_per_s``; the plain speed where unknown: offload only adds time)."""
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
-
-    def could_win(e) -> bool:
-        bound = e.plain_samples_per_s if e.bound_samples_per_s is None else e.bound_samples_per_s
-        return bound > (e.samples_per_s if e.fits else 0.0) and bound >= within * best
-
-    winning = {e.precision for e in evaluations if could_win(e)}
+    winning = {e.precision for e in evaluations if _bound_could_win(e, best=best, within=within)}
     return sorted(p for p in winning if offload_untraced(context, costs, p, usable_bytes=usable_bytes))
 
 
