@@ -570,7 +570,7 @@ def budget_row(key: str, case: Case, g: dict, budget: int, *, fastest: list[tupl
     row = {
         "model": key, "budget": budget, "plan": mine, "plan_speed": measured[mine], "refused": False,
         "grid_best": best_grid, "block_best": best_blocks,
-        "vs_grid": statistics.median(pair) if best_grid else float("nan"), "vs_grid_pairs": pair,
+        "vs_grid": statistics.median(pair) if best_grid else float("nan"),
         "vs_blocks": measured[mine] / measured[best_blocks] if best_blocks else None,
         "selective_best": with_selective, "selective_vs_plan": over_plan(with_selective),
         "in_backward_best": with_in_backward, "in_backward_vs_plan": over_plan(with_in_backward),
