@@ -78,6 +78,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.apply import TrainingConfig  # noqa: E402
+from autofit.planning.context import step_clock  # noqa: E402
 from autofit.planning.cost_model import memory_costs  # noqa: E402
 from autofit.planning.speed_timing import StepTimer, time_training  # noqa: E402
 from autofit.planning.floor import InfeasibleBudget  # noqa: E402
@@ -448,12 +449,13 @@ def hand_choice(case: Case, g: dict, budget: int, headroom: int, *, checkpoint_a
 
 def side_by_side(case: Case, g: dict, configs: list[tuple], rounds: int = 8) -> dict:
     """Samples/s of each config: the fastest of ``rounds`` interleaved steps, each config's model built once and
-    warmed up first (``StepTimer``), timed as the planner times them (``clock``).
+    warmed up first (``StepTimer``), timed as the planner times them (``step_clock``).
 
     Other work only ever slows a step down, and by CPU time (one thread) hardly at all: rebuilt for each of 3
     wall-clock rounds, two LM configurations that time 1.6% apart alone came out 1.29x apart here.
     """
-    timers = {c: StepTimer(case.spec, training_config(case, g, c), device="cpu", clock=clock()) for c in configs}
+    clock = step_clock("cpu", torch.get_num_threads())
+    timers = {c: StepTimer(case.spec, training_config(case, g, c), device="cpu", clock=clock) for c in configs}
     try:
         seconds = {c: [] for c in configs}
         for _ in range(rounds):
@@ -478,12 +480,6 @@ def head_to_head(case: Case, g: dict, mine: tuple, other: tuple, *, builds: int 
         speeds = side_by_side(case, g, pair, rounds=rounds)
         ratios.append(speeds[mine] / speeds[other])
     return ratios
-
-
-def clock():
-    """What steps are timed by: with one intra-op thread the thread's CPU time (as ``PlanContext.clock``), else the
-    wall clock."""
-    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
 # -- the run ----------------------------------------------------------------------------------------
