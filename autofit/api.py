@@ -93,7 +93,7 @@ def fit(
 
     A plan for several processes trains when this is called in every process
     of ``torchrun --nproc-per-node N your_script.py``; the process group stays
-    joined afterwards (``autofit.training.distributed.cleanup()`` leaves it).
+    joined afterwards (``autofit.distributed.cleanup()`` leaves it).
 
     Returns:
         A ``FitResult``: ``.plan``, ``.history``, ``.best_path``.

@@ -16,7 +16,7 @@ own loop::
         applied.optimizer_step(optimizer)
         optimizer.zero_grad()
 
-``autofit.training.step.train_step`` is this loop's body for any batch: dict
+``autofit.step.train_step`` is this loop's body for any batch: dict
 or tuple inputs (``model_io.call_model``), a model that returns its own loss,
 micro-batches weighted by tokens (``model_io.Loss``).
 
@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
-from autofit.measure.meters import check_device
+from autofit.device import check_device
 from autofit.plan_file import Plan
 from autofit.spec import model_fingerprint
-from autofit.training.distributed import DistributedEnv, init_distributed, launched_world_size
+from autofit.distributed import DistributedEnv, init_distributed, launched_world_size
 from strategies import (
     OPTIMIZER_STATES,
     ActivationOffload,

@@ -61,10 +61,11 @@ def require(package: str, *, source: str):
 
 # ---- timm ---------------------------------------------------------------------------------------
 
-def timm_spec(source: str, *, input_shape: tuple[int, ...], num_classes: int | None):
-    """``timm:NAME``: ``timm.create_model(NAME, pretrained=False)`` for (C, H, W) images and ``num_classes`` outputs."""
-    from autofit.spec import ModelSpec, default_optimizer
+def timm_parts(source: str, *, input_shape: tuple[int, ...], num_classes: int | None) -> dict:
+    """``timm:NAME``: ``timm.create_model(NAME, pretrained=False)`` for (C, H, W) images and ``num_classes`` outputs.
 
+    Returns the ``ModelSpec`` fields besides ``source`` and ``build_optimizer`` (``spec.load_spec`` adds them).
+    """
     timm = require("timm", source=source)
     name = source.split(":", 1)[1]
     num_classes = num_classes or 1000
@@ -91,24 +92,23 @@ def timm_spec(source: str, *, input_shape: tuple[int, ...], num_classes: int | N
     def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(batch_size, *input_shape), torch.randint(0, num_classes, (batch_size,))
 
-    return ModelSpec(
-        source=source, build_model=build_model, example_batch=example_batch,
-        loss_fn=Loss(nn.functional.cross_entropy), build_optimizer=default_optimizer, input_shape=tuple(input_shape),
-        source_options={"num_classes": num_classes},
+    return dict(
+        build_model=build_model, example_batch=example_batch, loss_fn=Loss(nn.functional.cross_entropy),
+        input_shape=tuple(input_shape), source_options={"num_classes": num_classes},
     )
 
 
 # ---- transformers ---------------------------------------------------------------------------------
 
-def hf_spec(source: str, *, task: str | None, seq_len: int | None, num_classes: int | None, input_shape: str | None = None):
+def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes: int | None, input_shape: str | None = None) -> dict:
     """``hf:PATH``: a transformers model built from a local config (see the module docstring).
+
+    Returns the ``ModelSpec`` fields besides ``source`` and ``build_optimizer`` (``spec.load_spec`` adds them).
 
     Raises:
         UserError: transformers is missing, the path holds no config.json, the
             task is unknown or cannot be inferred, or the sequence is too long.
     """
-    from autofit.spec import ModelSpec, default_optimizer
-
     transformers = require("transformers", source=source)
     config = _hf_config(transformers, source)
     task = task or _task_from(config, source)
@@ -137,9 +137,8 @@ def hf_spec(source: str, *, task: str | None, seq_len: int | None, num_classes: 
             return torch.randn(batch_size, *shape), torch.randint(0, num_classes, (batch_size,))
 
         options["num_classes"] = num_classes
-        return ModelSpec(
-            source=source, build_model=build_model, example_batch=example_batch,
-            loss_fn=Loss(None), build_optimizer=default_optimizer, input_shape=shape,
+        return dict(
+            build_model=build_model, example_batch=example_batch, loss_fn=Loss(None), input_shape=shape,
             source_options=options,
         )
     vocab_size = config.vocab_size
@@ -167,10 +166,9 @@ def hf_spec(source: str, *, task: str | None, seq_len: int | None, num_classes: 
         datasets = {part: (lambda part=part: SyntheticTokens(
             vocab_size=vocab_size, seq_len=seq_len, samples=SYNTHETIC_SAMPLES[part == "val"], seed=part == "val",
             num_classes=num_classes)) for part in ("train", "val")}
-    return ModelSpec(
-        source=source, build_model=build_model, example_batch=example_batch, loss_fn=loss,
-        build_optimizer=default_optimizer, train_dataset=datasets["train"], val_dataset=datasets["val"],
-        source_options=options,
+    return dict(
+        build_model=build_model, example_batch=example_batch, loss_fn=loss,
+        train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options,
     )
 
 

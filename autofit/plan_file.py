@@ -57,7 +57,7 @@ class ModelInfo:
 
 @dataclass(kw_only=True, slots=True)
 class DeviceInfo:
-    """The device a plan is for; ``autofit.measure.meters.device_info`` fills it in."""
+    """The device a plan is for; ``autofit.device.device_info`` fills it in."""
 
     type: str = "cpu"
     """"cpu" or "cuda"."""

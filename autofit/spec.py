@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.library_models import hf_parts, timm_parts
 from autofit.model_io import Loss
 
 
@@ -97,13 +98,11 @@ def load_spec(
     if source.startswith("torchvision:"):
         return _torchvision_spec(source, parse_shape(input_shape), num_classes or 1000)
     if source.startswith("timm:"):
-        from autofit.library_models import timm_spec
-
-        return timm_spec(source, input_shape=parse_shape(input_shape), num_classes=num_classes)
+        parts = timm_parts(source, input_shape=parse_shape(input_shape), num_classes=num_classes)
+        return ModelSpec(source=source, build_optimizer=default_optimizer, **parts)
     if source.startswith("hf:"):
-        from autofit.library_models import hf_spec
-
-        return hf_spec(source, task=task, seq_len=seq_len, num_classes=num_classes, input_shape=input_shape)
+        parts = hf_parts(source, task=task, seq_len=seq_len, num_classes=num_classes, input_shape=input_shape)
+        return ModelSpec(source=source, build_optimizer=default_optimizer, **parts)
     return _file_spec(source)
 
 

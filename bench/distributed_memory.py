@@ -26,15 +26,15 @@ import torch  # noqa: E402
 
 from autofit.apply import TrainingConfig, apply_config  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
-from autofit.planning.per_rank import (  # noqa: E402
+from autofit.planning.memory.per_rank import (  # noqa: E402
     ShardAwareTracker,
     estimate_fsdp_peak_bytes,
     fsdp_layout,
     simulate_fsdp_peak_bytes,
 )
 from autofit.spec import load_spec  # noqa: E402
-from autofit.training.distributed import cleanup, init_distributed  # noqa: E402
-from autofit.training.step import train_step  # noqa: E402
+from autofit.distributed import cleanup, init_distributed  # noqa: E402
+from autofit.step import train_step  # noqa: E402
 
 WORLD_SIZE = 2
 TRANSFORMER = str(ROOT / "examples" / "tiny_transformer.py")

@@ -46,8 +46,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofit.planning.floor import InfeasibleBudget  # noqa: E402
-from autofit.planning.levers import BelowLeverFloor  # noqa: E402
+from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
+from autofit.planning.verify.below_floor import BelowLeverFloor  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
 from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autofit.measure.probe import probe, probe_plan  # noqa: E402
-from autofit.planning.floor import InfeasibleBudget  # noqa: E402
+from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402

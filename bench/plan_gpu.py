@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from autofit.planning.floor import InfeasibleBudget  # noqa: E402
+from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402

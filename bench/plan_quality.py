@@ -79,10 +79,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.apply import TrainingConfig  # noqa: E402
 from autofit.planning.context import step_clock  # noqa: E402
-from autofit.planning.cost_model import memory_costs  # noqa: E402
-from autofit.planning.speed_timing import StepTimer, time_training  # noqa: E402
-from autofit.planning.floor import InfeasibleBudget  # noqa: E402
-from autofit.planning.lever_memory import LeverChoice  # noqa: E402
+from autofit.planning.costs import memory_costs  # noqa: E402
+from autofit.planning.speed.measured import StepTimer, time_training  # noqa: E402
+from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
+from autofit.planning.memory.levers import LeverChoice  # noqa: E402
 from autofit.planning.modelling import micro_batch_sizes  # noqa: E402
 from autofit.planning.planner import make_plan  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402

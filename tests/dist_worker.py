@@ -24,14 +24,14 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.apply import TrainingConfig, apply_config  # noqa: E402
-from autofit.planning.per_rank import ShardAwareTracker  # noqa: E402
-from autofit.training.distributed import cleanup, init_distributed, is_rank0, mean_across_ranks  # noqa: E402
+from autofit.planning.memory.per_rank import ShardAwareTracker  # noqa: E402
+from autofit.distributed import cleanup, init_distributed, is_rank0, mean_across_ranks  # noqa: E402
 from autofit.training.sharded_checkpoints import (  # noqa: E402
     full_model_state_dict,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from autofit.training.step import train_step  # noqa: E402
+from autofit.step import train_step  # noqa: E402
 
 IN_FEATURES, WIDTH, HIDDEN, CLASSES, DEPTH = 32, 64, 256, 10, 3
 

@@ -111,7 +111,7 @@ def test_cli_refuses_bad_batch_and_device(run_cli, model_file):
 
 
 def test_percent_budget_plans_against_the_machine(model_file, tmp_path):
-    from autofit.measure.meters import device_info
+    from autofit.device import device_info
     from autofit.planning.planner import make_plan
     from autofit.spec import load_spec
 
@@ -137,7 +137,7 @@ def test_infeasible_budget_gives_the_floor_and_the_way_out(run_cli, model_file):
 
 def test_the_floor_is_a_budget_that_works(model_file):
     """The floor message's number is honest: planning at exactly the floor succeeds and fits."""
-    from autofit.planning.floor import InfeasibleBudget
+    from autofit.planning.verify.floor import InfeasibleBudget
     from autofit.planning.planner import make_plan
     from autofit.measure.probe import probe
     from autofit.spec import load_spec
@@ -161,7 +161,7 @@ def test_the_gpus_advice_is_a_number_of_gpus_that_plans(model_file):
     """--gpus N is named only where N GPUs would fit the floor per rank: planning with it then succeeds."""
     import re
 
-    from autofit.planning.floor import InfeasibleBudget
+    from autofit.planning.verify.floor import InfeasibleBudget
     from autofit.planning.planner import make_plan
     from autofit.spec import load_spec
 
@@ -193,8 +193,8 @@ def test_more_gpus_would_not_help_what_each_gpu_keeps(run_cli, model_file):
 
 def test_ranks_that_accumulate_keep_whole_gradients(model_file):
     """With micro-batches of 1 and a batch of 4, 2 or 3 GPUs accumulate (whole gradients until the last); 4 do not."""
-    from autofit.planning.floor import sharded_floor
-    from autofit.planning.headroom import Headroom
+    from autofit.planning.verify.floor import sharded_floor
+    from autofit.planning.memory.headroom import Headroom
     from autofit.spec import load_spec
 
     breakdown = {"parameters": 0, "gradients": 1_000_000, "optimizer_state": 0, "activations": 0}

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
-from autofit.training.distributed import check_launch, init_distributed
+from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
+from autofit.distributed import check_launch, init_distributed
 from autofit.training.sharded_checkpoints import load_sharded_checkpoint
 from strategies.batch_split import BatchSplit, rank_slice
 from strategies.sharding import GradientSync, Sharding, ShardingConfig, mixed_precision_policy

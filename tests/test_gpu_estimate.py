@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from autofit.planning.flop_speed import GPU_PEAKS, flop_speed_costs, gpu_forward_seconds
+from autofit.planning.speed.estimated import GPU_PEAKS, flop_speed_costs, gpu_forward_seconds
 from autofit.planning.planner import make_plan
 from autofit.spec import ModelSpec, default_optimizer, load_spec
 from tests.models import transformer_module

@@ -1,7 +1,7 @@
 """Headroom: the estimated GPU allowance covers what an H200 measured; it scales with what fragments; the CPU keeps only the margin."""
 import pytest
 
-from autofit.planning.headroom import (
+from autofit.planning.memory.headroom import (
     CUDA_FRAGMENTATION,
     ESTIMATED_CUDA_CONTEXT,
     ESTIMATED_CUDA_FRAGMENTATION,

@@ -8,10 +8,11 @@ from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink, measure_host_link, time_host_update
 from autofit.measure.optimizer_speed import time_eight_bit_update, time_step_in_backward
 from autofit.measure.probe import measure
-from autofit.planning import lever_costs, levers
-from autofit.planning.cost_model import CostModel
-from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
-from autofit.planning.lever_costs import (
+from autofit.planning.speed import levers as lever_costs
+from autofit.planning.verify import below_floor as levers
+from autofit.planning.costs import CostModel
+from autofit.planning.memory.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
+from autofit.planning.speed.levers import (
     ASSUMED_LINK_BYTES_PER_S, UpdateTime, host_link, host_state_seconds, lever_time, offload_seconds,
 )
 from autofit.planning.planner import plan_with_report

@@ -13,9 +13,9 @@ import functools
 import pytest
 
 from autofit.measure.probe import probe
-from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
-from autofit.planning.lever_memory import LeverChoice, add_eight_bit
-from autofit.planning.optimizer_memory import eight_bit_record
+from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+from autofit.planning.memory.levers import LeverChoice, add_eight_bit
+from autofit.planning.memory.optimizer import eight_bit_record
 from tests.test_memory_grid import grid_spec, quiet_process  # noqa: F401 (the module's fixture)
 
 TOLERANCE = 0.002

@@ -12,7 +12,7 @@ from autofit.apply import TrainingConfig, apply_config, offloaded_blocks, select
 from autofit.errors import UserError
 from autofit.measure.probe import measure
 from autofit.spec import load_spec
-from autofit.training.step import train_step
+from autofit.step import train_step
 from strategies import HostOptimizer, OptimizerInBackward
 from tests.conftest import EXAMPLES
 from tests.models import transformer_module

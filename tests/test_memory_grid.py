@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autofit.measure.probe import probe
-from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 from strategies import PRECISIONS, checkpoint_candidates
 from tests.models import BiasedLM, layout_specs, relu_chain_spec
 

@@ -6,7 +6,7 @@ from torch import nn
 from autofit.measure.meters import checked_for_simulation, frozen_parameter_bytes
 from autofit.measure.probe import probe
 from autofit.model_io import Loss
-from autofit.planning.cost_model import memory_costs
+from autofit.planning.costs import memory_costs
 from autofit.planning.planner import InfeasibleBudget, make_plan
 from autofit.spec import ModelSpec, default_optimizer
 

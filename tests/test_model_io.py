@@ -11,7 +11,7 @@ from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
 from autofit.model_io import IGNORE_INDEX, Loss, Scores, call_model, count_labels, logits_of, own_loss
 from autofit.training.data import collate_pairs
-from autofit.training.step import train_step
+from autofit.step import train_step
 
 VOCAB, SEQ = 11, 6
 

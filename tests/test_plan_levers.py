@@ -8,8 +8,8 @@ import pytest
 from autofit.apply import TrainingConfig
 from autofit.measure.probe import measure
 from autofit.plan_file import load_plan
-from autofit.planning.floor import InfeasibleBudget
-from autofit.planning.headroom import Headroom, persistent_bytes
+from autofit.planning.verify.floor import InfeasibleBudget
+from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.planner import make_plan
 from autofit.spec import load_spec
 
@@ -151,8 +151,8 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     from dataclasses import replace
 
     from autofit.planning.context import Config, plan_context
-    from autofit.planning.floor import Floor
-    from autofit.planning.levers import lever_candidates
+    from autofit.planning.verify.floor import Floor
+    from autofit.planning.verify.below_floor import lever_candidates
 
     _, spec = lm
     context = plan_context(
@@ -176,7 +176,7 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
 def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     """--simulate --device cuda below the step in backward's floor: the state goes to the host, measured by the simulated
     meter (the device peak without it, the host peak in the notes)."""
-    from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT
+    from autofit.planning.memory.headroom import ESTIMATED_CUDA_CONTEXT
 
     _, spec = lm
 

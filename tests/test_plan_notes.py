@@ -1,7 +1,7 @@
 import torch
 
 from autofit.plan_file import ModelInfo, Plan, load_plan, save_plan
-from autofit.planning.writing import batch_norm_notes
+from autofit.planning.report import batch_norm_notes
 
 
 def test_batch_norm_with_micro_batches_is_noted():
@@ -23,7 +23,7 @@ def test_model_info_of_a_library_model_names_its_classes_once():
     """torchvision and timm specs carry num_classes in their source options too: the plan's ModelInfo takes it once."""
     from types import SimpleNamespace
 
-    from autofit.planning.writing import _model_info
+    from autofit.planning.report import _model_info
     from autofit.spec import load_spec
 
     spec = load_spec("torchvision:resnet18", input_shape="3x32x32", num_classes=10)

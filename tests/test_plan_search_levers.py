@@ -7,11 +7,11 @@ import torch
 from autofit.measure.probe import probe, probe_plan
 from autofit.commands.plan import summary_lines
 from autofit.measure.optimizer_speed import UpdateCost
-from autofit.planning import levers
-from autofit.planning.lever_costs import UpdateTime
+from autofit.planning.verify import below_floor as levers
+from autofit.planning.speed.levers import UpdateTime
 from autofit.planning.planner import plan_with_report
-from autofit.planning.search import LeverSearch, score_space
-from autofit.planning.lever_memory import LeverChoice
+from autofit.planning.search.space import LeverSearch, score_space
+from autofit.planning.memory.levers import LeverChoice
 from tests.models import conv_then_wide_spec, layout_specs
 from tests.test_memory_grid import grid_spec
 
@@ -35,7 +35,7 @@ def test_step_in_backward_lets_the_whole_batch_fit_above_the_floor(monkeypatch):
     call against FLOP-estimated steps of a few milliseconds, decides it either way by the load of the moment;
     tests/test_lever_costs.py prices it high and sees checkpointing chosen)."""
     from autofit.measure.optimizer_speed import UpdateCost
-    from autofit.planning import levers
+    from autofit.planning.verify import below_floor as levers
 
     monkeypatch.setattr(levers, "time_step_in_backward", lambda build, device: UpdateCost(per_tensor_seconds=1e-6, per_element_seconds=0.0))
     spec = conv_then_wide_spec()
@@ -125,7 +125,7 @@ def test_configuration_keys_name_the_levers_and_keep_the_old_ones():
 def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
     """Levers only add time (the step in backward none): at a budget every point fits without checkpointing,
     the search never models one (the lever search costs most of a tight plan's search)."""
-    import autofit.planning.search as search
+    import autofit.planning.search.space as search
 
     def refuse(*args, **kwargs):
         raise AssertionError("a lever was tried at a point that fits as plain training")
@@ -143,7 +143,7 @@ def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
     not fit as plain training is, as plain training, faster than the best that fits (``needs_offload``), or
     where the search bounded its speed with offload (``bound_samples_per_s``), by that bound."""
     import autofit.planning.modelling as modelling
-    from autofit.planning.search import Evaluation
+    from autofit.planning.search.space import Evaluation
 
     monkeypatch.setattr(modelling, "offload_untraced", lambda context, costs, precision, *, usable_bytes: True)
 
@@ -247,7 +247,7 @@ def test_eight_bit_state_is_chosen_only_where_it_is_fastest(monkeypatch):
 
 def test_eight_bit_state_is_not_tried_where_plain_training_fits(monkeypatch):
     """At a budget where every point fits as plain training, the search models no lever, 8-bit state included."""
-    import autofit.planning.search as search
+    import autofit.planning.search.space as search
 
     def refuse(*args, **kwargs):
         raise AssertionError("a lever was tried at a point that fits as plain training")

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from autofit.planning.context import cache_dir
-from autofit.planning.speed_timing import time_precisions
+from autofit.planning.speed.measured import time_precisions
 from autofit.planning.planner import plan_with_report
-from autofit.planning.timing import BUSY_TIE, MAX_NOISY_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, TIE, Race, Samples, compare, interleaved_rounds
+from autofit.planning.speed.timing import BUSY_TIE, MAX_NOISY_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, TIE, Race, Samples, compare, interleaved_rounds
 from autofit.spec import ModelSpec, default_optimizer
 from tests.test_planner import uneven_spec
 
@@ -197,7 +197,7 @@ class HalfSensitive(nn.Module):
 
 def test_fp16_shares_bf16_traces_only_when_autocast_makes_the_same_tensors():
     from autofit.planning.context import plan_context
-    from autofit.planning.memory_model import trace_memory
+    from autofit.planning.memory.traces import trace_memory
     from autofit.planning.modelling import same_autocast_bytes
 
     def context(spec):
@@ -222,7 +222,7 @@ def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(mon
     """Simulating, the fastest predicted wins: a precision whose fastest with no budget is below the best found to fit
     is not traced, even within the share (VERIFY_WITHIN) a timed verification would race."""
     from autofit.planning import modelling
-    from autofit.planning.verify import VERIFY_WITHIN
+    from autofit.planning.policy import VERIFY_WITHIN
 
     estimated = modelling.flop_speed_costs
 
@@ -322,7 +322,7 @@ def test_threads_and_workers_are_cut_by_the_work_running_now(monkeypatch):
 
     from autofit.measure import other_work
     from autofit.planning import context as context_module
-    from autofit.planning import trace_pool
+    from autofit.planning.memory import workers as trace_pool
 
     if not Path("/proc/loadavg").exists():
         pytest.skip("reads Linux's /proc/loadavg")
@@ -411,7 +411,7 @@ def test_selective_recompute_from_flops_leaves_the_saved_ops_out(device_type, de
     """Simulated plans price selective recompute by what it repeats: a block that is one matmul repeats nothing in
     fp32 (its output is kept) and only the casts under autocast; a block of tanh after a small matmul repeats most
     of its forward."""
-    from autofit.planning.flop_speed import flop_speed_costs
+    from autofit.planning.speed.estimated import flop_speed_costs
 
     speed = flop_speed_costs(mixed_spec(), precisions=["fp32", "bf16"], sizes=[2, 8], device_type=device_type, device_name=device_name)
     assert speed["fp32"].selective_shares[0] == speed["fp32"].selective_shares[2] == 0.0
@@ -426,7 +426,7 @@ def test_selective_recompute_from_flops_leaves_the_saved_ops_out(device_type, de
 def test_selective_recompute_is_timed_on_the_device():
     """Real timings: every block's selective share is estimated, and the steps with every block selective,
     timed beside those with every block checkpointed, give its factor."""
-    from autofit.planning.speed_timing import SELECTIVE_FACTOR_RANGE
+    from autofit.planning.speed.measured import SELECTIVE_FACTOR_RANGE
 
     results = time_precisions(mixed_spec(), precisions=["fp32"], sizes=[2, 4], device="cpu")
     costs = results["fp32"]
@@ -439,8 +439,8 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
     """On a machine twice as loaded as when the speed model timed its plain steps, the checkpointed steps come out
     twice as slow: priced against the old plain step, recompute looked far dearer than it is (and full and
     selective lost their order once clamped). The plain step timed beside them gives each its own price."""
-    from autofit.planning.cost_model import SpeedCosts
-    from autofit.planning.speed_timing import _measure_recompute
+    from autofit.planning.costs import SpeedCosts
+    from autofit.planning.speed.measured import _measure_recompute
     from strategies import checkpoint_candidates
 
     spec = mixed_spec()
@@ -466,7 +466,7 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
 def test_precisions_sharing_traces_share_them_again_when_loaded_from_the_cache():
     """A stored study's fp16 and bf16 are one set of traces again: what a later plan adds (offload's runs,
     the recomputations) is traced once for both, as in the run that first traced them."""
-    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+    from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
     from autofit.planning.modelling import Costs, _from_store
 
     spec = uneven_spec()

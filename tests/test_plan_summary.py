@@ -4,8 +4,8 @@ from types import SimpleNamespace
 from autofit.commands.plan import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.context import Config
-from autofit.planning.search import Evaluation
-from autofit.planning.writing import PlanReport, _alternatives
+from autofit.planning.search.space import Evaluation
+from autofit.planning.report import PlanReport, _alternatives
 
 CHOSEN = Config(precision="bf16", micro_batch_size=4, checkpoint=("b0",))
 

@@ -9,15 +9,15 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
-from autofit.planning.memory_model import Segment
+from autofit.planning.memory.segments import Segment
 from autofit.plan_file import DeviceInfo, load_plan
 from autofit.planning.context import usable_precisions
-from autofit.planning.floor import InfeasibleBudget
-from autofit.planning.headroom import ESTIMATED_CUDA_FRAGMENTATION
+from autofit.planning.verify.floor import InfeasibleBudget
+from autofit.planning.memory.headroom import ESTIMATED_CUDA_FRAGMENTATION
 from autofit.planning.modelling import micro_batch_sizes
 from autofit.planning.planner import make_plan, plan_with_report
 from autofit.measure.probe import probe
-from autofit.planning.knapsack import FULL, SELECTIVE, _enumerate, _greedy, _options, _prefix_knapsack, cheapest_checkpoint, peak_of
+from autofit.planning.search.knapsack import FULL, SELECTIVE, _enumerate, _greedy, _options, _prefix_knapsack, cheapest_checkpoint, peak_of
 from autofit.spec import ModelSpec, default_optimizer
 from tests.models import transformer_module
 
@@ -224,7 +224,7 @@ def test_all_precisions_are_measured_not_assumed():
 
 
 def report_model(report):
-    from autofit.planning.cost_model import CostModel
+    from autofit.planning.costs import CostModel
 
     return CostModel.from_dict(report.cost_model)
 
@@ -387,7 +387,7 @@ def test_prefix_knapsack_scales_to_many_blocks():
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_memory_model_matches_the_meter(name):
     """The trace model against the exact simulated meter on random configurations."""
-    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts, memory_costs
+    from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 
     spec = SPECS[name]()
     G = BATCH[name]
@@ -487,7 +487,7 @@ def chain_model(tmp_path_factory):
     """A model whose blocks' ReLU chains selective checkpointing frees for a fraction of full recompute's time,
     and a budget that the peak with every block selective fits but plain training does not (batch 1: no
     micro-batch to shrink)."""
-    from autofit.planning.headroom import Headroom
+    from autofit.planning.memory.headroom import Headroom
     from autofit.spec import load_spec
     from strategies import checkpoint_candidates
 
@@ -548,7 +548,7 @@ def test_measured_plan_with_selective_candidates_fits(chain_model, run_cli, tmp_
 def test_selective_blocks_are_in_the_configuration_key_and_the_timed_steps():
     from autofit.commands.plan import _config_text
     from autofit.planning.context import Config
-    from autofit.planning.measurements import _training_config
+    from autofit.planning.verify.measurements import _training_config
 
     plain = Config(precision="bf16", micro_batch_size=4, checkpoint=("layers.0",))
     mixed = Config(precision="bf16", micro_batch_size=4, checkpoint=("layers.0",), selective_checkpoint=("layers.1", "layers.2"))

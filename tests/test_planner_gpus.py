@@ -17,7 +17,7 @@ import torch.distributed as dist
 from strategies import micro_batch_count
 from autofit.errors import UserError
 from autofit.plan_file import load_plan, save_plan
-from autofit.planning.floor import InfeasibleBudget
+from autofit.planning.verify.floor import InfeasibleBudget
 from autofit.planning.planner import make_plan, plan_with_report
 from autofit.planning.ranks import gradient_bytes
 from autofit.spec import load_spec

@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
-from autofit.training.step import train_step
+from autofit.step import train_step
 from strategies import (
     BatchSplit,
     BatchSplitConfig,

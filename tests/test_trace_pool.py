@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from autofit.planning import trace_pool
-from autofit.planning.memory_model import trace_memory_sizes
-from autofit.planning.trace_pool import TracePool, trace_workers
+from autofit.planning.memory import workers as trace_pool
+from autofit.planning.memory.traces import trace_memory_sizes
+from autofit.planning.memory.workers import TracePool, trace_workers
 from tests.models import layout_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 FRESH_PROCESS = textwrap.dedent("""
     import json
-    import autofit.planning.memory_model as memory_model
-    from autofit.planning.memory_model import trace_memory_sizes
-    from autofit.planning.trace_pool import TracePool
+    import autofit.planning.memory.traces as memory_model
+    from autofit.planning.memory.traces import trace_memory_sizes
+    from autofit.planning.memory.workers import TracePool
     from tests.models import layout_specs
 
     here = []
@@ -119,7 +119,7 @@ def test_one_worker_or_none_means_no_pool(monkeypatch, setting):
 def lm_memory():
     """The LM's bf16 memory model traced at once (``whole``) and as plain training only (``plain``), from one floor
     trace, in this process."""
-    from autofit.planning.cost_model import memory_costs
+    from autofit.planning.costs import memory_costs
 
     spec = layout_specs()["lm"]
     floor = trace_memory_sizes(spec, sizes=[1], precision="bf16")[0]
@@ -129,7 +129,7 @@ def lm_memory():
 
 
 def test_recomputations_added_later_equal_those_traced_at_once(monkeypatch, lm_memory):
-    from autofit.planning.cost_model import complete_memory
+    from autofit.planning.costs import complete_memory
 
     monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
     spec, floor, whole, plain = lm_memory
@@ -147,8 +147,8 @@ def test_the_bound_before_recomputations_is_never_below_the_search_with_them(lm_
     """``needs_recomputations`` skips a precision whose bound cannot beat the best: the bound (plain traces, the
     search's choice as if recomputing held nothing) must be at least what the search finds once they are traced,
     and 0 only where nothing fits with them either."""
-    from autofit.planning.cost_model import CostModel, PrecisionCosts, SpeedCosts
-    from autofit.planning.search import score_space
+    from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts
+    from autofit.planning.search.space import score_space
 
     _, _, whole, plain = lm_memory
     n = len(whole.high.blocks)
@@ -186,7 +186,7 @@ def test_the_bound_before_recomputations_is_never_below_the_search_with_them(lm_
 
 
 def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypatch):
-    import autofit.planning.memory_model as memory_model
+    import autofit.planning.memory.traces as memory_model
     from autofit.planning.planner import plan_with_report
 
     monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autofit.apply import AppliedPlan
-from autofit.training.distributed import DistributedEnv
+from autofit.distributed import DistributedEnv
 from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
 from autofit.training.weights import load_checkpoint

@@ -29,7 +29,7 @@ def compare(
     """fp32, AMP, checkpointing every block, both, and autofit's plan: peak memory and speed side by side."""
     from autofit.tools.compare import compare as run_compare
     from autofit.tools.compare import format_table, save_comparison
-    from autofit.measure.meters import device_info
+    from autofit.device import device_info
     from autofit.atomic import check_writable
     from autofit.model_checks import check_model_runs
     from autofit.units import parse_budget

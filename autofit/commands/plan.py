@@ -8,7 +8,7 @@ import typer
 from autofit.cli import app
 from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
-from autofit.planning.timing import TIE
+from autofit.planning.speed.timing import TIE
 from autofit.units import format_bytes
 
 

@@ -42,7 +42,7 @@ def probe(
 ) -> None:
     """Run a few real optimizer steps of ONE configuration; report peak bytes and samples/s."""
     from autofit.measure.blocks import profile_blocks
-    from autofit.measure.meters import check_device
+    from autofit.device import check_device
     from autofit.measure.probe import probe as run_probe
     from autofit.model_checks import check_model_runs
 
@@ -63,7 +63,7 @@ def probe(
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     check_model_runs(spec)
     if simulate:
-        from autofit.planning.memory_model import simulation_spec
+        from autofit.planning.memory.traces import simulation_spec
 
         # As the planner does: a model whose build the simulated meter cannot fake (ViT's) is copied from meta.
         spec = simulation_spec(spec)
@@ -114,7 +114,7 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
     spec = spec_for_plan(the_plan.model, model_file=model)
     check_model_runs(spec)
     if the_plan.estimated:
-        from autofit.planning.memory_model import simulation_spec
+        from autofit.planning.memory.traces import simulation_spec
 
         spec = simulation_spec(spec)
     with _out_of_memory_as_one_line(f"the plan's micro-batch {the_plan.micro_batch_size}", device=the_plan.device.type):
@@ -135,7 +135,7 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
 
 def _check_fits_machine(spec, *, micro_batch_size: int, device: str) -> None:
     """Refuse a micro-batch whose inputs alone exceed the device's memory, before allocating any of it."""
-    from autofit.measure.meters import device_info
+    from autofit.device import device_info
     from autofit.model_checks import batch_bytes
 
     sample_bytes = batch_bytes(spec.example_batch(1))

@@ -62,7 +62,7 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
     from autofit.plan_file import load_plan, plan_from_dict
     from autofit.spec import spec_for_plan
     from autofit.training.data import image_folder_data, input_shape_from, model_file_data
-    from autofit.training.distributed import check_launch, cleanup, is_rank0
+    from autofit.distributed import check_launch, cleanup, is_rank0
     from autofit.training.loop import TrainingInterrupted, TrainSettings
     from autofit.training.resume import check_same_plan, read_saved_run, resumed_value
     from autofit.training.run import run_training

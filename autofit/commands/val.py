@@ -20,7 +20,7 @@ def val(
 ) -> None:
     """Accuracy, macro and per-class precision/recall/F1, and the confusion matrix (without --data: loss, accuracy or perplexity)."""
     from autofit.tools.evaluate import format_evaluation, format_scores, validate_model_data, validate_weights
-    from autofit.measure.meters import device_info
+    from autofit.device import device_info
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r} is unknown; use cpu or cuda")

@@ -14,7 +14,7 @@ from autofit.apply import TrainingConfig, apply_config
 from autofit.measure.meters import make_meter
 from autofit.model_io import call_model
 from autofit.spec import ModelSpec
-from autofit.training.step import to_device
+from autofit.step import to_device
 from strategies import checkpoint_candidates
 
 

@@ -3,7 +3,7 @@
 Activation offload and optimizer state on the host move bytes over the link
 between host memory and the GPU (PCIe or NVLink-C2C), and host state runs the
 optimizer's update on the host's CPU. The planner's speed terms for them
-(``autofit.planning.lever_costs``) use these numbers where they can be
+(``autofit.planning.speed.levers``) use these numbers where they can be
 measured, and say what they assumed where not.
 """
 from __future__ import annotations

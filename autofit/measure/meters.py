@@ -27,7 +27,7 @@ from autofit._torch_private import (
 from autofit.errors import UserError
 from autofit.measure.host import host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
-from autofit.plan_file import DeviceInfo
+from autofit.device import check_device
 
 CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every block up to this."""
@@ -40,41 +40,6 @@ class Measurement:
     breakdown: dict[str, int] = field(default_factory=dict)
     host_peak_bytes: int = 0
     """Peak bytes strategies kept in host memory (offloaded activations, host optimizer state); not in peak_bytes."""
-
-
-def check_device(device_type: str, *, precision: str | None = None, simulate: bool = False) -> None:
-    """The one check that this process can run ``precision`` on ``device_type`` (real, or simulated).
-
-    Raises:
-        UserError: an unknown device, no visible GPU for a real cuda run, or
-            bf16 on a GPU without it; the message names the way out.
-    """
-    if device_type not in ("cpu", "cuda"):
-        raise UserError(f"--device {device_type!r} is unknown; use cpu or cuda")
-    if device_type != "cuda" or simulate:
-        return
-    if not torch.cuda.is_available():
-        raise UserError(
-            "device cuda: no CUDA device is visible; use --device cpu, or plan with --simulate "
-            "--device-memory 24GiB for a GPU you do not have and train on a machine that has it"
-        )
-    if precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise UserError("precision bf16 is not supported on this GPU; use fp16 or fp32")
-
-
-def device_info(device_type: str, *, total_bytes: int | None = None) -> DeviceInfo:
-    """Name and total memory of the device (of this machine's RAM for "cpu")."""
-    if device_type == "cpu":
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return DeviceInfo(type="cpu", name="cpu", total_bytes=total_bytes or ram)
-    if device_type == "cuda":
-        if not torch.cuda.is_available():
-            if total_bytes is None:
-                check_device(device_type)
-            return DeviceInfo(type="cuda", name="simulated cuda", total_bytes=total_bytes)
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return DeviceInfo(type="cuda", name=props.name, total_bytes=total_bytes or props.total_memory)
-    raise UserError(f"device {device_type!r} is unknown; use cpu or cuda")
 
 
 class Meter:
@@ -375,7 +340,7 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
 def _one_simulated_step(spec) -> None:
     from autofit.apply import TrainingConfig, apply_config
     from autofit.measure.optimizer_state import stepping_at_once
-    from autofit.training.step import train_step
+    from autofit.step import train_step
 
     meter = SimulatedMeter()
     with meter.environment():

@@ -4,7 +4,7 @@
 ``--allow-lossy-optimizer``) changes the update's arithmetic: torchao
 dequantizes each moment, updates it in fp32 and quantizes it again, one
 parameter at a time in a compiled function. The planner's time term for it
-(``autofit.planning.lever_costs``) is this measurement, once per plan, on the
+(``autofit.planning.speed.levers``) is this measurement, once per plan, on the
 device the plan is for.
 """
 from __future__ import annotations

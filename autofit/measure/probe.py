@@ -20,11 +20,12 @@ from autofit.apply import (
 )
 from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
-from autofit.measure.meters import check_device, fall_back_from_simulation, make_meter, release_device_memory
+from autofit.device import check_device
+from autofit.measure.meters import fall_back_from_simulation, make_meter, release_device_memory
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec, model_fingerprint
-from autofit.training.step import train_step
+from autofit.step import train_step
 
 
 @dataclass(kw_only=True, slots=True)

@@ -32,12 +32,13 @@ import torch
 
 from autofit.apply import TrainingConfig
 from autofit.errors import UserError
-from autofit.measure.meters import DeviceInfo, check_device, checked_for_simulation, device_info
+from autofit.device import DeviceInfo, check_device, device_info
+from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
-from autofit.planning.memory_model import simulation_spec
-from autofit.planning.search import Study
-from autofit.planning.timing import BUSY_TIE, TIE
-from autofit.planning.trace_pool import TracePool
+from autofit.planning.memory.traces import simulation_spec
+from autofit.planning.search.space import Study
+from autofit.planning.speed.timing import BUSY_TIE, TIE
+from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import parse_budget
 from strategies import PRECISIONS
@@ -310,12 +311,11 @@ def _cpu_name() -> str:
 @lru_cache(maxsize=1)
 def _own_code_hash() -> str:
     """autofit's and the strategies' source: a change to either can change what is measured."""
-    import autofit
     import strategies
 
+    autofit_root = Path(__file__).resolve().parents[1]  # autofit/, found from here, not by importing the package
     digest = hashlib.sha256()
-    for package in (autofit, strategies):
-        root = Path(package.__file__).parent
+    for root in (autofit_root, Path(strategies.__file__).parent):
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())

@@ -34,13 +34,13 @@ from autofit.errors import UserError
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
-from autofit.planning.cost_model import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs
-from autofit.planning.flop_speed import flop_speed_costs
-from autofit.planning.lever_memory import add_eight_bit, add_offloaded
-from autofit.planning.optimizer_memory import eight_bit_record
-from autofit.planning.memory_model import trace_memory_sizes
-from autofit.planning.speed_timing import time_precisions
-from autofit.planning.verify import VERIFY_WITHIN
+from autofit.planning.costs import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs
+from autofit.planning.speed.estimated import flop_speed_costs
+from autofit.planning.memory.levers import add_eight_bit
+from autofit.planning.memory.optimizer import eight_bit_record
+from autofit.planning.memory.traces import add_offloaded, trace_memory_sizes
+from autofit.planning.speed.measured import time_precisions
+from autofit.planning.policy import VERIFY_WITHIN
 from strategies import checkpoint_candidates
 
 HALF_PRECISIONS = ("bf16", "fp16")
@@ -134,7 +134,7 @@ def stored_or_new(context: PlanContext) -> Costs:
 
 
 def _from_store(stored: dict) -> Costs:
-    from autofit.planning.cost_model import _trace_from_dict
+    from autofit.planning.costs import _trace_from_dict
 
     costs = Costs(
         model=CostModel.from_dict(stored["cost_model"]), micro_batch_sizes=list(stored["micro_batch_sizes"]),

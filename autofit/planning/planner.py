@@ -47,17 +47,18 @@ import torch
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import Config, PlanContext, plan_context
-from autofit.planning.floor import InfeasibleBudget, check_floor
-from autofit.planning.levers import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
+from autofit.planning.verify.floor import InfeasibleBudget, check_floor
+from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
     Costs, add_eight_bit_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
     save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
-from autofit.planning.search import Evaluation, LeverSearch, score_space
-from autofit.planning.measurements import Measurements
-from autofit.planning.verify import VERIFY_WITHIN, measure_unconstrained, timed_reference, verify
-from autofit.planning.writing import PlanReport, write_plan
+from autofit.planning.search.space import Evaluation, LeverSearch, score_space
+from autofit.planning.verify.measurements import Measurements
+from autofit.planning.policy import VERIFY_WITHIN
+from autofit.planning.verify.candidates import measure_unconstrained, timed_reference, verify
+from autofit.planning.report import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
 from autofit.units import format_bytes
 

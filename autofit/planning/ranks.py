@@ -19,14 +19,14 @@ import torch
 from autofit.errors import UserError
 from autofit.plan_file import Measured, MultiProcess, Plan, Predicted
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.floor import InfeasibleBudget, sharded_floor
-from autofit.planning.headroom import Headroom
+from autofit.planning.verify.floor import InfeasibleBudget, sharded_floor
+from autofit.planning.memory.headroom import Headroom
 from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
-from autofit.planning.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
-from autofit.planning.knapsack import cheapest_checkpoint
-from autofit.planning.measurements import Measurements
-from autofit.planning.verify import VERIFY_TOP
-from autofit.planning.writing import PlanReport, plan_basics
+from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
+from autofit.planning.search.knapsack import cheapest_checkpoint
+from autofit.planning.verify.measurements import Measurements
+from autofit.planning.verify.candidates import VERIFY_TOP
+from autofit.planning.report import PlanReport, plan_basics
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
 from strategies import micro_batch_count

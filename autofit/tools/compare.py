@@ -22,11 +22,12 @@ import torch
 
 from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
-from autofit.measure.meters import check_device, release_device_memory
+from autofit.device import check_device
+from autofit.measure.meters import release_device_memory
 from autofit.model_io import call_model, logits_of
 from autofit.spec import ModelSpec
 from autofit.tools.evaluate import evaluate
-from autofit.training.step import train_step
+from autofit.step import train_step
 from strategies import precision_dtype
 
 AMP_PRECISIONS = ("bf16", "fp16")

@@ -18,7 +18,7 @@ from torch import nn
 from autofit.errors import UserError
 from autofit.model_io import as_loss, call_model, logits_of
 from autofit.spec import ModelSpec, parse_shape
-from autofit.training.step import to_device
+from autofit.step import to_device
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,7 +18,7 @@ from torch import nn
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.spec import model_fingerprint
-from autofit.training.distributed import is_rank0
+from autofit.distributed import is_rank0
 from autofit.training.sharded_checkpoints import (
     full_model_state_dict,
     load_rank_extra,

@@ -3,7 +3,7 @@
 Read ``train`` top to bottom: hold the log dir, start or resume, apply the
 plan, build the optimizer and the schedule, open the log; then
 ``_train_epochs``: epochs of steps, each step being
-``autofit.training.step.train_step`` (the step the probe measures) over one
+``autofit.step.train_step`` (the step the probe measures) over one
 global batch, redone exactly with half the micro-batch if it runs out of
 memory, then validation and checkpoints. Strategies live in ``apply_plan``;
 the loop never asks which precision or split it runs. What happens around a
@@ -52,7 +52,7 @@ from autofit.spec import model_fingerprint
 from autofit.training.checkpoints import RunCheckpoints, load_resume_state
 from autofit.training.console import RunConsole, epoch_line, final_line, header, oom_line
 from autofit.training.data import TrainData, epoch_order, make_loader
-from autofit.training.distributed import any_rank, is_rank0, mean_across_ranks
+from autofit.distributed import any_rank, is_rank0, mean_across_ranks
 from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
 from autofit.training.images import Unreadable
 from autofit.training.recovery import StepUndo, step_with_recovery

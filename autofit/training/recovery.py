@@ -29,7 +29,7 @@ from autofit._torch_private import copy_tensors, grad_scaler_tensors, reset_grad
 from autofit.apply import AppliedPlan
 from autofit.errors import UserError, is_out_of_memory
 from autofit.measure.meters import release_device_memory
-from autofit.training.step import StepResult, train_step
+from autofit.step import StepResult, train_step
 
 
 class StepUndo:

@@ -13,7 +13,7 @@ from torch import nn
 
 from autofit.plan_file import Plan
 from autofit.training.data import TrainData
-from autofit.training.distributed import init_distributed, same_on_all_ranks
+from autofit.distributed import init_distributed, same_on_all_ranks
 from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, train
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
-from autofit.training.distributed import barrier, is_rank0
+from autofit.distributed import barrier, is_rank0
 from strategies import unwrap_model
 
 _EXTRA_FILE = "extra.pt"

@@ -8,8 +8,8 @@ from autofit.apply import AppliedPlan
 from autofit.errors import UserError
 from autofit.model_io import Scores, call_model
 from autofit.training.data import collate_readable, make_loader
-from autofit.training.distributed import sum_across_ranks
-from autofit.training.step import to_device
+from autofit.distributed import sum_across_ranks
+from autofit.step import to_device
 from strategies import micro_batch_count, rank_slice
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autofit.planning.memory_model import Segment, peak_of
+from autofit.planning.memory.segments import Segment, peak_of
 
 ENUMERATE_LIMIT = 16
 """A checkpoint problem of unusual shape is solved by enumerating every choice while there are at most

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from autofit.planning.lever_memory import LeverChoice, add_offloaded, lever_peak_bytes
-from autofit.planning.lever_memory import trace_from_dict as lever_trace_from_dict
-from autofit.planning.memory_model import MemoryTrace, Segment, add_recomputes, peak_of, trace_memory_sizes
+from autofit.planning.memory.levers import LeverChoice, lever_peak_bytes
+from autofit.planning.memory.levers import trace_from_dict as lever_trace_from_dict
+from autofit.planning.memory.segments import Segment, peak_of
+from autofit.planning.memory.traces import MemoryTrace, add_offloaded, add_recomputes, trace_memory_sizes
 from autofit.spec import ModelSpec
 from strategies import BatchSplitConfig
 

@@ -19,8 +19,8 @@ from autofit.apply import TrainingConfig, apply_config
 from autofit.errors import UserError
 from autofit.measure.meters import Measurement
 from autofit.measure.tracker import StorageTracker
-from autofit.training.distributed import DistributedEnv
-from autofit.training.step import train_step
+from autofit.distributed import DistributedEnv
+from autofit.step import train_step
 from strategies.precision import precision_dtype
 from strategies.sharding import fsdp_units
 

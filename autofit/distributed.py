@@ -9,7 +9,7 @@
 The model itself is sharded by ``strategies.sharding.Sharding`` (through
 ``autofit.apply.apply_config``); checkpoints of a sharded model are in
 ``autofit.training.sharded_checkpoints``; a rank's memory is simulated by
-``autofit.planning.per_rank``.
+``autofit.planning.memory.per_rank``.
 
 Example (run with ``torchrun --nproc-per-node 2 script.py``)::
 

@@ -18,18 +18,17 @@ from dataclasses import dataclass
 
 from autofit.errors import UserError
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import CostModel
-from autofit.planning.lever_memory import LeverChoice
-from autofit.planning.measurements import Measurements
-from autofit.planning.search import Evaluation, LeverSearch, cheapest_for
-from autofit.planning.timing import tie_cap
+from autofit.planning.costs import CostModel
+from autofit.planning.memory.levers import LeverChoice
+from autofit.planning.verify.measurements import Measurements
+from autofit.planning.search.space import Evaluation, LeverSearch, cheapest_for
+from autofit.planning.speed.timing import tie_cap
+from autofit.planning.policy import VERIFY_WITHIN
 from autofit.units import format_bytes
 from strategies import PRECISIONS
 
 VERIFY_TOP = 3
 """Candidates timed on the device."""
-VERIFY_WITHIN = 0.75
-"""Only candidates predicted at least this fraction of the best candidate's speed are worth timing."""
 VERIFY_ATTEMPTS = 5
 """Checkpoint sets measured per (precision, micro-batch) before it is given up."""
 DECIDED_MARGIN = 0.02

@@ -42,18 +42,18 @@ from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
 from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import PrecisionCosts
-from autofit.planning.speed_timing import time_training
+from autofit.planning.costs import PrecisionCosts
+from autofit.planning.speed.measured import time_training
 from autofit.measure.host_speed import time_host_update
 from autofit.measure.optimizer_speed import EIGHT_BIT_ELEMENTS, time_eight_bit_update, time_step_in_backward
-from autofit.planning.floor import Floor, InfeasibleBudget, below_floor
-from autofit.planning.headroom import persistent_bytes
-from autofit.planning.lever_costs import UpdateTime, LeverTime, host_link, lever_time
-from autofit.planning.lever_memory import LeverChoice
+from autofit.planning.verify.floor import Floor, InfeasibleBudget, below_floor
+from autofit.planning.memory.headroom import persistent_bytes
+from autofit.planning.speed.levers import UpdateTime, LeverTime, host_link, lever_time
+from autofit.planning.memory.levers import LeverChoice
 from autofit.planning.modelling import Costs, add_eight_bit_state, add_speeds
-from autofit.planning.search import LeverSearch
-from autofit.planning.measurements import Measurements
-from autofit.planning.writing import PlanReport, write_plan
+from autofit.planning.search.space import LeverSearch
+from autofit.planning.verify.measurements import Measurements
+from autofit.planning.report import PlanReport, write_plan
 from autofit.units import format_bytes
 from strategies.optimizer_state import eight_bit_adam
 

@@ -17,8 +17,8 @@ from autofit.measure.blocks import profile_blocks
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import call_model
 from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
-from autofit.planning.cost_model import SpeedCosts
-from autofit.planning.trace_pool import call
+from autofit.planning.costs import SpeedCosts
+from autofit.planning.memory.workers import call
 from autofit.spec import ModelSpec
 from strategies import checkpoint_candidates, selective_saves
 

@@ -27,11 +27,11 @@ from pathlib import Path
 
 from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink
-from autofit.planning.cost_model import CostModel
-from autofit.planning.lever_costs import UpdateTime, offload_block_seconds, offload_floor_seconds
-from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
-from autofit.planning.knapsack import CheckpointChoice, cheapest_checkpoint
-from autofit.planning.memory_model import Segment
+from autofit.planning.costs import CostModel
+from autofit.planning.speed.levers import UpdateTime, offload_block_seconds, offload_floor_seconds
+from autofit.planning.memory.levers import LeverChoice, lever_segments, offload_drops
+from autofit.planning.search.knapsack import CheckpointChoice, cheapest_checkpoint
+from autofit.planning.memory.segments import Segment
 
 BRUTE_FORCE_LIMIT = 256
 """Outer spaces up to this many (precision, micro-batch) points are enumerated; larger ones use TPE."""
@@ -88,7 +88,7 @@ class LeverSearch:
         if not choice.offload and choice.optimizer_state == "device" and not choice.optimizer_in_backward:
             return 0.0
         from autofit.apply import TrainingConfig
-        from autofit.planning.lever_costs import lever_time
+        from autofit.planning.speed.levers import lever_time
 
         config = TrainingConfig(
             global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size, precision=precision,

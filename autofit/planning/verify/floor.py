@@ -16,10 +16,10 @@ import torch
 from autofit.errors import UserError
 from autofit.measure.meters import frozen_note
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.headroom import PERSISTENT, Headroom, persistent_bytes
+from autofit.planning.memory.headroom import PERSISTENT, Headroom, persistent_bytes
 from autofit.planning.modelling import Costs
-from autofit.planning.per_rank import ShardedMemoryEstimate, estimate_fsdp_peak_bytes, fsdp_layout
-from autofit.planning.measurements import Measurements
+from autofit.planning.memory.per_rank import ShardedMemoryEstimate, estimate_fsdp_peak_bytes, fsdp_layout
+from autofit.planning.verify.measurements import Measurements
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
 from strategies import micro_batch_count

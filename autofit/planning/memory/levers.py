@@ -63,10 +63,10 @@ import torch
 
 from autofit._torch_private import in_autograd_backward, tree_leaves
 from strategies.checkpointing import selective_saves
-from autofit.planning.optimizer_memory import optimizer_bytes
+from autofit.planning.memory.optimizer import optimizer_bytes
+from autofit.planning.memory.segments import _FIRST_MICRO, _LATER_MICRO, labelled_segments
 from strategies.offload import MIN_OFFLOAD_BYTES
 
-_FIRST_MICRO, _LATER_MICRO = 0, 1
 """The traced micro-steps (as in ``memory_model``)."""
 
 
@@ -272,9 +272,7 @@ class LeverTrace:
 
 
 def lever_trace(recorder: LeverRecorder | None, marks: list[tuple], peaks: list[int], *, spec, device_type: str) -> LeverTrace | None:
-    """The plain trace's lever record, per plain segment (``memory_model._labelled``'s order)."""
-    from autofit.planning.memory_model import _labelled
-
+    """The plain trace's lever record, per plain segment (``segments.labelled_segments``' order)."""
     if recorder is None:
         return None
     num_blocks = 1 + max((m[1] for m in marks if m[0] in ("fwd_end", "bwd_start")), default=-1)
@@ -282,7 +280,7 @@ def lever_trace(recorder: LeverRecorder | None, marks: list[tuple], peaks: list[
         position=[], without_gradients=[], opening_without_gradients=[], opening_gradients=[], micro=[], forward_of=[],
         backward_of=[], in_backward=[], steps=[], rests=[], afters=[], items=[],
     )
-    for segment, opener, position in _labelled(marks, peaks, num_blocks):
+    for segment, opener, position in labelled_segments(marks, peaks, num_blocks):
         micro = next(m[1] for m in reversed(marks[:position]) if m[0] == "micro")
         live, gradients = recorder.openings[position - 1]
         trace.position.append(position)
@@ -307,34 +305,11 @@ def lever_trace(recorder: LeverRecorder | None, marks: list[tuple], peaks: list[
     return trace
 
 
-def add_offloaded(traces: list, spec, *, precision: str, device_type: str, pool=None) -> list:
-    """``traces`` (``MemoryTrace``) each with its step traced again with every block offloaded
-    (``LeverTrace.offloaded``): one run per size, at once in ``pool``'s workers where it has them.
-
-    A trace is left unchanged when the two runs' segments differ (offload is then not modelled).
-    """
-    from autofit.planning.memory_model import run_trace
-    from autofit.planning.trace_pool import call
-
-    wanted = [t for t in traces if t.levers is not None and t.blocks and t.levers.offloaded is None]
-    runs = {
-        t.micro_batch_size: call(
-            pool, run_trace, spec, micro_batch_size=t.micro_batch_size, precision=precision, device_type=device_type,
-            mode="offload", blocks=t.blocks,
-        )
-        for t in wanted
-    }
-    chosen = {id(t) for t in wanted}
-    return [_with_offloaded(t, runs[t.micro_batch_size]()) if id(t) in chosen else t for t in traces]
-
-
-def _with_offloaded(trace, raw):
-    from autofit.planning.memory_model import _labelled
-
+def with_offloaded(trace, raw):
     recorder = raw.levers
     found = {"peak_bytes": [], "without_gradients": [], "opening_without_gradients": [], "steps": []}
     positions = []
-    for segment, _, position in _labelled(raw.marks, raw.peaks, len(trace.blocks)):
+    for segment, _, position in labelled_segments(raw.marks, raw.peaks, len(trace.blocks)):
         positions.append((position, segment.dropped, segment.phase))
         live, gradients = recorder.openings[position - 1]
         found["peak_bytes"].append(raw.peaks[position])

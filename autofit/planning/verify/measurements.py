@@ -19,10 +19,10 @@ from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.probe import measure
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.speed_timing import StepTimer
-from autofit.planning.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
-from autofit.planning.search import EXACT_SLACK, MODEL_SLACK
-from autofit.planning.timing import MAX_NOISY_ROUNDS, MIN_ROUNDS, Race, Samples, interleaved_rounds
+from autofit.planning.speed.measured import StepTimer
+from autofit.planning.memory.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
+from autofit.planning.search.space import EXACT_SLACK, MODEL_SLACK
+from autofit.planning.speed.timing import MAX_NOISY_ROUNDS, MIN_ROUNDS, Race, Samples, interleaved_rounds
 
 KEEP_TIMERS_SHARE = 0.25
 """On the CPU the timed candidates stay built between rounds while their peaks add up to at most this share of

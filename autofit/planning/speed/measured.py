@@ -17,11 +17,11 @@ import torch
 from autofit.apply import AppliedPlan, TrainingConfig, apply_config
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import as_loss, call_model
-from autofit.planning.cost_model import SpeedCosts
-from autofit.planning.flop_speed import one_micro_batch, roofline_rates, selective_shares
-from autofit.planning.timing import MIN_ROUNDS, Samples, compare, interleaved_rounds, noise_of
+from autofit.planning.costs import SpeedCosts
+from autofit.planning.speed.estimated import one_micro_batch, roofline_rates, selective_shares
+from autofit.planning.speed.timing import MIN_ROUNDS, Samples, compare, interleaved_rounds, noise_of
 from autofit.spec import ModelSpec
-from autofit.training.step import to_device, train_step
+from autofit.step import to_device, train_step
 from strategies import BatchSplitConfig, checkpoint_candidates
 
 SLOW_PRECISION_RATIO = 3.0

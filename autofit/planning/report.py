@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autofit import __version__
+from autofit.version import __version__
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.context import Config, PlanContext
-from autofit.planning.cost_model import CostModel
-from autofit.planning.search import Evaluation
+from autofit.planning.costs import CostModel
+from autofit.planning.search.space import Evaluation
 from autofit.spec import model_fingerprint
 
 

@@ -65,7 +65,7 @@ import torch
 
 from autofit.apply import TrainingConfig
 from autofit.measure.host_speed import HostLink, measure_host_link
-from autofit.planning.cost_model import CostModel
+from autofit.planning.costs import CostModel
 from autofit.units import format_bytes
 
 ASSUMED_LINK_BYTES_PER_S = 12e9
@@ -226,7 +226,7 @@ def offload_block_seconds(model: CostModel, precision: str, micro_batch_size: in
     compute and all of them back up: a sum over blocks of this is at least ``lever_time``'s offload term (whose
     copies down overlap the whole forward), so the knapsack errs slow.
     """
-    from autofit.planning.lever_memory import LeverChoice, lever_segments, offload_drops
+    from autofit.planning.memory.levers import LeverChoice, lever_segments, offload_drops
 
     costs = model.precisions[precision]
     totals = [0.0] * len(model.blocks)

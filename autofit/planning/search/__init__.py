@@ -1,0 +1,1 @@
+"""The search over configurations: the space, Optuna's study and its evaluation, and the checkpoint knapsack."""

@@ -1,0 +1,99 @@
+"""The package's imports point one way: no cycles between modules, none between the folders at any level,
+and no module imports a package that holds it (its ``__init__`` re-exports would pull the caller back in)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    files = [p for d in ("autofit", "strategies") for p in sorted((ROOT / d).rglob("*.py"))]
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
+
+
+def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at any depth of the file (lazy imports in functions too)."""
+    edges = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            edges[name] |= {t for t in targets if t in modules and t != name}
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_between_modules():
+    assert _cycles(_imports(_modules())) == []
+
+
+def test_no_import_cycles_between_folders_at_any_level():
+    """Inside every package, its children (sub-packages and modules) import one another one way only:
+    e.g. planning/'s memory, speed, search and verify never import each other in a circle."""
+    edges = _imports(_modules())
+    by_parent: dict[str, dict[str, set[str]]] = {}
+    for source, targets in edges.items():
+        for target in targets:
+            a, b = source.split("."), target.split(".")
+            depth = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if depth is None or depth == 0:  # an ancestor (checked below), or across the two top packages
+                continue
+            children = by_parent.setdefault(".".join(a[:depth]), {})
+            children.setdefault(a[depth], set()).add(b[depth])
+    assert {parent: cycles for parent, children in by_parent.items() if (cycles := _cycles(children))} == {}
+
+
+def test_no_module_imports_a_package_that_holds_it():
+    upward = [
+        f"{source} -> {target}"
+        for source, targets in _imports(_modules()).items()
+        for target in targets
+        if source.startswith(target + ".")
+    ]
+    assert upward == []
+
+
+def test_planning_is_housed_by_concern():
+    planning = ROOT / "autofit" / "planning"
+    rooms = {p.name for p in planning.iterdir() if (p / "__init__.py").exists()}
+    assert {"memory", "speed", "search", "verify"} <= rooms
