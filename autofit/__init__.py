@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from autofit.version import __version__
 
 _EXPORTS = {
     "probe": "autofit.measure.probe",

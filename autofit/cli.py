@@ -20,8 +20,20 @@ app = typer.Typer(
 
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from autofit.version import __version__
+
+        print(f"autofit {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print autofit's version and exit."
+    ),
+) -> None:
     """Fit PyTorch training into a memory budget: probe, plan, train."""
 
 

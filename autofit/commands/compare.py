@@ -14,8 +14,8 @@ from autofit.errors import UserError
 @app.command()
 def compare(
     model: str = MODEL_ARG,
-    batch_size: int = typer.Option(..., "--batch-size", "-b", help="Global batch: samples per optimizer step, the same in every row."),
-    budget: str = typer.Option(None, "--budget", help='Adds autofit\'s own plan at this budget, e.g. "64MB" or "16GiB".'),
+    batch_size: int = typer.Option(..., "--batch-size", "-n", help="Global batch: samples per optimizer step, the same in every row."),
+    budget: str = typer.Option(None, "--budget", "-b", help='Adds autofit\'s own plan at this budget, e.g. "64MB" or "16GiB".'),
     data: str = typer.Option(None, "--data", help="An image folder (train/ and val/ inside, or class folders) to train each row on."),
     train_steps: int = typer.Option(0, "--train-steps", help="Optimizer steps each row trains with --data."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
