@@ -1,14 +1,14 @@
 """The planner's cost model: peak bytes and step time of any configuration, as plain data.
 
-Memory comes from simulated traces per precision (``memory_model``):
+Memory comes from simulated traces per precision (``memory.traces``):
 linear in the micro-batch size, exact in the structure of where blocks free
 and recompute their activations (``memory_costs``), with the memory levers'
-terms (``lever_memory``) where a configuration asks for them. Time comes from
-real timings on the device (``speed_timing``: forward, forward+backward and
+terms (``memory.levers``) where a configuration asks for them. Time comes from
+real timings on the device (``speed.measured``: forward, forward+backward and
 each block's forward at a few micro-batch sizes, the optimizer step, and what
 checkpointing really costs per second of recomputed forward, fully and
 selectively); with ``simulate`` it comes from FLOPs instead and is an
-estimate (``flop_speed``). Everything here is plain data, so a study can store
+estimate (``speed.estimated``). Everything here is plain data, so a study can store
 it and resume.
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ class MemoryCosts:
         levers: LeverChoice | None = None,
     ) -> float:
         """The peak with ``checkpoint`` blocks checkpointed fully and ``selective`` ones selectively (indices), and
-        the memory levers of ``levers`` (``lever_memory``; None: none).
+        the memory levers of ``levers`` (``memory.levers``; None: none).
 
         Raises:
             ValueError: levers asked of traces that hold no lever record (``has_levers``), or checkpointed blocks
@@ -160,7 +160,7 @@ class MemoryCosts:
         return peak
 
     def has_levers(self) -> bool:
-        """Whether the traces can model the memory levers (``lever_memory``; traces stored before could not)."""
+        """Whether the traces can model the memory levers (``memory.levers``; traces stored before could not)."""
         traces = self.traces()
         return all(t.levers is not None for t in traces) and len({repr(t.levers.structure()) for t in traces}) == 1
 
@@ -191,7 +191,7 @@ class SpeedCosts:
         return _loglog(self.sizes, self.step_seconds, micro_batch_size)
 
     def forward_seconds_at(self, micro_batch_size: int) -> float:
-        """One micro-batch's forward (what activation offload's copies to the host overlap, ``lever_costs``)."""
+        """One micro-batch's forward (what activation offload's copies to the host overlap, ``speed.levers``)."""
         return _loglog(self.sizes, self.forward_seconds, micro_batch_size)
 
     def recompute_seconds(self, micro_batch_size: int) -> list[float]:
@@ -325,10 +325,10 @@ def memory_costs(
         high: the largest (the global batch).
         low_trace: an existing trace at ``low`` for this precision, to reuse.
         blocks: the checkpoint candidates another trace of this model found (None: the first run finds them).
-        pool: a ``trace_pool.TracePool`` whose workers run the traces at once.
+        pool: a ``memory.workers.TracePool`` whose workers run the traces at once.
         recompute: also the all-checkpointed and all-selective runs; without them only plain training's peaks
             are known, until ``complete_memory`` adds them.
-        offload: also trace each size with every block offloaded (``lever_memory.add_offloaded``), so that the
+        offload: also trace each size with every block offloaded (``memory.levers.add_offloaded``), so that the
             model predicts activation offload (a GPU lever: the planner asks for it for a GPU only).
     """
     def with_offload(trace: MemoryTrace | None) -> MemoryTrace | None:

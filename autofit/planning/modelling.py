@@ -2,8 +2,8 @@
 
 Memory: two simulated traces per precision (no arithmetic), at the smallest
 micro-batch the model trains with and at the global batch, give every
-configuration's peak (``memory_model``). Speed: real timings on the device at
-a few micro-batch sizes per precision (``cost_model``); with ``simulate``,
+configuration's peak (``memory.traces``). Speed: real timings on the device at
+a few micro-batch sizes per precision (``costs``); with ``simulate``,
 FLOPs instead. A stored study (the cache, or ``--study``) can hold both, and
 a rerun then measures neither.
 
@@ -290,7 +290,7 @@ def needs_offload(context: PlanContext, costs: Costs, evaluations: list, *, with
 def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_bytes: float) -> None:
     """On a GPU, where the budget needs activations dropped at the global batch (``offload_untraced``), trace
     the precision's sizes again with every block offloaded, so that the search can offload
-    (``lever_memory.add_offloaded``; the runs at once in the trace pool's workers where it has them). A roomy
+    (``memory.levers.add_offloaded``; the runs at once in the trace pool's workers where it has them). A roomy
     budget never pays for that trace; the search asks for it only where it could matter (``needs_offload``)."""
     if not offload_untraced(context, costs, precision, usable_bytes=usable_bytes):
         return
@@ -305,7 +305,7 @@ def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_
 
 def add_eight_bit_state(context: PlanContext, costs: Costs) -> None:
     """With --allow-lossy-optimizer: 8-bit optimizer state's record in every trace, so that the memory model predicts
-    it (``lever_memory.add_eight_bit``). The record is the same at every size and precision: made once (over fake
+    it (``memory.levers.add_eight_bit``). The record is the same at every size and precision: made once (over fake
     tensors, one 8-bit step per parameter shape), or taken from a trace that has it (a stored study's)."""
     memories = [c.memory for c in costs.model.precisions.values()] + list(costs.low_only.values())
     traces = [t for memory in memories for t in memory.named().values()]

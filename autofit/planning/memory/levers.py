@@ -1,6 +1,6 @@
 """The memory levers in the memory model: what the step in backward, host optimizer state and offload free.
 
-The plain trace (``memory_model.trace_memory``) records, beside each
+The plain trace (``memory.traces.trace_memory``) records, beside each
 segment's peak, what the levers need (``LeverRecorder``, kept by the trace's
 tracker), so that the step in backward and host state cost no traced run:
 
@@ -51,7 +51,7 @@ From these, for any configuration (``lever_peak_bytes``):
   storages it alone saved (``offload_drops``: additive, a lower bound).
 
 Every value is linear in the micro-batch size, as the rest of the model
-(``cost_model.MemoryCosts``); a saved tensor under ``MIN_OFFLOAD_BYTES``
+(``costs.MemoryCosts``); a saved tensor under ``MIN_OFFLOAD_BYTES``
 stays on the device and keeps its storage there, which is linear only
 piecewise (a few hundred bytes off on the test models).
 """
@@ -67,18 +67,18 @@ from autofit.planning.memory.optimizer import optimizer_bytes
 from autofit.planning.memory.segments import _FIRST_MICRO, _LATER_MICRO, labelled_segments
 from strategies.offload import MIN_OFFLOAD_BYTES
 
-"""The traced micro-steps (as in ``memory_model``)."""
+"""The traced micro-steps (as in ``memory.traces``)."""
 
 
 class LeverRecorder:
-    """Follows gradients and saved tensors during a traced step (``memory_model._TimelineTracker.levers``).
+    """Follows gradients and saved tensors during a traced step (``memory.traces._TimelineTracker.levers``).
 
     Args:
         tracker: the timeline tracker whose live bytes and marks it follows.
     """
 
     def __getstate__(self) -> dict:
-        """What it recorded, without the tracker: a trace worker sends it back (``trace_pool``)."""
+        """What it recorded, without the tracker: a trace worker sends it back (``memory.workers``)."""
         return {**self.__dict__, "tracker": None}
 
     def __init__(self, tracker) -> None:
@@ -378,7 +378,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     saved storages at this size; None when the traces hold no lever record (or none of offload, when asked).
 
     Args:
-        memory: a ``cost_model.MemoryCosts``.
+        memory: a ``costs.MemoryCosts``.
 
     Returns:
         (segments, items): ``LeverSegment`` list (checkpointing's and offload's drops not yet applied), and the
@@ -540,7 +540,7 @@ def lever_peak_bytes(
     """The model's peak with checkpointing and the levers (None: the traces hold no lever record for them).
 
     Args:
-        memory: a ``cost_model.MemoryCosts``.
+        memory: a ``costs.MemoryCosts``.
         drops, selective_drops: what each block's full and selective checkpointing frees (``MemoryCosts.at``).
         checkpoint, selective: indices of the blocks checkpointed fully and selectively.
         choice: the levers.

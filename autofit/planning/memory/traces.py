@@ -9,7 +9,7 @@ recomputes them in its own backward. So the peak of any checkpoint set is a
 max over the trace's segments of "bytes in the segment minus the bytes of the
 checkpointed blocks that are dropped there". Everything is linear in the
 micro-batch size, so traces at two micro-batch sizes give the model for every
-size (``cost_model.memory_costs``).
+size (``costs.memory_costs``).
 
 Selective checkpointing keeps more than the inputs and the output: the
 outputs of every op its policy saves (``strategies.checkpointing.selective_saves``:
@@ -22,7 +22,7 @@ all-checkpointed trace does for full checkpointing.
 
 The memory levers (step in backward, optimizer state on the host, activation
 offload) are modelled from what the plain trace's tracker also records
-(``lever_memory``: gradients, optimizer state and saved tensors over time);
+(``memory.levers``: gradients, optimizer state and saved tensors over time);
 offload adds one trace with every block offloaded, made only when asked.
 
 The planner verifies what this model predicts with the exact simulated meter
@@ -73,9 +73,9 @@ class MemoryTrace:
     """Whether the all-checkpointed and all-selective runs were traced: without them (``trace_memory_sizes``'
     ``recompute``) the segments are plain training's only, and say nothing of a checkpointed block's backward."""
     scaled: bool = False
-    """A larger trace scaled down to this size (``cost_model._scaled``), not a trace of its own."""
+    """A larger trace scaled down to this size (``costs._scaled``), not a trace of its own."""
     levers: LeverTrace | None = None
-    """What the memory levers change in the plain trace's segments (``lever_memory``); None in a trace stored
+    """What the memory levers change in the plain trace's segments (``memory.levers``); None in a trace stored
     before the levers were modelled (then they are not searched)."""
 
     def to_dict(self) -> dict:
@@ -93,7 +93,7 @@ class _TimelineTracker(StorageTracker):
         self.watch = None
         """Called with (op, outputs) after every op while set."""
         self.levers = LeverRecorder(self)
-        """What the memory levers' terms need (``lever_memory``): gradients' and saved tensors' bytes over time."""
+        """What the memory levers' terms need (``memory.levers``): gradients' and saved tensors' bytes over time."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = StorageTracker.__torch_dispatch__(self, func, types, args, kwargs)
@@ -145,7 +145,7 @@ def trace_memory(
         micro_batch_size: samples per micro-batch.
         precision: "fp32", "bf16" or "fp16".
         device_type: the device planned for ("cuda" rounds storages like its allocator).
-        pool: a ``trace_pool.TracePool`` of ``spec`` whose workers run the traced runs at once (None: here, in turn).
+        pool: a ``memory.workers.TracePool`` of ``spec`` whose workers run the traced runs at once (None: here, in turn).
 
     Returns:
         The segments of the trace and the bytes each block's checkpointing drops.
@@ -157,7 +157,7 @@ def trace_memory_sizes(
     spec: ModelSpec, *, sizes: list[int], precision: str, device_type: str = "cpu", blocks: list[str] | None = None,
     pool=None, recompute: bool = True,
 ) -> list[MemoryTrace]:
-    """``trace_memory`` at each size; with a started ``trace_pool.TracePool`` of ``spec``, its runs at once in its workers.
+    """``trace_memory`` at each size; with a started ``memory.workers.TracePool`` of ``spec``, its runs at once in its workers.
 
     The checkpoint candidates are ``blocks`` (a trace's ``blocks``), else a
     forward finds them (``traced_candidates``; without a pool, the first plain
@@ -372,7 +372,7 @@ def run_trace(
             hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
             hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
             # The recomputing runs are read only until backward ends (``_recompute_segments``): no step to trace
-            # (the offloading run is read to its end: ``lever_memory.add_offloaded``).
+            # (the offloading run is read to its end: ``memory.levers.add_offloaded``).
             train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer if mode in ("none", "offload") else _NoStep(optimizer))
         tracker.mark(("end",))
         for hook in hooks:

@@ -1,6 +1,6 @@
 """Worker processes for the planner's runs over fake tensors: one plan's runs at once on the machine's cores.
 
-A traced run (``memory_model.run_trace``) is Python over fake tensors: one core
+A traced run (``memory.traces.run_trace``) is Python over fake tensors: one core
 each, and a plan makes up to nine per precision (three micro-batch sizes,
 plain, all-checkpointed and all-selective). A ``TracePool`` forks workers
 that run them side by side, each with the plan's model spec inherited (a model
@@ -65,7 +65,7 @@ def trace_workers() -> int:
 
 
 class TracePool:
-    """Forked workers that run calls over one spec (``memory_model.run_trace``, ``flop_speed``'s estimates),
+    """Forked workers that run calls over one spec (``memory.traces.run_trace``, ``speed.estimated``'s estimates),
     once ``start`` has forked them.
 
     Until then, and after ``close``, ``submit`` hands nothing out: the caller runs in its own process.

@@ -5,7 +5,7 @@ all, selectively or fully), or offload its activations, is a covering
 knapsack: drop enough bytes at every point of the step for the peak to fit,
 at the least added time. Each block offers its modes with the bytes they
 free and the seconds they cost; the constraints are the memory model's
-segments (``memory_model.Segment``). In the usual case (blocks run forward
+segments (``memory.traces.Segment``). In the usual case (blocks run forward
 in order and backward in reverse) every segment's droppable blocks are a
 prefix of the block list, and a dynamic programme over blocks with
 Pareto-pruned states (bytes dropped so far, seconds spent) solves it exactly

@@ -9,7 +9,7 @@ seconds they cost (``CostModel.recompute_seconds``,
 With the memory levers (``LeverSearch``), each point also tries the step in
 backward, host optimizer state and, with ``--allow-lossy-optimizer``, 8-bit
 optimizer state (the memory model's segments with them,
-``lever_memory.lever_segments``), and offload is a fourth mode per block
+``memory.levers.lever_segments``), and offload is a fourth mode per block
 (freeing what the block alone saved, at its copies' time); the knapsack's
 choice is then checked against the model's whole prediction.
 
@@ -51,7 +51,7 @@ class LeverSearch:
     must see every gradient first); optimizer state on the host and offload (per block, a fourth mode beside
     none, selective and full) on a GPU only: on the CPU the host is the device; 8-bit optimizer state only
     when the user allowed it (it changes the optimizer's arithmetic), alone or with the step in backward.
-    Their time is ``lever_costs``': the step in backward's per-parameter overheads, measured; transfers over the host link (measured
+    Their time is ``speed.levers``': the step in backward's per-parameter overheads, measured; transfers over the host link (measured
     on a GPU here, else assumed) and the host's update for host state and offload; the 8-bit update's, measured.
     """
 
@@ -61,7 +61,7 @@ class LeverSearch:
     eight_bit: UpdateTime | None = None
     """8-bit optimizer state may be chosen (``--allow-lossy-optimizer``): what it adds to a step (None: not searched)."""
     link: HostLink | None = None
-    """The host link's rates (``lever_costs.host_link``), with host state or offload."""
+    """The host link's rates (``speed.levers.host_link``), with host state or offload."""
     trainable_bytes: int = 0
     """Bytes of the parameters that train (their gradients are as many)."""
     host_update_seconds: float = 0.0
@@ -84,7 +84,7 @@ class LeverSearch:
         return found
 
     def lever_seconds(self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice) -> float:
-        """Seconds the levers add to one optimizer step (``lever_costs.lever_time``)."""
+        """Seconds the levers add to one optimizer step (``speed.levers.lever_time``)."""
         if not choice.offload and choice.optimizer_state == "device" and not choice.optimizer_in_backward:
             return 0.0
         from autofit.apply import TrainingConfig
@@ -120,14 +120,14 @@ def cheapest_for(
     the copies brought back held nothing: no choice the offloading runs would allow adds less time
     (``needs_offload``). Its peak is then no prediction.
 
-    With levers the knapsack's segments are the memory model's with them (``lever_memory.lever_segments``) and
+    With levers the knapsack's segments are the memory model's with them (``memory.levers.lever_segments``) and
     offload frees what each block alone saved (additive); the choice is then checked against the model's whole
     prediction (storages blocks share, copies backward brings back) and, while that does not fit, sought again
     under a limit lowered by the miss.
     """
     memory = model.precisions[precision].memory
     G = model.global_batch_size
-    # Where the traces hold plain training only (``cost_model.complete_memory``), no block is checkpointed; at the
+    # Where the traces hold plain training only (``costs.complete_memory``), no block is checkpointed; at the
     # floor's size its own trace knows.
     known = memory.with_checkpointing(micro_batch_size)
     relaxed_offload = relaxed and _offload_untraced(memory, search)

@@ -222,7 +222,7 @@ def offload_floor_seconds(model: CostModel, precision: str, micro_batch_size: in
 def offload_block_seconds(model: CostModel, precision: str, micro_batch_size: int, *, link: HostLink) -> list[float]:
     """Per block: what offloading it alone costs per optimizer step, the search's additive term.
 
-    Per micro-step, the bytes it alone saved (``lever_memory.offload_drops``), down beyond its own forward's
+    Per micro-step, the bytes it alone saved (``memory.levers.offload_drops``), down beyond its own forward's
     compute and all of them back up: a sum over blocks of this is at least ``lever_time``'s offload term (whose
     copies down overlap the whole forward), so the knapsack errs slow.
     """

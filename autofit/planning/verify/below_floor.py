@@ -3,7 +3,7 @@ floor configuration again, with the levers, measured.
 
 Above the floor, the search scores the step in backward, on a GPU offload per block and host optimizer
 state, and with ``allow_lossy_optimizer`` 8-bit optimizer state, with the memory model's lever terms
-(``lever_memory``) and ``lever_costs``' time (``search.LeverSearch``).
+(``memory.levers``) and ``speed.levers``' time (``search.LeverSearch``).
 
 When the budget is below the floor (``check_floor``), the floor configuration
 (the smallest micro-batch, the floor's checkpointing and precision) is tried
@@ -22,7 +22,7 @@ Each candidate's peak is measured by the plan's meter (the device's, or the
 simulated one when simulating) under the same headroom; the first that fits is
 the plan, timed with plain training steps where the device runs. Its
 predicted samples/s is the speed model's for the floor configuration plus
-the levers' costs (``lever_costs``: transfers over the host link, measured on
+the levers' costs (``speed.levers``: transfers over the host link, measured on
 a GPU here or assumed, and the update on the host), which the notes state; its
 predicted peak is the memory model's with the levers where the floor's trace
 models them.
@@ -276,7 +276,7 @@ def _report(
         "config": Config(precision=config.precision, micro_batch_size=config.micro_batch_size, checkpoint=tuple(config.checkpoint)),
         # The memory model's lever terms where it has them: else the floor configuration's.
         "predicted_peak_bytes": modelled if modelled is not None else model.peak_bytes(config.precision, config.micro_batch_size, blocks),
-        # The speed model's step of the floor configuration, plus what the levers cost (``lever_costs``).
+        # The speed model's step of the floor configuration, plus what the levers cost (``speed.levers``).
         "predicted_samples_per_s": context.global_batch_size / (
             model.step_seconds(config.precision, config.micro_batch_size, blocks) + levers_time.seconds
         ),
@@ -347,7 +347,7 @@ def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> flo
 
 
 def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfig) -> LeverTime:
-    """What the chosen levers add to a step (``lever_costs``): the host link measured on a GPU here, else assumed;
+    """What the chosen levers add to a step (``speed.levers``): the host link measured on a GPU here, else assumed;
     the host update timed on this CPU."""
     link = host_link(context.device) if config.offload or config.optimizer_state == "host" else None
     trainable = _trainable(context)
@@ -414,7 +414,7 @@ def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: b
 
 
 def step_in_backward_time(context: PlanContext, costs: Costs, trainable: _Trainable) -> UpdateTime:
-    """What the optimizer step in backward adds to a step of this model (``lever_costs``): one optimizer per
+    """What the optimizer step in backward adds to a step of this model (``speed.levers``): one optimizer per
     parameter timed against the model file's on the device the plan is for (``time_step_in_backward``; once, then
     kept with the costs), for the model's trainable tensors; taken as nothing when that device is a GPU that is
     not here."""
@@ -435,7 +435,7 @@ def step_in_backward_time(context: PlanContext, costs: Costs, trainable: _Traina
 
 
 def eight_bit_time(context: PlanContext, trainable: _Trainable) -> UpdateTime | None:
-    """What 8-bit optimizer state adds to a step of this model (``lever_costs``): its update timed against the model
+    """What 8-bit optimizer state adds to a step of this model (``speed.levers``): its update timed against the model
     file's on the device the plan is for (``time_eight_bit_update``: per tensor and per element), for the model's
     trainable tensors and elements; taken as nothing when that device is a GPU that is not here. None (logged)
     where 8-bit state cannot run: the optimizer is not AdamW or Adam, or torchao is missing."""
