@@ -30,7 +30,7 @@ states its budgets):
 
 The grid's peaks come from the planner's memory model (simulated traces at
 the smallest micro-batch and the global batch), which equals the cpu meter in
-every cell of tests/test_memory_grid.py (selective modes included); with the
+every cell of tests/planning/memory/test_memory_grid.py (selective modes included); with the
 step in backward, from its lever terms (``MemoryCosts.peak_bytes(levers=...)``,
 ``lever_memory.lever_peak_bytes``, as the planner's search). The grid's
 leaders are confirmed with the cpu meter at the full global batch (``probe``

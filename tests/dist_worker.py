@@ -1,4 +1,4 @@
-"""Training scenarios on 1 or N processes, for tests/test_distributed.py.
+"""Training scenarios on 1 or N processes, for tests/training/test_distributed.py.
 
 Under torchrun (``torchrun --standalone --nproc-per-node 2 tests/dist_worker.py SCENARIOS.json OUT.json``)
 every rank runs each scenario in turn on one process group; rank 0 writes the

@@ -45,7 +45,7 @@ def test_python_block_runs_as_pasted(path, line, code, tmp_path, monkeypatch):
 
 
 def test_own_loop_example_trains_a_plan_written_by_hand(tmp_path, monkeypatch, capsys):
-    """docs/multi-gpu.md's script, on one process (tests/test_train_distributed.py runs two through torchrun)."""
+    """docs/multi-gpu.md's script, on one process (tests/training/test_train_distributed.py runs two through torchrun)."""
     import autofit
 
     plan_path = tmp_path / "plan.json"

@@ -40,7 +40,7 @@ GiB for ResNet-50, 0.96-1.27 GiB for the others):
 Every one of the 24 cases is covered without the safety margin: predicted +
 context + reserve + fragmentation >= what the process held, with 0.04 GiB to
 spare at the least (ResNet-50 fp32, every block checkpointed) and 0.55 GiB on
-average (the old 20% of the whole peak: 0.07 and 0.68); tests/test_headroom.py
+average (the old 20% of the whole peak: 0.07 and 0.68); tests/planning/memory/test_headroom.py
 asserts it from the table. None of those models holds more than 1.27 GiB of
 persistent state: that a large model's state adds nothing to the allocator's
 cache is what the allocator's design says, not measured here.

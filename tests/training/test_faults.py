@@ -3,7 +3,7 @@
 Each test first reproduces what used to go wrong (a second run mixing its
 files into the first's, a fresh start erasing a run, steps missing from the
 log after a kill, a SIGTERM with no save, ...) and checks it cannot happen.
-The bad inputs of every command are in tests/test_bad_inputs.py.
+The bad inputs of every command are in tests/cli/test_bad_inputs.py.
 """
 import errno
 import json
@@ -25,7 +25,7 @@ from autofit.training.loop import TrainingInterrupted
 from autofit.training.rundir import LOCK_FILE, hold_run_directory
 from autofit.training.weights import load_checkpoint
 from tests.conftest import ROOT
-from tests.test_loop import assert_same_weights, fresh_model, make_plan, run
+from tests.training.test_loop import assert_same_weights, fresh_model, make_plan, run
 
 MODEL_FILE = '''
 import os
@@ -317,7 +317,7 @@ def test_resume_refuses_settings_and_plans_that_differ(tmp_path, project, run_cl
 def test_fit_resumes_with_the_saved_plan_and_settings(tmp_path):
     """fit(resume=True) needs no plan and no settings again: the run's own come from last.pt."""
     import autofit
-    from tests.test_loop import optimizer
+    from tests.training.test_loop import optimizer
 
     data = make_data()
     whole = fresh_model()
@@ -353,7 +353,7 @@ def test_a_resumed_run_keeps_going_to_its_own_max_steps(tmp_path, project, run_c
 
 # --- out of memory anywhere in a step ----------------------------------------------------------
 
-from tests.test_loop import FEATURES, Block, make_data  # noqa: E402
+from tests.training.test_loop import FEATURES, Block, make_data  # noqa: E402
 
 
 class AllocationFails:
@@ -422,7 +422,7 @@ def train_net(model, log_dir, *, micro_batch_size: int, precision="fp32", build_
     return train(
         model, plan=make_plan(model, micro_batch_size=micro_batch_size, precision=precision), data=make_data(),
         loss_fn=nn.functional.cross_entropy, build_optimizer=build_optimizer or (lambda p: FailingAdamW(p, lr=1e-2)),
-        model_source={"source": "tests/test_faults.py", "input_shape": "1x4x4", "num_classes": 3},
+        model_source={"source": "tests/training/test_faults.py", "input_shape": "1x4x4", "num_classes": 3},
         settings=TrainSettings(log_dir=log_dir, verbose=False, epochs=1, **settings),
     )
 

@@ -16,7 +16,7 @@ from autofit.measure.probe import probe
 from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 from autofit.planning.memory.levers import LeverChoice, add_eight_bit
 from autofit.planning.memory.optimizer import eight_bit_record
-from tests.test_memory_grid import grid_spec, quiet_process  # noqa: F401 (the module's fixture)
+from tests.planning.memory.test_memory_grid import grid_spec, quiet_process  # noqa: F401 (the module's fixture)
 
 TOLERANCE = 0.002
 """Of the measured peak; the issue asks for 1%. Measured: the step in backward and host state within 0.03%,

@@ -20,7 +20,7 @@ from autofit.planning.memory.traces import trace_memory_sizes
 from autofit.planning.memory.workers import TracePool, trace_workers
 from tests.models import layout_specs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 FRESH_PROCESS = textwrap.dedent("""
     import json

@@ -10,7 +10,7 @@ from autofit.planning.speed.measured import time_precisions
 from autofit.planning.planner import plan_with_report
 from autofit.planning.speed.timing import BUSY_TIE, MAX_NOISY_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, TIE, Race, Samples, compare, interleaved_rounds
 from autofit.spec import ModelSpec, default_optimizer
-from tests.test_planner import uneven_spec
+from tests.planning.test_planner import uneven_spec
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
@@ -356,7 +356,7 @@ def test_threads_and_workers_are_cut_by_the_work_running_now(monkeypatch):
 
 
 def test_cli_no_cache_and_the_summary(run_cli, tmp_path, monkeypatch):
-    from tests.test_planner import MODEL_FILE
+    from tests.planning.test_planner import MODEL_FILE
 
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "model.py").write_text(MODEL_FILE)

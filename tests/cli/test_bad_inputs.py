@@ -15,12 +15,12 @@ import pytest
 from autofit.training.rundir import run_files
 from autofit.training.weights import load_checkpoint, save_checkpoint
 from tests.conftest import ROOT
-from tests.test_faults import project, train_args, write_images  # noqa: F401  (project is a fixture)
+from tests.training.test_faults import project, train_args, write_images  # noqa: F401  (project is a fixture)
 
 HEADER = "import numpy\nimport torch\nfrom torch import nn\n\n\n"
 EXAMPLE = "def example_batch(n):\n    return torch.rand(n, 1, 8, 8), torch.randint(0, 2, (n,))\n"
 SAME_LAYERS = "nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2)"
-"""The layers of tests/test_faults.py's model: a file building these matches the plan's fingerprint."""
+"""The layers of tests/training/test_faults.py's model: a file building these matches the plan's fingerprint."""
 
 BAD_MODEL_FILES = {
     "build_raises": HEADER + "def build_model():\n    raise ValueError('no weights here')\n\n\n" + EXAMPLE,

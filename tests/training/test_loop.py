@@ -50,7 +50,7 @@ def make_data(samples: int = SAMPLES, *, val: bool = True) -> TrainData:
 
 def make_plan(model: nn.Module, *, global_batch_size=8, micro_batch_size=3, precision="fp32", checkpoint=("blocks.0", "blocks.1", "blocks.2")) -> Plan:
     return Plan(
-        model=ModelInfo(source="tests/test_loop.py", fingerprint=model_fingerprint(model), input_shape=[1, 4, 4], num_classes=CLASSES),
+        model=ModelInfo(source="tests/training/test_loop.py", fingerprint=model_fingerprint(model), input_shape=[1, 4, 4], num_classes=CLASSES),
         device=DeviceInfo(type="cpu"), budget_bytes=10**8, global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
     )
@@ -65,7 +65,7 @@ def run(model, plan, log_dir, *, data=None, loss_fn=nn.functional.cross_entropy,
     settings.setdefault("verbose", False)
     return train(
         model, plan=plan, data=data or make_data(), loss_fn=loss_fn, build_optimizer=optimizer,
-        model_source={"source": "tests/test_loop.py", "input_shape": "1x4x4", "num_classes": CLASSES},
+        model_source={"source": "tests/training/test_loop.py", "input_shape": "1x4x4", "num_classes": CLASSES},
         settings=TrainSettings(log_dir=log_dir, **settings),
     )
 
@@ -274,7 +274,7 @@ def test_metrics_checkpoints_and_logs(tmp_path, monkeypatch):
 
     last, best = load_checkpoint(tmp_path / "last.pt"), load_checkpoint(result.best_path)
     assert last["fingerprint"] == model_fingerprint(model)
-    assert last["model_source"] == {"source": "tests/test_loop.py", "input_shape": "1x4x4", "num_classes": CLASSES}
+    assert last["model_source"] == {"source": "tests/training/test_loop.py", "input_shape": "1x4x4", "num_classes": CLASSES}
     assert set(last["training"]) >= {"optimizer", "scaler", "scheduler", "rng", "position"}
     best_epoch = max(epochs, key=lambda r: r["val_accuracy"])
     assert best["training"]["epoch"] == best_epoch["epoch"]

@@ -8,7 +8,7 @@ from matplotlib.image import imread
 
 from autofit.tools.compare import compare, configurations, format_table, to_markdown
 from autofit.spec import load_spec
-from tests.test_evaluate import write_image_folder
+from tests.tools.test_evaluate import write_image_folder
 
 TINY_CNN = '''
 import torch

@@ -13,7 +13,7 @@ from autofit.planning.planner import plan_with_report
 from autofit.planning.search.space import LeverSearch, score_space
 from autofit.planning.memory.levers import LeverChoice
 from tests.models import conv_then_wide_spec, layout_specs
-from tests.test_memory_grid import grid_spec
+from tests.planning.memory.test_memory_grid import grid_spec
 
 STEP_BUDGET = 10_300_000
 """Bytes: above ConvThenWide's floor (9.0 MB), below its plain peak at micro-batch 8 (10.8 MB) and the peak with
@@ -33,7 +33,7 @@ def test_step_in_backward_lets_the_whole_batch_fit_above_the_floor(monkeypatch):
     coexist, so micro-batch 8 fits without recomputation: faster than checkpointing or accumulating where each
     parameter's own step costs little (priced at 1 us here: its measured price, this CPU's overhead per Python
     call against FLOP-estimated steps of a few milliseconds, decides it either way by the load of the moment;
-    tests/test_lever_costs.py prices it high and sees checkpointing chosen)."""
+    tests/planning/speed/test_lever_costs.py prices it high and sees checkpointing chosen)."""
     from autofit.measure.optimizer_speed import UpdateCost
     from autofit.planning.verify import below_floor as levers
 

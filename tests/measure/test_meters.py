@@ -13,7 +13,7 @@ SPECS = {
 
 # Every pair of (model, checkpoint, precision) values at least once, in 6 cells of the 12: each model in
 # fp32 and in bf16, with and without checkpointing. The one left out with both levers on, SDPA in bf16
-# with its blocks checkpointed, is compared in tests/test_memory_grid.py (the LM, bf16) and below in fp16.
+# with its blocks checkpointed, is compared in tests/planning/memory/test_memory_grid.py (the LM, bf16) and below in fp16.
 @pytest.mark.parametrize(("precision", "checkpoint", "model"), [
     ("fp32", "none", "resnet18"), ("bf16", "all", "resnet18"),
     ("fp32", "none", "transformer-mha"), ("bf16", "all", "transformer-mha"),

@@ -17,7 +17,7 @@ from autofit.planning.speed.levers import (
 )
 from autofit.planning.planner import plan_with_report
 from autofit.spec import load_spec
-from tests.test_plan_levers import BLOCKS, MODEL_FILE
+from tests.planning.test_plan_levers import BLOCKS, MODEL_FILE
 
 GB = 1e9
 
@@ -167,10 +167,10 @@ def test_the_step_in_backward_is_timed_per_parameter_against_the_models_optimize
 
 def test_a_step_in_backward_that_costs_more_than_recomputing_is_not_chosen(monkeypatch):
     """ConvThenWide at the budget where the step in backward lets micro-batch 8 fit unchecked
-    (tests/test_plan_search_levers.py): priced at a second per parameter, it loses to recomputation or accumulation."""
+    (tests/planning/test_plan_search_levers.py): priced at a second per parameter, it loses to recomputation or accumulation."""
     from autofit.measure.optimizer_speed import UpdateCost
     from tests.models import conv_then_wide_spec
-    from tests.test_plan_search_levers import STEP_BUDGET
+    from tests.planning.test_plan_search_levers import STEP_BUDGET
 
     monkeypatch.setattr(levers, "time_step_in_backward", lambda build, device: UpdateCost(per_tensor_seconds=1.0, per_element_seconds=0.0))
     plan = plan_with_report(

@@ -207,7 +207,7 @@ def test_simulated_gpu_plan_without_a_gpu():
     assert plan.budget_bytes == int(0.9 * 4 * 2**30) and plan.budget_kind == "cuda-process" and plan.estimated
     assert set(plan.headroom) == {"context", "allocator_reserve", "fragmentation", "safety_margin"}
     assert plan.headroom["context"] == 768 * 2**20 and plan.headroom["allocator_reserve"] == 5 * 2**28
-    # fragmentation: a share of the peak less its parameters, gradients and optimizer state (tests/test_headroom.py)
+    # fragmentation: a share of the peak less its parameters, gradients and optimizer state (tests/planning/memory/test_headroom.py)
     breakdown = plan.measured.breakdown
     non_persistent = plan.measured.peak_bytes - breakdown["parameters"] - breakdown["gradients"] - breakdown["optimizer_state"]
     assert plan.headroom["fragmentation"] == math.ceil(ESTIMATED_CUDA_FRAGMENTATION * non_persistent)
