@@ -199,7 +199,8 @@ class AppliedPlan:
         return self.precision.optimizer_step(optimizer)
 
     def micro_batches(self, inputs, targets, *, count=None) -> Iterator[tuple[object, object, float]]:
-        """Yield (inputs, targets, loss_weight) per micro-batch of this process; the weights sum to 1 over all ranks.
+        """Yield (inputs, targets, loss_weight) per micro-batch of this process: ``world_size`` times its share of the
+        global batch, so DDP and FSDP2 averaging the ranks' gradients gives the global batch's mean.
 
         ``count``: ``(inputs, targets) -> items`` the loss averages over (``Loss.count``, e.g.
         tokens that are not padding); the weights are then shares of items, not of samples.

@@ -1,6 +1,6 @@
 """plan.json: the decision the planner made, read by the training loop.
 
-The file is the ``Plan`` dataclass as JSON (schema 1; README "plan.json" lists
+The file is the ``Plan`` dataclass as JSON (schema 1; docs/plan-file.md lists
 every field). ``load_plan`` refuses, with one line naming the field, its value
 and the way out, a file that is missing, corrupt, of another schema version,
 or that holds a field of the wrong type or an impossible value. Keys it does
@@ -123,7 +123,7 @@ class Measured:
 
 @dataclass(kw_only=True, slots=True)
 class Plan:
-    """How to train one model inside a budget. See README "plan.json" for every field.
+    """How to train one model inside a budget. docs/plan-file.md lists every field.
 
     The strategy choices (``precision``, ``checkpoint``, ``micro_batch_size``,
     ``world_size``, ``sharding``) are plain fields; ``grad_accum_steps`` follows
@@ -184,7 +184,7 @@ class Plan:
         return micro_batch_count(self.global_batch_size, world_size=self.world_size, micro_batch_size=self.micro_batch_size)
 
     def to_dict(self) -> dict:
-        """plan.json's object (schema 1, the keys in README's order); ``grad_accum_steps`` is written for readers."""
+        """plan.json's object (schema 1, the keys in docs/plan-file.md's order); ``grad_accum_steps`` is written for readers."""
         return {
             "schema_version": self.schema_version,
             "created_by": dict(self.created_by),

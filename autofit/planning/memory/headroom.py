@@ -1,4 +1,4 @@
-"""Headroom: the bytes a plan keeps free beyond a measured peak, by cause (see README "plan.json").
+"""Headroom: the bytes a plan keeps free beyond a measured peak, by cause (docs/plan-file.md).
 
 Every device keeps a safety margin. A GPU also keeps what the process holds
 outside the allocator (the CUDA context and library workspaces) and an
@@ -78,7 +78,7 @@ def persistent_bytes(breakdown: Mapping[str, int]) -> int:
 
 @dataclass(kw_only=True, slots=True)
 class Headroom:
-    """Bytes kept free beyond a measured peak, by cause (see README "plan.json").
+    """Bytes kept free beyond a measured peak, by cause (docs/plan-file.md).
 
     Every method takes ``persistent_bytes``, the peak's parameters, gradients
     and optimizer state (``persistent_bytes(breakdown)``; a lower bound of
