@@ -9,7 +9,6 @@ steps): what cannot run quickly belongs in examples/, run by a test, or in a
 import re
 import runpy
 import sys
-from pathlib import Path
 
 import pytest
 
