@@ -20,6 +20,7 @@ _EXPORTS = {
     "load_spec": "autofit.spec",
     "spec_from_model": "autofit.spec",
     "Plan": "autofit.plan_file",
+    "TrainingConfig": "autofit.config",
     "load_plan": "autofit.plan_file",
     "save_plan": "autofit.plan_file",
     "parse_budget": "autofit.units",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -168,16 +168,17 @@ def _plan_for(
             model, example_batch or _examples_from(data.train), loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
         )
         plan = make_plan(spec, budget=budget, batch_size=batch_size, device=device)
-    elif batch_size is not None and batch_size != plan.global_batch_size:
+    elif batch_size is not None and batch_size != plan.config.global_batch_size:
         raise UserError(
-            f"batch_size {batch_size} differs from the plan's global batch {plan.global_batch_size}; "
+            f"batch_size {batch_size} differs from the plan's global batch {plan.config.global_batch_size}; "
             "drop batch_size or re-plan for it"
         )
-    if plan.model.fingerprint is None:
-        plan.model.fingerprint = model_fingerprint(model)
-    if input_shape is not None and plan.model.input_shape is None:
-        plan.model.input_shape = list(input_shape)
-    return plan
+    model_info = plan.model
+    if model_info.fingerprint is None:
+        model_info = replace(model_info, fingerprint=model_fingerprint(model))
+    if input_shape is not None and model_info.input_shape is None:
+        model_info = replace(model_info, input_shape=list(input_shape))
+    return replace(plan, model=model_info)
 
 
 def _examples_from(dataset) -> Callable[[int], tuple]:

@@ -36,18 +36,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from autofit.errors import UserError
+from autofit.config import TrainingConfig
 from autofit.device import check_device
+from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.spec import model_fingerprint
 from autofit.distributed import DistributedEnv, init_distributed, launched_world_size
 from strategies import (
-    OPTIMIZER_STATES,
     ActivationOffload,
     BatchSplit,
     BatchSplitConfig,
@@ -70,66 +70,6 @@ from strategies import (
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainingConfig:
-    """One point of the search space: every strategy's choice for one model.
-
-    A plan file holds the same choices (``plan_config``); the planner scores
-    and measures these.
-    """
-
-    global_batch_size: int
-    """Samples per optimizer step over all processes."""
-    micro_batch_size: int
-    """Samples per forward/backward in one process."""
-    precision: str = "fp32"
-    """"fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
-    checkpoint: list[str] = field(default_factory=list)
-    """Block names whose whole forward recomputes in backward ("all" for every candidate)."""
-    selective_checkpoint: list[str] = field(default_factory=list)
-    """Block names that keep their matmul, convolution and attention outputs and recompute the rest
-    in backward ("all" for every candidate). A block is in at most one of checkpoint,
-    selective_checkpoint and offload."""
-    offload: list[str] = field(default_factory=list)
-    """Block names whose saved activations wait in host memory between forward and backward ("all")."""
-    optimizer_in_backward: bool = False
-    """Step each parameter as soon as backward has its gradient, so gradients never all exist at
-    once. Needs one micro-batch per step, one process, and no fp16."""
-    optimizer_state: str = "device"
-    """Where the optimizer's state lives: "device", "host" (update on the host; a GPU lever: on the
-    CPU its host tensors are counted apart as host bytes) or "8bit" (torchao's 8-bit AdamW; lossy,
-    a declared choice)."""
-    sharding: str = "none"
-    """"none", "ddp" or "fsdp"."""
-    world_size: int = 1
-    """Processes training together."""
-
-    def __post_init__(self) -> None:
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise UserError(f"optimizer state {self.optimizer_state!r} is unknown; choose one of {', '.join(OPTIMIZER_STATES)}")
-        if self.optimizer_in_backward and self.precision == "fp16":
-            raise UserError(
-                "optimizer step in backward cannot run with fp16: its GradScaler must see every gradient for inf/nan "
-                "before any parameter steps; use bf16 or fp32, or turn the step in backward off"
-            )
-        if self.world_size > 1 and (self.optimizer_in_backward or self.optimizer_state == "host"):
-            lever = "optimizer step in backward" if self.optimizer_in_backward else "optimizer state on the host"
-            raise UserError(
-                f"{lever} runs on one process only (DDP and FSDP reduce gradients after it would step); "
-                "turn it off or train on one GPU"
-            )
-
-
-def plan_config(plan: Plan) -> TrainingConfig:
-    """The strategy choices a plan file holds."""
-    return TrainingConfig(
-        global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
-        checkpoint=list(plan.checkpoint), selective_checkpoint=list(plan.selective_checkpoint), offload=list(plan.offload),
-        optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
-        sharding=plan.sharding, world_size=plan.world_size,
-    )
-
-
-@dataclass(kw_only=True, slots=True)
 class AppliedPlan:
     """A model rewritten for a configuration, and the hooks one training step calls.
 
@@ -137,6 +77,8 @@ class AppliedPlan:
     off does nothing in it.
     """
 
+    config: TrainingConfig
+    """The choices applied; after an out-of-memory error, the smaller micro-batch's (``halve_micro_batch``)."""
     model: nn.Module
     """The model passed in, rewritten in place and moved to ``device``; on several processes
     sharded in place (FSDP2) or wrapped in ``DistributedDataParallel`` (DDP)."""
@@ -209,7 +151,7 @@ class AppliedPlan:
 
     @property
     def micro_batch_size(self) -> int:
-        return self.split.config.micro_batch_size
+        return self.config.micro_batch_size
 
     @property
     def grad_accum_steps(self) -> int:
@@ -219,29 +161,30 @@ class AppliedPlan:
     def halve_micro_batch(self) -> None:
         """After an out-of-memory error: half the micro-batch, so twice the accumulation.
 
-        The global batch, and with it the gradient of a step, stays the same.
+        ``config`` becomes a new configuration; the global batch, and with it
+        the gradient of a step, stays the same.
 
         Raises:
-            UserError: the micro-batch is already 1 sample, or the plan runs on
+            UserError: the micro-batch is already 1 sample, the step in backward
+                is on (it needs one micro-batch per step), or the plan runs on
                 several processes: the other ranks are waiting inside the
                 step's collectives, which one rank cannot leave or redo alone.
         """
-        config = self.split.config
         if self.env.world_size > 1:
             raise UserError(
-                f"out of memory on rank {self.env.rank} of {self.env.world_size} at micro-batch {config.micro_batch_size} "
+                f"out of memory on rank {self.env.rank} of {self.env.world_size} at micro-batch {self.micro_batch_size} "
                 "(ranks step together: one cannot lower its micro-batch alone); re-plan with a lower --budget "
                 f"(what one GPU really has free) for --gpus {self.env.world_size}, or with more --gpus"
             )
-        if config.micro_batch_size == 1:
+        if self.micro_batch_size == 1:
             raise UserError(
                 "out of memory with a micro-batch of 1 sample; re-plan with a lower --budget, "
                 "more checkpointed blocks or --precision bf16, or free memory on the device"
             )
-        split = BatchSplit(BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size // 2))
-        _check_micro_batches(self.strategies, split)
+        config = self.config.with_micro_batch(self.micro_batch_size // 2)
+        split = _batch_split(config, env=self.env, sync=self.split.sync)
         self.strategies = tuple(split if strategy is self.split else strategy for strategy in self.strategies)
-        self.split = split
+        self.config, self.split = config, split
 
 
 def apply_config(
@@ -274,10 +217,9 @@ def apply_config(
         An ``AppliedPlan``: the model and the step's hooks.
 
     Raises:
-        UserError: a block name that is not a candidate, a block in two of
-            checkpoint / selective_checkpoint / offload, an unknown precision,
-            sharding or optimizer state, a micro-batch larger than the batch,
-            or more than one micro-batch per step with the step in backward.
+        UserError: a block name that is not a candidate, or a block in two of
+            checkpoint / selective_checkpoint / offload (``config`` refused
+            every other impossible choice when it was made).
     """
     device = torch.device(device)
     env = env or DistributedEnv(rank=0, world_size=1, local_rank=0, device=device)
@@ -323,24 +265,18 @@ def apply_config(
     # 6. Batch split last: it only decides how a global batch reaches the model;
     #    on several processes each rank takes its share, and gradients are
     #    reduced once, after the last micro-batch (the sharding's sync).
-    split = BatchSplit(
-        BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size),
-        rank=env.rank, world_size=env.world_size, sync=sharding.sync,
-    )
+    split = _batch_split(config, env=env, sync=sharding.sync)
     strategies = (checkpointing, offload, sharding, precision, optimizer_state, step_in_backward, split)
-    _check_micro_batches(strategies, split)
     return AppliedPlan(
-        model=model, precision=precision, split=split, device=env.device, env=env, strategies=strategies,
+        config=config, model=model, precision=precision, split=split, device=env.device, env=env, strategies=strategies,
     )
 
 
-def _check_micro_batches(strategies: tuple[Strategy, ...], split: BatchSplit) -> None:
-    """Every strategy may refuse the split (the step in backward needs one micro-batch per step)."""
-    for strategy in strategies:
-        strategy.check_micro_batches(
-            grad_accum_steps=split.grad_accum_steps, micro_batch_size=split.config.micro_batch_size,
-            global_batch_size=split.config.global_batch_size,
-        )
+def _batch_split(config: TrainingConfig, *, env: DistributedEnv, sync) -> BatchSplit:
+    return BatchSplit(
+        BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size),
+        rank=env.rank, world_size=env.world_size, sync=sync,
+    )
 
 
 def checkpointed_blocks(model: nn.Module) -> list[str]:
@@ -391,9 +327,10 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
             f"parameter names or shapes differ); re-plan with `autofit plan` for this model"
         )
     device = torch.device(device or plan.device.type)
-    check_device(device.type, precision=plan.precision)
-    env = _join_processes(ShardingConfig(world_size=plan.world_size, sharding=plan.sharding), device=device)
-    return apply_config(model, plan_config(plan), device=env.device, env=env)
+    config = plan.config
+    check_device(device.type, precision=config.precision)
+    env = _join_processes(ShardingConfig(world_size=config.world_size, sharding=config.sharding), device=device)
+    return apply_config(model, config, device=env.device, env=env)
 
 
 def _join_processes(config: ShardingConfig, *, device: torch.device) -> DistributedEnv:

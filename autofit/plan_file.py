@@ -9,6 +9,7 @@ not know are ignored, so that a file from a newer autofit still loads.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autofit.atomic import write_atomic
+from autofit.config import TrainingConfig, step_in_backward_refusal
 from autofit.errors import UserError
 from strategies.batch_split import micro_batch_count
 from strategies.optimizer_state import OPTIMIZER_STATES
@@ -121,17 +123,19 @@ class Measured:
         return {key: value for key, value in data.items() if key not in optional or value is not None}
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """How to train one model inside a budget. docs/plan-file.md lists every field.
+    """How to train one model inside a budget: a configuration and the evidence for it. docs/plan-file.md lists
+    every field.
 
-    The strategy choices (``precision``, ``checkpoint``, ``micro_batch_size``,
-    ``world_size``, ``sharding``) are plain fields; ``grad_accum_steps`` follows
-    from the batch sizes.
+    ``config`` holds the strategy choices (written as plan.json's top-level
+    ``precision``, ``micro_batch_size``, ``checkpoint``, ...); the rest is
+    what they were measured and planned for. A plan is frozen: training
+    after an out-of-memory error goes on with a new plan (``changed``).
 
     Example:
-        >>> plan = Plan(budget_bytes=2**30, global_batch_size=64, micro_batch_size=16, precision="bf16")
-        >>> plan.grad_accum_steps
+        >>> plan = Plan(budget_bytes=2**30, config=TrainingConfig(global_batch_size=64, micro_batch_size=16, precision="bf16"))
+        >>> plan.config.grad_accum_steps
         4
     """
 
@@ -143,26 +147,9 @@ class Plan:
     budget_bytes: int
     budget_kind: str = "cpu-tracked"
     """"cuda-process" (all the process holds on the card) or "cpu-tracked" (peak live tensor bytes)."""
-    global_batch_size: int
-    """Samples per optimizer step, over all processes."""
-    micro_batch_size: int
-    """Samples per forward/backward (per process)."""
-    precision: str = "fp32"
-    """"fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
-    checkpoint: list[str] = field(default_factory=list)
-    """Module names whose forward recomputes in backward."""
-    selective_checkpoint: list[str] = field(default_factory=list)
-    """Blocks that keep their matmul/convolution/attention outputs and recompute the rest in backward."""
-    offload: list[str] = field(default_factory=list)
-    """Blocks whose saved activations wait in host memory for backward."""
-    optimizer_in_backward: bool = False
-    """Each parameter is stepped as soon as its gradient is ready (one micro-batch per step)."""
-    optimizer_state: str = "device"
-    """"device", "host" (kept and updated on the host) or "8bit" (torchao's 8-bit AdamW: a declared, lossy choice)."""
-    world_size: int = 1
-    """Processes (GPUs) the plan trains on."""
-    sharding: str = "none"
-    """"none", "ddp" or "fsdp" (when world_size > 1)."""
+    config: TrainingConfig
+    """The strategy choices: batch sizes, precision, checkpointed, selective and offloaded blocks, the optimizer's
+    levers, processes and sharding."""
     estimated: bool = False
     """True when the numbers come from the simulated meter and a FLOP model, not a real probe."""
     predicted: Predicted | None = None
@@ -178,13 +165,13 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     """What the user should know about training with this plan (e.g. BatchNorm and micro-batches)."""
 
-    @property
-    def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step on each process: ceil(ceil(global / world_size) / micro)."""
-        return micro_batch_count(self.global_batch_size, world_size=self.world_size, micro_batch_size=self.micro_batch_size)
+    def changed(self, config: TrainingConfig, *, event: dict) -> Plan:
+        """This plan training with ``config`` from now on, ``event`` (why) added to its history."""
+        return dataclasses.replace(self, config=config, history=[*copy.deepcopy(self.history), dict(event)])
 
     def to_dict(self) -> dict:
         """plan.json's object (schema 1, the keys in docs/plan-file.md's order); ``grad_accum_steps`` is written for readers."""
+        config = self.config
         return {
             "schema_version": self.schema_version,
             "created_by": dict(self.created_by),
@@ -193,18 +180,18 @@ class Plan:
             "device": asdict(self.device),
             "budget_bytes": self.budget_bytes,
             "budget_kind": self.budget_kind,
-            "global_batch_size": self.global_batch_size,
-            "micro_batch_size": self.micro_batch_size,
-            "grad_accum_steps": self.grad_accum_steps,
-            "precision": self.precision,
-            "checkpoint": list(self.checkpoint),
+            "global_batch_size": config.global_batch_size,
+            "micro_batch_size": config.micro_batch_size,
+            "grad_accum_steps": config.grad_accum_steps,
+            "precision": config.precision,
+            "checkpoint": list(config.checkpoint),
             # Schema 1: the levers beyond the recipe are written when they are on.
-            **({"selective_checkpoint": list(self.selective_checkpoint)} if self.selective_checkpoint else {}),
-            **({"offload": list(self.offload)} if self.offload else {}),
-            **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
-            **({"optimizer_state": self.optimizer_state} if self.optimizer_state != "device" else {}),
-            "world_size": self.world_size,
-            "sharding": self.sharding,
+            **({"selective_checkpoint": list(config.selective_checkpoint)} if config.selective_checkpoint else {}),
+            **({"offload": list(config.offload)} if config.offload else {}),
+            **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
+            **({"optimizer_state": config.optimizer_state} if config.optimizer_state != "device" else {}),
+            "world_size": config.world_size,
+            "sharding": config.sharding,
             "estimated": self.estimated,
             "predicted": self.predicted.to_dict() if self.predicted else {},
             "measured": self.measured.to_dict() if self.measured else {},
@@ -269,35 +256,43 @@ def plan_from_dict(data: dict, *, where: str = "plan") -> Plan:
     else:
         values["measured"] = None
     grad_accum_steps = values.pop("grad_accum_steps", None)
-    plan = Plan(**values)
-    _check_together(plan, grad_accum_steps=grad_accum_steps, where=where)
-    return plan
+    choices = {name: values.pop(name) for name in _CONFIG_FIELDS if name in values}
+    _check_together(choices, grad_accum_steps=grad_accum_steps, where=where)
+    return Plan(config=TrainingConfig(**choices), **values)
 
 
-def _check_together(plan: Plan, *, grad_accum_steps: int | None, where: str) -> None:
-    """Fields that are each fine but impossible together."""
-    N, G, m = plan.world_size, plan.global_batch_size, plan.micro_batch_size
-    if N == 1 and plan.sharding != "none":
-        _refuse(where, "sharding", plan.sharding, '"none" for world_size 1 (one process shards nothing)')
-    if N > 1 and plan.sharding == "none":
-        _refuse(where, "sharding", plan.sharding, f'"ddp" or "fsdp" for world_size {N}')
+def _check_together(choices: dict, *, grad_accum_steps: int | None, where: str) -> None:
+    """Fields that are each fine but impossible together, named as the file spells them (before the
+    configuration refuses them in its own words)."""
+    N, G, m = choices.get("world_size", 1), choices["global_batch_size"], choices["micro_batch_size"]
+    sharding, precision = choices.get("sharding", "none"), choices.get("precision", "fp32")
+    if N == 1 and sharding != "none":
+        _refuse(where, "sharding", sharding, '"none" for world_size 1 (one process shards nothing)')
+    if N > 1 and sharding == "none":
+        _refuse(where, "sharding", sharding, f'"ddp" or "fsdp" for world_size {N}')
     if N > G:
         _refuse(where, "world_size", N, f"at most global_batch_size {G}: every process needs a sample per step")
     share = math.ceil(G / N)
     if m > share:
         within = f"global_batch_size {G}" if N == 1 else f"{share}, one process's share of global_batch_size {G} over world_size {N}"
         _refuse(where, "micro_batch_size", m, f"at most {within}")
+    checkpoint = choices.get("checkpoint", [])
     for mode in ("selective_checkpoint", "offload"):
-        both = sorted(set(plan.checkpoint) & set(getattr(plan, mode)))
+        both = sorted(set(checkpoint) & set(choices.get(mode, [])))
         if both:
-            _refuse(where, mode, getattr(plan, mode), f"blocks not also in checkpoint (a block takes one mode: {both[0]})")
-    if plan.optimizer_in_backward and (plan.grad_accum_steps > 1 or N > 1 or plan.precision == "fp16"):
+            _refuse(where, mode, choices[mode], f"blocks not also in checkpoint (a block takes one mode: {both[0]})")
+    if choices.get("optimizer_in_backward") and step_in_backward_refusal(
+        precision=precision, global_batch_size=G, micro_batch_size=m, world_size=N,
+    ):
         _refuse(where, "optimizer_in_backward", True, "false unless one micro-batch per step on one process, not fp16")
-    if grad_accum_steps is not None and grad_accum_steps != plan.grad_accum_steps:
+    if choices.get("optimizer_state") == "host" and N > 1:
+        _refuse(where, "optimizer_state", "host", f'"device" or "8bit" for world_size {N} (host state runs on one process)')
+    expected_steps = micro_batch_count(G, world_size=N, micro_batch_size=m)
+    if grad_accum_steps is not None and grad_accum_steps != expected_steps:
         samples = f"global_batch_size {G}" if N == 1 else f"one process's share ({share}) of global_batch_size {G}"
         _refuse(
             where, "grad_accum_steps", grad_accum_steps,
-            f"{plan.grad_accum_steps} (ceil({share} / {m}): micro-batches of {m} in {samples})",
+            f"{expected_steps} (ceil({share} / {m}): micro-batches of {m} in {samples})",
             way_out="drop it (it follows from the batch sizes) or " + RECREATE,
         )
 
@@ -378,6 +373,8 @@ _PLAN_FIELDS = {  # checked in this order: the schema version first
     "history": _list_of(OBJECT, "a list of objects"),
     "notes": _list_of(STRING, "a list of strings"),
 }
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingConfig))
+"""plan.json's top-level keys that make up ``Plan.config``."""
 _MODEL_FIELDS = {
     "source": TEXT.or_null(),
     "fingerprint": TEXT.or_null(),

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from autofit.apply import TrainingConfig, apply_config  # noqa: E402
+from autofit.apply import apply_config  # noqa: E402
+from autofit.config import TrainingConfig  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
 from autofit.planning.memory.per_rank import (  # noqa: E402
     ShardAwareTracker,

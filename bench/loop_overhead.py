@@ -34,6 +34,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from autofit.config import TrainingConfig  # noqa: E402
 from autofit.training.data import TrainData, epoch_order  # noqa: E402
 from autofit.training.loop import TrainSettings, train  # noqa: E402
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan  # noqa: E402
@@ -61,7 +62,7 @@ def autofit_loop(model: nn.Module, dataset, *, device: str, seed: int, log_dir: 
     plan = Plan(
         model=ModelInfo(source="examples/digits_cnn.py", fingerprint=model_fingerprint(model)),
         device=DeviceInfo(type=device), budget_bytes=2**30,
-        global_batch_size=BATCH_SIZE, micro_batch_size=BATCH_SIZE,
+        config=TrainingConfig(global_batch_size=BATCH_SIZE, micro_batch_size=BATCH_SIZE),
     )
     train(
         model, plan=plan, data=TrainData(train=dataset, val=None), loss_fn=nn.functional.cross_entropy,

@@ -61,8 +61,8 @@ def plan_under(spec, *, batch_size: int, budget: int):
 
 
 def describe(plan) -> str:
-    checkpoint = f"{len(plan.checkpoint)} block(s)" if plan.checkpoint else "no ckpt"
-    return f"{plan.precision} {plan.micro_batch_size}x{plan.grad_accum_steps} {checkpoint}"
+    checkpoint = f"{len(plan.config.checkpoint)} block(s)" if plan.config.checkpoint else "no ckpt"
+    return f"{plan.config.precision} {plan.config.micro_batch_size}x{plan.config.grad_accum_steps} {checkpoint}"
 
 
 def main() -> None:

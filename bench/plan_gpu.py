@@ -34,8 +34,8 @@ from autofit.units import format_bytes  # noqa: E402
 
 def remeasure(spec, plan) -> tuple[int, float]:
     result = probe(
-        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size, precision=plan.precision,
-        checkpoint=plan.checkpoint, device="cuda", steps=3,
+        spec, micro_batch_size=plan.config.micro_batch_size, global_batch_size=plan.config.global_batch_size, precision=plan.config.precision,
+        checkpoint=plan.config.checkpoint, device="cuda", steps=3,
     )
     return result.peak_bytes, result.samples_per_s
 
@@ -74,8 +74,8 @@ def main() -> None:
         needed = peak + others
         rows.append((label, plan, peak, needed, speed, seconds, report))
         print(
-            f"{label}: budget {format_bytes(plan.budget_bytes)} -> {plan.precision} m={plan.micro_batch_size}x{plan.grad_accum_steps} "
-            f"ckpt={len(plan.checkpoint)}; re-measured process peak {format_bytes(peak)} + margins {format_bytes(others)} = "
+            f"{label}: budget {format_bytes(plan.budget_bytes)} -> {plan.config.precision} m={plan.config.micro_batch_size}x{plan.config.grad_accum_steps} "
+            f"ckpt={len(plan.config.checkpoint)}; re-measured process peak {format_bytes(peak)} + margins {format_bytes(others)} = "
             f"{format_bytes(needed)} ({needed / plan.budget_bytes:.1%} of budget, fits={needed <= plan.budget_bytes}); "
             f"{speed:.0f} samples/s (plan said {plan.measured.samples_per_s:.0f}); "
             f"{plan.measured.relative_to_unconstrained or float('nan'):.2f}x unconstrained; "

@@ -77,7 +77,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofit.apply import TrainingConfig  # noqa: E402
+from autofit.config import TrainingConfig  # noqa: E402
 from autofit.planning.context import step_clock  # noqa: E402
 from autofit.planning.costs import memory_costs  # noqa: E402
 from autofit.planning.speed.measured import StepTimer, time_training  # noqa: E402
@@ -538,13 +538,13 @@ def budget_row(key: str, case: Case, g: dict, budget: int, *, fastest: list[tupl
     plan_seconds = time.perf_counter() - start
     headroom = sum(plan.headroom.values())
     again = probe(
-        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=G, precision=plan.precision, checkpoint=plan.checkpoint,
-        selective_checkpoint=plan.selective_checkpoint, optimizer_in_backward=plan.optimizer_in_backward, steps=2,
+        spec, micro_batch_size=plan.config.micro_batch_size, global_batch_size=G, precision=plan.config.precision, checkpoint=plan.config.checkpoint,
+        selective_checkpoint=plan.config.selective_checkpoint, optimizer_in_backward=plan.config.optimizer_in_backward, steps=2,
     )
     violation = again.peak_bytes + headroom > budget
-    mine = (plan.precision, plan.micro_batch_size, tuple(
-        FULL if b in plan.checkpoint else SELECTIVE if b in plan.selective_checkpoint else NONE for b in g["blocks"]
-    ), plan.optimizer_in_backward)
+    mine = (plan.config.precision, plan.config.micro_batch_size, tuple(
+        FULL if b in plan.config.checkpoint else SELECTIVE if b in plan.config.selective_checkpoint else NONE for b in g["blocks"]
+    ), plan.config.optimizer_in_backward)
     ranked = best_of_grid(case, g, budget, headroom)
     blocks = best_of_grid(case, g, budget, headroom, blocks_only=True)
     with_selective = best_fitting(case, g, budget, headroom, lambda c: SELECTIVE in c[2])

@@ -41,7 +41,7 @@ def main() -> None:
     # Every rank draws the same global batches; micro_batches takes this rank's share of each.
     batches = torch.Generator().manual_seed(1)
     for step in range(args.steps):
-        inputs, targets = example_batch(plan.global_batch_size, generator=batches)
+        inputs, targets = example_batch(plan.config.global_batch_size, generator=batches)
         # Weights are world_size x each micro-batch's share of the batch, as the ranks' gradients are averaged:
         # so this adds up to the mean loss over this rank's share.
         rank_loss = 0.0

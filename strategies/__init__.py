@@ -3,11 +3,11 @@
 The protocol is small (see ``base.Strategy``): ``apply(model)`` rewrites the
 model, ``forward_context()`` wraps each micro-batch's forward,
 ``wrap_optimizer_builder(build)`` shapes the optimizer (where its state lives,
-when it steps), ``check_micro_batches`` refuses a batch split it cannot train
-with; precision adds ``backward`` and ``optimizer_step``, the batch split
-``micro_batches``. "Off"
-is an object whose hooks do nothing, never a branch in the loop. Only
-``autofit.apply.apply_config`` constructs strategies.
+when it steps); precision adds ``backward`` and ``optimizer_step``, the batch
+split ``micro_batches``. "Off" is an object whose hooks do nothing, never a
+branch in the loop. Only ``autofit.apply.apply_config`` constructs strategies,
+from an ``autofit.config.TrainingConfig``, which refuses choices that cannot
+train together.
 """
 from strategies.base import Strategy
 from strategies.batch_split import BatchSplit, BatchSplitConfig, micro_batch_count, rank_slice

@@ -30,6 +30,3 @@ class Strategy:
     def wrap_optimizer_builder(self, build: OptimizerBuilder) -> OptimizerBuilder:
         """How this strategy changes the optimizer ``build`` makes (where its state lives, when it steps)."""
         return build
-
-    def check_micro_batches(self, *, grad_accum_steps: int, micro_batch_size: int, global_batch_size: int) -> None:
-        """Raise ``UserError`` when this strategy cannot train with that many micro-batches per optimizer step."""

@@ -15,7 +15,6 @@ ride with the inputs): every tensor leaf is sliced along its first dimension.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ class BatchSplitConfig:
     @property
     def grad_accum_steps(self) -> int:
         """Micro-batches per step on one process."""
-        return math.ceil(self.global_batch_size / self.micro_batch_size)
+        return micro_batch_count(self.global_batch_size, world_size=1, micro_batch_size=self.micro_batch_size)
 
     def sizes(self) -> list[int]:
         """Micro-batch sizes of one step on one process, e.g. G=8, m=3 -> [3, 3, 2]."""

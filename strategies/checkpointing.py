@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -207,8 +207,8 @@ def _forward_calls(model: nn.Module, example_inputs, names: list[str]) -> tuple[
     return order, inside
 
 
-def resolve_blocks(model: nn.Module, spec: str | list[str] | None, *, what: str = "checkpoint") -> list[str]:
-    """Turn "all", "none", "a,b" or a list into validated block names.
+def resolve_blocks(model: nn.Module, spec: str | Sequence[str] | None, *, what: str = "checkpoint") -> list[str]:
+    """Turn "all", "none", "a,b" or a list (["all"] too) into validated block names.
 
     "all" is every block of the finest granularity; named blocks may come from
     any granularity, as long as none lies inside another.
@@ -220,12 +220,12 @@ def resolve_blocks(model: nn.Module, spec: str | list[str] | None, *, what: str 
         UserError: a name is not a block (the message lists them), or one
             named block lies inside another.
     """
-    if spec is None or spec == "none" or spec == []:
+    names = [n.strip() for n in spec.split(",")] if isinstance(spec, str) else list(spec or [])
+    if names in ([], ["none"]):
         return []
     levels = checkpoint_granularities(model)
-    if spec == "all":
+    if names == ["all"]:
         return levels[-1]
-    names = [n.strip() for n in spec.split(",")] if isinstance(spec, str) else list(spec)
     known = {name for level in levels for name in level}
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -35,7 +35,7 @@ class OptimizerInBackwardConfig:
 
 
 class StepInBackward(Strategy):
-    """Builds ``OptimizerInBackward`` when on; refuses more than one micro-batch per step."""
+    """Builds ``OptimizerInBackward`` when on (``TrainingConfig`` refuses it with more than one micro-batch per step)."""
 
     def __init__(self, config: OptimizerInBackwardConfig) -> None:
         self.config = config
@@ -44,13 +44,6 @@ class StepInBackward(Strategy):
         if not self.config.enabled:
             return build
         return lambda params: OptimizerInBackward(params, build=build)
-
-    def check_micro_batches(self, *, grad_accum_steps: int, micro_batch_size: int, global_batch_size: int) -> None:
-        if self.config.enabled and grad_accum_steps > 1:
-            raise UserError(
-                f"optimizer step in backward needs one micro-batch per optimizer step, but micro-batch {micro_batch_size} "
-                f"of batch {global_batch_size} makes {grad_accum_steps}; use micro-batch {global_batch_size} or turn it off"
-            )
 
 
 class OptimizerInBackward(torch.optim.Optimizer):

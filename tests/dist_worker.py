@@ -23,7 +23,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofit.apply import TrainingConfig, apply_config  # noqa: E402
+from autofit.apply import apply_config  # noqa: E402
+from autofit.config import TrainingConfig  # noqa: E402
 from autofit.planning.memory.per_rank import ShardAwareTracker  # noqa: E402
 from autofit.distributed import cleanup, init_distributed, is_rank0, mean_across_ranks  # noqa: E402
 from autofit.training.sharded_checkpoints import (  # noqa: E402

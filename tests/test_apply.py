@@ -1,5 +1,6 @@
 """apply_plan: one fixed order of strategies, helpers for your own loop, refusals with one line."""
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_unknown_block_and_sharded_plans_are_refused():
     with pytest.raises(UserError, match="blocks.9 not found"):
         apply_plan(model, plan)
     model, plan = model_and_plan()
-    plan.world_size, plan.sharding = 2, "fsdp"
+    plan = replace(plan, config=replace(plan.config, world_size=2, sharding="fsdp"))
     with pytest.raises(UserError, match="single device"):
         apply_plan(model, plan)
 
@@ -98,7 +99,7 @@ def test_unknown_block_and_sharded_plans_are_refused():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_a_cuda_plan_without_a_gpu_is_refused():
     model, plan = model_and_plan()
-    plan.device = DeviceInfo(type="cuda")
+    plan = replace(plan, device=DeviceInfo(type="cuda"))
     with pytest.raises(UserError, match="no.*CUDA|CUDA device, but none"):
         apply_plan(model, plan)
 

@@ -150,7 +150,7 @@ def test_the_floor_is_a_budget_that_works(model_file):
     assert floor > breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
     plan = make_plan(spec, budget=floor, batch_size=8, precisions=["fp32"])
     again = probe(
-        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=8, precision=plan.precision, checkpoint=plan.checkpoint
+        spec, micro_batch_size=plan.config.micro_batch_size, global_batch_size=8, precision=plan.config.precision, checkpoint=plan.config.checkpoint
     )
     assert again.peak_bytes + sum(plan.headroom.values()) <= floor
     with pytest.raises(InfeasibleBudget):
@@ -174,7 +174,7 @@ def test_the_gpus_advice_is_a_number_of_gpus_that_plans(model_file):
     gpus = int(found.group(1))
     assert 2 <= gpus <= 8  # never more GPUs than samples: each needs one
     plan = make_plan(spec, budget=budget, batch_size=8, precisions=["fp32"], gpus=gpus)
-    assert plan.world_size == gpus and plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
+    assert plan.config.world_size == gpus and plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
 
 
 def test_more_gpus_would_not_help_a_batch_of_one(run_cli, model_file):

@@ -48,7 +48,7 @@ def test_own_loop_example_trains_a_plan_written_by_hand(tmp_path, monkeypatch, c
     import autofit
 
     plan_path = tmp_path / "plan.json"
-    autofit.save_plan(autofit.Plan(budget_bytes=2**30, global_batch_size=8, micro_batch_size=2), plan_path)
+    autofit.save_plan(autofit.Plan(budget_bytes=2**30, config=autofit.TrainingConfig(global_batch_size=8, micro_batch_size=2)), plan_path)
     monkeypatch.setattr(sys, "argv", ["own_loop.py", str(plan_path), "--steps", "2"])
     runpy.run_path(str(EXAMPLES / "own_loop.py"), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()

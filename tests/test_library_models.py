@@ -151,7 +151,8 @@ class GradRecorder(torch.optim.SGD):
 @needs_transformers
 @pytest.mark.parametrize("micro_batch_size", [8, 4, 3])  # 8 = 4 + 4 = 3 + 3 + 2
 def test_a_padded_gpt2_batch_gives_the_full_batch_gradient(micro_batch_size, one_thread):
-    from autofit.apply import TrainingConfig, apply_config
+    from autofit.apply import apply_config
+    from autofit.config import TrainingConfig
     from autofit.step import train_step
 
     spec = load_spec(str(EXAMPLES / "hf_causal_lm.py"))

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autofit.apply import TrainingConfig, apply_config
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.model_io import IGNORE_INDEX, Loss, Scores, call_model, count_labels, logits_of, own_loss
 from autofit.training.data import collate_pairs

@@ -64,7 +64,7 @@ def test_probe_of_a_plan_refuses_settings_of_its_own(run_cli, tmp_path):
 
 
 def test_a_plan_carries_the_levers_and_probe_re_measures_them(run_cli, tmp_path, one_thread):
-    from autofit.apply import TrainingConfig
+    from autofit.config import TrainingConfig
     from autofit.measure.probe import measure
     from autofit.plan_file import DeviceInfo, ModelInfo, Plan, load_plan, save_plan
     from autofit.spec import load_spec, model_fingerprint
@@ -74,7 +74,7 @@ def test_a_plan_carries_the_levers_and_probe_re_measures_them(run_cli, tmp_path,
     levers = {"selective_checkpoint": ["layers.0", "layers.1"], "offload": ["layers.2"], "optimizer_in_backward": True}
     plan = Plan(
         model=ModelInfo(source=source, fingerprint=model_fingerprint(spec.build_model())), device=DeviceInfo(type="cpu"),
-        budget_bytes=10**9, global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"], **levers,
+        budget_bytes=10**9, config=TrainingConfig(global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"], **levers),
     )
     path = save_plan(plan, tmp_path / "plan.json")
     written = json.loads(path.read_text())
@@ -86,7 +86,7 @@ def test_a_plan_carries_the_levers_and_probe_re_measures_them(run_cli, tmp_path,
     assert (probed["selective_checkpoint"], probed["offload"], probed["optimizer_in_backward"]) == (
         levers["selective_checkpoint"], levers["offload"], True,
     )
-    direct = measure(spec, TrainingConfig(global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"], **levers), device="cpu")
+    direct = measure(spec, plan.config, device="cpu")
     assert probed["peak_bytes"] == direct.peak_bytes and probed["host_peak_bytes"] == direct.host_peak_bytes > 0
 
 
@@ -96,10 +96,11 @@ def test_a_plan_carries_the_levers_and_probe_re_measures_them(run_cli, tmp_path,
     ({"optimizer_state": "4bit"}, "optimizer_state"),
 ])
 def test_impossible_levers_in_a_plan_file_are_one_line(tmp_path, change, field):
+    from autofit.config import TrainingConfig
     from autofit.errors import UserError
     from autofit.plan_file import Plan, load_plan
 
-    data = {**Plan(budget_bytes=10**9, global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"]).to_dict(), **change}
+    data = {**Plan(budget_bytes=10**9, config=TrainingConfig(global_batch_size=4, micro_batch_size=4, checkpoint=["layers.3"])).to_dict(), **change}
     data.pop("grad_accum_steps")
     (tmp_path / "plan.json").write_text(json.dumps(data))
     with pytest.raises(UserError, match=f"field {field} is") as error:

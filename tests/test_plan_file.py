@@ -4,10 +4,12 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.plan_file import (
     DeviceInfo, Measured, ModelInfo, MultiProcess, Plan, Predicted, load_plan, plan_from_dict, save_plan,
@@ -32,7 +34,7 @@ def valid_plan() -> Plan:
         model=ModelInfo(source="examples/digits_cnn.py", fingerprint="e3249da8c66da91f", batch_norm=False,
                         parameter_count=117834, input_shape=[1, 32, 32], num_classes=10),
         device=DeviceInfo(type="cpu", name="cpu", total_bytes=16 * 2**30),
-        budget_bytes=64 * 10**6, global_batch_size=8, micro_batch_size=4, precision="bf16", checkpoint=["blocks.0"],
+        budget_bytes=64 * 10**6, config=TrainingConfig(global_batch_size=8, micro_batch_size=4, precision="bf16", checkpoint=["blocks.0"]),
         predicted=Predicted(peak_bytes=30_000_000, samples_per_s=120.5),
         measured=Measured(
             peak_bytes=29_000_000, samples_per_s=118.0, meter="cpu",
@@ -51,10 +53,13 @@ def valid_plan() -> Plan:
 
 def sharded_plan() -> Plan:
     plan = valid_plan()
-    plan.world_size, plan.sharding, plan.micro_batch_size = 2, "fsdp", 2
-    plan.predicted.per_rank_peak_bytes = plan.predicted.estimate_peak_bytes = 30_000_000
-    plan.measured.multi_process = MultiProcess(world_size=2, sharding="fsdp", rank_batch_size=4, note="not run while planning")
-    return plan
+    return replace(
+        plan, config=replace(plan.config, world_size=2, sharding="fsdp", micro_batch_size=2),
+        predicted=replace(plan.predicted, per_rank_peak_bytes=30_000_000, estimate_peak_bytes=30_000_000),
+        measured=replace(
+            plan.measured, multi_process=MultiProcess(world_size=2, sharding="fsdp", rank_batch_size=4, note="not run while planning"),
+        ),
+    )
 
 
 MULTI_PROCESS = {"world_size": 2, "sharding": "ddp", "rank_batch_size": 4, "note": "not run while planning"}
@@ -157,7 +162,7 @@ def test_to_dict_has_readme_keys_and_the_derived_grad_accum_steps():
     assert sharded["grad_accum_steps"] == 2 and sharded["measured"]["multi_process"]["sharding"] == "fsdp"
 
 
-@pytest.mark.parametrize("make", [valid_plan, sharded_plan, lambda: Plan(budget_bytes=1, global_batch_size=4, micro_batch_size=3)])
+@pytest.mark.parametrize("make", [valid_plan, sharded_plan, lambda: Plan(budget_bytes=1, config=TrainingConfig(global_batch_size=4, micro_batch_size=3))])
 def test_a_plan_survives_the_file(tmp_path, make):
     plan = make()
     again = load_plan(save_plan(plan, tmp_path / "plan.json"))
@@ -165,10 +170,10 @@ def test_a_plan_survives_the_file(tmp_path, make):
 
 
 def test_a_hand_written_plan_has_empty_parts():
-    data = Plan(budget_bytes=1, global_batch_size=4, micro_batch_size=3).to_dict()
+    data = Plan(budget_bytes=1, config=TrainingConfig(global_batch_size=4, micro_batch_size=3)).to_dict()
     assert data["predicted"] == {} and data["measured"] == {} and data["device"]["type"] == "cpu"
     plan = plan_from_dict({"schema_version": 1, "budget_bytes": 1, "global_batch_size": 4, "micro_batch_size": 3})
-    assert plan.predicted is None and plan.measured is None and plan.model == ModelInfo() and plan.grad_accum_steps == 2
+    assert plan.predicted is None and plan.measured is None and plan.model == ModelInfo() and plan.config.grad_accum_steps == 2
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in OLD_PLANS.glob("*.json")))
@@ -189,8 +194,8 @@ def test_unknown_keys_are_ignored_at_every_level():
 
 @pytest.mark.parametrize("G,N,m", [(8, 1, 3), (8, 2, 3), (9, 2, 5), (64, 8, 1), (7, 7, 1), (10, 3, 4)])
 def test_grad_accum_steps_is_derived_like_the_ranks_split(G, N, m):
-    plan = Plan(budget_bytes=1, global_batch_size=G, micro_batch_size=m, world_size=N, sharding="ddp" if N > 1 else "none")
-    assert plan.grad_accum_steps == micro_batch_count(G, world_size=N, micro_batch_size=m) == math.ceil(math.ceil(G / N) / m)
+    plan = Plan(budget_bytes=1, config=TrainingConfig(global_batch_size=G, micro_batch_size=m, world_size=N, sharding="ddp" if N > 1 else "none"))
+    assert plan.config.grad_accum_steps == micro_batch_count(G, world_size=N, micro_batch_size=m) == math.ceil(math.ceil(G / N) / m)
     data = plan.to_dict()
     assert plan_from_dict(data) == plan and plan_from_dict(changed(data, {"grad_accum_steps": MISSING})) == plan
 

@@ -85,18 +85,18 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     measured, predicted = plan.measured, plan.predicted
     ranks = measured.multi_process
     if ranks:
-        where = f"per GPU, {plan.world_size} GPUs ({plan.sharding})"
-        split = (f"per rank: micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s) "
-                 f"({plan.world_size} ranks x {plan.micro_batch_size} x {plan.grad_accum_steps} >= {plan.global_batch_size})")
-        estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.sharding == "fsdp" else ""
+        where = f"per GPU, {plan.config.world_size} GPUs ({plan.config.sharding})"
+        split = (f"per rank: micro-batch {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} step(s) "
+                 f"({plan.config.world_size} ranks x {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} >= {plan.config.global_batch_size})")
+        estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.config.sharding == "fsdp" else ""
     else:
         where = f"on {plan.device.name}"
-        split = f"micro-batch {plan.micro_batch_size} x {plan.grad_accum_steps} step(s)"
+        split = f"micro-batch {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} step(s)"
         estimated = " [estimated: simulated meter, FLOP-based speed]" if plan.estimated else ""
     lines = [
-        f"plan for {plan.model.source}: batch {plan.global_batch_size}, budget {format_bytes(plan.budget_bytes)} "
+        f"plan for {plan.model.source}: batch {plan.config.global_batch_size}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_kind}) {where}" + estimated,
-        f"  chosen      {plan.precision}, {split}, checkpoint {_blocks(plan.checkpoint)}" + _levers(plan),
+        f"  chosen      {plan.config.precision}, {split}, checkpoint {_blocks(plan.config.checkpoint)}" + _levers(plan),
     ]
     if ranks:
         lines.append(f"  note        {ranks.note}")
@@ -178,15 +178,15 @@ def _fits_text(alternative: dict) -> str:
 def _levers(plan) -> str:
     """The memory levers a plan uses, as the chosen line names them."""
     levers = []
-    if plan.selective_checkpoint:
-        levers.append(f"selective checkpoint {_blocks(plan.selective_checkpoint)}")
-    if plan.offload:
-        levers.append(f"offload {_blocks(plan.offload)}")
-    if plan.optimizer_in_backward:
+    if plan.config.selective_checkpoint:
+        levers.append(f"selective checkpoint {_blocks(plan.config.selective_checkpoint)}")
+    if plan.config.offload:
+        levers.append(f"offload {_blocks(plan.config.offload)}")
+    if plan.config.optimizer_in_backward:
         levers.append("optimizer step in backward")
-    if plan.optimizer_state == "host":
+    if plan.config.optimizer_state == "host":
         levers.append("optimizer state on the host")
-    elif plan.optimizer_state == "8bit":
+    elif plan.config.optimizer_state == "8bit":
         levers.append("8-bit AdamW state (lossy)")
     return "".join(f", {lever}" for lever in levers)
 

@@ -117,7 +117,7 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
         from autofit.planning.memory.traces import simulation_spec
 
         spec = simulation_spec(spec)
-    with _out_of_memory_as_one_line(f"the plan's micro-batch {the_plan.micro_batch_size}", device=the_plan.device.type):
+    with _out_of_memory_as_one_line(f"the plan's micro-batch {the_plan.config.micro_batch_size}", device=the_plan.device.type):
         result = probe_plan(spec, the_plan, steps=steps)
     planned = {
         "budget_bytes": the_plan.budget_bytes,

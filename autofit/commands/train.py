@@ -88,7 +88,7 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
     else:
         the_plan = load_plan(plan)
     # A plan for N processes: refuse any other number, naming the command that starts N.
-    check_launch(ShardingConfig(world_size=the_plan.world_size, sharding=the_plan.sharding))
+    check_launch(ShardingConfig(world_size=the_plan.config.world_size, sharding=the_plan.config.sharding))
     spec = spec_for_plan(the_plan.model, model_file=model)
     planned_shape = the_plan.model.input_shape
     shape = input_shape_from(planned_shape) if planned_shape else spec.input_shape
@@ -108,7 +108,7 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
         )
     except TrainingInterrupted as stop:
         if is_rank0():
-            again = f"torchrun --nproc-per-node {the_plan.world_size} -m autofit" if the_plan.world_size > 1 else "autofit"
+            again = f"torchrun --nproc-per-node {the_plan.config.world_size} -m autofit" if the_plan.config.world_size > 1 else "autofit"
             print(
                 f"autofit: stopped by {signal.Signals(stop.signal_number).name} at epoch {stop.epoch}, step {stop.step}; "
                 f"saved {stop.last_path}; continue with `{again} train --log-dir {stop.last_path.parent} --resume`",

@@ -10,7 +10,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autofit._torch_private import tree_leaves
-from autofit.apply import TrainingConfig, apply_config
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.measure.meters import make_meter
 from autofit.model_io import call_model
 from autofit.spec import ModelSpec

@@ -338,7 +338,8 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
 
 
 def _one_simulated_step(spec) -> None:
-    from autofit.apply import TrainingConfig, apply_config
+    from autofit.apply import apply_config
+    from autofit.config import TrainingConfig
     from autofit.measure.optimizer_state import stepping_at_once
     from autofit.step import train_step
 

@@ -6,18 +6,12 @@ and samples per second of a configuration, on the device that will train.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autofit.apply import (
-    TrainingConfig,
-    apply_config,
-    checkpointed_blocks,
-    offloaded_blocks,
-    plan_config,
-    selectively_checkpointed_blocks,
-)
+from autofit.apply import apply_config, checkpointed_blocks, offloaded_blocks, selectively_checkpointed_blocks
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
 from autofit.device import check_device
@@ -115,12 +109,8 @@ def probe_plan(spec: ModelSpec, plan: Plan, *, steps: int = 3, seed: int = 0) ->
     Raises:
         UserError: the model is not the one the plan was made for.
     """
-    config = plan_config(plan)
-    if config.world_size > 1:
-        share = -(-config.global_batch_size // config.world_size)
-        config = replace(config, global_batch_size=share, micro_batch_size=min(config.micro_batch_size, share), sharding="none", world_size=1)
     return measure(
-        spec, config, device=plan.device.type, simulate=plan.estimated, steps=steps, seed=seed,
+        spec, plan.config.rank_share(), device=plan.device.type, simulate=plan.estimated, steps=steps, seed=seed,
         fingerprint=plan.model.fingerprint,
     )
 
@@ -190,7 +180,7 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
         samples_per_s=samples_per_s,
         precision=config.precision,
         micro_batch_size=config.micro_batch_size,
-        grad_accum_steps=-(-config.global_batch_size // config.micro_batch_size),
+        grad_accum_steps=config.grad_accum_steps,
         global_batch_size=config.global_batch_size,
         checkpoint=blocks,
         meter=meter.name,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from autofit.apply import TrainingConfig
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.device import DeviceInfo, check_device, device_info
 from autofit.measure.meters import checked_for_simulation
@@ -337,50 +337,3 @@ def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | No
     if not wanted:
         raise UserError("no precision is left to search; allow fp32 with --precisions fp32")
     return wanted, excluded
-
-
-@dataclass(kw_only=True, slots=True)
-class Config:
-    """One configuration the planner measures: precision, micro-batch size, checkpointed blocks (fully, selectively),
-    and the memory levers (offloaded blocks, the step in backward, where the optimizer state lives)."""
-
-    precision: str
-    micro_batch_size: int
-    checkpoint: tuple[str, ...] = ()
-    selective_checkpoint: tuple[str, ...] = ()
-    offload: tuple[str, ...] = ()
-    optimizer_in_backward: bool = False
-    optimizer_state: str = "device"
-
-    def key(self) -> str:
-        """"fp32:4:layers.0,layers.1", and ":layers.2" after it for selective blocks, then the levers (stored
-        measurements are keyed by it: a configuration without selective blocks or levers keeps the key it always had)."""
-        key = f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
-        levers = self.levers()
-        if self.selective_checkpoint or levers:
-            key = f"{key}:{','.join(self.selective_checkpoint)}"
-        return f"{key}:{levers}" if levers else key
-
-    def levers(self) -> str:
-        """"offload=a,b;step-in-backward;state=host", the levers on ("" for none)."""
-        parts = [f"offload={','.join(self.offload)}"] if self.offload else []
-        parts += ["step-in-backward"] if self.optimizer_in_backward else []
-        parts += [f"state={self.optimizer_state}"] if self.optimizer_state != "device" else []
-        return ";".join(parts)
-
-    def simplicity(self, global_batch_size: int) -> tuple:
-        """Order for ties: fewer micro-steps, fewer checkpointed or offloaded blocks, fewer levers, fp32 before autocast."""
-        return (
-            math.ceil(global_batch_size / self.micro_batch_size),
-            len(self.checkpoint) + len(self.selective_checkpoint) + len(self.offload),
-            int(self.optimizer_in_backward) + int(self.optimizer_state != "device"),
-            PRECISIONS.index(self.precision),
-        )
-
-    def training_config(self, global_batch_size: int) -> TrainingConfig:
-        """The strategies' configuration of this point for a global batch."""
-        return TrainingConfig(
-            global_batch_size=global_batch_size, micro_batch_size=self.micro_batch_size, precision=self.precision,
-            checkpoint=list(self.checkpoint), selective_checkpoint=list(self.selective_checkpoint), offload=list(self.offload),
-            optimizer_in_backward=self.optimizer_in_backward, optimizer_state=self.optimizer_state,
-        )

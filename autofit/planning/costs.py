@@ -48,7 +48,7 @@ class MemoryCosts:
         accumulating = micro_batch_size < global_batch_size
         # The optimizer step follows the last micro-batch, which may be smaller (8 = 3 + 3 + 2):
         # what that micro-step leaves alive (its input copy, the output) is of its size.
-        last = global_batch_size - (math.ceil(global_batch_size / micro_batch_size) - 1) * micro_batch_size
+        last = BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size).sizes()[-1]
         segments = [
             Segment(
                 peak_bytes=self._interpolate(
@@ -229,6 +229,14 @@ class CostModel:
     output_shape: list[int] = field(default_factory=list)
     memory_scale: float = 1.0
     """Measured/simulated peak ratio on a real GPU (the allocator's rounding and cache); 1 on the CPU."""
+
+    def names(self, indices) -> tuple[str, ...]:
+        """Block names of block indices, in the model's order (a configuration names its blocks)."""
+        return tuple(self.blocks[b] for b in sorted(indices))
+
+    def indices(self, names) -> frozenset[int]:
+        """Block indices of block names (the cost model's and the knapsack's way of naming them)."""
+        return frozenset(self.blocks.index(name) for name in names)
 
     def micro_sizes(self, micro_batch_size: int) -> list[int]:
         return BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size).sizes()

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit._torch_private import TorchDispatchMode, tree_leaves
-from autofit.apply import TrainingConfig, apply_config
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
@@ -248,8 +249,8 @@ def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> l
     """
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
     return sorted({
-        e.precision for e in evaluations
-        if not costs.model.precisions[e.precision].memory.recomputed and _bound_could_win(e, best=best, within=within)
+        e.config.precision for e in evaluations
+        if not costs.model.precisions[e.config.precision].memory.recomputed and _bound_could_win(e, best=best, within=within)
     })
 
 
@@ -283,7 +284,7 @@ def needs_offload(context: PlanContext, costs: Costs, evaluations: list, *, with
     offload is bounded by the search's choice as if the copies back held nothing and cost the least they can
     (``Evaluation.bound_samples_per_s``; the plain speed where unknown: offload only adds time)."""
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
-    winning = {e.precision for e in evaluations if _bound_could_win(e, best=best, within=within)}
+    winning = {e.config.precision for e in evaluations if _bound_could_win(e, best=best, within=within)}
     return sorted(p for p in winning if offload_untraced(context, costs, p, usable_bytes=usable_bytes))
 
 

@@ -46,7 +46,7 @@ import torch
 
 from autofit.errors import UserError
 from autofit.plan_file import Plan
-from autofit.planning.context import Config, PlanContext, plan_context
+from autofit.planning.context import PlanContext, plan_context
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
@@ -115,7 +115,7 @@ def plan(
     Example:
         >>> plan = autofit.plan(model, lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
         ...                     budget="2GB", batch_size=256)
-        >>> plan.micro_batch_size, plan.checkpoint, plan.precision
+        >>> plan.config.micro_batch_size, plan.config.checkpoint, plan.config.precision
     """
     spec = spec_from_model(model, example_batch, loss_fn=loss_fn, optimizer=optimizer)
     return make_plan(
@@ -273,7 +273,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
         )
         if chosen["config"].levers():
-            plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(context, costs.model, chosen["config"], search)])
+            plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(costs.model, chosen["config"], search)])
         context.study.save("measurements", measurements.to_store())
     speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)
     report = PlanReport(
@@ -295,7 +295,7 @@ def _lever_search_may_fit(context: PlanContext, measurements: Measurements, belo
     parameters and the optimizer state, which every configuration with the step in backward holds (measured at the
     floor). Else the refusal stays fast: the search needs every precision's speeds and traces."""
     floor = below.floor
-    if floor is None or math.ceil(context.global_batch_size / floor.config.micro_batch_size) == 1:
+    if floor is None or floor.config.grad_accum_steps == 1:
         return False
     resident = below.breakdown.get("parameters", 0) + below.breakdown.get("optimizer_state", 0)
     return measurements.usable_bytes() >= resident
@@ -313,11 +313,7 @@ def _searched_below_floor(
     configuration (which does not fit: the verification then raises, and None is returned).
     """
     plan = ladder.plan if ladder is not None else None
-    fallback = below.floor.config if plan is None else Config(
-        precision=plan.precision, micro_batch_size=plan.micro_batch_size, checkpoint=tuple(plan.checkpoint),
-        selective_checkpoint=tuple(plan.selective_checkpoint), offload=tuple(plan.offload),
-        optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
-    )
+    fallback = below.floor.config if plan is None else plan.config
     with context.phase("speed"):
         add_speeds(context, costs)
         search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer)
@@ -356,7 +352,7 @@ def _searched_below_floor(
         plan = replace(plan, notes=[
             *plan.notes,
             f"below the floor without levers ({format_bytes(below.floor_bytes)}): the search with the memory levers found {found}",
-            *(searched_lever_notes(context, costs.model, chosen["config"], search) if chosen["config"].levers() else []),
+            *(searched_lever_notes(costs.model, chosen["config"], search) if chosen["config"].levers() else []),
         ])
         context.study.save("measurements", measurements.to_store())
     return PlanReport(

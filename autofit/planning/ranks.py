@@ -11,14 +11,14 @@ was measured on one process and what was simulated or allowed for.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from autofit.errors import UserError
 from autofit.plan_file import Measured, MultiProcess, Plan, Predicted
-from autofit.planning.context import Config, PlanContext
+from autofit.config import TrainingConfig
+from autofit.planning.context import PlanContext
 from autofit.planning.verify.floor import InfeasibleBudget, sharded_floor
 from autofit.planning.memory.headroom import Headroom
 from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
@@ -60,19 +60,20 @@ def restate_for_ddp(
 ) -> PlanReport:
     """The one-process plan of a rank's share, restated for ``world_size`` processes under DDP."""
     plan = report.plan
-    rank_batch_size = math.ceil(global_batch_size / world_size)
-    plan.budget_bytes = budget_bytes
-    plan.global_batch_size = global_batch_size
-    plan.world_size, plan.sharding = world_size, "ddp"
-    # DDP's buckets (gradient_as_bucket_view off) hold one more copy of the gradients: allowed for, not measured.
-    plan.headroom = {**plan.headroom, "ddp_buckets_allowance": allowance}
-    plan.predicted.per_rank_peak_bytes = int(plan.measured.peak_bytes) + allowance
-    plan.measured.multi_process = MultiProcess(
-        world_size=world_size, sharding="ddp", rank_batch_size=rank_batch_size,
-        note=MULTI_PROCESS_NOTE.format(world_size=world_size, rank_batch_size=rank_batch_size)
-        + f"; DDP's gradient buckets are an allowance ({format_bytes(allowance)}), not measured",
+    config = replace(plan.config, global_batch_size=global_batch_size, world_size=world_size, sharding="ddp")
+    rank_batch_size = config.rank_batch_size
+    plan = replace(
+        plan, budget_bytes=budget_bytes, config=config,
+        # DDP's buckets (gradient_as_bucket_view off) hold one more copy of the gradients: allowed for, not measured.
+        headroom={**plan.headroom, "ddp_buckets_allowance": allowance},
+        predicted=replace(plan.predicted, per_rank_peak_bytes=int(plan.measured.peak_bytes) + allowance),
+        measured=replace(plan.measured, multi_process=MultiProcess(
+            world_size=world_size, sharding="ddp", rank_batch_size=rank_batch_size,
+            note=MULTI_PROCESS_NOTE.format(world_size=world_size, rank_batch_size=rank_batch_size)
+            + f"; DDP's gradient buckets are an allowance ({format_bytes(allowance)}), not measured",
+        )),
     )
-    return report
+    return replace(report, plan=plan)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,8 +81,8 @@ class _Candidate:
     """A per-rank configuration under FSDP2, as the conservative estimate sees it."""
 
     samples_per_s: float
-    config: Config
-    grad_accum_steps: int
+    config: TrainingConfig
+    """The whole configuration: the global batch over ``world_size`` FSDP2 ranks."""
     estimate_bytes: float
     """Estimated per-rank peak."""
     fits_estimate: bool
@@ -97,7 +98,9 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
         trace_full(context, costs, precision)
         add_recomputations(context, costs, precision)  # with every block checkpointed too (a DDP attempt may have left them out)
     measurements = Measurements(context, host_sample_bytes=costs.host_sample_bytes)
-    smallest = Config(precision=context.precisions[0], micro_batch_size=costs.micro_batch_sizes[-1])
+    smallest = TrainingConfig(
+        global_batch_size=context.global_batch_size, precision=context.precisions[0], micro_batch_size=costs.micro_batch_sizes[-1],
+    )
     _, single = measurements.exact_peak(smallest)
     headroom = measurements.headroom
     # A rank's share of the parameters and optimizer state: a lower bound of its persistent bytes at any peak (the
@@ -114,7 +117,7 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
         raise _infeasible(context, single=single, smallest=smallest, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size)
     candidate, measurement = chosen
     config = candidate.config
-    context.log(f"FSDP2: {config.precision}, micro-batch {config.micro_batch_size} x {candidate.grad_accum_steps} per rank, simulated to fit")
+    context.log(f"FSDP2: {config.precision}, micro-batch {config.micro_batch_size} x {config.grad_accum_steps} per rank, simulated to fit")
     plan = _fsdp_plan(
         context, costs, candidate=candidate, measurement=measurement, headroom=headroom, resident_bytes=resident, world_size=world_size,
         global_batch_size=global_batch_size, alternatives=sorted(alternatives, key=lambda a: a["predicted_peak_bytes"]),
@@ -159,14 +162,17 @@ def _fsdp_candidates(
                 # where the simulation finds its choice too large, the least memory at this point may still fit.
                 options.append((every, False))
             for blocks, fits_estimate in options:
-                config = Config(precision=precision, micro_batch_size=size, checkpoint=tuple(model.blocks[b] for b in sorted(blocks)))
+                config = TrainingConfig(
+                    global_batch_size=global_batch_size, micro_batch_size=size, precision=precision,
+                    checkpoint=model.names(blocks), world_size=world_size, sharding="fsdp",
+                )
                 candidates.append(_Candidate(
-                    samples_per_s=model.samples_per_s(precision, size, blocks), config=config, grad_accum_steps=steps,
+                    samples_per_s=model.samples_per_s(precision, size, blocks), config=config,
                     estimate_bytes=model.peak_bytes(precision, size, blocks) + swap, fits_estimate=fits_estimate,
                 ))
     candidates.sort(key=lambda c: (
         not c.fits_estimate, -round(c.samples_per_s, 6) if c.fits_estimate else c.estimate_bytes,
-        c.config.simplicity(context.global_batch_size),
+        c.config.simplicity(),
     ))
     return candidates
 
@@ -186,7 +192,7 @@ def _simulate_fastest(
         config = candidate.config
         entry = {
             "precision": config.precision, "micro_batch_size": config.micro_batch_size,
-            "grad_accum_steps": candidate.grad_accum_steps, "checkpoint": list(config.checkpoint),
+            "grad_accum_steps": config.grad_accum_steps, "checkpoint": list(config.checkpoint),
             "predicted_peak_bytes": int(candidate.estimate_bytes), "predicted_samples_per_s": candidate.samples_per_s,
             "fits_budget": headroom.fits(candidate.estimate_bytes * memory_scale, persistent_bytes=resident_bytes), "chosen": False,
         }
@@ -195,7 +201,7 @@ def _simulate_fastest(
             continue
         measurement = simulate_fsdp_peak_bytes(
             context.sim_spec, world_size=world_size, micro_batch_size=config.micro_batch_size,
-            grad_accum_steps=candidate.grad_accum_steps, precision=config.precision,
+            grad_accum_steps=config.grad_accum_steps, precision=config.precision,
             checkpoint=list(config.checkpoint), backend=backend,
         )
         simulated += 1
@@ -218,12 +224,7 @@ def _fsdp_plan(
     rank_batch_size = context.global_batch_size
     return Plan(
         **plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size),
-        global_batch_size=global_batch_size,
-        micro_batch_size=config.micro_batch_size,
-        precision=config.precision,
-        checkpoint=list(config.checkpoint),
-        world_size=world_size,
-        sharding="fsdp",
+        config=config,
         estimated=True,
         predicted=Predicted(
             peak_bytes=int(measurement.peak_bytes), per_rank_peak_bytes=int(measurement.peak_bytes),
@@ -244,7 +245,7 @@ def _fsdp_plan(
 
 
 def _infeasible(
-    context: PlanContext, *, single: dict, smallest: Config, headroom: Headroom, world_size: int, global_batch_size: int
+    context: PlanContext, *, single: dict, smallest: TrainingConfig, headroom: Headroom, world_size: int, global_batch_size: int
 ) -> InfeasibleBudget:
     sharded = sharded_floor(
         context.sim_spec, breakdown=single, precision=smallest.precision, headroom=headroom,

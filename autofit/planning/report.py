@@ -8,14 +8,14 @@ shows beyond plan.json.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from autofit.version import __version__
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
-from autofit.planning.context import Config, PlanContext
+from autofit.config import TrainingConfig
+from autofit.planning.context import PlanContext
 from autofit.planning.costs import CostModel
 from autofit.planning.search.space import Evaluation
 from autofit.spec import model_fingerprint
@@ -81,8 +81,7 @@ def write_plan(
             alternatives that were not measured.
         verified: configuration key -> what was measured of it (``Measurements.verified``).
     """
-    config: Config = chosen["config"]
-    G = context.global_batch_size
+    config: TrainingConfig = chosen["config"]
     measured = Measured(
         peak_bytes=int(chosen["measured_peak_bytes"]),
         samples_per_s=chosen["measured_samples_per_s"],
@@ -96,15 +95,8 @@ def write_plan(
     if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
         measured.relative_to_unconstrained = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
     return Plan(
-        **plan_basics(context, output_shape=model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=G),
-        global_batch_size=G,
-        micro_batch_size=config.micro_batch_size,
-        precision=config.precision,
-        checkpoint=list(config.checkpoint),
-        selective_checkpoint=list(config.selective_checkpoint),
-        offload=list(config.offload),
-        optimizer_in_backward=config.optimizer_in_backward,
-        optimizer_state=config.optimizer_state,
+        **plan_basics(context, output_shape=model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size),
+        config=config,
         estimated=context.simulate,
         predicted=Predicted(
             peak_bytes=int(chosen["predicted_peak_bytes"]),
@@ -140,36 +132,30 @@ def _alternatives(
     """
     points = []
     for e in evaluations:
-        points.append((Config(precision=e.precision, micro_batch_size=e.micro_batch_size), e.grad_accum_steps, e.plain_peak_bytes, e.plain_samples_per_s))
-        if e.fits and (e.checkpoint or e.selective_checkpoint or e.offload or e.optimizer_in_backward or e.optimizer_state != "device"):
-            config = Config(
-                precision=e.precision, micro_batch_size=e.micro_batch_size, checkpoint=tuple(e.checkpoint),
-                selective_checkpoint=tuple(e.selective_checkpoint), offload=tuple(e.offload),
-                optimizer_in_backward=e.optimizer_in_backward, optimizer_state=e.optimizer_state,
-            )
-            points.append((config, e.grad_accum_steps, e.peak_bytes, e.samples_per_s))
-    points.sort(key=lambda p: (p[2], -p[3]))
+        points.append((e.plain_config, e.plain_peak_bytes, e.plain_samples_per_s))
+        if e.fits and e.config != e.plain_config:
+            points.append((e.config, e.peak_bytes, e.samples_per_s))
+    points.sort(key=lambda p: (p[1], -p[2]))
     front, best_speed = [], -1.0
     for point in points:
-        if point[3] > best_speed:
+        if point[2] > best_speed:
             front.append(point)
-            best_speed = point[3]
-    config: Config = chosen["config"]
+            best_speed = point[2]
+    config: TrainingConfig = chosen["config"]
     if not any(p[0].key() == config.key() for p in front):
         # Chosen by measurement though the model ranked it lower: list it with the front.
-        front.append((config, math.ceil(context.global_batch_size / config.micro_batch_size),
-                      chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
-        front.sort(key=lambda p: (p[2], -p[3]))
+        front.append((config, chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
+        front.sort(key=lambda p: (p[1], -p[2]))
     measured_chosen = {
         "measured_peak_bytes": chosen["measured_peak_bytes"], "measured_samples_per_s": chosen["measured_samples_per_s"], "fits": True,
     }
     chosen_key = config.key()
     alternatives = []
-    for config, steps, peak, speed in front:
+    for config, peak, speed in front:
         key = config.key()
         is_chosen = key == chosen_key
         entry = {
-            "precision": config.precision, "micro_batch_size": config.micro_batch_size, "grad_accum_steps": steps,
+            "precision": config.precision, "micro_batch_size": config.micro_batch_size, "grad_accum_steps": config.grad_accum_steps,
             "checkpoint": list(config.checkpoint),
             **({"selective_checkpoint": list(config.selective_checkpoint)} if config.selective_checkpoint else {}),
             **({"offload": list(config.offload)} if config.offload else {}),

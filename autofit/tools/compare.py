@@ -13,14 +13,14 @@ reported: checkpointing must not change them, precision may.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from autofit.apply import TrainingConfig, apply_config
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.device import check_device
 from autofit.measure.meters import release_device_memory
@@ -33,28 +33,12 @@ from strategies import precision_dtype
 AMP_PRECISIONS = ("bf16", "fp16")
 
 
-@dataclass(kw_only=True, slots=True)
-class Configuration:
-    name: str
-    precision: str = "fp32"
-    checkpoint: str | list[str] = field(default_factory=list)
-    """"all" or block names; [] checkpoints nothing."""
-    micro_batch_size: int
-    """Samples per forward/backward; the global batch is fixed by the comparison."""
-    selective_checkpoint: str | list[str] = field(default_factory=list)
-    """"all" or block names recomputed selectively (the cheap ops only)."""
-    offload: str | list[str] = field(default_factory=list)
-    """"all" or block names whose saved activations go to host memory (a GPU lever)."""
-    optimizer_in_backward: bool = False
-    optimizer_state: str = "device"
-    """"device", "host" (a GPU lever) or "8bit" (lossy: torchao's AdamW8bit)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Contender:
+    """One row to measure: a configuration (the comparison's global batch) and its name in the table."""
 
-    def levers(self) -> dict:
-        """The memory levers beyond the recipe, as ``probe`` and ``TrainingConfig`` take them."""
-        return dict(
-            selective_checkpoint=self.selective_checkpoint, offload=self.offload,
-            optimizer_in_backward=self.optimizer_in_backward, optimizer_state=self.optimizer_state,
-        )
+    name: str
+    config: TrainingConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,48 +101,45 @@ def runnable_amp_precisions(device: str) -> list[str]:
     return runnable
 
 
-def configurations(*, global_batch_size: int, amp_precisions: list[str], device: str = "cpu") -> list[Configuration]:
+def configurations(*, global_batch_size: int, amp_precisions: list[str], device: str = "cpu") -> list[Contender]:
     """fp32, each AMP, checkpointing every block, and each AMP with it (the recipe's rows), then the
     levers beyond it, each alone in fp32: selective checkpointing of every block, the optimizer step
     in backward, and on a GPU activation offload of every block and the optimizer state on the host.
     All at the full batch. (8-bit optimizer state changes the arithmetic: it is a plan's declared
     choice, not a row here.)"""
-    full = global_batch_size
-    configs = [Configuration(name="fp32", micro_batch_size=full)]
-    configs += [Configuration(name=f"{p} AMP", precision=p, micro_batch_size=full) for p in amp_precisions]
-    configs.append(Configuration(name="checkpoint all", checkpoint="all", micro_batch_size=full))
-    configs += [Configuration(name=f"{p} AMP + checkpoint all", precision=p, checkpoint="all", micro_batch_size=full) for p in amp_precisions]
-    configs.append(Configuration(name="selective checkpoint all", selective_checkpoint="all", micro_batch_size=full))
-    configs.append(Configuration(name="optimizer step in backward", optimizer_in_backward=True, micro_batch_size=full))
+    def row(name: str, **choices) -> Contender:
+        config = TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=global_batch_size, **choices)
+        return Contender(name=name, config=config)
+
+    configs = [row("fp32")]
+    configs += [row(f"{p} AMP", precision=p) for p in amp_precisions]
+    configs.append(row("checkpoint all", checkpoint="all"))
+    configs += [row(f"{p} AMP + checkpoint all", precision=p, checkpoint="all") for p in amp_precisions]
+    configs.append(row("selective checkpoint all", selective_checkpoint="all"))
+    configs.append(row("optimizer step in backward", optimizer_in_backward=True))
     if device == "cuda":
-        configs.append(Configuration(name="offload all", offload="all", micro_batch_size=full))
-        configs.append(Configuration(name="optimizer state on the host", optimizer_state="host", micro_batch_size=full))
+        configs.append(row("offload all", offload="all"))
+        configs.append(row("optimizer state on the host", optimizer_state="host"))
     return configs
 
 
 def plan_configuration(
     spec: ModelSpec, *, budget_bytes: int, global_batch_size: int, device: str, log: Callable[[str], None] | None = None,
-) -> Configuration:
+) -> Contender:
     """autofit's own choice at the budget, from the planner."""
     from autofit.planning.planner import make_plan
 
-    plan = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device, log=log)
-    blocks = list(plan.checkpoint)
+    config = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device, log=log).config
+    blocks = config.checkpoint
     checkpointed = f" + checkpoint {len(blocks)} block{'s' if len(blocks) != 1 else ''}" if blocks else ""
     levers = [
-        f"selective {len(plan.selective_checkpoint)}" if plan.selective_checkpoint else "",
-        f"offload {len(plan.offload)}" if plan.offload else "",
-        "step in backward" if plan.optimizer_in_backward else "",
-        f"{plan.optimizer_state} optimizer state" if plan.optimizer_state != "device" else "",
+        f"selective {len(config.selective_checkpoint)}" if config.selective_checkpoint else "",
+        f"offload {len(config.offload)}" if config.offload else "",
+        "step in backward" if config.optimizer_in_backward else "",
+        f"{config.optimizer_state} optimizer state" if config.optimizer_state != "device" else "",
     ]
-    return Configuration(
-        name=f"autofit plan: {plan.precision}{checkpointed}" + "".join(f" + {lever}" for lever in levers if lever),
-        precision=plan.precision,
-        checkpoint=blocks,
-        micro_batch_size=plan.micro_batch_size,
-        selective_checkpoint=list(plan.selective_checkpoint), offload=list(plan.offload),
-        optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
-    )
+    name = f"autofit plan: {config.precision}{checkpointed}" + "".join(f" + {lever}" for lever in levers if lever)
+    return Contender(name=name, config=config)
 
 
 def compare(
@@ -191,7 +172,7 @@ def compare(
     Raises:
         UserError: a bad setting, a missing data folder, or data the model cannot take.
     """
-    from autofit.measure.probe import probe
+    from autofit.measure.probe import measure
 
     if global_batch_size < 1:
         raise UserError(f"--batch-size {global_batch_size} must be at least 1")
@@ -216,18 +197,15 @@ def compare(
             ))
         except UserError as error:  # no plan fits: the other rows still stand
             plan_failure = Row(name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0, note=f"no plan: {error}")
-    for config in configs:
-        progress(f"measuring {config.name}")
+    for contender in configs:
+        config = contender.config
+        progress(f"measuring {contender.name}")
         row = Row(
-            name=config.name, precision=config.precision, checkpoint_blocks=0,
-            micro_batch_size=config.micro_batch_size, grad_accum_steps=math.ceil(global_batch_size / config.micro_batch_size),
+            name=contender.name, precision=config.precision, checkpoint_blocks=0,
+            micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps,
         )
         try:
-            result = probe(
-                spec, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size,
-                precision=config.precision, checkpoint=config.checkpoint, device=device, steps=probe_steps, seed=seed,
-                **config.levers(),
-            )
+            result = measure(spec, config, device=device, steps=probe_steps, seed=seed)
         except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
             row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
             release_device_memory(device)
@@ -235,7 +213,7 @@ def compare(
             row.peak_bytes, row.samples_per_s, row.checkpoint_blocks = result.peak_bytes, result.samples_per_s, len(result.checkpoint)
             row.activation_bytes = result.breakdown.get("activations")
             if training is not None:
-                progress(f"training {config.name} for {train_steps} steps")
+                progress(f"training {contender.name} for {train_steps} steps")
                 outcome = training.train_and_score(spec, config, device=device, seed=seed)
                 row.train_loss, row.eval_loss, row.eval_accuracy = outcome.train_loss, outcome.eval_loss, outcome.eval_accuracy
                 row.skipped_steps = outcome.skipped_steps
@@ -311,16 +289,14 @@ class _TrainingData:
         _check_outputs(spec, batches[0][0][:1], num_classes=len(train_set.classes), data=train_dir)
         return cls(batches=batches, eval_set=eval_tensors, classes=list(train_set.classes), eval_dir=str(eval_dir))
 
-    def train_and_score(self, spec: ModelSpec, config: Configuration, *, device: str, seed: int) -> TrainingOutcome:
+    def train_and_score(self, spec: ModelSpec, config: TrainingConfig, *, device: str, seed: int) -> TrainingOutcome:
         """Train a fresh model (same seed) on the prepared batches as `autofit train` would; score it in fp32 eval mode."""
         torch.manual_seed(seed)
         model = spec.build_model()
         model.train()
         global_batch_size = len(self.batches[0][1])
-        applied = apply_config(model, TrainingConfig(
-            global_batch_size=global_batch_size, micro_batch_size=min(config.micro_batch_size, global_batch_size),
-            precision=config.precision, checkpoint=config.checkpoint, **config.levers(),
-        ), device=device)
+        config = replace(config, global_batch_size=global_batch_size, micro_batch_size=min(config.micro_batch_size, global_batch_size))
+        applied = apply_config(model, config, device=device)
         model = applied.model
         optimizer = applied.build_optimizer(spec.build_optimizer)
         losses, skipped = [], 0

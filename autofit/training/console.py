@@ -64,14 +64,14 @@ def header(plan: Plan, data: TrainData, applied: AppliedPlan, *, memory_note: st
     classes = f", {len(data.classes)} classes" if data.classes else ""
     val = f" / {len(data.val)} val" if data.val is not None else " (no validation data)"
     skipped = f"; skipped {data.skipped_images} unreadable image(s)" if data.skipped_images else ""
-    blocks = f"checkpoint {len(plan.checkpoint)} block(s)"
+    blocks = f"checkpoint {len(plan.config.checkpoint)} block(s)"
     world_size = applied.env.world_size
-    ranks = f"{world_size} processes ({plan.sharding}) x " if world_size > 1 else ""
+    ranks = f"{world_size} processes ({plan.config.sharding}) x " if world_size > 1 else ""
     where = f"{applied.device.type} per process; rank 0's " if world_size > 1 else f"{applied.device}; "
     return (
         f"data {data.source}: {len(data.train)} train{val} samples{classes}{skipped}\n"
-        f"plan: batch {plan.global_batch_size} = {ranks}micro-batch {applied.micro_batch_size} x {applied.grad_accum_steps}, "
-        f"{plan.precision}, {blocks}, budget {format_bytes(plan.budget_bytes)} on {where}{memory_note}\n"
+        f"plan: batch {plan.config.global_batch_size} = {ranks}micro-batch {applied.micro_batch_size} x {applied.grad_accum_steps}, "
+        f"{plan.config.precision}, {blocks}, budget {format_bytes(plan.budget_bytes)} on {where}{memory_note}\n"
         f"logs and weights: {log_dir}"
     )
 

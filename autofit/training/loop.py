@@ -55,7 +55,7 @@ from autofit.training.data import TrainData, epoch_order, make_loader
 from autofit.distributed import any_rank, is_rank0, mean_across_ranks
 from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
 from autofit.training.images import Unreadable
-from autofit.training.recovery import StepUndo, step_with_recovery
+from autofit.training.recovery import MicroBatchChange, StepUndo, step_with_recovery
 from autofit.training.resume import check_same_plan, resumed_value
 from autofit.training.rundir import hold_run_directory, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
@@ -257,7 +257,7 @@ def _train_run(
                 group["lr"].fill_(settings.lr)
             else:
                 group["lr"] = settings.lr
-    steps_per_epoch = math.ceil(len(data.train) / plan.global_batch_size)
+    steps_per_epoch = math.ceil(len(data.train) / plan.config.global_batch_size)
     scheduler = cosine_schedule(optimizer, total_steps=steps_per_epoch * settings.epochs)
     # Each rank draws its own dropout masks; rank 0 (the only one on one device) those of the seed.
     torch.manual_seed(settings.seed + applied.env.rank)
@@ -280,7 +280,7 @@ def _train_run(
         console.print(f"resuming from {checkpoints.last_path}: epoch {state.position.epoch + 1}, after step {state.position.global_step}")
 
     with log, console, BudgetWatch(plan, device=applied.device) as watch, _stop_on_signals() as stop:
-        finished = _train_epochs(
+        finished, plan = _train_epochs(
             applied, data=data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler, plan=plan, state=state,
             checkpoints=checkpoints, log=log, console=console, gauge=gauge, watch=watch, stop=stop, settings=settings,
         )
@@ -309,15 +309,16 @@ def _train_epochs(
     applied: AppliedPlan, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, scheduler, plan: Plan,
     state: RunState, checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, console: RunConsole, gauge: MemoryGauge,
     watch: BudgetWatch, stop: _StopRequest, settings: TrainSettings,
-) -> bool:
+) -> tuple[bool, Plan]:
     """The epochs from ``state``'s position on: steps over global batches, then validation and last.pt (best.pt).
 
     Returns:
-        True when the last epoch ended; False when ``settings.max_steps`` stopped the run first.
+        True when the last epoch ended, False when ``settings.max_steps`` stopped the run first; and the plan the
+        run ended with (a new one after each out-of-memory error: ``Plan.changed``).
     """
-    model, global_batch_size = applied.model, plan.global_batch_size
+    model, global_batch_size = applied.model, plan.config.global_batch_size
     steps_per_epoch = math.ceil(len(data.train) / global_batch_size)
-    nonfinite = NonFiniteStreak(limit=settings.max_nonfinite_steps, precision=plan.precision)
+    nonfinite = NonFiniteStreak(limit=settings.max_nonfinite_steps, precision=plan.config.precision)
     undo = StepUndo(model, optimizer=optimizer, scaler=applied.scaler, device=applied.device)  # redoes a step after OOM
     for epoch in range(state.position.epoch, settings.epochs):
         position = state.position  # this epoch's: where it starts (mid-epoch on resume) and what it has done
@@ -347,7 +348,7 @@ def _train_epochs(
             step_seconds, last_time = now - last_time, now
             position.advance(samples=batch_size, loss=loss, seconds=step_seconds)
             for oom in ooms:
-                _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)
+                plan = _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)
                 watch.micro_batch_changed()
             memory_bytes, peak_bytes = gauge.read()
             record = {
@@ -368,7 +369,7 @@ def _train_epochs(
                 log.flush()
                 if interrupted:
                     raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
-                return False
+                return False, plan
             if settings.save_every_steps and position.global_step % settings.save_every_steps == 0:
                 _save_last(checkpoints, log, plan=plan, state=state)
                 last_time = time.perf_counter()  # the pause for saving is not training time
@@ -393,7 +394,7 @@ def _train_epochs(
             checkpoints.save_best(saved, record=record)
         if any_rank(stop.is_set(), device=applied.device):  # a signal during validation
             raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
-    return True
+    return True, plan
 
 
 def _save_last(checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan: Plan, state: RunState) -> dict:
@@ -402,13 +403,13 @@ def _save_last(checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan:
     return checkpoints.save_last(plan=plan, state=state)
 
 
-def _record_oom(oom: dict, *, plan: Plan, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> None:
-    """Keep the run's plan true to what it trains with (plan.json now, last.pt at its next save), and say so."""
-    plan.micro_batch_size = oom["micro_batch_size"]  # grad_accum_steps follows from it
-    plan.history.append({**oom, "epoch": epoch, "step": step})
+def _record_oom(oom: MicroBatchChange, *, plan: Plan, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> Plan:
+    """The run's plan from now on, true to what it trains with (plan.json now, last.pt at its next save); says so."""
+    plan = plan.changed(oom.config, event={**oom.record, "epoch": epoch, "step": step})
     log.save_plan(plan)
-    log.write({"kind": "oom", "epoch": epoch, "step": step, **oom})
-    console.print(oom_line(oom))
+    log.write({"kind": "oom", "epoch": epoch, "step": step, **oom.record})
+    console.print(oom_line(oom.record))
+    return plan
 
 
 def _record_unreadable(sample: Unreadable, *, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> None:

@@ -22,11 +22,14 @@ say so). Then the run stops with one line; last.pt keeps the last save.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from autofit._torch_private import copy_tensors, grad_scaler_tensors, reset_grad_scaler_step, versions
 from autofit.apply import AppliedPlan
+from autofit.config import TrainingConfig
 from autofit.errors import UserError, is_out_of_memory
 from autofit.measure.meters import release_device_memory
 from autofit.step import StepResult, train_step
@@ -129,12 +132,21 @@ class StepUndo:
         return ""
 
 
+@dataclass(frozen=True, slots=True)
+class MicroBatchChange:
+    """A smaller micro-batch after an out-of-memory error: the configuration trained from then on, and why."""
+
+    config: TrainingConfig
+    record: dict
+    """What metrics.jsonl and the plan's history say of it (the error, the micro-batch before and after)."""
+
+
 def step_with_recovery(applied: AppliedPlan, inputs, targets, *, loss_fn, optimizer: torch.optim.Optimizer,
-                       undo: StepUndo) -> tuple[StepResult, list[dict]]:
+                       undo: StepUndo) -> tuple[StepResult, list[MicroBatchChange]]:
     """One optimizer step over a global batch, redone exactly with half the micro-batch after an allocation fails.
 
     Returns:
-        The step's result, and one record per micro-batch change made.
+        The step's result, and each micro-batch change made.
 
     Raises:
         UserError: out of memory at a micro-batch of 1, on several processes,
@@ -155,8 +167,8 @@ def step_with_recovery(applied: AppliedPlan, inputs, targets, *, loss_fn, optimi
         release_device_memory(applied.device.type)
         previous = applied.micro_batch_size
         applied.halve_micro_batch()
-        ooms.append({
+        ooms.append(MicroBatchChange(config=applied.config, record={
             "event": "out_of_memory", "error": message, "previous_micro_batch_size": previous,
             "micro_batch_size": applied.micro_batch_size, "grad_accum_steps": applied.grad_accum_steps,
-            "global_batch_size": applied.split.config.global_batch_size,
-        })
+            "global_batch_size": applied.config.global_batch_size,
+        }))

@@ -9,9 +9,11 @@ naming it; only what does not change the training may differ: ``epochs``
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 
@@ -68,21 +70,23 @@ def check_same_plan(given: Plan, saved: Plan, *, where: Path) -> None:
         UserError: naming the first fields that differ.
     """
     differences = []
+    choices = [
+        (name, getattr(given.config, name), getattr(saved.config, name))
+        for name in (f.name for f in dataclasses.fields(TrainingConfig)) if name != "micro_batch_size"
+    ]
     for name, mine, theirs in (
         ("model fingerprint", given.model.fingerprint, saved.model.fingerprint),
         ("device", given.device.type, saved.device.type),
-        ("global_batch_size", given.global_batch_size, saved.global_batch_size),
-        ("precision", given.precision, saved.precision),
-        ("checkpoint", list(given.checkpoint), list(saved.checkpoint)),
-        ("world_size", given.world_size, saved.world_size),
-        ("sharding", given.sharding, saved.sharding),
+        *choices,
         ("budget_bytes", given.budget_bytes, saved.budget_bytes),
     ):
         if mine is not None and theirs is not None and mine != theirs:
-            differences.append(f"{name} {mine!r} (saved: {theirs!r})")
-    started_with = saved.history[0].get("previous_micro_batch_size") if saved.history else saved.micro_batch_size
-    if given.micro_batch_size not in (saved.micro_batch_size, started_with):
-        differences.append(f"micro_batch_size {given.micro_batch_size} (saved: {saved.micro_batch_size})")
+            shown = (list(mine), list(theirs)) if isinstance(mine, tuple) else (mine, theirs)
+            differences.append(f"{name} {shown[0]!r} (saved: {shown[1]!r})")
+    mine, theirs = given.config.micro_batch_size, saved.config.micro_batch_size
+    started_with = saved.history[0].get("previous_micro_batch_size") if saved.history else theirs
+    if mine not in (theirs, started_with):
+        differences.append(f"micro_batch_size {mine} (saved: {theirs})")
     if differences:
         raise UserError(
             f"--resume: the plan given differs from the one the run in {where} trains with: {'; '.join(differences)}; "

@@ -49,7 +49,7 @@ def run_training(
     Raises:
         UserError: as ``train``; TrainingInterrupted on Ctrl-C.
     """
-    if plan.sharding != "none":
+    if plan.config.sharding != "none":
         # Under torchrun: join the processes now, so that all write to rank 0's default log dir.
         init_distributed(device_type=plan.device.type)
     if settings.log_dir is None:

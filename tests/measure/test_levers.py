@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from autofit.apply import TrainingConfig, apply_config, offloaded_blocks, selectively_checkpointed_blocks
+from autofit.apply import apply_config, offloaded_blocks, selectively_checkpointed_blocks
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.probe import measure
 from autofit.spec import load_spec

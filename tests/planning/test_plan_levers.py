@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from autofit.apply import TrainingConfig
+from autofit.config import TrainingConfig
 from autofit.measure.probe import measure
 from autofit.plan_file import load_plan
 from autofit.planning.verify.floor import InfeasibleBudget
@@ -59,10 +59,10 @@ def test_a_budget_between_the_lever_floor_and_the_floor_steps_in_backward(run_cl
     code, stdout, err = run_cli("plan", path, "--budget", budget, "--batch-size", "1", "--precisions", "fp32", "--out", out)
     assert code == 0, err
     plan = load_plan(out)
-    assert plan.optimizer_in_backward and plan.optimizer_state == "device" and plan.offload == []
+    assert plan.config.optimizer_in_backward and plan.config.optimizer_state == "device" and plan.config.offload == ()
     # The floor configuration (every block checkpointed) with the step in backward fits; the search with it may
     # then find fewer blocks checkpointed, timed faster.
-    assert set(plan.checkpoint + plan.selective_checkpoint) <= set(BLOCKS) and plan.micro_batch_size == 1
+    assert set(plan.config.checkpoint + plan.config.selective_checkpoint) <= set(BLOCKS) and plan.config.micro_batch_size == 1
     assert plan.measured.samples_per_s > 0
     assert plan.measured.breakdown["gradients"] == 0  # each gradient is stepped and freed in backward
     assert "optimizer step in backward" in stdout.splitlines()[1]  # the chosen line
@@ -93,7 +93,7 @@ def test_micro_steps_leave_the_step_in_backward_out(one_thread, lm):
     with pytest.raises(InfeasibleBudget) as error:
         make_plan(spec, budget=1000, batch_size=2, precisions=["fp32"], log=lines.append)
     assert "optimizer step in backward (" not in str(error.value)
-    assert any("takes 2 micro-batches per step (it needs one)" in line for line in lines)
+    assert any("needs one micro-batch per optimizer step, but micro-batch 1 of batch 2 makes 2" in line for line in lines)
 
 
 def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backward(one_thread, lm):
@@ -110,10 +110,10 @@ def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backwa
     plain = smallest_budget(peak(2))  # the whole batch, every block checkpointed, no lever
     budget = (lever_floor + min(floor, plain)) // 2
     plan = make_plan(spec, budget=budget, batch_size=2, precisions=["fp32"])
-    assert plan.micro_batch_size == 2 and plan.grad_accum_steps == 1 and plan.optimizer_in_backward
+    assert plan.config.micro_batch_size == 2 and plan.config.grad_accum_steps == 1 and plan.config.optimizer_in_backward
     assert any("the search with the memory levers found this configuration, measured to fit" in note for note in plan.notes)
     config = TrainingConfig(
-        global_batch_size=2, micro_batch_size=2, checkpoint=plan.checkpoint, selective_checkpoint=plan.selective_checkpoint,
+        global_batch_size=2, micro_batch_size=2, checkpoint=plan.config.checkpoint, selective_checkpoint=plan.config.selective_checkpoint,
         optimizer_in_backward=True,
     )
     assert measure(spec, config, device="cpu", steps=2).peak_bytes + sum(plan.headroom.values()) <= budget
@@ -132,7 +132,7 @@ def test_eight_bit_state_only_with_the_flag(one_thread, lm):
     with pytest.raises(InfeasibleBudget, match="it would fit"):
         make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"])
     plan = make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"], allow_lossy_optimizer=True)
-    assert plan.optimizer_state == "8bit" and plan.optimizer_in_backward
+    assert plan.config.optimizer_state == "8bit" and plan.config.optimizer_in_backward
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
     assert any("changes the optimizer's arithmetic" in note for note in plan.notes)
 
@@ -141,7 +141,7 @@ def test_simulated_lever_plan_is_estimated_and_fits(lm):
     _, spec = lm
     floor, lever_floor = smallest_budget(floor_peak(spec)), smallest_budget(floor_peak(spec, optimizer_in_backward=True))
     plan = make_plan(spec, budget=(floor + lever_floor) // 2, batch_size=1, precisions=["fp32"], simulate=True)
-    assert plan.estimated and plan.optimizer_in_backward and plan.measured.meter == "simulated"
+    assert plan.estimated and plan.config.optimizer_in_backward and plan.measured.meter == "simulated"
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
 
@@ -150,7 +150,7 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     """The candidates in order, each adding to the last; host state simulated too (the simulated meter counts it as host bytes)."""
     from dataclasses import replace
 
-    from autofit.planning.context import Config, plan_context
+    from autofit.planning.context import plan_context
     from autofit.planning.verify.floor import Floor
     from autofit.planning.verify.below_floor import lever_candidates
 
@@ -160,13 +160,13 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
         precisions=["fp32"], num_classes=None, log=None,
     )
     context = replace(context, simulate=simulate)  # the candidates only; nothing is measured here
-    floor = Floor(config=Config(precision="fp32", micro_batch_size=1, checkpoint=("layers.0",)), budget_bytes=1)
+    floor = Floor(config=TrainingConfig(global_batch_size=1, precision="fp32", micro_batch_size=1, checkpoint=("layers.0",)), budget_bytes=1)
     candidates, skipped = lever_candidates(context, floor, blocks=BLOCKS, allow_lossy_optimizer=False)
     steps = [(c.config.optimizer_in_backward, c.config.offload, c.config.optimizer_state, c.lossy) for c in candidates]
     assert steps == [
-        (True, [], "device", False),
-        (True, ["layers.1", "layers.2"], "host", False),
-        (True, ["layers.1", "layers.2"], "8bit", True),
+        (True, (), "device", False),
+        (True, ("layers.1", "layers.2"), "host", False),
+        (True, ("layers.1", "layers.2"), "8bit", True),
     ]
     assert candidates[-1].name == "optimizer step in backward, activation offload of 2 block(s), 8-bit AdamW state"
     assert any("--allow-lossy-optimizer" in why for why in skipped)
@@ -195,7 +195,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     plan = make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
     # The floor configuration fits with the state on the host; the search with the levers then finds the state on
     # the host with fewer blocks checkpointed (it needs no step in backward: the gradients leave the device anyway).
-    assert plan.estimated and plan.optimizer_state == "host" and len(plan.checkpoint) + len(plan.selective_checkpoint) < len(BLOCKS)
+    assert plan.estimated and plan.config.optimizer_state == "host" and len(plan.config.checkpoint) + len(plan.config.selective_checkpoint) < len(BLOCKS)
     assert plan.measured.breakdown["optimizer_state"] == 0 and plan.measured.peak_bytes <= host.peak_bytes * 1.5
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
     assert any("the search with the memory levers found" in note for note in plan.notes)
@@ -241,7 +241,7 @@ def test_a_decoder_trains_below_its_parameters_gradients_and_adamw_state(run_cli
     code, _, err = run_cli("plan", str(path), "--budget", budget, "--batch-size", "1", "--precisions", "fp32", "--no-cache", "--out", out, "-q")
     assert code == 0, err
     plan = load_plan(out)
-    assert plan.optimizer_in_backward and plan.optimizer_state == "device"
+    assert plan.config.optimizer_in_backward and plan.config.optimizer_state == "device"
     assert plan.measured.breakdown["gradients"] < state_bytes / 4 / 4  # never all alive: at most a few at once
     code, stdout, err = run_cli("probe", "--plan", out, "--json")
     assert code == 0, err

@@ -1,5 +1,6 @@
 import torch
 
+from autofit.config import TrainingConfig
 from autofit.plan_file import ModelInfo, Plan, load_plan, save_plan
 from autofit.planning.report import batch_norm_notes
 
@@ -15,7 +16,7 @@ def test_no_note_without_batch_norm_or_without_a_split():
 
 
 def test_notes_round_trip_through_plan_json(tmp_path):
-    plan = Plan(budget_bytes=1, global_batch_size=4, micro_batch_size=2, notes=["a note"])
+    plan = Plan(budget_bytes=1, config=TrainingConfig(global_batch_size=4, micro_batch_size=2), notes=["a note"])
     assert load_plan(save_plan(plan, tmp_path / "plan.json")).notes == ["a note"]
 
 

@@ -4,6 +4,7 @@ plan re-measured by ``probe_plan``."""
 import pytest
 import torch
 
+from autofit.config import TrainingConfig
 from autofit.measure.probe import probe, probe_plan
 from autofit.commands.plan import summary_lines
 from autofit.measure.optimizer_speed import UpdateCost
@@ -42,7 +43,7 @@ def test_step_in_backward_lets_the_whole_batch_fit_above_the_floor(monkeypatch):
     report = plan_with_report(spec, budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"])
     plan = report.plan
     assert report.floor_bytes < STEP_BUDGET
-    assert plan.optimizer_in_backward and plan.micro_batch_size == 8 and not plan.checkpoint and not plan.selective_checkpoint
+    assert plan.config.optimizer_in_backward and plan.config.micro_batch_size == 8 and not plan.config.checkpoint and not plan.config.selective_checkpoint
     assert plan.measured.peak_bytes <= STEP_BUDGET
     assert abs(plan.predicted.peak_bytes - plan.measured.peak_bytes) <= 0.001 * plan.measured.peak_bytes
     assert any("optimizer step in backward" in note for note in plan.notes)
@@ -88,12 +89,12 @@ def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
         spec, budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"],
     )
     plan = report.plan
-    assert plan.offload and plan.micro_batch_size == 8
-    assert not set(plan.offload) & set(plan.checkpoint + plan.selective_checkpoint)
+    assert plan.config.offload and plan.config.micro_batch_size == 8
+    assert not set(plan.config.offload) & set(plan.config.checkpoint + plan.config.selective_checkpoint)
     assert abs(plan.predicted.peak_bytes - plan.measured.peak_bytes) <= 0.002 * plan.measured.peak_bytes
     assert any("activation offload moves" in note and "assumed" in note for note in plan.notes)
     remeasured = probe_plan(spec, plan, steps=2)
-    assert remeasured.offload == plan.offload and remeasured.host_peak_bytes > 0
+    assert remeasured.offload == list(plan.config.offload) and remeasured.host_peak_bytes > 0
     assert remeasured.peak_bytes == plan.measured.peak_bytes
     assert remeasured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
@@ -104,22 +105,20 @@ def test_cpu_plans_never_offload():
     spec = layout_specs()["lm"]
     report = plan_with_report(spec, budget=1_250_000, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"])
     plan = report.plan
-    assert not plan.offload and plan.optimizer_state == "device" and (plan.checkpoint or plan.selective_checkpoint or plan.micro_batch_size < 8)
+    assert not plan.config.offload and plan.config.optimizer_state == "device" and (plan.config.checkpoint or plan.config.selective_checkpoint or plan.config.micro_batch_size < 8)
 
 
 def test_configuration_keys_name_the_levers_and_keep_the_old_ones():
     """Stored measurements are keyed by configuration: one without levers keeps the key it always had."""
-    from autofit.planning.context import Config
-
-    plain = Config(precision="fp32", micro_batch_size=4, checkpoint=("a",))
+    plain = TrainingConfig(global_batch_size=8, precision="fp32", micro_batch_size=4, checkpoint=("a",))
     assert plain.key() == "fp32:4:a"
-    levers = Config(precision="fp32", micro_batch_size=4, checkpoint=("a",), offload=("b",), optimizer_state="host")
+    levers = TrainingConfig(global_batch_size=8, precision="fp32", micro_batch_size=4, checkpoint="a", offload=["b"], optimizer_state="host")
     assert levers.key() == "fp32:4:a::offload=b;state=host"
-    stepping = Config(precision="bf16", micro_batch_size=8, optimizer_in_backward=True)
+    stepping = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=8, optimizer_in_backward=True)
     assert stepping.key() == "bf16:8:::step-in-backward"
     assert len({plain.key(), levers.key(), stepping.key()}) == 3
-    assert plain.simplicity(8) < levers.simplicity(8)
-    assert levers.training_config(8).offload == ["b"] and levers.training_config(8).optimizer_state == "host"
+    assert plain.simplicity() < levers.simplicity()
+    assert levers.offload == ("b",) and levers.checkpoint == ("a",) and levers.optimizer_state == "host"
 
 
 def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
@@ -135,7 +134,7 @@ def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
         layout_specs()["lm"], budget="4GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False,
     )
     plan = report.plan
-    assert not plan.optimizer_in_backward and plan.offload == [] and plan.optimizer_state == "device" and not plan.checkpoint
+    assert not plan.config.optimizer_in_backward and plan.config.offload == () and plan.config.optimizer_state == "device" and not plan.config.checkpoint
 
 
 def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
@@ -149,8 +148,8 @@ def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
 
     def point(precision, m, *, fits, speed, plain, bound=None):
         return Evaluation(
-            precision=precision, micro_batch_size=m, grad_accum_steps=8 // m, fits=fits, samples_per_s=speed, plain_samples_per_s=plain,
-            bound_samples_per_s=bound,
+            config=TrainingConfig(global_batch_size=8, precision=precision, micro_batch_size=m), fits=fits, samples_per_s=speed,
+            plain_samples_per_s=plain, bound_samples_per_s=bound,
         )
 
     fitting = point("bf16", 4, fits=True, speed=100.0, plain=100.0)
@@ -177,7 +176,7 @@ def test_the_bound_before_offload_is_traced_holds(monkeypatch):
 
     def spy(*args, **kwargs):
         found, sampler = score_space(*args, **kwargs)
-        scorings.append({(e.precision, e.micro_batch_size): e for e in found})
+        scorings.append({(e.config.precision, e.config.micro_batch_size): e for e in found})
         return found, sampler
 
     monkeypatch.setattr(planner, "score_space", spy)
@@ -185,9 +184,9 @@ def test_the_bound_before_offload_is_traced_holds(monkeypatch):
         layout_specs()["lm"], budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False,
         precisions=["fp32"],
     )
-    assert report.plan.offload
-    before = next(i for i, scored in enumerate(scorings) if any(e.offload for e in scored.values()))
-    offloading = [key for key, e in scorings[before].items() if e.offload]
+    assert report.plan.config.offload
+    before = next(i for i, scored in enumerate(scorings) if any(e.config.offload for e in scored.values()))
+    offloading = [key for key, e in scorings[before].items() if e.config.offload]
     assert offloading and before > 0
     for key in offloading:
         bound = scorings[before - 1][key].bound_samples_per_s
@@ -222,7 +221,7 @@ def test_eight_bit_state_lets_the_whole_batch_fit_without_recomputation(monkeypa
     report = eight_bit_plan(monkeypatch, per_element_seconds=1e-12, allow_lossy_optimizer=True)
     plan = report.plan
     assert report.floor_bytes < EIGHT_BIT_BUDGET
-    assert plan.optimizer_state == "8bit" and plan.micro_batch_size == 4 and not plan.checkpoint and not plan.selective_checkpoint
+    assert plan.config.optimizer_state == "8bit" and plan.config.micro_batch_size == 4 and not plan.config.checkpoint and not plan.config.selective_checkpoint
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= EIGHT_BIT_BUDGET
     assert abs(plan.predicted.peak_bytes - plan.measured.peak_bytes) <= 0.0001 * plan.measured.peak_bytes
     assert any("changes the optimizer's arithmetic" in note for note in plan.notes)
@@ -236,13 +235,13 @@ def test_eight_bit_state_lets_the_whole_batch_fit_without_recomputation(monkeypa
     assert remeasured.optimizer_state == "8bit" and remeasured.peak_bytes + sum(plan.headroom.values()) <= EIGHT_BIT_BUDGET
 
     refused = eight_bit_plan(monkeypatch, per_element_seconds=1e-12, allow_lossy_optimizer=False).plan
-    assert refused.optimizer_state == "device" and refused.checkpoint
+    assert refused.config.optimizer_state == "device" and refused.config.checkpoint
 
 
 def test_eight_bit_state_is_chosen_only_where_it_is_fastest(monkeypatch):
     """Its measured time counts: an update slower than recomputing the first block loses to checkpointing, even allowed."""
     plan = eight_bit_plan(monkeypatch, per_element_seconds=1e-6, allow_lossy_optimizer=True).plan
-    assert plan.optimizer_state == "device" and plan.checkpoint
+    assert plan.config.optimizer_state == "device" and plan.config.checkpoint
 
 
 def test_eight_bit_state_is_not_tried_where_plain_training_fits(monkeypatch):
@@ -254,4 +253,4 @@ def test_eight_bit_state_is_not_tried_where_plain_training_fits(monkeypatch):
 
     monkeypatch.setattr(search, "lever_segments", refuse)
     plan = eight_bit_plan(monkeypatch, per_element_seconds=1e-12, allow_lossy_optimizer=True, budget="4MiB").plan
-    assert plan.optimizer_state == "device" and not plan.checkpoint and not plan.optimizer_in_backward
+    assert plan.config.optimizer_state == "device" and not plan.config.checkpoint and not plan.config.optimizer_in_backward

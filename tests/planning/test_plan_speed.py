@@ -240,13 +240,13 @@ def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(mon
         uneven_spec(), budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB", cache=False,
     )
     best = report.plan.predicted.samples_per_s
-    assert report.plan.precision in ("bf16", "fp16") and report.plan.grad_accum_steps == 1
+    assert report.plan.config.precision in ("bf16", "fp16") and report.plan.config.grad_accum_steps == 1
     note = report.precision_notes["fp32"]
     fastest = float(note.split("not traced: at most ")[1].split(" ")[0])
     assert VERIFY_WITHIN * best <= fastest < best  # a timed verification would have raced it: traced before
     assert f"under the {best:.1f} found to fit" in note
     # On a tie of bf16 and fp16 (the same traces and speeds here), bf16 wins: it needs no loss scaler.
-    assert report.plan.precision == "bf16"
+    assert report.plan.config.precision == "bf16"
 
 
 # -- the cache -------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def test_the_cache_serves_another_budget(tmp_path, monkeypatch):
     assert second.memory_probes >= 1
     again = plan_with_report(uneven_spec(), budget="2MB", batch_size=16, precisions=["fp32"])
     assert again.real_probes == 0  # the same comparison, settled by the last run's timings
-    assert again.plan.micro_batch_size == second.plan.micro_batch_size
+    assert again.plan.config.micro_batch_size == second.plan.config.micro_batch_size
 
 
 def test_no_cache_keeps_nothing(tmp_path, monkeypatch):

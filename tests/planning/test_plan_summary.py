@@ -1,26 +1,30 @@
 """The plan's alternatives and the summary: fitting is what was measured where it was measured; rejections are shown."""
 from types import SimpleNamespace
 
+from autofit.config import TrainingConfig
 from autofit.commands.plan import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
-from autofit.planning.context import Config
 from autofit.planning.search.space import Evaluation
 from autofit.planning.report import PlanReport, _alternatives
 
-CHOSEN = Config(precision="bf16", micro_batch_size=4, checkpoint=("b0",))
+CHOSEN = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=("b0",))
+
+
+def point(precision: str, micro_batch_size: int, **choices) -> TrainingConfig:
+    """A configuration of the global batch of 8 these alternatives are for."""
+    return TrainingConfig(global_batch_size=8, precision=precision, micro_batch_size=micro_batch_size, **choices)
 
 
 def alternatives() -> list[dict]:
     """Five points on the front: measured to fit, rejected, predicted not to fit, chosen, and not measured."""
     evaluations = [
-        Evaluation(precision="bf16", micro_batch_size=2, grad_accum_steps=4, plain_peak_bytes=90, plain_samples_per_s=5.0),
-        Evaluation(precision="fp32", micro_batch_size=2, grad_accum_steps=4, plain_peak_bytes=100, plain_samples_per_s=10.0),
+        Evaluation(config=point("bf16", 2), plain_peak_bytes=90, plain_samples_per_s=5.0),
+        Evaluation(config=point("fp32", 2), plain_peak_bytes=100, plain_samples_per_s=10.0),
         Evaluation(
-            precision="bf16", micro_batch_size=4, grad_accum_steps=2, checkpoint=["b0"], fits=True, peak_bytes=150, samples_per_s=15.0,
-            plain_peak_bytes=500, plain_samples_per_s=16.0,
+            config=CHOSEN, fits=True, peak_bytes=150, samples_per_s=15.0, plain_peak_bytes=500, plain_samples_per_s=16.0,
         ),
-        Evaluation(precision="fp32", micro_batch_size=4, grad_accum_steps=2, plain_peak_bytes=200, plain_samples_per_s=20.0),
-        Evaluation(precision="fp32", micro_batch_size=8, grad_accum_steps=1, plain_peak_bytes=400, plain_samples_per_s=30.0),
+        Evaluation(config=point("fp32", 4), plain_peak_bytes=200, plain_samples_per_s=20.0),
+        Evaluation(config=point("fp32", 8), plain_peak_bytes=400, plain_samples_per_s=30.0),
     ]
     verified = {
         "fp32:2:": {"measured_peak_bytes": 110, "measured_samples_per_s": 9.0, "fits": True},
@@ -36,7 +40,7 @@ def alternatives() -> list[dict]:
 
 
 def by_key(entries: list[dict]) -> dict[str, dict]:
-    return {Config(precision=a["precision"], micro_batch_size=a["micro_batch_size"], checkpoint=tuple(a["checkpoint"])).key(): a for a in entries}
+    return {point(a["precision"], a["micro_batch_size"], checkpoint=a["checkpoint"]).key(): a for a in entries}
 
 
 def test_fits_is_measured_where_measured_and_predicted_elsewhere():
@@ -58,8 +62,8 @@ def test_the_chosen_alternative_carries_its_measured_peak():
 
 def test_the_summary_marks_how_each_alternative_fits_and_lists_the_rejections():
     plan = Plan(
-        model=ModelInfo(source="model.py"), budget_bytes=300, global_batch_size=8, micro_batch_size=4, precision="bf16",
-        checkpoint=["b0"], predicted=Predicted(peak_bytes=150, samples_per_s=15.0),
+        model=ModelInfo(source="model.py"), budget_bytes=300, config=TrainingConfig(global_batch_size=8, micro_batch_size=4, precision="bf16", checkpoint=["b0"]),
+        predicted=Predicted(peak_bytes=150, samples_per_s=15.0),
         measured=Measured(peak_bytes=140, samples_per_s=14.0, meter="cpu"), headroom={"safety_margin": 6}, alternatives=alternatives(),
     )
     report = PlanReport(plan=plan, rejected=[{"config": "fp32:4:", "why": "measured peak 260 B does not fit"}])

@@ -87,9 +87,9 @@ def one_thread():
 def remeasure(spec, plan, device="cpu"):
     """The plan's settings, probed again from scratch (as `autofit probe` does)."""
     return probe(
-        spec, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
-        precision=plan.precision, checkpoint=plan.checkpoint, selective_checkpoint=plan.selective_checkpoint,
-        offload=plan.offload, optimizer_in_backward=plan.optimizer_in_backward, optimizer_state=plan.optimizer_state,
+        spec, micro_batch_size=plan.config.micro_batch_size, global_batch_size=plan.config.global_batch_size,
+        precision=plan.config.precision, checkpoint=plan.config.checkpoint, selective_checkpoint=plan.config.selective_checkpoint,
+        offload=plan.config.offload, optimizer_in_backward=plan.config.optimizer_in_backward, optimizer_state=plan.config.optimizer_state,
         device=device,
     )
 
@@ -125,24 +125,24 @@ def test_plans_fit_when_measured_again(name, position, planned):
     again = remeasure(SPECS[name](), plan)
     assert again.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
     assert again.peak_bytes == plan.measured.peak_bytes  # the cpu meter is deterministic
-    assert plan.global_batch_size == BATCH[name]
-    assert plan.micro_batch_size * plan.grad_accum_steps >= plan.global_batch_size
-    assert plan.micro_batch_size * (plan.grad_accum_steps - 1) < plan.global_batch_size
+    assert plan.config.global_batch_size == BATCH[name]
+    assert plan.config.micro_batch_size * plan.config.grad_accum_steps >= plan.config.global_batch_size
+    assert plan.config.micro_batch_size * (plan.config.grad_accum_steps - 1) < plan.config.global_batch_size
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_tight_budget_trades_memory(name, planned, floors):
     _, plain_peak = floors[name]
     plan = planned[name, 0.35]
-    assert plan.checkpoint or plan.micro_batch_size < BATCH[name]
+    assert plan.config.checkpoint or plan.config.micro_batch_size < BATCH[name]
     assert plan.measured.peak_bytes < plain_peak
 
 
 def test_generous_budget_is_plain_training():
     spec = uneven_spec()
     plan = make_plan(spec, budget="1GB", batch_size=16, precisions=["fp32"])
-    assert plan.checkpoint == []
-    assert plan.grad_accum_steps == 1 and plan.micro_batch_size == 16
+    assert plan.config.checkpoint == ()
+    assert plan.config.grad_accum_steps == 1 and plan.config.micro_batch_size == 16
     assert plan.measured.relative_to_unconstrained == pytest.approx(1.0)
 
 
@@ -161,7 +161,7 @@ def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
     assert plan.model.parameter_count > 0 and plan.model.input_shape == [3, 12, 12] and plan.model.num_classes == 10
     assert plan.device.type == "cpu" and plan.device.total_bytes > 0 and plan.device.name
     assert plan.budget_bytes == 3 * 10**6 and plan.budget_kind == "cpu-tracked" and plan.estimated is False
-    assert plan.precision in ("fp32", "bf16")
+    assert plan.config.precision in ("fp32", "bf16")
     assert set(printed["predicted"]) >= {"peak_bytes", "samples_per_s"} and set(printed["measured"]) >= {"peak_bytes", "samples_per_s", "meter"}
     assert plan.measured.meter == "cpu" and plan.measured.samples_per_s > 0
     assert plan.headroom["safety_margin"] > 0
@@ -172,10 +172,10 @@ def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
     # a Pareto front (of the precisions traced: one too slow to reach the verification is not)
     assert len(front) >= 1 and peaks == sorted(peaks) and speeds == sorted(speeds)
     # `autofit probe` with the plan's settings measures the same peak (16 = m x k here or the check is skipped)
-    if plan.micro_batch_size * plan.grad_accum_steps == 16:
+    if plan.config.micro_batch_size * plan.config.grad_accum_steps == 16:
         code, stdout, err = run_cli(
-            "probe", model, "-m", plan.micro_batch_size, "-k", plan.grad_accum_steps, "--precision", plan.precision,
-            "--checkpoint", ",".join(plan.checkpoint) or "none", "--json",
+            "probe", model, "-m", plan.config.micro_batch_size, "-k", plan.config.grad_accum_steps, "--precision", plan.config.precision,
+            "--checkpoint", ",".join(plan.config.checkpoint) or "none", "--json",
         )
         assert code == 0, err
         assert json.loads(stdout)["peak_bytes"] + sum(plan.headroom.values()) <= plan.budget_bytes
@@ -217,7 +217,7 @@ def test_simulated_gpu_plan_without_a_gpu():
 def test_all_precisions_are_measured_not_assumed():
     """fp16 on a CPU is slow; the planner finds out by timing it, and never picks it here."""
     report = plan_with_report(uneven_spec(), budget="1GB", batch_size=16)
-    assert report.plan.precision in ("fp32", "bf16")
+    assert report.plan.config.precision in ("fp32", "bf16")
     assert set(report.speeds) == {"fp32", "bf16", "fp16"}  # timed, each of them, traced or not
     assert all(s["step_seconds"][0] > 0 for s in report.speeds.values())
     assert set(report_model(report).precisions) <= {"fp32", "bf16", "fp16"}
@@ -235,7 +235,7 @@ def test_study_resumes(tmp_path):
     second = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"], study=storage)
     assert not first.resumed and second.resumed
     assert second.real_probes == 0  # measurements come from the study
-    assert second.plan.micro_batch_size == first.plan.micro_batch_size and second.plan.checkpoint == first.plan.checkpoint
+    assert second.plan.config.micro_batch_size == first.plan.config.micro_batch_size and second.plan.config.checkpoint == first.plan.config.checkpoint
     other_budget = plan_with_report(uneven_spec(), budget="2MB", batch_size=16, precisions=["fp32"], study=storage)
     assert other_budget.resumed  # the cost model is shared across budgets
     import optuna
@@ -259,7 +259,7 @@ def test_python_api_leaves_the_model_alone():
         model, lambda n: (torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))), budget="1GB", batch_size=8,
         precisions=["fp32"],
     )
-    assert plan.global_batch_size == 8 and plan.model.source == "python:UnevenNet"
+    assert plan.config.global_batch_size == 8 and plan.model.source == "python:UnevenNet"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -515,16 +515,16 @@ def test_planner_chooses_selective_where_it_is_cheaper_and_probe_agrees(chain_mo
     )
     assert code == 0, err
     plan = load_plan(out)
-    assert plan.selective_checkpoint and not plan.checkpoint, (plan.checkpoint, plan.selective_checkpoint)
-    assert set(plan.selective_checkpoint) <= set(blocks)
+    assert plan.config.selective_checkpoint and not plan.config.checkpoint, (plan.config.checkpoint, plan.config.selective_checkpoint)
+    assert set(plan.config.selective_checkpoint) <= set(blocks)
     assert "selective checkpoint" in stdout  # the chosen line names the selective blocks
     code, stdout, err = run_cli("probe", "--plan", out, "--json")
     assert code == 0, err
     again = json.loads(stdout)
-    assert again["selective_checkpoint"] == plan.selective_checkpoint and again["checkpoint"] == []
+    assert again["selective_checkpoint"] == list(plan.config.selective_checkpoint) and again["checkpoint"] == []
     assert again["peak_bytes"] + sum(plan.headroom.values()) <= plan.budget_bytes
     # The simulated meter is the cpu meter's twin: the plan fits for real too.
-    real = probe(spec, micro_batch_size=1, global_batch_size=1, selective_checkpoint=plan.selective_checkpoint, steps=2)
+    real = probe(spec, micro_batch_size=1, global_batch_size=1, selective_checkpoint=plan.config.selective_checkpoint, steps=2)
     assert real.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
 
@@ -536,33 +536,29 @@ def test_measured_plan_with_selective_candidates_fits(chain_model, run_cli, tmp_
     code, stdout, err = run_cli("plan", path, "--budget", budget, "--batch-size", "1", "--precisions", "fp32", "--no-cache", "--out", out)
     assert code == 0, err
     plan = load_plan(out)
-    assert plan.checkpoint or plan.selective_checkpoint
+    assert plan.config.checkpoint or plan.config.selective_checkpoint
     code, stdout, err = run_cli("probe", "--plan", out, "--json")
     assert code == 0, err
     again = json.loads(stdout)
-    assert (again["checkpoint"], again["selective_checkpoint"]) == (plan.checkpoint, plan.selective_checkpoint)
+    assert (again["checkpoint"], again["selective_checkpoint"]) == (list(plan.config.checkpoint), list(plan.config.selective_checkpoint))
     assert again["peak_bytes"] + sum(plan.headroom.values()) <= plan.budget_bytes
     assert again["peak_bytes"] == plan.measured.peak_bytes
 
 
 def test_selective_blocks_are_in_the_configuration_key_and_the_timed_steps():
     from autofit.commands.plan import _config_text
-    from autofit.planning.context import Config
-    from autofit.planning.verify.measurements import _training_config
+    from autofit.config import TrainingConfig
 
-    plain = Config(precision="bf16", micro_batch_size=4, checkpoint=("layers.0",))
-    mixed = Config(precision="bf16", micro_batch_size=4, checkpoint=("layers.0",), selective_checkpoint=("layers.1", "layers.2"))
+    plain = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=["layers.0"])
+    mixed = TrainingConfig(
+        global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=["layers.0"], selective_checkpoint="layers.1,layers.2",
+    )
     assert plain.key() == "bf16:4:layers.0"  # stored measurements keep their keys
     assert mixed.key() == "bf16:4:layers.0:layers.1,layers.2"
     assert _config_text(plain.key()) == "bf16, micro-batch 4, checkpoint layers.0"
     assert _config_text(mixed.key()) == "bf16, micro-batch 4, checkpoint layers.0, selective checkpoint layers.1, layers.2"
     assert _config_text("fp32:2:") == "fp32, micro-batch 2, checkpoint none"
-
-    class Context:
-        global_batch_size = 8
-
-    config = _training_config(mixed, Context())
-    assert config.checkpoint == ["layers.0"] and config.selective_checkpoint == ["layers.1", "layers.2"]
+    assert mixed.checkpoint == ("layers.0",) and mixed.selective_checkpoint == ("layers.1", "layers.2")
 
 
 @pytest.mark.gpu
@@ -573,11 +569,11 @@ def test_cuda_plans_fit_the_card_when_measured_again():
     spec = resnet_spec()
     generous = make_plan(spec, budget="90%", batch_size=256, device="cuda")
     assert generous.budget_kind == "cuda-process" and generous.measured.meter == "cuda"
-    assert generous.checkpoint == [] and generous.grad_accum_steps == 1
+    assert generous.config.checkpoint == () and generous.config.grad_accum_steps == 1
     needs = generous.measured.peak_bytes + sum(generous.headroom.values())
     budget = int(needs - 0.4 * generous.measured.peak_bytes)  # the measured peak leaves the context out
     tight = make_plan(spec, budget=budget, batch_size=256, device="cuda")
-    assert tight.checkpoint or tight.micro_batch_size < 256 or tight.precision != generous.precision
+    assert tight.config.checkpoint or tight.config.micro_batch_size < 256 or tight.config.precision != generous.config.precision
     for plan in (generous, tight):
         again = remeasure(spec, plan, device="cuda")
         margins = sum(v for k, v in plan.headroom.items() if k != "context")  # the probe's peak holds the context
@@ -589,7 +585,6 @@ def test_a_selective_candidate_races_its_point_without_selective_blocks(chain_mo
     with selective blocks is timed side by side with its point's cheapest set without them (here the speed model
     is told selective costs next to nothing, so the search's candidate is selective)."""
     import autofit.planning.planner as planner
-    from autofit.planning.context import Config
     from autofit.planning.planner import plan_with_report
 
     add_speeds = planner.add_speeds
@@ -603,11 +598,7 @@ def test_a_selective_candidate_races_its_point_without_selective_blocks(chain_mo
     path, spec, blocks, budget = chain_model
     report = plan_with_report(spec, budget=budget, batch_size=1, precisions=["fp32"], cache=False)
     plan = report.plan
-    chosen = Config(
-        precision=plan.precision, micro_batch_size=plan.micro_batch_size, checkpoint=tuple(plan.checkpoint),
-        selective_checkpoint=tuple(plan.selective_checkpoint),
-    )
-    raced = [chosen.key(), *report.timing["behind"]]  # every contender: the chosen one and those behind it
+    raced = [plan.config.key(), *report.timing["behind"]]  # every contender: the chosen one and those behind it
     selective_sets = [k.split(":")[3] for k in raced if len(k.split(":")) > 3]
     block_only = [k for k in raced if len(k.split(":")) == 3 and k.split(":")[2]]
     assert any(selective_sets) and block_only, raced

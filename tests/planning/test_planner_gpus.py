@@ -116,9 +116,9 @@ def test_the_floor_message_names_how_many_gpus_would_fit(floor):
 
 def test_below_the_one_process_floor_two_gpus_shard_with_fsdp(sharded, floor):
     plan = sharded.plan
-    assert (plan.world_size, plan.sharding, plan.global_batch_size) == (GPUS, "fsdp", GLOBAL_BATCH_SIZE)
+    assert (plan.config.world_size, plan.config.sharding, plan.config.global_batch_size) == (GPUS, "fsdp", GLOBAL_BATCH_SIZE)
     # The global batch stays whole: 2 ranks x micro-batch m x k steps cover it, one micro-step less would not.
-    m, k = plan.micro_batch_size, plan.grad_accum_steps
+    m, k = plan.config.micro_batch_size, plan.config.grad_accum_steps
     assert k == micro_batch_count(GLOBAL_BATCH_SIZE, world_size=GPUS, micro_batch_size=m)
     assert GPUS * m * k >= GLOBAL_BATCH_SIZE > GPUS * m * (k - 1)
     # The simulated per-rank peak plus headroom fits the per-GPU budget, which one process could not meet.
@@ -135,8 +135,8 @@ def test_below_the_one_process_floor_two_gpus_shard_with_fsdp(sharded, floor):
 def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
     report = _plan(spec, budget="100MB", gpus=GPUS)
     plan = report.plan
-    assert (plan.world_size, plan.sharding, plan.global_batch_size) == (GPUS, "ddp", GLOBAL_BATCH_SIZE)
-    assert plan.grad_accum_steps == micro_batch_count(GLOBAL_BATCH_SIZE, world_size=GPUS, micro_batch_size=plan.micro_batch_size)
+    assert (plan.config.world_size, plan.config.sharding, plan.config.global_batch_size) == (GPUS, "ddp", GLOBAL_BATCH_SIZE)
+    assert plan.config.grad_accum_steps == micro_batch_count(GLOBAL_BATCH_SIZE, world_size=GPUS, micro_batch_size=plan.config.micro_batch_size)
     allowance = plan.headroom["ddp_buckets_allowance"]
     assert allowance == gradient_bytes(spec) == plan.measured.breakdown["gradients"]
     assert plan.predicted.per_rank_peak_bytes == plan.measured.peak_bytes + allowance
@@ -167,7 +167,7 @@ def test_a_two_gpu_plan_trains_under_torchrun(sharded, tmp_path):
     its peak is not compared with the plan's per-rank peak here.
     """
     plan_path = save_plan(sharded.plan, tmp_path / "plan.json")
-    assert load_plan(plan_path).sharding == "fsdp"
+    assert load_plan(plan_path).config.sharding == "fsdp"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={GPUS}", "-m", "autofit",
         "train", "--plan", str(plan_path), "--log-dir", str(tmp_path / "run"), "--epochs", "1", "--workers", "0",

@@ -116,7 +116,8 @@ def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_c
 
 
 def test_training_sees_the_same_batches_for_every_row(cnn_file, data_dir):
-    from autofit.tools.compare import Configuration, _TrainingData
+    from autofit.config import TrainingConfig
+    from autofit.tools.compare import _TrainingData
 
     spec = load_spec(str(cnn_file))
     first = _TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
@@ -124,8 +125,8 @@ def test_training_sees_the_same_batches_for_every_row(cnn_file, data_dir):
     assert len(first.batches) == 5 and all(len(targets) == 8 for _, targets in first.batches)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first.batches, again.batches))
     # micro-batches of 3 (3 + 3 + 2) train the same model as the full batch of 8, up to float rounding
-    whole = first.train_and_score(spec, Configuration(name="full", micro_batch_size=8), device="cpu", seed=0)
-    split = first.train_and_score(spec, Configuration(name="split", micro_batch_size=3), device="cpu", seed=0)
+    whole = first.train_and_score(spec, TrainingConfig(global_batch_size=8, micro_batch_size=8), device="cpu", seed=0)
+    split = first.train_and_score(spec, TrainingConfig(global_batch_size=8, micro_batch_size=3), device="cpu", seed=0)
     assert (split.train_loss, split.eval_loss, split.eval_accuracy) == pytest.approx((whole.train_loss, whole.eval_loss, whole.eval_accuracy), rel=1e-4)
     assert whole.skipped_steps == split.skipped_steps == 0
 
@@ -171,16 +172,20 @@ def test_bad_inputs_are_one_line_errors(cnn_file, data_dir, tmp_path, run_cli):
 
 def test_the_plan_row_measures_the_plan_with_its_levers(monkeypatch):
     """The "autofit plan" row is the plan's own configuration, memory levers included (not just its recipe part)."""
-    from types import SimpleNamespace
-
     import autofit.planning.planner as planner
+    from autofit.config import TrainingConfig
+    from autofit.plan_file import Plan
     from autofit.tools.compare import plan_configuration
 
-    chosen = SimpleNamespace(
-        precision="fp32", checkpoint=["layers.0"], micro_batch_size=1, selective_checkpoint=["layers.1"], offload=[],
-        optimizer_in_backward=True, optimizer_state="device",
-    )
+    chosen = Plan(budget_bytes=1, config=TrainingConfig(
+        global_batch_size=1, precision="fp32", checkpoint=["layers.0"], micro_batch_size=1, selective_checkpoint=["layers.1"],
+        offload=[], optimizer_in_backward=True, optimizer_state="device",
+    ))
     monkeypatch.setattr(planner, "make_plan", lambda *args, **kwargs: chosen)
-    config = plan_configuration(None, budget_bytes=1, global_batch_size=1, device="cpu")
-    assert config.name == "autofit plan: fp32 + checkpoint 1 block + selective 1 + step in backward"
-    assert config.levers() == dict(selective_checkpoint=["layers.1"], offload=[], optimizer_in_backward=True, optimizer_state="device")
+    row = plan_configuration(None, budget_bytes=1, global_batch_size=1, device="cpu")
+    assert row.name == "autofit plan: fp32 + checkpoint 1 block + selective 1 + step in backward"
+    config = row.config
+    assert (config.selective_checkpoint, config.offload, config.optimizer_in_backward, config.optimizer_state) == (
+        ("layers.1",), (), True, "device",
+    )
+    assert config == chosen.config  # the row measures exactly the plan

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from autofit.config import TrainingConfig
 from autofit.training.data import datasets_data, epoch_order, image_folder_data, input_shape_from, make_loader
 from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
@@ -142,8 +143,7 @@ def project(tmp_path):
     model = load_spec(str(model_file)).build_model()
     plan = Plan(
         model=ModelInfo(source=str(model_file), fingerprint=model_fingerprint(model), input_shape=[1, 8, 8], num_classes=2),
-        device=DeviceInfo(type="cpu"), budget_bytes=2**24, global_batch_size=4, micro_batch_size=2,
-        checkpoint=["1.0"],
+        device=DeviceInfo(type="cpu"), budget_bytes=2**24, config=TrainingConfig(global_batch_size=4, micro_batch_size=2, checkpoint=["1.0"]),
     )
     return {"plan": save_plan(plan, tmp_path / "plan.json"), "data": image_folder(tmp_path / "data"), "root": tmp_path}
 

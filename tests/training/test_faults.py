@@ -5,6 +5,7 @@ files into the first's, a fresh start erasing a run, steps missing from the
 log after a kill, a SIGTERM with no save, ...) and checks it cannot happen.
 The bad inputs of every command are in tests/cli/test_bad_inputs.py.
 """
+from dataclasses import replace
 import errno
 import json
 import os
@@ -18,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
 from autofit.spec import model_fingerprint
@@ -83,8 +85,7 @@ def project(tmp_path_factory):
     network = load_spec(str(model_file)).build_model()
     plan = Plan(
         model=ModelInfo(source=str(model_file), fingerprint=model_fingerprint(network), input_shape=[1, 8, 8], num_classes=2),
-        device=DeviceInfo(type="cpu"), budget_bytes=10**8, global_batch_size=8, micro_batch_size=4, precision="fp32",
-        checkpoint=[],
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8, config=TrainingConfig(global_batch_size=8, micro_batch_size=4, precision="fp32", checkpoint=[]),
     )
     save_plan(plan, root / "plan.json")
     return root
@@ -561,8 +562,7 @@ def test_an_image_that_fails_to_decode_is_skipped_named_and_the_run_goes_on(tmp_
 @pytest.mark.parametrize("budget_bytes, warned", [(10**9, False), (2_000, True)])
 def test_the_cpu_run_warns_once_when_a_tracked_step_passes_the_budget(tmp_path, capsys, budget_bytes, warned):
     model = fresh_model()
-    plan = make_plan(model)
-    plan.budget_bytes = budget_bytes
+    plan = replace(make_plan(model), budget_bytes=budget_bytes)
     run(model, plan, tmp_path, max_steps=4, verbose=True)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:")]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -581,9 +581,10 @@ def test_on_cuda_the_allocator_is_capped_at_the_budget_and_put_back(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": 100 * 2**30})())
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 0.5, raising=False)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, index: calls.append((fraction, index)))
-    plan = make_plan(fresh_model())
-    plan.budget_bytes, plan.headroom = 30 * 2**30, {"context": 2**30}
-    plan.predicted = Predicted(peak_bytes=20 * 2**30, samples_per_s=1.0)
+    plan = replace(
+        make_plan(fresh_model()), budget_bytes=30 * 2**30, headroom={"context": 2**30},
+        predicted=Predicted(peak_bytes=20 * 2**30, samples_per_s=1.0),
+    )
     with BudgetWatch(plan, device=torch.device("cuda")) as watch:
         assert calls == [(0.29, 0)]
         assert watch.warning(19 * 2**30) is None
@@ -595,9 +596,7 @@ def test_on_cuda_the_allocator_is_capped_at_the_budget_and_put_back(monkeypatch)
 @pytest.mark.gpu
 def test_a_cuda_run_trains_under_the_cap(tmp_path):
     model = fresh_model()
-    plan = make_plan(model)
-    plan.device = DeviceInfo(type="cuda")
-    plan.budget_bytes = 2**30
+    plan = replace(make_plan(model), device=DeviceInfo(type="cuda"), budget_bytes=2**30)
     seen = []
 
     def loss(output, target):

@@ -3,11 +3,13 @@ import json
 import math
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
+from autofit.config import TrainingConfig
 from autofit.training.data import TrainData, epoch_order
 from autofit.errors import UserError
 from autofit.training.loop import TrainingInterrupted, TrainSettings, cosine_schedule, train
@@ -51,8 +53,7 @@ def make_data(samples: int = SAMPLES, *, val: bool = True) -> TrainData:
 def make_plan(model: nn.Module, *, global_batch_size=8, micro_batch_size=3, precision="fp32", checkpoint=("blocks.0", "blocks.1", "blocks.2")) -> Plan:
     return Plan(
         model=ModelInfo(source="tests/training/test_loop.py", fingerprint=model_fingerprint(model), input_shape=[1, 4, 4], num_classes=CLASSES),
-        device=DeviceInfo(type="cpu"), budget_bytes=10**8, global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8, config=TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint)),
     )
 
 
@@ -188,10 +189,10 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_global_batch(tmp_pat
     result = run(model, make_plan(model, micro_batch_size=8, checkpoint=()), tmp_path, max_steps=2)
 
     assert_same_weights(model.net, reference, exact=False)  # the global batch of 8 is kept
-    assert (result.plan.micro_batch_size, result.plan.grad_accum_steps, result.plan.global_batch_size) == (2, 4, 8)
+    assert (result.plan.config.micro_batch_size, result.plan.config.grad_accum_steps, result.plan.config.global_batch_size) == (2, 4, 8)
     assert [(h["previous_micro_batch_size"], h["micro_batch_size"]) for h in result.plan.history] == [(8, 4), (4, 2)]
     saved_plan = load_plan(tmp_path / "plan.json")
-    assert saved_plan.micro_batch_size == 2 and len(saved_plan.history) == 2
+    assert saved_plan.config.micro_batch_size == 2 and len(saved_plan.history) == 2
     assert load_checkpoint(tmp_path / "last.pt")["plan"]["micro_batch_size"] == 2
     ooms = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"oom"' in line]
     assert [(r["step"], r["micro_batch_size"], r["global_batch_size"]) for r in ooms] == [(1, 4, 8), (1, 2, 8)]
@@ -212,7 +213,7 @@ def test_out_of_memory_mid_step_drops_the_partial_gradients(tmp_path):
     model = fresh_model()
     reference = hand_written(fresh_model(), steps=2, epochs=2)
     result = run(model, make_plan(model, micro_batch_size=4, checkpoint=()), tmp_path, loss_fn=failing_once, max_steps=2)
-    assert failed["done"] and result.plan.micro_batch_size == 2
+    assert failed["done"] and result.plan.config.micro_batch_size == 2
     assert_same_weights(model, reference, exact=False)
 
 
@@ -278,7 +279,7 @@ def test_metrics_checkpoints_and_logs(tmp_path, monkeypatch):
     assert set(last["training"]) >= {"optimizer", "scaler", "scheduler", "rng", "position"}
     best_epoch = max(epochs, key=lambda r: r["val_accuracy"])
     assert best["training"]["epoch"] == best_epoch["epoch"]
-    assert load_plan(tmp_path / "plan.json").global_batch_size == 8
+    assert load_plan(tmp_path / "plan.json").config.global_batch_size == 8
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path):
@@ -310,7 +311,7 @@ def test_fit_with_a_plan_returns_plan_history_and_best_weights(tmp_path):
         model, train_data=data.train, val_data=data.val, plan=make_plan(model), epochs=1,
         optimizer=optimizer, log_dir=tmp_path, verbose=False,
     )
-    assert result.plan.global_batch_size == 8 and len(result.history) == 1
+    assert result.plan.config.global_batch_size == 8 and len(result.history) == 1
     assert result.best_path == tmp_path / "best.pt" and result.best_path.exists()
     with pytest.raises(UserError, match="batch_size 16 differs"):
         autofit.fit(fresh_model(), train_data=data.train, plan=make_plan(model), batch_size=16, log_dir=tmp_path / "x")
@@ -334,15 +335,14 @@ def test_a_real_cuda_out_of_memory_is_recovered(tmp_path):
     torch.manual_seed(0)
     model = WideConvNet()
     data = torch.utils.data.TensorDataset(torch.randn(64, 3, 256, 256), torch.randint(0, CLASSES, (64,)))
-    plan = make_plan(model, global_batch_size=32, micro_batch_size=32, checkpoint=())
-    plan.device = DeviceInfo(type="cuda")
+    plan = replace(make_plan(model, global_batch_size=32, micro_batch_size=32, checkpoint=()), device=DeviceInfo(type="cuda"))
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(3 * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     try:
         result = run(model, plan, tmp_path, data=TrainData(train=data, val=None), epochs=1)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert result.plan.history and result.plan.micro_batch_size < 32 and result.plan.global_batch_size == 32
+    assert result.plan.history and result.plan.config.micro_batch_size < 32 and result.plan.config.global_batch_size == 32
     assert "out of memory" in result.plan.history[0]["error"].lower()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
@@ -354,8 +354,7 @@ def test_a_real_cuda_out_of_memory_is_recovered(tmp_path):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cuda_training_in_mixed_precision(tmp_path, precision):
     model = fresh_model()
-    plan = make_plan(model, precision=precision)
-    plan.device = DeviceInfo(type="cuda")
+    plan = replace(make_plan(model, precision=precision), device=DeviceInfo(type="cuda"))
     result = run(model, plan, tmp_path)
     assert result.finished and all(math.isfinite(r["train_loss"]) for r in result.history)
     assert next(model.parameters()).device.type == "cuda"
@@ -373,7 +372,7 @@ def test_fit_without_a_plan_plans_then_trains(tmp_path):
         model, train_data=data.train, val_data=data.val, budget="64MB", batch_size=8, epochs=1,
         optimizer=optimizer, log_dir=tmp_path, verbose=False,
     )
-    assert result.plan.global_batch_size == 8 and result.plan.budget_bytes == 64 * 10**6
+    assert result.plan.config.global_batch_size == 8 and result.plan.budget_bytes == 64 * 10**6
     assert result.plan.model.fingerprint == model_fingerprint(model)
     assert len(result.history) == 1 and result.best_path.exists()
-    assert load_plan(tmp_path / "plan.json").global_batch_size == 8
+    assert load_plan(tmp_path / "plan.json").config.global_batch_size == 8

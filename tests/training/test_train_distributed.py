@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from autofit.config import TrainingConfig
 from autofit.apply import AppliedPlan
 from autofit.distributed import DistributedEnv
 from autofit.errors import UserError
@@ -93,8 +94,7 @@ def _plan(model_file, *, world_size: int, sharding: str, micro_batch_size: int) 
     """A plan written by hand: micro-batch and accumulation per rank, the global batch over all ranks."""
     return Plan(
         model=ModelInfo(source=str(model_file), input_shape=[1, 4, 4], num_classes=3),
-        device=DeviceInfo(type="cpu"), budget_bytes=10**8, global_batch_size=GLOBAL_BATCH_SIZE,
-        micro_batch_size=micro_batch_size, world_size=world_size, sharding=sharding, checkpoint=["blocks.0", "blocks.1"],
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8, config=TrainingConfig(global_batch_size=GLOBAL_BATCH_SIZE, micro_batch_size=micro_batch_size, world_size=world_size, sharding=sharding, checkpoint=["blocks.0", "blocks.1"]),
     )
 
 
@@ -230,7 +230,7 @@ def test_out_of_memory_on_one_of_several_ranks_is_refused_with_advice():
     split = BatchSplit(BatchSplitConfig(global_batch_size=8, micro_batch_size=2))
     precision = Precision(PrecisionConfig(), device_type="cpu")
     applied = AppliedPlan(
-        model=torch.nn.Linear(2, 2), precision=precision, split=split, strategies=(precision, split),
+        config=TrainingConfig(global_batch_size=8, micro_batch_size=2, world_size=2, sharding="ddp"), model=torch.nn.Linear(2, 2), precision=precision, split=split, strategies=(precision, split),
         device=torch.device("cpu"), env=DistributedEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu")),
     )
     with pytest.raises(UserError, match=r"out of memory on rank 1 of 2 at micro-batch 2.*lower --budget.*more --gpus") as error:

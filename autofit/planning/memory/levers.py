@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from autofit._torch_private import in_autograd_backward, tree_leaves
+from strategies.batch_split import BatchSplitConfig
 from strategies.checkpointing import selective_saves
 from autofit.planning.memory.optimizer import optimizer_bytes
 from autofit.planning.memory.segments import _FIRST_MICRO, _LATER_MICRO, labelled_segments
@@ -394,7 +395,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     count = len(low.micro)
     G, m = global_batch_size, micro_batch_size
     accumulating = m < G
-    last = G - (-(-G // m) - 1) * m
+    last = BatchSplitConfig(global_batch_size=G, micro_batch_size=m).sizes()[-1]  # the step follows the last micro-batch
 
     def level(values: list[float], size: int) -> float:  # absolute bytes of a whole step
         return memory._interpolate(values, size, global_batch_size=G, at_least=None)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from autofit._torch_private import fake_process_group_store, new_fake_mode, storage_resizes
-from autofit.apply import TrainingConfig, apply_config
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.meters import Measurement
 from autofit.measure.tracker import StorageTracker

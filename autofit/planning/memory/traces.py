@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from autofit._torch_private import call_when_backward_ends, tree_leaves
-from autofit.apply import TrainingConfig, apply_config
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.measure.meters import SimulatedMeter, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker

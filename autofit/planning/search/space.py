@@ -19,12 +19,12 @@ database and resume. ``score_space`` scores each point by the cost model.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 
+from autofit.config import TrainingConfig, step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink
 from autofit.planning.costs import CostModel
@@ -72,7 +72,9 @@ class LeverSearch:
     def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
         """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
         found = [LeverChoice()]
-        stepping = self.step_in_backward and micro_batch_size >= global_batch_size and precision != "fp16"
+        stepping = self.step_in_backward and not step_in_backward_refusal(
+            precision=precision, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, world_size=1,
+        )
         if stepping:
             found.append(LeverChoice(optimizer_in_backward=True))
         if self.host_state:
@@ -87,12 +89,11 @@ class LeverSearch:
         """Seconds the levers add to one optimizer step (``speed.levers.lever_time``)."""
         if not choice.offload and choice.optimizer_state == "device" and not choice.optimizer_in_backward:
             return 0.0
-        from autofit.apply import TrainingConfig
         from autofit.planning.speed.levers import lever_time
 
         config = TrainingConfig(
             global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size, precision=precision,
-            offload=[model.blocks[b] for b in sorted(choice.offload)], optimizer_in_backward=choice.optimizer_in_backward,
+            offload=model.names(choice.offload), optimizer_in_backward=choice.optimizer_in_backward,
             optimizer_state=choice.optimizer_state,
         )
         return lever_time(
@@ -183,16 +184,9 @@ def cheapest_for(
 class Evaluation:
     """One point of the outer search, as the cost model sees it."""
 
-    precision: str
-    micro_batch_size: int
-    grad_accum_steps: int
-    checkpoint: list[str] = field(default_factory=list)
-    selective_checkpoint: list[str] = field(default_factory=list)
-    """Blocks checkpointed selectively (``checkpoint`` holds those checkpointed fully)."""
-    offload: list[str] = field(default_factory=list)
-    """Blocks whose activations are offloaded."""
-    optimizer_in_backward: bool = False
-    optimizer_state: str = "device"
+    config: TrainingConfig
+    """The point with its fastest checkpointed, selective and offloaded blocks and levers that fit (none when
+    nothing fits)."""
     fits: bool = False
     peak_bytes: float = 0.0
     samples_per_s: float = 0.0
@@ -205,8 +199,21 @@ class Evaluation:
     reach with checkpointing and offload (``cheapest_for``'s ``relaxed``; 0: nothing fits); None where those
     peaks are known."""
 
+    @property
+    def plain_config(self) -> TrainingConfig:
+        """The point as plain training: no block checkpointed or offloaded, no lever."""
+        config = self.config
+        return TrainingConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size, precision=config.precision)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """A JSON object (a study keeps it): the configuration's fields, then the scores."""
+        return {**asdict(self.config), **{k: v for k, v in asdict(self).items() if k != "config"}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Evaluation:
+        names = {f.name for f in fields(TrainingConfig)}
+        config = TrainingConfig(**{k: v for k, v in data.items() if k in names})
+        return cls(config=config, **{k: v for k, v in data.items() if k not in names})
 
 
 def score_space(
@@ -241,8 +248,7 @@ def score_space(
         plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
         plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
         result = Evaluation(
-            precision=precision, micro_batch_size=micro_batch_size,
-            grad_accum_steps=math.ceil(global_batch_size / micro_batch_size),
+            config=TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision),
             plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
         )
         search = levers or LeverSearch()
@@ -263,10 +269,11 @@ def score_space(
             if result.fits and speed <= result.samples_per_s:
                 continue
             result.fits = True
-            result.checkpoint = [model.blocks[b] for b in sorted(choice.blocks)]
-            result.selective_checkpoint = [model.blocks[b] for b in sorted(choice.selective)]
-            result.offload = [model.blocks[b] for b in sorted(choice.offload)]
-            result.optimizer_in_backward, result.optimizer_state = chosen.optimizer_in_backward, chosen.optimizer_state
+            result.config = replace(
+                result.config, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
+                offload=model.names(choice.offload), optimizer_in_backward=chosen.optimizer_in_backward,
+                optimizer_state=chosen.optimizer_state,
+            )
             result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
             result.samples_per_s = speed
         fits_plain = plain is not None and not plain.blocks and not plain.selective
@@ -381,7 +388,7 @@ def search(
         if key in seen or data["precision"] not in precisions or data["micro_batch_size"] not in micro_batch_sizes:
             continue
         seen.add(key)
-        evaluations.append(Evaluation(**data))
+        evaluations.append(Evaluation.from_dict(data))
     return evaluations, sampler_name
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit.apply import AppliedPlan, TrainingConfig, apply_config
+from autofit.apply import AppliedPlan, apply_config
+from autofit.config import TrainingConfig
 from autofit.measure.blocks import profile_blocks
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import call_model

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autofit.apply import TrainingConfig
+from autofit.config import TrainingConfig
 from autofit.measure.host_speed import HostLink, measure_host_link
 from autofit.planning.costs import CostModel
 from autofit.units import format_bytes

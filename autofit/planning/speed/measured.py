@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from autofit.apply import AppliedPlan, TrainingConfig, apply_config
+from autofit.apply import AppliedPlan, apply_config
+from autofit.config import TrainingConfig
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import as_loss, call_model
 from autofit.planning.costs import SpeedCosts

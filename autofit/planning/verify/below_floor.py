@@ -31,17 +31,16 @@ saved, measured.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from autofit.apply import TrainingConfig
+from autofit.config import TrainingConfig, step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.measure.meters import release_device_memory
 from autofit.measure.probe import measure
-from autofit.planning.context import Config, PlanContext
+from autofit.planning.context import PlanContext
 from autofit.planning.costs import PrecisionCosts
 from autofit.planning.speed.measured import time_training
 from autofit.measure.host_speed import time_host_update
@@ -119,14 +118,14 @@ def lever_candidates(
     """
     config, G = floor.config, context.global_batch_size
     base = TrainingConfig(
-        global_batch_size=G, micro_batch_size=config.micro_batch_size, precision=config.precision, checkpoint=list(config.checkpoint),
+        global_batch_size=G, micro_batch_size=config.micro_batch_size, precision=config.precision, checkpoint=config.checkpoint,
     )
     candidates, skipped, names = [], [], []
-    steps = math.ceil(G / config.micro_batch_size)
-    if steps > 1:
-        skipped.append(f"optimizer step in backward: the floor takes {steps} micro-batches per step (it needs one)")
-    elif config.precision == "fp16":
-        skipped.append("optimizer step in backward: fp16's GradScaler must see every gradient before any step")
+    refusal = step_in_backward_refusal(
+        precision=config.precision, global_batch_size=G, micro_batch_size=config.micro_batch_size, world_size=1,
+    )
+    if refusal:
+        skipped.append(f"optimizer step in backward: it {refusal.split(';')[0]}")
     else:
         base = replace(base, optimizer_in_backward=True)
         names.append("optimizer step in backward")
@@ -264,7 +263,7 @@ def _report(
         memory = costs.memory_for_floor()[config.precision]
         speed = costs.speeds[config.precision]
         model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
-    blocks = frozenset(model.blocks.index(name) for name in floor.config.checkpoint)
+    blocks = model.indices(floor.config.checkpoint)
     levers_time = _lever_time(context, costs, model, config)
     speed = None
     if not context.simulate:
@@ -273,7 +272,7 @@ def _report(
         context.log(f"  timed: {speed:.1f} samples/s with {chosen.candidate.name}")
     modelled = _modelled_peak(model, config, blocks)
     result = {
-        "config": Config(precision=config.precision, micro_batch_size=config.micro_batch_size, checkpoint=tuple(config.checkpoint)),
+        "config": config,
         # The memory model's lever terms where it has them: else the floor configuration's.
         "predicted_peak_bytes": modelled if modelled is not None else model.peak_bytes(config.precision, config.micro_batch_size, blocks),
         # The speed model's step of the floor configuration, plus what the levers cost (``speed.levers``).
@@ -286,9 +285,7 @@ def _report(
     }
     plan = write_plan(context, model, chosen=result, evaluations=[], unconstrained={}, usable_bytes=measurements.usable_bytes(), verified={})
     plan = replace(
-        plan, selective_checkpoint=list(config.selective_checkpoint), offload=list(config.offload),
-        optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state,
-        notes=[
+        plan, notes=[
             *plan.notes,
             *lever_notes(
                 chosen.candidate, floor_peak=floor_peak, peak_bytes=chosen.peak_bytes, host_peak_bytes=chosen.host_peak_bytes,
@@ -468,17 +465,16 @@ def eight_bit_time(context: PlanContext, trainable: _Trainable) -> UpdateTime | 
     )
 
 
-def searched_lever_notes(context: PlanContext, model, config: Config, search: LeverSearch) -> list[str]:
+def searched_lever_notes(model, config: TrainingConfig, search: LeverSearch) -> list[str]:
     """The notes of a plan whose search chose memory levers: which, what they cost in time, and whether they change
     the arithmetic (8-bit state does: a declared choice)."""
-    training = config.training_config(context.global_batch_size)
     time = lever_time(
-        training, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
+        config, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
         eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time,
     )
     return [
         f"memory levers chosen by the search ({config.levers()}): the memory model predicts their peak "
         "(planning/lever_memory.py) and the chosen configuration was measured with them",
         *time.notes,
-        LOSSY_NOTE if training.optimizer_state == "8bit" else "the levers do not change the arithmetic: the updates are plain training's",
+        LOSSY_NOTE if config.optimizer_state == "8bit" else "the levers do not change the arithmetic: the updates are plain training's",
     ]

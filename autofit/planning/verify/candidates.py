@@ -13,11 +13,11 @@ the model only scales to), or within ``DECIDED_MARGIN`` of the usable bytes.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autofit.errors import UserError
-from autofit.planning.context import Config, PlanContext
+from autofit.config import TrainingConfig
+from autofit.planning.context import PlanContext
 from autofit.planning.costs import CostModel
 from autofit.planning.memory.levers import LeverChoice
 from autofit.planning.verify.measurements import Measurements
@@ -41,7 +41,7 @@ the one chosen is measured anyway."""
 class _Candidate:
     """A configuration that fits (measured, or decided by the memory model), with what the cost model predicted."""
 
-    config: Config
+    config: TrainingConfig
     predicted_samples_per_s: float
     predicted_peak_bytes: float
 
@@ -57,10 +57,10 @@ def verify(
     model: CostModel,
     evaluations: list[Evaluation],
     *,
-    floor_config: Config,
+    floor_config: TrainingConfig,
     floor_bytes: int,
     measurements: Measurements,
-    reference: Config | None = None,
+    reference: TrainingConfig | None = None,
     levers: LeverSearch | None = None,
 ) -> dict:
     """The fastest configuration measured to fit, with its measurements (what ``write_plan`` reads).
@@ -83,8 +83,8 @@ def verify(
     candidates = _candidates(context, model, evaluations, measurements, levers)
     if reference is not None and reference.key() not in {c.config.key() for c in candidates}:
         # Timed beside them anyway: where it fits it is a candidate too (the simplest, often the fastest).
-        plain = next((e for e in evaluations if Config(precision=e.precision, micro_batch_size=e.micro_batch_size).key() == reference.key()), None)
-        if plain is not None and plain.fits and not plain.checkpoint and not plain.selective_checkpoint:
+        plain = next((e for e in evaluations if e.plain_config.key() == reference.key()), None)
+        if plain is not None and plain.fits and not plain.config.checkpoint and not plain.config.selective_checkpoint:
             fitting = _fitting_checkpoint_set(context, model, plain, measurements, levers)
             config = fitting.config if fitting is not None else None
             if config is not None and not config.checkpoint and not config.selective_checkpoint and not config.levers():
@@ -132,8 +132,8 @@ def _candidates(
     ranked = sorted(
         (e for e in evaluations if e.fits),
         key=lambda e: (
-            -round(e.samples_per_s, 6), e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint) + len(e.offload),
-            PRECISIONS.index(e.precision),
+            -round(e.samples_per_s, 6), e.config.grad_accum_steps,
+            len(e.config.checkpoint) + len(e.config.selective_checkpoint) + len(e.config.offload), PRECISIONS.index(e.config.precision),
         ),
     )
     candidates: list[_Candidate] = []
@@ -153,15 +153,17 @@ def _candidates(
         # The predictions come from timings too: the simplest point predicted within their noise of the best
         # could win the tie once measured, so it is timed as well (a noisy size is not ruled out unseen).
         def band(e: Evaluation) -> float:
-            return min(max(context.tie, model.precisions[e.precision].speed.noise), tie_cap(context.tie))
+            return min(max(context.tie, model.precisions[e.config.precision].speed.noise), tie_cap(context.tie))
 
         near = [e for e in ranked if e.samples_per_s >= best_predicted * (1 - band(e))]
         simplest = min(
-            near, key=lambda e: (e.grad_accum_steps, len(e.checkpoint) + len(e.selective_checkpoint), PRECISIONS.index(e.precision)),
+            near, key=lambda e: (
+                e.config.grad_accum_steps, len(e.config.checkpoint) + len(e.config.selective_checkpoint), PRECISIONS.index(e.config.precision),
+            ),
             default=None,
         )
         keys = {(c.config.precision, c.config.micro_batch_size) for c in candidates}
-        if simplest is not None and (simplest.precision, simplest.micro_batch_size) not in keys:
+        if simplest is not None and (simplest.config.precision, simplest.config.micro_batch_size) not in keys:
             candidate = _fitting_checkpoint_set(context, model, simplest, measurements, levers)
             if candidate is not None:
                 candidates.append(candidate)
@@ -177,7 +179,7 @@ def _candidates(
 
 
 def _without_selective(
-    context: PlanContext, model: CostModel, config: Config, measurements: Measurements, levers: LeverSearch,
+    context: PlanContext, model: CostModel, config: TrainingConfig, measurements: Measurements, levers: LeverSearch,
 ) -> _Candidate | None:
     """The cheapest checkpoint set of this point without selective blocks (same levers), measured unless decided."""
     precision, size = config.precision, config.micro_batch_size
@@ -186,17 +188,12 @@ def _without_selective(
     choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers, selective=False)
     if choice is None:
         return None
-    found = _config(model, precision, size, choice, gradient_levers)
-    evaluation = Evaluation(
-        precision=precision, micro_batch_size=size, grad_accum_steps=math.ceil(context.global_batch_size / size),
-        checkpoint=list(found.checkpoint), offload=list(found.offload), optimizer_in_backward=found.optimizer_in_backward,
-        optimizer_state=found.optimizer_state, fits=True,
-    )
+    evaluation = Evaluation(config=_config(model, config, choice, gradient_levers), fits=True)
     candidate = _fitting_checkpoint_set(context, model, evaluation, measurements, levers)
     return candidate if candidate is not None and not candidate.config.selective_checkpoint else None
 
 
-def _decided(model: CostModel, config: Config, measurements: Measurements) -> bool:
+def _decided(model: CostModel, config: TrainingConfig, measurements: Measurements) -> bool:
     """Whether the memory model alone says this configuration fits, with DECIDED_MARGIN to spare."""
     if not measurements.model_is_exact:
         return False
@@ -209,14 +206,10 @@ def _fitting_checkpoint_set(
 ) -> _Candidate | None:
     """The search's checkpoint modes and levers for this point, measured unless decided; while they do not fit,
     modes the model predicts smaller (with the same step in backward and optimizer state)."""
-    precision, size = evaluation.precision, evaluation.micro_batch_size
+    config = evaluation.config
+    precision, size = config.precision, config.micro_batch_size
     # Limits below are in the model's own (unscaled) bytes.
     limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
-    config = Config(
-        precision=precision, micro_batch_size=size, checkpoint=tuple(evaluation.checkpoint),
-        selective_checkpoint=tuple(evaluation.selective_checkpoint), offload=tuple(evaluation.offload),
-        optimizer_in_backward=evaluation.optimizer_in_backward, optimizer_state=evaluation.optimizer_state,
-    )
     gradient_levers = LeverChoice(optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state)
     for _attempt in range(VERIFY_ATTEMPTS):
         raw = _predicted_peak(model, config) / model.memory_scale
@@ -224,7 +217,7 @@ def _fitting_checkpoint_set(
             choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
             if choice is None:
                 return None
-            config = _config(model, precision, size, choice, gradient_levers)
+            config = _config(model, config, choice, gradient_levers)
             raw = _predicted_peak(model, config) / model.memory_scale
         if _decided(model, config, measurements) and config.key() not in measurements.peaks:
             return _candidate(model, config, levers)
@@ -242,41 +235,38 @@ def _fitting_checkpoint_set(
         choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
         if choice is None:
             return None
-        config = _config(model, precision, size, choice, gradient_levers)
+        config = _config(model, config, choice, gradient_levers)
     return None
 
 
-def _indices(model: CostModel, config: Config) -> tuple[frozenset[int], frozenset[int]]:
+def _indices(model: CostModel, config: TrainingConfig) -> tuple[frozenset[int], frozenset[int]]:
     """The configuration's fully and selectively checkpointed blocks, as the cost model's indices."""
-    return (
-        frozenset(model.blocks.index(n) for n in config.checkpoint),
-        frozenset(model.blocks.index(n) for n in config.selective_checkpoint),
-    )
+    return model.indices(config.checkpoint), model.indices(config.selective_checkpoint)
 
 
-def _config(model: CostModel, precision: str, size: int, choice, levers: LeverChoice) -> Config:
-    return Config(
-        precision=precision, micro_batch_size=size, checkpoint=tuple(model.blocks[b] for b in sorted(choice.blocks)),
-        selective_checkpoint=tuple(model.blocks[b] for b in sorted(choice.selective)),
-        offload=tuple(model.blocks[b] for b in sorted(choice.offload)), optimizer_in_backward=levers.optimizer_in_backward,
+def _config(model: CostModel, point: TrainingConfig, choice, levers: LeverChoice) -> TrainingConfig:
+    """``point`` (its precision and micro-batch) with the knapsack's ``choice`` of blocks and ``levers``."""
+    return replace(
+        point, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
+        offload=model.names(choice.offload), optimizer_in_backward=levers.optimizer_in_backward,
         optimizer_state=levers.optimizer_state,
     )
 
 
-def lever_choice(model: CostModel, config: Config) -> LeverChoice:
+def lever_choice(model: CostModel, config: TrainingConfig) -> LeverChoice:
     """The configuration's memory levers, as the memory model takes them."""
     return LeverChoice(
-        offload=frozenset(model.blocks.index(n) for n in config.offload), optimizer_in_backward=config.optimizer_in_backward,
+        offload=model.indices(config.offload), optimizer_in_backward=config.optimizer_in_backward,
         optimizer_state=config.optimizer_state,
     )
 
 
-def _predicted_peak(model: CostModel, config: Config) -> float:
+def _predicted_peak(model: CostModel, config: TrainingConfig) -> float:
     blocks, selective = _indices(model, config)
     return model.peak_bytes(config.precision, config.micro_batch_size, blocks, selective, levers=lever_choice(model, config))
 
 
-def _candidate(model: CostModel, config: Config, levers: LeverSearch) -> _Candidate:
+def _candidate(model: CostModel, config: TrainingConfig, levers: LeverSearch) -> _Candidate:
     blocks, selective = _indices(model, config)
     precision, size = config.precision, config.micro_batch_size
     seconds = model.step_seconds(precision, size, blocks, selective)
@@ -286,13 +276,13 @@ def _candidate(model: CostModel, config: Config, levers: LeverSearch) -> _Candid
     )
 
 
-def unconstrained_config(evaluations: list[Evaluation]) -> tuple[Config, Evaluation]:
+def unconstrained_config(evaluations: list[Evaluation]) -> tuple[TrainingConfig, Evaluation]:
     """The fastest configuration with no budget (no checkpointing), as the cost model sees it."""
-    best = max(evaluations, key=lambda e: (round(e.plain_samples_per_s, 6), -e.grad_accum_steps))
-    return Config(precision=best.precision, micro_batch_size=best.micro_batch_size), best
+    best = max(evaluations, key=lambda e: (round(e.plain_samples_per_s, 6), -e.config.grad_accum_steps))
+    return best.plain_config, best
 
 
-def timed_reference(context: PlanContext, evaluations: list[Evaluation]) -> Config | None:
+def timed_reference(context: PlanContext, evaluations: list[Evaluation]) -> TrainingConfig | None:
     """The unconstrained configuration, when it is safe to time beside the candidates (not when simulating,
     nor on a GPU where it would need most of the card)."""
     if context.simulate:
@@ -315,7 +305,7 @@ def measure_unconstrained(
     config, best = unconstrained_config(evaluations)
     result = {
         "precision": config.precision, "micro_batch_size": config.micro_batch_size,
-        "grad_accum_steps": best.grad_accum_steps, "checkpoint": [],
+        "grad_accum_steps": config.grad_accum_steps, "checkpoint": [],
         "predicted_peak_bytes": int(best.plain_peak_bytes), "predicted_samples_per_s": best.plain_samples_per_s,
     }
     entry = measurements.peaks.get(config.key())

@@ -15,7 +15,8 @@ import torch
 
 from autofit.errors import UserError
 from autofit.measure.meters import frozen_note
-from autofit.planning.context import Config, PlanContext
+from autofit.config import TrainingConfig
+from autofit.planning.context import PlanContext
 from autofit.planning.memory.headroom import PERSISTENT, Headroom, persistent_bytes
 from autofit.planning.modelling import Costs
 from autofit.planning.memory.per_rank import ShardedMemoryEstimate, estimate_fsdp_peak_bytes, fsdp_layout
@@ -43,7 +44,7 @@ floor it predicts needs no probe to be known possible (a candidate that misses f
 
 @dataclass(frozen=True, kw_only=True)
 class Floor:
-    config: Config
+    config: TrainingConfig
     budget_bytes: int
     """The least budget whose headroom leaves room for the floor configuration's peak (measured, or predicted)."""
     breakdown: dict[str, int] = field(default_factory=dict)
@@ -68,7 +69,7 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
             peak = memory.peak_bytes(smallest, global_batch_size=G, checkpoint=checkpoint) * model.memory_scale
             options.append((peak, precision, checkpoint))
     predicted, precision, checkpoint = min(options, key=lambda option: option[0])
-    config = Config(precision=precision, micro_batch_size=smallest, checkpoint=tuple(model.blocks[b] for b in sorted(checkpoint)))
+    config = TrainingConfig(global_batch_size=G, micro_batch_size=smallest, precision=precision, checkpoint=model.names(checkpoint))
     # Predicted, its persistent bytes are at least the parameters and optimizer state (``resident_bytes``).
     predicted_budget = measurements.headroom.smallest_budget(predicted, persistent_bytes=measurements.resident_bytes)
     if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + FLOOR_DECIDED_MARGIN):

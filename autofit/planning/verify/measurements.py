@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 import torch
 
-from autofit.apply import TrainingConfig, apply_config
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.probe import measure
-from autofit.planning.context import Config, PlanContext
+from autofit.planning.context import PlanContext
 from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
 from autofit.planning.search.space import EXACT_SLACK, MODEL_SLACK
@@ -130,10 +132,10 @@ class Measurements:
         if predicted > 0 and measured > predicted:
             self.learned[precision] = max(self.scale(precision), measured / predicted)
 
-    def reject(self, config: Config, why: str) -> None:
+    def reject(self, config: TrainingConfig, why: str) -> None:
         self.rejected.append({"config": config.key(), "why": why})
 
-    def checked_peak(self, config: Config, *, fresh: bool = False) -> tuple[int, dict]:
+    def checked_peak(self, config: TrainingConfig, *, fresh: bool = False) -> tuple[int, dict]:
         """A configuration's peak by the meter that has the last word: the device's, or the simulated one when simulating.
 
         Args:
@@ -154,13 +156,13 @@ class Measurements:
             self._measured_context_bytes = max(self._measured_context_bytes or 0, entry["context_bytes"])
         return entry["peak_bytes"], dict(entry["breakdown"])
 
-    def exact_peak(self, config: Config) -> tuple[int, dict]:
+    def exact_peak(self, config: TrainingConfig) -> tuple[int, dict]:
         """The simulated meter's peak of a configuration and its breakdown: equal to the CPU meter, no arithmetic."""
         key = config.key()
         if key not in self._exact:
             context, m = self.context, config.micro_batch_size
             traced = min(context.global_batch_size, 2 * m)
-            result = measure(context.sim_spec, config.training_config(traced), device=context.device, simulate=True, steps=2)
+            result = measure(context.sim_spec, replace(config, global_batch_size=traced), device=context.device, simulate=True, steps=2)
             host = (context.global_batch_size - traced) * self.host_sample_bytes
             breakdown = dict(result.breakdown)
             breakdown["activations"] = breakdown.get("activations", 0) + host
@@ -168,12 +170,12 @@ class Measurements:
             self.simulated_checks += 1
         return self._exact[key]
 
-    def _real_peak(self, config: Config) -> None:
+    def _real_peak(self, config: TrainingConfig) -> None:
         """Probe a configuration with the device's meter; its peak less the GPU context goes into ``peaks``."""
         context, m = self.context, config.micro_batch_size
         traced = min(context.global_batch_size, 2 * m)
         try:
-            result = measure(context.spec, config.training_config(traced), device=context.device, steps=2)
+            result = measure(context.spec, replace(config, global_batch_size=traced), device=context.device, steps=2)
         except torch.OutOfMemoryError:
             release_device_memory(context.device)
             self.reject(config, "out of memory on the device")
@@ -188,19 +190,19 @@ class Measurements:
         self.peaks[config.key()] = {"peak_bytes": result.peak_bytes - context_bytes + host, "breakdown": breakdown, "context_bytes": context_bytes}
         self.memory_probes += 1
 
-    def fits(self, config: Config) -> bool:
+    def fits(self, config: TrainingConfig) -> bool:
         """Whether the measured peak (``checked_peak``) plus headroom fits the budget."""
         peak, breakdown = self.checked_peak(config)
         return not self.peaks[config.key()].get("oom") and self.fits_peak(peak, breakdown)
 
-    def samples_per_s(self, config: Config) -> float | None:
+    def samples_per_s(self, config: TrainingConfig) -> float | None:
         """Measured samples/s of plain training steps: the global batch over the fastest round (None if never timed)."""
         entry = self.timings.get(config.key())
         if not entry or not entry["seconds"]:
             return None
         return self.context.global_batch_size / min(entry["seconds"])
 
-    def race(self, contenders: list[Config], *, reference: Config | None = None) -> list[Config]:
+    def race(self, contenders: list[TrainingConfig], *, reference: TrainingConfig | None = None) -> list[TrainingConfig]:
         """Time the contenders side by side; the fastest first, the simplest winning within the noise.
 
         The contenders (and ``reference``, timed in the first MIN_ROUNDS rounds
@@ -218,7 +220,7 @@ class Measurements:
         configs = {c.key(): c for c in contenders}
         if reference is not None:
             configs.setdefault(reference.key(), reference)
-        race = Race(contenders=keys, simplicity=lambda k: configs[k].simplicity(self.context.global_batch_size), tie=self.context.tie)
+        race = Race(contenders=keys, simplicity=lambda k: configs[k].simplicity(), tie=self.context.tie)
         samples = self._stored_samples(list(configs), race)
         if samples is None:
             samples = self._time_now(configs, race)
@@ -253,7 +255,7 @@ class Measurements:
             return None
         return samples
 
-    def _time_now(self, configs: dict[str, Config], race: Race) -> dict[str, Samples]:
+    def _time_now(self, configs: dict[str, TrainingConfig], race: Race) -> dict[str, Samples]:
         """Interleaved rounds of the configurations in this run (``StepTimer``s kept between rounds where memory allows)."""
         timers: dict[str, StepTimer] = {}
         keys = list(configs)
@@ -268,7 +270,7 @@ class Measurements:
                         for other in list(timers):
                             timers.pop(other).close()
                     timers[key] = StepTimer(
-                        self.context.spec, _training_config(configs[key], self.context), device=self.context.device, clock=self.context.clock,
+                        self.context.spec, configs[key], device=self.context.device, clock=self.context.clock,
                     )
                 return timers[key].step_seconds()
             return run
@@ -299,11 +301,11 @@ class Measurements:
         self.real_probes += len(keys)
         return samples
 
-    def _peak_or_predicted(self, config: Config) -> float:
+    def _peak_or_predicted(self, config: TrainingConfig) -> float:
         entry = self.peaks.get(config.key())
         return entry["peak_bytes"] if entry and not entry.get("oom") else self.predicted.get(config.key(), 0.0)
 
-    def result(self, config: Config) -> dict:
+    def result(self, config: TrainingConfig) -> dict:
         """What was measured of a configuration, for the plan."""
         entry = self.peaks[config.key()]
         peak = entry["peak_bytes"]
@@ -359,6 +361,3 @@ def _resident_bytes(context: PlanContext) -> int:
         storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     return sum(storages.values())
 
-
-def _training_config(config: Config, context: PlanContext) -> TrainingConfig:
-    return config.training_config(context.global_batch_size)

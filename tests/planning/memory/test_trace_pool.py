@@ -165,7 +165,7 @@ def test_the_bound_before_recomputations_is_never_below_the_search_with_them(lm_
         found, _ = score_space(
             model, precisions=["bf16"], micro_batch_sizes=[1, 2, 4, 8], global_batch_size=8, usable_bytes=usable, study=None, slack=0.0,
         )
-        return {e.micro_batch_size: e for e in found}
+        return {e.config.micro_batch_size: e for e in found}
 
     top = whole.peak_bytes(8, global_batch_size=8, checkpoint=set())
     low = whole.peak_bytes(1, global_batch_size=8, checkpoint=set(range(n)))
@@ -200,14 +200,14 @@ def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypa
     monkeypatch.setattr(memory_model, "run_trace", counted)
     spec = layout_specs()["lm"]
     generous = plan_with_report(spec, budget="1GB", batch_size=8, simulate=True, cache=False, precisions=["fp32"])
-    assert generous.plan.checkpoint == []
+    assert generous.plan.config.checkpoint == ()
     # Recomputing runs at the smallest micro-batch only (the floor's), none at the sizes the search interpolates.
     assert {size for size, mode in runs if mode != "none"} == {1}
     assert {size for size, mode in runs if mode == "none"} == {1, 2, 8}
     peak = generous.plan.predicted.peak_bytes
     runs.clear()
     tight = plan_with_report(spec, budget=int(0.8 * peak), batch_size=8, simulate=True, cache=False, precisions=["fp32"])
-    assert tight.plan.checkpoint or tight.plan.selective_checkpoint or tight.plan.micro_batch_size < 8
+    assert tight.plan.config.checkpoint or tight.plan.config.selective_checkpoint or tight.plan.config.micro_batch_size < 8
     assert {size for size, mode in runs if mode == "full"} >= {2, 8}
 
 

@@ -58,4 +58,4 @@ def test_an_estimated_gpu_plan_is_not_fp32_by_default(one_thread):
         loss_fn=torch.nn.functional.cross_entropy, build_optimizer=default_optimizer,
     )
     plan = make_plan(spec, budget="90%", batch_size=32, device="cuda", simulate=True, device_memory="80GiB")
-    assert plan.estimated and plan.precision in ("bf16", "fp16")
+    assert plan.estimated and plan.config.precision in ("bf16", "fp16")

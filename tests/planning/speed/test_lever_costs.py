@@ -3,7 +3,7 @@ assumed without one), the optimizer's update on the host, and what 8-bit state a
 import pytest
 import torch
 
-from autofit.apply import TrainingConfig
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink, measure_host_link, time_host_update
 from autofit.measure.optimizer_speed import time_eight_bit_update, time_step_in_backward
@@ -176,7 +176,7 @@ def test_a_step_in_backward_that_costs_more_than_recomputing_is_not_chosen(monke
     plan = plan_with_report(
         conv_then_wide_spec(), budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"],
     ).plan
-    assert not plan.optimizer_in_backward and plan.measured.peak_bytes <= STEP_BUDGET
+    assert not plan.config.optimizer_in_backward and plan.measured.peak_bytes <= STEP_BUDGET
 
 
 def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_costs, monkeypatch):
@@ -199,12 +199,12 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
     budget = (least(host) + least(in_backward)) // 2
     report = plan_with_report(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
     plan, model = report.plan, CostModel.from_dict(report.cost_model)
-    assert plan.optimizer_state == "host"
+    assert plan.config.optimizer_state == "host"
     with torch.device("meta"):
         params = list(spec.build_model().parameters())
     elements, nbytes = sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
-    checkpointed = frozenset(model.blocks.index(b) for b in plan.checkpoint)
-    floor_step = model.step_seconds("fp32", 1, checkpointed, frozenset(model.blocks.index(b) for b in plan.selective_checkpoint))
+    checkpointed = frozenset(model.blocks.index(b) for b in plan.config.checkpoint)
+    floor_step = model.step_seconds("fp32", 1, checkpointed, frozenset(model.blocks.index(b) for b in plan.config.selective_checkpoint))
     speed = model.precisions["fp32"].speed
     expected = 1 / (floor_step + nbytes / ASSUMED_LINK_BYTES_PER_S + 1e-6 * elements + nbytes / ASSUMED_LINK_BYTES_PER_S - speed.optimizer_seconds)
     assert plan.predicted.samples_per_s == pytest.approx(expected)

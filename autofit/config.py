@@ -1,0 +1,174 @@
+"""``TrainingConfig``: one point of the search space, every strategy's choice for one model.
+
+It is the only spelling of a configuration: the planner searches these and
+keys its measurements by them, the probe measures one, ``compare`` lists its
+rows as them, a plan file holds one (``Plan.config``) and ``apply_config``
+builds the strategies from one. Values that follow from the choices (the
+accumulation steps, whether the optimizer step in backward can run) are
+computed here and nowhere else. It is frozen: a change while training (a
+smaller micro-batch after an out-of-memory error) is a new configuration.
+
+Example:
+    >>> config = TrainingConfig(global_batch_size=64, micro_batch_size=16, precision="bf16")
+    >>> config.grad_accum_steps
+    4
+    >>> config.with_micro_batch(8).grad_accum_steps
+    8
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from autofit.errors import UserError
+from strategies.batch_split import micro_batch_count
+from strategies.optimizer_state import OPTIMIZER_STATES
+from strategies.precision import PRECISIONS
+from strategies.sharding import SHARDINGS
+
+BLOCK_MODES = ("checkpoint", "selective_checkpoint", "offload")
+"""The fields that name blocks; a block is in at most one of them."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingConfig:
+    """Every strategy's choice for one model, and what follows from them."""
+
+    global_batch_size: int
+    """Samples per optimizer step over all processes; a plan never changes it."""
+    micro_batch_size: int
+    """Samples per forward/backward in one process."""
+    precision: str = "fp32"
+    """"fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
+    checkpoint: tuple[str, ...] = ()
+    """Block names whose whole forward recomputes in backward (("all",) for every candidate)."""
+    selective_checkpoint: tuple[str, ...] = ()
+    """Block names that keep their matmul, convolution and attention outputs and recompute the rest
+    in backward (("all",) for every candidate)."""
+    offload: tuple[str, ...] = ()
+    """Block names whose saved activations wait in host memory between forward and backward (("all",))."""
+    optimizer_in_backward: bool = False
+    """Step each parameter as soon as backward has its gradient, so gradients never all exist at
+    once. Needs one micro-batch per step, one process, and no fp16 (``step_in_backward_refusal``)."""
+    optimizer_state: str = "device"
+    """Where the optimizer's state lives: "device", "host" (update on the host; a GPU lever: on the
+    CPU its host tensors are counted apart as host bytes) or "8bit" (torchao's 8-bit AdamW; lossy,
+    a declared choice)."""
+    sharding: str = "none"
+    """"none", "ddp" or "fsdp"."""
+    world_size: int = 1
+    """Processes training together."""
+
+    def __post_init__(self) -> None:
+        for mode in BLOCK_MODES:  # "all", "a,b" or a list, as flags and files give them: held as a tuple
+            object.__setattr__(self, mode, block_names(getattr(self, mode)))
+        if self.global_batch_size < 1:
+            raise UserError(f"batch size {self.global_batch_size} must be at least 1")
+        if self.micro_batch_size < 1:
+            raise UserError(f"micro-batch size {self.micro_batch_size} must be at least 1")
+        if self.micro_batch_size > self.global_batch_size:
+            raise UserError(
+                f"micro-batch size {self.micro_batch_size} is larger than the batch size {self.global_batch_size}; "
+                "lower --micro-batch-size or raise --batch-size"
+            )
+        if self.precision not in PRECISIONS:
+            raise UserError(f"precision {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise UserError(f"optimizer state {self.optimizer_state!r} is unknown; choose one of {', '.join(OPTIMIZER_STATES)}")
+        if self.sharding not in SHARDINGS:
+            raise UserError(f"sharding {self.sharding!r} is unknown; choose one of {', '.join(SHARDINGS)}")
+        if self.optimizer_in_backward:
+            refusal = step_in_backward_refusal(
+                precision=self.precision, global_batch_size=self.global_batch_size,
+                micro_batch_size=self.micro_batch_size, world_size=self.world_size,
+            )
+            if refusal:
+                raise UserError(f"optimizer step in backward {refusal}")
+        if self.world_size > 1 and self.optimizer_state == "host":
+            raise UserError(
+                "optimizer state on the host runs on one process only (DDP and FSDP reduce gradients after it would "
+                "step); turn it off or train on one GPU"
+            )
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step in each process: ceil(ceil(global / world_size) / micro)."""
+        return micro_batch_count(self.global_batch_size, world_size=self.world_size, micro_batch_size=self.micro_batch_size)
+
+    @property
+    def rank_batch_size(self) -> int:
+        """Samples the largest process's share of a global batch holds: ceil(global / world_size)."""
+        return math.ceil(self.global_batch_size / self.world_size)
+
+    def with_micro_batch(self, micro_batch_size: int) -> TrainingConfig:
+        """The same choices at another micro-batch size (the global batch stays)."""
+        return dataclasses.replace(self, micro_batch_size=micro_batch_size)
+
+    def rank_share(self) -> TrainingConfig:
+        """One process training the largest rank's share of the global batch: how a plan for several processes is
+        measured (itself for one process)."""
+        share = self.rank_batch_size
+        return dataclasses.replace(
+            self, global_batch_size=share, micro_batch_size=min(self.micro_batch_size, share), sharding="none", world_size=1,
+        )
+
+    def key(self) -> str:
+        """"fp32:4:layers.0,layers.1", and ":layers.2" after it for selective blocks, then the levers.
+
+        The planner keys its measurements by it, for one global batch on one
+        process: a configuration without selective blocks or levers keeps the
+        key it always had, so stored measurements stay found.
+        """
+        key = f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
+        levers = self.levers()
+        if self.selective_checkpoint or levers:
+            key = f"{key}:{','.join(self.selective_checkpoint)}"
+        return f"{key}:{levers}" if levers else key
+
+    def levers(self) -> str:
+        """"offload=a,b;step-in-backward;state=host", the levers on ("" for none)."""
+        parts = [f"offload={','.join(self.offload)}"] if self.offload else []
+        parts += ["step-in-backward"] if self.optimizer_in_backward else []
+        parts += [f"state={self.optimizer_state}"] if self.optimizer_state != "device" else []
+        return ";".join(parts)
+
+    def simplicity(self) -> tuple:
+        """Order for ties: fewer micro-steps, fewer checkpointed or offloaded blocks, fewer levers, fp32 before autocast."""
+        return (
+            self.grad_accum_steps,
+            len(self.checkpoint) + len(self.selective_checkpoint) + len(self.offload),
+            int(self.optimizer_in_backward) + int(self.optimizer_state != "device"),
+            PRECISIONS.index(self.precision),
+        )
+
+
+def step_in_backward_refusal(*, precision: str, global_batch_size: int, micro_batch_size: int, world_size: int) -> str | None:
+    """Why the optimizer step in backward cannot run with these, as the rest of a sentence; None when it can.
+
+    The one place that says when: a configuration refuses itself by it, the
+    plan file names the field by it, and the search offers the lever by it.
+    """
+    if precision == "fp16":
+        return (
+            "cannot run with fp16: its GradScaler must see every gradient for inf/nan before any parameter steps; "
+            "use bf16 or fp32, or turn the step in backward off"
+        )
+    if world_size > 1:
+        return "runs on one process only (DDP and FSDP reduce gradients after it would step); turn it off or train on one GPU"
+    steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=micro_batch_size)
+    if steps > 1:
+        return (
+            f"needs one micro-batch per optimizer step, but micro-batch {micro_batch_size} of batch {global_batch_size} "
+            f"makes {steps}; use micro-batch {global_batch_size} or turn it off"
+        )
+    return None
+
+
+def block_names(spec: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Blocks as a flag or a file names them ("all", "none", "a,b" or a list) as a tuple: ("all",), (), ("a", "b")."""
+    if spec is None:
+        return ()
+    if isinstance(spec, str):
+        spec = [name.strip() for name in spec.split(",")] if spec != "none" else []
+    return tuple(spec)
