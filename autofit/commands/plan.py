@@ -8,7 +8,7 @@ import typer
 from autofit.cli import app
 from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
-from autofit.planning.speed.timing import TIE
+from autofit.planning.policy import POLICY
 from autofit.units import format_bytes
 
 
@@ -207,7 +207,7 @@ def _timing_lines(report) -> list[str]:
             )
         else:
             lines.append("  timing      one candidate: timed once (nothing to compare it with)" + (f"; {model_noise}" if model_noise else ""))
-        if timing.get("tie", TIE) > TIE and timing["rounds"] > 1:
+        if timing.get("tie", POLICY.tie_share) > POLICY.tie_share and timing["rounds"] > 1:
             lines.append(
                 f"              the machine was busy: speeds within {timing['tie']:.0%} count as a tie (whole runs under load "
                 "rank configurations this close differently)"
@@ -229,7 +229,7 @@ def _timing_lines(report) -> list[str]:
 
 
 def _config_text(key: str) -> str:
-    """A configuration's key (``Config.key``: precision:micro-batch:checkpoint[:selective[:levers]]) as words."""
+    """A configuration's key (``TrainingConfig.key``: precision:micro-batch:checkpoint[:selective[:levers]]) as words."""
     precision, size, checkpoint, *rest = key.split(":")
     text = f"{precision}, micro-batch {size}, checkpoint {_blocks(checkpoint.split(',')) if checkpoint else 'none'}"
     text += f", selective checkpoint {_blocks(rest[0].split(','))}" if rest and rest[0] else ""

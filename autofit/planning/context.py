@@ -36,8 +36,8 @@ from autofit.device import DeviceInfo, check_device, device_info
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
 from autofit.planning.memory.traces import simulation_spec
+from autofit.planning.policy import POLICY
 from autofit.planning.search.space import Study
-from autofit.planning.speed.timing import BUSY_TIE, TIE
 from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import parse_budget
@@ -109,9 +109,9 @@ class PlanContext:
 
     @property
     def tie(self) -> float:
-        """Speeds this close are a tie in this run: ``BUSY_TIE`` where other work kept the machine busy (the
-        threads were cut, ``threads_note``), else ``TIE``."""
-        return BUSY_TIE if self.threads_note else TIE
+        """Speeds this close are a tie in this run: ``POLICY.busy_tie_share`` where other work kept the machine busy (the
+        threads were cut, ``threads_note``), else ``POLICY.tie_share``."""
+        return POLICY.busy_tie_share if self.threads_note else POLICY.tie_share
 
     def log(self, line: str) -> None:
         """A progress line, stamped with the seconds since the run started."""

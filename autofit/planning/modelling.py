@@ -12,7 +12,7 @@ Only what the search can use is traced:
 - the floor needs each precision's trace at the smallest micro-batch only,
   and only until one precision shows the budget is above it;
 - a precision is traced in full only when the fastest it could run with no
-  budget at all (its speeds, no checkpointing) reaches VERIFY_WITHIN of the
+  budget at all (its speeds, no checkpointing) reaches ``POLICY.verify_within_share`` of the
   fastest configuration found to fit so far (simulating, the fastest itself):
   below that, the verification would never time it (``worth_tracing``);
 - fp16 and bf16 autocast save tensors of the same sizes wherever autocast
@@ -41,7 +41,7 @@ from autofit.planning.memory.levers import add_eight_bit
 from autofit.planning.memory.optimizer import eight_bit_record
 from autofit.planning.memory.traces import add_offloaded, trace_memory_sizes
 from autofit.planning.speed.measured import time_precisions
-from autofit.planning.policy import VERIFY_WITHIN
+from autofit.planning.policy import POLICY
 from strategies import checkpoint_candidates
 
 HALF_PRECISIONS = ("bf16", "fp16")
@@ -427,7 +427,7 @@ def best_plain_samples_per_s(costs: Costs, precision: str) -> float:
     return best
 
 
-def worth_tracing(costs: Costs, precision: str, *, best_fitting: float, within: float = VERIFY_WITHIN) -> bool:
+def worth_tracing(costs: Costs, precision: str, *, best_fitting: float, within: float = POLICY.verify_within_share) -> bool:
     """Whether a precision could reach the verification: its best plain speed is at least ``within`` of the best fit.
 
     Checkpointing and accumulation only slow a precision down, so a precision
@@ -466,10 +466,10 @@ def micro_batch_sizes(global_batch_size: int, *, smallest: int) -> list[int]:
 
 
 def timing_sizes(sizes: list[int]) -> list[int]:
-    """A few sizes to time, spread geometrically (about x4 apart) from the largest to the smallest."""
+    """A few sizes to time, spread geometrically (about ``POLICY.timing_sizes_apart`` times apart) from the largest to the smallest."""
     chosen = [sizes[0]]
     for size in sizes[1:]:
-        if size * 4 <= chosen[-1] * 1.01:
+        if size * POLICY.timing_sizes_apart <= chosen[-1] * POLICY.timing_sizes_apart_tolerance:
             chosen.append(size)
     if chosen[-1] != sizes[-1]:
         chosen.append(sizes[-1])

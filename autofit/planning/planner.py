@@ -56,7 +56,7 @@ from autofit.planning.modelling import (
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
 from autofit.planning.search.space import Evaluation, LeverSearch, score_space
 from autofit.planning.verify.measurements import Measurements
-from autofit.planning.policy import VERIFY_WITHIN
+from autofit.planning.policy import POLICY
 from autofit.planning.verify.candidates import measure_unconstrained, timed_reference, verify
 from autofit.planning.report import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
@@ -472,7 +472,7 @@ def _search(
 def _verify_within(context: PlanContext) -> float:
     """The share of the best predicted speed a candidate needs for the verification to time it; simulating, nothing
     is timed and the fastest predicted wins (one candidate)."""
-    return 1.0 if context.simulate else VERIFY_WITHIN
+    return 1.0 if context.simulate else POLICY.verify_within_share
 
 
 def _traced(context: PlanContext, costs: Costs) -> list[str]:

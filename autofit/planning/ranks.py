@@ -22,10 +22,10 @@ from autofit.planning.context import PlanContext
 from autofit.planning.verify.floor import InfeasibleBudget, sharded_floor
 from autofit.planning.memory.headroom import Headroom
 from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
+from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
 from autofit.planning.search.knapsack import cheapest_checkpoint
 from autofit.planning.verify.measurements import Measurements
-from autofit.planning.verify.candidates import VERIFY_TOP
 from autofit.planning.report import PlanReport, plan_basics
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
@@ -180,7 +180,7 @@ def _fsdp_candidates(
 def _simulate_fastest(
     context: PlanContext, candidates: list[_Candidate], *, headroom: Headroom, resident_bytes: int, memory_scale: float, world_size: int
 ) -> tuple[tuple | None, int, list[dict], list[dict]]:
-    """Simulate candidates in order until one fits (VERIFY_TOP + 1 at most).
+    """Simulate candidates in order until one fits (``POLICY.verify_top_candidates`` + 1 at most).
 
     Returns:
         (the candidate chosen and its simulated measurement) or None, the simulations run,
@@ -197,7 +197,7 @@ def _simulate_fastest(
             "fits_budget": headroom.fits(candidate.estimate_bytes * memory_scale, persistent_bytes=resident_bytes), "chosen": False,
         }
         alternatives.append(entry)
-        if chosen is not None or simulated >= VERIFY_TOP + 1:
+        if chosen is not None or simulated >= POLICY.verify_top_candidates + 1:
             continue
         measurement = simulate_fsdp_peak_bytes(
             context.sim_spec, world_size=world_size, micro_batch_size=config.micro_batch_size,

@@ -176,7 +176,7 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
 def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     """--simulate --device cuda below the step in backward's floor: the state goes to the host, measured by the simulated
     meter (the device peak without it, the host peak in the notes)."""
-    from autofit.planning.memory.headroom import ESTIMATED_CUDA_CONTEXT
+    from autofit.planning.policy import POLICY
 
     _, spec = lm
 
@@ -187,7 +187,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
     # The state leaves the device, and with it the update's temporaries (at the peak here: a step in backward).
     assert in_backward.peak_bytes - host.peak_bytes >= in_backward.breakdown["optimizer_state"] > 0
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=ESTIMATED_CUDA_CONTEXT)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
     def least(measured) -> int:
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 

@@ -8,7 +8,8 @@ from torch import nn
 from autofit.planning.context import cache_dir
 from autofit.planning.speed.measured import time_precisions
 from autofit.planning.planner import plan_with_report
-from autofit.planning.speed.timing import BUSY_TIE, MAX_NOISY_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, TIE, Race, Samples, compare, interleaved_rounds
+from autofit.planning.speed.timing import Race, Samples, compare, interleaved_rounds
+from autofit.planning.policy import POLICY
 from autofit.spec import ModelSpec, default_optimizer
 from tests.planning.test_planner import uneven_spec
 
@@ -49,56 +50,56 @@ def test_one_disturbed_step_does_not_decide():
     machine = Machine({"A": 1.0, "B": 1.1}, disturb={2: 4.0})
     race, samples = race_on(machine, ["B", "A"], simpler_first=True)
     assert race.leader(samples) == "A" and race.chosen(samples) == "A"
-    assert len(samples["A"].seconds) >= MIN_ROUNDS + 1  # timed again while the noise left the decision open
+    assert len(samples["A"].seconds) >= POLICY.min_rounds + 1  # timed again while the noise left the decision open
 
 
 def test_a_contender_that_cannot_win_is_not_timed_on():
     # C is more complex than A and no faster: whatever the noise between them, A wins; only B (simpler) stays.
     machine = Machine({"A": 1.0, "B": 1.06, "C": 1.02}, disturb={4: 0.5})
     race, samples = race_on(machine, ["B", "A", "C"], simpler_first=True)
-    assert len(samples["C"].seconds) == MIN_ROUNDS
+    assert len(samples["C"].seconds) == POLICY.min_rounds
     assert race.chosen(samples) in ("A", "B")
 
 
 def test_a_clearly_slower_contender_drops_out():
     machine = Machine({"A": 1.0, "B": 2.0, "C": 1.01})
     race, samples = race_on(machine, ["A", "B", "C"])
-    assert len(samples["B"].seconds) == MIN_ROUNDS
+    assert len(samples["B"].seconds) == POLICY.min_rounds
     assert race.standing(samples)["B"] == "slower"
     assert set(race.within_noise(samples)) == {"A", "C"}  # a tie: the caller picks the simpler
 
 
 def test_rounds_interleave_and_stop_at_the_cap():
-    # Noise that never settles (every other step of A is 30% slow): rounds stop at MAX_ROUNDS.
+    # Noise that never settles (every other step of A is 30% slow): rounds stop at POLICY.max_rounds.
     disturb = {n: 0.3 for n in range(1, 100, 2)}
     machine = Machine({"A": 1.0, "B": 1.1}, disturb=disturb)
     race, samples = race_on(machine, ["A", "B"])
-    assert max(len(s.seconds) for s in samples.values()) <= MAX_ROUNDS
+    assert max(len(s.seconds) for s in samples.values()) <= POLICY.max_rounds
     assert machine.timed[:2] != machine.timed[2:4] or machine.timed[0] == machine.timed[2]  # rotated or tied order
     assert {k for k in machine.timed[:2]} == {"A", "B"}  # interleaved: both in the first round
 
 
 def test_a_noisy_race_goes_on_until_the_minima_settle():
     # A (simpler) and B are equally fast; other work slows every step of the first four rounds by 8-30%, A's
-    # more: after MAX_ROUNDS B leads by 10%, beyond the widest tie. The rounds repeat that badly (noisy), so the
+    # more: after POLICY.max_rounds B leads by 10%, beyond the widest tie. The rounds repeat that badly (noisy), so the
     # race goes on; undisturbed rounds then show the tie, and the simpler A wins, as on a quiet machine.
     # Rounds rotate: calls 1, 4, 5 and 8 time A, calls 2, 3, 6 and 7 time B.
     disturb = {1: 0.10, 2: 0.0, 3: 0.08, 4: 0.30, 5: 0.18, 6: 0.20, 7: 0.15, 8: 0.25}
     machine = Machine({"A": 1.0, "B": 1.0}, disturb=disturb)
     race = Race(contenders=["A", "B"], simplicity=lambda k: (k,))
     samples = interleaved_rounds(
-        {k: machine.measure(k) for k in ["A", "B"]}, settled=race.done, active=race.running, max_rounds=MAX_NOISY_ROUNDS,
+        {k: machine.measure(k) for k in ["A", "B"]}, settled=race.done, active=race.running, max_rounds=POLICY.max_noisy_rounds,
     )
-    assert MAX_ROUNDS < max(len(s.seconds) for s in samples.values()) <= MAX_NOISY_ROUNDS
+    assert POLICY.max_rounds < max(len(s.seconds) for s in samples.values()) <= POLICY.max_noisy_rounds
     assert race.chosen(samples) == "A"
     assert race.behind(samples)["B"] == pytest.approx(0.0)
-    # Without leave to go on (the plan's time is spent), the race stops at MAX_ROUNDS as before.
+    # Without leave to go on (the plan's time is spent), the race stops at POLICY.max_rounds as before.
     machine = Machine({"A": 1.0, "B": 1.0}, disturb=disturb)
     samples = interleaved_rounds(
         {k: machine.measure(k) for k in ["A", "B"]}, settled=lambda s: race.done(s, may_go_on=False), active=race.running,
-        max_rounds=MAX_NOISY_ROUNDS,
+        max_rounds=POLICY.max_noisy_rounds,
     )
-    assert max(len(s.seconds) for s in samples.values()) == MAX_ROUNDS
+    assert max(len(s.seconds) for s in samples.values()) == POLICY.max_rounds
     assert race.chosen(samples) == "B"  # what the disturbed minima say
 
 
@@ -107,7 +108,7 @@ def test_a_busy_machine_ties_speeds_within_its_wider_band():
     machine = Machine({"A": 1.0, "B": 1.08})
     quiet, samples = race_on(machine, ["B", "A"], simpler_first=True)
     assert quiet.chosen(samples) == "A"
-    busy = Race(contenders=["B", "A"], simplicity=lambda k: (["B", "A"].index(k),), tie=BUSY_TIE)
+    busy = Race(contenders=["B", "A"], simplicity=lambda k: (["B", "A"].index(k),), tie=POLICY.busy_tie_share)
     assert busy.chosen(samples) == "B" and set(busy.within_noise(samples)) == {"A", "B"}
     far = {"A": Samples(seconds=[1.0, 1.0]), "B": Samples(seconds=[1.12, 1.12])}
     assert busy.chosen(far) == "A"  # beyond the busy tie the faster wins still
@@ -121,16 +122,16 @@ def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
         uneven_spec(), budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None,
         precisions=None, num_classes=None, log=None, cache=False,
     )
-    assert context.tie == TIE
+    assert context.tie == POLICY.tie_share
     note = "the machine was busy (load average 4.0 on 2 cores): measured with 1 of 2 threads"
-    assert replace(context, threads_note=note).tie == BUSY_TIE
+    assert replace(context, threads_note=note).tie == POLICY.busy_tie_share
 
     class Report:
-        timing = {"rounds": 4, "noise": 0.02, "worst_noise": 0.02, "within_noise": [], "behind": {}, "tie": BUSY_TIE}
+        timing = {"rounds": 4, "noise": 0.02, "worst_noise": 0.02, "within_noise": [], "behind": {}, "tie": POLICY.busy_tie_share}
         speed_noise, threads_note = 0.0, note
 
     assert any("speeds within 10% count as a tie" in line for line in _timing_lines(Report()))
-    Report.timing = {**Report.timing, "tie": TIE}
+    Report.timing = {**Report.timing, "tie": POLICY.tie_share}
     assert not any("count as a tie" in line for line in _timing_lines(Report()))
 
 
@@ -220,13 +221,12 @@ def test_fp16_shares_bf16_traces_only_when_autocast_makes_the_same_tensors():
 
 def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(monkeypatch):
     """Simulating, the fastest predicted wins: a precision whose fastest with no budget is below the best found to fit
-    is not traced, even within the share (VERIFY_WITHIN) a timed verification would race."""
+    is not traced, even within the share (POLICY.verify_within_share) a timed verification would race."""
     from autofit.planning import modelling
-    from autofit.planning.policy import VERIFY_WITHIN
 
     estimated = modelling.flop_speed_costs
 
-    def fp32_at_four_fifths(spec, **kwargs):  # fp32 steps 1.25x bf16's: within VERIFY_WITHIN of it, never faster
+    def fp32_at_four_fifths(spec, **kwargs):  # fp32 steps 1.25x bf16's: within POLICY.verify_within_share of it, never faster
         speeds = estimated(spec, **kwargs)
         bf16 = speeds["bf16"]
         speeds["fp32"] = replace(
@@ -243,7 +243,7 @@ def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(mon
     assert report.plan.config.precision in ("bf16", "fp16") and report.plan.config.grad_accum_steps == 1
     note = report.precision_notes["fp32"]
     fastest = float(note.split("not traced: at most ")[1].split(" ")[0])
-    assert VERIFY_WITHIN * best <= fastest < best  # a timed verification would have raced it: traced before
+    assert POLICY.verify_within_share * best <= fastest < best  # a timed verification would have raced it: traced before
     assert f"under the {best:.1f} found to fit" in note
     # On a tie of bf16 and fp16 (the same traces and speeds here), bf16 wins: it needs no loss scaler.
     assert report.plan.config.precision == "bf16"
@@ -305,7 +305,7 @@ def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
     real = time.thread_time
     monkeypatch.setattr(time, "thread_time", lambda: read.append(1) or real())
     report = plan_with_report(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=1)
-    assert report.timing["rounds"] >= MIN_ROUNDS and len(read) > 20
+    assert report.timing["rounds"] >= POLICY.min_rounds and len(read) > 20
     read.clear()
     plan_with_report(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=2)
     assert not read
@@ -426,12 +426,11 @@ def test_selective_recompute_from_flops_leaves_the_saved_ops_out(device_type, de
 def test_selective_recompute_is_timed_on_the_device():
     """Real timings: every block's selective share is estimated, and the steps with every block selective,
     timed beside those with every block checkpointed, give its factor."""
-    from autofit.planning.speed.measured import SELECTIVE_FACTOR_RANGE
 
     results = time_precisions(mixed_spec(), precisions=["fp32"], sizes=[2, 4], device="cpu")
     costs = results["fp32"]
     assert len(costs.selective_shares) == 3 and costs.selective_shares[0] == 0.0 < costs.selective_shares[1]
-    assert SELECTIVE_FACTOR_RANGE[0] <= costs.selective_factor <= SELECTIVE_FACTOR_RANGE[1]
+    assert POLICY.selective_factor_range[0] <= costs.selective_factor <= POLICY.selective_factor_range[1]
     assert costs.selective_recompute_seconds(4)[1] > 0
 
 

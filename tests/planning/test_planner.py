@@ -13,7 +13,7 @@ from autofit.planning.memory.segments import Segment
 from autofit.plan_file import DeviceInfo, load_plan
 from autofit.planning.context import usable_precisions
 from autofit.planning.verify.floor import InfeasibleBudget
-from autofit.planning.memory.headroom import ESTIMATED_CUDA_FRAGMENTATION
+from autofit.planning.policy import POLICY
 from autofit.planning.modelling import micro_batch_sizes
 from autofit.planning.planner import make_plan, plan_with_report
 from autofit.measure.probe import probe
@@ -210,7 +210,7 @@ def test_simulated_gpu_plan_without_a_gpu():
     # fragmentation: a share of the peak less its parameters, gradients and optimizer state (tests/planning/memory/test_headroom.py)
     breakdown = plan.measured.breakdown
     non_persistent = plan.measured.peak_bytes - breakdown["parameters"] - breakdown["gradients"] - breakdown["optimizer_state"]
-    assert plan.headroom["fragmentation"] == math.ceil(ESTIMATED_CUDA_FRAGMENTATION * non_persistent)
+    assert plan.headroom["fragmentation"] == math.ceil(POLICY.estimated_cuda_fragmentation_share * non_persistent)
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
 

@@ -19,7 +19,7 @@ GiB of it parameters, gradients and AdamW state (simulated: bf16, micro-batch
 where 20% of the whole peak gave 3.06 GiB, and its estimated floor falls from
 20.55 to 17.71 GiB.
 
-Calibration of the estimate (``ESTIMATED_*``) on the H200 table in
+Calibration of the estimate (``PlanPolicy.estimated_cuda_*``) on the H200 table in
 bench/RESULTS.md ("CUDA: simulated prediction vs the real card", 24 cases:
 ResNet-50, ViT-B/16 and two d768 transformers, fp32/bf16/fp16, no or full
 checkpointing), with each case's persistent bytes at the simulated peak
@@ -46,7 +46,7 @@ persistent state: that a large model's state adds nothing to the allocator's
 cache is what the allocator's design says, not measured here.
 
 On a real GPU the measured peak is the allocator's reserved bytes, cache
-included; ``CUDA_FRAGMENTATION`` keeps 5% of the whole peak for that cache
+included; ``PlanPolicy.cuda_fragmentation_share`` keeps 5% of the whole peak for that cache
 growing over a long run. It stays a share of the whole peak: no long run has
 been measured to say what part of the growth the persistent state causes.
 """
@@ -56,17 +56,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-SAFETY_MARGIN = 0.02
-"""Share of the budget kept free on every device: the meters are exact, the data may not be."""
-CUDA_FRAGMENTATION = 0.05
-"""Share of the allocator's peak (the whole of it) kept for fragmentation growth over a long run on a GPU."""
-ESTIMATED_CUDA_FRAGMENTATION = 0.10
-"""Planning for a GPU that is not here: share of the simulated peak less its persistent bytes, kept for the
-meter's under-count and the allocator's cache growing with the activations (calibrated: module docstring)."""
-ESTIMATED_CUDA_ALLOCATOR_RESERVE = 5 * 2**28
-"""Fixed part of the allocator's cache and the meter's under-count when estimated: 1.25 GiB."""
-ESTIMATED_CUDA_CONTEXT = 768 * 2**20
-"""CUDA context and library workspaces assumed when planning for a GPU that is not here."""
+from autofit.planning.policy import POLICY
+
 PERSISTENT = ("parameters", "gradients", "optimizer_state")
 """Breakdown categories that are allocated once per step in the same sizes: they do not fragment."""
 
@@ -102,8 +93,8 @@ class Headroom:
         if self.device_type != "cuda":
             return 0
         if self.estimated:
-            return math.ceil(ESTIMATED_CUDA_FRAGMENTATION * max(peak_bytes - persistent_bytes, 0))
-        return math.ceil(CUDA_FRAGMENTATION * peak_bytes)
+            return math.ceil(POLICY.estimated_cuda_fragmentation_share * max(peak_bytes - persistent_bytes, 0))
+        return math.ceil(POLICY.cuda_fragmentation_share * peak_bytes)
 
     def _fixed_causes(self) -> dict[str, int]:
         """Causes that do not grow with the peak (the safety margin is added by the caller)."""
@@ -111,7 +102,7 @@ class Headroom:
             return {}
         causes = {"context": self.context_bytes}
         if self.estimated:
-            causes["allocator_reserve"] = ESTIMATED_CUDA_ALLOCATOR_RESERVE
+            causes["allocator_reserve"] = POLICY.estimated_cuda_allocator_reserve_bytes
         return causes
 
     def for_peak(self, peak_bytes: float, *, persistent_bytes: float) -> dict[str, int]:
@@ -119,26 +110,26 @@ class Headroom:
         causes = dict(self._fixed_causes())
         if self.device_type == "cuda":
             causes["fragmentation"] = self._fragmentation(peak_bytes, persistent_bytes)
-        causes["safety_margin"] = math.ceil(SAFETY_MARGIN * self.budget_bytes)
+        causes["safety_margin"] = math.ceil(POLICY.safety_margin_share * self.budget_bytes)
         return causes
 
     def usable_bytes(self, *, persistent_bytes: float) -> float:
         """The largest peak, holding at least ``persistent_bytes`` of persistent state, whose headroom still fits the budget."""
         # fragmentation is rounded up per peak: keep one byte spare for it
-        free = self.budget_bytes - math.ceil(SAFETY_MARGIN * self.budget_bytes) - sum(self._fixed_causes().values()) - 1
+        free = self.budget_bytes - math.ceil(POLICY.safety_margin_share * self.budget_bytes) - sum(self._fixed_causes().values()) - 1
         if self.device_type != "cuda":
             return float(free)
         if not self.estimated:
-            return free / (1 + CUDA_FRAGMENTATION)
+            return free / (1 + POLICY.cuda_fragmentation_share)
         if free <= persistent_bytes:
             return float(free)  # no peak this large fits: its persistent state alone does not
         # peak + share * (peak - persistent) <= free
-        return (free + ESTIMATED_CUDA_FRAGMENTATION * persistent_bytes) / (1 + ESTIMATED_CUDA_FRAGMENTATION)
+        return (free + POLICY.estimated_cuda_fragmentation_share * persistent_bytes) / (1 + POLICY.estimated_cuda_fragmentation_share)
 
     def smallest_budget(self, peak_bytes: float, *, persistent_bytes: float) -> int:
         """The least budget whose headroom leaves room for this peak."""
         need = peak_bytes + self._fragmentation(peak_bytes, persistent_bytes) + sum(self._fixed_causes().values())
-        budget = math.ceil(need / (1 - SAFETY_MARGIN))
+        budget = math.ceil(need / (1 - POLICY.safety_margin_share))
         probe = Headroom(device_type=self.device_type, estimated=self.estimated, budget_bytes=budget, context_bytes=self.context_bytes)
         while not probe.fits(peak_bytes, persistent_bytes=persistent_bytes):
             budget += 1 + budget // 10**6

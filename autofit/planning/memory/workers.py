@@ -26,9 +26,9 @@ import torch
 from autofit._torch_private import modes_active
 from autofit.errors import UserError
 from autofit.measure.other_work import other_work, usable_cores
+from autofit.planning.policy import POLICY
 from autofit.spec import ModelSpec
 
-MAX_WORKERS = 8
 WORKERS_VARIABLE = "AUTOFIT_TRACE_WORKERS"
 """Environment variable: how many workers (0 or 1: no pool, every run in the planner's process)."""
 
@@ -46,7 +46,7 @@ class WorkerCannotTrace(RuntimeError):
 
 def trace_workers() -> int:
     """Workers a pool would start: ``AUTOFIT_TRACE_WORKERS``, else the cores this process may use that other work
-    leaves free now (``measure.other_work``; at most ``MAX_WORKERS``); 0 where processes cannot be forked, or a pool
+    leaves free now (``measure.other_work``; at most ``POLICY.max_trace_workers``); 0 where processes cannot be forked, or a pool
     here already found it could not trace.
 
     Workers on cores that other work holds only add the cost of each one's own start (measured on 2 cores at
@@ -61,7 +61,7 @@ def trace_workers() -> int:
         return int(wanted)
     seen = other_work()
     others = seen[0] if seen is not None else 0.0
-    return min(int(usable_cores() - others + 0.5), MAX_WORKERS)
+    return min(int(usable_cores() - others + 0.5), POLICY.max_trace_workers)
 
 
 class TracePool:

@@ -20,10 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autofit.planning.memory.segments import Segment, peak_of
-
-ENUMERATE_LIMIT = 16
-"""A checkpoint problem of unusual shape is solved by enumerating every choice while there are at most
-2 ** ENUMERATE_LIMIT of them (16 blocks of two modes, 10 of three)."""
+from autofit.planning.policy import POLICY
 
 FULL, SELECTIVE, OFFLOAD = "full", "selective", "offload"
 """A block's modes (None: none of them): checkpointed fully or selectively, or its activations offloaded."""
@@ -84,7 +81,7 @@ def cheapest_checkpoint(
     )
     if _prefix_shaped(segments, n):
         modes = _prefix_knapsack(segments, options, limit_bytes=limit_bytes)
-    elif math.prod(len(o) for o in options) <= 2**ENUMERATE_LIMIT:
+    elif math.prod(len(o) for o in options) <= 2**POLICY.enumerate_max_choices_log2:
         modes = _enumerate(segments, options, limit_bytes=limit_bytes)
     else:
         modes = _greedy(segments, options, limit_bytes=limit_bytes)
@@ -178,7 +175,7 @@ def _prefix_knapsack(segments, options: list[list[_Option]], *, limit_bytes: flo
 
 
 def _enumerate(segments, options: list[list[_Option]], *, limit_bytes: float) -> tuple | None:
-    """Exact for any shape: every choice of a mode per block, vectorised (at most 2 ** ENUMERATE_LIMIT of them)."""
+    """Exact for any shape: every choice of a mode per block, vectorised (at most 2 ** ``POLICY.enumerate_max_choices_log2`` of them)."""
     n = len(options)
     counts = [len(o) for o in options]
     total = math.prod(counts)

@@ -32,15 +32,7 @@ from autofit.planning.speed.levers import UpdateTime, offload_block_seconds, off
 from autofit.planning.memory.levers import LeverChoice, lever_segments, offload_drops
 from autofit.planning.search.knapsack import CheckpointChoice, cheapest_checkpoint
 from autofit.planning.memory.segments import Segment
-
-BRUTE_FORCE_LIMIT = 256
-"""Outer spaces up to this many (precision, micro-batch) points are enumerated; larger ones use TPE."""
-TPE_TRIALS = 96
-MODEL_SLACK = 0.01
-"""The memory model may be this pessimistic; candidates within it are checked exactly rather than dropped."""
-EXACT_SLACK = 0.001
-"""The same where the model is the meter's twin (the CPU, the simulated meter): it is exact there, or optimistic
-(which the verification's probes catch), so a candidate predicted further over the limit would fail its probe."""
+from autofit.planning.policy import POLICY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +155,7 @@ def cheapest_for(
             offload_drops=offload_drops(items, len(drops)), offload_seconds=priced(model, precision, micro_batch_size, link=search.link),
         )
     target = limit_bytes
-    for _attempt in range(4):
+    for _attempt in range(POLICY.offload_refit_attempts):
         choice = cheapest_checkpoint(segments, drops, seconds, limit_bytes=target, **modes)
         if choice is None:
             return None
@@ -224,7 +216,7 @@ def score_space(
     global_batch_size: int,
     usable_bytes: float,
     study: Study | None,
-    slack: float = MODEL_SLACK,
+    slack: float = POLICY.model_slack_share,
     levers: LeverSearch | None = None,
 ) -> tuple[list[Evaluation], str]:
     """Score every (precision, micro-batch) point by the cost model, each with its fastest checkpoint modes and
@@ -358,7 +350,7 @@ def search(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     size = len(precisions) * len(micro_batch_sizes)
-    if size <= BRUTE_FORCE_LIMIT:
+    if size <= POLICY.brute_force_max_points:
         sampler, sampler_name = optuna.samplers.BruteForceSampler(seed=0), "brute force"
     else:
         sampler, sampler_name = optuna.samplers.TPESampler(seed=0), "TPE"
@@ -375,7 +367,7 @@ def search(
         return result.samples_per_s if result.fits else 0.0
 
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and "evaluation" in t.user_attrs]
-    wanted = size if size <= BRUTE_FORCE_LIMIT else min(size, TPE_TRIALS)
+    wanted = size if size <= POLICY.brute_force_max_points else min(size, POLICY.tpe_trials)
     remaining = max(wanted - len(done), 0)
     if remaining:
         study.optimize(objective, n_trials=remaining)

@@ -19,21 +19,12 @@ from autofit.config import TrainingConfig
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import as_loss, call_model
 from autofit.planning.costs import SpeedCosts
+from autofit.planning.policy import POLICY
 from autofit.planning.speed.estimated import one_micro_batch, roofline_rates, selective_shares
-from autofit.planning.speed.timing import MIN_ROUNDS, Samples, compare, interleaved_rounds, noise_of
+from autofit.planning.speed.timing import Samples, compare, interleaved_rounds, noise_of
 from autofit.spec import ModelSpec
 from autofit.step import to_device, train_step
 from strategies import BatchSplitConfig, checkpoint_candidates
-
-SLOW_PRECISION_RATIO = 3.0
-"""A precision this many times slower than the fastest at the same micro-batch is timed at one size only."""
-SHORTEST_MEASUREMENT_S = 0.02
-"""A micro-step shorter than this is repeated within one measurement (the fastest repeat counts)."""
-SELECTIVE_FACTOR_RANGE = (0.25, 20.0)
-"""Bounds of the measured selective recompute factor. The share it prices is an estimate (FLOPs and bytes
-moved) that the CPU's slower transcendental ops and the policy's per-op Python dispatch can exceed several
-times (6.7 and 10 measured for a chain of tanh on 2 shared cores); the lower bound keeps one noisy round from
-pricing it at nothing."""
 
 
 def time_precisions(
@@ -42,7 +33,7 @@ def time_precisions(
     precisions: list[str],
     sizes: list[int],
     device: str,
-    time_limit_s: float = 20.0,
+    time_limit_s: float = POLICY.precision_timing_limit_s,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, SpeedCosts]:
     """Time forward, backward, each block and the optimizer step on the device.
@@ -51,8 +42,8 @@ def time_precisions(
     the model). Sizes are timed smallest first, after one warm-up each
     (kernels and allocator are set up per shape); at each size the precisions
     still timed take turns in interleaved rounds (``timing``), at least
-    ``MIN_ROUNDS`` of them, and the fastest round of each counts. A precision
-    more than SLOW_PRECISION_RATIO times slower than the fastest stops there,
+    ``POLICY.min_rounds`` of them, and the fastest round of each counts. A precision
+    more than ``POLICY.slow_precision_ratio`` times slower than the fastest stops there,
     but only once the noise of both cannot explain the ratio (rounds continue
     while it could), and follows the fastest one's curve scaled: it costs
     seconds to learn that fp16 on a CPU is slow, not minutes, and one
@@ -152,7 +143,7 @@ def time_precisions(
             if timed[name]:
                 # The next size costs about its share of the last one's time, per round and warm-up.
                 last = timed[name][-1]
-                projected = (MIN_ROUNDS + 1) * fastest[name, last][1] * size / last
+                projected = (POLICY.min_rounds + 1) * fastest[name, last][1] * size / last
                 if spent[name] + projected > time_limit_s:
                     notes[name] = f"timed up to micro-batch {last} (the next size would pass {time_limit_s:.0f} s); larger sizes extrapolated"
                     continue
@@ -166,13 +157,13 @@ def time_precisions(
             optimizer.zero_grad(set_to_none=True)
             warm_up = clock() - started
             spent[name] += warm_up
-            repeats[name, size] = min(max(math.ceil(SHORTEST_MEASUREMENT_S / max(warm_up, 1e-6)), 1), 16)
+            repeats[name, size] = min(max(math.ceil(POLICY.shortest_measurement_s / max(warm_up, 1e-6)), 1), POLICY.max_repeats_per_measurement)
         keys = [(name, size) for name in running]
 
         def verdicts(current: dict) -> dict[str, str]:
             reference = min(running, key=lambda n: current[n, size].best)
             return {
-                name: compare(current[reference, size], current[name, size], factor=SLOW_PRECISION_RATIO)
+                name: compare(current[reference, size], current[name, size], factor=POLICY.slow_precision_ratio)
                 for name in running if name != reference
             }
 
@@ -230,7 +221,7 @@ def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec:
     inputs, targets = spec.example_batch(size)
     best = math.inf
     device = next(model.parameters()).device
-    for attempt in range(3):
+    for attempt in range(POLICY.optimizer_step_timings):
         one_step(precision, inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -289,11 +280,11 @@ def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step,
         extra = {mode: samples[name, mode].best - plain for mode in modes if mode != "none"}
         plain_forward = sum(costs.recompute_seconds(size))
         if plain_forward > 0:
-            costs.recompute_factor = min(max(extra["full"] / plain_forward, 0.5), 3.0)
+            costs.recompute_factor = min(max(extra["full"] / plain_forward, POLICY.recompute_factor_range[0]), POLICY.recompute_factor_range[1])
         estimated = sum(costs.selective_recompute_seconds(size) or [])
         if estimated > 0:
             if "selective" in extra:
-                costs.selective_factor = min(max(extra["selective"] / estimated, SELECTIVE_FACTOR_RANGE[0]), SELECTIVE_FACTOR_RANGE[1])
+                costs.selective_factor = min(max(extra["selective"] / estimated, POLICY.selective_factor_range[0]), POLICY.selective_factor_range[1])
             else:
                 costs.selective_factor = costs.recompute_factor
     for name, costs in results.items():

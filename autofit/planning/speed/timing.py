@@ -5,7 +5,7 @@ several rounds is the estimate of a configuration's time, and how well that
 fastest round repeats (the second fastest over the fastest) is the noise of
 the estimate. Rounds interleave the configurations, so that a burst of other
 work slows one round of each rather than every round of one. A comparison
-whose ratio lies within the noise is timed again, up to ``MAX_ROUNDS``; one
+whose ratio lies within the noise is timed again, up to ``POLICY.max_rounds``; one
 that stays there is a tie, reported with the noise, and won by the simpler
 configuration.
 
@@ -18,30 +18,12 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-MIN_ROUNDS = 2
-"""Timed rounds before any decision: one disturbed step can never decide alone."""
-MAX_ROUNDS = 4
-"""Rounds at most while a comparison stays within the noise (then it is a tie, or the faster minimum wins)."""
-MAX_NOISY_ROUNDS = 8
-"""Rounds at most when the fastest rounds repeat worse than MAX_TIE (a busy machine): more rounds bring each
-minimum nearer a quiet machine's, so the faster minimum wins on speed rather than on which rounds other work
-disturbed (``Race.noisy``)."""
-TIE = 0.03
-"""Speeds this close are a tie even on a quiet machine."""
-MAX_TIE = 0.05
-"""The widest a tie gets under noise on a quiet machine: beyond it the faster minimum wins, noise or not (so a
-tie never costs more than 5% of speed there)."""
-BUSY_TIE = 0.10
-"""Speeds this close are a tie where other work keeps the machine busy (the run measures with fewer threads,
-``context.timing_threads``). Each run's fastest rounds then repeat within a few percent, yet whole runs under
-the same load rank configurations differently: bench/plan_speed.py's load test saw three digits configurations
-within 2-20% of each other trade first place from run to run while each run reported 2-19% noise. Within this,
-the simpler configuration wins, as in any tie."""
+from autofit.planning.policy import POLICY
 
 
 def tie_cap(tie: float) -> float:
     """The widest a tie gets under noise when speeds within ``tie`` are one already."""
-    return max(MAX_TIE, tie)
+    return max(POLICY.max_tie_share, tie)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,8 +73,8 @@ def interleaved_rounds(
     *,
     settled: Callable[[dict[Hashable, Samples]], bool],
     samples: dict[Hashable, Samples] | None = None,
-    min_rounds: int = MIN_ROUNDS,
-    max_rounds: int = MAX_ROUNDS,
+    min_rounds: int = POLICY.min_rounds,
+    max_rounds: int = POLICY.max_rounds,
     active: Callable[[dict[Hashable, Samples]], Sequence[Hashable]] | None = None,
 ) -> dict[Hashable, Samples]:
     """Time every key once per round, in a rotating order, until ``settled`` or ``max_rounds``.
@@ -138,7 +120,7 @@ class Race:
     contenders: list[Hashable]
     simplicity: Callable[[Hashable], tuple] = lambda key: ()
     """Sort key: smaller is simpler (the winner of a tie)."""
-    tie: float = TIE
+    tie: float = POLICY.tie_share
 
     def leader(self, samples: dict[Hashable, Samples]) -> Hashable:
         return min(self.contenders, key=lambda k: samples[k].best)
@@ -159,8 +141,8 @@ class Race:
         return min(self.within_noise(samples), key=self.simplicity)
 
     def running(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
-        """Contenders still worth timing (all of them until each has MIN_ROUNDS rounds)."""
-        if any(len(samples[k].seconds) < MIN_ROUNDS for k in self.contenders):
+        """Contenders still worth timing (all of them until each has ``POLICY.min_rounds`` rounds)."""
+        if any(len(samples[k].seconds) < POLICY.min_rounds for k in self.contenders):
             return list(self.contenders)
         standing, chosen = self.standing(samples), self.chosen(samples)
         return [
@@ -174,18 +156,18 @@ class Race:
         return all(standing[k] != "unsure" for k in self.running(samples))
 
     def done(self, samples: dict[Hashable, Samples], *, may_go_on: bool = True) -> bool:
-        """``settled``, or MAX_ROUNDS rounds timed and not ``noisy`` (a noisy race goes on to MAX_NOISY_ROUNDS
-        where ``may_go_on``: the caller's time allows it)."""
+        """``settled``, or ``POLICY.max_rounds`` rounds timed and not ``noisy`` (a noisy race goes on to
+        ``POLICY.max_noisy_rounds`` where ``may_go_on``: the caller's time allows it)."""
         if self.settled(samples):
             return True
         running = self.running(samples)
-        rounds = min((len(samples[k].seconds) for k in running), default=MAX_NOISY_ROUNDS)
-        return rounds >= MAX_ROUNDS and not (may_go_on and self.noisy(samples))
+        rounds = min((len(samples[k].seconds) for k in running), default=POLICY.max_noisy_rounds)
+        return rounds >= POLICY.max_rounds and not (may_go_on and self.noisy(samples))
 
     def noisy(self, samples: dict[Hashable, Samples]) -> bool:
-        """Whether the contenders still timed repeat their fastest rounds worse than MAX_TIE (median spread)."""
+        """Whether the contenders still timed repeat their fastest rounds worse than ``POLICY.max_tie_share`` (median spread)."""
         spreads = sorted(samples[k].spread for k in self.running(samples) if len(samples[k].seconds) >= 2)
-        return bool(spreads) and spreads[len(spreads) // 2] > MAX_TIE
+        return bool(spreads) and spreads[len(spreads) // 2] > POLICY.max_tie_share
 
     def behind(self, samples: dict[Hashable, Samples]) -> dict[Hashable, float]:
         """Each contender's fastest round over the chosen one's, less 1 (0.08: 8% slower; negative: faster)."""
@@ -194,7 +176,7 @@ class Race:
 
     def within_noise(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
         """The leader and every contender it does not clearly beat: within the tie, or within the
-        noise of the two (at most MAX_TIE), what stayed unsure after the last round included."""
+        noise of the two (at most ``POLICY.max_tie_share``), what stayed unsure after the last round included."""
         lead = self.leader(samples)
         found = []
         for key in self.contenders:

@@ -9,7 +9,7 @@ configuration with no budget, timed in the same rounds.
 
 A candidate's peak is measured before it is timed only where the memory
 model does not already decide that it fits: on a real GPU (whose allocator
-the model only scales to), or within ``DECIDED_MARGIN`` of the usable bytes.
+the model only scales to), or within ``POLICY.decided_margin_share`` of the usable bytes.
 """
 from __future__ import annotations
 
@@ -23,18 +23,9 @@ from autofit.planning.memory.levers import LeverChoice
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.search.space import Evaluation, LeverSearch, cheapest_for
 from autofit.planning.speed.timing import tie_cap
-from autofit.planning.policy import VERIFY_WITHIN
+from autofit.planning.policy import POLICY
 from autofit.units import format_bytes
 from strategies import PRECISIONS
-
-VERIFY_TOP = 3
-"""Candidates timed on the device."""
-VERIFY_ATTEMPTS = 5
-"""Checkpoint sets measured per (precision, micro-batch) before it is given up."""
-DECIDED_MARGIN = 0.02
-"""Where the memory model is the meter's twin (the CPU, the simulated meter), a candidate predicted at least
-this far under the usable bytes is timed before its peak is measured: the model decides that it fits, and
-the one chosen is measured anyway."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,7 +117,7 @@ def verify(
 def _candidates(
     context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements, levers: LeverSearch,
 ) -> list[_Candidate]:
-    """Up to VERIFY_TOP candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
+    """Up to ``POLICY.verify_top_candidates`` candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
     # Fastest predicted first; on a tie, fewer micro-steps, fewer checkpointed blocks, then the simpler precision
     # (bf16 before fp16, which needs a loss scaler) first.
     ranked = sorted(
@@ -139,11 +130,11 @@ def _candidates(
     candidates: list[_Candidate] = []
     best_predicted = None
     # Simulating, the fastest predicted that fits wins: nothing is timed, so one candidate is enough.
-    wanted = 1 if context.simulate else VERIFY_TOP
+    wanted = 1 if context.simulate else POLICY.verify_top_candidates
     for evaluation in ranked:
         if len(candidates) >= wanted:
             break
-        if best_predicted is not None and evaluation.samples_per_s < VERIFY_WITHIN * best_predicted:
+        if best_predicted is not None and evaluation.samples_per_s < POLICY.verify_within_share * best_predicted:
             break
         candidate = _fitting_checkpoint_set(context, model, evaluation, measurements, levers)
         if candidate is not None:
@@ -194,11 +185,11 @@ def _without_selective(
 
 
 def _decided(model: CostModel, config: TrainingConfig, measurements: Measurements) -> bool:
-    """Whether the memory model alone says this configuration fits, with DECIDED_MARGIN to spare."""
+    """Whether the memory model alone says this configuration fits, with ``POLICY.decided_margin_share`` to spare."""
     if not measurements.model_is_exact:
         return False
     predicted = _predicted_peak(model, config) * measurements.scale(config.precision)
-    return predicted <= measurements.usable_bytes() * (1 - DECIDED_MARGIN)
+    return predicted <= measurements.usable_bytes() * (1 - POLICY.decided_margin_share)
 
 
 def _fitting_checkpoint_set(
@@ -211,7 +202,7 @@ def _fitting_checkpoint_set(
     # Limits below are in the model's own (unscaled) bytes.
     limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
     gradient_levers = LeverChoice(optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state)
-    for _attempt in range(VERIFY_ATTEMPTS):
+    for _attempt in range(POLICY.verify_attempts):
         raw = _predicted_peak(model, config) / model.memory_scale
         if raw > limit:  # the scale learnt from an earlier measurement rules this set out
             choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
@@ -288,7 +279,7 @@ def timed_reference(context: PlanContext, evaluations: list[Evaluation]) -> Trai
     if context.simulate:
         return None
     config, best = unconstrained_config(evaluations)
-    if context.device == "cpu" or best.plain_peak_bytes < 0.9 * context.info.total_bytes:
+    if context.device == "cpu" or best.plain_peak_bytes < POLICY.timed_reference_max_memory_share * context.info.total_bytes:
         return config
     return None
 

@@ -20,6 +20,7 @@ from autofit.planning.context import PlanContext
 from autofit.planning.memory.headroom import PERSISTENT, Headroom, persistent_bytes
 from autofit.planning.modelling import Costs
 from autofit.planning.memory.per_rank import ShardedMemoryEstimate, estimate_fsdp_peak_bytes, fsdp_layout
+from autofit.planning.policy import POLICY
 from autofit.planning.verify.measurements import Measurements
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
@@ -35,11 +36,6 @@ class InfeasibleBudget(UserError):
         self.breakdown = breakdown
         self.floor = floor
         """The floor configuration and its measured budget (what the levers start from)."""
-
-
-FLOOR_DECIDED_MARGIN = 0.05
-"""Where the memory model is the meter's twin (the CPU, the simulated meter), a budget this far above the
-floor it predicts needs no probe to be known possible (a candidate that misses falls back to it, measured)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +68,7 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
     config = TrainingConfig(global_batch_size=G, micro_batch_size=smallest, precision=precision, checkpoint=model.names(checkpoint))
     # Predicted, its persistent bytes are at least the parameters and optimizer state (``resident_bytes``).
     predicted_budget = measurements.headroom.smallest_budget(predicted, persistent_bytes=measurements.resident_bytes)
-    if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + FLOOR_DECIDED_MARGIN):
+    if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + POLICY.floor_decided_margin_share):
         context.log(f"floor: {format_bytes(predicted_budget)} predicted, well under the budget: not measured")
         return Floor(config=config, budget_bytes=predicted_budget, measured=False)
     peak, breakdown = measurements.checked_peak(config)
@@ -146,10 +142,6 @@ def _optimizer_name(context: PlanContext) -> str:
         return "the optimizer"
 
 
-MAX_GPUS = 1024
-"""The most GPUs the floor's advice considers."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class ShardedFloor:
     """A configuration under FSDP2 over more GPUs, per GPU, by the conservative estimate (``estimate_fsdp_peak_bytes``)."""
@@ -170,7 +162,7 @@ class ShardedFloor:
 def sharded_floor(
     spec: ModelSpec, *, breakdown: dict[str, int], precision: str, headroom: Headroom, micro_batch_size: int, global_batch_size: int
 ) -> ShardedFloor:
-    """What 2 to ``global_batch_size`` GPUs (at most MAX_GPUS) would make of a configuration whose one-process peak breaks down as ``breakdown``.
+    """What 2 to ``global_batch_size`` GPUs (at most ``POLICY.floor_advice_max_gpus``) would make of a configuration whose one-process peak breaks down as ``breakdown``.
 
     Each GPU trains ceil(G / N) samples in micro-batches of ``micro_batch_size``;
     FSDP2 divides the parameters, gradients and optimizer state (each
@@ -185,7 +177,7 @@ def sharded_floor(
         model = spec.build_model()
     numel = sum(p.numel() for p in model.parameters()) or 1
     best: tuple[int, int, ShardedMemoryEstimate] | None = None
-    for world_size in range(2, min(global_batch_size, MAX_GPUS) + 1):
+    for world_size in range(2, min(global_batch_size, POLICY.floor_advice_max_gpus) + 1):
         layout = fsdp_layout(model, world_size=world_size)
         padded = (layout.root_numel + sum(layout.unit_numels.values())) / numel  # shards are of the padded parameters
         steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=micro_batch_size)

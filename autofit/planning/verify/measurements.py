@@ -22,13 +22,9 @@ from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.probe import measure
 from autofit.planning.context import PlanContext
 from autofit.planning.speed.measured import StepTimer
-from autofit.planning.memory.headroom import ESTIMATED_CUDA_CONTEXT, Headroom, persistent_bytes
-from autofit.planning.search.space import EXACT_SLACK, MODEL_SLACK
-from autofit.planning.speed.timing import MAX_NOISY_ROUNDS, MIN_ROUNDS, Race, Samples, interleaved_rounds
-
-KEEP_TIMERS_SHARE = 0.25
-"""On the CPU the timed candidates stay built between rounds while their peaks add up to at most this share of
-the machine's memory; on a GPU one is built at a time (its memory is the budget's)."""
+from autofit.planning.memory.headroom import Headroom, persistent_bytes
+from autofit.planning.policy import POLICY
+from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
 
 
 class Measurements:
@@ -76,7 +72,7 @@ class Measurements:
     def headroom(self) -> Headroom:
         """The budget's headroom as measured so far: on a real GPU the first probe replaces the assumed context."""
         context = self.context
-        assumed = ESTIMATED_CUDA_CONTEXT if context.device == "cuda" else 0
+        assumed = POLICY.estimated_cuda_context_bytes if context.device == "cuda" else 0
         measured = self._measured_context_bytes
         return Headroom(
             device_type=context.device, estimated=context.simulate, budget_bytes=context.budget_bytes,
@@ -107,7 +103,7 @@ class Measurements:
 
     @property
     def model_is_exact(self) -> bool:
-        """Whether the memory model stands for the meter with the last word (to within MODEL_SLACK).
+        """Whether the memory model stands for the meter with the last word (to within ``POLICY.model_slack_share``).
 
         It is built from the simulated meter, which equals the CPU meter; a real
         GPU's allocator it only approaches through ``CostModel.memory_scale``.
@@ -117,7 +113,7 @@ class Measurements:
     @property
     def slack(self) -> float:
         """How far over the usable bytes a prediction may be and still be worth a probe."""
-        return EXACT_SLACK if self.model_is_exact else MODEL_SLACK
+        return POLICY.exact_slack_share if self.model_is_exact else POLICY.model_slack_share
 
     def scale(self, precision: str) -> float:
         """Measured over predicted peak, the largest seen for this precision in this run (at least 1).
@@ -205,12 +201,12 @@ class Measurements:
     def race(self, contenders: list[TrainingConfig], *, reference: TrainingConfig | None = None) -> list[TrainingConfig]:
         """Time the contenders side by side; the fastest first, the simplest winning within the noise.
 
-        The contenders (and ``reference``, timed in the first MIN_ROUNDS rounds
+        The contenders (and ``reference``, timed in the first ``POLICY.min_rounds`` rounds
         for the speed ratio) take turns, one training step of the global batch
-        each per round, at least MIN_ROUNDS rounds after a warm-up (one when
+        each per round, at least ``POLICY.min_rounds`` rounds after a warm-up (one when
         there is a single contender: nothing to decide), and more while a
         contender that could still win is within the noise of the leader, up
-        to MAX_ROUNDS (``timing.Race``). Timings of an earlier run are used
+        to ``POLICY.max_rounds`` (``timing.Race``). Timings of an earlier run are used
         instead only when that run timed all of them and they decide.
 
         Returns:
@@ -250,7 +246,7 @@ class Measurements:
         if len(sessions) != 1 or any(k not in self.timings for k in keys) or next(iter(sessions))[1] != self.context.threads:
             return None
         samples = {k: Samples(seconds=list(self.timings[k]["seconds"])) for k in keys}
-        required = MIN_ROUNDS if len(race.contenders) > 1 else 1
+        required = POLICY.min_rounds if len(race.contenders) > 1 else 1
         if any(len(s.seconds) < required for k, s in samples.items() if k in race.contenders):
             return None
         return samples
@@ -260,7 +256,7 @@ class Measurements:
         timers: dict[str, StepTimer] = {}
         keys = list(configs)
         on_gpu = self.context.device == "cuda"
-        allowance = KEEP_TIMERS_SHARE * self.context.info.total_bytes
+        allowance = POLICY.keep_timers_memory_share * self.context.info.total_bytes
 
         def measure(key: str):
             def run() -> float:
@@ -276,22 +272,22 @@ class Measurements:
             return run
 
         def active(current: dict[str, Samples]) -> list[str]:
-            # The reference is only for the speed ratio: MIN_ROUNDS rounds beside the contenders.
-            reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < MIN_ROUNDS]
+            # The reference is only for the speed ratio: POLICY.min_rounds rounds beside the contenders.
+            reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < POLICY.min_rounds]
             return race.running(current) + reference
 
         started = time.perf_counter()
         before = started - self.context.started
 
         def settled(current: dict[str, Samples]) -> bool:
-            # Past MAX_ROUNDS only a noisy race goes on, while it has taken less than half the plan before it.
-            return race.done(current, may_go_on=time.perf_counter() - started < 0.5 * before)
+            # Past POLICY.max_rounds only a noisy race goes on, while it has taken less than POLICY.noisy_race_time_share of the plan before it.
+            return race.done(current, may_go_on=time.perf_counter() - started < POLICY.noisy_race_time_share * before)
 
         try:
             # One candidate has nothing to be compared with: one round gives its speed (and the ratio's).
-            rounds = MIN_ROUNDS if len(race.contenders) > 1 else 1
+            rounds = POLICY.min_rounds if len(race.contenders) > 1 else 1
             samples = interleaved_rounds(
-                {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds, max_rounds=MAX_NOISY_ROUNDS,
+                {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds, max_rounds=POLICY.max_noisy_rounds,
             )
         finally:
             for timer in timers.values():

@@ -1,14 +1,8 @@
 """Headroom: the estimated GPU allowance covers what an H200 measured; it scales with what fragments; the CPU keeps only the margin."""
 import pytest
 
-from autofit.planning.memory.headroom import (
-    CUDA_FRAGMENTATION,
-    ESTIMATED_CUDA_CONTEXT,
-    ESTIMATED_CUDA_FRAGMENTATION,
-    SAFETY_MARGIN,
-    Headroom,
-    persistent_bytes,
-)
+from autofit.planning.memory.headroom import Headroom, persistent_bytes
+from autofit.planning.policy import POLICY
 
 GiB = 2**30
 
@@ -46,7 +40,7 @@ H200_CASES = [
 
 
 def estimated(budget_bytes: int) -> Headroom:
-    return Headroom(device_type="cuda", estimated=True, budget_bytes=budget_bytes, context_bytes=ESTIMATED_CUDA_CONTEXT)
+    return Headroom(device_type="cuda", estimated=True, budget_bytes=budget_bytes, context_bytes=POLICY.estimated_cuda_context_bytes)
 
 
 def test_the_table_has_every_case():
@@ -67,40 +61,40 @@ def test_fragmentation_scales_with_what_is_not_persistent():
     breakdown = {"parameters": 4 * GiB, "gradients": 4 * GiB, "optimizer_state": 8 * GiB, "activations": 3 * GiB}
     peak = sum(breakdown.values())
     causes = estimated(24 * GiB).for_peak(peak, persistent_bytes=persistent_bytes(breakdown))
-    assert causes["fragmentation"] == pytest.approx(ESTIMATED_CUDA_FRAGMENTATION * 3 * GiB, abs=1)
+    assert causes["fragmentation"] == pytest.approx(POLICY.estimated_cuda_fragmentation_share * 3 * GiB, abs=1)
     assert causes["fragmentation"] < 0.02 * peak  # 20% of the whole peak used to be 3.8 GiB
     # Without persistent bytes (all of it fragments), the allowance is the share of the whole peak.
-    assert estimated(24 * GiB).for_peak(peak, persistent_bytes=0)["fragmentation"] == pytest.approx(ESTIMATED_CUDA_FRAGMENTATION * peak, abs=1)
+    assert estimated(24 * GiB).for_peak(peak, persistent_bytes=0)["fragmentation"] == pytest.approx(POLICY.estimated_cuda_fragmentation_share * peak, abs=1)
 
 
 def test_the_cpu_keeps_only_the_safety_margin_whatever_the_state():
     cpu = Headroom(device_type="cpu", estimated=False, budget_bytes=10**6)
     for persistent in (0, 5 * 10**5):
-        assert cpu.for_peak(9 * 10**5, persistent_bytes=persistent) == {"safety_margin": SAFETY_MARGIN * 10**6}
-        assert cpu.usable_bytes(persistent_bytes=persistent) == 10**6 - SAFETY_MARGIN * 10**6 - 1
+        assert cpu.for_peak(9 * 10**5, persistent_bytes=persistent) == {"safety_margin": POLICY.safety_margin_share * 10**6}
+        assert cpu.usable_bytes(persistent_bytes=persistent) == 10**6 - POLICY.safety_margin_share * 10**6 - 1
     simulated_cpu = Headroom(device_type="cpu", estimated=True, budget_bytes=10**6)
-    assert simulated_cpu.for_peak(9 * 10**5, persistent_bytes=0) == {"safety_margin": SAFETY_MARGIN * 10**6}
+    assert simulated_cpu.for_peak(9 * 10**5, persistent_bytes=0) == {"safety_margin": POLICY.safety_margin_share * 10**6}
 
 
 def test_a_real_gpu_keeps_five_percent_of_the_whole_peak():
     gpu = Headroom(device_type="cuda", estimated=False, budget_bytes=20 * GiB, context_bytes=GiB // 2)
     for persistent in (0, 10 * GiB):
         causes = gpu.for_peak(12 * GiB, persistent_bytes=persistent)
-        assert causes["fragmentation"] == pytest.approx(CUDA_FRAGMENTATION * 12 * GiB, abs=1)
+        assert causes["fragmentation"] == pytest.approx(POLICY.cuda_fragmentation_share * 12 * GiB, abs=1)
         assert causes["context"] == GiB // 2 and "allocator_reserve" not in causes
 
 
 @pytest.mark.parametrize("device, is_estimated", [("cuda", True), ("cuda", False), ("cpu", False)])
 @pytest.mark.parametrize("persistent", [0, 3 * GiB, 30 * GiB])
 def test_usable_bytes_and_smallest_budget_agree_with_fits(device, is_estimated, persistent):
-    headroom = Headroom(device_type=device, estimated=is_estimated, budget_bytes=24 * GiB, context_bytes=ESTIMATED_CUDA_CONTEXT)
+    headroom = Headroom(device_type=device, estimated=is_estimated, budget_bytes=24 * GiB, context_bytes=POLICY.estimated_cuda_context_bytes)
     usable = headroom.usable_bytes(persistent_bytes=persistent)
     if usable >= persistent:  # a peak holds its persistent bytes: a smaller one cannot exist
         assert headroom.fits(usable, persistent_bytes=persistent)
     assert not headroom.fits(usable + 2, persistent_bytes=persistent)
     peak = max(persistent, 5 * GiB)
     budget = headroom.smallest_budget(peak, persistent_bytes=persistent)
-    at = Headroom(device_type=device, estimated=is_estimated, budget_bytes=budget, context_bytes=ESTIMATED_CUDA_CONTEXT)
+    at = Headroom(device_type=device, estimated=is_estimated, budget_bytes=budget, context_bytes=POLICY.estimated_cuda_context_bytes)
     # (it steps up by a millionth while it searches)
-    below = Headroom(device_type=device, estimated=is_estimated, budget_bytes=budget - 1 - budget // 10**6, context_bytes=ESTIMATED_CUDA_CONTEXT)
+    below = Headroom(device_type=device, estimated=is_estimated, budget_bytes=budget - 1 - budget // 10**6, context_bytes=POLICY.estimated_cuda_context_bytes)
     assert at.fits(peak, persistent_bytes=persistent) and not below.fits(peak, persistent_bytes=persistent)
