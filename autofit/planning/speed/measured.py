@@ -11,6 +11,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -371,10 +372,7 @@ def _warm_up(config: TrainingConfig) -> TrainingConfig:
     if len(sizes) <= 2 or levers:
         return config
     warm = config.micro_batch_size + sizes[-1]  # two micro-batches: the accumulation's path is set up too
-    return TrainingConfig(
-        global_batch_size=warm, micro_batch_size=config.micro_batch_size, precision=config.precision,
-        checkpoint=list(config.checkpoint), sharding=config.sharding, world_size=config.world_size,
-    )
+    return replace(config, global_batch_size=warm)
 
 
 def time_configuration(
