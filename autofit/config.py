@@ -22,10 +22,10 @@ import math
 from dataclasses import dataclass
 
 from autofit.errors import UserError
-from strategies.batch_split import micro_batch_count
-from strategies.optimizer_state import OPTIMIZER_STATES
-from strategies.precision import PRECISIONS
-from strategies.sharding import SHARDINGS
+from strategies.batch_split import BatchSplitConfig, micro_batch_count
+from strategies.optimizer_state import OptimizerStateConfig
+from strategies.precision import PRECISIONS, PrecisionConfig
+from strategies.sharding import ShardingConfig
 
 BLOCK_MODES = ("checkpoint", "selective_checkpoint", "offload")
 """The fields that name blocks; a block is in at most one of them."""
@@ -63,21 +63,12 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for mode in BLOCK_MODES:  # "all", "a,b" or a list, as flags and files give them: held as a tuple
             object.__setattr__(self, mode, block_names(getattr(self, mode)))
-        if self.global_batch_size < 1:
-            raise UserError(f"batch size {self.global_batch_size} must be at least 1")
-        if self.micro_batch_size < 1:
-            raise UserError(f"micro-batch size {self.micro_batch_size} must be at least 1")
-        if self.micro_batch_size > self.global_batch_size:
-            raise UserError(
-                f"micro-batch size {self.micro_batch_size} is larger than the batch size {self.global_batch_size}; "
-                "lower --micro-batch-size or raise --batch-size"
-            )
-        if self.precision not in PRECISIONS:
-            raise UserError(f"precision {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}")
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise UserError(f"optimizer state {self.optimizer_state!r} is unknown; choose one of {', '.join(OPTIMIZER_STATES)}")
-        if self.sharding not in SHARDINGS:
-            raise UserError(f"sharding {self.sharding!r} is unknown; choose one of {', '.join(SHARDINGS)}")
+        # Each strategy's own config refuses its impossible values, one line each; what is impossible only
+        # together is refused below.
+        BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size)
+        PrecisionConfig(precision=self.precision)
+        OptimizerStateConfig(optimizer_state=self.optimizer_state)
+        ShardingConfig(world_size=self.world_size, sharding=self.sharding)
         if self.optimizer_in_backward:
             refusal = step_in_backward_refusal(
                 precision=self.precision, global_batch_size=self.global_batch_size,
