@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autofit._torch_private import tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
+from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import make_meter
 from autofit.model_io import call_model
 from autofit.spec import ModelSpec
@@ -54,7 +55,6 @@ def profile_blocks(
         inputs, targets = spec.example_batch(micro_batch_size)
         inputs, targets = to_device(inputs, meter.device), to_device(targets, meter.device)
         names = checkpoint_candidates(model, example_inputs=inputs)
-        modules = dict(model.named_modules())
         config = TrainingConfig(global_batch_size=micro_batch_size, micro_batch_size=micro_batch_size, precision=precision)
         forward_context = apply_config(model, config, device=meter.device, use_scaler=False).forward_context
         stats = {name: {"saved": set(), "saved_bytes": 0, "input_bytes": 0, "seconds": 0.0} for name in names}
@@ -67,22 +67,18 @@ def profile_blocks(
             if meter.device.type == "cuda":
                 torch.cuda.synchronize(meter.device)
 
-        def pre_hook(name):
-            def hook(module, args):
-                active.append(name)
-                stats[name]["input_bytes"] += sum(_nbytes(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor))
-                if not simulate:
-                    sync()
-                    starts[name] = time.perf_counter()
-            return hook
+        def enter(name, args):
+            active.append(name)
+            stats[name]["input_bytes"] += sum(_nbytes(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+            if not simulate:
+                sync()
+                starts[name] = time.perf_counter()
 
-        def post_hook(name):
-            def hook(module, args, output):
-                if not simulate:
-                    sync()
-                    stats[name]["seconds"] += time.perf_counter() - starts[name]
-                active.pop()
-            return hook
+        def leave(name, args, kwargs, output):
+            if not simulate:
+                sync()
+                stats[name]["seconds"] += time.perf_counter() - starts[name]
+            active.pop()
 
         def pack(tensor):
             if active:
@@ -93,25 +89,20 @@ def profile_blocks(
                     block["saved_bytes"] += storage.nbytes()
             return tensor
 
-        hooks = []
-        for name in names:
-            hooks.append(modules[name].register_forward_pre_hook(pre_hook(name)))
-            hooks.append(modules[name].register_forward_hook(post_hook(name)))
-        # Warm up once so that one-time costs (allocator, kernels) stay out of the times.
-        if not simulate:
-            with forward_context():
+        with block_boundaries(model, names, enter=enter, leave=leave):
+            # Warm up once so that one-time costs (allocator, kernels) stay out of the times.
+            if not simulate:
+                with forward_context():
+                    call_model(model, inputs)
+                for stat in stats.values():
+                    stat["input_bytes"] = 0
+                    stat["seconds"] = 0.0
+            sync()
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_context():
                 call_model(model, inputs)
-            for stat in stats.values():
-                stat["input_bytes"] = 0
-                stat["seconds"] = 0.0
-        sync()
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_context():
-            call_model(model, inputs)
-        sync()
-        total_seconds = time.perf_counter() - start
-        for hook in hooks:
-            hook.remove()
+            sync()
+            total_seconds = time.perf_counter() - start
         # FLOPs in a pass of their own: the counter's overhead must not distort the times.
         flop_counter = FlopCounterMode(display=False)
         with torch.no_grad(), flop_counter, forward_context():

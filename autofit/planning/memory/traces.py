@@ -39,6 +39,7 @@ import torch
 from autofit._torch_private import call_when_backward_ends, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
+from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import SimulatedMeter, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
@@ -269,7 +270,7 @@ def run_trace(
             offload=names if mode == "offload" else [],
         )
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
-        modules = dict(model.named_modules())
+        position = {name: index for index, name in enumerate(names)}
         optimizer = applied.build_optimizer(spec.build_optimizer)
         host_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor))
         tracker = _TimelineTracker(round_bytes=meter.round_bytes)
@@ -282,11 +283,11 @@ def run_trace(
         # (weak reference to the storage, bytes); a storage freed by plain training is kept by it.
         policy_kept: dict[str, dict[int, list]] = {name: {} for name in names}
 
-        def root_pre_hook(module, args):
+        def root_enter(name, args):
             state["micro"] += 1
             tracker.mark(("micro", state["micro"]))
 
-        def root_post_hook(module, args, output):
+        def root_leave(name, args, kwargs, output):
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
             if tensors:
                 state["output_shape"] = list(tensors[0].shape)
@@ -298,45 +299,43 @@ def run_trace(
                     tensor.register_hook(lambda grad: call_when_backward_ends(lambda: tracker.mark(("bwd_end", micro))))
                     break
 
-        def pre_hook(index):
-            def hook(module, args):
-                state["active"].append(index)
-                tracker.mark(("fwd_start", index, state["micro"]))
-            return hook
+        def enter(name, args):
+            index = position[name]
+            state["active"].append(index)
+            tracker.mark(("fwd_start", index, state["micro"]))
 
-        def post_hook(index):
-            def hook(module, args, kwargs, output):
-                state["active"].pop()
-                micro = state["micro"]
-                tracker.mark(("fwd_end", index, micro))
-                # Keyword inputs too (a Hugging Face layer's position embeddings and mask): a
-                # checkpointed block keeps all its inputs until its backward.
-                inputs = {id(t.untyped_storage()): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-                outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-                kept = set(inputs) | {id(t.untyped_storage()) for t in outputs}
-                saved = state["saved"][names[index]].setdefault(micro, {})
-                dropped = sum(n for key, n in saved.items() if key not in kept)
-                state["dropped_" + str(micro) + "_" + str(index)] = dropped
-                # An input the block's own ops do not save (a block that starts with a matmul under autocast
-                # saves the input's cast, not the input) may die after the forward; kept by a checkpoint, it
-                # stays: what has died when the block's backward begins is what checkpointing adds.
-                state["loose"][micro, index] = [
-                    (weakref.ref(t.untyped_storage()), tracker.counted_bytes(t))
-                    for key, t in inputs.items() if key not in saved and key not in persistent
-                ]
-                # Selective checkpointing keeps the policy's outputs too (each storage once; one that died is no input or output).
-                also_kept: dict[int, int] = {}
-                for ref, nbytes in policy_kept[names[index]].get(micro, []):
-                    storage = ref()
-                    key = id(ref) if storage is None else id(storage)
-                    if storage is None or key not in kept:
-                        also_kept[key] = nbytes
-                state["selective_" + str(micro) + "_" + str(index)] = dropped - sum(also_kept.values())
-                for tensor in outputs:
-                    if tensor.requires_grad:
-                        tensor.register_hook(lambda grad, index=index, micro=micro: backward_starts(index, micro))
-                        break
-            return hook
+        def leave(name, args, kwargs, output):
+            index = position[name]
+            state["active"].pop()
+            micro = state["micro"]
+            tracker.mark(("fwd_end", index, micro))
+            # Keyword inputs too (a Hugging Face layer's position embeddings and mask): a
+            # checkpointed block keeps all its inputs until its backward.
+            inputs = {id(t.untyped_storage()): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            kept = set(inputs) | {id(t.untyped_storage()) for t in outputs}
+            saved = state["saved"][names[index]].setdefault(micro, {})
+            dropped = sum(n for key, n in saved.items() if key not in kept)
+            state["dropped_" + str(micro) + "_" + str(index)] = dropped
+            # An input the block's own ops do not save (a block that starts with a matmul under autocast
+            # saves the input's cast, not the input) may die after the forward; kept by a checkpoint, it
+            # stays: what has died when the block's backward begins is what checkpointing adds.
+            state["loose"][micro, index] = [
+                (weakref.ref(t.untyped_storage()), tracker.counted_bytes(t))
+                for key, t in inputs.items() if key not in saved and key not in persistent
+            ]
+            # Selective checkpointing keeps the policy's outputs too (each storage once; one that died is no input or output).
+            also_kept: dict[int, int] = {}
+            for ref, nbytes in policy_kept[names[index]].get(micro, []):
+                storage = ref()
+                key = id(ref) if storage is None else id(storage)
+                if storage is None or key not in kept:
+                    also_kept[key] = nbytes
+            state["selective_" + str(micro) + "_" + str(index)] = dropped - sum(also_kept.values())
+            for tensor in outputs:
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad, index=index, micro=micro: backward_starts(index, micro))
+                    break
 
         def backward_starts(index, micro):
             tracker.mark(("bwd_start", index, micro))
@@ -359,24 +358,26 @@ def run_trace(
                     saved[key] = tracker.counted_bytes(tensor)
             return tensor
 
-        hooks = [model.register_forward_pre_hook(root_pre_hook), model.register_forward_hook(root_post_hook)]
-        for index, name in enumerate(names):
-            hooks.append(modules[name].register_forward_pre_hook(pre_hook(index)))
-            hooks.append(modules[name].register_forward_hook(post_hook(index), with_kwargs=True))
         # The checkpointed runs' blocks keep their own saved-tensor hooks: nothing to count there.
         plain = mode == "none"
         saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if plain else nullcontext()
         tracker.watch = watch if plain else None
-        with tracker, saved_hooks:
+        step_hooks = []
+        with (
+            block_boundaries(model, [""], enter=root_enter, leave=root_leave),  # the whole model: one micro-step
+            block_boundaries(model, names, enter=enter, leave=leave),
+            tracker,
+            saved_hooks,
+        ):
             # Before the first micro-step's mark: what the state's creation holds at its peak is in no segment.
             create_optimizer_state(model, optimizer, at_once=True)
-            hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
-            hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
+            step_hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
+            step_hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
             # The recomputing runs are read only until backward ends (``_recompute_segments``): no step to trace
             # (the offloading run is read to its end: ``memory.levers.add_offloaded``).
             train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer if mode in ("none", "offload") else _NoStep(optimizer))
         tracker.mark(("end",))
-        for hook in hooks:
+        for hook in step_hooks:
             hook.remove()
         tracker.watch = None
         # Both modes keep the block's inputs: those plain training frees by the block's backward count against them.

@@ -15,6 +15,7 @@ import torch
 from autofit.apply import AppliedPlan, apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.blocks import profile_blocks
+from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import call_model
 from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
@@ -149,24 +150,16 @@ def selective_shares(
     are. The device's timing calibrates the estimate (``SpeedCosts.selective_factor``).
     """
     meter = _OpSeconds(flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
-    modules = dict(applied.model.named_modules())
+    index = {name: i for i, name in enumerate(blocks)}
 
-    def enter(index):
-        def hook(module, args):
-            meter.block = index
-        return hook
+    def enter(name, args):
+        meter.block = index[name]
 
-    def leave(module, args, output):
+    def leave(name, args, kwargs, output):
         meter.block = None
 
-    handles = [modules[name].register_forward_pre_hook(enter(index)) for index, name in enumerate(blocks)]
-    handles += [modules[name].register_forward_hook(leave) for name in blocks]
-    try:
-        with meter, applied.forward_context():
-            call_model(applied.model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with block_boundaries(applied.model, blocks, enter=enter, leave=leave), meter, applied.forward_context():
+        call_model(applied.model, inputs)
     shares = []
     for index in range(len(blocks)):
         kept, recomputed = meter.kept.get(index, 0.0), meter.recomputed.get(index, 0.0)

@@ -11,12 +11,14 @@ import copy
 import math
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
 
 import torch
 
 from autofit.apply import AppliedPlan, apply_config
 from autofit.config import TrainingConfig
+from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import as_loss, call_model
 from autofit.planning.costs import SpeedCosts
@@ -65,7 +67,6 @@ def time_precisions(
     sizes = sorted(set(sizes))
     # The memory model's blocks: those the forward calls (one fake forward finds them), in its order.
     blocks = checkpoint_candidates(model, example_inputs=spec.example_batch(sizes[0])[0])
-    modules = dict(model.named_modules())
     optimizer = spec.build_optimizer(model.parameters())
     block_times: dict[str, float] = {}
     starts: dict[str, float] = {}
@@ -74,20 +75,16 @@ def time_precisions(
         if device_.type == "cuda":
             torch.cuda.synchronize(device_)
 
-    def pre_hook(name):
-        def hook(module, args):
-            sync()
-            starts[name] = clock()
-        return hook
+    def enter(name, args):
+        sync()
+        starts[name] = clock()
 
-    def post_hook(name):
-        def hook(module, args, output):
-            sync()
-            block_times[name] = block_times.get(name, 0.0) + clock() - starts[name]
-        return hook
+    def leave(name, args, kwargs, output):
+        sync()
+        block_times[name] = block_times.get(name, 0.0) + clock() - starts[name]
 
-    handles = [modules[n].register_forward_pre_hook(pre_hook(n)) for n in blocks]
-    handles += [modules[n].register_forward_hook(post_hook(n)) for n in blocks]
+    timing_blocks = ExitStack()  # each block's forward timed until the timings are done
+    timing_blocks.enter_context(block_boundaries(model, blocks, enter=enter, leave=leave))
 
     def one_step(applied: AppliedPlan, inputs, targets) -> tuple[float, float, list[float]]:
         """One micro-batch's forward and backward: (forward s, forward + backward s, each block's forward s)."""
@@ -192,8 +189,7 @@ def time_precisions(
             note=notes.get(name, ""),
             noise=noise_of([samples[name, s] for s in sizes_]),
         )
-    for handle in handles:
-        handle.remove()
+    timing_blocks.close()
     if blocks:
         flops_per_s, bytes_per_s = roofline_rates(device_.type, torch.cuda.get_device_name(device_) if device_.type == "cuda" else "")
         inputs = to_device(spec.example_batch(sizes[0])[0], device_)
