@@ -309,6 +309,14 @@ def test_resume_refuses_settings_and_plans_that_differ(tmp_path, project, run_cl
     code, _, err = run_cli("train", "--log-dir", log_dir, "--resume", "--plan", tmp_path / "other.json")
     line = one_line(err)
     assert code == 2 and "global_batch_size 16 (saved: 8)" in line and "precision 'bf16' (saved: 'fp32')" in line
+    # Every choice of the configuration counts, the levers too (they used to be let through).
+    for change, named in [
+        ({"selective_checkpoint": ["1"]}, "selective_checkpoint ['1'] (saved: [])"),
+        ({"optimizer_state": "8bit"}, "optimizer_state '8bit' (saved: 'device')"),
+    ]:
+        (tmp_path / "other.json").write_text(json.dumps({**json.loads((project / "plan.json").read_text()), **change}))
+        code, _, err = run_cli("train", "--log-dir", log_dir, "--resume", "--plan", tmp_path / "other.json")
+        assert code == 2 and named in one_line(err), err
     # The same settings again, and the same plan, are fine.
     code, _, err = run_cli(*train_args(project, log_dir, "--resume", "--seed", "3", "--lr", "0.01", "--max-steps", "2"))
     assert code == 0, err
