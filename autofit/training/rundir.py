@@ -2,7 +2,7 @@
 
 ``hold_run_directory`` takes an OS-level lock (``fcntl.flock`` on
 ``.autofit.lock``, released by the kernel when the process ends, however it
-ends) for as long as the run trains; a second run in the folder is refused
+ends, and not kept by the processes it forks) for as long as the run trains; a second run in the folder is refused
 with one line naming the holder. Holding it, the run cleans up what a killed
 run may have left half-done: temporary files of ``autofit.atomic.write_atomic``
 and an interrupted replacement of ``last_sharded/``.
@@ -33,6 +33,31 @@ RUN_FILES = ("last.pt", "best.pt", "last_sharded", "metrics.jsonl")
 
 _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")
 """``write_atomic``'s temporary names: ``.<name>.<8 hex digits>.tmp``."""
+
+_HELD_LOCKS: set[int] = set()
+"""File descriptors of the locks this process holds now."""
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker): let go of the parent's locks.
+
+    flock belongs to the open file, which a fork shares: a worker that
+    outlives a killed run would hold its folder for seconds, and an immediate
+    ``--resume`` would be refused naming a dead process. Each inherited
+    descriptor is pointed at /dev/null instead of closed, so that the number
+    stays taken until the child's copy of the file object closes it.
+    """
+    if not _HELD_LOCKS:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in _HELD_LOCKS:
+        os.dup2(null, fd)
+    os.close(null)
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork (and no flock)
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 @contextmanager
@@ -66,9 +91,11 @@ def hold_run_directory(log_dir: Path, *, holder: bool = True) -> Iterator[Path]:
         lock.truncate()
         lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         lock.flush()
+        _HELD_LOCKS.add(lock.fileno())
         remove_leftovers(log_dir)
         yield log_dir
     finally:
+        _HELD_LOCKS.discard(lock.fileno())
         lock.close()  # closing the file releases the lock
 
 

@@ -162,6 +162,35 @@ def test_the_lock_is_released_when_the_run_ends(tmp_path):
         pass
 
 
+def test_a_child_that_outlives_the_run_does_not_keep_its_lock(tmp_path):
+    """A DataLoader worker forked while the run held the lock inherited its file description: after a SIGKILL of the
+    run the worker lived on for seconds, and an immediate --resume was refused naming the dead process."""
+    log_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import os, time
+            from pathlib import Path
+            from autofit.training.rundir import hold_run_directory
+            with hold_run_directory(Path({str(log_dir)!r})):
+                child = os.fork()
+                if child == 0:  # the worker: lives on after the run
+                    time.sleep(60)
+                    os._exit(0)
+                print(child, flush=True)
+                os._exit(0)  # the run dies without leaving the block, as under SIGKILL
+        """)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    child = int(run.stdout.readline())
+    try:
+        assert run.wait(timeout=60) == 0
+        os.kill(child, 0)  # the worker still runs
+        with hold_run_directory(log_dir):
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("files", [("best.pt", "metrics.jsonl"), ("last.pt",), ("metrics.jsonl",)])
 def test_a_fresh_start_in_a_folder_holding_a_run_is_refused(tmp_path, project, run_cli, files):
     """best.pt and metrics.jsonl without last.pt used to count as a fresh folder: the history was erased."""
