@@ -85,7 +85,8 @@ def fit(
         resume: continue the run in ``log_dir`` from its last.pt, with its saved
             settings (``lr``, ``seed`` given again must equal them).
         overwrite: start a new run in a ``log_dir`` that holds one, deleting its
-            files (without it, such a start is refused).
+            files once the new run has saved its first checkpoint (without it,
+            such a start is refused).
         num_workers: DataLoader worker processes.
         seed: fixes the data order and the RNG; default 0, or on resume the run's own.
         max_steps: stop (after saving last.pt) after this many optimizer steps.

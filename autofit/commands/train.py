@@ -35,7 +35,7 @@ def train(
         None, "--log-dir", help="Where metrics.jsonl, TensorBoard events, plan.json, last.pt and best.pt go; default runs/<date>-<time>."
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --log-dir from its last.pt, with the settings it saved."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --log-dir that holds one, deleting its files."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --log-dir that holds one; its files go once the new run has saved."),
     model: Optional[str] = typer.Option(None, "--model", help="The model file, when it is not where the plan says."),
     workers: int = typer.Option(min(4, max((os.cpu_count() or 1) - 1, 0)), "--workers", help="DataLoader worker processes."),
     save_every: Optional[int] = typer.Option(

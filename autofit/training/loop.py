@@ -57,7 +57,7 @@ from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
 from autofit.training.images import Unreadable
 from autofit.training.recovery import MicroBatchChange, StepUndo, step_with_recovery
 from autofit.training.resume import check_same_plan, resumed_value
-from autofit.training.rundir import hold_run_directory, start_fresh
+from autofit.training.rundir import discard_previous_run, hold_run_directory, restore_previous_run, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
 from autofit.training.state import NonFiniteStreak, RunState
 from autofit.training.validation import evaluate
@@ -221,14 +221,19 @@ def train(
     _check_classes(plan, data)
     with hold_run_directory(log_dir, holder=is_rank0()):
         try:
-            return _train_run(
-                model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
-                settings=settings,
-            )
-        except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise UserError(_disk_full_line(error, log_dir)) from None
+            try:
+                return _train_run(
+                    model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
+                    settings=settings,
+                )
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise UserError(_disk_full_line(error, log_dir)) from None
+        except BaseException:
+            if is_rank0():
+                restore_previous_run(log_dir)  # an --overwrite run that never saved gives the folder back
+            raise
 
 
 def _train_run(
@@ -400,7 +405,10 @@ def _train_epochs(
 def _save_last(checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan: Plan, state: RunState) -> dict:
     """Save last.pt once every record up to it is on disk (a run killed later loses no step it saved)."""
     log.sync()
-    return checkpoints.save_last(plan=plan, state=state)
+    saved = checkpoints.save_last(plan=plan, state=state)
+    if is_rank0():
+        discard_previous_run(checkpoints.last_path.parent)  # an --overwrite run's first save: the earlier run's files go
+    return saved
 
 
 def _record_oom(oom: MicroBatchChange, *, plan: Plan, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> Plan:

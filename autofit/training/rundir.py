@@ -9,7 +9,10 @@ and an interrupted replacement of ``last_sharded/``.
 
 A folder holds a run when it has ``last.pt``, ``best.pt``, ``last_sharded/``
 or a non-empty ``metrics.jsonl``; a new run there (not ``--resume``) is
-refused unless asked to ``overwrite``, which deletes those files first.
+refused unless asked to ``overwrite``, which moves those files aside to
+``.previous/`` and deletes them only once the new run has saved its first
+checkpoint: a new run that fails before (a bad plan, a loss that raises, a
+signal, a kill) gives the folder back to the earlier run.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ LOCK_FILE = ".autofit.lock"
 
 RUN_FILES = ("last.pt", "best.pt", "last_sharded", "metrics.jsonl")
 """What a run writes that a new run must not lose (metrics.jsonl only when it holds a record)."""
+
+PREVIOUS = ".previous"
+"""Where ``--overwrite`` keeps the earlier run's files until the new run has saved its first checkpoint."""
 
 _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")
 """``write_atomic``'s temporary names: ``.<name>.<8 hex digits>.tmp``."""
@@ -140,6 +146,9 @@ def remove_leftovers(log_dir: Path) -> list[str]:
         if _TEMPORARY.match(entry.name) and entry.is_file():
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
+    if (log_dir / PREVIOUS).is_dir():  # an --overwrite run was killed: before its first save, or just after it
+        saved = (log_dir / "last.pt").exists() or (log_dir / "last_sharded").exists()
+        discard_previous_run(log_dir) if saved else restore_previous_run(log_dir)
     sharded, previous = log_dir / "last_sharded", log_dir / "last_sharded.previous"
     if previous.is_dir() and not sharded.exists():
         previous.rename(sharded)  # killed between moving the old save aside and moving the new one in
@@ -164,7 +173,9 @@ def run_files(log_dir: Path) -> list[str]:
 
 
 def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
-    """Make sure a new run loses nothing: refuse a folder that holds a run, or with ``overwrite`` delete that run's files.
+    """Make sure a new run loses nothing: refuse a folder that holds a run, or with ``overwrite`` move that run's files
+    (and its plan.json and TensorBoard events) aside to ``.previous/`` (``discard_previous_run`` deletes them once the
+    new run has saved; ``restore_previous_run`` puts them back if it never does).
 
     Raises:
         UserError: the folder holds an earlier run's files and ``overwrite`` is False.
@@ -178,8 +189,35 @@ def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
             f"{log_dir} already holds a run ({', '.join(found)}); {resume}give another --log-dir, "
             "or --overwrite to delete its files and start again"
         )
-    for name in found:
-        path = log_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    for events in log_dir.glob("events.out.tfevents.*"):
+    aside = log_dir / PREVIOUS
+    aside.mkdir()
+    extras = [log_dir / "plan.json", *log_dir.glob("events.out.tfevents.*")]
+    for path in [*(log_dir / name for name in found), *(path for path in extras if path.exists())]:
+        path.rename(aside / path.name)
+
+
+def discard_previous_run(log_dir: Path) -> None:
+    """The new run saved its first checkpoint: the files ``--overwrite`` moved aside go."""
+    shutil.rmtree(log_dir / PREVIOUS, ignore_errors=True)
+
+
+def restore_previous_run(log_dir: Path) -> bool:
+    """A new run that ``--overwrite`` started ended before its first checkpoint: put the earlier run's files back.
+
+    Returns:
+        Whether there was an earlier run to put back.
+    """
+    aside = log_dir / PREVIOUS
+    if not aside.is_dir():
+        return False
+    for events in log_dir.glob("events.out.tfevents.*"):  # the new run's
         events.unlink()
+    for entry in aside.iterdir():
+        target = log_dir / entry.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        entry.rename(target)
+    aside.rmdir()
+    return True

@@ -216,6 +216,39 @@ def test_overwrite_deletes_the_earlier_run_and_starts_again(tmp_path, project, r
     assert code == 2 and "give one of them" in one_line(err)
 
 
+def test_an_overwrite_that_fails_before_its_first_save_loses_nothing(tmp_path, project, run_cli):
+    """--overwrite used to delete the earlier run before the new one's plan was even applied."""
+    log_dir = tmp_path / "run"
+    assert run_cli(*train_args(project, log_dir, "--max-steps", "2"))[0] == 0
+    before = {p.name: p.read_bytes() for p in log_dir.iterdir() if p.is_file() and p.name != LOCK_FILE}
+    bad = {**json.loads((project / "plan.json").read_text()), "selective_checkpoint": ["no_such_block"]}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    code, _, err = run_cli("train", "--plan", tmp_path / "bad.json", "--data", project / "data", "--log-dir", log_dir, "--overwrite")
+    assert code == 2 and "no_such_block" in one_line(err), err
+    after = {p.name: p.read_bytes() for p in log_dir.iterdir() if p.is_file() and p.name != LOCK_FILE}
+    assert after == before and {"last.pt", "metrics.jsonl", "plan.json"} <= set(after)
+    assert run_cli(*train_args(project, log_dir, "--resume", "--max-steps", "3"))[0] == 0  # the earlier run goes on
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_an_overwrite_killed_around_its_first_save_is_settled_by_the_next_run(tmp_path, saved):
+    """Killed before its first save, the new run gives the folder back to the earlier one; killed just after it,
+    the earlier run's files, set aside, go."""
+    log_dir = tmp_path / "run"
+    (log_dir / ".previous").mkdir(parents=True)
+    (log_dir / ".previous" / "last.pt").write_bytes(b"earlier")
+    (log_dir / ".previous" / "metrics.jsonl").write_text('{"kind": "step"}\n')
+    (log_dir / "metrics.jsonl").write_text('{"kind": "step", "new": true}\n')
+    if saved:
+        (log_dir / "last.pt").write_bytes(b"new")
+    with hold_run_directory(log_dir):
+        pass
+    names = sorted(p.name for p in log_dir.iterdir())
+    assert names == sorted([LOCK_FILE, "last.pt", "metrics.jsonl"])
+    assert (log_dir / "last.pt").read_bytes() == (b"new" if saved else b"earlier")
+    assert ('"new"' in (log_dir / "metrics.jsonl").read_text()) == saved
+
+
 def test_leftovers_of_a_killed_save_are_cleaned_up(tmp_path):
     log_dir = tmp_path / "run"
     (log_dir / "last_sharded.previous").mkdir(parents=True)
