@@ -81,6 +81,25 @@ class RunCheckpoints:
         # best.pt is for using the weights: no optimizer state, no RNG.
         self.files.save_best({**saved, "training": {"epoch": record["epoch"], "metrics": record}})
 
+    def repair_best(self, saved: dict, state: RunState) -> None:
+        """On resume: save best.pt again when it is not the best epoch's (a kill while it was written) and last.pt,
+        saved just before it at that epoch's end, holds that epoch's weights; else leave it (the run says so)."""
+        best = state.best_record()
+        if best is None or self._best_epoch() == best["epoch"]:
+            return
+        position = saved["training"]["position"]
+        if position["epoch"] == best["epoch"] and position["step_in_epoch"] == 0:
+            self.save_best(saved, record=best)
+
+    def _best_epoch(self) -> int | None:
+        """The epoch best.pt was saved at; None without a readable one."""
+        if not self.files.best_path.is_file():
+            return None
+        try:
+            return load_checkpoint(self.files.best_path, mmap=True)["training"]["epoch"]
+        except (UserError, KeyError, TypeError):
+            return None
+
     def restore(self, saved: dict) -> RunState:
         """Load weights, optimizer, scaler, schedule and RNG state from ``saved`` (last.pt as read)."""
         training = self.files.restore(saved, model=self.model, optimizer=self.optimizer)

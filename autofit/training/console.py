@@ -94,7 +94,9 @@ def epoch_line(record: dict, *, epochs: int) -> str:
     return ", ".join(parts) + f" ({record['samples_per_s']:.0f} samples/s)"
 
 
-def final_line(best: dict, best_path: Path) -> str:
+def final_line(best: dict, best_path: Path | None) -> str:
+    """The run's last line: its best epoch and where its weights are (best.pt; None when it could not be saved)."""
+    weights = f"weights: {best_path}" if best_path is not None else "its weights were not kept (best.pt was lost); last.pt holds the last epoch's"
     if best["val_accuracy"] is not None:
-        return f"validation accuracy {best['val_accuracy']:.4f} (best, epoch {best['epoch']}); weights: {best_path}"
-    return f"best epoch {best['epoch']} (loss {best['val_loss'] if best['val_loss'] is not None else best['train_loss']:.4f}); weights: {best_path}"
+        return f"validation accuracy {best['val_accuracy']:.4f} (best, epoch {best['epoch']}); {weights}"
+    return f"best epoch {best['epoch']} (loss {best['val_loss'] if best['val_loss'] is not None else best['train_loss']:.4f}); {weights}"

@@ -272,6 +272,8 @@ def _train_run(
         settings=settings.record(), seed=settings.seed,
     )
     state = checkpoints.restore(saved) if saved is not None else RunState()
+    if saved is not None:
+        checkpoints.repair_best(saved, state)
     # Rank 0 writes the log and prints; other ranks get a log that writes nothing and a quiet console.
     writes_log = applied.env.rank == 0
     gauge = memory_gauge(applied.device)
@@ -291,7 +293,7 @@ def _train_run(
         )
     best = state.best_record()
     if finished and best is not None:
-        console.print(final_line(best, checkpoints.files.best_path))
+        console.print(final_line(best, checkpoints.best_path_if_saved()))
     return TrainResult(
         plan=plan, history=state.history, best_path=checkpoints.best_path_if_saved(), last_path=checkpoints.last_path,
         log_dir=log_dir, finished=finished,

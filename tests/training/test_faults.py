@@ -249,6 +249,20 @@ def test_an_overwrite_killed_around_its_first_save_is_settled_by_the_next_run(tm
     assert ('"new"' in (log_dir / "metrics.jsonl").read_text()) == saved
 
 
+def test_a_best_pt_lost_to_a_kill_is_saved_again_on_resume(tmp_path, project, run_cli):
+    """SIGKILL while best.pt was written left only its temporary file, and the resumed run ended with
+    "weights: .../best.pt", a file that did not exist. last.pt, saved just before, holds the best epoch's weights."""
+    log_dir = tmp_path / "run"
+    assert run_cli(*train_args(project, log_dir, "--epochs", "1"))[0] == 0
+    (log_dir / "best.pt").rename(log_dir / ".best.pt.0123abcd.tmp")  # as a kill mid-save leaves it
+    code, out, err = run_cli("train", "--log-dir", log_dir, "--resume")
+    assert code == 0, err
+    best, last = load_checkpoint(log_dir / "best.pt"), load_checkpoint(log_dir / "last.pt")
+    assert best["training"]["epoch"] == 1
+    assert_equal_states(best["model_state"], last["model_state"])
+    assert f"weights: {log_dir / 'best.pt'}" in out and not list(log_dir.glob(".best.pt.*.tmp"))
+
+
 def test_leftovers_of_a_killed_save_are_cleaned_up(tmp_path):
     log_dir = tmp_path / "run"
     (log_dir / "last_sharded.previous").mkdir(parents=True)
