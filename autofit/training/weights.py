@@ -10,6 +10,8 @@ A checkpoint is a dict saved with ``torch.save``:
 """
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import torch
@@ -24,8 +26,23 @@ VERSION = 1
 
 
 def save_checkpoint(path: str | Path, checkpoint: dict) -> Path:
-    """Save atomically (``autofit.atomic.write_atomic``): an interrupt or a crash never leaves half a file."""
-    return write_atomic(path, lambda file: torch.save({"format": FORMAT, "version": VERSION, **checkpoint}, file))
+    """Save atomically (``autofit.atomic.write_atomic``): an interrupt or a crash never leaves half a file.
+
+    Raises:
+        OSError: ENOSPC when a write fails, whichever layer reports it: torch.save's zip writer raises a
+            RuntimeError of its own ("PytorchStreamWriter failed writing file", "unexpected pos") where the disk
+            fills up under it.
+    """
+    try:
+        return write_atomic(path, lambda file: torch.save({"format": FORMAT, "version": VERSION, **checkpoint}, file))
+    except RuntimeError as error:
+        if not any(sign in str(error) for sign in _WRITER_FAILURES):
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
+
+
+_WRITER_FAILURES = ("PytorchStreamWriter failed", "inline_container", "unexpected pos")
+"""What torch.save's zip writer says when a write to the file fails."""
 
 
 def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict:

@@ -608,6 +608,28 @@ def test_a_full_disk_is_one_line_keeps_last_pt_and_the_run_resumes(tmp_path, mon
     assert [r["step"] for r in step_records(log_dir)] == list(range(1, 11))
 
 
+def test_a_full_disk_under_torch_save_is_the_same_one_line(tmp_path, project, run_cli, monkeypatch):
+    """torch.save's zip writer reports a full disk as its own RuntimeError: at the best.pt save it was a traceback."""
+    import autofit.training.weights as weights_module
+
+    real_save = torch.save
+
+    def save(obj, file, *args, **kwargs):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{file.fileno()}")).startswith(".best.pt."):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4032 vs 3968")
+        return real_save(obj, file, *args, **kwargs)
+
+    monkeypatch.setattr(weights_module.torch, "save", save)
+    log_dir = tmp_path / "run"
+    code, _, err = run_cli(*train_args(project, log_dir, "--epochs", "1"))
+    assert code == 2 and "Traceback" not in err, err
+    assert one_line(err) == (
+        f"autofit: error: the disk holding {log_dir} is full (No space left on device writing best.pt); last.pt keeps step 3 intact: "
+        "free space, then continue with --resume"
+    )
+    assert not list(log_dir.glob(".*.tmp")) and load_checkpoint(log_dir / "last.pt")["training"]["position"]["epoch"] == 1
+
+
 # --- an image that passes the scan but does not decode ---------------------------------------------
 
 
