@@ -139,7 +139,9 @@ class BudgetWatch:
     def _tracked(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         from autofit.measure.meters import TrackedMeter
 
-        with TrackedMeter().measure(model, optimizer) as measurement:
+        meter = TrackedMeter()
+        # Its environment too: compiled code (torchao's 8-bit step) runs eagerly under the tracker's dispatch mode.
+        with meter.environment(), meter.measure(model, optimizer) as measurement:
             yield
         self.tracked_peak_bytes = measurement.peak_bytes
 

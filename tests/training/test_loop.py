@@ -376,3 +376,24 @@ def test_fit_without_a_plan_plans_then_trains(tmp_path):
     assert result.plan.model.fingerprint == model_fingerprint(model)
     assert len(result.history) == 1 and result.best_path.exists()
     assert load_plan(tmp_path / "plan.json").config.global_batch_size == 8
+
+
+@pytest.mark.parametrize("choices", [
+    dict(precision="bf16"),
+    dict(precision="fp16"),
+    dict(checkpoint=["blocks.0"], selective_checkpoint=["blocks.1"], offload=["blocks.2"]),
+    dict(micro_batch_size=8, optimizer_in_backward=True),
+    dict(optimizer_state="host"),
+    dict(optimizer_state="8bit"),
+    dict(micro_batch_size=8, optimizer_in_backward=True, optimizer_state="8bit"),
+], ids=lambda choices: "+".join(f"{k}={v}" for k, v in choices.items()))
+def test_every_lever_the_planner_can_choose_trains_end_to_end_on_the_cpu(tmp_path, choices):
+    """A plan with 8-bit state used to crash in training: torchao's compiled step met the budget watch's tracker."""
+    if choices.get("optimizer_state") == "8bit":
+        pytest.importorskip("torchao")
+    model = fresh_model()
+    plan = make_plan(model, checkpoint=())
+    plan = replace(plan, config=replace(plan.config, **choices))
+    result = run(model, plan, tmp_path, epochs=1)
+    assert result.finished and all(math.isfinite(r["train_loss"]) for r in result.history)
+    assert result.plan.config == plan.config and result.best_path.is_file()
