@@ -62,7 +62,14 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for mode in BLOCK_MODES:  # "all", "a,b" or a list, as flags and files give them: held as a tuple
-            object.__setattr__(self, mode, block_names(getattr(self, mode)))
+            names = block_names(getattr(self, mode))
+            if "" in names or len(set(names)) < len(names):
+                flag = "--" + mode.replace("_", "-")
+                raise UserError(
+                    f"{flag} {','.join(names)!r} names a block {'twice' if '' not in names else 'with no name'}; "
+                    "give distinct block names, 'all' or 'none'"
+                )
+            object.__setattr__(self, mode, names)
         # Each strategy's own config refuses its impossible values, one line each; what is impossible only
         # together is refused below.
         BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size)

@@ -28,6 +28,13 @@ def test_block_names_are_held_as_tuples_whatever_the_spelling():
     assert hash(config) == hash(dataclasses.replace(config))  # frozen and hashable: a key of its own
 
 
+@pytest.mark.parametrize(("spec", "words"), [("", "--offload '' names a block with no name"), ("a,,b", "with no name"), ("a,a", "twice")])
+def test_empty_and_repeated_block_names_are_one_line(spec, words):
+    with pytest.raises(UserError, match=words) as error:
+        TrainingConfig(global_batch_size=4, micro_batch_size=4, offload=spec)
+    assert "\n" not in str(error.value) and "'all' or 'none'" in str(error.value)
+
+
 def test_a_configuration_is_frozen_and_a_smaller_micro_batch_is_a_new_one():
     config = TrainingConfig(global_batch_size=8, micro_batch_size=8, precision="bf16")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -92,8 +92,8 @@ def probe(
         raise UserError(f"--grad-accum-steps {grad_accum_steps} must be at least 1")
     config = TrainingConfig(
         global_batch_size=global_batch_size or micro_batch_size * grad_accum_steps,
-        micro_batch_size=micro_batch_size, precision=precision, checkpoint=checkpoint or [],
-        selective_checkpoint=selective_checkpoint or [], offload=offload or [],
+        micro_batch_size=micro_batch_size, precision=precision, checkpoint=checkpoint,
+        selective_checkpoint=selective_checkpoint, offload=offload,
         optimizer_in_backward=optimizer_in_backward, optimizer_state=optimizer_state,
     )
     return measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed)

@@ -63,6 +63,11 @@ from autofit.training.state import NonFiniteStreak, RunState
 from autofit.training.validation import evaluate
 
 
+MAX_SEED = 2**32 - 1
+"""The largest seed: 32 bits, as numpy's generators take; what a run derives from it (``epoch_order``'s
+seed * 100003 + epoch, the rank added) stays well inside torch's 64."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainSettings:
     """How long and where to train; everything about memory comes from the plan.
@@ -81,7 +86,8 @@ class TrainSettings:
     resume: bool = False
     """Continue from log_dir/last.pt: weights, optimizer, scaler, schedule, RNG, data position and these settings."""
     overwrite: bool = False
-    """A new run in a log dir that holds a run's files deletes them first; without it such a start is refused."""
+    """A new run in a log dir that holds a run's files moves them aside and deletes them once it has saved its first
+    checkpoint (``rundir.start_fresh``); without it such a start is refused."""
     seed: int | None = None
     """Fixes the data order of every epoch and the RNG (dropout). None: 0, or the run's own."""
     num_workers: int = 0
@@ -105,6 +111,8 @@ class TrainSettings:
             raise UserError(f"--epochs {self.epochs} must be at least 1")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError(f"--lr {self.lr} must be a positive finite number, e.g. 1e-3")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"--seed {self.seed} must be a whole number from 0 to {MAX_SEED}")
         if self.num_workers < 0:
             raise UserError(f"--workers {self.num_workers} must be 0 or more")
         if self.save_every_steps is not None and self.save_every_steps < 0:

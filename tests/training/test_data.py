@@ -174,6 +174,8 @@ def test_autofit_train_end_to_end(project, run_cli):
         (["--data", "{root}/nowhere"], "data folder '{root}/nowhere' does not exist"),
         (["--data", "{root}/data/train"], "has no train/ folder"),
         (["--data", "{root}/data", "--epochs", "0"], "--epochs 0 must be at least 1"),
+        (["--data", "{root}/data", "--seed", "99999999999999999999"], "--seed 99999999999999999999 must be a whole number from 0 to"),
+        (["--data", "{root}/data", "--seed", "-1"], "--seed -1 must be a whole number from 0 to"),
         (["--data", "{root}/data", "--resume"], "--resume needs --log-dir"),
         (["--data", "{root}/data", "--resume", "--log-dir", "{root}/none"], "--resume: {root}/none/last.pt does not exist"),
         ([], "no training data: give --data DIR"),
