@@ -132,9 +132,15 @@ class TrainSettings:
         """These settings completed from the run's ``recorded`` ones (last.pt's); see ``autofit.training.resume``.
 
         Raises:
-            UserError: lr, seed or the data folder given differs from the run's.
+            UserError: lr, seed or the data folder given differs from the run's, or ``max_steps`` is already
+                reached.
         """
         where = self.log_dir
+        if self.max_steps is not None and self.max_steps <= global_step:
+            raise UserError(
+                f"--max-steps {self.max_steps} is already reached: the run in {where} is at step {global_step}; "
+                "give a larger --max-steps (it counts the run's steps from its start), or leave it out"
+            )
         sources = dict(recorded.get("sources") or {})
         sources["data"] = resumed_value("data", self.sources.get("data"), sources.get("data"), where=where)
         sources["model"] = self.sources.get("model") or sources.get("model")  # where the file is now; its fingerprint is checked

@@ -432,6 +432,9 @@ def test_a_resumed_run_keeps_going_to_its_own_max_steps(tmp_path, project, run_c
     monkeypatch.delenv("AUTOFIT_TEST_SIGNAL")
     assert run_cli("train", "--log-dir", log_dir, "--resume")[0] == 0
     assert [r["step"] for r in step_records(log_dir)] == [1, 2, 3, 4]  # not all 9 steps of 3 epochs
+    # A --max-steps the run has passed used to train on past it (to twice the run's steps, in the audit).
+    code, _, err = run_cli("train", "--log-dir", log_dir, "--resume", "--max-steps", "3")
+    assert code == 2 and "--max-steps 3 is already reached: the run in" in one_line(err) and "at step 4" in err
     assert run_cli("train", "--log-dir", log_dir, "--resume")[0] == 0  # --max-steps reached: on to --epochs
     assert [r["step"] for r in step_records(log_dir)] == list(range(1, 10))
 
