@@ -44,6 +44,7 @@ from torch import nn
 from autofit.config import TrainingConfig
 from autofit.device import check_device
 from autofit.errors import UserError
+from autofit.model_checks import check_trainable
 from autofit.plan_file import Plan
 from autofit.spec import model_fingerprint
 from autofit.distributed import DistributedEnv, init_distributed, launched_world_size
@@ -125,6 +126,9 @@ class AppliedPlan:
         Args:
             build: params -> Optimizer, e.g. a model file's ``build_optimizer``.
 
+        Raises:
+            UserError: no parameter of the model trains (an optimizer over none cannot be built).
+
         Returns:
             ``build``'s optimizer; or, by configuration, the same optimizer run
             on the host (``HostOptimizer``), torchao's 8-bit AdamW with its
@@ -132,6 +136,7 @@ class AppliedPlan:
             (``OptimizerInBackward``). Each is a ``torch.optim.Optimizer``
             whose ``param_groups`` a learning-rate scheduler can set.
         """
+        check_trainable(self.model)
         for strategy in self.strategies:
             build = strategy.wrap_optimizer_builder(build)
         return build(list(self.model.parameters()))

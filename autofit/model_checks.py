@@ -32,6 +32,8 @@ class CheckedBuild:
             model = self.build_model()
         except UserError:
             raise
+        except SystemExit as error:  # an exit in the user's code would end autofit without a word
+            raise UserError(f"model file {self.source!r}: build_model() called sys.exit({error.code!r}); return the model instead") from None
         except Exception as error:  # the user's code: any error is theirs to fix
             raise UserError(f"model file {self.source!r}: build_model() raised {_describe(error, self.source)}; fix it there") from error
         if not isinstance(model, nn.Module):
@@ -52,6 +54,10 @@ class CheckedExampleBatch:
             batch = self.example_batch(batch_size)
         except UserError:
             raise
+        except SystemExit as error:
+            raise UserError(
+                f"model file {self.source!r}: example_batch({batch_size}) called sys.exit({error.code!r}); return the batch instead"
+            ) from None
         except Exception as error:
             raise UserError(
                 f"model file {self.source!r}: example_batch({batch_size}) raised {_describe(error, self.source)}; fix it there"
@@ -96,6 +102,7 @@ def check_model_runs(spec) -> None:
     if not isinstance(spec.build_model, CheckedBuild):
         return
     model = spec.build_model()
+    check_trainable(model)
     inputs, targets = spec.example_batch(2)
     try:
         with torch.no_grad():
@@ -111,6 +118,20 @@ def check_model_runs(spec) -> None:
         raise UserError(
             f"model file {spec.source!r}: loss_fn returned {type(loss).__name__}"
             f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}; return one number (a 0-dim tensor)"
+        )
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a model none of whose parameters trains: an optimizer over none cannot be built, and nothing would fit.
+
+    Raises:
+        UserError: no parameter has ``requires_grad``.
+    """
+    parameters = list(model.parameters())
+    if not any(p.requires_grad for p in parameters):
+        raise UserError(
+            f"the model has no parameters that train ({len(parameters)} parameter tensor(s), none with requires_grad): "
+            "nothing to fit; give a model with trainable parameters"
         )
 
 

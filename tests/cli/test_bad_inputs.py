@@ -25,6 +25,8 @@ SAME_LAYERS = "nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.L
 BAD_MODEL_FILES = {
     "build_raises": HEADER + "def build_model():\n    raise ValueError('no weights here')\n\n\n" + EXAMPLE,
     "build_not_a_module": HEADER + "def build_model():\n    return 'resnet'\n\n\n" + EXAMPLE,
+    "build_exits": HEADER + "import sys\n\n\ndef build_model():\n    sys.exit(3)\n\n\n" + EXAMPLE,
+    "no_parameters": HEADER + "def build_model():\n    return nn.Sequential(nn.Flatten(), nn.ReLU())\n\n\n" + EXAMPLE,
     "batch_not_a_pair": HEADER + f"def build_model():\n    return nn.Sequential({SAME_LAYERS})\n\n\n"
     "def example_batch(n):\n    return torch.rand(n, 1, 8, 8)\n",
     "batch_of_numpy": HEADER + f"def build_model():\n    return nn.Sequential({SAME_LAYERS})\n\n\n"
@@ -43,6 +45,8 @@ BAD_MODEL_FILES = {
 EXPECTED = {
     "build_raises": "build_model() raised ValueError: no weights here (build_raises.py, line 7)",
     "build_not_a_module": "build_model() returned str, not a torch.nn.Module",
+    "build_exits": "build_model() called sys.exit(3); return the model instead",
+    "no_parameters": "the model has no parameters that train (0 parameter tensor(s), none with requires_grad)",
     "batch_not_a_pair": "returned Tensor; return a pair (inputs, targets)",
     "batch_of_numpy": "returned inputs of type ndarray, which hold no tensor",
     "batch_wrong_shape": "the forward or the loss failed on example_batch(2): RuntimeError: mat1 and mat2 shapes cannot be multiplied",
@@ -123,7 +127,8 @@ def model_rows():
         "export": lambda f, p: ["export", "--weights", f.with_suffix(".pt"), "--out", p / "unused" / "export.pt"],
     }
     reaches = {  # the commands each mistake reaches: train, val and export never call example_batch
-        "build_raises": list(commands), "build_not_a_module": list(commands),
+        "build_raises": list(commands), "build_not_a_module": list(commands), "build_exits": list(commands),
+        "no_parameters": ["probe", "plan", "compare"],
         "batch_not_a_pair": ["probe", "plan", "compare"], "batch_of_numpy": ["probe", "plan", "compare"],
         "batch_wrong_shape": ["probe", "plan", "compare"], "batch_ignores_size": ["probe", "plan", "compare"],
         "forward_tuple": ["probe", "plan", "compare", "train"], "forward_dict": ["probe", "plan", "compare", "train"],
