@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
+import traceback
 
 import typer
 
@@ -33,8 +34,10 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_print_version, is_eager=True, help="Print autofit's version and exit."
     ),
+    debug: bool = typer.Option(False, "--debug", help="With an error, print the traceback behind its line too."),
 ) -> None:
     """Fit PyTorch training into a memory budget: probe, plan, train."""
+    _options["debug"] = debug
 
 
 COMMAND_MODULES = ("probe", "plan", "train", "val", "plot", "compare", "export")
@@ -61,8 +64,12 @@ _CLICK_ERRORS = _click_types("ClickException")
 _ABORTS = _click_types("Abort")
 
 
+_options = {"debug": False}
+"""The root options of this invocation (``autofit --debug COMMAND ...``), for the error handling below."""
+
+
 def main() -> None:
-    """Entry point: user errors are one line on stderr and exit code 2."""
+    """Entry point: user errors are one line on stderr and exit code 2 (after the traceback behind them with --debug)."""
     if len(sys.argv) <= 1:
         app()  # prints the help
         return
@@ -70,6 +77,8 @@ def main() -> None:
     try:
         code = command.main(standalone_mode=False)
     except UserError as error:
+        if _options["debug"] and error.__cause__ is not None:
+            traceback.print_exception(error.__cause__, file=sys.stderr)
         _fail(str(error))
     except _USAGE_ERRORS as error:
         where = f"autofit {error.ctx.info_name}" if error.ctx is not None and error.ctx.parent is not None else "autofit"

@@ -1,8 +1,14 @@
 """The one exception type a user can cause, and how to tell a failed allocation from other errors.
 
 The CLI prints a ``UserError`` as a single line and exits non-zero; anything
-else is a bug and keeps its traceback.
+else is a bug and keeps its traceback. An error raised in the user's own code
+(``user_frame`` finds where) becomes a ``UserError`` naming the file and line.
 """
+from __future__ import annotations
+
+import os
+import traceback
+from functools import lru_cache
 
 
 class UserError(Exception):
@@ -24,3 +30,30 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     message = str(error).lower()
     return isinstance(error, RuntimeError) and any(words in message for words in _ALLOCATION_FAILURES)
+
+
+def user_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``error``'s traceback in the user's own code: not Python's, an installed library's
+    or autofit's. None when the error passed through none (it is then autofit's or a library's to report)."""
+    roots = _library_roots()
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.startswith("<"):  # <frozen ...>, <string>
+            continue
+        if not os.path.realpath(frame.filename).startswith(roots):
+            return frame
+    return None
+
+
+@lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """Folders whose code is not the user's: the standard library, site-packages, autofit and strategies."""
+    import site
+    import sysconfig
+
+    import strategies
+
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    roots |= {os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(strategies.__file__))}
+    return tuple(os.path.realpath(root) + os.sep for root in roots)

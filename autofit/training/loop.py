@@ -36,6 +36,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ import torch
 from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
-from autofit.errors import UserError
+from autofit.errors import UserError, user_frame
 from autofit.model_io import batch_size_of
 from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
@@ -244,6 +245,13 @@ def train(
                 if error.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 raise UserError(_disk_full_line(error, log_dir)) from None
+            except UserError:
+                raise
+            except Exception as error:
+                frame = user_frame(error)
+                if frame is None:  # autofit's or a library's own failure: its traceback is the report
+                    raise
+                raise UserError(_user_code_line(error, frame, log_dir)) from error
         except BaseException:
             if is_rank0():
                 restore_previous_run(log_dir)  # an --overwrite run that never saved gives the folder back
@@ -316,14 +324,34 @@ def _train_run(
 
 def _disk_full_line(error: OSError, log_dir: Path) -> str:
     """The one line for a full disk: what failed, what last.pt still holds, and how to go on."""
-    from autofit.training.resume import read_saved_run
-
     where = f" writing {Path(error.filename).name}" if error.filename else ""
-    try:
-        step = read_saved_run(log_dir)["position"]["global_step"]
-    except (UserError, KeyError, OSError):
+    step = _saved_step(log_dir)
+    if step is None:
         return f"the disk holding {log_dir} is full ({error.strerror}{where}) before anything was saved; free space, then start again with --overwrite"
     return f"the disk holding {log_dir} is full ({error.strerror}{where}); last.pt keeps step {step} intact: free space, then continue with --resume"
+
+
+def _user_code_line(error: Exception, frame: traceback.FrameSummary, log_dir: Path) -> str:
+    """The one line for an error in the user's code (their loss, forward or optimizer): where, and how to go on."""
+    message = (str(error).strip().splitlines() or [""])[0][:300]
+    raised = f"{type(error).__name__}: {message} ({Path(frame.filename).name}, line {frame.lineno}, in {frame.name})"
+    step = _saved_step(log_dir)
+    if step is None:
+        return f"training stopped: your code raised {raised}; nothing was saved yet: fix it, then start again (autofit --debug shows the traceback)"
+    return (
+        f"training stopped: your code raised {raised}; last.pt keeps step {step}: fix it, then continue with --resume "
+        "(autofit --debug shows the traceback)"
+    )
+
+
+def _saved_step(log_dir: Path) -> int | None:
+    """The step last.pt in ``log_dir`` holds; None when there is none (nothing saved yet)."""
+    from autofit.training.resume import read_saved_run
+
+    try:
+        return read_saved_run(log_dir)["position"]["global_step"]
+    except (UserError, KeyError, OSError):
+        return None
 
 
 def _train_epochs(

@@ -51,10 +51,13 @@ _calls = 0
 
 
 def loss_fn(output, target):
-    """Cross-entropy; AUTOFIT_TEST_SIGNAL="SIGTERM:5" sends that signal to this process in the 5th call."""
+    """Cross-entropy; AUTOFIT_TEST_SIGNAL="SIGTERM:5" sends that signal to this process in the 5th call ("RAISE:5"
+    raises a ValueError there, as a user's loss with a bug does)."""
     global _calls
     _calls += 1
     name, _, at = os.environ.get("AUTOFIT_TEST_SIGNAL", ":").partition(":")
+    if name == "RAISE" and _calls == int(at):
+        raise ValueError("the labels are not what this loss expects")
     if name and _calls == int(at):
         os.kill(os.getpid(), getattr(signal, name))
     return nn.functional.cross_entropy(output, target)
@@ -173,10 +176,10 @@ def test_a_child_that_outlives_the_run_does_not_keep_its_lock(tmp_path):
             from autofit.training.rundir import hold_run_directory
             with hold_run_directory(Path({str(log_dir)!r})):
                 child = os.fork()
-                if child == 0:  # the worker: lives on after the run
+                if child == 0:  # the worker: running (so past fork's hooks), then living on after the run
+                    print(os.getpid(), flush=True)
                     time.sleep(60)
                     os._exit(0)
-                print(child, flush=True)
                 os._exit(0)  # the run dies without leaving the block, as under SIGKILL
         """)],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -418,6 +421,23 @@ def test_fit_resumes_with_the_saved_plan_and_settings(tmp_path):
     assert_same_weights(resumed, whole, exact=True)
     with pytest.raises(UserError, match="seed 5 differs"):
         autofit.fit(fresh_model(), train_data=data.train, optimizer=optimizer, log_dir=tmp_path / "cut", resume=True, seed=5)
+
+
+def test_an_error_in_the_user_s_code_is_one_line_naming_it_and_the_run_resumes(tmp_path, project):
+    """A user's loss (or forward, or optimizer) that raised used to print a whole traceback, and no word on the run."""
+    log_dir = tmp_path / "run"
+    args = [*train_args(project, log_dir, "--save-every", "2"), "--model", project / "tiny.py"]
+    failed = cli_subprocess(*args, env_extra={"AUTOFIT_TEST_SIGNAL": "RAISE:5"})  # step 3's first micro-batch
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+    line = failed.stderr.strip().splitlines()[-1]
+    assert line.startswith("autofit: error: ") and len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+    assert "ValueError: the labels are not what this loss expects (tiny.py, line" in line
+    assert "last.pt keeps step 2: fix it, then continue with --resume" in line
+    debug = cli_subprocess("--debug", *args[:1], "--log-dir", log_dir, "--resume", env_extra={"AUTOFIT_TEST_SIGNAL": "RAISE:1"})
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and debug.stderr.strip().splitlines()[-1].startswith("autofit: error: ")
+    done = cli_subprocess("train", "--log-dir", log_dir, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert [r["step"] for r in step_records(log_dir)] == [1, 2, 3]
 
 
 def test_a_resumed_run_keeps_going_to_its_own_max_steps(tmp_path, project, run_cli, monkeypatch):

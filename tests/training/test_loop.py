@@ -228,8 +228,9 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path):
         raise RuntimeError("shape mismatch")
 
     model = fresh_model()
-    with pytest.raises(RuntimeError, match="shape mismatch"):
+    with pytest.raises(UserError, match=r"your code raised RuntimeError: shape mismatch \(test_loop.py, line \d+, in broken\)") as error:
         run(model, make_plan(model), tmp_path, loss_fn=broken)
+    assert isinstance(error.value.__cause__, RuntimeError) and not load_plan(tmp_path / "plan.json").history  # no halving
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
