@@ -3,7 +3,8 @@
 The Python API (each name is imported on first use):
 
 - ``autofit.probe(spec, micro_batch_size=..., ...)``: measure one configuration.
-- ``autofit.plan(model, example_batch, budget="16GB", batch_size=256)``: search and verify a plan.
+- ``autofit.plan(model, example_batch, budget="16GB", batch_size=256)``: search and verify a plan
+  (the keywords are ``autofit.PlanRequest``'s fields).
 - ``autofit.fit(model, budget="16GB", train_data=..., ...)``: plan, then train.
 - ``autofit.apply_plan(model, plan)``: the plan's strategies for your own loop.
 - ``autofit.Loss(fn, count_items=...)``, ``autofit.count_labels(shift=...)``: what a loss
@@ -26,6 +27,7 @@ _EXPORTS = {
     "parse_budget": "autofit.units",
     "UserError": "autofit.errors",
     "plan": "autofit.planning.planner",
+    "PlanRequest": "autofit.planning.request",
     "fit": "autofit.api",
     "apply_plan": "autofit.apply",
     "Loss": "autofit.model_io",

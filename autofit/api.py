@@ -163,12 +163,13 @@ def _plan_for(
         if batch_size is None:
             raise UserError("fit() needs batch_size (samples per optimizer step) to plan, or a plan=")
         from autofit.planning.planner import make_plan
+        from autofit.planning.request import PlanRequest
         from autofit.spec import spec_from_model
 
         spec = spec_from_model(
             model, example_batch or _examples_from(data.train), loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
         )
-        plan = make_plan(spec, budget=budget, batch_size=batch_size, device=device)
+        plan = make_plan(spec, PlanRequest(budget=budget, batch_size=batch_size, device=device))
     elif batch_size is not None and batch_size != plan.config.global_batch_size:
         raise UserError(
             f"batch_size {batch_size} differs from the plan's global batch {plan.config.global_batch_size}; "

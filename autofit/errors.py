@@ -50,10 +50,9 @@ def _library_roots() -> tuple[str, ...]:
     import site
     import sysconfig
 
-    import strategies
-
     paths = sysconfig.get_paths()
     roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
     roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
-    roots |= {os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(strategies.__file__))}
+    package = os.path.dirname(os.path.abspath(__file__))
+    roots |= {package, os.path.join(os.path.dirname(package), "strategies")}  # strategies/ is installed beside autofit/
     return tuple(os.path.realpath(root) + os.sep for root in roots)

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.verify.below_floor import BelowLeverFloor  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
+from autofit.planning.request import PlanRequest  # noqa: E402
 from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
 
@@ -160,8 +161,7 @@ def fp32_state_bytes(spec: ModelSpec) -> tuple[int, int]:
 
 def plan(spec: ModelSpec, batch: int, budget: int, *, lossy: bool):
     return plan_with_report(
-        spec, budget=budget, batch_size=batch, device="cuda", simulate=True, device_memory=DEVICE_MEMORY,
-        allow_lossy_optimizer=lossy,
+        spec, PlanRequest(budget=budget, batch_size=batch, device="cuda", simulate=True, device_memory=DEVICE_MEMORY, allow_lossy_optimizer=lossy),
     ).plan
 
 

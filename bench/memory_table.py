@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from autofit.measure.probe import probe, probe_plan  # noqa: E402
 from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
+from autofit.planning.request import PlanRequest  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
 
@@ -54,10 +55,10 @@ def load(source: str):
 def plan_under(spec, *, batch_size: int, budget: int):
     """The plan for ``budget``, or for 5% above the floor when the budget is below it (and which budget it was)."""
     try:
-        return plan_with_report(spec, budget=budget, batch_size=batch_size, cache=False), budget
+        return plan_with_report(spec, PlanRequest(budget=budget, batch_size=batch_size, cache=False)), budget
     except InfeasibleBudget as below:
         budget = int(below.floor_bytes * 1.05)
-        return plan_with_report(spec, budget=budget, batch_size=batch_size, cache=False), budget
+        return plan_with_report(spec, PlanRequest(budget=budget, batch_size=batch_size, cache=False)), budget
 
 
 def describe(plan) -> str:

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
+from autofit.planning.request import PlanRequest  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> None:
     def plan_and_check(budget, label):
         start = time.perf_counter()
         try:
-            report = plan_with_report(spec, budget=budget, batch_size=args.batch, device="cuda")
+            report = plan_with_report(spec, PlanRequest(budget=budget, batch_size=args.batch, device="cuda"))
         except InfeasibleBudget as error:
             print(f"{label}: refused in {time.perf_counter() - start:.1f} s: {error}")
             return None
@@ -93,8 +94,7 @@ def main() -> None:
 
     start = time.perf_counter()
     estimate = plan_with_report(
-        spec, budget=int(needed * 0.6), batch_size=args.batch, device="cuda", simulate=True,
-        device_memory=str(props.total_memory),
+        spec, PlanRequest(budget=int(needed * 0.6), batch_size=args.batch, device="cuda", simulate=True, device_memory=str(props.total_memory)),
     ).plan
     seconds = time.perf_counter() - start
     peak, speed = remeasure(spec, estimate)

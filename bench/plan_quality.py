@@ -85,6 +85,7 @@ from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
 from autofit.planning.memory.levers import LeverChoice  # noqa: E402
 from autofit.planning.modelling import micro_batch_sizes  # noqa: E402
 from autofit.planning.planner import make_plan  # noqa: E402
+from autofit.planning.request import PlanRequest  # noqa: E402
 from autofit.measure.probe import probe  # noqa: E402
 from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
@@ -487,7 +488,7 @@ def run_case(key: str, case: Case, *, budgets: int, fractions: list[float], log)
     spec, G = case.spec, case.global_batch_size
     log(f"{case.name}, global batch {G}")
     try:
-        make_plan(spec, budget=1, batch_size=G)
+        make_plan(spec, PlanRequest(budget=1, batch_size=G))
     except InfeasibleBudget as error:
         floor = error.floor_bytes
     g = grid(case, log)
@@ -514,7 +515,7 @@ def budget_row(key: str, case: Case, g: dict, budget: int, *, fastest: list[tupl
     where = f"{format_bytes(budget):>11}" + (f" ({label})" if label else "")
     start = time.perf_counter()
     try:
-        plan = make_plan(spec, budget=budget, batch_size=G)
+        plan = make_plan(spec, PlanRequest(budget=budget, batch_size=G))
     except InfeasibleBudget as error:  # below the floor, the levers included
         plan_seconds = time.perf_counter() - start
         headroom = sum(v for k, v in error.breakdown.items() if k.startswith("headroom"))

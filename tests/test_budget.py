@@ -113,9 +113,10 @@ def test_cli_refuses_bad_batch_and_device(run_cli, model_file):
 def test_percent_budget_plans_against_the_machine(model_file, tmp_path):
     from autofit.device import device_info
     from autofit.planning.planner import make_plan
+    from autofit.planning.request import PlanRequest
     from autofit.spec import load_spec
 
-    plan = make_plan(load_spec(str(model_file)), budget="90%", batch_size=4, precisions=["fp32"])
+    plan = make_plan(load_spec(str(model_file)), PlanRequest(budget="90%", batch_size=4, precisions=["fp32"]))
     assert plan.budget_bytes == int(device_info("cpu").total_bytes * 0.9)
     assert plan.device.total_bytes == device_info("cpu").total_bytes
 
@@ -139,22 +140,23 @@ def test_the_floor_is_a_budget_that_works(model_file):
     """The floor message's number is honest: planning at exactly the floor succeeds and fits."""
     from autofit.planning.verify.floor import InfeasibleBudget
     from autofit.planning.planner import make_plan
+    from autofit.planning.request import PlanRequest
     from autofit.measure.probe import probe
     from autofit.spec import load_spec
 
     spec = load_spec(str(model_file))
     with pytest.raises(InfeasibleBudget) as error:
-        make_plan(spec, budget=1000, batch_size=8, precisions=["fp32"])
+        make_plan(spec, PlanRequest(budget=1000, batch_size=8, precisions=["fp32"]))
     floor = error.value.floor_bytes
     breakdown = error.value.breakdown
     assert floor > breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
-    plan = make_plan(spec, budget=floor, batch_size=8, precisions=["fp32"])
+    plan = make_plan(spec, PlanRequest(budget=floor, batch_size=8, precisions=["fp32"]))
     again = probe(
         spec, micro_batch_size=plan.config.micro_batch_size, global_batch_size=8, precision=plan.config.precision, checkpoint=plan.config.checkpoint
     )
     assert again.peak_bytes + sum(plan.headroom.values()) <= floor
     with pytest.raises(InfeasibleBudget):
-        make_plan(spec, budget=floor - 1, batch_size=8, precisions=["fp32"])
+        make_plan(spec, PlanRequest(budget=floor - 1, batch_size=8, precisions=["fp32"]))
 
 
 def test_the_gpus_advice_is_a_number_of_gpus_that_plans(model_file):
@@ -163,17 +165,18 @@ def test_the_gpus_advice_is_a_number_of_gpus_that_plans(model_file):
 
     from autofit.planning.verify.floor import InfeasibleBudget
     from autofit.planning.planner import make_plan
+    from autofit.planning.request import PlanRequest
     from autofit.spec import load_spec
 
     spec = load_spec(str(model_file))
     budget = 50_000
     with pytest.raises(InfeasibleBudget) as error:
-        make_plan(spec, budget=budget, batch_size=8, precisions=["fp32"])
+        make_plan(spec, PlanRequest(budget=budget, batch_size=8, precisions=["fp32"]))
     found = re.search(r"or --gpus (\d+) \(FSDP2", str(error.value))
     assert found, str(error.value)
     gpus = int(found.group(1))
     assert 2 <= gpus <= 8  # never more GPUs than samples: each needs one
-    plan = make_plan(spec, budget=budget, batch_size=8, precisions=["fp32"], gpus=gpus)
+    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=8, precisions=["fp32"], gpus=gpus))
     assert plan.config.world_size == gpus and plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
 
 

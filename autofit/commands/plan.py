@@ -42,6 +42,7 @@ def plan(
     from autofit.model_checks import check_model_runs
     from autofit.plan_file import save_plan
     from autofit.planning.planner import plan_with_report, print_progress
+    from autofit.planning.request import PlanRequest
 
     if device not in DEVICES:
         raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
@@ -55,12 +56,12 @@ def plan(
         _check_study(study)
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     check_model_runs(spec)
-    report = plan_with_report(
-        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
-        study=study, precisions=wanted, num_classes=spec.source_options.get("num_classes"),
-        log=None if quiet else print_progress, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
-        cache=not no_cache, threads=threads,
+    request = PlanRequest(
+        budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, study=study,
+        precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus,
+        allow_lossy_optimizer=allow_lossy_optimizer, cache=not no_cache, threads=threads,
     )
+    report = plan_with_report(spec, request, log=None if quiet else print_progress)
     path = save_plan(report.plan, out)
     if as_json:
         print_json(report.plan.to_dict())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import math
 import os
 import sys
 import time
@@ -30,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.device import DeviceInfo, check_device, device_info
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
 from autofit.planning.memory.traces import simulation_spec
+from autofit.planning.request import PlanRequest
 from autofit.planning.policy import POLICY
 from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
@@ -128,33 +127,19 @@ class PlanContext:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
 
-def plan_context(
-    spec: ModelSpec,
-    *,
-    budget: str | int,
-    batch_size: int,
-    device: str,
-    simulate: bool,
-    device_memory: str | int | None,
-    study: str | None,
-    precisions: Sequence[str] | None,
-    num_classes: int | None,
-    log: Callable[[str], None] | None,
-    cache: bool = True,
-    threads: int | None = None,
-) -> PlanContext:
-    """Check a planning run's arguments (see ``autofit.plan``) and fix what the run is about.
+def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], None] | None = None) -> PlanContext:
+    """Check a planning run's request (one process: ``request.gpus`` is for the pipeline) and fix what the run is about.
 
     Args:
-        cache: keep the cost model and measurements in the cache (``cache_dir()``)
-            when no ``study`` is given.
-        threads: intra-op threads to measure with; default ``timing_threads``.
+        log: receives the run's progress lines.
 
     Raises:
         UserError: an unknown device, a bad batch size or budget, no CUDA device
             for ``device="cuda"`` without ``simulate``, or no precision left to search.
     """
     started = time.perf_counter()
+    budget, batch_size, device, simulate = request.budget, request.batch_size, request.device, request.simulate
+    device_memory, study, precisions, threads = request.device_memory, request.study, request.precisions, request.threads
     check_device(device, simulate=simulate)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
@@ -173,14 +158,14 @@ def plan_context(
     name = f"{prefix}budget{budget_bytes}"
     if study is not None:
         where = Study(storage=study, prefix=prefix, name=name, precisions=tuple(kept))
-    elif cache:
+    elif request.cache:
         where = Study(storage=cache_storage(), prefix=prefix, name=name, precisions=tuple(kept), keep_trials=False, strict=False)
     else:
         where = Study(storage=None, prefix=prefix, name=name, precisions=tuple(kept))
     count, note = (threads, "") if threads is not None else timing_threads(device)
     return PlanContext(
         spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
-        global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=num_classes,
+        global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=request.num_classes,
         study=where, user_log=log, started=started, threads=count, threads_note=note, meta_model=meta_model,
     )
 

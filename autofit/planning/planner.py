@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 
@@ -47,6 +47,7 @@ import torch
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, plan_context
+from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
@@ -67,19 +68,9 @@ def plan(
     model: torch.nn.Module,
     example_batch: Callable[[int], tuple],
     *,
-    budget: str | int,
-    batch_size: int,
     loss_fn: Callable | None = None,
     optimizer: Callable | None = None,
-    device: str = "cpu",
-    simulate: bool = False,
-    device_memory: str | int | None = None,
-    study: str | None = None,
-    precisions: Sequence[str] | None = None,
-    gpus: int = 1,
-    allow_lossy_optimizer: bool = False,
-    cache: bool = True,
-    threads: int | None = None,
+    **request,
 ) -> Plan:
     """Find the fastest way to train ``model`` inside ``budget``, verified by real probes.
 
@@ -90,83 +81,32 @@ def plan(
         batch_size: the global batch (samples per optimizer step); every plan keeps it.
         loss_fn: (output, target) -> loss; default cross-entropy.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
-        device: "cpu" or "cuda".
-        simulate: plan with the simulated meter and FLOP-based speeds (marked estimated).
-        device_memory: the device's total memory when simulating a GPU that is not here.
-        study: an Optuna storage URL ("sqlite:///plans.db") to keep the search and resume it.
-        precisions: restrict the precisions searched (default: all the device runs).
-        gpus: processes (GPUs) to train on; ``budget`` is then per GPU, and the plan
-            uses DDP when the model fits unsharded, FSDP2 otherwise (see ``plan_with_report``).
-        allow_lossy_optimizer: 8-bit AdamW state (torchao) may be chosen, by the search and below
-            the floor; it changes the optimizer's arithmetic, so it is never chosen without this.
-        cache: without ``study``, keep the cost model and measurements in the cache
-            (``autofit.planning.context.cache_dir()``: $AUTOFIT_CACHE_DIR, else
-            $XDG_CACHE_HOME/autofit or ~/.cache/autofit), so that another budget
-            for the same model measures only what is new; False keeps nothing.
-        threads: intra-op threads to time with; default PyTorch's, fewer when
-            other work keeps the CPU's cores busy (``context.timing_threads``).
+        request: the fields of ``PlanRequest`` (``budget`` and ``batch_size`` at least; ``device``,
+            ``simulate``, ``device_memory``, ``precisions``, ``gpus``, ``allow_lossy_optimizer``,
+            ``study``, ``cache``, ``threads``), each documented there.
 
     Returns:
         The Plan (``autofit.save_plan(plan, "plan.json")`` writes it).
 
     Raises:
-        UserError: a bad argument, or a budget below the floor (the message gives the floor).
+        UserError: a bad or unknown argument, or a budget below the floor (the message gives the floor).
 
     Example:
         >>> plan = autofit.plan(model, lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
         ...                     budget="2GB", batch_size=256)
         >>> plan.config.micro_batch_size, plan.config.checkpoint, plan.config.precision
     """
+    asked = plan_request(**request)
     spec = spec_from_model(model, example_batch, loss_fn=loss_fn, optimizer=optimizer)
-    return make_plan(
-        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate,
-        device_memory=device_memory, study=study, precisions=precisions, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
-        cache=cache, threads=threads,
-    )
+    return make_plan(spec, asked)
 
 
-def make_plan(
-    spec: ModelSpec,
-    *,
-    budget: str | int,
-    batch_size: int,
-    device: str = "cpu",
-    simulate: bool = False,
-    device_memory: str | int | None = None,
-    study: str | None = None,
-    precisions: Sequence[str] | None = None,
-    num_classes: int | None = None,
-    log: Callable[[str], None] | None = None,
-    gpus: int = 1,
-    allow_lossy_optimizer: bool = False,
-    cache: bool = True,
-    threads: int | None = None,
-) -> Plan:
-    """Plan for a ModelSpec: see ``plan`` for the arguments; ``log`` receives progress lines."""
-    return plan_with_report(
-        spec, budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
-        study=study, precisions=precisions, num_classes=num_classes, log=log, gpus=gpus, allow_lossy_optimizer=allow_lossy_optimizer,
-        cache=cache, threads=threads,
-    ).plan
+def make_plan(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], None] | None = None) -> Plan:
+    """Plan for a ModelSpec: see ``PlanRequest`` for what can be asked; ``log`` receives progress lines."""
+    return plan_with_report(spec, request, log=log).plan
 
 
-def plan_with_report(
-    spec: ModelSpec,
-    *,
-    budget: str | int,
-    batch_size: int,
-    device: str = "cpu",
-    simulate: bool = False,
-    device_memory: str | int | None = None,
-    study: str | None = None,
-    precisions: Sequence[str] | None = None,
-    num_classes: int | None = None,
-    log: Callable[[str], None] | None = None,
-    gpus: int = 1,
-    allow_lossy_optimizer: bool = False,
-    cache: bool = True,
-    threads: int | None = None,
-) -> PlanReport:
+def plan_with_report(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], None] | None = None) -> PlanReport:
     """``make_plan``, also returning how the plan was found (for the CLI's summary).
 
     With ``gpus`` N > 1 the budget is per GPU and the global batch is cut into
@@ -183,18 +123,15 @@ def plan_with_report(
     8-bit optimizer state only with ``allow_lossy_optimizer``. They run on one
     process, so N > 1 plans do not use them.
     """
+    gpus = request.gpus
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise UserError(f"--gpus {gpus!r} must be a whole number of GPUs, at least 1")
-    arguments = dict(
-        device=device, simulate=simulate, device_memory=device_memory, precisions=precisions, num_classes=num_classes, log=log,
-        cache=cache, threads=threads,
-    )
     if gpus > 1:
-        return _plan_ranks(spec, world_size=gpus, budget=budget, batch_size=batch_size, study=study, **arguments)
-    context = plan_context(spec, budget=budget, batch_size=batch_size, study=study, **arguments)
+        return _plan_ranks(spec, request, log=log)
+    context = plan_context(spec, request, log=log)
     try:
         with _threads(context):
-            return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=allow_lossy_optimizer))
+            return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=request.allow_lossy_optimizer))
     finally:
         context.trace_pool.close()
 
@@ -498,13 +435,14 @@ def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evalu
     return notes
 
 
-def _plan_ranks(spec: ModelSpec, *, world_size: int, budget: str | int, batch_size: int, study: str | None, **arguments) -> PlanReport:
+def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], None] | None) -> PlanReport:
     """N > 1 processes: DDP when a rank's share fits as one process with the buckets' allowance, else FSDP2."""
     started = time.perf_counter()
+    world_size, batch_size = request.gpus, request.batch_size
     check_ranks(batch_size=batch_size, world_size=world_size)
     share = math.ceil(batch_size / world_size)
     # One rank's share of the batch with the whole per-GPU budget (FSDP2 plans in it).
-    rank = plan_context(spec, budget=budget, batch_size=share, study=None, **arguments)
+    rank = plan_context(spec, replace(request, batch_size=share, gpus=1, study=None), log=log)
     allowance = gradient_bytes(rank.sim_spec)
     rank.log(
         f"{world_size} GPUs: each rank trains {share} of the {batch_size} samples per step; DDP first, keeping "
@@ -513,7 +451,7 @@ def _plan_ranks(spec: ModelSpec, *, world_size: int, budget: str | int, batch_si
     costs, contexts = None, [rank]
     try:
         if rank.budget_bytes > allowance:
-            ddp = plan_context(spec, budget=rank.budget_bytes - allowance, batch_size=share, study=study, **arguments)
+            ddp = plan_context(spec, replace(request, budget=rank.budget_bytes - allowance, batch_size=share, gpus=1), log=log)
             contexts.append(ddp)
             costs = _memory(ddp)
             try:

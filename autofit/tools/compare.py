@@ -128,8 +128,9 @@ def plan_configuration(
 ) -> Contender:
     """autofit's own choice at the budget, from the planner."""
     from autofit.planning.planner import make_plan
+    from autofit.planning.request import PlanRequest
 
-    config = make_plan(spec, budget=budget_bytes, batch_size=global_batch_size, device=device, log=log).config
+    config = make_plan(spec, PlanRequest(budget=budget_bytes, batch_size=global_batch_size, device=device), log=log).config
     blocks = config.checkpoint
     checkpointed = f" + checkpoint {len(blocks)} block{'s' if len(blocks) != 1 else ''}" if blocks else ""
     levers = [

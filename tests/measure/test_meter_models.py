@@ -8,6 +8,7 @@ from autofit.measure.probe import probe
 from autofit.model_io import Loss
 from autofit.planning.costs import memory_costs
 from autofit.planning.planner import InfeasibleBudget, make_plan
+from autofit.planning.request import PlanRequest
 from autofit.spec import ModelSpec, default_optimizer
 
 
@@ -68,7 +69,7 @@ def test_the_memory_model_predicts_a_partly_frozen_model(one_thread):
 
 def test_the_floor_message_says_which_parameters_are_frozen(one_thread):
     with pytest.raises(InfeasibleBudget, match=r"frozen: no gradients or optimizer state") as raised:
-        make_plan(stack_spec(freeze=2), budget="20KB", batch_size=8, device="cpu")
+        make_plan(stack_spec(freeze=2), PlanRequest(budget="20KB", batch_size=8, device="cpu"))
     breakdown = raised.value.breakdown
     model = Stack(freeze=2)
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
@@ -90,7 +91,7 @@ def test_a_model_fake_tensors_cannot_run_falls_back_to_the_cpu_meter_with_one_li
 
 
 def test_a_plan_for_a_model_fake_tensors_cannot_run(one_thread, capsys):
-    plan = make_plan(stack_spec(branch_on_values=True), budget="2MB", batch_size=8, device="cpu", simulate=True)
+    plan = make_plan(stack_spec(branch_on_values=True), PlanRequest(budget="2MB", batch_size=8, device="cpu", simulate=True))
     err = capsys.readouterr().err
     assert plan.measured.peak_bytes > 0
     assert err.count("simulated meter cannot run") == 1

@@ -11,6 +11,7 @@ from autofit.plan_file import load_plan
 from autofit.planning.verify.floor import InfeasibleBudget
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.planner import make_plan
+from autofit.planning.request import PlanRequest
 from autofit.spec import load_spec
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -79,7 +80,7 @@ def test_below_the_lever_floor_the_error_names_each_lever_and_its_saving(one_thr
     _, spec = lm
     state_bytes = 4 * sum(p.numel() * p.element_size() for p in spec.build_model().parameters())
     with pytest.raises(InfeasibleBudget) as error:
-        make_plan(spec, budget=int(0.85 * state_bytes), batch_size=1, precisions=["fp32"])
+        make_plan(spec, PlanRequest(budget=int(0.85 * state_bytes), batch_size=1, precisions=["fp32"]))
     message = str(error.value)
     assert re.search(r"to lower it: optimizer step in backward \(-[\d.]+ KiB, measured; not enough\)", message), message
     assert re.search(r"then --allow-lossy-optimizer for 8-bit AdamW state \(-[\d.]+ KiB in all, measured", message), message
@@ -91,7 +92,7 @@ def test_micro_steps_leave_the_step_in_backward_out(one_thread, lm):
     _, spec = lm
     lines = []
     with pytest.raises(InfeasibleBudget) as error:
-        make_plan(spec, budget=1000, batch_size=2, precisions=["fp32"], log=lines.append)
+        make_plan(spec, PlanRequest(budget=1000, batch_size=2, precisions=["fp32"]), log=lines.append)
     assert "optimizer step in backward (" not in str(error.value)
     assert any("needs one micro-batch per optimizer step, but micro-batch 1 of batch 2 makes 2" in line for line in lines)
 
@@ -109,7 +110,7 @@ def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backwa
     floor, lever_floor = smallest_budget(peak(1)), smallest_budget(peak(2, optimizer_in_backward=True))
     plain = smallest_budget(peak(2))  # the whole batch, every block checkpointed, no lever
     budget = (lever_floor + min(floor, plain)) // 2
-    plan = make_plan(spec, budget=budget, batch_size=2, precisions=["fp32"])
+    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=2, precisions=["fp32"]))
     assert plan.config.micro_batch_size == 2 and plan.config.grad_accum_steps == 1 and plan.config.optimizer_in_backward
     assert any("the search with the memory levers found this configuration, measured to fit" in note for note in plan.notes)
     config = TrainingConfig(
@@ -119,7 +120,7 @@ def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backwa
     assert measure(spec, config, device="cpu", steps=2).peak_bytes + sum(plan.headroom.values()) <= budget
     # Under the lever floor the search finds nothing either: the ladder's refusal stands.
     with pytest.raises(InfeasibleBudget, match="takes 2 micro-batches|below the floor"):
-        make_plan(spec, budget=lever_floor * 99 // 100, batch_size=2, precisions=["fp32"])
+        make_plan(spec, PlanRequest(budget=lever_floor * 99 // 100, batch_size=2, precisions=["fp32"]))
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason="8-bit optimizer state needs torchao")
@@ -130,8 +131,8 @@ def test_eight_bit_state_only_with_the_flag(one_thread, lm):
     assert eight_bit < in_backward
     budget = (smallest_budget(eight_bit) + smallest_budget(in_backward)) // 2
     with pytest.raises(InfeasibleBudget, match="it would fit"):
-        make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"])
-    plan = make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"], allow_lossy_optimizer=True)
+        make_plan(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"]))
+    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], allow_lossy_optimizer=True))
     assert plan.config.optimizer_state == "8bit" and plan.config.optimizer_in_backward
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
     assert any("changes the optimizer's arithmetic" in note for note in plan.notes)
@@ -140,7 +141,7 @@ def test_eight_bit_state_only_with_the_flag(one_thread, lm):
 def test_simulated_lever_plan_is_estimated_and_fits(lm):
     _, spec = lm
     floor, lever_floor = smallest_budget(floor_peak(spec)), smallest_budget(floor_peak(spec, optimizer_in_backward=True))
-    plan = make_plan(spec, budget=(floor + lever_floor) // 2, batch_size=1, precisions=["fp32"], simulate=True)
+    plan = make_plan(spec, PlanRequest(budget=(floor + lever_floor) // 2, batch_size=1, precisions=["fp32"], simulate=True))
     assert plan.estimated and plan.config.optimizer_in_backward and plan.measured.meter == "simulated"
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
@@ -151,13 +152,14 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     from dataclasses import replace
 
     from autofit.planning.context import plan_context
+
     from autofit.planning.verify.floor import Floor
     from autofit.planning.verify.below_floor import lever_candidates
 
     _, spec = lm
     context = plan_context(
-        spec, budget="1GiB", batch_size=1, device="cuda", simulate=True, device_memory="4GiB", study=None,
-        precisions=["fp32"], num_classes=None, log=None,
+        spec, PlanRequest(budget="1GiB", batch_size=1, device="cuda", simulate=True, device_memory="4GiB", study=None, precisions=["fp32"], num_classes=None),
+        log=None,
     )
     context = replace(context, simulate=simulate)  # the candidates only; nothing is measured here
     floor = Floor(config=TrainingConfig(global_batch_size=1, precision="fp32", micro_batch_size=1, checkpoint=("layers.0",)), budget_bytes=1)
@@ -192,7 +194,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 
     budget = (least(host) + least(in_backward)) // 2
-    plan = make_plan(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
+    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB"))
     # The floor configuration fits with the state on the host; the search with the levers then finds the state on
     # the host with fewer blocks checkpointed (it needs no step in backward: the gradients leave the device anyway).
     assert plan.estimated and plan.config.optimizer_state == "host" and len(plan.config.checkpoint) + len(plan.config.selective_checkpoint) < len(BLOCKS)

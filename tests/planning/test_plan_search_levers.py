@@ -11,6 +11,7 @@ from autofit.measure.optimizer_speed import UpdateCost
 from autofit.planning.verify import below_floor as levers
 from autofit.planning.speed.levers import UpdateTime
 from autofit.planning.planner import plan_with_report
+from autofit.planning.request import PlanRequest
 from autofit.planning.search.space import LeverSearch, score_space
 from autofit.planning.memory.levers import LeverChoice
 from tests.models import conv_then_wide_spec, layout_specs
@@ -40,7 +41,7 @@ def test_step_in_backward_lets_the_whole_batch_fit_above_the_floor(monkeypatch):
 
     monkeypatch.setattr(levers, "time_step_in_backward", lambda build, device: UpdateCost(per_tensor_seconds=1e-6, per_element_seconds=0.0))
     spec = conv_then_wide_spec()
-    report = plan_with_report(spec, budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"])
+    report = plan_with_report(spec, PlanRequest(budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"]))
     plan = report.plan
     assert report.floor_bytes < STEP_BUDGET
     assert plan.config.optimizer_in_backward and plan.config.micro_batch_size == 8 and not plan.config.checkpoint and not plan.config.selective_checkpoint
@@ -86,7 +87,7 @@ def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
     and the plan names it; ``autofit probe --plan`` re-measures it within the budget."""
     spec = layout_specs()["lm"]
     report = plan_with_report(
-        spec, budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"],
+        spec, PlanRequest(budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"]),
     )
     plan = report.plan
     assert plan.config.offload and plan.config.micro_batch_size == 8
@@ -103,7 +104,7 @@ def test_cpu_plans_never_offload():
     """On the CPU the host is the device: the search offers neither offload nor host state, even where dropping
     activations is needed (the LM at 1.25 MB checkpoints instead)."""
     spec = layout_specs()["lm"]
-    report = plan_with_report(spec, budget=1_250_000, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"])
+    report = plan_with_report(spec, PlanRequest(budget=1_250_000, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"]))
     plan = report.plan
     assert not plan.config.offload and plan.config.optimizer_state == "device" and (plan.config.checkpoint or plan.config.selective_checkpoint or plan.config.micro_batch_size < 8)
 
@@ -131,7 +132,7 @@ def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
 
     monkeypatch.setattr(search, "lever_segments", refuse)
     report = plan_with_report(
-        layout_specs()["lm"], budget="4GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False,
+        layout_specs()["lm"], PlanRequest(budget="4GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False),
     )
     plan = report.plan
     assert not plan.config.optimizer_in_backward and plan.config.offload == () and plan.config.optimizer_state == "device" and not plan.config.checkpoint
@@ -181,8 +182,7 @@ def test_the_bound_before_offload_is_traced_holds(monkeypatch):
 
     monkeypatch.setattr(planner, "score_space", spy)
     report = plan_with_report(
-        layout_specs()["lm"], budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False,
-        precisions=["fp32"],
+        layout_specs()["lm"], PlanRequest(budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"]),
     )
     assert report.plan.config.offload
     before = next(i for i, scored in enumerate(scorings) if any(e.config.offload for e in scored.values()))
@@ -209,8 +209,7 @@ def eight_bit_plan(monkeypatch, *, per_element_seconds: float, allow_lossy_optim
 
     monkeypatch.setattr(levers, "time_eight_bit_update", timed)
     return plan_with_report(
-        grid_spec("lm"), budget=budget, batch_size=4, device="cpu", simulate=True, cache=False, precisions=["fp32"],
-        allow_lossy_optimizer=allow_lossy_optimizer,
+        grid_spec("lm"), PlanRequest(budget=budget, batch_size=4, device="cpu", simulate=True, cache=False, precisions=["fp32"], allow_lossy_optimizer=allow_lossy_optimizer),
     )
 
 

@@ -6,8 +6,10 @@ import torch
 from torch import nn
 
 from autofit.planning.context import cache_dir
+
 from autofit.planning.speed.measured import time_precisions
 from autofit.planning.planner import plan_with_report
+from autofit.planning.request import PlanRequest
 from autofit.planning.speed.timing import Race, Samples, compare, interleaved_rounds
 from autofit.planning.policy import POLICY
 from autofit.spec import ModelSpec, default_optimizer
@@ -119,8 +121,8 @@ def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
     from autofit.planning.context import plan_context
 
     context = plan_context(
-        uneven_spec(), budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None,
-        precisions=None, num_classes=None, log=None, cache=False,
+        uneven_spec(), PlanRequest(budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False),
+        log=None,
     )
     assert context.tie == POLICY.tie_share
     note = "the machine was busy (load average 4.0 on 2 cores): measured with 1 of 2 threads"
@@ -203,8 +205,8 @@ def test_fp16_shares_bf16_traces_only_when_autocast_makes_the_same_tensors():
 
     def context(spec):
         return plan_context(
-            spec, budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None,
-            precisions=None, num_classes=None, log=None, cache=False,
+            spec, PlanRequest(budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False),
+            log=None,
         )
 
     spec = uneven_spec()
@@ -237,7 +239,7 @@ def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(mon
 
     monkeypatch.setattr(modelling, "flop_speed_costs", fp32_at_four_fifths)
     report = plan_with_report(
-        uneven_spec(), budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB", cache=False,
+        uneven_spec(), PlanRequest(budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB", cache=False),
     )
     best = report.plan.predicted.samples_per_s
     assert report.plan.config.precision in ("bf16", "fp16") and report.plan.config.grad_accum_steps == 1
@@ -252,37 +254,37 @@ def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(mon
 # -- the cache -------------------------------------------------------------------------------------------
 def test_the_cache_serves_another_budget(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
-    first = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"])
+    first = plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"]))
     assert (tmp_path / "cache" / "plans.db").is_file() and cache_dir() == tmp_path / "cache"
-    second = plan_with_report(uneven_spec(), budget="2MB", batch_size=16, precisions=["fp32"])
+    second = plan_with_report(uneven_spec(), PlanRequest(budget="2MB", batch_size=16, precisions=["fp32"]))
     assert not first.resumed and second.resumed
     assert second.phases.get("speed", 0.0) < 0.01  # nothing timed for the speed model again
     # The chosen configuration's peak is measured in this run all the same.
     assert second.memory_probes >= 1
-    again = plan_with_report(uneven_spec(), budget="2MB", batch_size=16, precisions=["fp32"])
+    again = plan_with_report(uneven_spec(), PlanRequest(budget="2MB", batch_size=16, precisions=["fp32"]))
     assert again.real_probes == 0  # the same comparison, settled by the last run's timings
     assert again.plan.config.micro_batch_size == second.plan.config.micro_batch_size
 
 
 def test_no_cache_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
-    report = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"], cache=False)
+    report = plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"], cache=False))
     assert not report.resumed and report.study == ""
     assert not (tmp_path / "cache").exists()
 
 
 def test_another_input_shape_is_another_cache_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
-    plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"])
+    plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"]))
     spec = uneven_spec()
     spec.example_batch = lambda n: (torch.randn(n, 3, 10, 10), torch.randint(0, 10, (n,)))  # same parameters
-    assert not plan_with_report(spec, budget="3MB", batch_size=16, precisions=["fp32"]).resumed
+    assert not plan_with_report(spec, PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"])).resumed
 
 
 def test_a_cache_that_cannot_be_used_is_only_a_note(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "file" / "cache"))
-    report = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"])
+    report = plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"]))
     assert report.plan.measured.peak_bytes > 0
     assert report.study_problems and "--no-cache" in report.study_problems[0]
 
@@ -295,19 +297,20 @@ def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
 
     from autofit.planning.context import plan_context
 
+
     one = plan_context(
-        uneven_spec(), budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None,
-        precisions=None, num_classes=None, log=None, cache=False, threads=1,
+        uneven_spec(), PlanRequest(budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False, threads=1),
+        log=None,
     )
     assert one.clock is time.thread_time
     assert replace(one, threads=2).clock is time.perf_counter and replace(one, device="cuda").clock is time.perf_counter
     read = []
     real = time.thread_time
     monkeypatch.setattr(time, "thread_time", lambda: read.append(1) or real())
-    report = plan_with_report(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=1)
+    report = plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=1))
     assert report.timing["rounds"] >= POLICY.min_rounds and len(read) > 20
     read.clear()
-    plan_with_report(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=2)
+    plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=2))
     assert not read
 
 

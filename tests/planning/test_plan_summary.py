@@ -82,8 +82,9 @@ def test_the_summary_marks_how_each_alternative_fits_and_lists_the_rejections():
 def test_a_simulated_plan_lists_its_chosen_measured_peak():
     """Simulating, the chosen configuration's peak is the simulated meter's: in the alternatives too, as measured."""
     from autofit.planning.planner import make_plan
+    from autofit.planning.request import PlanRequest
     from tests.planning.test_planner import uneven_spec
 
-    plan = make_plan(uneven_spec(), budget="3MB", batch_size=16, simulate=True, precisions=["fp32"])
+    plan = make_plan(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, simulate=True, precisions=["fp32"]))
     chosen = [a for a in plan.alternatives if a["chosen"]]
     assert len(chosen) == 1 and chosen[0]["measured_peak_bytes"] == plan.measured.peak_bytes and chosen[0]["fits_budget"]

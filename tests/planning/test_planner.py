@@ -16,6 +16,7 @@ from autofit.planning.verify.floor import InfeasibleBudget
 from autofit.planning.policy import POLICY
 from autofit.planning.modelling import micro_batch_sizes
 from autofit.planning.planner import make_plan, plan_with_report
+from autofit.planning.request import PlanRequest
 from autofit.measure.probe import probe
 from autofit.planning.search.knapsack import FULL, SELECTIVE, _enumerate, _greedy, _options, _prefix_knapsack, cheapest_checkpoint, peak_of
 from autofit.spec import ModelSpec, default_optimizer
@@ -100,7 +101,7 @@ def floors(one_thread):
     found = {}
     for name, make in SPECS.items():
         with pytest.raises(InfeasibleBudget) as error:
-            make_plan(make(), budget=1000, batch_size=BATCH[name], precisions=["fp32"])
+            make_plan(make(), PlanRequest(budget=1000, batch_size=BATCH[name], precisions=["fp32"]))
         plain = probe(make(), micro_batch_size=BATCH[name], global_batch_size=BATCH[name])
         found[name] = (error.value.floor_bytes, plain.peak_bytes)
     return found
@@ -114,7 +115,7 @@ def planned(floors):
         floor, plain_peak = floors[name]
         for position in POSITIONS:
             budget = int(floor + position * (plain_peak - floor))
-            plans[name, position] = make_plan(SPECS[name](), budget=budget, batch_size=BATCH[name], precisions=["fp32"])
+            plans[name, position] = make_plan(SPECS[name](), PlanRequest(budget=budget, batch_size=BATCH[name], precisions=["fp32"]))
     return plans
 
 
@@ -140,7 +141,7 @@ def test_tight_budget_trades_memory(name, planned, floors):
 
 def test_generous_budget_is_plain_training():
     spec = uneven_spec()
-    plan = make_plan(spec, budget="1GB", batch_size=16, precisions=["fp32"])
+    plan = make_plan(spec, PlanRequest(budget="1GB", batch_size=16, precisions=["fp32"]))
     assert plan.config.checkpoint == ()
     assert plan.config.grad_accum_steps == 1 and plan.config.micro_batch_size == 16
     assert plan.measured.relative_to_unconstrained == pytest.approx(1.0)
@@ -191,7 +192,7 @@ def test_cli_summary(run_cli, tmp_path):
 
 
 def test_simulated_plan_is_marked_estimated(tmp_path):
-    plan = make_plan(uneven_spec(), budget="3MB", batch_size=16, simulate=True)
+    plan = make_plan(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, simulate=True))
     assert plan.estimated is True
     assert plan.measured.meter == "simulated" and plan.measured.samples_per_s is None
     assert plan.predicted.samples_per_s > 0
@@ -202,7 +203,7 @@ def test_simulated_plan_is_marked_estimated(tmp_path):
 
 
 def test_simulated_gpu_plan_without_a_gpu():
-    plan = make_plan(uneven_spec(), budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB")
+    plan = make_plan(uneven_spec(), PlanRequest(budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB"))
     assert plan.device == DeviceInfo(type="cuda", name="simulated cuda", total_bytes=4 * 2**30)
     assert plan.budget_bytes == int(0.9 * 4 * 2**30) and plan.budget_kind == "cuda-process" and plan.estimated
     assert set(plan.headroom) == {"context", "allocator_reserve", "fragmentation", "safety_margin"}
@@ -216,7 +217,7 @@ def test_simulated_gpu_plan_without_a_gpu():
 
 def test_all_precisions_are_measured_not_assumed():
     """fp16 on a CPU is slow; the planner finds out by timing it, and never picks it here."""
-    report = plan_with_report(uneven_spec(), budget="1GB", batch_size=16)
+    report = plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=16))
     assert report.plan.config.precision in ("fp32", "bf16")
     assert set(report.speeds) == {"fp32", "bf16", "fp16"}  # timed, each of them, traced or not
     assert all(s["step_seconds"][0] > 0 for s in report.speeds.values())
@@ -231,12 +232,12 @@ def report_model(report):
 
 def test_study_resumes(tmp_path):
     storage = f"sqlite:///{tmp_path / 'plans.db'}"
-    first = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"], study=storage)
-    second = plan_with_report(uneven_spec(), budget="3MB", batch_size=16, precisions=["fp32"], study=storage)
+    first = plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"], study=storage))
+    second = plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"], study=storage))
     assert not first.resumed and second.resumed
     assert second.real_probes == 0  # measurements come from the study
     assert second.plan.config.micro_batch_size == first.plan.config.micro_batch_size and second.plan.config.checkpoint == first.plan.config.checkpoint
-    other_budget = plan_with_report(uneven_spec(), budget="2MB", batch_size=16, precisions=["fp32"], study=storage)
+    other_budget = plan_with_report(uneven_spec(), PlanRequest(budget="2MB", batch_size=16, precisions=["fp32"], study=storage))
     assert other_budget.resumed  # the cost model is shared across budgets
     import optuna
 
@@ -247,7 +248,7 @@ def test_study_resumes(tmp_path):
 
 def test_bad_study_url_is_one_line():
     with pytest.raises(UserError, match="--study 'nope://x' cannot be opened"):
-        make_plan(uneven_spec(), budget="1GB", batch_size=4, precisions=["fp32"], study="nope://x")
+        make_plan(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, precisions=["fp32"], study="nope://x"))
 
 
 def test_python_api_leaves_the_model_alone():
@@ -567,12 +568,12 @@ def test_cuda_plans_fit_the_card_when_measured_again():
     from tests.models import resnet_spec
 
     spec = resnet_spec()
-    generous = make_plan(spec, budget="90%", batch_size=256, device="cuda")
+    generous = make_plan(spec, PlanRequest(budget="90%", batch_size=256, device="cuda"))
     assert generous.budget_kind == "cuda-process" and generous.measured.meter == "cuda"
     assert generous.config.checkpoint == () and generous.config.grad_accum_steps == 1
     needs = generous.measured.peak_bytes + sum(generous.headroom.values())
     budget = int(needs - 0.4 * generous.measured.peak_bytes)  # the measured peak leaves the context out
-    tight = make_plan(spec, budget=budget, batch_size=256, device="cuda")
+    tight = make_plan(spec, PlanRequest(budget=budget, batch_size=256, device="cuda"))
     assert tight.config.checkpoint or tight.config.micro_batch_size < 256 or tight.config.precision != generous.config.precision
     for plan in (generous, tight):
         again = remeasure(spec, plan, device="cuda")
@@ -596,7 +597,7 @@ def test_a_selective_candidate_races_its_point_without_selective_blocks(chain_mo
 
     monkeypatch.setattr(planner, "add_speeds", selective_nearly_free)
     path, spec, blocks, budget = chain_model
-    report = plan_with_report(spec, budget=budget, batch_size=1, precisions=["fp32"], cache=False)
+    report = plan_with_report(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], cache=False))
     plan = report.plan
     raced = [plan.config.key(), *report.timing["behind"]]  # every contender: the chosen one and those behind it
     selective_sets = [k.split(":")[3] for k in raced if len(k.split(":")) > 3]

@@ -19,6 +19,7 @@ from autofit.errors import UserError
 from autofit.plan_file import load_plan, save_plan
 from autofit.planning.verify.floor import InfeasibleBudget
 from autofit.planning.planner import make_plan, plan_with_report
+from autofit.planning.request import PlanRequest
 from autofit.planning.ranks import gradient_bytes
 from autofit.spec import load_spec
 from tests.conftest import ROOT
@@ -89,7 +90,7 @@ def spec(model_file):
 
 
 def _plan(spec, *, budget, gpus):
-    return plan_with_report(spec, budget=budget, batch_size=GLOBAL_BATCH_SIZE, precisions=["fp32"], gpus=gpus)
+    return plan_with_report(spec, PlanRequest(budget=budget, batch_size=GLOBAL_BATCH_SIZE, precisions=["fp32"], gpus=gpus))
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +147,9 @@ def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
 
 def test_bad_gpu_counts_are_one_line(spec):
     with pytest.raises(UserError, match=r"--gpus 0 must be a whole number of GPUs"):
-        make_plan(spec, budget="100MB", batch_size=8, gpus=0)
+        make_plan(spec, PlanRequest(budget="100MB", batch_size=8, gpus=0))
     with pytest.raises(UserError, match=r"--batch-size 2 is smaller than --gpus 4.*lower --gpus"):
-        make_plan(spec, budget="100MB", batch_size=2, gpus=4)
+        make_plan(spec, PlanRequest(budget="100MB", batch_size=2, gpus=4))
 
 
 def test_a_budget_too_small_even_when_sharded_says_so(spec):

@@ -45,7 +45,8 @@ FRESH_PROCESS = textwrap.dedent("""
     pool.close()
     # A whole plan: its pool starts before its first backward pass, and every traced run goes to the workers.
     from autofit.planning.planner import plan_with_report
-    report = plan_with_report(spec, budget="1GB", batch_size=4, simulate=True, cache=False)
+    from autofit.planning.request import PlanRequest
+    report = plan_with_report(spec, PlanRequest(budget="1GB", batch_size=4, simulate=True, cache=False))
     in_plan = len(here) - in_pool
     alone = trace_memory_sizes(spec, sizes=[4, 2], precision="bf16")
     print(json.dumps({
@@ -188,6 +189,7 @@ def test_the_bound_before_recomputations_is_never_below_the_search_with_them(lm_
 def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypatch):
     import autofit.planning.memory.traces as memory_model
     from autofit.planning.planner import plan_with_report
+    from autofit.planning.request import PlanRequest
 
     monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
     runs = []
@@ -199,14 +201,14 @@ def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypa
 
     monkeypatch.setattr(memory_model, "run_trace", counted)
     spec = layout_specs()["lm"]
-    generous = plan_with_report(spec, budget="1GB", batch_size=8, simulate=True, cache=False, precisions=["fp32"])
+    generous = plan_with_report(spec, PlanRequest(budget="1GB", batch_size=8, simulate=True, cache=False, precisions=["fp32"]))
     assert generous.plan.config.checkpoint == ()
     # Recomputing runs at the smallest micro-batch only (the floor's), none at the sizes the search interpolates.
     assert {size for size, mode in runs if mode != "none"} == {1}
     assert {size for size, mode in runs if mode == "none"} == {1, 2, 8}
     peak = generous.plan.predicted.peak_bytes
     runs.clear()
-    tight = plan_with_report(spec, budget=int(0.8 * peak), batch_size=8, simulate=True, cache=False, precisions=["fp32"])
+    tight = plan_with_report(spec, PlanRequest(budget=int(0.8 * peak), batch_size=8, simulate=True, cache=False, precisions=["fp32"]))
     assert tight.plan.config.checkpoint or tight.plan.config.selective_checkpoint or tight.plan.config.micro_batch_size < 8
     assert {size for size, mode in runs if mode == "full"} >= {2, 8}
 

@@ -4,6 +4,7 @@ import torch
 
 from autofit.planning.speed.estimated import GPU_PEAKS, flop_speed_costs, gpu_forward_seconds
 from autofit.planning.planner import make_plan
+from autofit.planning.request import PlanRequest
 from autofit.spec import ModelSpec, default_optimizer, load_spec
 from tests.models import transformer_module
 
@@ -57,5 +58,5 @@ def test_an_estimated_gpu_plan_is_not_fp32_by_default(one_thread):
         source="wide transformer", build_model=lambda: module.TinyTransformer("sdpa"), example_batch=module.example_batch,
         loss_fn=torch.nn.functional.cross_entropy, build_optimizer=default_optimizer,
     )
-    plan = make_plan(spec, budget="90%", batch_size=32, device="cuda", simulate=True, device_memory="80GiB")
+    plan = make_plan(spec, PlanRequest(budget="90%", batch_size=32, device="cuda", simulate=True, device_memory="80GiB"))
     assert plan.estimated and plan.config.precision in ("bf16", "fp16")

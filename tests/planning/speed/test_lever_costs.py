@@ -17,6 +17,7 @@ from autofit.planning.speed.levers import (
     ASSUMED_LINK_BYTES_PER_S, UpdateTime, host_link, host_state_seconds, lever_time, offload_seconds,
 )
 from autofit.planning.planner import plan_with_report
+from autofit.planning.request import PlanRequest
 from autofit.spec import load_spec
 from tests.planning.test_plan_levers import BLOCKS, MODEL_FILE
 
@@ -100,7 +101,7 @@ def lm_costs(tmp_path_factory):
     path = tmp_path_factory.mktemp("lm") / "lm.py"
     path.write_text(MODEL_FILE)
     spec = load_spec(str(path))
-    report = plan_with_report(spec, budget="3GiB", batch_size=2, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
+    report = plan_with_report(spec, PlanRequest(budget="3GiB", batch_size=2, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB"))
     return spec, CostModel.from_dict(report.cost_model)
 
 
@@ -175,7 +176,7 @@ def test_a_step_in_backward_that_costs_more_than_recomputing_is_not_chosen(monke
 
     monkeypatch.setattr(levers, "time_step_in_backward", lambda build, device: UpdateCost(per_tensor_seconds=1.0, per_element_seconds=0.0))
     plan = plan_with_report(
-        conv_then_wide_spec(), budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"],
+        conv_then_wide_spec(), PlanRequest(budget=STEP_BUDGET, batch_size=8, device="cpu", simulate=True, cache=False, precisions=["fp32"]),
     ).plan
     assert not plan.config.optimizer_in_backward and plan.measured.peak_bytes <= STEP_BUDGET
 
@@ -198,7 +199,7 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 
     budget = (least(host) + least(in_backward)) // 2
-    report = plan_with_report(spec, budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
+    report = plan_with_report(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB"))
     plan, model = report.plan, CostModel.from_dict(report.cost_model)
     assert plan.config.optimizer_state == "host"
     with torch.device("meta"):

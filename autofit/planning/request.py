@@ -1,0 +1,69 @@
+"""``PlanRequest``: what a user asks the planner for, spelled once.
+
+``autofit.plan``, ``make_plan``, ``plan_with_report``, the planning context,
+``autofit plan`` (its flags), ``autofit.fit`` and ``autofit compare`` all take
+one, so the list of what can be asked lives here and nowhere else. The model
+itself and the progress callback are not requests: they are passed beside it.
+
+Example:
+    >>> request = PlanRequest(budget="16GB", batch_size=256, precisions=("bf16", "fp32"))
+    >>> request.gpus, request.simulate
+    (1, False)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autofit.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRequest:
+    """A planning run's arguments; each is checked where the run first uses it (``plan_context``)."""
+
+    budget: str | int
+    """"16GB", "16GiB", "512MiB", "90%" (of the device) or bytes; per GPU when ``gpus`` > 1."""
+    batch_size: int
+    """The global batch (samples per optimizer step); every plan keeps it."""
+    device: str = "cpu"
+    """"cpu" or "cuda"."""
+    simulate: bool = False
+    """Plan with the simulated meter and FLOP-based speeds (the plan is marked estimated)."""
+    device_memory: str | int | None = None
+    """The device's total memory when simulating a GPU that is not here."""
+    precisions: tuple[str, ...] | None = None
+    """The precisions to search; None: all the device runs."""
+    gpus: int = 1
+    """Processes (GPUs) to train on: DDP when the model fits unsharded, FSDP2 otherwise."""
+    allow_lossy_optimizer: bool = False
+    """8-bit AdamW state (torchao) may be chosen; it changes the optimizer's arithmetic, so never without this."""
+    study: str | None = None
+    """An Optuna storage URL ("sqlite:///plans.db") that keeps the search, to resume and inspect it."""
+    cache: bool = True
+    """Without ``study``, keep the cost model and measurements in the cache (``context.cache_dir()``), so another
+    budget for the same model measures only what is new; False keeps nothing."""
+    threads: int | None = None
+    """Intra-op threads to time with; None: PyTorch's, fewer when other work keeps the cores busy."""
+    num_classes: int | None = None
+    """Outputs the model file's model is built with, when it takes them (``--num-classes``)."""
+
+    def __post_init__(self) -> None:
+        if self.precisions is not None and not isinstance(self.precisions, tuple):
+            object.__setattr__(self, "precisions", tuple(self.precisions))
+
+
+def plan_request(**asks) -> PlanRequest:
+    """A ``PlanRequest`` of keyword arguments, as ``autofit.plan`` takes them.
+
+    Raises:
+        UserError: a keyword that is not a request (the line names it and lists those that are).
+    """
+    known = [field.name for field in dataclasses.fields(PlanRequest)]
+    unknown = sorted(set(asks) - set(known))
+    if unknown:
+        raise UserError(f"{unknown[0]!r} is not something a plan can be asked for; give any of {', '.join(known)}")
+    missing = [name for name in ("budget", "batch_size") if name not in asks]
+    if missing:
+        raise UserError(f"a plan needs {' and '.join(missing)}, e.g. budget=\"16GB\", batch_size=256")
+    return PlanRequest(**asks)
