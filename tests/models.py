@@ -358,3 +358,20 @@ def inplace_vgg() -> nn.Sequential:
 
 def _small_images(n: int):
     return torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,))
+
+
+class TinyLSTM(nn.Module):
+    """An LSTM over (B, T, 16) and a linear head on its last step: oneDNN has no fp16 LSTM on some CPUs."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 16) -> (B, classes)
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def _sequences(n: int):
+    return torch.randn(n, 12, 16), torch.randint(0, 10, (n,))
