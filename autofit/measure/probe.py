@@ -145,12 +145,9 @@ def measure(
         # An op with no kernel for the precision on this device (fp16 LSTM on a CPU): one line and the way out.
         if simulate or config.precision == "fp32":
             raise
-        try:
-            why = precision_failure(spec, precision=config.precision, device=device)
-        except RuntimeError:  # fp32 fails too: the model's own error
-            why = None
-        if why is None:
-            raise error
+        why = precision_failure(spec, precision=config.precision, device=device)
+        if why is None:  # the precision runs the model, or fp32 fails as well: not a missing kernel
+            raise
         others = " or ".join(p for p in ("bf16", "fp32") if p != config.precision)
         raise UserError(
             f"precision {config.precision} cannot train this model on {device}: an op has no {config.precision} "

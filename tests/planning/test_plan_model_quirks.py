@@ -92,3 +92,15 @@ def test_probing_selective_checkpointing_of_in_place_relus(run_cli, model_file):
     code, stdout, err = run_cli("probe", model_file(IN_PLACE_FILE), "-m", "2", "--steps", "2", "--selective-checkpoint", "all", "--json")
     assert code == 0, err
     assert json.loads(stdout)["selective_checkpoint"] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_a_model_that_fails_in_fp32_too_has_no_missing_kernel():
+    """The model's own RuntimeError (here a shape mismatch, in every precision) is not a precision's missing kernel."""
+    from autofit.measure.kernels import precision_failures
+    from autofit.spec import ModelSpec, default_optimizer
+
+    spec = ModelSpec(
+        source="tests:mismatch", build_model=lambda: torch.nn.Linear(8, 4), example_batch=lambda n: (torch.randn(n, 5), torch.zeros(n)),
+        loss_fn=torch.nn.functional.mse_loss, build_optimizer=default_optimizer,
+    )
+    assert precision_failures(spec, precisions=["fp32", "bf16", "fp16"], device="cpu") == {}
