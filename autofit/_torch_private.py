@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
+import torch.utils.checkpoint as _checkpoint
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -35,6 +36,7 @@ __all__ = [
     "op_flops",
     "optimizers_step_as_on_cuda",
     "reset_grad_scaler_step",
+    "selective_checkpoint_contexts",
     "storage_resizes",
     "tree_leaves",
     "tree_map",
@@ -213,3 +215,45 @@ def optimizers_step_as_on_cuda() -> Iterator[None]:
     finally:
         for module, original in patched:
             module._default_to_fused_or_foreach = original
+
+
+def selective_checkpoint_contexts(policy_fn) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)``, except that the recomputation
+    runs again every op whose kept output was changed in place after the op made it.
+
+    A convolution followed by ``nn.ReLU(inplace=True)``: the policy keeps the convolution's output, the ReLU then
+    overwrites it, and torch's recomputation refuses the changed tensor ("Tensor cached during selective
+    activation checkpoint has been mutated"); it cannot hand it out, since the recomputed ReLU would apply itself
+    a second time. Rerun on its recomputed inputs, the op gives the value the forward first made, so the
+    gradients are plain training's. The changed tensor is still held until then (the bytes the policy meant to
+    keep), and only the ops whose output was changed are computed again.
+    """
+    caching, cached = _checkpoint.create_selective_checkpoint_contexts(policy_fn)
+    return caching, _RecomputeChanged(cached.storage)
+
+
+class _RecomputeChanged(_checkpoint._CachedTorchDispatchMode):
+    """torch's recomputing mode of selective checkpointing, which reruns an op whose kept output was changed."""
+
+    def __init__(self, storage) -> None:
+        super().__init__(None, storage)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _checkpoint.SAC_IGNORED_OPS:
+            key = _checkpoint._sac_storage_key(func, args)
+            index = self.func_counter[key]
+            entry = self.storage.get(key, {}).get(index)
+            if entry not in (None, _checkpoint._CONSUMED, _checkpoint._RECOMPUTE) and _changed_since_kept(entry):
+                self.func_counter[key] += 1
+                self.storage[key][index] = _checkpoint._CONSUMED  # and the changed tensor is let go
+                return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _changed_since_kept(entry) -> bool:
+    """Whether a kept op output (torch's ``_VersionWrapper``, one per output tensor) changed in place after it was kept."""
+    return any(
+        isinstance(getattr(wrapper, "val", None), torch.Tensor) and wrapper.version is not None
+        and wrapper.val._version != wrapper.version
+        for wrapper in tree_leaves(entry)
+    )

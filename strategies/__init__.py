@@ -14,6 +14,7 @@ from strategies.batch_split import BatchSplit, BatchSplitConfig, micro_batch_cou
 from strategies.checkpointing import (
     CheckpointConfig,
     Checkpointing,
+    changed_in_place,
     check_one_mode_per_block,
     checkpoint_candidates,
     checkpoint_granularities,
@@ -55,5 +56,6 @@ __all__ = [
     "rank_slice",
     "resolve_blocks",
     "selective_saves",
+    "changed_in_place",
     "unwrap_model",
 ]

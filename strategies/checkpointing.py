@@ -13,7 +13,10 @@ A block is in one of three modes:
 
 The forward is patched on the instance, so parameter names and state_dict keys
 do not change. Recomputation repeats the same ops on the same values, so the
-gradients are those of the block without checkpointing.
+gradients are those of the block without checkpointing. A kept output that a
+later op changes in place (``nn.ReLU(inplace=True)`` after a convolution, in the
+block or after it) no longer holds the op's value: selective recomputation
+runs that op again instead of using it.
 
 Blocks are found in the module tree (``checkpoint_granularities``): the
 children of a ModuleList, Sequential or ModuleDict whose children all have one
@@ -36,8 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from autofit._torch_private import selective_checkpoint_contexts
 from autofit.errors import UserError
 from strategies.base import Strategy
 
@@ -356,13 +360,30 @@ def selective_saves(op) -> bool:
     return op.overloadpacket in SAVED_OPS
 
 
+def changed_in_place(op, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an ATen op writes into (``relu_``'s input, an ``out=`` argument), by its schema.
+
+    A kept output among them no longer holds its op's value: selective
+    recomputation runs that op again (the planner's speed model counts it so).
+    """
+    written = []
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else (kwargs or {}).get(argument.name)
+        written += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+    return written
+
+
 def _save_compute_heavy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """The selective policy: keep the outputs of ``SAVED_OPS``, recompute every other op."""
     return CheckpointPolicy.MUST_SAVE if selective_saves(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
-    return create_selective_checkpoint_contexts(_save_compute_heavy)
+    # An output the policy keeps and a later op changes in place (a convolution, then ReLU(inplace=True)) is
+    # computed again in backward rather than refused: see ``selective_checkpoint_contexts``.
+    return selective_checkpoint_contexts(_save_compute_heavy)
 
 
 def _selectively_checkpointed_forward(forward, *args, **kwargs):

@@ -318,3 +318,60 @@ def conv_then_wide_spec() -> ModelSpec:
         example_batch=lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
         loss_fn=F.cross_entropy, build_optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
     )
+
+
+class InplaceBlock(nn.Module):
+    """conv, ReLU(inplace=True), conv, the residual added in place, ReLU(inplace=True) (torchvision's BasicBlock
+    without its norms): selective checkpointing keeps both convolutions' outputs, which the in-place ops then
+    overwrite (``+=`` is not idempotent, so reusing the changed tensor would give other gradients)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        out = self.conv2(self.relu(self.conv1(x)))
+        out += x
+        return self.relu(out)
+
+
+class InplaceCNN(nn.Module):
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*[InplaceBlock(8) for _ in range(3)])
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, classes)
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+def inplace_vgg() -> nn.Sequential:
+    """A VGG-style Sequential: its blocks are the bare convolutions, each output overwritten after its block."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
+    )
+
+
+def _small_images(n: int):
+    return torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,))
+
+
+class TinyLSTM(nn.Module):
+    """An LSTM over (B, T, 16) and a linear head on its last step: oneDNN has no fp16 LSTM on some CPUs."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 16) -> (B, classes)
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def _sequences(n: int):
+    return torch.randn(n, 12, 16), torch.randint(0, 10, (n,))

@@ -15,6 +15,7 @@ from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
 from autofit.device import check_device
+from autofit.measure.kernels import precision_failure
 from autofit.measure.meters import fall_back_from_simulation, make_meter, release_device_memory
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.plan_file import Plan
@@ -138,6 +139,20 @@ def measure(
         # Fake tensors cannot run this model: one line says so, and the cpu meter measures it.
         spec = fall_back_from_simulation(spec, error)
         return _measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed, fingerprint=fingerprint)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        # An op with no kernel for the precision on this device (fp16 LSTM on a CPU): one line and the way out.
+        if simulate or config.precision == "fp32":
+            raise
+        why = precision_failure(spec, precision=config.precision, device=device)
+        if why is None:  # the precision runs the model, or fp32 fails as well: not a missing kernel
+            raise
+        others = " or ".join(p for p in ("bf16", "fp32") if p != config.precision)
+        raise UserError(
+            f"precision {config.precision} cannot train this model on {device}: an op has no {config.precision} "
+            f"kernel there ({why}); use --precision {others}"
+        ) from error
 
 
 def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: bool, steps: int, seed: int, fingerprint: str | None) -> ProbeResult:

@@ -31,6 +31,7 @@ import torch
 
 from autofit.errors import UserError
 from autofit.device import DeviceInfo, check_device, device_info
+from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
 from autofit.planning.memory.traces import simulation_spec
@@ -147,6 +148,8 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     info = device_info(device, total_bytes=total)
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
     kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions)
+    if not simulate:  # the simulated meter runs no kernel; a model it plans may be too large to run here
+        kept = _with_kernels(spec, precisions=kept, excluded=excluded, device=device)
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise UserError(f"--threads {threads!r} must be a whole number of threads, at least 1")
     meta_model = _meta_model(spec)
@@ -305,6 +308,26 @@ def _own_code_hash() -> str:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _with_kernels(spec: ModelSpec, *, precisions: list[str], excluded: dict[str, str], device: str) -> list[str]:
+    """The precisions whose kernels run the model on the device; each other one goes to ``excluded`` with why.
+
+    Raises:
+        UserError: none is left (the user asked only for ones that cannot run); the way out is another precision.
+    """
+    failures = precision_failures(spec, precisions=precisions, device=device)
+    for precision, why in failures.items():
+        excluded[precision] = f"an op of the model has no {precision} kernel on {device} ({why})"
+    kept = [p for p in precisions if p not in failures]
+    if not kept:
+        names = " and ".join(failures)
+        others = " or ".join(p for p in ("fp32", "bf16") if p not in failures)
+        raise UserError(
+            f"{names} cannot train this model on {device}: an op has no {names} kernel there "
+            f"({next(iter(failures.values()))}); plan with --precisions {others}"
+        )
+    return kept
 
 
 def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:

@@ -200,3 +200,48 @@ def test_checkpointing_turns_off_a_kv_cache():
     inner = torch.nn.Sequential(WithConfig())  # a wrapper around such a model
     Checkpointing(CheckpointConfig(blocks=["0.layers.0"])).apply(inner)
     assert inner[0].config.use_cache is False
+
+
+@pytest.mark.parametrize("build", ["InplaceCNN", "inplace_vgg"], ids=["in the block", "after the block"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_selective_checkpointing_recomputes_an_output_changed_in_place(one_thread, build, precision):
+    """A kept convolution output that ReLU(inplace=True) or ``+=`` then overwrites, inside the block or after it:
+    its convolution runs again in backward, and 3 AdamW steps give plain training's weights."""
+    from tests import models
+
+    torch.manual_seed(0)
+    model = getattr(models, build)()
+    reference = copy.deepcopy(model)
+    data = [models._small_images(4) for _ in range(3)]
+
+    def train(trained, selective):
+        config = TrainingConfig(global_batch_size=4, micro_batch_size=4, precision=precision, selective_checkpoint=selective)
+        applied = apply_config(trained, config, device="cpu")
+        optimizer = applied.build_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-2))
+        for inputs, targets in data:
+            train_step(applied, inputs, targets, loss_fn=torch.nn.functional.cross_entropy, optimizer=optimizer)
+
+    train(reference, [])
+    train(model, checkpoint_candidates(model))
+    assert Checkpointing.applied_selective_blocks(model) == checkpoint_candidates(reference)
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_an_output_changed_in_place_counts_as_recomputed():
+    """The speed model's share of a block that selective checkpointing recomputes: both convolutions of an
+    InplaceBlock are overwritten in place, so all of it; without the in-place ops they are kept."""
+    from autofit.planning.speed.estimated import selective_shares
+    from tests import models
+
+    def shares(model):
+        applied = apply_config(model, TrainingConfig(global_batch_size=2, micro_batch_size=2), device="cpu")
+        return selective_shares(applied, models._small_images(2)[0], blocks=checkpoint_candidates(model),
+                                flops_per_s={"conv": 1e9, "matmul": 1e9}, bytes_per_s=1e9)
+
+    in_place = models.InplaceCNN()
+    assert shares(in_place) == [1.0, 1.0, 1.0]
+    for block in in_place.blocks:
+        block.relu.inplace = False
+        block.forward = lambda x, block=block: block.relu(block.conv2(block.relu(block.conv1(x))) + x)
+    assert all(share < 0.5 for share in shares(in_place))

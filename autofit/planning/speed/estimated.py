@@ -8,6 +8,7 @@ checkpointing's share of each block's forward is estimated per op
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
 from autofit.planning.costs import SpeedCosts
 from autofit.planning.memory.workers import call
 from autofit.spec import ModelSpec
-from strategies import checkpoint_candidates, selective_saves
+from strategies import changed_in_place, checkpoint_candidates, selective_saves
 
 
 def flop_speed_costs(
@@ -111,7 +112,8 @@ class _OpSeconds(TorchDispatchMode):
     """Per block, the estimated seconds of the forward ops selective checkpointing keeps and of those it recomputes.
 
     An op costs its FLOPs at its family's rate plus the bytes it reads and writes at the bandwidth; a view moves
-    nothing. Ops outside every block are not counted.
+    nothing. Ops outside every block are not counted. A kept op whose output a later op changes in place (a
+    convolution, then ``ReLU(inplace=True)``) is recomputed after all (``strategies.checkpointing.changed_in_place``).
     """
 
     def __init__(self, *, flops_per_s: dict[str, float], bytes_per_s: float) -> None:
@@ -120,12 +122,26 @@ class _OpSeconds(TorchDispatchMode):
         self.block: int | None = None
         self.kept: dict[int, float] = {}
         self.recomputed: dict[int, float] = {}
+        self._kept_outputs: dict[int, tuple[weakref.ref, int, float]] = {}  # id of a kept output's storage -> (it, block, seconds)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        for tensor in changed_in_place(func, args, kwargs):
+            storage = tensor.untyped_storage()
+            kept_storage, block, seconds = self._kept_outputs.pop(id(storage), (None, None, 0.0))
+            if kept_storage is not None and kept_storage() is storage:
+                self.kept[block] -= seconds
+                self.recomputed[block] = self.recomputed.get(block, 0.0) + seconds
         if self.block is not None:
+            seconds = self._seconds(func, args, kwargs, out)
             into = self.kept if selective_saves(func) else self.recomputed
-            into[self.block] = into.get(self.block, 0.0) + self._seconds(func, args, kwargs, out)
+            into[self.block] = into.get(self.block, 0.0) + seconds
+            if into is self.kept:
+                for tensor in tree_leaves(out):
+                    if isinstance(tensor, torch.Tensor):
+                        storage = tensor.untyped_storage()
+                        self._kept_outputs[id(storage)] = (weakref.ref(storage), self.block, seconds)
+                        break
         return out
 
     def _seconds(self, func, args, kwargs, out) -> float:
