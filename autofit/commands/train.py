@@ -63,7 +63,8 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
     from autofit.spec import spec_for_plan
     from autofit.training.data import image_folder_data, input_shape_from, model_file_data
     from autofit.distributed import check_launch, cleanup, is_rank0
-    from autofit.training.loop import TrainingInterrupted, TrainSettings
+    from autofit.training.loop import TrainSettings
+    from autofit.training.stops import TrainingInterrupted
     from autofit.training.resume import check_same_plan, read_saved_run, resumed_value
     from autofit.training.run import run_training
     from strategies import ShardingConfig

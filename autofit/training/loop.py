@@ -32,13 +32,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
-import os
-import signal
-import threading
 import time
-import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +51,7 @@ from autofit.training.data import TrainData, epoch_order, make_loader
 from autofit.distributed import any_rank, is_rank0, mean_across_ranks
 from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
 from autofit.training.images import Unreadable
+from autofit.training.stops import StopRequest, disk_full_line, stop_on_signals, user_code_line
 from autofit.training.recovery import MicroBatchChange, StepUndo, step_with_recovery
 from autofit.training.resume import check_same_plan, resumed_value
 from autofit.training.rundir import discard_previous_run, hold_run_directory, restore_previous_run, start_fresh
@@ -180,19 +176,6 @@ class TrainResult:
     """False when max_steps stopped the run before its last epoch ended."""
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """A signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) stopped training after a step; last.pt holds everything to resume."""
-
-    def __init__(self, *, last_path: Path, epoch: int, step: int, signal_number: int = signal.SIGINT) -> None:
-        super().__init__(f"stopped by {signal.Signals(signal_number).name} at epoch {epoch}, step {step}; saved {last_path}")
-        self.last_path, self.epoch, self.step, self.signal_number = last_path, epoch, step, signal_number
-
-    @property
-    def exit_code(self) -> int:
-        """What a shell reports for a process ended by the signal: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
-        return 128 + self.signal_number
-
-
 def train(
     model: nn.Module,
     *,
@@ -244,14 +227,14 @@ def train(
             except OSError as error:
                 if error.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                raise UserError(_disk_full_line(error, log_dir)) from None
+                raise UserError(disk_full_line(error, log_dir)) from None
             except UserError:
                 raise
             except Exception as error:
                 frame = user_frame(error)
                 if frame is None:  # autofit's or a library's own failure: its traceback is the report
                     raise
-                raise UserError(_user_code_line(error, frame, log_dir)) from error
+                raise UserError(user_code_line(error, frame, log_dir)) from error
         except BaseException:
             if is_rank0():
                 restore_previous_run(log_dir)  # an --overwrite run that never saved gives the folder back
@@ -308,7 +291,7 @@ def _train_run(
     if saved is not None:
         console.print(f"resuming from {checkpoints.last_path}: epoch {state.position.epoch + 1}, after step {state.position.global_step}")
 
-    with log, console, BudgetWatch(plan, device=applied.device) as watch, _stop_on_signals() as stop:
+    with log, console, BudgetWatch(plan, device=applied.device) as watch, stop_on_signals() as stop:
         finished, plan = _train_epochs(
             applied, data=data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler, plan=plan, state=state,
             checkpoints=checkpoints, log=log, console=console, gauge=gauge, watch=watch, stop=stop, settings=settings,
@@ -322,42 +305,10 @@ def _train_run(
     )
 
 
-def _disk_full_line(error: OSError, log_dir: Path) -> str:
-    """The one line for a full disk: what failed, what last.pt still holds, and how to go on."""
-    where = f" writing {Path(error.filename).name}" if error.filename else ""
-    step = _saved_step(log_dir)
-    if step is None:
-        return f"the disk holding {log_dir} is full ({error.strerror}{where}) before anything was saved; free space, then start again with --overwrite"
-    return f"the disk holding {log_dir} is full ({error.strerror}{where}); last.pt keeps step {step} intact: free space, then continue with --resume"
-
-
-def _user_code_line(error: Exception, frame: traceback.FrameSummary, log_dir: Path) -> str:
-    """The one line for an error in the user's code (their loss, forward or optimizer): where, and how to go on."""
-    message = (str(error).strip().splitlines() or [""])[0][:300]
-    raised = f"{type(error).__name__}: {message} ({Path(frame.filename).name}, line {frame.lineno}, in {frame.name})"
-    step = _saved_step(log_dir)
-    if step is None:
-        return f"training stopped: your code raised {raised}; nothing was saved yet: fix it, then start again (autofit --debug shows the traceback)"
-    return (
-        f"training stopped: your code raised {raised}; last.pt keeps step {step}: fix it, then continue with --resume "
-        "(autofit --debug shows the traceback)"
-    )
-
-
-def _saved_step(log_dir: Path) -> int | None:
-    """The step last.pt in ``log_dir`` holds; None when there is none (nothing saved yet)."""
-    from autofit.training.resume import read_saved_run
-
-    try:
-        return read_saved_run(log_dir)["position"]["global_step"]
-    except (UserError, KeyError, OSError):
-        return None
-
-
 def _train_epochs(
     applied: AppliedPlan, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, scheduler, plan: Plan,
     state: RunState, checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, console: RunConsole, gauge: MemoryGauge,
-    watch: BudgetWatch, stop: _StopRequest, settings: TrainSettings,
+    watch: BudgetWatch, stop: StopRequest, settings: TrainSettings,
 ) -> tuple[bool, Plan]:
     """The epochs from ``state``'s position on: steps over global batches, then validation and last.pt (best.pt).
 
@@ -488,53 +439,6 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> to
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-"""Signals that stop a run after its step, with last.pt saved: Ctrl-C, a polite kill, a closed terminal."""
-
-
-class _StopRequest:
-    """Set by the first stop signal; the loop saves after its step and raises ``interrupted``."""
-
-    def __init__(self) -> None:
-        self.signal_number: int | None = None
-
-    def is_set(self) -> bool:
-        return self.signal_number is not None
-
-    def interrupted(self, *, last_path: Path, epoch: int, step: int) -> TrainingInterrupted:
-        # On several processes a rank may stop because another got the signal: torchrun passes SIGTERM on.
-        return TrainingInterrupted(last_path=last_path, epoch=epoch, step=step, signal_number=self.signal_number or signal.SIGTERM)
-
-
-@contextmanager
-def _stop_on_signals():
-    """The first SIGINT, SIGTERM or SIGHUP asks the loop to stop after its step; a second one ends the run at once.
-
-    A second Ctrl-C raises KeyboardInterrupt; a second SIGTERM or SIGHUP ends
-    the process as that signal does by default.
-    """
-    stop = _StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop  # signals reach only the main thread
-        return
-
-    def request_stop(signum, frame) -> None:
-        if not stop.is_set():
-            stop.signal_number = signum
-            return
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    previous = {number: signal.signal(number, request_stop) for number in STOP_SIGNALS}
-    try:
-        yield stop
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 def _check_classes(plan: Plan, data: TrainData) -> None:

@@ -23,7 +23,7 @@ from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
 from autofit.spec import model_fingerprint
-from autofit.training.loop import TrainingInterrupted
+from autofit.training.stops import TrainingInterrupted
 from autofit.training.rundir import LOCK_FILE, hold_run_directory
 from autofit.training.weights import load_checkpoint
 from tests.conftest import ROOT
