@@ -68,12 +68,10 @@ def timm_parts(source: str, *, input_shape: tuple[int, ...], num_classes: int | 
     """
     timm = require("timm", source=source)
     name = source.split(":", 1)[1]
-    num_classes = num_classes or 1000
+    num_classes = 1000 if num_classes is None else num_classes  # load_spec refused fewer than 2
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('_')[0]}*")[:6]
         raise UserError(f"timm model {name!r} is unknown; try e.g. timm:resnet18 (similar names: {', '.join(close) or 'none'})")
-    if num_classes < 2:
-        raise UserError(f"--num-classes {num_classes} must be at least 2")
     if len(input_shape) != 3:
         raise UserError(f"--input-shape {'x'.join(map(str, input_shape))} must be CxHxW for a timm model")
     channels, height, width = input_shape
@@ -115,9 +113,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
     if task not in HF_TASKS:
         raise UserError(f"--task {task!r} is unknown for {source}; choose {', '.join(HF_TASKS)}")
     if task != "causal-lm":
-        if num_classes is not None:
-            if num_classes < 2:
-                raise UserError(f"--num-classes {num_classes} must be at least 2")
+        if num_classes is not None:  # at least 2: load_spec refused fewer
             config.num_labels = num_classes
         num_classes = config.num_labels
     auto_class = getattr(transformers, HF_TASKS[task])
@@ -143,7 +139,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         )
     vocab_size = config.vocab_size
     longest = _context_length(config)
-    seq_len = seq_len or min(DEFAULT_SEQ_LEN, longest or DEFAULT_SEQ_LEN)
+    seq_len = min(DEFAULT_SEQ_LEN, longest or DEFAULT_SEQ_LEN) if seq_len is None else seq_len  # 0 is refused below
     if seq_len < 2 or (longest and seq_len > longest):
         raise UserError(f"--seq-len {seq_len} must be between 2 and the model's context length {longest or 'unknown'}")
     options["seq_len"] = seq_len

@@ -93,10 +93,13 @@ def load_spec(
 
     Raises:
         UserError: the file is missing, fails to import, or lacks build_model /
-            example_batch; the library name is unknown or the library is not installed.
+            example_batch; the library name is unknown or the library is not installed;
+            ``num_classes`` below 2 (0 used to pass as "not given").
     """
+    if num_classes is not None and num_classes < 2:
+        raise UserError(f"--num-classes {num_classes} must be at least 2 (leave it out for the model's default)")
     if source.startswith("torchvision:"):
-        return _torchvision_spec(source, parse_shape(input_shape), num_classes or 1000)
+        return _torchvision_spec(source, parse_shape(input_shape), 1000 if num_classes is None else num_classes)
     if source.startswith("timm:"):
         parts = timm_parts(source, input_shape=parse_shape(input_shape), num_classes=num_classes)
         return ModelSpec(source=source, build_optimizer=default_optimizer, **parts)

@@ -200,6 +200,8 @@ def test_hf_sources_build_from_a_local_config(hf_dir, tmp_path, one_thread):
         (f"hf:{tmp_path / 'bert'}", {}, "--task"),
         (f"hf:{hf_dir}", {"task": "translation"}, "--task 'translation' is unknown"),
         (f"hf:{hf_dir}", {"seq_len": 999}, "--seq-len 999"),
+        (f"hf:{hf_dir}", {"seq_len": 0}, "--seq-len 0 must be between 2"),  # 0 used to mean "not given"
+        (f"hf:{hf_dir}", {"num_classes": 0, "task": "sequence-classification"}, "--num-classes 0 must be at least 2"),
     ]:
         with pytest.raises(UserError, match=message):
             load_spec(source, **options)
