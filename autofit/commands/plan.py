@@ -51,6 +51,8 @@ def plan(
     if device_memory is not None and not simulate and device == "cuda":
         raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
     wanted = [p.strip() for p in precisions.split(",") if p.strip()]
+    if not wanted:  # an empty list used to mean every precision
+        raise UserError(f"--precisions {precisions!r} names no precision; give e.g. --precisions bf16,fp32, or leave it out for all")
     check_writable(out, option="--out")  # before the search, not after it
     if study is not None:
         _check_study(study)
