@@ -119,7 +119,8 @@ def stored_or_new(context: PlanContext) -> Costs:
     if stored is not None:
         try:
             costs = _from_store(stored)
-        except (KeyError, TypeError, ValueError):  # a store written by another version: measure again
+        except (KeyError, TypeError, ValueError, AttributeError):  # another version's store, or a damaged one
+            context.log("the stored costs could not be read: measuring again")
             costs = None
         if costs is not None:
             context.log(

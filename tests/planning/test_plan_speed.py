@@ -289,6 +289,23 @@ def test_a_cache_that_cannot_be_used_is_only_a_note(tmp_path, monkeypatch):
     assert report.study_problems and "--no-cache" in report.study_problems[0]
 
 
+@pytest.mark.parametrize(("key", "damaged"), [("costs", "not the costs"), ("measurements", {"peaks": "not them"})])
+def test_a_damaged_cache_entry_is_measured_again_and_said(tmp_path, monkeypatch, key, damaged):
+    """Damaged entries used to end in AttributeError ('str' object has no attribute 'get') or a TypeError."""
+    from autofit.planning.context import plan_context
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    request = PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"])
+    plan_with_report(uneven_spec(), request)
+    context = plan_context(uneven_spec(), request)
+    context.study.save(key, damaged)
+    context.trace_pool.close()
+    lines = []
+    report = plan_with_report(uneven_spec(), request, log=lines.append)
+    assert report.plan.measured.peak_bytes > 0
+    assert any("could not be read: measuring again" in line for line in lines), lines
+
+
 def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
     """On the CPU with one intra-op thread steps are timed by that thread's CPU time (``PlanContext.clock``): the
     time other work holds it off a core is not the step's. The speed model's timings and the verification's read

@@ -43,6 +43,9 @@ class Measurements:
     def __init__(self, context: PlanContext, *, host_sample_bytes: int, stored: dict | None = None) -> None:
         self.context = context
         self.host_sample_bytes = host_sample_bytes
+        if stored and not _readable(stored):  # a damaged cache: measured again, and said so
+            context.log("the stored measurements could not be read: measuring again")
+            stored = None
         stored = stored or {}
         self.peaks: dict[str, dict] = dict(stored.get("peaks", {}))
         """Configuration key -> the meter's peak ("peak_bytes", "breakdown", "context_bytes"; "oom" when it ran out)."""
@@ -357,3 +360,14 @@ def _resident_bytes(context: PlanContext) -> int:
         storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     return sum(storages.values())
 
+
+def _readable(stored) -> bool:
+    """Whether a stored ``to_store()`` has its shape: peaks and timings by configuration key, each an object."""
+    if not isinstance(stored, dict):
+        return False
+    tables = [stored.get("peaks", {}), stored.get("timings", {})]
+    resident = stored.get("resident_bytes")
+    return (
+        all(isinstance(table, dict) and all(isinstance(v, dict) for v in table.values()) for table in tables)
+        and (resident is None or isinstance(resident, int))
+    )
