@@ -52,8 +52,21 @@ class BatchSplitConfig:
 
     def sizes(self) -> list[int]:
         """Micro-batch sizes of one step on one process, e.g. G=8, m=3 -> [3, 3, 2]."""
+        return [size for size, count in self.size_counts() for _ in range(count)]
+
+    def size_counts(self) -> list[tuple[int, int]]:
+        """The micro-batch sizes of one step with how many of each, at most two pairs: G=8, m=3 -> [(3, 2), (2, 1)].
+
+        Costs summed over a step's micro-batches use these, so a batch of a billion samples costs two terms, not a
+        billion.
+        """
         full, rest = divmod(self.global_batch_size, self.micro_batch_size)
-        return [self.micro_batch_size] * full + ([rest] if rest else [])
+        return [(self.micro_batch_size, full)] + ([(rest, 1)] if rest else [])
+
+    @property
+    def last_size(self) -> int:
+        """The size of a step's last micro-batch, which the optimizer step follows."""
+        return self.global_batch_size % self.micro_batch_size or self.micro_batch_size
 
 
 def rank_slice(batch_len: int, *, rank: int, world_size: int) -> slice:

@@ -40,7 +40,7 @@ from autofit.planning.policy import POLICY
 from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
-from autofit.units import parse_budget
+from autofit.units import format_bytes, parse_budget
 from strategies import PRECISIONS
 
 CACHE_FILE = "plans.db"
@@ -147,6 +147,12 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     total = parse_budget(device_memory) if device_memory is not None else None
     info = device_info(device, total_bytes=total)
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
+    if budget_bytes > info.total_bytes:
+        where = "this machine's memory" if device == "cpu" and total is None else f"the {info.name}'s memory"
+        raise UserError(
+            f"budget {format_bytes(budget_bytes)} is more than {where}, {format_bytes(info.total_bytes)}; give at most that "
+            "(or, with --simulate, --device-memory for a device that is not here)"
+        )
     kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions)
     if not simulate:  # the simulated meter runs no kernel; a model it plans may be too large to run here
         kept = _with_kernels(spec, precisions=kept, excluded=excluded, device=device)

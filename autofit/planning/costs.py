@@ -48,7 +48,7 @@ class MemoryCosts:
         accumulating = micro_batch_size < global_batch_size
         # The optimizer step follows the last micro-batch, which may be smaller (8 = 3 + 3 + 2):
         # what that micro-step leaves alive (its input copy, the output) is of its size.
-        last = BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size).sizes()[-1]
+        last = BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size).last_size
         segments = [
             Segment(
                 peak_bytes=self._interpolate(
@@ -238,8 +238,9 @@ class CostModel:
         """Block indices of block names (the cost model's and the knapsack's way of naming them)."""
         return frozenset(self.blocks.index(name) for name in names)
 
-    def micro_sizes(self, micro_batch_size: int) -> list[int]:
-        return BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size).sizes()
+    def micro_sizes(self, micro_batch_size: int) -> list[tuple[int, int]]:
+        """A step's micro-batch sizes, each with how many micro-batches have it (``BatchSplitConfig.size_counts``)."""
+        return BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=micro_batch_size).size_counts()
 
     def peak_bytes(
         self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset(), levers: LeverChoice | None = None,
@@ -266,16 +267,16 @@ class CostModel:
 
     def _per_step(self, micro_batch_size: int, per_micro_step) -> list[float]:
         totals = [0.0] * len(self.blocks)
-        for size in self.micro_sizes(micro_batch_size):
+        for size, count in self.micro_sizes(micro_batch_size):
             for index, seconds in enumerate(per_micro_step(size)):
-                totals[index] += seconds
+                totals[index] += count * seconds
         return totals
 
     def step_seconds(self, precision: str, micro_batch_size: int, checkpoint: set[int], selective=frozenset()) -> float:
         speed = self.precisions[precision].speed
         seconds = speed.optimizer_seconds
-        for size in self.micro_sizes(micro_batch_size):
-            seconds += speed.micro_step_seconds(size)
+        for size, count in self.micro_sizes(micro_batch_size):
+            seconds += count * speed.micro_step_seconds(size)
         recompute = self.recompute_seconds(precision, micro_batch_size)
         seconds += sum(recompute[b] for b in checkpoint)
         if selective:

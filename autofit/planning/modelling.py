@@ -423,7 +423,7 @@ def best_plain_samples_per_s(costs: Costs, precision: str) -> float:
     speed, G = costs.speeds[precision], costs.model.global_batch_size
     best = 0.0
     for size in costs.micro_batch_sizes:
-        seconds = speed.optimizer_seconds + sum(speed.micro_step_seconds(s) for s in costs.model.micro_sizes(size))
+        seconds = speed.optimizer_seconds + sum(n * speed.micro_step_seconds(s) for s, n in costs.model.micro_sizes(size))
         best = max(best, G / seconds)
     return best
 

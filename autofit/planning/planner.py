@@ -230,12 +230,14 @@ def _lever_search_may_fit(context: PlanContext, measurements: Measurements, belo
     """Whether, the ladder having failed, the search with the levers could find a configuration that fits: the floor
     takes several micro-batches (so the ladder left the step in backward out) and the budget leaves room for the
     parameters and the optimizer state, which every configuration with the step in backward holds (measured at the
-    floor). Else the refusal stays fast: the search needs every precision's speeds and traces."""
+    floor), and on the CPU for the global batch. Else the refusal stays fast: the search needs every precision's speeds and traces."""
     floor = below.floor
     if floor is None or floor.config.grad_accum_steps == 1:
         return False
     resident = below.breakdown.get("parameters", 0) + below.breakdown.get("optimizer_state", 0)
-    return measurements.usable_bytes() >= resident
+    # On the CPU the global batch waits in the same memory (the host is the device): every configuration holds it.
+    batch = 0 if context.device == "cuda" else context.global_batch_size * measurements.host_sample_bytes
+    return measurements.usable_bytes() >= resident + batch
 
 
 def _searched_below_floor(

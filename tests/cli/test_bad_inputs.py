@@ -151,6 +151,10 @@ def other_rows():
     yield "probe-num-classes-0", lambda f, p, r, t: ["probe", "torchvision:resnet18", "-m", "1", "--num-classes", "0"], "--num-classes 0 must be at least 2", False
     yield "plan-num-classes-1", lambda f, p, r, t: ["plan", "timm:resnet18", "--budget", "50MB", "--batch-size", "8", "--num-classes", "1"], "--num-classes 1 must be at least 2", False
     yield "plan-precisions-empty", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--precisions", " , "], "--precisions ' , ' names no precision", False
+    yield "plan-budget-above-the-machine", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "100TB", "--batch-size", "8"], "is more than this machine's memory", False
+    # Every micro-batch of a billion-sample batch costs two terms (full ones and the last), not a billion; on the CPU
+    # the batch itself waits in the budget, so the refusal comes at the floor, before anything is timed.
+    yield "plan-batch-a-billion", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", str(10**9), "--out", t / "plan.json", "--no-cache", "--quiet"], "is below the floor", False
     yield "probe-m-too-large", lambda f, p, r, t: ["probe", p / "tiny.py", "-m", str(10**12)], "does not fit this machine", False
     yield "plan-out-is-a-folder", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--out", t], "is a folder", False
     yield "plan-out-below-a-file", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--out", f / "a_file" / "plan.json"], "is a file, not a folder", False

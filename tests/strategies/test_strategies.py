@@ -65,6 +65,11 @@ def test_batch_split_gives_the_global_batch_gradient(micro_batch_size):
 def test_split_sizes_and_weights():
     config = BatchSplitConfig(global_batch_size=8, micro_batch_size=3)
     assert config.sizes() == [3, 3, 2] and config.grad_accum_steps == 3
+    assert config.size_counts() == [(3, 2), (2, 1)] and config.last_size == 2
+    even = BatchSplitConfig(global_batch_size=9, micro_batch_size=3)
+    assert even.size_counts() == [(3, 3)] and even.last_size == 3 and even.sizes() == [3, 3, 3]
+    huge = BatchSplitConfig(global_batch_size=10**12, micro_batch_size=7)  # counted, never listed
+    assert huge.size_counts() == [(7, 10**12 // 7), (10**12 % 7, 1)] and huge.last_size == 10**12 % 7
     pieces = list(BatchSplit(config).micro_batches(torch.arange(8), torch.arange(8)))
     assert [len(p[0]) for p in pieces] == [3, 3, 2]
     assert [p[2] for p in pieces] == [3 / 8, 3 / 8, 2 / 8]

@@ -395,7 +395,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     count = len(low.micro)
     G, m = global_batch_size, micro_batch_size
     accumulating = m < G
-    last = BatchSplitConfig(global_batch_size=G, micro_batch_size=m).sizes()[-1]  # the step follows the last micro-batch
+    last = BatchSplitConfig(global_batch_size=G, micro_batch_size=m).last_size  # the step follows the last micro-batch
 
     def level(values: list[float], size: int) -> float:  # absolute bytes of a whole step
         return memory._interpolate(values, size, global_batch_size=G, at_least=None)

@@ -173,11 +173,11 @@ def lever_time(
     if offloading:
         blocks = [model.blocks.index(name) for name in config.offload]
         total_bytes = 0.0
-        for size in model.micro_sizes(config.micro_batch_size):
+        for size, count in model.micro_sizes(config.micro_batch_size):
             _, drops = costs.memory.at(size, global_batch_size=model.global_batch_size)
             offloaded = sum(drops[b] for b in blocks)
-            total_bytes += offloaded
-            time.offload_seconds += offload_seconds(
+            total_bytes += count * offloaded
+            time.offload_seconds += count * offload_seconds(
                 offloaded_bytes=offloaded, forward_seconds=costs.speed.forward_seconds_at(size), link=link,
             )
         time.notes.append(
@@ -185,7 +185,7 @@ def lever_time(
             f"+{time.offload_seconds:.3g} s per step predicted (the copies down overlap the forward, the copies back do not)"
         )
     if on_host:
-        micro_steps = len(model.micro_sizes(config.micro_batch_size))
+        micro_steps = sum(count for _, count in model.micro_sizes(config.micro_batch_size))
         time.host_state_seconds = host_state_seconds(
             gradient_bytes=micro_steps * trainable_bytes, parameter_bytes=trainable_bytes, update_seconds=host_update_seconds,
             device_optimizer_seconds=costs.speed.optimizer_seconds, link=link,
@@ -212,10 +212,10 @@ def offload_floor_seconds(model: CostModel, precision: str, micro_batch_size: in
     """
     costs = model.precisions[precision]
     totals = [0.0] * len(model.blocks)
-    for size in model.micro_sizes(micro_batch_size):
+    for size, count in model.micro_sizes(micro_batch_size):
         _, drops = costs.memory.at(size, global_batch_size=model.global_batch_size)
         for b, nbytes in enumerate(drops):
-            totals[b] += max(nbytes, 0.0) / link.to_device_bytes_per_s
+            totals[b] += count * max(nbytes, 0.0) / link.to_device_bytes_per_s
     return totals
 
 
@@ -230,12 +230,12 @@ def offload_block_seconds(model: CostModel, precision: str, micro_batch_size: in
 
     costs = model.precisions[precision]
     totals = [0.0] * len(model.blocks)
-    for size in model.micro_sizes(micro_batch_size):
+    for size, count in model.micro_sizes(micro_batch_size):
         found = lever_segments(costs.memory, size, global_batch_size=model.global_batch_size, choice=LeverChoice())
         if found is None:
             return [float("inf")] * len(model.blocks)
         block_bytes = offload_drops(found[1], len(model.blocks))
         forward = costs.speed._block_forward_seconds(size) or [0.0] * len(model.blocks)
         for b, (nbytes, seconds) in enumerate(zip(block_bytes, forward)):
-            totals[b] += offload_seconds(offloaded_bytes=nbytes, forward_seconds=seconds, link=link)
+            totals[b] += count * offload_seconds(offloaded_bytes=nbytes, forward_seconds=seconds, link=link)
     return totals

@@ -363,11 +363,11 @@ def _warm_up(config: TrainingConfig) -> TrainingConfig:
     A configuration with levers warms up with a whole step: offload and the
     step in backward hook the model once, and must not be applied twice.
     """
-    sizes = BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size).sizes()
+    split = BatchSplitConfig(global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size)
     levers = config.selective_checkpoint or config.offload or config.optimizer_in_backward or config.optimizer_state != "device"
-    if len(sizes) <= 2 or levers:
+    if split.grad_accum_steps <= 2 or levers:
         return config
-    warm = config.micro_batch_size + sizes[-1]  # two micro-batches: the accumulation's path is set up too
+    warm = config.micro_batch_size + split.last_size  # two micro-batches: the accumulation's path is set up too
     return replace(config, global_batch_size=warm)
 
 
