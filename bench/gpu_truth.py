@@ -19,8 +19,8 @@ one-line error, never a crash):
   allocator cap training uses holds the budget (cuda only);
 - host link: pinned copies each way (cuda only).
 
-It writes ``gpu_truth.json`` and ``gpu_truth.md`` under ``--out``, prints the
-table and exits 1 when any row failed. A wall-clock guard skips what is left
+It writes ``gpu_truth.json``, ``gpu_truth.md`` and the plans (``plans/*.json``)
+under ``--out``, prints the table and exits 1 when any row failed. A wall-clock guard skips what is left
 once ``--time-limit`` seconds have passed, with a row saying so.
 
     timeout 600 python bench/gpu_truth.py --out results/gpu_truth      # on a CUDA card (under 8 minutes on an H200)
@@ -53,6 +53,7 @@ from autofit.apply import apply_config, apply_plan  # noqa: E402
 from autofit.config import TrainingConfig  # noqa: E402
 from autofit.measure.host_speed import measure_host_link  # noqa: E402
 from autofit.measure.probe import measure  # noqa: E402
+from autofit.plan_file import load_plan, save_plan  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
 from autofit.planning.request import PlanRequest  # noqa: E402
 from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
@@ -143,8 +144,8 @@ class Failed(Exception):
 class Truth:
     """The rows so far, and the clock every check looks at before it starts."""
 
-    def __init__(self, *, device: str, time_limit_s: float) -> None:
-        self.device, self.time_limit_s = device, time_limit_s
+    def __init__(self, *, device: str, time_limit_s: float, out: Path) -> None:
+        self.device, self.time_limit_s, self.out = device, time_limit_s, out
         self.started = time.perf_counter()
         self.rows: list[Row] = []
 
@@ -387,7 +388,7 @@ def plan_request(truth: Truth, *, budget: int, batch: int) -> PlanRequest:
     return PlanRequest(budget=budget, batch_size=batch, device=truth.device, simulate=True, device_memory=device_memory)
 
 
-def check_plan(truth: Truth, spec: ModelSpec, *, budget: int | None, batch: int, plans: list) -> tuple[str, dict]:
+def check_plan(truth: Truth, spec: ModelSpec, *, name: str, budget: int | None, batch: int, plans: list) -> tuple[str, dict]:
     if budget is None:
         raise Failed("no roomy plan to take the room a plan keeps from", {})
     start = time.perf_counter()
@@ -396,8 +397,11 @@ def check_plan(truth: Truth, spec: ModelSpec, *, budget: int | None, batch: int,
     except InfeasibleBudget as refusal:
         raise Failed(f"refused at {format_bytes(budget)}: {one_line(refusal)}", {"budget_bytes": budget}) from refusal
     planned_s = time.perf_counter() - start
+    # Through plan.json and back, as `autofit train --plan` reads it; the files stay beside the report.
+    plan = load_plan(save_plan(plan, truth.out / "plans" / f"{name}.json"))
     plans.append((spec, plan))
-    # What `autofit probe --plan` does, for real: the plan's configuration on its device under the device's meter.
+    # What `autofit probe --plan` does, for real (it simulates an estimated plan again): the plan's configuration on
+    # its device under the device's meter.
     real = measure(spec, plan.config.rank_share(), device=truth.device, steps=3, fingerprint=plan.model.fingerprint)
     margin = plan.headroom.get("safety_margin", 0)
     config = plan.config
@@ -441,14 +445,16 @@ def section_plans(truth: Truth, sizes: Sizes) -> list:
         if "plain" not in scale:
             continue
         roomy = int(scale["plain"] * 1.25) + (ROOMY_EXTRA_CUDA_BYTES if truth.device == "cuda" else 0)
-        row = truth.check("plans", f"{label}: roomy budget", lambda: check_plan(truth, spec, budget=roomy, batch=sizes.plan_batch, plans=plans))
+        row = truth.check("plans", f"{label}: roomy budget", lambda: check_plan(
+            truth, spec, name=f"{label}-roomy", budget=roomy, batch=sizes.plan_batch, plans=plans,
+        ))
         # The safety margin is a share of the budget: the tighter budgets' own margins come out of their fraction.
         headroom = row.values.get("headroom")
         room = sum(v for k, v in headroom.items() if k != "safety_margin") if headroom is not None else None
         for fraction in PLAN_FRACTIONS:
             budget = None if room is None else room + int(scale["plain"] * fraction)
             truth.check("plans", f"{label}: room + {fraction:.0%} of plain", lambda: check_plan(
-                truth, spec, budget=budget, batch=sizes.plan_batch, plans=plans,
+                truth, spec, name=f"{label}-{fraction:.0%}", budget=budget, batch=sizes.plan_batch, plans=plans,
             ))
     return plans
 
@@ -595,7 +601,7 @@ def run_all(*, dry_run: bool, out: Path, time_limit_s: float) -> int:
     if dry_run:
         torch.set_num_threads(1)  # tiny models: one thread is fastest, and CI machines are shared
     sizes = TINY if dry_run else CARD
-    truth = Truth(device=device, time_limit_s=time_limit_s)
+    truth = Truth(device=device, time_limit_s=time_limit_s, out=out)
     about = {"device": device, "dry_run": dry_run, "torch": torch.__version__, "time_limit_s": time_limit_s, "sizes": dataclasses.asdict(sizes)}
     if device == "cuda":
         about["card"] = torch.cuda.get_device_name(0)

@@ -30,6 +30,7 @@ def test_the_dry_run_makes_every_section_and_no_row_fails(tmp_path):
     assert levers["activation offload"]["host_peak_bytes"] > 0 and levers["activation offload"]["peak_vs_none"] < 1
     plans = [row["values"] for row in sections["plans"] if "budget_bytes" in row["values"]]
     assert len(plans) == 6 and all(plan["fits"] for plan in plans)
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 6  # each plan as plan.json holds it, measured from the file
     faults = {row["check"]: row for row in sections["faults"]}
     for where in ("forward", "backward", "optimizer.step"):
         assert faults[f"out of memory in {where}"]["values"]["weights_equal"], where
