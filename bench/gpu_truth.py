@@ -613,16 +613,21 @@ def run_all(*, dry_run: bool, out: Path, time_limit_s: float) -> int:
             truth.rows.append(Row(section=section, check="(the rest of the section)", status="skipped",
                                   result=f"skipped: past the time limit ({time_limit_s:.0f} s) after {truth.elapsed():.0f} s"))
             continue
-        if section == "meters":
-            section_meters(truth, sizes)
-        elif section == "levers":
-            section_levers(truth, sizes)
-        elif section == "plans":
-            plans = section_plans(truth, sizes)
-        elif section == "faults":
-            section_faults(truth, sizes, plans)
-        else:
-            truth.check("host link", "pinned copies each way", lambda: check_host_link(truth))
+        try:  # each check is its own row; this catches what a section does between them (building its models)
+            if section == "meters":
+                section_meters(truth, sizes)
+            elif section == "levers":
+                section_levers(truth, sizes)
+            elif section == "plans":
+                plans = section_plans(truth, sizes)
+            elif section == "faults":
+                section_faults(truth, sizes, plans)
+            else:
+                truth.check("host link", "pinned copies each way", lambda: check_host_link(truth))
+        except Exception as error:  # noqa: BLE001 - the next section still runs
+            truth.rows.append(Row(section=section, check="(the section itself)", status="FAILED", result=one_line(error),
+                                  values={"traceback": traceback.format_exc(limit=-4)}))
+            print(f"  [FAILED] {section}: {one_line(error)}", flush=True)
     failed = [row for row in truth.rows if row.status == "FAILED"]
     report = {
         **about, "elapsed_s": truth.elapsed(), "failed": len(failed),
