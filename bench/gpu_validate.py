@@ -12,7 +12,6 @@ and checks the plan on the real card.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -24,22 +23,16 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from autofit.measure.probe import probe  # noqa: E402
-from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
+from autofit.spec import ModelSpec, load_spec  # noqa: E402
+from bench.sized_examples import example_spec  # noqa: E402
 
 GiB = 2**30
 
 
 def transformer_spec(*, attention: str, d_model: int, n_layers: int, seq_len: int, n_heads: int) -> ModelSpec:
-    spec = importlib.util.spec_from_file_location(f"tt_{attention}", ROOT / "examples/tiny_transformer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.D_MODEL, module.N_LAYERS, module.SEQ_LEN, module.N_HEADS = d_model, n_layers, seq_len, n_heads
-    return ModelSpec(
-        source=f"transformer-{attention} d{d_model} L{n_layers} T{seq_len}",
-        build_model=lambda: module.TinyTransformer(attention),
-        example_batch=module.example_batch,
-        loss_fn=torch.nn.functional.cross_entropy,
-        build_optimizer=default_optimizer,
+    return example_spec(
+        "tiny_transformer.py", build=lambda module: module.TinyTransformer(attention),
+        D_MODEL=d_model, N_LAYERS=n_layers, SEQ_LEN=seq_len, N_HEADS=n_heads,
     )
 
 

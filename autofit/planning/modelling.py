@@ -326,11 +326,14 @@ def _check_blocks(costs: Costs, traced_blocks: list[str]) -> None:
 
 
 def _shared_with(context: PlanContext, costs: Costs, precision: str, *, full: bool = False) -> str | None:
-    """The other half precision, when it is traced (in full, if asked) and autocast saves the same bytes under both."""
+    """The other half precision, when it is traced (in full, if asked; else with what the floor needs) and autocast
+    saves the same bytes under both."""
     if precision not in HALF_PRECISIONS:
         return None
     other = next(p for p in HALF_PRECISIONS if p != precision)
-    traced = other in costs.model.precisions or (not full and other in costs.low_only)
+    # For the floor, a precision traced in full without its recomputations (a plan whose floor was well under its
+    # budget, from the cache) is not traced enough: it cannot lend the floor its checkpointed peak.
+    traced = other in costs.model.precisions if full else other in costs.memory_for_floor()
     if not traced:
         return None
     if costs.shared.get(precision) != other:
