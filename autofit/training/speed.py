@@ -1,0 +1,93 @@
+"""The run's speed beside the plan's: what training measured, what the plan measured, and what bounded it.
+
+Each step's wall time is split in two: waiting for the DataLoader's next batch
+and the step itself. The first step of each epoch is left out (worker start-up,
+first-call allocations), as the plan's timing leaves its warm-up out. The
+median step is the run's speed, as the plan's is its fastest round: a burst of
+other work then moves neither much.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from autofit.plan_file import Plan
+
+DEFAULT_TOLERANCE = 0.10
+"""Where the plan reports no noise (timed once, or an older plan): speeds this close agree."""
+DATA_BOUND_SHARE = 0.20
+"""Waiting on the DataLoader for more than this share of the time is worth a line."""
+
+
+class StepSpeed:
+    """Times the steps of a run: ``start`` where timing (re)starts, ``batch_ready`` when the loader gave a batch,
+    ``step_done`` when its step ended."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self._clock = clock
+        self._mark = clock()
+        self._ready = self._mark
+        self._warm_up = True
+        self.wait_seconds: list[float] = []
+        self.step_seconds: list[float] = []
+        self.samples: list[int] = []
+
+    def start(self, *, warm_up: bool = False) -> None:
+        """Timing starts now (an epoch's start, ``warm_up``: its first step is not counted; or after a pause for saving)."""
+        self._mark = self._clock()
+        self._warm_up = self._warm_up or warm_up
+
+    def batch_ready(self) -> None:
+        self._ready = self._clock()
+
+    def step_done(self, samples: int) -> None:
+        now = self._clock()
+        if self._warm_up:
+            self._warm_up = False
+        else:
+            self.wait_seconds.append(max(self._ready - self._mark, 0.0))
+            self.step_seconds.append(now - self._ready)
+            self.samples.append(samples)
+        self._mark = now
+
+    def samples_per_s(self) -> float | None:
+        """The median step's samples/s, the wait for its batch included; None before a step was counted."""
+        if not self.samples:
+            return None
+        return statistics.median(n / max(w + s, 1e-12) for n, w, s in zip(self.samples, self.wait_seconds, self.step_seconds))
+
+    def lines(self, plan: Plan) -> list[str]:
+        """The summary: training's speed beside the plan's, a warning when they differ by more than the plan's noise,
+        and a line when waiting on the DataLoader bounds the speed. Empty before a step was counted."""
+        speed = self.samples_per_s()
+        if speed is None:
+            return []
+        seq_len = plan.model.seq_len
+        unit, scale = ("tokens/s", seq_len) if seq_len else ("samples/s", 1)
+        counted = f"median of {len(self.samples)} step(s), the wait for data included"
+        measured = plan.measured.samples_per_s if plan.measured is not None else None
+        if not measured:
+            lines = [f"speed: training {speed * scale:.1f} {unit} ({counted}); the plan has no measured speed to compare with"]
+        else:
+            noise = plan.measured.noise
+            tolerance = noise if noise is not None else DEFAULT_TOLERANCE
+            ratio = speed / measured
+            said = f"noise {noise:.0%}" if noise is not None else "no noise reported"
+            lines = [
+                f"speed: training {speed * scale:.1f} {unit} ({counted}), the plan measured {measured * scale:.1f} "
+                f"({said}): {ratio:.2f}x"
+            ]
+            if abs(ratio - 1.0) > tolerance:
+                way = "slower" if ratio < 1 else "faster"
+                lines.append(
+                    f"warning: training ran {way} than the plan measured, by more than the plan's noise "
+                    f"({abs(ratio - 1.0):.0%} > {tolerance:.0%}); other work on the machine, a different thread "
+                    f"count or the data path can do that"
+                )
+        waited, stepped = sum(self.wait_seconds), sum(self.step_seconds)
+        if waited > DATA_BOUND_SHARE * (waited + stepped):
+            lines.append(
+                f"data loading bounds the speed: {waited:.1f} s waiting on the DataLoader vs {stepped:.1f} s in the "
+                f"steps ({waited / (waited + stepped):.0%} of the time); try more --workers"
+            )
+        return lines
