@@ -5,6 +5,13 @@ and the step itself. The first step of each epoch is left out (worker start-up,
 first-call allocations), as the plan's timing leaves its warm-up out. The
 median step is the run's speed, as the plan's is its fastest round: a burst of
 other work then moves neither much.
+
+The comparison uses the plan's clock (``autofit.planning.context.step_clock``):
+a plan timed with one thread on a busy CPU timed its steps by their CPU time
+(the time the other work takes off the core is not the configuration's), so
+the run's steps are then compared by their CPU time too (the main thread's,
+from one step's end to the next: the batch it read included), and the wall
+clock's speed is shown beside it.
 """
 from __future__ import annotations
 
@@ -23,38 +30,48 @@ class StepSpeed:
     """Times the steps of a run: ``start`` where timing (re)starts, ``batch_ready`` when the loader gave a batch,
     ``step_done`` when its step ended."""
 
-    def __init__(self, clock=time.perf_counter) -> None:
-        self._clock = clock
+    def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:
+        self._clock, self._cpu_clock = clock, cpu_clock
         self._mark = clock()
+        self._cpu_mark = cpu_clock()
         self._ready = self._mark
         self._warm_up = True
         self.wait_seconds: list[float] = []
         self.step_seconds: list[float] = []
         self.samples: list[int] = []
+        self.cpu_seconds: list[float] = []
+        """The main thread's CPU time from the previous step's end to this one's."""
 
     def start(self, *, warm_up: bool = False) -> None:
         """Timing starts now (an epoch's start, ``warm_up``: its first step is not counted; or after a pause for saving)."""
-        self._mark = self._clock()
+        self._mark, self._cpu_mark = self._clock(), self._cpu_clock()
         self._warm_up = self._warm_up or warm_up
 
     def batch_ready(self) -> None:
         self._ready = self._clock()
 
     def step_done(self, samples: int) -> None:
-        now = self._clock()
+        now, cpu_now = self._clock(), self._cpu_clock()
         if self._warm_up:
             self._warm_up = False
         else:
             self.wait_seconds.append(max(self._ready - self._mark, 0.0))
             self.step_seconds.append(now - self._ready)
+            self.cpu_seconds.append(cpu_now - self._cpu_mark)
             self.samples.append(samples)
-        self._mark = now
+        self._mark, self._cpu_mark = now, cpu_now
 
     def samples_per_s(self) -> float | None:
         """The median step's samples/s, the wait for its batch included; None before a step was counted."""
         if not self.samples:
             return None
         return statistics.median(n / max(w + s, 1e-12) for n, w, s in zip(self.samples, self.wait_seconds, self.step_seconds))
+
+    def cpu_samples_per_s(self) -> float | None:
+        """The median step's samples/s by the main thread's CPU time; None before a step was counted."""
+        if not self.samples:
+            return None
+        return statistics.median(n / max(c, 1e-12) for n, c in zip(self.samples, self.cpu_seconds))
 
     def lines(self, plan: Plan) -> list[str]:
         """The summary: training's speed beside the plan's, a warning when they differ by more than the plan's noise,
@@ -66,6 +83,14 @@ class StepSpeed:
         unit, scale = ("tokens/s", seq_len) if seq_len else ("samples/s", 1)
         counted = f"median of {len(self.samples)} step(s), the wait for data included"
         measured = plan.measured.samples_per_s if plan.measured is not None else None
+        # The plan's clock: CPU time where it timed with one thread on the CPU (``step_clock``).
+        by_cpu = plan.device.type == "cpu" and plan.measured is not None and plan.measured.threads == 1
+        if by_cpu:
+            wall, speed = speed, self.cpu_samples_per_s()
+            counted = (
+                f"by the step's CPU time, as the plan timed it; {wall * scale:.1f} by the wall clock; "
+                f"median of {len(self.samples)} step(s), reading the batch included"
+            )
         if not measured:
             lines = [f"speed: training {speed * scale:.1f} {unit} ({counted}); the plan has no measured speed to compare with"]
         else:

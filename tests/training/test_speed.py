@@ -104,3 +104,23 @@ def test_threads_and_noise_survive_the_plan_file_and_are_checked(tmp_path):
         plan_from_dict(data)
     data["measured"].pop("threads")  # an older plan: still loads, nothing recorded
     assert plan_from_dict(data).measured.threads is None
+
+
+def test_a_plan_timed_by_cpu_time_is_compared_by_cpu_time():
+    """One thread on a busy CPU: the plan timed its steps by their CPU time, so the run's steps are compared by theirs,
+    the wall clock's speed shown beside it."""
+    clock, cpu = FakeClock(), FakeClock()
+    speed = StepSpeed(clock, cpu)
+    speed.start(warm_up=True)
+    for _ in range(4):  # the other work holds the core half the time: 0.2 s of wall clock, 0.1 s of CPU
+        speed.batch_ready()
+        clock.now += 0.2
+        cpu.now += 0.1
+        speed.step_done(10)
+    plan = replace(make_plan(fresh_model()), measured=_measured(threads=1, noise=0.05))
+    assert speed.lines(plan) == [
+        "speed: training 100.0 samples/s (by the step's CPU time, as the plan timed it; 50.0 by the wall clock; "
+        "median of 3 step(s), reading the batch included), the plan measured 100.0 (noise 5%): 1.00x"
+    ]
+    two_threads = replace(plan, measured=_measured(threads=2, noise=0.05))
+    assert speed.lines(two_threads)[0].startswith("speed: training 50.0 samples/s (median of 3 step(s)")
