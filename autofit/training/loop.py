@@ -336,8 +336,7 @@ def _train_epochs(
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         last_time = time.perf_counter()
         speed.start(warm_up=True)
-        for inputs, targets, unreadable in loader:
-            speed.batch_ready()
+        for inputs, targets, unreadable in speed.timed(loader):  # the wait for each batch measured
             for sample in unreadable:
                 position.skipped_images += 1
                 _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step + 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable, Iterator
 
 from autofit.plan_file import Plan
 
@@ -27,18 +28,21 @@ DATA_BOUND_SHARE = 0.20
 
 
 class StepSpeed:
-    """Times the steps of a run: ``start`` where timing (re)starts, ``batch_ready`` when the loader gave a batch,
-    ``step_done`` when its step ended."""
+    """Times the steps of a run: ``start`` where timing (re)starts, the loader's batches through ``timed`` (or
+    ``batch_ready`` when one arrived), ``step_done`` when its step ended."""
 
     def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:
         self._clock, self._cpu_clock = clock, cpu_clock
         self._mark = clock()
         self._cpu_mark = cpu_clock()
         self._ready = self._mark
+        self._requested: float | None = None
         self._warm_up = True
         self.wait_seconds: list[float] = []
         self.step_seconds: list[float] = []
         self.samples: list[int] = []
+        self.total_seconds: list[float] = []
+        """From the previous step's end to this one's: the wait, the step and the loop's own work."""
         self.cpu_seconds: list[float] = []
         """The main thread's CPU time from the previous step's end to this one's."""
 
@@ -46,6 +50,19 @@ class StepSpeed:
         """Timing starts now (an epoch's start, ``warm_up``: its first step is not counted; or after a pause for saving)."""
         self._mark, self._cpu_mark = self._clock(), self._cpu_clock()
         self._warm_up = self._warm_up or warm_up
+
+    def timed(self, loader: Iterable) -> Iterator:
+        """The loader's items, the wait for each measured from asking for it to having it (not the loop's own work
+        between steps: logging, the gauge)."""
+        items = iter(loader)
+        while True:
+            self._requested = self._clock()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            self.batch_ready()
+            yield item
 
     def batch_ready(self) -> None:
         self._ready = self._clock()
@@ -55,17 +72,19 @@ class StepSpeed:
         if self._warm_up:
             self._warm_up = False
         else:
-            self.wait_seconds.append(max(self._ready - self._mark, 0.0))
+            requested = self._requested if self._requested is not None else self._mark
+            self.wait_seconds.append(max(self._ready - max(requested, self._mark), 0.0))
+            self.total_seconds.append(now - self._mark)
             self.step_seconds.append(now - self._ready)
             self.cpu_seconds.append(cpu_now - self._cpu_mark)
             self.samples.append(samples)
-        self._mark, self._cpu_mark = now, cpu_now
+        self._mark, self._cpu_mark, self._requested = now, cpu_now, None
 
     def samples_per_s(self) -> float | None:
         """The median step's samples/s, the wait for its batch included; None before a step was counted."""
         if not self.samples:
             return None
-        return statistics.median(n / max(w + s, 1e-12) for n, w, s in zip(self.samples, self.wait_seconds, self.step_seconds))
+        return statistics.median(n / max(t, 1e-12) for n, t in zip(self.samples, self.total_seconds))
 
     def cpu_samples_per_s(self) -> float | None:
         """The median step's samples/s by the main thread's CPU time; None before a step was counted."""
@@ -109,10 +128,10 @@ class StepSpeed:
                     f"({abs(ratio - 1.0):.0%} > {tolerance:.0%}); other work on the machine, a different thread "
                     f"count or the data path can do that"
                 )
-        waited, stepped = sum(self.wait_seconds), sum(self.step_seconds)
-        if waited > DATA_BOUND_SHARE * (waited + stepped):
+        waited, stepped, total = sum(self.wait_seconds), sum(self.step_seconds), sum(self.total_seconds)
+        if waited > DATA_BOUND_SHARE * total:
             lines.append(
                 f"data loading bounds the speed: {waited:.1f} s waiting on the DataLoader vs {stepped:.1f} s in the "
-                f"steps ({waited / (waited + stepped):.0%} of the time); try more --workers"
+                f"steps ({waited / total:.0%} of the time); try more --workers"
             )
         return lines

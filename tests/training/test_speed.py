@@ -124,3 +124,21 @@ def test_a_plan_timed_by_cpu_time_is_compared_by_cpu_time():
     ]
     two_threads = replace(plan, measured=_measured(threads=2, noise=0.05))
     assert speed.lines(two_threads)[0].startswith("speed: training 50.0 samples/s (median of 3 step(s)")
+
+
+def test_the_wait_is_the_loaders_not_the_loops_own_work():
+    clock = FakeClock()
+    speed = StepSpeed(clock)
+
+    def loader():
+        for _ in range(3):
+            clock.now += 0.5  # the DataLoader's wait
+            yield 10
+
+    speed.start(warm_up=True)
+    for samples in speed.timed(loader()):
+        clock.now += 0.1  # the step
+        speed.step_done(samples)
+        clock.now += 0.4  # logging, the gauge: the loop's own work, not the data's
+    assert speed.wait_seconds == [0.5, 0.5] and speed.total_seconds == [1.0, 1.0]
+    assert speed.samples_per_s() == 10.0
