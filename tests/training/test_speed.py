@@ -14,6 +14,14 @@ from autofit.training.threads import threads_for
 from tests.training.test_loop import CLASSES, fresh_model, make_data, make_plan, optimizer
 
 
+@pytest.fixture(autouse=True)
+def threads_put_back():
+    """These tests set PyTorch's thread count; the next test finds it as it was."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def _measured(**fields) -> Measured:
     return Measured(**{"peak_bytes": 1000, "samples_per_s": 100.0, "meter": "cpu", **fields})
 
