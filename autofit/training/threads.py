@@ -5,8 +5,11 @@ PyTorch's default (``autofit.planning.context.timing_threads``): a step on two
 threads of a busy 2-core machine waits at every parallel region for the thread
 the other work holds off its core, and ran 3-4 times slower than on one. The
 plan's ``measured.threads`` says what was timed; training uses the same, so
-that the speed the plan promised is the speed it trains at. A plan without it
-(an older autofit) re-decides with the planner's rule at start.
+that the speed the plan promised is the speed it trains at. If the machine is
+busier at the start of training than it was while planning, the planner's rule
+decided now gives fewer threads, and those are used (seen: a plan timed with 2
+threads on a quiet machine trained at 0.12x its speed when other work started
+in between). A plan without the field (an older autofit) uses the rule alone.
 """
 from __future__ import annotations
 
@@ -27,17 +30,21 @@ def threads_for(plan: Plan) -> tuple[int, str]:
     current = torch.get_num_threads()
     if plan.device.type != "cpu" or plan.config.world_size != 1:
         return current, ""
-    timed = plan.measured.threads if plan.measured is not None else None
-    if timed is not None:
-        count = timed
-        why = "as the plan's speed was timed"
-    else:
-        from autofit.planning.context import timing_threads  # the planner's rule, decided now
+    from autofit.planning.context import timing_threads  # the planner's rule, decided now
 
-        count, note = timing_threads("cpu")
+    timed = plan.measured.threads if plan.measured is not None else None
+    now, note = timing_threads("cpu")
+    if timed is None:
+        count = now
         why = f"the plan does not say what it was timed with, so decided now: {note}" if note else (
             "the plan does not say what it was timed with, so decided now: the machine is not busy"
         )
+    elif now < timed:
+        count = now
+        why = f"fewer than the {timed} the plan's speed was timed with: {note}"
+    else:
+        count = timed
+        why = "as the plan's speed was timed"
     return count, f"threads: training with {count} intra-op thread(s), {why} (PyTorch's default here: {current})"
 
 

@@ -26,7 +26,10 @@ def _measured(**fields) -> Measured:
     return Measured(**{"peak_bytes": 1000, "samples_per_s": 100.0, "meter": "cpu", **fields})
 
 
-def test_training_uses_the_threads_the_plan_was_timed_with_and_says_so(tmp_path, capsys):
+def test_training_uses_the_threads_the_plan_was_timed_with_and_says_so(tmp_path, capsys, monkeypatch):
+    import autofit.planning.context as context
+
+    monkeypatch.setattr(context, "timing_threads", lambda device: (2, ""))  # a quiet machine now
     model = fresh_model()
     plan = replace(make_plan(model), measured=_measured(threads=1, noise=0.04))
     seen = []
@@ -54,6 +57,18 @@ def test_a_plan_without_threads_decides_them_with_the_planners_rule(monkeypatch)
     torch.set_num_threads(2)
     count, line = threads_for(replace(make_plan(fresh_model()), measured=_measured()))
     assert count == 1 and "decided now: the machine was busy (load 3 on 2 cores)" in line
+
+
+def test_a_machine_busier_than_while_planning_trains_with_fewer_threads(monkeypatch):
+    import autofit.planning.context as context
+
+    monkeypatch.setattr(context, "timing_threads", lambda device: (1, "the machine was busy (load 3 on 2 cores)"))
+    torch.set_num_threads(2)
+    count, line = threads_for(replace(make_plan(fresh_model()), measured=_measured(threads=2)))
+    assert count == 1 and "fewer than the 2 the plan's speed was timed with: the machine was busy (load 3 on 2 cores)" in line
+    # never more than the plan timed with, however quiet the machine is now
+    monkeypatch.setattr(context, "timing_threads", lambda device: (2, ""))
+    assert threads_for(replace(make_plan(fresh_model()), measured=_measured(threads=1)))[0] == 1
 
 
 def test_a_plan_for_a_gpu_keeps_pytorchs_threads():
