@@ -52,12 +52,22 @@ def compare(
         raise UserError(f"--resume: {str(Path(out_dir) / 'compare.json')!r} does not exist; run without --resume first")
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     check_model_runs(spec)
-    comparison = run_compare(
-        spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
-        train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=lambda line: print(f"  {line}", file=sys.stderr),
-        # Each finished row and round is written at once: an interrupted compare keeps them (--resume goes on).
-        on_update=lambda so_far: save_comparison(so_far, out_dir, chart=False), resume=earlier, all_rows=all_rows,
-    )
+    try:
+        comparison = run_compare(
+            spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
+            train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=lambda line: print(f"  {line}", file=sys.stderr),
+            # Each finished row and round is written at once: an interrupted compare keeps them (--resume goes on).
+            on_update=lambda so_far: save_comparison(so_far, out_dir, chart=False), resume=earlier, all_rows=all_rows,
+        )
+    except KeyboardInterrupt:
+        kept = Path(out_dir) / "compare.json"
+        print(
+            f"autofit: compare interrupted; the finished rows are in {kept}" if kept.is_file() else "autofit: compare interrupted before a row finished",
+            file=sys.stderr,
+        )
+        if kept.is_file():
+            print("continue with the same command and --resume", file=sys.stderr)
+        raise typer.Exit(130) from None
     print(format_table(comparison))
     paths = save_comparison(comparison, out_dir)
     print(f"\nwrote {paths['markdown']}, {paths['json']}, {paths['png']}")

@@ -163,6 +163,8 @@ def test_bad_inputs_are_one_line_errors(cnn_file, data_dir, tmp_path, run_cli):
         (("--batch-size", 0), "must be at least 1"),
         (("--batch-size", 8, "--budget", "lots"), "not a memory size"),
         (("--batch-size", 8, "--device", "tpu"), "unknown"),
+        (("--batch-size", 8, "--resume"), "does not exist; run without --resume first"),
+        (("--batch-size", 8, "--rounds", 0), "--rounds 0 must be at least 1"),
     ]
     write_image_folder(tmp_path / "four", {k: [k] for k in ("a", "b", "c", "d")})
     cases.append((("--batch-size", 2, "--data", tmp_path / "four", "--train-steps", 1), "has 4 classes"))
