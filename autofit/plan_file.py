@@ -115,11 +115,17 @@ class Measured:
     """This plan's samples/s over the unconstrained configuration's."""
     multi_process: MultiProcess | None = None
     """Set for plans of several processes."""
+    threads: int | None = None
+    """Intra-op threads (``torch.set_num_threads``) the speed was timed with on the CPU; training uses the same.
+    None: not recorded (a plan of an older autofit, or not timed on the CPU)."""
+    noise: float | None = None
+    """How well the timed speed repeated: the second-fastest round over the fastest, minus 1 (0.05 is 5%).
+    None: timed once, or not recorded."""
 
     def to_dict(self) -> dict:
-        """Schema 1: ``samples_per_s`` always (null when estimated), the last three keys only when set."""
+        """Schema 1: ``samples_per_s`` always (null when estimated), the last five keys only when set."""
         data = asdict(self)
-        optional = ("unconstrained", "relative_to_unconstrained", "multi_process")
+        optional = ("unconstrained", "relative_to_unconstrained", "multi_process", "threads", "noise")
         return {key: value for key, value in data.items() if key not in optional or value is not None}
 
 
@@ -407,6 +413,8 @@ _MEASURED_FIELDS = {
     "unconstrained": OBJECT.or_null(),
     "relative_to_unconstrained": _Kind("a positive number", lambda value: _number(value) and value > 0).or_null(),
     "multi_process": OBJECT.or_null(),
+    "threads": COUNT.or_null(),
+    "noise": _Kind("a number, 0 or more", lambda value: _number(value) and value >= 0).or_null(),
 }
 _MULTI_PROCESS_FIELDS = {
     "world_size": _integer(2, MAX_BATCH_SIZE, f"a whole number of processes from 2 to {MAX_BATCH_SIZE}"),

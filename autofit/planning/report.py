@@ -87,6 +87,9 @@ def write_plan(
         samples_per_s=chosen["measured_samples_per_s"],
         meter=chosen["meter"],
         breakdown=chosen.get("breakdown", {}),
+        # What training needs to run as fast as this was timed (``autofit.training.threads``).
+        threads=context.threads if context.device == "cpu" and chosen["measured_samples_per_s"] else None,
+        noise=chosen.get("measured_noise"),
     )
     measured.unconstrained = {
         key: unconstrained.get(key)

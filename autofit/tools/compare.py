@@ -10,11 +10,21 @@ probe in the same run, so the ratios against fp32 are side by side:
 With data, each configuration also trains ``train_steps`` optimizer steps from
 the same seed on the same batches, and the loss and accuracy it reached are
 reported: checkpointing must not change them, precision may.
+
+A row's memory (and training) is measured row by row, and each finished row
+is handed to ``on_update`` (the command writes its files then), so an
+interrupted compare keeps its rows and ``resume`` goes on from them. Speed is
+timed afterwards in interleaved rounds, as the planner times its candidates
+(``autofit.planning.speed.timing``): each round times one training step of
+every row, so a burst of other work slows one step of each rather than every
+step of one; the fastest round is a row's speed and how well it repeats its
+noise. On a busy machine the rounds use the planner's thread count and say
+so. Speeds within the noise of fp32's are marked as such.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +35,7 @@ from autofit.errors import UserError
 from autofit.device import check_device
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import call_model, logits_of
+from autofit.planning.speed.timing import Samples
 from autofit.spec import ModelSpec
 from autofit.tools.evaluate import evaluate
 from autofit.step import train_step
@@ -54,6 +65,17 @@ class Row:
     activation_bytes: int | None = None
     """The activations' share of the peak (the part these techniques shrink)."""
     samples_per_s: float | None = None
+    """The global batch over the fastest timed step."""
+    seconds: list[float] = field(default_factory=list)
+    """Each timing round's seconds of one training step of the global batch."""
+    noise: float | None = None
+    """How well the fastest round repeated (second fastest / fastest - 1); None when timed once."""
+    within_noise: bool | None = None
+    """Whether this row's speed is fp32's within the noise of the two."""
+    config: dict | None = None
+    """The configuration measured (``TrainingConfig``'s fields), so that a resumed compare measures the same rows."""
+    memory_done: bool = False
+    """The peak (and, with data, the training) was measured, or failed with a note: a resumed compare keeps it."""
     memory_ratio: float | None = None
     """peak_bytes / fp32's peak_bytes."""
     speed_ratio: float | None = None
@@ -79,10 +101,21 @@ class Comparison:
     eval_data: str | None = None
     """The folder the accuracy was measured on."""
     train_steps: int = 0
+    rounds: int = 0
+    """Timing rounds each row was meant to get (a row far slower than fp32 gets one)."""
+    threads_note: str = ""
+    """The planner's busy-machine line, when the rounds timed with fewer threads than PyTorch's."""
     rows: list[Row] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Comparison":
+        known = {f for f in Row.__dataclass_fields__}
+        rows = [Row(**{k: v for k, v in row.items() if k in known}) for row in data.get("rows", [])]
+        fields_ = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "rows"}
+        return cls(**fields_, rows=rows)
 
 
 def runnable_amp_precisions(device: str) -> list[str]:
@@ -143,6 +176,16 @@ def plan_configuration(
     return Contender(name=name, config=config)
 
 
+DEFAULT_ROUNDS = 3
+"""Timing rounds per row: enough for a fastest round and the noise of it (the planner races with as many)."""
+SLOW_FACTOR = 3.0
+"""A row this many times slower than fp32 in the first round is timed once (fp16 autocast on a CPU): more rounds
+would not change what it shows, and would take most of the run."""
+LEFT_OUT_FACTOR = 10.0
+"""An AMP precision whose step at micro-batch 1 takes this many times fp32's is left out (fp16 on a CPU: 30-40x);
+far enough from 1 that noise does not decide it."""
+
+
 def compare(
     spec: ModelSpec,
     *,
@@ -151,11 +194,15 @@ def compare(
     budget_bytes: int | None = None,
     data: str | Path | None = None,
     train_steps: int = 0,
-    probe_steps: int = 5,
+    probe_steps: int = 2,
+    rounds: int = DEFAULT_ROUNDS,
     seed: int = 0,
     progress: Callable[[str], None] = lambda message: None,
+    on_update: Callable[[Comparison], None] = lambda comparison: None,
+    resume: Comparison | None = None,
+    all_rows: bool = False,
 ) -> Comparison:
-    """Measure every configuration on ``spec`` and, with data, train each for ``train_steps``.
+    """Measure every configuration on ``spec`` and, with data, train each for ``train_steps``; then time them in rounds.
 
     Args:
         spec: the model.
@@ -166,12 +213,18 @@ def compare(
         data: an image folder (with train/ and val/ inside, or class folders
             directly); requires ``train_steps`` >= 1.
         train_steps: optimizer steps each configuration trains on ``data``.
-        probe_steps: probe steps per configuration (the first is a warm-up).
+        probe_steps: probe steps per configuration for its peak (the first is a warm-up).
+        rounds: timing rounds; each times one step of the global batch of every row.
         seed: the same model initialisation and batch order for every row.
-        progress: called with a line before each configuration runs.
+        progress: called with a line as each row starts ("row k of N: name") and after each timing round.
+        on_update: called with the comparison so far after each row and each round (the command writes its files).
+        all_rows: also the rows of an AMP precision that a first look finds far slower than fp32 (``_too_slow``).
+        resume: an earlier, interrupted comparison of the same model and settings: its measured rows are kept, not
+            measured again. Its speeds are kept only when all its rounds were done (timings of different runs are
+            never compared: the load on the machine differs between them).
 
     Raises:
-        UserError: a bad setting, a missing data folder, or data the model cannot take.
+        UserError: a bad setting, a missing data folder, data the model cannot take, or a ``resume`` of other settings.
     """
     from autofit.measure.probe import measure
 
@@ -181,29 +234,51 @@ def compare(
         raise UserError(f"--train-steps {train_steps} must be at least 1 when --data is given")
     if probe_steps < 2:
         raise UserError(f"--steps {probe_steps} must be at least 2 (the first is a warm-up)")
+    if rounds < 1:
+        raise UserError(f"--rounds {rounds} must be at least 1")
     comparison = Comparison(
         model=spec.source, device=device, global_batch_size=global_batch_size, budget_bytes=budget_bytes,
-        data=None if data is None else str(data), train_steps=train_steps if data is not None else 0,
+        data=None if data is None else str(data), train_steps=train_steps if data is not None else 0, rounds=rounds,
     )
+    kept = _resumable(resume, comparison)
     training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
     if training is not None:
         comparison.eval_data = training.eval_dir
-    configs = configurations(global_batch_size=global_batch_size, amp_precisions=runnable_amp_precisions(device), device=device)
-    plan_failure = None
+    amp = runnable_amp_precisions(device)
+    left_out = {} if all_rows else _too_slow(spec, amp, device=device, seed=seed)
+    for precision, ratio in left_out.items():
+        progress(f"{precision} AMP rows left out: a step at micro-batch 1 took {ratio:.1f}x fp32's here (--all-rows measures them)")
+    configs = configurations(global_batch_size=global_batch_size, amp_precisions=[p for p in amp if p not in left_out], device=device)
     if budget_bytes is not None:
-        progress("planning at the budget")
-        try:
-            configs.append(plan_configuration(
-                spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device, log=lambda line: progress(f"  plan: {line}"),
-            ))
-        except UserError as error:  # no plan fits: the other rows still stand
-            plan_failure = Row(name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0, note=f"no plan: {error}")
-    for contender in configs:
+        planned = next((row for name, row in kept.items() if name.startswith("autofit plan") and row.config), None)
+        if planned is not None:  # the plan an interrupted run made: the same row, not a second planning
+            configs.append(Contender(name=planned.name, config=TrainingConfig(**planned.config)))
+        elif "autofit plan" in kept:  # no plan fitted then: nor will it now
+            pass
+        else:
+            progress("planning at the budget")
+            try:
+                configs.append(plan_configuration(
+                    spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device,
+                    log=lambda line: progress(f"  plan: {line}"),
+                ))
+            except UserError as error:  # no plan fits: the other rows still stand
+                kept["autofit plan"] = Row(
+                    name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
+                    note=f"no plan: {error}", memory_done=True,
+                )
+    total = len(configs)
+    for number, contender in enumerate(configs, start=1):
         config = contender.config
-        progress(f"measuring {contender.name}")
+        row = kept.get(contender.name)
+        if row is not None and row.memory_done:
+            progress(f"row {number} of {total}: {contender.name} (kept from the earlier run)")
+            comparison.rows.append(row)
+            continue
+        progress(f"row {number} of {total}: {contender.name}")
         row = Row(
             name=contender.name, precision=config.precision, checkpoint_blocks=0,
-            micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps,
+            micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps, config=_config_dict(config),
         )
         try:
             result = measure(spec, config, device=device, steps=probe_steps, seed=seed)
@@ -211,20 +286,139 @@ def compare(
             row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
             release_device_memory(device)
         else:
-            row.peak_bytes, row.samples_per_s, row.checkpoint_blocks = result.peak_bytes, result.samples_per_s, len(result.checkpoint)
+            row.peak_bytes, row.checkpoint_blocks = result.peak_bytes, len(result.checkpoint)
             row.activation_bytes = result.breakdown.get("activations")
             if training is not None:
-                progress(f"training {contender.name} for {train_steps} steps")
+                progress(f"  training {contender.name} for {train_steps} steps")
                 outcome = training.train_and_score(spec, config, device=device, seed=seed)
                 row.train_loss, row.eval_loss, row.eval_accuracy = outcome.train_loss, outcome.eval_loss, outcome.eval_accuracy
                 row.skipped_steps = outcome.skipped_steps
                 if outcome.skipped_steps:
                     row.note = f"GradScaler skipped {outcome.skipped_steps} of {train_steps} steps (inf/nan gradients) while finding its scale"
+        row.memory_done = True
         comparison.rows.append(row)
-    if plan_failure is not None:
-        comparison.rows.append(plan_failure)
+        _fill_ratios(comparison)
+        on_update(comparison)
+    if "autofit plan" in kept and not kept["autofit plan"].config:
+        comparison.rows.append(kept["autofit plan"])
+    for precision, ratio in left_out.items():
+        comparison.rows.append(Row(
+            name=f"{precision} AMP", precision=precision, checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
+            note=f"left out: a step at micro-batch 1 took {ratio:.1f}x fp32's on this device (--all-rows measures it)",
+            memory_done=True,
+        ))
+    _time_rows(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress, on_update=on_update)
     _fill_ratios(comparison)
+    on_update(comparison)
     return comparison
+
+
+def _too_slow(spec: ModelSpec, precisions: list[str], *, device: str, seed: int) -> dict[str, float]:
+    """AMP precisions whose training step at micro-batch 1 takes more than ``LEFT_OUT_FACTOR`` times fp32's (fp16 autocast
+    on a CPU: 40 times and more), each with its ratio. Their rows would take most of a compare's time to show what this
+    first look shows already; the fastest of two timed steps each, after a warm-up."""
+    from autofit.planning.speed.measured import StepTimer
+
+    if not precisions:
+        return {}
+    seconds = {}
+    for precision in ["fp32", *precisions]:
+        timer = StepTimer(spec, TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=precision), device=device, seed=seed)
+        try:
+            seconds[precision] = min(timer.step_seconds() for _ in range(2))
+        finally:
+            timer.close()
+    return {p: seconds[p] / seconds["fp32"] for p in precisions if seconds[p] > LEFT_OUT_FACTOR * seconds["fp32"]}
+
+
+def _config_dict(config: TrainingConfig) -> dict:
+    return {f.name: list(v) if isinstance(v := getattr(config, f.name), tuple) else v for f in fields(config)}
+
+
+def _resumable(resume: Comparison | None, comparison: Comparison) -> dict[str, Row]:
+    """The rows of ``resume`` to keep, by name ({} without one); its speeds only when every round was done."""
+    if resume is None:
+        return {}
+    for name in ("model", "device", "global_batch_size", "budget_bytes", "data", "train_steps"):
+        if getattr(resume, name) != getattr(comparison, name):
+            raise UserError(
+                f"--resume: the earlier compare ran with {name} {getattr(resume, name)!r}, this one {getattr(comparison, name)!r}; "
+                "give the same settings, or a new --out-dir"
+            )
+    timed = resume.rounds == comparison.rounds and all(
+        row.samples_per_s is not None for row in resume.rows if row.config and row.peak_bytes is not None
+    ) and any(row.samples_per_s is not None for row in resume.rows)
+    kept = {}
+    for row in resume.rows:
+        if not row.memory_done:
+            continue
+        if not timed:
+            row.seconds, row.samples_per_s, row.noise, row.within_noise, row.speed_ratio = [], None, None, None, None
+        kept[row.name] = row
+    return kept
+
+
+def _time_rows(
+    spec: ModelSpec, comparison: Comparison, *, device: str, rounds: int, seed: int,
+    progress: Callable[[str], None], on_update: Callable[[Comparison], None],
+) -> None:
+    """Time one training step of the global batch of every measured row per round, in a rotating order.
+
+    On a busy CPU the rounds use the planner's thread count (``timing_threads``) and its clock, and the comparison
+    keeps the planner's line. A row far slower than fp32 after the first round (``SLOW_FACTOR``) is timed once.
+    """
+    from autofit.planning.context import step_clock, timing_threads
+    from autofit.planning.speed.measured import StepTimer
+
+    rows = [row for row in comparison.rows if row.config and row.peak_bytes is not None]
+    if not rows or all(len(row.seconds) >= rounds for row in rows):
+        return
+    threads, note = timing_threads(device)
+    comparison.threads_note = note
+    if note:
+        progress(note)
+    clock = step_clock(device, threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    kept_bytes = sum(row.peak_bytes for row in rows)
+    keep = device == "cpu" and kept_bytes < 0.5 * (_device_total_bytes(device) or 0)
+    timers: dict[str, StepTimer] = {}
+    try:
+        for round_ in range(rounds):
+            base = next((r for r in rows if r.name == "fp32" and r.seconds), None)
+            running = [
+                r for r in rows
+                if len(r.seconds) <= round_ and not (round_ > 0 and base is not None and r is not base and min(r.seconds) > SLOW_FACTOR * min(base.seconds))
+            ]
+            if not running:
+                break
+            progress(f"speed: round {round_ + 1} of {rounds}, one step of each of {len(running)} row(s)")
+            shift = round_ % len(running)
+            for row in running[shift:] + running[:shift]:  # rotate: no row is always first after a pause
+                timer = timers.get(row.name) or StepTimer(spec, TrainingConfig(**row.config), device=device, seed=seed, clock=clock)
+                try:
+                    row.seconds.append(timer.step_seconds())
+                finally:
+                    if keep:
+                        timers[row.name] = timer
+                    else:
+                        timer.close()
+            for row in running:
+                samples = Samples(seconds=row.seconds)
+                row.samples_per_s = comparison.global_batch_size / samples.best
+                row.noise = samples.spread if len(row.seconds) >= 2 else None
+            _fill_ratios(comparison)
+            on_update(comparison)
+    finally:
+        for timer in timers.values():
+            timer.close()
+        torch.set_num_threads(before)
+
+
+def _device_total_bytes(device: str) -> int | None:
+    from autofit.device import device_info
+
+    return device_info(device).total_bytes
 
 
 def _fill_ratios(comparison: Comparison) -> None:
@@ -239,6 +433,10 @@ def _fill_ratios(comparison: Comparison) -> None:
         row.memory_ratio = row.peak_bytes / base.peak_bytes
         if row.samples_per_s and base.samples_per_s:
             row.speed_ratio = row.samples_per_s / base.samples_per_s
+            # Within the noise: the ratio of the fastest rounds is no further from 1 than the worse repeat of the two.
+            # Unknown (None) where either was timed once.
+            if row is not base and row.noise is not None and base.noise is not None:
+                row.within_noise = abs(row.speed_ratio - 1.0) <= max(row.noise, base.noise)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -344,7 +542,8 @@ def _columns(comparison: Comparison) -> list[tuple[str, Callable[[Row], str]]]:
         ("% of fp32", lambda r: ratio(r.memory_ratio and 100 * r.memory_ratio, "{:.0f}%")),
         ("activations", lambda r: "-" if r.activation_bytes is None else format_bytes(r.activation_bytes)),
         ("samples/s", lambda r: ratio(r.samples_per_s, "{:.1f}")),
-        ("vs fp32", lambda r: ratio(r.speed_ratio, "{:.2f}x")),
+        ("noise", lambda r: "-" if r.noise is None else f"±{100 * r.noise:.0f}%"),
+        ("vs fp32", _versus),
     ]
     if comparison.budget_bytes is not None:
         columns.append((f"fits {format_bytes(comparison.budget_bytes)}", lambda r: "-" if r.fits_budget is None else ("yes" if r.fits_budget else "no")))
@@ -354,6 +553,16 @@ def _columns(comparison: Comparison) -> list[tuple[str, Callable[[Row], str]]]:
             (f"accuracy @{comparison.train_steps}", lambda r: ratio(r.eval_accuracy, "{:.2%}")),
         ]
     return columns
+
+
+def _versus(row: Row) -> str:
+    """The speed ratio, "~" before it where it is fp32's within the noise (no difference shown), "(1 round)" where
+    timed once (no noise known)."""
+    if row.speed_ratio is None:
+        return "-"
+    if row.within_noise:
+        return f"~{row.speed_ratio:.2f}x"
+    return f"{row.speed_ratio:.2f}x" + (" (1 round)" if len(row.seconds) == 1 else "")
 
 
 def _cells(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
@@ -369,6 +578,14 @@ def _caption(comparison: Comparison) -> str:
         text += f", budget {format_bytes(comparison.budget_bytes)}"
     if comparison.data is not None:
         text += f"; loss and accuracy on {comparison.eval_data} after {comparison.train_steps} training steps from the same seed"
+    timed = max((len(r.seconds) for r in comparison.rows), default=0)
+    if timed:
+        text += (
+            f"; speed: the fastest of {timed} interleaved round(s), noise = how well it repeated, "
+            "~ = fp32's speed within the noise"
+        )
+    if comparison.threads_note:
+        text += f"; {comparison.threads_note}"
     return text
 
 
@@ -421,10 +638,16 @@ def plot_comparison(comparison: Comparison, out: str | Path) -> Path:
         axes[0].axhline(comparison.budget_bytes / 2**20, color="black", linestyle="--", label="budget")
         axes[0].legend()
     bars = axes[1].bar(positions, [r.speed_ratio or 0.0 for r in rows], color=bar_colours)
-    axes[1].bar_label(bars, labels=[f"{r.speed_ratio:.2f}x" if r.speed_ratio else "" for r in rows], fontsize=8)
+    for bar, row in zip(bars, rows):  # no difference shown: hatched, and its noise as an error bar
+        if row.within_noise:
+            bar.set_hatch("//")
+            bar.set_alpha(0.5)
+        if row.speed_ratio and row.noise is not None:
+            axes[1].errorbar(bar.get_x() + bar.get_width() / 2, row.speed_ratio, yerr=row.noise * row.speed_ratio, color="black", capsize=3)
+    axes[1].bar_label(bars, labels=[_versus(r) if r.speed_ratio else "" for r in rows], fontsize=8)
     axes[1].axhline(1.0, color="grey", linewidth=1)
     axes[1].set_ylabel("samples/s relative to fp32")
-    axes[1].set_title("speed")
+    axes[1].set_title("speed (hatched: fp32's within the noise)")
     if comparison.data is not None:
         bars = axes[2].bar(positions, [100 * (r.eval_accuracy or 0.0) for r in rows], color=bar_colours)
         axes[2].bar_label(bars, labels=[f"{100 * r.eval_accuracy:.1f}" if r.eval_accuracy is not None else "" for r in rows], fontsize=8)
@@ -443,8 +666,8 @@ def plot_comparison(comparison: Comparison, out: str | Path) -> Path:
     return out
 
 
-def save_comparison(comparison: Comparison, out_dir: str | Path) -> dict[str, Path]:
-    """Write compare.md, compare.json and compare.png into ``out_dir``."""
+def save_comparison(comparison: Comparison, out_dir: str | Path, *, chart: bool = True) -> dict[str, Path]:
+    """Write compare.md, compare.json and (``chart``) compare.png into ``out_dir``."""
     import json
 
     from autofit.atomic import write_atomic
@@ -454,5 +677,23 @@ def save_comparison(comparison: Comparison, out_dir: str | Path) -> dict[str, Pa
     paths = {"markdown": folder / "compare.md", "json": folder / "compare.json", "png": folder / "compare.png"}
     write_atomic(paths["markdown"], to_markdown(comparison))
     write_atomic(paths["json"], json.dumps(comparison.to_dict(), indent=2) + "\n")
-    plot_comparison(comparison, paths["png"])
+    if chart:
+        plot_comparison(comparison, paths["png"])
     return paths
+
+
+def load_comparison(out_dir: str | Path) -> Comparison | None:
+    """The comparison an earlier compare wrote into ``out_dir`` (None when there is none).
+
+    Raises:
+        UserError: compare.json is there but unreadable.
+    """
+    import json
+
+    path = Path(out_dir) / "compare.json"
+    if not path.is_file():
+        return None
+    try:
+        return Comparison.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as error:
+        raise UserError(f"--resume: {str(path)!r} is not a compare's output ({error}); start again without --resume") from error

@@ -46,6 +46,7 @@ from autofit.model_io import batch_size_of
 from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
 from autofit.training.checkpoints import RunCheckpoints, load_resume_state
+from autofit.training.speed import StepSpeed
 from autofit.training.console import RunConsole, epoch_line, final_line, header, oom_line
 from autofit.training.data import TrainData, epoch_order, make_loader
 from autofit.distributed import any_rank, is_rank0, mean_across_ranks
@@ -291,11 +292,15 @@ def _train_run(
     if saved is not None:
         console.print(f"resuming from {checkpoints.last_path}: epoch {state.position.epoch + 1}, after step {state.position.global_step}")
 
+    speed = StepSpeed()
     with log, console, BudgetWatch(plan, device=applied.device) as watch, stop_on_signals() as stop:
         finished, plan = _train_epochs(
             applied, data=data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler, plan=plan, state=state,
             checkpoints=checkpoints, log=log, console=console, gauge=gauge, watch=watch, stop=stop, settings=settings,
+            speed=speed,
         )
+    for line in speed.lines(plan):  # training's speed beside the plan's (``training.speed``)
+        console.print(line)
     best = state.best_record()
     if finished and best is not None:
         console.print(final_line(best, checkpoints.best_path_if_saved()))
@@ -308,7 +313,7 @@ def _train_run(
 def _train_epochs(
     applied: AppliedPlan, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, scheduler, plan: Plan,
     state: RunState, checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, console: RunConsole, gauge: MemoryGauge,
-    watch: BudgetWatch, stop: StopRequest, settings: TrainSettings,
+    watch: BudgetWatch, stop: StopRequest, settings: TrainSettings, speed: StepSpeed,
 ) -> tuple[bool, Plan]:
     """The epochs from ``state``'s position on: steps over global batches, then validation and last.pt (best.pt).
 
@@ -330,7 +335,8 @@ def _train_epochs(
         )
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         last_time = time.perf_counter()
-        for inputs, targets, unreadable in loader:
+        speed.start(warm_up=True)
+        for inputs, targets, unreadable in speed.timed(loader):  # the wait for each batch measured
             for sample in unreadable:
                 position.skipped_images += 1
                 _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step + 1)
@@ -346,6 +352,7 @@ def _train_epochs(
                 scheduler.step()
             now = time.perf_counter()
             step_seconds, last_time = now - last_time, now
+            speed.step_done(batch_size)
             position.advance(samples=batch_size, loss=loss, seconds=step_seconds)
             for oom in ooms:
                 plan = _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)
@@ -373,6 +380,7 @@ def _train_epochs(
             if settings.save_every_steps and position.global_step % settings.save_every_steps == 0:
                 _save_last(checkpoints, log, plan=plan, state=state)
                 last_time = time.perf_counter()  # the pause for saving is not training time
+                speed.start()
 
         val = evaluate(
             model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers,

@@ -14,6 +14,7 @@ from torch import nn
 from autofit.plan_file import Plan
 from autofit.training.data import TrainData
 from autofit.distributed import init_distributed, same_on_all_ranks
+from autofit.training.threads import plan_threads
 from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, train
 
 
@@ -60,7 +61,9 @@ def run_training(
         "input_shape": "x".join(map(str, input_shape)) if input_shape else None,
         "num_classes": len(data.classes) if data.classes else plan.model.num_classes,
     }
-    return train(
-        model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
-        settings=settings,
-    )
+    # The threads the plan's speed was timed with (``training.threads``); PyTorch's setting is put back after.
+    with plan_threads(plan, say=print if settings.verbose else lambda line: None):
+        return train(
+            model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
+            settings=settings,
+        )

@@ -165,6 +165,8 @@ def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
     assert plan.config.precision in ("fp32", "bf16")
     assert set(printed["predicted"]) >= {"peak_bytes", "samples_per_s"} and set(printed["measured"]) >= {"peak_bytes", "samples_per_s", "meter"}
     assert plan.measured.meter == "cpu" and plan.measured.samples_per_s > 0
+    # what training needs to run at that speed: the threads it was timed with, and how well it repeated
+    assert 1 <= plan.measured.threads <= torch.get_num_threads() and (plan.measured.noise is None or plan.measured.noise >= 0)
     assert plan.headroom["safety_margin"] > 0
     assert sum(a["chosen"] for a in plan.alternatives) == 1
     front = [a for a in plan.alternatives if not a["chosen"]]

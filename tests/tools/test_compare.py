@@ -6,7 +6,8 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from autofit.tools.compare import compare, configurations, format_table, to_markdown
+from autofit.tools.compare import SLOW_FACTOR, compare, configurations, format_table, to_markdown
+from autofit.errors import UserError
 from autofit.spec import load_spec
 from tests.tools.test_evaluate import write_image_folder
 
@@ -81,6 +82,7 @@ def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_c
     out_dir = tmp_path / "out"
     code, stdout, stderr = run_cli(
         "compare", cnn_file, "--batch-size", 8, "--data", data_dir, "--train-steps", 4, "--steps", 2, "--out-dir", out_dir,
+        "--all-rows",
     )
     assert code == 0, stderr
     for header in ("configuration", "peak memory", "% of fp32", "vs fp32", "loss @4", "accuracy @4"):
@@ -146,8 +148,8 @@ def test_plan_row_at_the_budget(cnn_file):
 
     budget = int(probe(spec, micro_batch_size=8, steps=2).peak_bytes * 0.8)  # fp32 does not fit
     comparison = compare(spec, global_batch_size=8, budget_bytes=budget, probe_steps=2)
-    plan = comparison.rows[-1]
-    assert plan.name.startswith("autofit plan"), [r.name for r in comparison.rows]
+    plan = next((row for row in comparison.rows if row.name.startswith("autofit plan")), None)
+    assert plan is not None, [r.name for r in comparison.rows]
     assert plan.note == "" and plan.fits_budget is True
     assert comparison.rows[0].fits_budget is False
     assert "fits" in format_table(comparison)
@@ -161,6 +163,8 @@ def test_bad_inputs_are_one_line_errors(cnn_file, data_dir, tmp_path, run_cli):
         (("--batch-size", 0), "must be at least 1"),
         (("--batch-size", 8, "--budget", "lots"), "not a memory size"),
         (("--batch-size", 8, "--device", "tpu"), "unknown"),
+        (("--batch-size", 8, "--resume"), "does not exist; run without --resume first"),
+        (("--batch-size", 8, "--rounds", 0), "--rounds 0 must be at least 1"),
     ]
     write_image_folder(tmp_path / "four", {k: [k] for k in ("a", "b", "c", "d")})
     cases.append((("--batch-size", 2, "--data", tmp_path / "four", "--train-steps", 1), "has 4 classes"))
@@ -189,3 +193,61 @@ def test_the_plan_row_measures_the_plan_with_its_levers(monkeypatch):
         ("layers.1",), (), True, "device",
     )
     assert config == chosen.config  # the row measures exactly the plan
+
+
+def test_rows_are_written_as_they_finish_and_resume_measures_only_the_rest(cnn_file, tmp_path, monkeypatch):
+    """An interrupted compare keeps its finished rows; --resume does not measure them again."""
+    import autofit.measure.probe as probe
+    from autofit.tools.compare import load_comparison, save_comparison
+
+    spec, out_dir = load_spec(str(cnn_file)), tmp_path / "out"
+    measured, real_measure = [], probe.measure
+
+    def counting(spec, config, **kwargs):
+        measured.append(config.key())
+        return real_measure(spec, config, **kwargs)
+
+    monkeypatch.setattr(probe, "measure", counting)
+    lines = []
+
+    def interrupt_after_one_row(so_far):
+        save_comparison(so_far, out_dir, chart=False)
+        if sum(row.memory_done for row in so_far.rows) == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compare(spec, global_batch_size=4, on_update=interrupt_after_one_row, progress=lines.append, rounds=2)
+    rows = [line for line in lines if line.startswith("row ")]
+    total = int(rows[0].split(" of ")[1].split(":")[0])  # the AMP rows this CPU runs, and the levers'
+    assert rows == [f"row 1 of {total}: fp32"] and len(measured) == 1
+    kept = load_comparison(out_dir)
+    assert [row.name for row in kept.rows] == ["fp32"] and kept.rows[0].peak_bytes > 0
+    first = measured[0]
+    lines.clear()
+    resumed = compare(spec, global_batch_size=4, resume=kept, progress=lines.append, rounds=2)
+    assert first not in measured[1:] and len(measured) == total  # the fp32 row was not measured again
+    assert f"row 1 of {total}: fp32 (kept from the earlier run)" in lines and f"row 2 of {total}: bf16 AMP" in lines
+    assert resumed.rows[0].peak_bytes == kept.rows[0].peak_bytes
+    timed = [row for row in resumed.rows if row.peak_bytes is not None]
+    assert all(row.samples_per_s > 0 and 1 <= len(row.seconds) <= 2 for row in timed)
+    # every row twice, but one far slower than fp32 in the first round (fp16 here, at times): once, no noise to show
+    assert all(len(row.seconds) == 2 and row.noise is not None for row in timed if row.speed_ratio > 1 / SLOW_FACTOR)
+    assert any(line.startswith("speed: round 2 of 2, one step of each of") for line in lines)
+    with pytest.raises(UserError, match="--resume: the earlier compare ran with global_batch_size 4, this one 8"):
+        compare(spec, global_batch_size=8, resume=kept)
+
+
+def test_differences_within_the_noise_are_marked(cnn_file):
+    from autofit.tools.compare import Comparison, Row, _fill_ratios, _versus
+
+    def row(name, seconds):
+        return Row(name=name, precision="fp32", checkpoint_blocks=0, micro_batch_size=4, grad_accum_steps=1, peak_bytes=10,
+                   seconds=seconds, samples_per_s=4 / min(seconds), noise=sorted(seconds)[1] / min(seconds) - 1)
+
+    comparison = Comparison(model="m", device="cpu", global_batch_size=4, rows=[
+        row("fp32", [1.0, 1.1]), row("close", [1.05, 1.06]), row("far", [2.0, 2.02]),
+    ])
+    _fill_ratios(comparison)
+    assert [r.within_noise for r in comparison.rows] == [None, True, False]
+    assert [_versus(r) for r in comparison.rows] == ["1.00x", "~0.95x", "0.50x"]
+    assert "~0.95x" in format_table(comparison)

@@ -201,6 +201,13 @@ class Measurements:
             return None
         return self.context.global_batch_size / min(entry["seconds"])
 
+    def noise(self, config: TrainingConfig) -> float | None:
+        """How well the configuration's fastest round repeated (``Samples.spread``); None when timed fewer than twice."""
+        entry = self.timings.get(config.key())
+        if not entry or len(entry["seconds"]) < 2:
+            return None
+        return Samples(seconds=list(entry["seconds"])).spread
+
     def race(self, contenders: list[TrainingConfig], *, reference: TrainingConfig | None = None) -> list[TrainingConfig]:
         """Time the contenders side by side; the fastest first, the simplest winning within the noise.
 
@@ -311,6 +318,7 @@ class Measurements:
         return {
             "measured_peak_bytes": peak, "measured_samples_per_s": None if self.context.simulate else self.samples_per_s(config),
             "meter": "simulated" if self.context.simulate else self.context.device, "breakdown": dict(entry["breakdown"]),
+            "measured_noise": None if self.context.simulate else self.noise(config),
             "context_bytes": entry.get("context_bytes", 0),
             "headroom": self.headroom.for_peak(peak, persistent_bytes=persistent_bytes(entry["breakdown"])),
         }

@@ -1,0 +1,137 @@
+"""The run's speed beside the plan's: what training measured, what the plan measured, and what bounded it.
+
+Each step's wall time is split in two: waiting for the DataLoader's next batch
+and the step itself. The first step of each epoch is left out (worker start-up,
+first-call allocations), as the plan's timing leaves its warm-up out. The
+median step is the run's speed, as the plan's is its fastest round: a burst of
+other work then moves neither much.
+
+The comparison uses the plan's clock (``autofit.planning.context.step_clock``):
+a plan timed with one thread on a busy CPU timed its steps by their CPU time
+(the time the other work takes off the core is not the configuration's), so
+the run's steps are then compared by their CPU time too (the main thread's,
+from one step's end to the next: the batch it read included), and the wall
+clock's speed is shown beside it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+
+from autofit.plan_file import Plan
+
+DEFAULT_TOLERANCE = 0.10
+"""Where the plan reports no noise (timed once, or an older plan): speeds this close agree."""
+DATA_BOUND_SHARE = 0.20
+"""Waiting on the DataLoader for more than this share of the time is worth a line."""
+
+
+class StepSpeed:
+    """Times the steps of a run: ``start`` where timing (re)starts, the loader's batches through ``timed`` (or
+    ``batch_ready`` when one arrived), ``step_done`` when its step ended."""
+
+    def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self._mark = clock()
+        self._cpu_mark = cpu_clock()
+        self._ready = self._mark
+        self._requested: float | None = None
+        self._warm_up = True
+        self.wait_seconds: list[float] = []
+        self.step_seconds: list[float] = []
+        self.samples: list[int] = []
+        self.total_seconds: list[float] = []
+        """From the previous step's end to this one's: the wait, the step and the loop's own work."""
+        self.cpu_seconds: list[float] = []
+        """The main thread's CPU time from the previous step's end to this one's."""
+
+    def start(self, *, warm_up: bool = False) -> None:
+        """Timing starts now (an epoch's start, ``warm_up``: its first step is not counted; or after a pause for saving)."""
+        self._mark, self._cpu_mark = self._clock(), self._cpu_clock()
+        self._warm_up = self._warm_up or warm_up
+
+    def timed(self, loader: Iterable) -> Iterator:
+        """The loader's items, the wait for each measured from asking for it to having it (not the loop's own work
+        between steps: logging, the gauge)."""
+        items = iter(loader)
+        while True:
+            self._requested = self._clock()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            self.batch_ready()
+            yield item
+
+    def batch_ready(self) -> None:
+        self._ready = self._clock()
+
+    def step_done(self, samples: int) -> None:
+        now, cpu_now = self._clock(), self._cpu_clock()
+        if self._warm_up:
+            self._warm_up = False
+        else:
+            requested = self._requested if self._requested is not None else self._mark
+            self.wait_seconds.append(max(self._ready - max(requested, self._mark), 0.0))
+            self.total_seconds.append(now - self._mark)
+            self.step_seconds.append(now - self._ready)
+            self.cpu_seconds.append(cpu_now - self._cpu_mark)
+            self.samples.append(samples)
+        self._mark, self._cpu_mark, self._requested = now, cpu_now, None
+
+    def samples_per_s(self) -> float | None:
+        """The median step's samples/s, the wait for its batch included; None before a step was counted."""
+        if not self.samples:
+            return None
+        return statistics.median(n / max(t, 1e-12) for n, t in zip(self.samples, self.total_seconds))
+
+    def cpu_samples_per_s(self) -> float | None:
+        """The median step's samples/s by the main thread's CPU time; None before a step was counted."""
+        if not self.samples:
+            return None
+        return statistics.median(n / max(c, 1e-12) for n, c in zip(self.samples, self.cpu_seconds))
+
+    def lines(self, plan: Plan) -> list[str]:
+        """The summary: training's speed beside the plan's, a warning when they differ by more than the plan's noise,
+        and a line when waiting on the DataLoader bounds the speed. Empty before a step was counted."""
+        speed = self.samples_per_s()
+        if speed is None:
+            return []
+        seq_len = plan.model.seq_len
+        unit, scale = ("tokens/s", seq_len) if seq_len else ("samples/s", 1)
+        counted = f"median of {len(self.samples)} step(s), the wait for data included"
+        measured = plan.measured.samples_per_s if plan.measured is not None else None
+        # The plan's clock: CPU time where it timed with one thread on the CPU (``step_clock``).
+        by_cpu = plan.device.type == "cpu" and plan.measured is not None and plan.measured.threads == 1
+        if by_cpu:
+            wall, speed = speed, self.cpu_samples_per_s()
+            counted = (
+                f"by the step's CPU time, as the plan timed it; {wall * scale:.1f} by the wall clock; "
+                f"median of {len(self.samples)} step(s), reading the batch included"
+            )
+        if not measured:
+            lines = [f"speed: training {speed * scale:.1f} {unit} ({counted}); the plan has no measured speed to compare with"]
+        else:
+            noise = plan.measured.noise
+            tolerance = noise if noise is not None else DEFAULT_TOLERANCE
+            ratio = speed / measured
+            said = f"noise {noise:.0%}" if noise is not None else "no noise reported"
+            lines = [
+                f"speed: training {speed * scale:.1f} {unit} ({counted}), the plan measured {measured * scale:.1f} "
+                f"({said}): {ratio:.2f}x"
+            ]
+            if abs(ratio - 1.0) > tolerance:
+                way = "slower" if ratio < 1 else "faster"
+                lines.append(
+                    f"warning: training ran {way} than the plan measured, by more than the plan's noise "
+                    f"({abs(ratio - 1.0):.0%} > {tolerance:.0%}); other work on the machine, a different thread "
+                    f"count or the data path can do that"
+                )
+        waited, stepped, total = sum(self.wait_seconds), sum(self.step_seconds), sum(self.total_seconds)
+        if waited > DATA_BOUND_SHARE * total:
+            lines.append(
+                f"data loading bounds the speed: {waited:.1f} s waiting on the DataLoader vs {stepped:.1f} s in the "
+                f"steps ({waited / total:.0%} of the time); try more --workers"
+            )
+        return lines
