@@ -128,7 +128,14 @@ def test_hf_weights_that_do_not_fit_the_config_are_one_line(llama_dir, tmp_path,
     assert "do not fit the config: model.layers.0.mlp.down_proj.weight is (32, 64) in the file but (32, 48) in the model" in err
 
 
-def test_max_grad_norm_is_refused_with_a_plan_that_steps_in_backward(llama_dir, tmp_path, run_cli):
+def test_max_grad_norm_clips_in_training_and_is_refused_with_a_plan_that_steps_in_backward(llama_dir, tmp_path, run_cli):
+    plan = _plan(tmp_path, f"hf:{llama_dir}")
+    code, out, err = run_cli("train", "--plan", plan, "--max-grad-norm", "0.5", "--max-steps", "1", "--log-dir", tmp_path / "clipped")
+    assert code == 0, err
+    assert "gradients clipped to norm 0.5" in out
+    assert json.loads((tmp_path / "clipped" / "plan.json").read_text())["max_grad_norm"] == 0.5
+    code, out, err = run_cli("train", "--log-dir", tmp_path / "clipped", "--resume", "--max-grad-norm", "1", "--max-steps", "2")
+    assert code == 2 and "max_grad_norm 1.0 differs from the run" in err, err
     plan = _plan(tmp_path, f"hf:{llama_dir}", optimizer_in_backward=True)
     code, out, err = run_cli("train", "--plan", plan, "--max-grad-norm", "1", "--log-dir", tmp_path / "run")
     assert code == 2 and err.strip().count("\n") == 0, err
@@ -147,3 +154,15 @@ def test_schedule_flags_set_the_rate_and_are_kept_on_resume(llama_dir, tmp_path,
     assert [r["lr"] for r in _steps(tmp_path / "run")] == pytest.approx(expected)
     code, out, err = run_cli("train", "--log-dir", tmp_path / "run", "--resume", "--schedule", "cosine")
     assert code == 2 and "schedule cosine differs from the run" in err, err
+
+
+def test_plan_summary_says_which_weights_training_starts_from_and_that_clipping_leaves_a_lever_out(llama_dir, tmp_path, run_cli):
+    arguments = ("--seq-len", str(SEQ_LEN), "-n", "4", "-b", "200MB", "--simulate", "--no-cache", "-q", "--precisions", "fp32")
+    code, out, err = run_cli("plan", f"hf:{llama_dir}", *arguments, "--max-grad-norm", "1", "-o", tmp_path / "plan.json")
+    assert code == 0, err
+    assert f"weights     pretrained from {llama_dir}" in out
+    assert "the optimizer step in backward was left out: it cannot clip gradients (--max-grad-norm 1)" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["max_grad_norm"] == 1
+    (llama_dir / "model.safetensors").unlink()
+    code, out, err = run_cli("plan", f"hf:{llama_dir}", *arguments, "-o", tmp_path / "plan2.json")
+    assert code == 0 and "weights     random init from config.json" in out, err
