@@ -106,6 +106,12 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
     # A plan for N processes: refuse any other number, naming the command that starts N.
     check_launch(ShardingConfig(world_size=the_plan.config.world_size, sharding=the_plan.config.sharding))
     spec = spec_for_plan(the_plan.model, model_file=model)
+    if resume and (weights is not None or from_config):
+        raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")
+    if weights is not None and from_config:
+        raise UserError("--weights and --from-config both choose the starting weights; give one of them")
+    if from_config and spec.build_pretrained is None and not spec.source.startswith("hf:"):
+        raise UserError(f"--from-config is for an hf:DIR model holding weights; {spec.source} starts from its own initialisation already")
     planned_shape = the_plan.model.input_shape
     shape = input_shape_from(planned_shape) if planned_shape else spec.input_shape
     settings = TrainSettings(
@@ -113,10 +119,6 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
         save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps,
         sources={"data": str(data) if data is not None else None, "model": model},
     )
-    if resume and (weights is not None or from_config):
-        raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")
-    if weights is not None and from_config:
-        raise UserError("--weights and --from-config both choose the starting weights; give one of them")
     train_data = image_folder_data(data, input_shape=input_shape_from(shape)) if data is not None else model_file_data(spec)
     torch.manual_seed(seed or 0)
     if resume:  # last.pt holds the weights

@@ -166,3 +166,20 @@ def test_plan_summary_says_which_weights_training_starts_from_and_that_clipping_
     (llama_dir / "model.safetensors").unlink()
     code, out, err = run_cli("plan", f"hf:{llama_dir}", *arguments, "-o", tmp_path / "plan2.json")
     assert code == 0 and "weights     random init from config.json" in out, err
+
+
+def test_from_config_is_refused_for_a_model_file_and_with_weights(llama_dir, tmp_path, run_cli):
+    model_file = tmp_path / "mlp.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n    return nn.Linear(4, 2)\n\n"
+        "def example_batch(n):\n    return torch.randn(n, 4), torch.randint(0, 2, (n,))\n"
+    )
+    plan = Plan(model=ModelInfo(source=str(model_file)), device=DeviceInfo(type="cpu"), budget_bytes=10**8,
+                config=TrainingConfig(global_batch_size=2, micro_batch_size=2))
+    save_plan(plan, tmp_path / "mlp-plan.json")
+    code, out, err = run_cli("train", "--plan", tmp_path / "mlp-plan.json", "--from-config", "--log-dir", tmp_path / "run")
+    assert code == 2 and "--from-config is for an hf:DIR model holding weights" in err and err.strip().count("\n") == 0, err
+    code, out, err = run_cli("train", "--plan", _plan(tmp_path, f"hf:{llama_dir}"), "--from-config", "--weights", tmp_path / "x.pt",
+                             "--log-dir", tmp_path / "run2")
+    assert code == 2 and "--weights and --from-config both choose the starting weights" in err, err
