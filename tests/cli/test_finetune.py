@@ -183,3 +183,26 @@ def test_from_config_is_refused_for_a_model_file_and_with_weights(llama_dir, tmp
     code, out, err = run_cli("train", "--plan", _plan(tmp_path, f"hf:{llama_dir}"), "--from-config", "--weights", tmp_path / "x.pt",
                              "--log-dir", tmp_path / "run2")
     assert code == 2 and "--weights and --from-config both choose the starting weights" in err, err
+
+
+def test_sharded_weights_load_from_the_hf_dir_and_through_weights(llama_dir, tmp_path, run_cli):
+    """save_pretrained's shards and their index: hf:DIR loads them, and so does --weights DIR."""
+    from autofit.training.weights import state_dict_from
+
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    pretrained.save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    state = state_dict_from(sharded)
+    assert all(torch.equal(state[name], tensor) for name, tensor in pretrained.state_dict().items() if name in state)
+    code, out, err = run_cli("train", "--plan", _plan(tmp_path, f"hf:{sharded}"), "--max-steps", "1", "--log-dir", tmp_path / "run", "--workers", "0")
+    assert code == 0 and f"weights: pretrained from {sharded}" in out, err
+    assert _steps(tmp_path / "run")[0]["loss"] == pytest.approx(_first_batch_loss(pretrained), rel=1e-6)
+
+
+def test_unreadable_hf_weights_are_one_line(llama_dir, tmp_path, run_cli):
+    plan = _plan(tmp_path, f"hf:{llama_dir}")
+    (llama_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+    code, out, err = run_cli("train", "--plan", plan, "--log-dir", tmp_path / "run")
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert "cannot load the weights in" in err and "give --from-config to train from random weights" in err
