@@ -56,7 +56,7 @@ from autofit.training.recovery import MicroBatchChange, StepUndo, step_with_reco
 from autofit.training.resume import check_same_plan, resumed_value
 from autofit.training.rundir import discard_previous_run, hold_run_directory, restore_previous_run, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
-from autofit.training.schedule import check_schedule, cosine_schedule, lr_schedule  # noqa: F401 (cosine_schedule: where it was)
+from autofit.training.schedule import check_schedule, lr_schedule
 from autofit.training.state import NonFiniteStreak, RunState
 from autofit.training.validation import evaluate
 

@@ -63,3 +63,18 @@ def test_a_full_disk_while_writing_hf_is_one_line(tmp_path, monkeypatch):
         _fit(_llama(), tmp_path / "run")
     assert "is full (No space left on device writing model.safetensors); last.pt keeps step 2 intact" in str(error.value)
     assert not (tmp_path / "run" / "hf.partial").exists() and (tmp_path / "run" / "last.pt").is_file()
+
+
+def test_a_run_killed_while_replacing_hf_gets_the_old_one_back_and_overwrite_moves_it_aside(tmp_path):
+    from autofit.training.rundir import remove_leftovers, restore_previous_run, start_fresh
+
+    (tmp_path / "hf.old").mkdir()
+    (tmp_path / "hf.old" / "config.json").write_text("{}")
+    (tmp_path / "hf.partial").mkdir()
+    remove_leftovers(tmp_path)
+    assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "hf.partial").exists()
+    (tmp_path / "last.pt").write_bytes(b"")
+    start_fresh(tmp_path, overwrite=True)
+    assert not (tmp_path / "hf").exists()
+    restore_previous_run(tmp_path)
+    assert (tmp_path / "hf" / "config.json").is_file()
