@@ -135,3 +135,25 @@ def test_build_optimizer_may_take_named_parameters(optimizer_state):
     assert seen["names"] == [name for name, _ in model.named_parameters()]
     assert [len(g["params"]) for g in optimizer.param_groups] == [2, 4]
     assert isinstance(applied.build_optimizer(lambda params: torch.optim.SGD(params, lr=1.0)), torch.optim.Optimizer)
+
+
+def test_fp16_clips_the_unscaled_gradients_as_pytorch_recommends():
+    """GradScaler's recipe: unscale_, clip_grad_norm_, step, update; the same weights, torch.equal."""
+    ours, theirs = _model(), _model()
+    applied = apply_config(ours, TrainingConfig(global_batch_size=8, micro_batch_size=4, precision="fp16", max_grad_norm=1.0), device="cpu")
+    optimizer = applied.build_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
+    plain = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for inputs, targets in _batches(2):
+        train_step(applied, inputs, targets, loss_fn=nn.functional.cross_entropy, optimizer=optimizer)
+        for x, y in zip(inputs.split(4), targets.split(4)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(theirs(x), y) * 0.5
+            scaler.scale(loss).backward()
+        scaler.unscale_(plain)
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+        scaler.step(plain)
+        scaler.update()
+        plain.zero_grad()
+    for mine, reference in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(mine, reference)
