@@ -41,6 +41,10 @@ def fit(
     count_items: Callable | None = None,
     optimizer: Callable | None = None,
     lr: float | None = None,
+    schedule: str | None = None,
+    warmup_steps: int | None = None,
+    max_grad_norm: float | None = None,
+    init_from=None,
     device: str = "cpu",
     input_shape: str | None = None,
     log_dir: str | Path | None = None,
@@ -78,7 +82,13 @@ def fit(
             ``autofit.model_io.count_labels(shift=True)`` for a causal LM's tokens);
             micro-batches are weighted by them. Default: samples.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
-        lr: peak learning rate (cosine decay to a tenth); default the optimizer's.
+        lr: peak learning rate; default the optimizer's.
+        schedule: after the warm-up, "cosine" (default) or "linear" to a tenth of the peak, or "constant".
+        warmup_steps: optimizer steps of linear warm-up to the peak rate; default 0.
+        max_grad_norm: clip the gradients' global norm to this before each step (``clip_grad_norm_``); planning
+            then leaves out the optimizer step in backward, which cannot clip. Default: no clipping (or the plan's).
+        init_from: weights to start from: a state dict, or a path to one (.pt, .bin, .safetensors, an autofit
+            last.pt/best.pt, a save_pretrained directory); keys and shapes must match ``model``'s.
         device: "cpu" or "cuda", where to plan (and so train).
         input_shape: "CxHxW" images from a folder are resized to.
         log_dir: where metrics, plan.json, last.pt and best.pt go; default runs/<time>.
@@ -120,18 +130,27 @@ def fit(
         from autofit.training.resume import read_saved_run
 
         plan = plan_from_dict(read_saved_run(Path(log_dir))["plan"], where=f"the plan saved in {Path(log_dir) / 'last.pt'}")
+    weights_note = ""
+    if init_from is not None and not resume:
+        from autofit.training.weights import load_into, state_dict_from
+
+        where = "init_from" if isinstance(init_from, dict) else str(init_from)
+        load_into(model, init_from if isinstance(init_from, dict) else state_dict_from(init_from), where=where)
+        weights_note = f"from {where}"
     data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan)
     plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
-                     example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer)
+                     example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
+                     max_grad_norm=max_grad_norm)
     folder = str(Path(train_data).resolve()) if isinstance(train_data, (str, Path)) else None
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
         num_workers=num_workers, max_steps=max_steps, verbose=verbose, sources={"data": folder, "model": None},
+        schedule=schedule, warmup_steps=warmup_steps,
     )
     result = run_training(
         model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
         input_shape=shape, loss_fn=Loss(loss_fn, count_items=count_items), build_optimizer=optimizer or default_optimizer,
-        settings=settings,
+        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
     )
     return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
                      last_path=result.last_path, log_dir=result.log_dir)
@@ -151,7 +170,7 @@ def _read_data(train_data, val_data, *, input_shape: str | None, plan: Plan | No
 
 def _plan_for(
     model: nn.Module, plan: Plan | None, *, data: TrainData, input_shape: tuple[int, ...] | None, batch_size: int | None,
-    budget, device: str, example_batch, loss_fn, count_items, optimizer,
+    budget, device: str, example_batch, loss_fn, count_items, optimizer, max_grad_norm: float | None = None,
 ) -> Plan:
     """``plan``, or without one a plan for ``batch_size`` samples per step under ``budget`` (probing ``model``).
 
@@ -169,7 +188,7 @@ def _plan_for(
         spec = spec_from_model(
             model, example_batch or _examples_from(data.train), loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
         )
-        plan = make_plan(spec, PlanRequest(budget=budget, batch_size=batch_size, device=device))
+        plan = make_plan(spec, PlanRequest(budget=budget, batch_size=batch_size, device=device, max_grad_norm=max_grad_norm))
     elif batch_size is not None and batch_size != plan.config.global_batch_size:
         raise UserError(
             f"batch_size {batch_size} differs from the plan's global batch {plan.config.global_batch_size}; "

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ from autofit.device import check_device
 from autofit.errors import UserError
 from autofit.model_checks import check_trainable
 from autofit.plan_file import Plan
-from autofit.spec import model_fingerprint
+from autofit.spec import model_fingerprint, wants_names
 from autofit.distributed import DistributedEnv, init_distributed, launched_world_size
 from strategies import (
     ActivationOffload,
@@ -54,6 +54,8 @@ from strategies import (
     BatchSplitConfig,
     CheckpointConfig,
     Checkpointing,
+    ClippingConfig,
+    GradientClipping,
     OffloadConfig,
     OptimizerInBackwardConfig,
     OptimizerState,
@@ -92,6 +94,8 @@ class AppliedPlan:
     """This process's rank among ``world_size`` (rank 0 of 1 for a one-device plan)."""
     strategies: tuple[Strategy, ...]
     """Every strategy, in the order they were applied."""
+    clipping: GradientClipping = field(default_factory=lambda: GradientClipping(ClippingConfig()))
+    """Clips the step's gradients before the optimizer steps (nothing without ``config.max_grad_norm``)."""
 
     @property
     def module(self) -> nn.Module:
@@ -124,7 +128,9 @@ class AppliedPlan:
         sharded) and before training; pass it to ``optimizer_step``.
 
         Args:
-            build: params -> Optimizer, e.g. a model file's ``build_optimizer``.
+            build: params -> Optimizer, e.g. a model file's ``build_optimizer``; one whose first argument is
+                called ``named_parameters`` gets (name, parameter) pairs instead (names as ``module`` spells
+                them), so name-based recipes (no decay for biases and norms) carry over.
 
         Raises:
             UserError: no parameter of the model trains (an optimizer over none cannot be built).
@@ -137,13 +143,16 @@ class AppliedPlan:
             whose ``param_groups`` a learning-rate scheduler can set.
         """
         check_trainable(self.model)
+        if wants_names(build):
+            build = _with_names(build, self.module)
         for strategy in self.strategies:
             build = strategy.wrap_optimizer_builder(build)
         return build(list(self.model.parameters()))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """The optimizer step; False when fp16's GradScaler skipped it (inf/nan gradients)."""
-        return self.precision.optimizer_step(optimizer)
+        """The optimizer step, the gradients clipped first (unscaled, for fp16) when the plan clips; False when
+        fp16's GradScaler skipped it (inf/nan gradients)."""
+        return self.precision.optimizer_step(optimizer, before_step=lambda: self.clipping.clip(self.model))
 
     def micro_batches(self, inputs, targets, *, count=None) -> Iterator[tuple[object, object, float]]:
         """Yield (inputs, targets, loss_weight) per micro-batch of this process: ``world_size`` times its share of the
@@ -244,6 +253,7 @@ def apply_config(
     )
     optimizer_state = OptimizerState(OptimizerStateConfig(optimizer_state=config.optimizer_state), device=env.device)
     step_in_backward = StepInBackward(OptimizerInBackwardConfig(enabled=config.optimizer_in_backward))
+    clipping = GradientClipping(ClippingConfig(max_grad_norm=config.max_grad_norm))
     # The order is fixed, and each step says why it comes where it does.
     # 1. Checkpointing first: it finds blocks by their module names and patches
     #    their forward; any wrapper applied before it would rename or hide them.
@@ -267,14 +277,35 @@ def apply_config(
     #    optimizer ``AppliedPlan.build_optimizer`` builds later, over the final
     #    (moved, sharded) parameters. The step in backward comes second because
     #    it builds one optimizer per parameter with whatever the state's choice built.
-    # 6. Batch split last: it only decides how a global batch reaches the model;
+    # 6. Gradient clipping acts in the optimizer step, after precision's unscale and before the step: it needs
+    #    the step's whole (unscaled, under FSDP2 sharded) gradients, which is why the step in backward excludes it.
+    # 7. Batch split last: it only decides how a global batch reaches the model;
     #    on several processes each rank takes its share, and gradients are
     #    reduced once, after the last micro-batch (the sharding's sync).
     split = _batch_split(config, env=env, sync=sharding.sync)
-    strategies = (checkpointing, offload, sharding, precision, optimizer_state, step_in_backward, split)
+    strategies = (checkpointing, offload, sharding, precision, optimizer_state, step_in_backward, clipping, split)
     return AppliedPlan(
-        config=config, model=model, precision=precision, split=split, device=env.device, env=env, strategies=strategies,
+        config=config, model=model, precision=precision, clipping=clipping, split=split, device=env.device, env=env, strategies=strategies,
     )
+
+
+def _with_names(build: Callable, module: nn.Module) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """``build`` taking (name, parameter) pairs, as a builder of parameters the strategies can wrap.
+
+    Parameters are named by identity; a strategy that hands ``build`` copies in the same order (the host
+    optimizer's) gets them named by position among the trainable ones.
+    """
+    named = list(module.named_parameters())
+    by_id = {id(p): name for name, p in named}
+    trainable = [name for name, p in named if p.requires_grad]
+
+    def build_named(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)
+        if all(id(p) in by_id for p in params):
+            return build([(by_id[id(p)], p) for p in params])
+        return build(list(zip(trainable, params)))
+
+    return build_named
 
 
 def _batch_split(config: TrainingConfig, *, env: DistributedEnv, sync) -> BatchSplit:

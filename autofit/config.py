@@ -59,6 +59,10 @@ class TrainingConfig:
     """"none", "ddp" or "fsdp"."""
     world_size: int = 1
     """Processes training together."""
+    max_grad_norm: float | None = None
+    """Clip the global norm of the step's gradients (all micro-batches', over every rank's shards) to this before
+    the optimizer steps (``torch.nn.utils.clip_grad_norm_``); None clips nothing. A training choice, not a memory
+    lever: it rules out the step in backward, which steps each parameter before the global norm is known."""
 
     def __post_init__(self) -> None:
         for mode in BLOCK_MODES:  # "all", "a,b" or a list, as flags and files give them: held as a tuple
@@ -76,10 +80,12 @@ class TrainingConfig:
         PrecisionConfig(precision=self.precision)
         OptimizerStateConfig(optimizer_state=self.optimizer_state)
         ShardingConfig(world_size=self.world_size, sharding=self.sharding)
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise UserError(f"--max-grad-norm {self.max_grad_norm} must be a positive finite number, e.g. 1.0 (or left out: no clipping)")
         if self.optimizer_in_backward:
             refusal = step_in_backward_refusal(
                 precision=self.precision, global_batch_size=self.global_batch_size,
-                micro_batch_size=self.micro_batch_size, world_size=self.world_size,
+                micro_batch_size=self.micro_batch_size, world_size=self.world_size, max_grad_norm=self.max_grad_norm,
             )
             if refusal:
                 raise UserError(f"optimizer step in backward {refusal}")
@@ -141,12 +147,19 @@ class TrainingConfig:
         )
 
 
-def step_in_backward_refusal(*, precision: str, global_batch_size: int, micro_batch_size: int, world_size: int) -> str | None:
+def step_in_backward_refusal(
+    *, precision: str, global_batch_size: int, micro_batch_size: int, world_size: int, max_grad_norm: float | None = None,
+) -> str | None:
     """Why the optimizer step in backward cannot run with these, as the rest of a sentence; None when it can.
 
     The one place that says when: a configuration refuses itself by it, the
     plan file names the field by it, and the search offers the lever by it.
     """
+    if max_grad_norm is not None:
+        return (
+            f"cannot clip gradients (--max-grad-norm {max_grad_norm:g}): each parameter steps before the norm over all "
+            "gradients is known; drop --max-grad-norm or turn the step in backward off"
+        )
     if precision == "fp16":
         return (
             "cannot run with fp16: its GradScaler must see every gradient for inf/nan before any parameter steps; "

@@ -21,6 +21,7 @@ run; pass your own datasets to ``autofit.fit`` for real training).
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -123,6 +124,14 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
     def build_model() -> nn.Module:
         return auto_class.from_config(config)
 
+    weights = pretrained_weights(source)
+    if weights is not None:
+        def build_pretrained() -> nn.Module:
+            return _from_pretrained(transformers, auto_class, config=config, weights=weights, source=source)
+
+        loading = dict(build_pretrained=build_pretrained, weights_note=f"pretrained from {weights.parent}")
+    else:
+        loading = dict(weights_note=f"random init from {_config_file(source).name}")
     options: dict = {"task": task}
     if task == "image-classification":
         size = getattr(config, "image_size", 224)
@@ -135,7 +144,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         options["num_classes"] = num_classes
         return dict(
             build_model=build_model, example_batch=example_batch, loss_fn=Loss(None), input_shape=shape,
-            source_options=options,
+            source_options=options, **loading,
         )
     vocab_size = config.vocab_size
     longest = _context_length(config)
@@ -164,7 +173,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
             num_classes=num_classes)) for part in ("train", "val")}
     return dict(
         build_model=build_model, example_batch=example_batch, loss_fn=loss,
-        train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options,
+        train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options, **loading,
     )
 
 
@@ -203,9 +212,72 @@ class SyntheticTokens(torch.utils.data.Dataset):
         return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}, self.labels[index]
 
 
-def _hf_config(transformers, source: str):
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""What ``save_pretrained`` writes, in the order transformers prefers them: one file, or shards and their index."""
+
+
+def pretrained_weights(source: str) -> Path | None:
+    """The weights file (or shards' index) beside an ``hf:`` source's config; None when it has none."""
+    folder = _config_file(source).parent
+    return next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+
+
+def _from_pretrained(transformers, auto_class, *, config, weights: Path, source: str) -> nn.Module:
+    """The model with the weights in ``weights.parent`` (local files only), in fp32 whatever they were saved in.
+
+    transformers builds it on the meta device and assigns the loaded tensors (no second copy in memory). A head
+    the checkpoint lacks (a classifier on a language model's weights) starts from random weights, as
+    transformers does; any other key missing, or a shape that differs, is one line naming the file.
+    """
+    try:
+        with quiet_transformers():  # its load report and progress bars: autofit says what it loaded
+            model, info = auto_class.from_pretrained(
+                str(weights.parent), config=config, local_files_only=True, dtype=torch.float32, ignore_mismatched_sizes=True,
+                output_loading_info=True,
+            )
+    except Exception as error:  # an unreadable or foreign file: the user's to replace
+        raise UserError(f"{source}: cannot load the weights in {str(weights)!r} ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+                        "give --from-config to train from random weights") from error
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    missing = sorted(key for key in info["missing_keys"] if key.startswith(prefix))
+    mismatched = sorted(info["mismatched_keys"])
+    if mismatched:
+        key, saved, built = mismatched[0]
+        raise UserError(
+            f"{source}: the weights in {str(weights)!r} do not fit the config: {key} is {tuple(saved)} in the file but "
+            f"{tuple(built)} in the model ({len(mismatched)} such); give the config they were saved with, or --from-config"
+        )
+    if missing:
+        raise UserError(
+            f"{source}: the weights in {str(weights)!r} lack {len(missing)} of the model's tensors (e.g. {', '.join(missing[:3])}); "
+            "give the weights saved with this config, or --from-config to train from random weights"
+        )
+    return model
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers without its progress bars and reports (errors still raise), put back after."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _config_file(source: str) -> Path:
     path = Path(source.split(":", 1)[1]).expanduser()
-    file = path / "config.json" if path.is_dir() else path
+    return path / "config.json" if path.is_dir() else path
+
+
+def _hf_config(transformers, source: str):
+    file = _config_file(source)
     if not file.is_file():
         raise UserError(
             f"{source}: no transformers config at {str(file)!r}; give a local directory holding config.json "

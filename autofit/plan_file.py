@@ -198,6 +198,7 @@ class Plan:
             **({"optimizer_state": config.optimizer_state} if config.optimizer_state != "device" else {}),
             "world_size": config.world_size,
             "sharding": config.sharding,
+            **({"max_grad_norm": config.max_grad_norm} if config.max_grad_norm is not None else {}),
             "estimated": self.estimated,
             "predicted": self.predicted.to_dict() if self.predicted else {},
             "measured": self.measured.to_dict() if self.measured else {},
@@ -288,9 +289,9 @@ def _check_together(choices: dict, *, grad_accum_steps: int | None, where: str) 
         if both:
             _refuse(where, mode, choices[mode], f"blocks not also in checkpoint (a block takes one mode: {both[0]})")
     if choices.get("optimizer_in_backward") and step_in_backward_refusal(
-        precision=precision, global_batch_size=G, micro_batch_size=m, world_size=N,
+        precision=precision, global_batch_size=G, micro_batch_size=m, world_size=N, max_grad_norm=choices.get("max_grad_norm"),
     ):
-        _refuse(where, "optimizer_in_backward", True, "false unless one micro-batch per step on one process, not fp16")
+        _refuse(where, "optimizer_in_backward", True, "false unless one micro-batch per step on one process, not fp16, no max_grad_norm")
     if choices.get("optimizer_state") == "host" and N > 1:
         _refuse(where, "optimizer_state", "host", f'"device" or "8bit" for world_size {N} (host state runs on one process)')
     expected_steps = micro_batch_count(G, world_size=N, micro_batch_size=m)
@@ -371,6 +372,7 @@ _PLAN_FIELDS = {  # checked in this order: the schema version first
     "optimizer_state": _choice(OPTIMIZER_STATES),
     "world_size": _integer(1, MAX_BATCH_SIZE, f"a whole number of processes from 1 to {MAX_BATCH_SIZE}"),
     "sharding": _choice(SHARDINGS),
+    "max_grad_norm": _Kind("a positive number", lambda value: _number(value) and value > 0).or_null(),
     "estimated": FLAG,
     "predicted": OBJECT,
     "measured": OBJECT,

@@ -47,12 +47,44 @@ class ModelSpec:
     """(C, H, W) of one image sample, when known; the data loader resizes to it."""
     source_options: dict = field(default_factory=dict)
     """What rebuilds the model besides its source (hf: ``task``, ``seq_len``); plans and weights keep it."""
+    build_pretrained: Callable[[], nn.Module] | None = None
+    """The model with pretrained weights (an ``hf:`` directory holding them), for training; planning never calls
+    it (weights change no byte). None: ``build_model``'s initialisation is where training starts."""
+    weights_note: str = ""
+    """Where training's weights come from, as the plan summary and the run's header say it ("pretrained from
+    DIR", "random init from config.json"); "" for a model file's own initialisation."""
     simulation_fallback: str = ""
     """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
+    """AdamW, lr 1e-3, its weight decay (0.01) on matrices only: biases and norm weights get none (``decay_groups``)."""
+    return torch.optim.AdamW(decay_groups(params), lr=1e-3)
+
+
+def decay_groups(params) -> list[dict]:
+    """Parameter groups with weight decay off for tensors of fewer than 2 dimensions (biases, norm weights), the
+    transformers convention; decided by shape, so host copies and sharded parameters group alike.
+
+    Example:
+        >>> groups = decay_groups(torch.nn.Linear(4, 2).parameters())
+        >>> [(len(g["params"]), g.get("weight_decay")) for g in groups]
+        [(1, None), (1, 0.0)]
+    """
+    params = list(params)
+    groups = [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def wants_names(build_optimizer: Callable) -> bool:
+    """True when a ``build_optimizer`` takes ``named_parameters``: (name, parameter) pairs rather than parameters."""
+    import inspect
+
+    try:
+        first = next(iter(inspect.signature(build_optimizer).parameters), None)
+    except (TypeError, ValueError):  # a builtin or a C callable: the old contract
+        return False
+    return first in ("named_parameters", "named_params")
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

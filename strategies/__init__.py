@@ -11,6 +11,7 @@ train together.
 """
 from strategies.base import Strategy
 from strategies.batch_split import BatchSplit, BatchSplitConfig, micro_batch_count, rank_slice
+from strategies.clipping import ClippingConfig, GradientClipping
 from strategies.checkpointing import (
     CheckpointConfig,
     Checkpointing,
@@ -32,6 +33,8 @@ __all__ = [
     "BatchSplit",
     "BatchSplitConfig",
     "CheckpointConfig",
+    "ClippingConfig",
+    "GradientClipping",
     "Checkpointing",
     "HostOptimizer",
     "OPTIMIZER_STATES",

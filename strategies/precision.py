@@ -1,6 +1,7 @@
 """Precision: fp32, bf16 autocast, or fp16 autocast with a GradScaler."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -76,16 +77,20 @@ class Precision(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step (unless fp16 found inf/nan gradients) and update the scale.
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, before_step: Callable[[], None] = lambda: None) -> bool:
+        """Step (unless fp16 found inf/nan gradients) and update the scale; ``before_step`` runs on the unscaled
+        gradients just before the step (gradient clipping).
 
         Returns:
             True when the optimizer stepped.
         """
         if not self.scaler.is_enabled():
+            before_step()
             optimizer.step()
             return True
         scale_before = self.scaler.get_scale()
+        self.scaler.unscale_(optimizer)  # what ``before_step`` sees (a clip) are the true gradients, not the scaled ones
+        before_step()
         self.scaler.step(optimizer)
         self.scaler.update()
         # GradScaler lowers the scale exactly when it skipped the step.

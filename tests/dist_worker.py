@@ -7,7 +7,7 @@ results. ``run_scenario`` without torchrun is the single-process reference
 
 A scenario is a dict: name, sharding ("none" | "ddp" | "fsdp"),
 global_batch_size, micro_batch_size, steps, checkpoint ("none" | "all"),
-precision, and optionally save_at + save_to (a DCP save after that step),
+precision, and optionally max_grad_norm (clipped before each step), save_at + save_to (a DCP save after that step),
 resume_from (continue from such a save), track_memory (per-rank peak bytes).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def run_scenario(scenario: dict, *, env) -> dict:
     config = TrainingConfig(
         global_batch_size=scenario["global_batch_size"], micro_batch_size=scenario["micro_batch_size"],
         precision=precision_name, checkpoint=scenario.get("checkpoint", []),
-        sharding=sharding, world_size=env.world_size,
+        sharding=sharding, world_size=env.world_size, max_grad_norm=scenario.get("max_grad_norm"),
     )
     # The one owner: checkpointing, then sharding, precision and the rank's batch split.
     applied = apply_config(build_model(), config, device=env.device, env=env)

@@ -31,6 +31,9 @@ def plan(
         False, "--allow-lossy-optimizer",
         help="8-bit AdamW state (torchao) may be chosen, above the floor and below it; it changes the optimizer's arithmetic.",
     ),
+    max_grad_norm: float | None = typer.Option(
+        None, "--max-grad-norm", help="Training will clip the gradients' global norm to this (written in the plan); the step in backward, which cannot clip, is not searched.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
     num_classes: int | None = NUM_CLASSES,
@@ -61,14 +64,18 @@ def plan(
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, study=study,
         precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus,
-        allow_lossy_optimizer=allow_lossy_optimizer, cache=not no_cache, threads=threads,
+        allow_lossy_optimizer=allow_lossy_optimizer, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
     )
     report = plan_with_report(spec, request, log=None if quiet else print_progress)
     path = save_plan(report.plan, out)
     if as_json:
         print_json(report.plan.to_dict())
         return
-    print("\n".join(summary_lines(report, path=path)))
+    lines = summary_lines(report, path=path)
+    if spec.weights_note:  # planning used none: weights change no byte
+        again = "; --from-config there for random init" if spec.build_pretrained is not None else ""
+        lines.insert(2, f"  weights     {spec.weights_note} (what `autofit train` starts from{again})")
+    print("\n".join(lines))
 
 
 def _check_study(study: str) -> None:

@@ -30,7 +30,18 @@ def train(
     epochs: Optional[int] = typer.Option(
         None, "--epochs", help="Passes over the training data, in total; default 1, or on --resume the run's own (a larger number trains on)."
     ),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate, decayed by a cosine to a tenth; default the optimizer's."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate (see --schedule); default the optimizer's."),
+    schedule: Optional[str] = typer.Option(
+        None, "--schedule", help="After the warm-up: cosine or linear to a tenth of the peak rate, or constant; default cosine."
+    ),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Optimizer steps of linear warm-up to the peak rate; default 0."),
+    max_grad_norm: Optional[float] = typer.Option(
+        None, "--max-grad-norm", help="Clip the global gradient norm to this before each optimizer step (clip_grad_norm_); default the plan's (none)."
+    ),
+    weights: Optional[Path] = typer.Option(
+        None, "--weights", help="Start from these weights: a state dict (.pt, .bin, .safetensors), an autofit last.pt/best.pt or a save_pretrained directory."
+    ),
+    from_config: bool = typer.Option(False, "--from-config", help="hf:DIR: random weights from config.json, not the pretrained weights in DIR."),
     log_dir: Optional[Path] = typer.Option(
         None, "--log-dir", help="Where metrics.jsonl, TensorBoard events, plan.json, last.pt and best.pt go; default runs/<date>-<time>."
     ),
@@ -53,10 +64,12 @@ def train(
     """
     with _errors_from_rank0_first():
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
-               workers=workers, save_every=save_every, max_steps=max_steps, seed=seed)
+               workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, schedule=schedule,
+               warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config)
 
 
-def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, model, workers, save_every, max_steps, seed) -> None:
+def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, model, workers, save_every, max_steps, seed,
+           schedule, warmup_steps, max_grad_norm, weights, from_config) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
@@ -67,6 +80,8 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
     from autofit.training.stops import TrainingInterrupted
     from autofit.training.resume import check_same_plan, read_saved_run, resumed_value
     from autofit.training.run import run_training
+    from autofit.training.weights import initial_model
+    from autofit.training.hf_export import pretrained_dir
     from strategies import ShardingConfig
 
     data = Path(data).resolve() if data is not None else None
@@ -91,21 +106,31 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
     # A plan for N processes: refuse any other number, naming the command that starts N.
     check_launch(ShardingConfig(world_size=the_plan.config.world_size, sharding=the_plan.config.sharding))
     spec = spec_for_plan(the_plan.model, model_file=model)
+    if resume and (weights is not None or from_config):
+        raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")
+    if weights is not None and from_config:
+        raise UserError("--weights and --from-config both choose the starting weights; give one of them")
+    if from_config and spec.build_pretrained is None and not spec.source.startswith("hf:"):
+        raise UserError(f"--from-config is for an hf:DIR model holding weights; {spec.source} starts from its own initialisation already")
     planned_shape = the_plan.model.input_shape
     shape = input_shape_from(planned_shape) if planned_shape else spec.input_shape
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed, num_workers=workers,
-        save_every_steps=save_every, max_steps=max_steps,
+        save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps,
         sources={"data": str(data) if data is not None else None, "model": model},
     )
     train_data = image_folder_data(data, input_shape=input_shape_from(shape)) if data is not None else model_file_data(spec)
     torch.manual_seed(seed or 0)
-    network = spec.build_model()
+    if resume:  # last.pt holds the weights
+        network, weights_note = spec.build_model(), ""
+    else:
+        network, weights_note = initial_model(spec, weights=weights, from_config=from_config)
     try:
         run_training(
             network, plan=the_plan, data=train_data, source=spec.source, source_options=spec.source_options,
             input_shape=shape, loss_fn=spec.loss_fn,
-            build_optimizer=spec.build_optimizer, settings=settings,
+            build_optimizer=spec.build_optimizer, settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
+            pretrained_dir=pretrained_dir(spec),
         )
     except TrainingInterrupted as stop:
         if is_rank0():

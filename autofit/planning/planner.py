@@ -44,6 +44,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+from autofit.config import step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, plan_context
@@ -127,13 +128,32 @@ def plan_with_report(spec: ModelSpec, request: PlanRequest, *, log: Callable[[st
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise UserError(f"--gpus {gpus!r} must be a whole number of GPUs, at least 1")
     if gpus > 1:
-        return _plan_ranks(spec, request, log=log)
+        return _with_clipping(_plan_ranks(spec, request, log=log), request.max_grad_norm)
     context = plan_context(spec, request, log=log)
+    levers = Levers(allow_lossy_optimizer=request.allow_lossy_optimizer, max_grad_norm=request.max_grad_norm)
     try:
         with _threads(context):
-            return _plan_one_process(context, _memory(context), levers=Levers(allow_lossy_optimizer=request.allow_lossy_optimizer))
+            return _with_clipping(_plan_one_process(context, _memory(context), levers=levers), request.max_grad_norm)
     finally:
         context.trace_pool.close()
+
+
+def _with_clipping(report: PlanReport, max_grad_norm: float | None) -> PlanReport:
+    """The plan clipping gradients at ``max_grad_norm``, saying that the step in backward was left out for it.
+
+    Clipping changes no byte the planner counts beyond a scalar per gradient (their norms), so it is planned as
+    training without it, and only the step in backward, which cannot clip, is not searched.
+    """
+    if max_grad_norm is None:
+        return report
+    plan = report.plan
+    why = step_in_backward_refusal(
+        precision=plan.config.precision, global_batch_size=plan.config.global_batch_size, micro_batch_size=1, world_size=1,
+        max_grad_norm=max_grad_norm,
+    )
+    note = f"gradients are clipped to norm {max_grad_norm:g} before each step; the optimizer step in backward was left out: it {why.split(';')[0]}"
+    report.plan = replace(plan, config=replace(plan.config, max_grad_norm=max_grad_norm), notes=[*plan.notes, note])
+    return report
 
 
 @contextmanager
@@ -180,7 +200,10 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             raise
         with context.phase("levers"):
             try:
-                ladder = plan_with_levers(context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+                ladder = plan_with_levers(
+                    context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
+                    max_grad_norm=levers.max_grad_norm,
+                )
             except BelowLeverFloor as refused:
                 # The ladder adds the levers to the floor configuration only; where that takes several micro-batches
                 # the step in backward (one micro-batch per step) is not among them, yet a larger micro-batch with it
@@ -194,7 +217,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer) if levers is not None else None
+        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer, step_in_backward=levers.max_grad_norm is None) if levers is not None else None
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     with context.phase("verify"):
@@ -255,7 +278,7 @@ def _searched_below_floor(
     fallback = below.floor.config if plan is None else plan.config
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer)
+        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer, step_in_backward=levers.max_grad_norm is None)
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     if not any(e.fits for e in evaluations):

@@ -47,8 +47,13 @@ class PlanRequest:
     """Intra-op threads to time with; None: PyTorch's, fewer when other work keeps the cores busy."""
     num_classes: int | None = None
     """Outputs the model file's model is built with, when it takes them (``--num-classes``)."""
+    max_grad_norm: float | None = None
+    """Training clips the gradients' global norm to this (written in the plan); the optimizer step in backward,
+    which cannot clip, is then not searched."""
 
     def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and 0 < self.max_grad_norm < float("inf")):
+            raise UserError(f"--max-grad-norm {self.max_grad_norm} must be a positive finite number, e.g. 1.0 (or left out: no clipping)")
         if self.precisions is not None and not isinstance(self.precisions, tuple):
             object.__setattr__(self, "precisions", tuple(self.precisions))
 

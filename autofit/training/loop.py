@@ -57,6 +57,7 @@ from autofit.training.recovery import MicroBatchChange, StepUndo, step_with_reco
 from autofit.training.resume import check_same_plan, resumed_value
 from autofit.training.rundir import discard_previous_run, hold_run_directory, restore_previous_run, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
+from autofit.training.schedule import check_schedule, lr_schedule
 from autofit.training.state import NonFiniteStreak, RunState
 from autofit.training.validation import evaluate
 
@@ -80,7 +81,12 @@ class TrainSettings:
     """metrics.jsonl, TensorBoard events, plan.json, last.pt and best.pt go here. None:
     runs/<date>-<time>, which ``autofit.training.run.run_training`` picks (``train`` needs a folder)."""
     lr: float | None = None
-    """Peak learning rate; None keeps the optimizer's (or the run's own). It decays by a cosine to a tenth over the run."""
+    """Peak learning rate; None keeps the optimizer's (or the run's own). It follows ``schedule`` over the run."""
+    schedule: str | None = None
+    """After the warm-up: "cosine" or "linear" to a tenth of the peak, or "constant" (``training.schedule``). None:
+    cosine, or the run's own."""
+    warmup_steps: int | None = None
+    """Optimizer steps of linear warm-up from 0 to the peak rate. None: 0, or the run's own."""
     resume: bool = False
     """Continue from log_dir/last.pt: weights, optimizer, scaler, schedule, RNG, data position and these settings."""
     overwrite: bool = False
@@ -117,6 +123,7 @@ class TrainSettings:
             raise UserError(f"--save-every {self.save_every_steps} must be 0 (each epoch) or a number of steps")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"--max-steps {self.max_steps} must be at least 1 (or left out: train every epoch)")
+        check_schedule(self.schedule or "cosine", self.warmup_steps or 0)
         if self.resume and self.overwrite:
             raise UserError("--overwrite deletes the run that --resume would continue; give one of them")
 
@@ -124,6 +131,7 @@ class TrainSettings:
         """These settings with every default filled in."""
         return dataclasses.replace(
             self, epochs=self.epochs or 1, seed=self.seed or 0, save_every_steps=self.save_every_steps or 0,
+            schedule=self.schedule or "cosine", warmup_steps=self.warmup_steps or 0,
         )
 
     def for_resume(self, recorded: dict, *, global_step: int) -> TrainSettings:
@@ -150,6 +158,9 @@ class TrainSettings:
             epochs=self.epochs or recorded.get("epochs") or 1,
             lr=resumed_value("lr", self.lr, recorded.get("lr"), where=where) if "lr" in recorded else self.lr,
             seed=resumed_value("seed", self.seed, recorded.get("seed", 0), where=where),
+            # A run from before these settings scheduled a cosine without warm-up.
+            schedule=resumed_value("schedule", self.schedule, recorded.get("schedule", "cosine"), where=where),
+            warmup_steps=resumed_value("warmup_steps", self.warmup_steps, recorded.get("warmup_steps", 0), where=where),
             save_every_steps=self.save_every_steps if self.save_every_steps is not None else recorded.get("save_every_steps", 0),
             max_steps=max_steps,
             sources=sources,
@@ -159,6 +170,7 @@ class TrainSettings:
         """What last.pt keeps of these settings (``for_resume`` reads it back)."""
         return {
             "epochs": self.epochs, "lr": self.lr, "seed": self.seed, "save_every_steps": self.save_every_steps,
+            "schedule": self.schedule, "warmup_steps": self.warmup_steps,
             "max_steps": self.max_steps, "sources": dict(self.sources),
         }
 
@@ -269,7 +281,9 @@ def _train_run(
             else:
                 group["lr"] = settings.lr
     steps_per_epoch = math.ceil(len(data.train) / plan.config.global_batch_size)
-    scheduler = cosine_schedule(optimizer, total_steps=steps_per_epoch * settings.epochs)
+    scheduler = lr_schedule(
+        optimizer, kind=settings.schedule, warmup_steps=settings.warmup_steps, total_steps=steps_per_epoch * settings.epochs,
+    )
     # Each rank draws its own dropout masks; rank 0 (the only one on one device) those of the seed.
     torch.manual_seed(settings.seed + applied.env.rank)
     checkpoints = RunCheckpoints(
@@ -437,16 +451,6 @@ def default_log_dir(root: str | Path = "runs") -> Path:
         n += 1
         candidate = Path(root) / f"{stamp}-{n}"
     return candidate
-
-
-def cosine_schedule(optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """The learning rate falls from its peak to a tenth of it along half a cosine over ``total_steps``."""
-
-    def factor(step: int) -> float:
-        progress = min(step, total_steps) / max(total_steps, 1)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _check_classes(plan: Plan, data: TrainData) -> None:

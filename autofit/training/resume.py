@@ -17,7 +17,7 @@ from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 
-MUST_MATCH = ("lr", "seed", "data", "model")
+MUST_MATCH = ("lr", "seed", "data", "model", "schedule", "warmup_steps")
 """Settings that change what is trained: given again on resume, they must equal the run's."""
 
 

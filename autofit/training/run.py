@@ -7,13 +7,19 @@ planning first when it has no plan); from there both go through here.
 from __future__ import annotations
 
 import dataclasses
+import errno
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from torch import nn
 
 from autofit.plan_file import Plan
 from autofit.training.data import TrainData
-from autofit.distributed import init_distributed, same_on_all_ranks
+from autofit.distributed import init_distributed, is_rank0, same_on_all_ranks
+from autofit.errors import UserError
+from autofit.training.hf_export import save_for_transformers
+from autofit.training.resume import resumed_value
+from autofit.training.stops import disk_full_line
 from autofit.training.threads import plan_threads
 from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, train
 
@@ -29,6 +35,9 @@ def run_training(
     loss_fn: Callable,
     build_optimizer: Callable,
     settings: TrainSettings,
+    max_grad_norm: float | None = None,
+    weights_note: str = "",
+    pretrained_dir: Path | None = None,
 ) -> TrainResult:
     """Train ``model`` with ``plan`` on ``data`` in the shared loop (``autofit.training.loop.train``).
 
@@ -43,6 +52,10 @@ def run_training(
         loss_fn: (output, target) -> mean loss.
         build_optimizer: params -> Optimizer.
         settings: epochs, log dir, resume, ...; without a log dir, runs/<date>-<time>.
+        max_grad_norm: clip the gradients' global norm to this (the plan's ``max_grad_norm`` from now on); None
+            keeps the plan's. On resume it must equal the run's.
+        weights_note: where the weights came from ("pretrained from DIR"), printed before training.
+        pretrained_dir: the ``hf:`` directory whose tokenizer ``hf/`` gets beside the weights.
 
     Returns:
         The loop's ``TrainResult``.
@@ -61,9 +74,35 @@ def run_training(
         "input_shape": "x".join(map(str, input_shape)) if input_shape else None,
         "num_classes": len(data.classes) if data.classes else plan.model.num_classes,
     }
+    plan = with_clipping(plan, max_grad_norm, resume=settings.resume, where=settings.log_dir)
+    if weights_note and settings.verbose and is_rank0():
+        print(f"weights: {weights_note}", flush=True)
     # The threads the plan's speed was timed with (``training.threads``); PyTorch's setting is put back after.
     with plan_threads(plan, say=print if settings.verbose else lambda line: None):
-        return train(
+        result = train(
             model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
             settings=settings,
         )
+    try:
+        saved = save_for_transformers(model, log_dir=result.log_dir, tokenizer_dir=pretrained_dir)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise UserError(disk_full_line(error, result.log_dir)) from None
+    if saved is not None and settings.verbose and is_rank0():
+        print(f"saved for transformers: {saved} (from_pretrained loads it)", flush=True)
+    return result
+
+
+def with_clipping(plan: Plan, max_grad_norm: float | None, *, resume: bool, where) -> Plan:
+    """``plan`` clipping gradients at ``max_grad_norm`` (None: as it does). A resumed run keeps its own.
+
+    Raises:
+        UserError: the plan steps in backward (no clipping is possible there), or on resume a value other than
+            the run's.
+    """
+    if max_grad_norm is None or max_grad_norm == plan.config.max_grad_norm:
+        return plan
+    if resume:
+        resumed_value("max_grad_norm", max_grad_norm, plan.config.max_grad_norm, where=where)
+    return dataclasses.replace(plan, config=dataclasses.replace(plan.config, max_grad_norm=max_grad_norm))

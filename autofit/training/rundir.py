@@ -152,7 +152,9 @@ def remove_leftovers(log_dir: Path) -> list[str]:
     sharded, previous = log_dir / "last_sharded", log_dir / "last_sharded.previous"
     if previous.is_dir() and not sharded.exists():
         previous.rename(sharded)  # killed between moving the old save aside and moving the new one in
-    for name in ("last_sharded.partial", "last_sharded.previous"):
+    if (log_dir / "hf.old").is_dir() and not (log_dir / "hf").exists():
+        (log_dir / "hf.old").rename(log_dir / "hf")  # killed between moving the old hf/ aside and the new one in
+    for name in ("last_sharded.partial", "last_sharded.previous", "hf.partial", "hf.old"):
         if (log_dir / name).is_dir():
             shutil.rmtree(log_dir / name, ignore_errors=True)
             removed.append(name)
@@ -174,7 +176,7 @@ def run_files(log_dir: Path) -> list[str]:
 
 def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
     """Make sure a new run loses nothing: refuse a folder that holds a run, or with ``overwrite`` move that run's files
-    (and its plan.json and TensorBoard events) aside to ``.previous/`` (``discard_previous_run`` deletes them once the
+    (and its plan.json, hf/ and TensorBoard events) aside to ``.previous/`` (``discard_previous_run`` deletes them once the
     new run has saved; ``restore_previous_run`` puts them back if it never does).
 
     Raises:
@@ -191,7 +193,7 @@ def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
         )
     aside = log_dir / PREVIOUS
     aside.mkdir()
-    extras = [log_dir / "plan.json", *log_dir.glob("events.out.tfevents.*")]
+    extras = [log_dir / "plan.json", log_dir / "hf", *log_dir.glob("events.out.tfevents.*")]
     for path in [*(log_dir / name for name in found), *(path for path in extras if path.exists())]:
         path.rename(aside / path.name)
 

@@ -40,6 +40,10 @@ SCENARIOS = [
     {"name": "ddp_k1", "sharding": "ddp", "global_batch_size": 8, "micro_batch_size": 4, "steps": 5},
     {"name": "ddp_k2", "sharding": "ddp", "global_batch_size": 8, "micro_batch_size": 2, "steps": 5},
     {"name": "ddp_uneven", "sharding": "ddp", "global_batch_size": 5, "micro_batch_size": 2, "steps": 5},
+    # Gradient clipping on the sharded gradients (FSDP2: a DTensor norm made whole) and on DDP's reduced ones;
+    # the norm is small enough that every step clips.
+    {"name": "fsdp_clipped", "sharding": "fsdp", "global_batch_size": 8, "micro_batch_size": 2, "steps": 5, "max_grad_norm": 0.05},
+    {"name": "ddp_clipped", "sharding": "ddp", "global_batch_size": 8, "micro_batch_size": 2, "steps": 5, "max_grad_norm": 0.05},
     {"name": "fsdp_bf16", "sharding": "fsdp", "global_batch_size": 8, "micro_batch_size": 2, "steps": 5, "precision": "bf16"},
     {"name": "fsdp_fp16", "sharding": "fsdp", "global_batch_size": 8, "micro_batch_size": 2, "steps": 5, "precision": "fp16"},
     {"name": "fsdp_saved", "sharding": "fsdp", "global_batch_size": 8, "micro_batch_size": 2, "steps": 5, "save_at": 3},
@@ -106,7 +110,7 @@ def _assert_same_training(run: dict, reference: dict, *, rtol: float) -> None:
 
 @needs_gloo
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp_k1", "fsdp_k2_checkpointed", "fsdp_uneven", "ddp_k1", "ddp_k2", "ddp_uneven"])
+@pytest.mark.parametrize("name", ["fsdp_k1", "fsdp_k2_checkpointed", "fsdp_uneven", "ddp_k1", "ddp_k2", "ddp_uneven", "fsdp_clipped", "ddp_clipped"])
 def test_two_processes_train_like_one(runs, name):
     """Same global batch, seed and AdamW: the same loss curve and weights as one process (fp32)."""
     _assert_same_training(runs[name], _reference(name), rtol=1e-4)

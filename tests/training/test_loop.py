@@ -12,7 +12,8 @@ from torch import nn
 from autofit.config import TrainingConfig
 from autofit.training.data import TrainData, epoch_order
 from autofit.errors import UserError
-from autofit.training.loop import TrainSettings, cosine_schedule, train
+from autofit.training.loop import TrainSettings, train
+from autofit.training.schedule import cosine_schedule
 from autofit.training.stops import TrainingInterrupted
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, load_plan
 from autofit.spec import model_fingerprint

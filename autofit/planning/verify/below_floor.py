@@ -69,6 +69,8 @@ class Levers:
 
     allow_lossy_optimizer: bool = False
     """8-bit optimizer state may be chosen (it changes the optimizer's arithmetic)."""
+    max_grad_norm: float | None = None
+    """Training clips gradients (``--max-grad-norm``): the step in backward cannot, so it is left out."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +111,7 @@ class _Measured:
 
 
 def lever_candidates(
-    context: PlanContext, floor: Floor, *, blocks: list[str], allow_lossy_optimizer: bool
+    context: PlanContext, floor: Floor, *, blocks: list[str], allow_lossy_optimizer: bool, max_grad_norm: float | None = None,
 ) -> tuple[list[LeverCandidate], list[str]]:
     """The floor configuration with the levers, cheapest in speed first, and why any lever was left out.
 
@@ -123,6 +125,7 @@ def lever_candidates(
     candidates, skipped, names = [], [], []
     refusal = step_in_backward_refusal(
         precision=config.precision, global_batch_size=G, micro_batch_size=config.micro_batch_size, world_size=1,
+        max_grad_norm=max_grad_norm,
     )
     if refusal:
         skipped.append(f"optimizer step in backward: it {refusal.split(';')[0]}")
@@ -155,7 +158,8 @@ def lever_candidates(
 
 
 def plan_with_levers(
-    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, allow_lossy_optimizer: bool
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, allow_lossy_optimizer: bool,
+    max_grad_norm: float | None = None,
 ) -> PlanReport:
     """The first lever candidate measured to fit, as the plan; the floor's error with the levers' savings otherwise.
 
@@ -165,7 +169,9 @@ def plan_with_levers(
     """
     floor = below.floor
     floor_peak, _ = measurements.checked_peak(floor.config)
-    candidates, skipped = lever_candidates(context, floor, blocks=list(costs.model.blocks), allow_lossy_optimizer=allow_lossy_optimizer)
+    candidates, skipped = lever_candidates(
+        context, floor, blocks=list(costs.model.blocks), allow_lossy_optimizer=allow_lossy_optimizer, max_grad_norm=max_grad_norm,
+    )
     context.log(f"below the floor {format_bytes(floor.budget_bytes)}: the floor configuration with the memory levers")
     for why in skipped:
         context.log(f"  left out: {why}")
@@ -390,21 +396,22 @@ def _timing_device(context: PlanContext) -> tuple[torch.device, str] | None:
 NOT_TIMED = "not measured: no GPU here to time it on, so taken as nothing"
 
 
-def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: bool = False) -> LeverSearch:
+def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: bool = False, step_in_backward: bool = True) -> LeverSearch:
     """The memory levers the search may add above the floor on one process (``search.LeverSearch``).
 
     The step in backward everywhere (the search tries it where a point allows it); on a GPU (simulated too)
     also offload per block and optimizer state on the host, with the host link's rates (measured on a GPU
     here, else assumed) and the host's update timed on this CPU. 8-bit state only with
     ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for.
+    Without ``step_in_backward`` (training clips gradients) that lever is left out.
     """
     trainable = _trainable(context)
     eight_bit = eight_bit_time(context, trainable) if allow_lossy_optimizer else None
     stepping = step_in_backward_time(context, costs, trainable)
     if context.device != "cuda":
-        return LeverSearch(step_in_backward=True, eight_bit=eight_bit, step_in_backward_time=stepping)
+        return LeverSearch(step_in_backward=step_in_backward, eight_bit=eight_bit, step_in_backward_time=stepping)
     return LeverSearch(
-        step_in_backward=True, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable.bytes,
+        step_in_backward=step_in_backward, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable.bytes,
         host_update_seconds=time_host_update(context.spec.build_optimizer) * trainable.elements, eight_bit=eight_bit,
         step_in_backward_time=stepping,
     )

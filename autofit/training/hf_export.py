@@ -1,0 +1,84 @@
+"""``hf/`` in a run directory: the trained model in transformers' ``save_pretrained`` format.
+
+For a transformers model (an ``hf:`` model, or one passed to ``autofit.fit``)
+the run writes ``hf/`` when it ends (its last epoch, or ``--max-steps``): the
+weights it ended with (as last.pt holds them), its config, and the tokenizer
+of the ``hf:`` directory when that has one, so that
+``AutoModelForCausalLM.from_pretrained("runs/NAME/hf")`` loads it. A PEFT
+model saves its adapter (``PeftModel.save_pretrained``), which
+``PeftModel.from_pretrained`` loads over its base. The folder is written
+beside as ``hf.partial/`` and renamed into place, so a crash leaves the old
+``hf/`` or the new one.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from torch import nn
+
+from autofit.distributed import is_rank0
+from autofit.library_models import quiet_transformers
+from autofit.spec import ModelSpec
+from autofit.training.sharded_checkpoints import full_model_state_dict
+from strategies import unwrap_model
+
+
+def pretrained_dir(spec: ModelSpec) -> Path | None:
+    """The directory of an ``hf:`` source (where its tokenizer may be); None for other models."""
+    if not spec.source.startswith("hf:"):
+        return None
+    path = Path(spec.source.split(":", 1)[1]).expanduser()
+    return path if path.is_dir() else path.parent
+
+
+def saves_pretrained(model: nn.Module) -> bool:
+    """True for a model transformers (or PEFT) can save and load: it has ``save_pretrained``."""
+    return callable(getattr(unwrap_model(model), "save_pretrained", None))
+
+
+def save_for_transformers(model: nn.Module, *, log_dir: Path, tokenizer_dir: Path | None = None) -> Path | None:
+    """Write ``log_dir/hf`` (see the module docstring); a collective on several processes (rank 0 writes).
+
+    Returns:
+        The folder, or None for a model without ``save_pretrained``.
+
+    Raises:
+        OSError: a failed write (ENOSPC for a full disk); the old ``hf/`` is left as it was.
+    """
+    if not saves_pretrained(model):
+        return None
+    state = full_model_state_dict(model)  # whole weights on rank 0 (its own state_dict on one process)
+    if not is_rank0():
+        return None
+    module = unwrap_model(model)
+    target, partial = log_dir / "hf", log_dir / "hf.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with quiet_transformers():
+            if hasattr(module, "peft_config"):
+                module.save_pretrained(str(partial))  # the adapter: PEFT picks its own tensors
+            else:
+                module.save_pretrained(str(partial), state_dict=state)
+            tokenizer = _tokenizer(tokenizer_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(partial))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    old = log_dir / "hf.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    partial.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _tokenizer(folder: Path | None):
+    """The tokenizer saved in ``folder`` (local files only); None when it holds none."""
+    if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
