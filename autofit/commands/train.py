@@ -25,7 +25,14 @@ def train(
         None, "--plan", help="plan.json written by `autofit plan`; on --resume the run's own (saved in last.pt) is used."
     ),
     data: Optional[Path] = typer.Option(
-        None, "--data", help="Folder with train/<class>/<image> and val/<class>/<image>; default the model file's train_dataset()/val_dataset()."
+        None, "--data", help="Folder with train/<class>/<image> and val/<class>/<image>, or text for an hf: causal LM "
+        "(.txt, .jsonl, .parquet or a datasets folder); default the model file's train_dataset()/val_dataset()."
+    ),
+    pack: bool = typer.Option(
+        True, "--pack/--no-pack", help="Text: concatenate documents with EOS and cut --seq-len blocks (default), or pad one document per sample."
+    ),
+    val_fraction: Optional[float] = typer.Option(
+        None, "--val-fraction", help="Text: the share of samples held out for validation (at least one); default 0.05."
     ),
     epochs: Optional[int] = typer.Option(
         None, "--epochs", help="Passes over the training data, in total; default 1, or on --resume the run's own (a larger number trains on)."
@@ -53,15 +60,15 @@ def train(
     """
     with _errors_from_rank0_first():
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
-               workers=workers, save_every=save_every, max_steps=max_steps, seed=seed)
+               workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, pack=pack, val_fraction=val_fraction)
 
 
-def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, model, workers, save_every, max_steps, seed) -> None:
+def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, resume, overwrite, model, workers, save_every, max_steps, seed) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
     from autofit.spec import spec_for_plan
-    from autofit.training.data import image_folder_data, input_shape_from, model_file_data
+    from autofit.training.data import cli_data, input_shape_from, model_file_data
     from autofit.distributed import check_launch, cleanup, is_rank0
     from autofit.training.loop import TrainSettings
     from autofit.training.stops import TrainingInterrupted
@@ -98,7 +105,10 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
         save_every_steps=save_every, max_steps=max_steps,
         sources={"data": str(data) if data is not None else None, "model": model},
     )
-    train_data = image_folder_data(data, input_shape=input_shape_from(shape)) if data is not None else model_file_data(spec)
+    train_data = (
+        cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack, val_fraction=val_fraction)
+        if data is not None else model_file_data(spec)
+    )
     torch.manual_seed(seed or 0)
     network = spec.build_model()
     try:
