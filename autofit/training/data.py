@@ -115,9 +115,9 @@ def cli_data(
         UserError: text for a model that is not an ``hf:`` causal LM or has no tokenizer, text options
             given for an image folder, or bad data (see the readers).
     """
-    from autofit.training import text
+    from autofit.training.text import DEFAULT_VAL_FRACTION, is_text_source, load_tokenizer, text_datasets
 
-    if not text.is_text_source(path):
+    if not is_text_source(path):
         if spec.source_options.get("task") == "causal-lm":
             raise UserError(
                 f"--data {str(path)!r} is not text this language model can read; give a .txt (paragraphs), .jsonl "
@@ -134,9 +134,9 @@ def cli_data(
             f"--data {str(path)!r} is text, which trains an hf:DIR causal language model (its tokenizer in DIR); "
             f"this plan is for {spec.source}: plan `autofit plan hf:DIR --task causal-lm`, or give an image folder"
         )
-    tokenizer = text.load_tokenizer(spec.source.split(":", 1)[1])
-    val_fraction = text.DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
-    train, val = text.text_datasets(path, tokenizer=tokenizer, seq_len=seq_len, pack=pack, val_fraction=val_fraction)
+    tokenizer = load_tokenizer(spec.source.split(":", 1)[1])
+    val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+    train, val = text_datasets(path, tokenizer=tokenizer, seq_len=seq_len, pack=pack, val_fraction=val_fraction)
     return TrainData(train=train, val=val, source=f"{path} ({train.description}; {val.description if val else 'no validation'})")
 
 
