@@ -28,8 +28,8 @@ def train(
         None, "--data", help="Folder with train/<class>/<image> and val/<class>/<image>, or text for an hf: causal LM "
         "(.txt, .jsonl, .parquet or a datasets folder); default the model file's train_dataset()/val_dataset()."
     ),
-    pack: bool = typer.Option(
-        True, "--pack/--no-pack", help="Text: concatenate documents with EOS and cut --seq-len blocks (default), or pad one document per sample."
+    pack: Optional[bool] = typer.Option(
+        None, "--pack/--no-pack", help="Text: concatenate documents with EOS and cut the plan's seq_len blocks (default), or pad one document per sample."
     ),
     val_fraction: Optional[float] = typer.Option(
         None, "--val-fraction", help="Text: the share of samples held out for validation (at least one); default 0.05."
@@ -90,6 +90,11 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
             recorded = saved["settings"]["sources"]
             data = resumed_value("--data", data, recorded.get("data"), where=log_dir)
             model = model or recorded.get("model")
+            # How text was cut and split is part of the data: a resume reads it as the run began.
+            if "pack" in recorded:
+                pack = resumed_value("--pack", pack, recorded["pack"], where=log_dir)
+            if "val_fraction" in recorded:
+                val_fraction = resumed_value("--val-fraction", val_fraction, recorded["val_fraction"], where=log_dir)
         data = Path(data) if data is not None else None
     elif plan is None:
         raise UserError("--plan plan.json is needed to start a run (`autofit plan` writes one); to continue one, give --log-dir DIR --resume")
@@ -103,10 +108,10 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed, num_workers=workers,
         save_every_steps=save_every, max_steps=max_steps,
-        sources={"data": str(data) if data is not None else None, "model": model},
+        sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
     )
     train_data = (
-        cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack, val_fraction=val_fraction)
+        cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack is not False, val_fraction=val_fraction)
         if data is not None else model_file_data(spec)
     )
     torch.manual_seed(seed or 0)

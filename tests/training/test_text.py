@@ -160,3 +160,18 @@ def test_a_file_that_is_not_text_is_one_line_for_a_language_model(tiny_lm, tmp_p
     (tmp_path / "notes.md").write_text("the cat\n")
     code, out, err = run_cli("train", "--plan", plan, "--data", tmp_path / "notes.md", "--workers", "0", "--log-dir", tmp_path / "run")
     assert code == 2 and "is not text this language model can read" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_resume_reads_text_as_the_run_began(tiny_lm, tmp_path, run_cli):
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": line} for line in corpus_lines(40)])
+    plan = tmp_path / "plan.json"
+    _plan(run_cli, tiny_lm, plan)
+    run = tmp_path / "run"
+    code, out, err = run_cli("train", "--plan", plan, "--data", corpus, "--no-pack", "--val-fraction", "0.1", "--workers", "0",
+                             "--log-dir", run, "--max-steps", "2")
+    assert code == 0, err
+    code, out, err = run_cli("train", "--log-dir", run, "--resume", "--pack", "--workers", "0")
+    assert code == 2 and "--pack True differs" in err, err
+    code, out, err = run_cli("train", "--log-dir", run, "--resume", "--workers", "0")
+    assert code == 0, err
+    assert "36 padded samples of 16 tokens; 4 held out" in out
