@@ -134,9 +134,15 @@ def cli_data(
             f"--data {str(path)!r} is text, which trains an hf:DIR causal language model (its tokenizer in DIR); "
             f"this plan is for {spec.source}: plan `autofit plan hf:DIR --task causal-lm`, or give an image folder"
         )
-    tokenizer = load_tokenizer(spec.source.split(":", 1)[1])
+    from transformers import AutoConfig  # hf: read this config to build the model
+
+    model_dir = spec.source.split(":", 1)[1]
+    tokenizer = load_tokenizer(model_dir)
     val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
-    train, val = text_datasets(path, tokenizer=tokenizer, seq_len=seq_len, pack=pack, val_fraction=val_fraction)
+    train, val = text_datasets(
+        path, tokenizer=tokenizer, seq_len=seq_len, pack=pack, val_fraction=val_fraction,
+        vocab_size=getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "vocab_size", None),
+    )
     return TrainData(train=train, val=val, source=f"{path} ({train.description}; {val.description if val else 'no validation'})")
 
 

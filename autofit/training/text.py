@@ -124,15 +124,19 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def tokenize(documents: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(token ids, labels) per document: labels are the ids, -100 on a prompt's tokens."""
+    """(token ids, labels) per document: labels are the ids, -100 on a prompt's tokens.
+
+    Every string is encoded in one batched call (a fast tokenizer spreads it over threads).
+    """
+    strings = [part for document in documents for part in ((document["text"],) if "text" in document else (document["prompt"], document["completion"]))]
+    ids = iter(tokenizer(strings, add_special_tokens=False)["input_ids"]) if strings else iter(())
     encoded = []
     for document in documents:
         if "text" in document:
-            ids = tokenizer(document["text"], add_special_tokens=False)["input_ids"]
-            encoded.append((ids, list(ids)))
+            text_ids = list(next(ids))
+            encoded.append((text_ids, list(text_ids)))
         else:
-            prompt = tokenizer(document["prompt"], add_special_tokens=False)["input_ids"]
-            completion = tokenizer(document["completion"], add_special_tokens=False)["input_ids"]
+            prompt, completion = list(next(ids)), list(next(ids))
             encoded.append((prompt + completion, [IGNORE_INDEX] * len(prompt) + completion))
     return encoded
 
@@ -193,6 +197,7 @@ def padded_samples(encoded: list[tuple[list[int], list[int]]], *, seq_len: int, 
 
 def text_datasets(
     path: str | Path, *, tokenizer, seq_len: int, pack: bool = True, val_fraction: float = DEFAULT_VAL_FRACTION,
+    vocab_size: int | None = None,
 ) -> tuple[TokenBlocks, TokenBlocks | None]:
     """Train and validation datasets of causal-LM samples read from ``path`` (see the module docstring).
 
@@ -202,13 +207,20 @@ def text_datasets(
         seq_len: tokens per sample (the plan's).
         pack: True packs documents into blocks; False pads one document per sample.
         val_fraction: the share of samples held out (the last ones), at least one; 0 holds out none.
+        vocab_size: the model's vocabulary; a tokenizer with more tokens is refused (its ids would not embed).
 
     Raises:
-        UserError: bad data (see ``read_documents``), too little of it, or a bad ``val_fraction``.
+        UserError: bad data (see ``read_documents``), too little of it, a bad ``val_fraction``, or a tokenizer
+            larger than the model's vocabulary.
 
     Example:
         >>> train, val = text_datasets("corpus.jsonl", tokenizer=load_tokenizer("model"), seq_len=64)
     """
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary holds {vocab_size}; "
+            "save the model's own tokenizer beside it (or resize the model's embeddings to the tokenizer)"
+        )
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction} must be from 0 up to (not including) 1, e.g. 0.05")
     encoded = tokenize(read_documents(path), tokenizer)

@@ -175,3 +175,11 @@ def test_resume_reads_text_as_the_run_began(tiny_lm, tmp_path, run_cli):
     code, out, err = run_cli("train", "--log-dir", run, "--resume", "--workers", "0")
     assert code == 0, err
     assert "36 padded samples of 16 tokens; 4 held out" in out
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(tiny_lm, tmp_path):
+    from autofit.training.text import text_datasets
+
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": line} for line in corpus_lines(20)])
+    with pytest.raises(UserError, match="tokenizer has 19 tokens but the model's vocabulary holds 8"):
+        text_datasets(corpus, tokenizer=_tokenizer(tiny_lm), seq_len=16, vocab_size=8)
