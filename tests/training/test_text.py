@@ -139,7 +139,7 @@ def test_parquet_and_datasets_folder(tiny_lm, tmp_path):
     from autofit.training.data import cli_data
     from autofit.spec import load_spec
 
-    spec = load_spec(f"hf:{tiny_lm}", task="causal-lm", seq_len=16)
+    spec = load_spec(f"hf:{tiny_lm / 'config.json'}", task="causal-lm", seq_len=16)  # the config file names its folder
     table = datasets.Dataset.from_dict({"text": corpus_lines(20)})
     table.to_parquet(str(tmp_path / "corpus.parquet"))
     table.save_to_disk(str(tmp_path / "saved"))
