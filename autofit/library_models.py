@@ -16,7 +16,8 @@ random weights, no hub access. Tasks:
   ``num_channels`` and ``image_size`` (so an image folder trains it), targets labels.
 
 Without ``--data``, text tasks train on synthetic random tokens (for a smoke
-run; pass your own datasets to ``autofit.fit`` for real training).
+run); ``autofit train --data corpus.jsonl`` trains a causal LM on text
+(``autofit.training.text``), and ``autofit.fit`` takes your own datasets.
 """
 from __future__ import annotations
 

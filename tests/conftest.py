@@ -68,3 +68,13 @@ def frozen_heap():
     gc.collect()
     gc.freeze()
     yield
+
+
+@pytest.fixture
+def tiny_lm(tmp_path):
+    """A folder with a tiny Llama-style model and its tokenizer (``tests/tiny_lm.py``); skipped without transformers."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tests.tiny_lm import tiny_lm_dir
+
+    return tiny_lm_dir(tmp_path / "tiny-lm")

@@ -25,7 +25,14 @@ def train(
         None, "--plan", help="plan.json written by `autofit plan`; on --resume the run's own (saved in last.pt) is used."
     ),
     data: Optional[Path] = typer.Option(
-        None, "--data", help="Folder with train/<class>/<image> and val/<class>/<image>; default the model file's train_dataset()/val_dataset()."
+        None, "--data", help="Folder with train/<class>/<image> and val/<class>/<image>, or text for an hf: causal LM "
+        "(.txt, .jsonl, .parquet or a datasets folder); default the model file's train_dataset()/val_dataset()."
+    ),
+    pack: Optional[bool] = typer.Option(
+        None, "--pack/--no-pack", help="Text: concatenate documents with EOS and cut the plan's seq_len blocks (default), or pad one document per sample."
+    ),
+    val_fraction: Optional[float] = typer.Option(
+        None, "--val-fraction", help="Text: the share of samples held out for validation (at least one); default 0.05."
     ),
     epochs: Optional[int] = typer.Option(
         None, "--epochs", help="Passes over the training data, in total; default 1, or on --resume the run's own (a larger number trains on)."
@@ -65,16 +72,17 @@ def train(
     with _errors_from_rank0_first():
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
                workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, schedule=schedule,
-               warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config)
+               warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config,
+               pack=pack, val_fraction=val_fraction)
 
 
-def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, model, workers, save_every, max_steps, seed,
-           schedule, warmup_steps, max_grad_norm, weights, from_config) -> None:
+def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, resume, overwrite, model, workers, save_every,
+           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
     from autofit.spec import spec_for_plan
-    from autofit.training.data import image_folder_data, input_shape_from, model_file_data
+    from autofit.training.data import cli_data, input_shape_from, model_file_data
     from autofit.distributed import check_launch, cleanup, is_rank0
     from autofit.training.loop import TrainSettings
     from autofit.training.stops import TrainingInterrupted
@@ -98,6 +106,11 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
             recorded = saved["settings"]["sources"]
             data = resumed_value("--data", data, recorded.get("data"), where=log_dir)
             model = model or recorded.get("model")
+            # How text was cut and split is part of the data: a resume reads it as the run began.
+            if "pack" in recorded:
+                pack = resumed_value("--pack", pack, recorded["pack"], where=log_dir)
+            if "val_fraction" in recorded:
+                val_fraction = resumed_value("--val-fraction", val_fraction, recorded["val_fraction"], where=log_dir)
         data = Path(data) if data is not None else None
     elif plan is None:
         raise UserError("--plan plan.json is needed to start a run (`autofit plan` writes one); to continue one, give --log-dir DIR --resume")
@@ -117,9 +130,12 @@ def _train(*, plan: Path | None, data, epochs, lr, log_dir, resume, overwrite, m
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed, num_workers=workers,
         save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps,
-        sources={"data": str(data) if data is not None else None, "model": model},
+        sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
     )
-    train_data = image_folder_data(data, input_shape=input_shape_from(shape)) if data is not None else model_file_data(spec)
+    train_data = (
+        cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack is not False, val_fraction=val_fraction)
+        if data is not None else model_file_data(spec)
+    )
     torch.manual_seed(seed or 0)
     if resume:  # last.pt holds the weights
         network, weights_note = spec.build_model(), ""

@@ -1,4 +1,8 @@
-"""Training data for the loop: an image folder, the model file's datasets, or datasets you pass.
+"""Training data for the loop: an image folder, text for a language model, the model file's datasets, or datasets you pass.
+
+``cli_data`` picks the reader for ``--data``: a .txt, .jsonl or .parquet file or a
+folder saved by 🤗 datasets is text (``autofit.training.text``, tokenized with the
+``hf:DIR`` model's tokenizer); any other folder is an image folder.
 
 An image folder is ``DIR/train/<class>/<image>`` and ``DIR/val/<class>/<image>``
 (torchvision's ImageFolder layout), each read by ``autofit.training.images.image_folder``:
@@ -100,6 +104,47 @@ def image_folder_data(root: str | Path, *, input_shape: Sequence[int]) -> TrainD
         train=datasets["train"], val=datasets["val"], classes=list(datasets["train"].classes),
         skipped_images=datasets["train"].unreadable + datasets["val"].unreadable, source=str(root),
     )
+
+
+def cli_data(
+    path: Path, *, spec: ModelSpec, input_shape, seq_len: int | None, pack: bool = True, val_fraction: float | None = None,
+) -> TrainData:
+    """The data ``--data PATH`` names: text (by suffix, or a datasets folder) or an image folder.
+
+    Raises:
+        UserError: text for a model that is not an ``hf:`` causal LM or has no tokenizer, text options
+            given for an image folder, or bad data (see the readers).
+    """
+    from autofit.training.text import DEFAULT_VAL_FRACTION, is_text_source, load_tokenizer, text_datasets
+
+    if not is_text_source(path):
+        if spec.source_options.get("task") == "causal-lm":
+            raise UserError(
+                f"--data {str(path)!r} is not text this language model can read; give a .txt (paragraphs), .jsonl "
+                "(text, or prompt and completion), .parquet (a text column) or a folder saved by datasets' save_to_disk"
+            )
+        if not pack or val_fraction is not None:
+            raise UserError(
+                f"--no-pack and --val-fraction are for text data (.txt, .jsonl, .parquet or a datasets folder); "
+                f"{str(path)!r} is read as an image folder, whose val/ is the validation data"
+            )
+        return image_folder_data(path, input_shape=input_shape_from(input_shape))
+    if not spec.source.startswith("hf:") or spec.source_options.get("task") != "causal-lm" or not seq_len:
+        raise UserError(
+            f"--data {str(path)!r} is text, which trains an hf:DIR causal language model (its tokenizer in DIR); "
+            f"this plan is for {spec.source}: plan `autofit plan hf:DIR --task causal-lm`, or give an image folder"
+        )
+    from transformers import AutoConfig  # hf: read this config to build the model
+
+    model_dir = Path(spec.source.split(":", 1)[1]).expanduser()
+    model_dir = model_dir.parent if model_dir.is_file() else model_dir  # hf: may name the config.json itself
+    tokenizer = load_tokenizer(model_dir)
+    val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+    train, val = text_datasets(
+        path, tokenizer=tokenizer, seq_len=seq_len, pack=pack, val_fraction=val_fraction,
+        vocab_size=getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "vocab_size", None),
+    )
+    return TrainData(train=train, val=val, source=f"{path} ({train.description}; {val.description if val else 'no validation'})")
 
 
 def model_file_data(spec: ModelSpec) -> TrainData:
