@@ -70,6 +70,10 @@ def logits_of(output) -> torch.Tensor | None:
     logits = _field(output, "logits")
     if logits is not None:
         return logits
+    if isinstance(output, Mapping):  # torchvision segmentation: {"out": ..., "aux": ...}; or one tensor in a dict
+        tensors = [v for v in output.values() if isinstance(v, torch.Tensor)]
+        out = _field(output, "out")
+        return out if out is not None else (tensors[0] if len(tensors) == 1 else None)
     if isinstance(output, (tuple, list)):
         return next((t for t in output if isinstance(t, torch.Tensor)), None)
     return None
@@ -169,7 +173,7 @@ class Loss:
                     f"{'no targets' if targets is None else 'no logits to score'}; define loss_fn(output, targets) "
                     "in the model file, or pass the labels so that the model computes its loss (output.loss)"
                 )
-            return F.cross_entropy(logits, targets), None
+            return default_loss(logits, targets), None
         value = self.fn(output, targets)
         if isinstance(value, (tuple, list)):
             if len(value) != 2:
@@ -188,7 +192,12 @@ class Loss:
         Fake tensors (the simulated meter) have no values to count: their
         micro-batches are weighted by samples, which changes no byte of memory.
         """
-        if self.count_items is None or any(isinstance(t, FakeTensor) for t in tree_leaves((inputs, targets))):
+        if any(isinstance(t, FakeTensor) for t in tree_leaves((inputs, targets))):
+            return None
+        if self.count_items is None:
+            # The default loss averages a per-token (or per-pixel) cross-entropy over its labels that count.
+            if self.fn is None and _item_labels(targets):
+                return int((targets != IGNORE_INDEX).sum())
             return None
         return int(self.count_items(inputs, targets))
 
@@ -211,6 +220,34 @@ class Loss:
             # weight = items here / items in the batch, so this is loss_sum / items in the batch.
             return value * (weight / count) if isinstance(count, torch.Tensor) else value * (weight / max(count, 1))
         return value if weight == 1.0 else value * weight
+
+
+def _item_labels(targets) -> bool:
+    """Whether ``targets`` are class labels per item (B, T) or (B, H, W): the default loss counts those items."""
+    return isinstance(targets, torch.Tensor) and targets.ndim >= 2 and not targets.is_floating_point()
+
+
+def default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against integer ``targets``, the mean over labels that are not ``IGNORE_INDEX``.
+
+    The classes may stand in PyTorch's place, dimension 1 ((B, C) against (B,), (B, C, H, W) against (B, H, W): a
+    classifier, a segmentation), or last ((B, T, V) against (B, T): a language model's tokens).
+
+    Raises:
+        UserError: the shapes fit neither way.
+    """
+    if targets.is_floating_point() or logits.ndim < 2:  # class probabilities, or a regression: PyTorch's rules
+        return F.cross_entropy(logits, targets)
+    if logits.ndim == targets.ndim + 1:
+        if logits.shape[:1] + logits.shape[2:] == targets.shape:
+            return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+        if logits.shape[:-1] == targets.shape:
+            return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+    raise UserError(
+        f"the default loss (cross-entropy) cannot score logits of shape {tuple(logits.shape)} against targets of shape "
+        f"{tuple(targets.shape)}: the classes must be dimension 1 or the last one; define loss_fn(output, targets) in the "
+        "model file"
+    )
 
 
 def as_loss(loss_fn: Callable | None) -> Loss:

@@ -99,6 +99,7 @@ def epoch_line(record: dict, *, epochs: int) -> str:
 def final_line(best: dict, best_path: Path | None) -> str:
     """The run's last line: its best epoch and where its weights are (best.pt; None when it could not be saved)."""
     weights = f"weights: {best_path}" if best_path is not None else "its weights were not kept (best.pt was lost); last.pt holds the last epoch's"
+    when = f"epoch {best['epoch']}" if best.get("kind") != "stop" else f"at step {best['step']}, --max-steps"
     if best["val_accuracy"] is not None:
-        return f"validation accuracy {best['val_accuracy']:.4f} (best, epoch {best['epoch']}); {weights}"
-    return f"best epoch {best['epoch']} (loss {best['val_loss'] if best['val_loss'] is not None else best['train_loss']:.4f}); {weights}"
+        return f"validation accuracy {best['val_accuracy']:.4f} (best, {when}); {weights}"
+    return f"best {when} (loss {best['val_loss'] if best['val_loss'] is not None else best['train_loss']:.4f}); {weights}"

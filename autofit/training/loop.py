@@ -315,8 +315,8 @@ def _train_run(
         )
     for line in speed.lines(plan):  # training's speed beside the plan's (``training.speed``)
         console.print(line)
-    best = state.best_record()
-    if finished and best is not None:
+    best = state.best_record() or state.stopped  # --max-steps before any epoch ended: best.pt holds the stop's weights
+    if best is not None:
         console.print(final_line(best, checkpoints.best_path_if_saved()))
     return TrainResult(
         plan=plan, history=state.history, best_path=checkpoints.best_path_if_saved(), last_path=checkpoints.last_path,
@@ -385,29 +385,36 @@ def _train_epochs(
                 console.print(warning)
             nonfinite.check(loss, epoch=epoch + 1, step=position.global_step)
             interrupted = any_rank(stop.is_set(), device=applied.device)  # every rank stops at the same step
-            if interrupted or position.global_step == settings.max_steps:
+            if interrupted:
                 _save_last(checkpoints, log, plan=plan, state=state)
                 log.flush()
-                if interrupted:
-                    raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
+                raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
+            if position.global_step == settings.max_steps:  # ends as an epoch does, mid-epoch: --resume continues it
+                # last.pt first: it keeps the RNG as the step left it (validation's loader draws a seed from it).
+                saved = _save_last(checkpoints, log, plan=plan, state=state)
+                record = _validated_record(
+                    applied, "stop", data=data, loss_fn=loss_fn, optimizer=optimizer, plan=plan, position=position,
+                    gauge=gauge, log=log, console=console, settings=settings, epoch=epoch,
+                )
+                log.write(record)
+                console.print(
+                    f"stopped at --max-steps {settings.max_steps}, step {position.step_in_epoch} of {steps_per_epoch} in "
+                    + epoch_line(record, epochs=settings.epochs)
+                )
+                if not state.history:  # no epoch has finished: the weights at the stop are the run's best so far
+                    checkpoints.save_best(saved, record=record)
+                state.stopped = record
+                log.flush()
                 return False, plan
             if settings.save_every_steps and position.global_step % settings.save_every_steps == 0:
                 _save_last(checkpoints, log, plan=plan, state=state)
                 last_time = time.perf_counter()  # the pause for saving is not training time
                 speed.start()
 
-        val = evaluate(
-            model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers,
-            on_unreadable=lambda sample: _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step),
+        record = _validated_record(
+            applied, "epoch", data=data, loss_fn=loss_fn, optimizer=optimizer, plan=plan, position=position, gauge=gauge,
+            log=log, console=console, settings=settings, epoch=epoch,
         )
-        record = {
-            "kind": "epoch", "epoch": epoch + 1, "step": position.global_step, "loss": position.train_loss,
-            "lr": float(optimizer.param_groups[0]["lr"]), "samples_per_s": position.samples_per_s,
-            "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
-            "train_loss": position.train_loss, "val_loss": val.loss, "val_accuracy": val.accuracy,
-            "val_perplexity": val.perplexity,
-            "skipped_images": position.skipped_images,
-        }
         log.epoch(record)
         console.print(epoch_line(record, epochs=settings.epochs))
         improved = state.end_epoch(record)  # into the history; the next epoch's position
@@ -417,6 +424,25 @@ def _train_epochs(
         if any_rank(stop.is_set(), device=applied.device):  # a signal during validation
             raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
     return True, plan
+
+
+def _validated_record(
+    applied: AppliedPlan, kind: str, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, plan: Plan,
+    position, gauge: MemoryGauge, log: RunLog | SilentRunLog, console: RunConsole, settings: TrainSettings, epoch: int,
+) -> dict:
+    """Validation now, and the record of the epoch so far: an epoch's end ("epoch"), or --max-steps's stop ("stop")."""
+    val = evaluate(
+        applied.model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers,
+        on_unreadable=lambda sample: _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step),
+    )
+    return {
+        "kind": kind, "epoch": epoch + 1, "step": position.global_step, "loss": position.train_loss,
+        "lr": float(optimizer.param_groups[0]["lr"]), "samples_per_s": position.samples_per_s,
+        "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
+        "train_loss": position.train_loss, "val_loss": val.loss, "val_accuracy": val.accuracy,
+        "val_perplexity": val.perplexity,
+        "skipped_images": position.skipped_images,
+    }
 
 
 def _save_last(checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan: Plan, state: RunState) -> dict:

@@ -55,6 +55,8 @@ class RunState:
     """One record per finished epoch (metrics.jsonl's "epoch" records)."""
     best_score: float | None = None
     """``score`` of the best epoch so far (best.pt's)."""
+    stopped: dict | None = None
+    """The record of the stop at --max-steps, when the run ended there (not kept in last.pt)."""
 
     def end_epoch(self, record: dict) -> bool:
         """Keep the epoch's record and start the next epoch; True when the epoch is the best so far."""

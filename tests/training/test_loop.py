@@ -162,6 +162,22 @@ def test_resume_after_a_stop_gives_the_uninterrupted_weights(tmp_path, stop):
     assert [r["epoch"] for r in steps if r["kind"] == "epoch"] == [1, 2]
 
 
+def test_max_steps_ends_as_an_epoch_does_validated_with_best_pt_and_a_last_line(tmp_path, capsys):
+    model = fresh_model()
+    result = run(model, make_plan(model), tmp_path, max_steps=3, verbose=True)
+    assert not result.finished and result.best_path == tmp_path / "best.pt"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stop = [r for r in records if r["kind"] == "stop"]
+    assert len(stop) == 1 and stop[0]["step"] == 3 and stop[0]["val_accuracy"] is not None
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["training"]["metrics"]["kind"] == "stop"
+    for (name, value) in model.state_dict().items():  # best.pt holds the weights at the stop
+        assert torch.equal(best["model_state"][name], value), name
+    out = capsys.readouterr().out
+    assert "stopped at --max-steps 3, step 3 of 5 in epoch 1/" in out
+    assert f"(best, at step 3, --max-steps); weights: {tmp_path / 'best.pt'}" in out
+
+
 def test_a_run_resumed_at_an_epoch_boundary_validates_that_epoch(tmp_path):
     model = fresh_model()
     run(model, make_plan(model), tmp_path, max_steps=5)  # the last step of epoch 1, before validation
