@@ -119,6 +119,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
             config.num_labels = num_classes
         num_classes = config.num_labels
     auto_class = getattr(transformers, HF_TASKS[task])
+    _check_hf_config(transformers, config, task=task, source=source)
     if hasattr(config, "use_cache"):
         config.use_cache = False  # training keeps no key/value cache (and checkpointed blocks recompute without one)
 
@@ -176,6 +177,30 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         build_model=build_model, example_batch=example_batch, loss_fn=loss,
         train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options, **loading,
     )
+
+
+def _check_hf_config(transformers, config, *, task: str, source: str) -> None:
+    """What transformers would refuse only once the model runs, refused now in one line.
+
+    Raises:
+        UserError: the model type has no head for ``task`` in transformers, the vocabulary is empty, or sequence
+            classification has no pad token (transformers needs one for batches of more than one sequence).
+    """
+    if type(config) not in getattr(transformers, HF_TASKS[task])._model_mapping:
+        tasks = [t for t, name in HF_TASKS.items() if type(config) in getattr(transformers, name)._model_mapping]
+        raise UserError(
+            f"{source}: transformers has no {task} model for model_type {config.model_type!r} ({HF_TASKS[task]}); "
+            + (f"give --task {' or '.join(tasks)}" if tasks else "give a config of another model type")
+        )
+    vocab_size = getattr(config, "vocab_size", None)
+    if task != "image-classification" and (not isinstance(vocab_size, int) or vocab_size < 2):
+        raise UserError(f"{source}: config.json's vocab_size {vocab_size!r} must be a whole number of at least 2 tokens")
+    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        eos = getattr(config, "eos_token_id", None)
+        raise UserError(
+            f"{source}: config.json has no pad_token_id, which transformers' sequence classification needs to find each "
+            f"sequence's last token; set pad_token_id in config.json" + (f" (e.g. to its eos_token_id, {eos})" if eos is not None else "")
+        )
 
 
 def causal_lm_batch(tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

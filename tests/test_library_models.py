@@ -296,5 +296,21 @@ def test_examples_plan_and_train(example, budget, extra, tmp_path, run_cli, one_
     code, out, err = run_cli("train", "--plan", plan_path, "--epochs", "1", "--max-steps", "3", "--workers", "0",
                              "--log-dir", tmp_path / "run")
     assert code == 0, err
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "step"]
     assert len(losses) == 3 and all(loss == loss for loss in losses)
+
+
+@needs_transformers
+@pytest.mark.parametrize("config, task, expected", [
+    ({"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_layer": 1, "vocab_size": 50, "bos_token_id": 0, "eos_token_id": 0},
+     "image-classification", "no image-classification model for model_type 'gpt2'.*--task causal-lm or sequence-classification"),
+    ({"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_layer": 1, "vocab_size": 50, "bos_token_id": 0, "eos_token_id": 0},
+     "sequence-classification", "no pad_token_id.*eos_token_id, 0"),
+    ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 16,
+      "vocab_size": 0, "bos_token_id": None, "eos_token_id": None}, "causal-lm", "vocab_size 0 must be"),
+])
+def test_configs_transformers_refuses_are_one_line_before_anything_runs(tmp_path, config, task, expected):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=expected):
+        load_spec(f"hf:{tmp_path}", task=task, seq_len=8, num_classes=None if task == "causal-lm" else 3)
