@@ -123,7 +123,10 @@ class RunLog:
             finally:
                 self._events.task_done()
         if writer is not None:
-            writer.close()
+            try:
+                writer.close()
+            except Exception as error:  # a full disk at the last flush: said once at exit, as any other
+                self.tensorboard_error = self.tensorboard_error or error
 
     def __enter__(self) -> RunLog:
         return self

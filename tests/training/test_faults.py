@@ -778,3 +778,26 @@ def _losses_left(log_dir: Path, *, epochs: int) -> int:
     """Loss computations a run resumed from ``log_dir/last.pt`` has left: 6 per epoch's 3 steps, 2 per validation."""
     position = load_checkpoint(log_dir / "last.pt")["training"]["position"]
     return (3 - position["step_in_epoch"]) * 2 + 2 + (epochs - position["epoch"] - 1) * 8
+
+
+def test_a_full_disk_under_tensorboard_is_the_exit_line_not_a_thread_traceback(tmp_path, monkeypatch, capfd):
+    import threading
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from autofit.training.runlog import open_run_log
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "close", full)
+    monkeypatch.setattr(SummaryWriter, "flush", full)
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    with open_run_log(tmp_path, keep_until_step=0, keep_until_epoch=0, writes=True) as log:
+        log.step({"kind": "step", "epoch": 1, "step": 1, "loss": 1.0, "lr": 0.1, "samples_per_s": 1.0, "memory_bytes": 0})
+        log.flush()
+    assert seen == []
+    err = capfd.readouterr().err
+    assert "TensorBoard events were not all written" in err and "Traceback" not in err and err.count("\n") == 1
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
