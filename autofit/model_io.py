@@ -7,7 +7,7 @@ model that takes a dict and returns a ``ModelOutput`` works everywhere:
 - ``call_model(model, inputs)``: ``model(x)`` for a tensor, ``model(*x)`` for a
   tuple or list, ``model(**x)`` for a dict (transformers' way).
 - ``logits_of(output)`` and ``own_loss(output)``: a plain tensor, or an output
-  with ``.logits`` / ``.loss`` (transformers' ``ModelOutput``).
+  with ``.logits`` / ``.loss`` (transformers' ``ModelOutput``), or a dict's ``"out"`` (torchvision segmentation).
 - ``Loss``: the model file's ``loss_fn`` (or the model's own loss) and its
   ``count_items``; ``Loss.weighted`` is one micro-batch's share of the global
   batch's loss.
@@ -70,10 +70,8 @@ def logits_of(output) -> torch.Tensor | None:
     logits = _field(output, "logits")
     if logits is not None:
         return logits
-    if isinstance(output, Mapping):  # torchvision segmentation: {"out": ..., "aux": ...}; or one tensor in a dict
-        tensors = [v for v in output.values() if isinstance(v, torch.Tensor)]
-        out = _field(output, "out")
-        return out if out is not None else (tensors[0] if len(tensors) == 1 else None)
+    if isinstance(output, Mapping):  # torchvision segmentation's {"out": ..., "aux": ...}: "out" is the prediction
+        return _field(output, "out")
     if isinstance(output, (tuple, list)):
         return next((t for t in output if isinstance(t, torch.Tensor)), None)
     return None
