@@ -85,13 +85,13 @@ class RunCheckpoints:
         """On resume: save best.pt again when it is not the best epoch's (a kill while it was written) and last.pt,
         saved just before it at that epoch's end, holds that epoch's weights; else leave it (the run says so)."""
         best = state.best_record()
-        if best is None or self._best_epoch() == best["epoch"]:
+        if best is None or self.best_epoch() == best["epoch"]:
             return
         position = saved["training"]["position"]
         if position["epoch"] == best["epoch"] and position["step_in_epoch"] == 0:
             self.save_best(saved, record=best)
 
-    def _best_epoch(self) -> int | None:
+    def best_epoch(self) -> int | None:
         """The epoch best.pt was saved at; None without a readable one."""
         if not self.files.best_path.is_file():
             return None

@@ -96,9 +96,19 @@ def epoch_line(record: dict, *, epochs: int) -> str:
     return ", ".join(parts) + f" ({record['samples_per_s']:.0f} samples/s)"
 
 
-def final_line(best: dict, best_path: Path | None) -> str:
-    """The run's last line: its best epoch and where its weights are (best.pt; None when it could not be saved)."""
-    weights = f"weights: {best_path}" if best_path is not None else "its weights were not kept (best.pt was lost); last.pt holds the last epoch's"
+def final_line(best: dict, best_path: Path | None, *, held_epoch: int | None = None) -> str:
+    """The run's last line: its best epoch and where its weights are (best.pt; None when it could not be saved).
+
+    Args:
+        held_epoch: the epoch whose weights best.pt holds (None: unknown, taken to be the best's).
+    """
+    if best_path is None:
+        weights = "its weights were not kept (best.pt was lost); last.pt holds the last epoch's"
+    elif held_epoch is not None and held_epoch != best["epoch"]:
+        weights = (f"its weights were not kept (the save of best.pt was cut short); {best_path} holds epoch {held_epoch}'s, "
+                   "last.pt the last epoch's")
+    else:
+        weights = f"weights: {best_path}"
     when = f"epoch {best['epoch']}" if best.get("kind") != "stop" else f"at step {best['step']}, --max-steps"
     if best["val_accuracy"] is not None:
         return f"validation accuracy {best['val_accuracy']:.4f} (best, {when}); {weights}"

@@ -317,7 +317,7 @@ def _train_run(
         console.print(line)
     best = state.best_record() or state.stopped  # --max-steps before any epoch ended: best.pt holds the stop's weights
     if best is not None:
-        console.print(final_line(best, checkpoints.best_path_if_saved()))
+        console.print(final_line(best, checkpoints.best_path_if_saved(), held_epoch=checkpoints.best_epoch()))
     return TrainResult(
         plan=plan, history=state.history, best_path=checkpoints.best_path_if_saved(), last_path=checkpoints.last_path,
         log_dir=log_dir, finished=finished,

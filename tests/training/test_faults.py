@@ -801,3 +801,14 @@ def test_a_full_disk_under_tensorboard_is_the_exit_line_not_a_thread_traceback(t
     err = capfd.readouterr().err
     assert "TensorBoard events were not all written" in err and "Traceback" not in err and err.count("\n") == 1
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
+def test_the_last_line_never_names_a_best_pt_of_another_epoch_as_the_best(tmp_path):
+    """A best.pt save cut short after last.pt moved on cannot be repaired: the line says whose weights it holds."""
+    from autofit.training.console import final_line
+
+    best = {"epoch": 3, "val_accuracy": 0.9, "val_loss": 0.1, "train_loss": 0.2}
+    path = tmp_path / "best.pt"
+    assert final_line(best, path, held_epoch=3).endswith(f"weights: {path}")
+    stale = final_line(best, path, held_epoch=1)
+    assert "epoch 3" in stale and f"{path} holds epoch 1's" in stale and f"weights: {path}" not in stale
