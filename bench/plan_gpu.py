@@ -103,8 +103,8 @@ def main() -> None:
     margin = estimate.headroom["safety_margin"]
     planned_total = estimate.measured.peak_bytes + sum(estimate.headroom.values())
     print(
-        f"simulated plan at 60%: {estimate.precision} m={estimate.micro_batch_size}x{estimate.grad_accum_steps} "
-        f"ckpt={len(estimate.checkpoint)}, predicted peak {format_bytes(estimate.measured.peak_bytes)} + headroom "
+        f"simulated plan at 60%: {estimate.config.precision} m={estimate.config.micro_batch_size}x{estimate.config.grad_accum_steps} "
+        f"ckpt={len(estimate.config.checkpoint)}, predicted peak {format_bytes(estimate.measured.peak_bytes)} + headroom "
         f"{format_bytes(sum(estimate.headroom.values()))} = {format_bytes(planned_total)}; real process peak "
         f"{format_bytes(peak)} + safety margin {format_bytes(margin)} = {(peak + margin) / estimate.budget_bytes:.1%} of "
         f"budget (fits={peak + margin <= estimate.budget_bytes}; real/planned {peak / planned_total:.2f}); "
