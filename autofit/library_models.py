@@ -133,7 +133,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
 
         loading = dict(build_pretrained=build_pretrained, weights_note=f"pretrained from {weights.parent}")
     else:
-        loading = dict(weights_note=f"random init from {_config_file(source).name}")
+        loading = dict(weights_note=f"random init from {hf_config_file(source).name}")
     options: dict = {"task": task}
     if task == "image-classification":
         size = getattr(config, "image_size", 224)
@@ -244,7 +244,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 def pretrained_weights(source: str) -> Path | None:
     """The weights file (or shards' index) beside an ``hf:`` source's config; None when it has none."""
-    folder = _config_file(source).parent
+    folder = hf_config_file(source).parent
     return next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
 
 
@@ -297,13 +297,14 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _config_file(source: str) -> Path:
+def hf_config_file(source: str) -> Path:
+    """The config.json an ``hf:`` source names: DIR/config.json, or the file itself."""
     path = Path(source.split(":", 1)[1]).expanduser()
     return path / "config.json" if path.is_dir() else path
 
 
 def _hf_config(transformers, source: str):
-    file = _config_file(source)
+    file = hf_config_file(source)
     if not file.is_file():
         raise UserError(
             f"{source}: no transformers config at {str(file)!r}; give a local directory holding config.json "

@@ -314,3 +314,20 @@ def test_configs_transformers_refuses_are_one_line_before_anything_runs(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=expected):
         load_spec(f"hf:{tmp_path}", task=task, seq_len=8, num_classes=None if task == "causal-lm" else 3)
+
+
+@needs_transformers
+def test_editing_an_hf_config_in_place_changes_the_cost_cache_s_key(tmp_path):
+    """A config.json edited where it lies (here rope_theta: no layer's shape changes) is another model: fresh costs."""
+    from autofit.planning.context import model_identity
+
+    config = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+              "intermediate_size": 16, "vocab_size": 50, "bos_token_id": 0, "eos_token_id": 0}
+
+    def identity(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+        spec = load_spec(f"hf:{tmp_path}", task="causal-lm", seq_len=8)
+        return model_identity(spec, spec.build_model(), device_name="cpu")
+
+    assert identity() == identity()
+    assert identity(rope_theta=500000.0) != identity()

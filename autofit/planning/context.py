@@ -234,7 +234,7 @@ def timing_threads(device: str) -> tuple[int, str]:
 def model_identity(spec: ModelSpec, meta_model: torch.nn.Module, *, device_name: str) -> str:
     """A hash of what a cost model depends on beyond the parameters' names and shapes (the fingerprint).
 
-    The model's code (its file, or its class and module tree), the example
+    The model's code (its file, an ``hf:`` config.json, or its class and module tree), the example
     batch's shapes and dtypes, the loss and the optimizer, the device's name
     (the CPU's model on a CPU) and the versions of Python, PyTorch and
     autofit's own code. A model file's imports are not followed: ``--no-cache``
@@ -255,8 +255,15 @@ def model_identity(spec: ModelSpec, meta_model: torch.nn.Module, *, device_name:
 
 
 def _source_hash(source: str) -> str | None:
-    path = Path(source)
-    if source.startswith(("torchvision:", "python:")) or not path.is_file():
+    """The bytes behind a source: a model file's, or an ``hf:`` source's config.json (edited in place, it is
+    another model, whatever its layers' shapes say); None for a source of code only (torchvision:, python:)."""
+    if source.startswith("hf:"):
+        from autofit.library_models import hf_config_file
+
+        path = hf_config_file(source)
+    else:
+        path = Path(source)
+    if source.startswith(("torchvision:", "python:", "timm:")) or not path.is_file():
         return None
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
