@@ -124,7 +124,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         config.use_cache = False  # training keeps no key/value cache (and checkpointed blocks recompute without one)
 
     def build_model() -> nn.Module:
-        return auto_class.from_config(config)
+        return auto_class.from_config(config, dtype=torch.float32)  # fp32 weights whatever the config's dtype: the plan's precision is the declared choice
 
     weights = pretrained_weights(source)
     if weights is not None:
@@ -134,6 +134,12 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         loading = dict(build_pretrained=build_pretrained, weights_note=f"pretrained from {weights.parent}")
     else:
         loading = dict(weights_note=f"random init from {hf_config_file(source).name}")
+    saved_dtype = getattr(config, "dtype", None)
+    if saved_dtype is not None and saved_dtype not in (torch.float32, "float32"):  # said, never silently trained in it
+        loading["weights_note"] += (
+            f", held in fp32 (config.json's dtype {str(saved_dtype).removeprefix('torch.')} is not used: the plan's "
+            "precision sets the arithmetic, and pure half-precision weights are not lossless)"
+        )
     options: dict = {"task": task}
     if task == "image-classification":
         size = getattr(config, "image_size", 224)

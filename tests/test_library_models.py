@@ -236,7 +236,9 @@ def test_plan_and_train_an_hf_dir_end_to_end(hf_dir, tmp_path, run_cli, one_thre
     code, out, err = run_cli("train", "--plan", plan_path, "--epochs", "1", "--max-steps", "2", "--workers", "0",
                              "--log-dir", tmp_path / "run")
     assert code == 0, err
-    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["kind"] for r in records] == ["step", "step", "stop"]  # --max-steps ends validated
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(s["loss"])) for s in steps)
 
 
@@ -331,3 +333,13 @@ def test_editing_an_hf_config_in_place_changes_the_cost_cache_s_key(tmp_path):
 
     assert identity() == identity()
     assert identity(rope_theta=500000.0) != identity()
+
+
+@needs_transformers
+def test_a_config_s_half_precision_dtype_is_said_and_the_weights_stay_fp32(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+              "intermediate_size": 16, "vocab_size": 50, "bos_token_id": 0, "eos_token_id": 0, "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = load_spec(f"hf:{tmp_path}", task="causal-lm", seq_len=8)
+    assert {p.dtype for p in spec.build_model().parameters()} == {torch.float32}
+    assert "config.json's dtype bfloat16 is not used" in spec.weights_note
