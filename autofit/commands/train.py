@@ -82,7 +82,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
 
     from autofit.plan_file import load_plan, plan_from_dict
     from autofit.spec import spec_for_plan
-    from autofit.training.data import cli_data, input_shape_from, model_file_data
+    from autofit.training.data import check_sample_shape, cli_data, input_shape_from, model_file_data
     from autofit.distributed import check_launch, cleanup, is_rank0
     from autofit.training.loop import TrainSettings
     from autofit.training.stops import TrainingInterrupted
@@ -136,6 +136,8 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
         cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack is not False, val_fraction=val_fraction)
         if data is not None else model_file_data(spec)
     )
+    if data is None and planned_shape:
+        check_sample_shape(train_data, shape)
     torch.manual_seed(seed or 0)
     if resume:  # last.pt holds the weights
         network, weights_note = spec.build_model(), ""

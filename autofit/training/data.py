@@ -164,6 +164,26 @@ def model_file_data(spec: ModelSpec) -> TrainData:
     return datasets_data(train, spec.val_dataset() if spec.val_dataset else None, source=source)
 
 
+def check_sample_shape(data: TrainData, input_shape: Sequence[int] | None) -> None:
+    """Refuse data whose samples are not of the shape the plan was measured for (its memory holds for that shape).
+
+    Only a sample that is a single tensor is compared (a dict of inputs carries no one shape).
+
+    Raises:
+        UserError: the first training sample's shape differs from ``input_shape``.
+    """
+    if not input_shape:
+        return
+    sample = data.train[0]
+    inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
+    if isinstance(inputs, torch.Tensor) and tuple(inputs.shape) != tuple(input_shape):
+        shape, planned = "x".join(map(str, inputs.shape)) or "a scalar", "x".join(map(str, input_shape))
+        raise UserError(
+            f"{data.source}: a training sample is {shape}, but the plan was made for inputs of {planned} (INPUT_SHAPE); "
+            "its memory does not hold for other shapes: set INPUT_SHAPE to the data's shape and plan again"
+        )
+
+
 def datasets_data(train, val=None, *, source: str = "datasets") -> TrainData:
     """Wrap map-style datasets (``len`` and ``[i]`` -> (input, target), or a dict holding its labels).
 

@@ -245,3 +245,17 @@ def loss_fn(output, target):
     from autofit.training.weights import load_checkpoint
 
     assert load_checkpoint(log_dir / "last.pt")["training"]["position"]["global_step"] == 3
+
+
+def test_samples_of_another_shape_than_the_plan_s_are_one_line():
+    import pytest
+    import torch
+
+    from autofit.errors import UserError
+    from autofit.training.data import TrainData, check_sample_shape
+
+    data = TrainData(train=[(torch.zeros(3, 16, 16), 0)], val=None, source="digits.py (train_dataset)")
+    check_sample_shape(data, (3, 16, 16))
+    check_sample_shape(data, None)  # a plan without an input shape (text, dict inputs) checks nothing
+    with pytest.raises(UserError, match=r"a training sample is 3x16x16, but the plan was made for inputs of 1x8x8"):
+        check_sample_shape(data, (1, 8, 8))
