@@ -14,6 +14,7 @@ from torch import nn
 
 from autofit.errors import UserError
 from autofit.distributed import barrier, is_rank0
+from autofit.training.weights import disk_full
 from strategies import unwrap_model
 
 _EXTRA_FILE = "extra.pt"
@@ -37,11 +38,24 @@ def save_sharded_checkpoint(
 
     Returns:
         ``directory``.
+
+    Raises:
+        OSError: ENOSPC when the disk fills, whether torch.save or DCP's writers report it.
     """
+    directory = Path(directory)
+    try:
+        return _save_sharded(directory, model=model, optimizer=optimizer, extra=extra, rank_extra=rank_extra)
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        full = disk_full(error, directory)
+        if full is None:
+            raise
+        raise full from error
+
+
+def _save_sharded(directory: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra, rank_extra) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    directory = Path(directory)
     partial = directory.with_name(directory.name + ".partial")
     if is_rank0():
         shutil.rmtree(partial, ignore_errors=True)

@@ -36,9 +36,29 @@ def save_checkpoint(path: str | Path, checkpoint: dict) -> Path:
     try:
         return write_atomic(path, lambda file: torch.save({"format": FORMAT, "version": VERSION, **checkpoint}, file))
     except RuntimeError as error:
-        if not any(sign in str(error) for sign in _WRITER_FAILURES):
+        full = disk_full(error, path)
+        if full is None:
             raise
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
+        raise full from error
+
+
+def disk_full(error: BaseException, path: str | Path) -> OSError | None:
+    """The OSError ENOSPC (or EDQUOT) that ``error`` stands for, whichever layer raised it; None for any other error.
+
+    torch.save's zip writer says it as a RuntimeError of its own; torch.distributed.checkpoint as a
+    CheckpointException holding each failed rank's error.
+    """
+    if isinstance(error, OSError):
+        return error if error.errno in (errno.ENOSPC, errno.EDQUOT) else None
+    if isinstance(error, RuntimeError) and any(sign in str(error) for sign in _WRITER_FAILURES):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            found = disk_full(failure[0] if isinstance(failure, tuple) else failure, path)
+            if found is not None:
+                return found
+    return None
 
 
 _WRITER_FAILURES = ("PytorchStreamWriter failed", "inline_container", "unexpected pos")

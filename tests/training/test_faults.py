@@ -812,3 +812,17 @@ def test_the_last_line_never_names_a_best_pt_of_another_epoch_as_the_best(tmp_pa
     assert final_line(best, path, held_epoch=3).endswith(f"weights: {path}")
     stale = final_line(best, path, held_epoch=1)
     assert "epoch 3" in stale and f"{path} holds epoch 1's" in stale and f"weights: {path}" not in stale
+
+
+def test_a_full_disk_is_known_whichever_layer_says_it():
+    """torch.save's zip writer and torch.distributed.checkpoint (a sharded save) each say it their own way."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from autofit.training.weights import disk_full
+
+    nospace = OSError(errno.ENOSPC, "No space left on device")
+    assert disk_full(nospace, "x") is nospace
+    assert disk_full(RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 64"), "last.pt").errno == errno.ENOSPC
+    assert disk_full(CheckpointException("save failed", {1: (nospace, None)}), "last.pt") is nospace
+    assert disk_full(CheckpointException("save failed", {0: (ValueError("bad"), None)}), "last.pt") is None
+    assert disk_full(OSError(errno.EACCES, "Permission denied"), "x") is None
