@@ -184,8 +184,7 @@ def plan_with_levers(
             continue
         fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown)
         context.log(
-            f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured "
-            f"({format_bytes(floor_peak - measured.peak_bytes)} less than the floor's); "
+            f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured ({_against_floor(measured.peak_bytes, floor_peak)}); "
             + ("fits" if fits else "does not fit") + ("" if allow_lossy_optimizer or not candidate.lossy else f" (not allowed without {LOSSY_FLAG})")
         )
         if fits and (allow_lossy_optimizer or not candidate.lossy):
@@ -201,6 +200,13 @@ def plan_with_levers(
             for m in tried if m.peak_bytes is not None
         ],
     )
+
+
+def _against_floor(peak: int, floor_peak: int) -> str:
+    """"1.5 MiB less than the floor's", "89.66 MiB more than the floor's" or "the floor's": a lever's peak against it."""
+    if peak == floor_peak:
+        return "the floor's"
+    return f"{format_bytes(abs(floor_peak - peak))} {'less' if peak < floor_peak else 'more'} than the floor's"
 
 
 def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: bool, fits) -> str:

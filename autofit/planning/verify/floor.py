@@ -104,9 +104,16 @@ def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, 
     return (
         f"budget {format_bytes(context.budget_bytes)} is below the floor {format_bytes(floor.budget_bytes)} for a batch of "
         f"{context.global_batch_size} ({what}: {parts} + headroom {format_bytes(headroom_bytes)}); "
-        f"to lower it: {levers}use an optimizer with less state than {_optimizer_name(context)} ({format_bytes(state)} here; e.g. SGD "
-        f"without momentum keeps none) {gpus}"
+        f"to lower it: {levers}{_less_state(context, state)}{gpus}"
     )
+
+
+def _less_state(context: PlanContext, state: int) -> str:
+    """The way out through the optimizer: one with less state, unless it keeps none already."""
+    if state <= 0:
+        return ""
+    return (f"use an optimizer with less state than {_optimizer_name(context)} ({format_bytes(state)} here; e.g. SGD without "
+            "momentum keeps none) ")
 
 
 def _gpus_advice(context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom: Headroom) -> str:
