@@ -376,6 +376,8 @@ def _train_epochs(
                 "kind": "step", "epoch": epoch + 1, "step": position.global_step, "loss": loss, "lr": lr,
                 "samples_per_s": batch_size / step_seconds, "memory_bytes": memory_bytes, "peak_bytes": peak_bytes,
                 "budget_bytes": plan.budget_bytes, "stepped": result.stepped,
+                # On the CPU the gauge is the process's resident set; the budget counts live tensors, as this does.
+                "tensor_peak_bytes": watch.tracked_peak_bytes,
             }
             log.step(record)
             console.step(record)

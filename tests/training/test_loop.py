@@ -178,6 +178,14 @@ def test_max_steps_ends_as_an_epoch_does_validated_with_best_pt_and_a_last_line(
     assert f"(best, at step 3, --max-steps); weights: {tmp_path / 'best.pt'}" in out
 
 
+def test_cpu_step_records_carry_the_tracked_tensor_peak_beside_the_resident_set(tmp_path):
+    model = fresh_model()
+    run(model, make_plan(model), tmp_path, max_steps=3)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][:3]
+    assert steps[0]["tensor_peak_bytes"] is None  # the first step warms up; the second is counted
+    assert 0 < steps[1]["tensor_peak_bytes"] == steps[2]["tensor_peak_bytes"] < steps[1]["peak_bytes"]
+
+
 def test_a_run_resumed_at_an_epoch_boundary_validates_that_epoch(tmp_path):
     model = fresh_model()
     run(model, make_plan(model), tmp_path, max_steps=5)  # the last step of epoch 1, before validation
