@@ -250,7 +250,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 def pretrained_weights(source: str) -> Path | None:
     """The weights file (or shards' index) beside an ``hf:`` source's config; None when it has none."""
-    folder = hf_config_file(source).parent
+    folder = hf_dir(source)
     return next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
 
 
@@ -307,6 +307,11 @@ def hf_config_file(source: str) -> Path:
     """The config.json an ``hf:`` source names: DIR/config.json, or the file itself."""
     path = Path(source.split(":", 1)[1]).expanduser()
     return path / "config.json" if path.is_dir() else path
+
+
+def hf_dir(source: str) -> Path:
+    """The directory of an ``hf:`` source: where its config, weights and tokenizer lie."""
+    return hf_config_file(source).parent
 
 
 def _hf_config(transformers, source: str):

@@ -136,8 +136,9 @@ def cli_data(
         )
     from transformers import AutoConfig  # hf: read this config to build the model
 
-    model_dir = Path(spec.source.split(":", 1)[1]).expanduser()
-    model_dir = model_dir.parent if model_dir.is_file() else model_dir  # hf: may name the config.json itself
+    from autofit.library_models import hf_dir
+
+    model_dir = hf_dir(spec.source)
     tokenizer = load_tokenizer(model_dir)
     val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
     train, val = text_datasets(

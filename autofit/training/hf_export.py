@@ -18,7 +18,7 @@ from pathlib import Path
 from torch import nn
 
 from autofit.distributed import is_rank0
-from autofit.library_models import quiet_transformers
+from autofit.library_models import hf_dir, quiet_transformers
 from autofit.spec import ModelSpec
 from autofit.training.sharded_checkpoints import full_model_state_dict
 from strategies import unwrap_model
@@ -26,10 +26,7 @@ from strategies import unwrap_model
 
 def pretrained_dir(spec: ModelSpec) -> Path | None:
     """The directory of an ``hf:`` source (where its tokenizer may be); None for other models."""
-    if not spec.source.startswith("hf:"):
-        return None
-    path = Path(spec.source.split(":", 1)[1]).expanduser()
-    return path if path.is_dir() else path.parent
+    return hf_dir(spec.source) if spec.source.startswith("hf:") else None
 
 
 def saves_pretrained(model: nn.Module) -> bool:
