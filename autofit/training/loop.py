@@ -348,7 +348,6 @@ def _train_epochs(
             num_workers=settings.num_workers,
         )
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
-        last_time = time.perf_counter()
         speed.start(warm_up=True)
         for inputs, targets, unreadable in speed.timed(loader):  # the wait for each batch measured
             for sample in unreadable:
@@ -364,9 +363,7 @@ def _train_epochs(
             lr = float(optimizer.param_groups[0]["lr"])
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule
                 scheduler.step()
-            now = time.perf_counter()
-            step_seconds, last_time = now - last_time, now
-            speed.step_done(batch_size)
+            step_seconds = speed.step_done(batch_size)
             position.advance(samples=batch_size, loss=loss, seconds=step_seconds)
             for oom in ooms:
                 plan = _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)
@@ -410,8 +407,7 @@ def _train_epochs(
                 return False, plan
             if settings.save_every_steps and position.global_step % settings.save_every_steps == 0:
                 _save_last(checkpoints, log, plan=plan, state=state)
-                last_time = time.perf_counter()  # the pause for saving is not training time
-                speed.start()
+                speed.start()  # the pause for saving is not training time
 
         record = _validated_record(
             applied, "epoch", data=data, loss_fn=loss_fn, optimizer=optimizer, plan=plan, position=position, gauge=gauge,

@@ -67,8 +67,11 @@ class StepSpeed:
     def batch_ready(self) -> None:
         self._ready = self._clock()
 
-    def step_done(self, samples: int) -> None:
+    def step_done(self, samples: int) -> float:
+        """The step has ended: count it (unless it warms up), and return its wall seconds since the last mark (the
+        previous step's end, or ``start``), the wait for its batch included: the loop's per-step speed."""
         now, cpu_now = self._clock(), self._cpu_clock()
+        seconds = now - self._mark
         if self._warm_up:
             self._warm_up = False
         else:
@@ -79,6 +82,7 @@ class StepSpeed:
             self.cpu_seconds.append(cpu_now - self._cpu_mark)
             self.samples.append(samples)
         self._mark, self._cpu_mark, self._requested = now, cpu_now, None
+        return seconds
 
     def samples_per_s(self) -> float | None:
         """The median step's samples/s, the wait for its batch included; None before a step was counted."""
