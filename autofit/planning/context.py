@@ -206,6 +206,17 @@ def step_clock(device: str, threads: int) -> Callable[[], float]:
     return time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
 
 
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[int]:
+    """Run inside with ``count`` intra-op threads (``torch.set_num_threads``); PyTorch's setting is put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(before)
+
+
 def timing_threads(device: str) -> tuple[int, str]:
     """Intra-op threads to measure with, and why when fewer than PyTorch's.
 

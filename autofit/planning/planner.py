@@ -47,7 +47,7 @@ import torch
 from autofit.config import step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
-from autofit.planning.context import PlanContext, plan_context
+from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
@@ -159,14 +159,10 @@ def _with_clipping(report: PlanReport, max_grad_norm: float | None) -> PlanRepor
 @contextmanager
 def _threads(context: PlanContext) -> Iterator[None]:
     """Measure with the context's intra-op threads; PyTorch's setting is put back after."""
-    before = torch.get_num_threads()
     if context.threads_note:
         context.log(context.threads_note)
-    torch.set_num_threads(context.threads)
-    try:
+    with intra_op_threads(context.threads):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _memory(context: PlanContext) -> Costs:

@@ -367,7 +367,7 @@ def _time_rows(
     On a busy CPU the rounds use the planner's thread count (``timing_threads``) and its clock, and the comparison
     keeps the planner's line. A row far slower than fp32 after the first round (``SLOW_FACTOR``) is timed once.
     """
-    from autofit.planning.context import step_clock, timing_threads
+    from autofit.planning.context import intra_op_threads, step_clock, timing_threads
     from autofit.planning.speed.measured import StepTimer
 
     rows = [row for row in comparison.rows if row.config and row.peak_bytes is not None]
@@ -378,41 +378,39 @@ def _time_rows(
     if note:
         progress(note)
     clock = step_clock(device, threads)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     kept_bytes = sum(row.peak_bytes for row in rows)
     keep = device == "cpu" and kept_bytes < 0.5 * (_device_total_bytes(device) or 0)
     timers: dict[str, StepTimer] = {}
     try:
-        for round_ in range(rounds):
-            base = next((r for r in rows if r.name == "fp32" and r.seconds), None)
-            running = [
-                r for r in rows
-                if len(r.seconds) <= round_ and not (round_ > 0 and base is not None and r is not base and min(r.seconds) > SLOW_FACTOR * min(base.seconds))
-            ]
-            if not running:
-                break
-            progress(f"speed: round {round_ + 1} of {rounds}, one step of each of {len(running)} row(s)")
-            shift = round_ % len(running)
-            for row in running[shift:] + running[:shift]:  # rotate: no row is always first after a pause
-                timer = timers.get(row.name) or StepTimer(spec, TrainingConfig(**row.config), device=device, seed=seed, clock=clock)
-                try:
-                    row.seconds.append(timer.step_seconds())
-                finally:
-                    if keep:
-                        timers[row.name] = timer
-                    else:
-                        timer.close()
-            for row in running:
-                samples = Samples(seconds=row.seconds)
-                row.samples_per_s = comparison.global_batch_size / samples.best
-                row.noise = samples.spread if len(row.seconds) >= 2 else None
-            _fill_ratios(comparison)
-            on_update(comparison)
+        with intra_op_threads(threads):
+            for round_ in range(rounds):
+                base = next((r for r in rows if r.name == "fp32" and r.seconds), None)
+                running = [
+                    r for r in rows
+                    if len(r.seconds) <= round_ and not (round_ > 0 and base is not None and r is not base and min(r.seconds) > SLOW_FACTOR * min(base.seconds))
+                ]
+                if not running:
+                    break
+                progress(f"speed: round {round_ + 1} of {rounds}, one step of each of {len(running)} row(s)")
+                shift = round_ % len(running)
+                for row in running[shift:] + running[:shift]:  # rotate: no row is always first after a pause
+                    timer = timers.get(row.name) or StepTimer(spec, TrainingConfig(**row.config), device=device, seed=seed, clock=clock)
+                    try:
+                        row.seconds.append(timer.step_seconds())
+                    finally:
+                        if keep:
+                            timers[row.name] = timer
+                        else:
+                            timer.close()
+                for row in running:
+                    samples = Samples(seconds=row.seconds)
+                    row.samples_per_s = comparison.global_batch_size / samples.best
+                    row.noise = samples.spread if len(row.seconds) >= 2 else None
+                _fill_ratios(comparison)
+                on_update(comparison)
     finally:
         for timer in timers.values():
             timer.close()
-        torch.set_num_threads(before)
 
 
 def _device_total_bytes(device: str) -> int | None:

@@ -55,12 +55,10 @@ def plan_threads(plan: Plan, *, say: Callable[[str], None]) -> Iterator[int]:
     Yields:
         The thread count in use.
     """
-    before = torch.get_num_threads()
+    from autofit.planning.context import intra_op_threads
+
     count, line = threads_for(plan)
     if line:
         say(line)
-    torch.set_num_threads(count)
-    try:
+    with intra_op_threads(count):
         yield count
-    finally:
-        torch.set_num_threads(before)
