@@ -40,6 +40,7 @@ class ProbeResult:
     offload: list[str] = field(default_factory=list)
     optimizer_in_backward: bool = False
     optimizer_state: str = "device"
+    loss_chunks: int = 1
     host_peak_bytes: int = 0
     """Peak bytes kept in host memory (offloaded activations, host optimizer state); not in peak_bytes."""
     step_seconds: list[float] = field(default_factory=list)
@@ -208,5 +209,6 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
         offload=offloaded,
         optimizer_in_backward=config.optimizer_in_backward,
         optimizer_state=config.optimizer_state,
+        loss_chunks=config.loss_chunks,
         host_peak_bytes=measurement.host_peak_bytes,
     )

@@ -93,3 +93,19 @@ def test_loss_chunks_must_be_a_whole_number_from_one():
             TrainingConfig(global_batch_size=2, micro_batch_size=2, loss_chunks=bad)
     config = TrainingConfig(global_batch_size=2, micro_batch_size=2, loss_chunks=8)
     assert config.levers() == "loss-chunks=8" and "loss-chunks=8" in config.key()
+
+
+def test_probe_measures_the_chunked_loss_and_says_so(run_cli, tmp_path):
+    path = tmp_path / "lm"
+    tiny_llama(vocab_size=512).config.save_pretrained(path)
+    source = ["probe", f"hf:{path}", "--task", "causal-lm", "--seq-len", "16", "-m", "4", "--steps", "2", "--json"]
+    import json
+
+    code, out, err = run_cli(*source)
+    plain = json.loads(out)
+    code, out, err = run_cli(*source, "--loss-chunks", "4")
+    assert code == 0, out + err
+    chunked = json.loads(out)
+    assert chunked["loss_chunks"] == 4 and chunked["peak_bytes"] < plain["peak_bytes"]
+    code, out, err = run_cli(*source[:-1], "--loss-chunks", "0")
+    assert code == 2 and "--loss-chunks 0 must be a whole number from 1" in err and "Traceback" not in err
