@@ -54,6 +54,8 @@ from strategies import (
     BatchSplitConfig,
     CheckpointConfig,
     Checkpointing,
+    ChunkedLoss,
+    ChunkedLossConfig,
     ClippingConfig,
     GradientClipping,
     OffloadConfig,
@@ -243,6 +245,7 @@ def apply_config(
     check_one_mode_per_block({"checkpoint": full, "selective_checkpoint": selective, "offload": offloaded})
     checkpointing = Checkpointing(CheckpointConfig(blocks=full, selective_blocks=selective))
     offload = ActivationOffload(OffloadConfig(blocks=offloaded), device=env.device)
+    chunked_loss = ChunkedLoss(ChunkedLossConfig(chunks=config.loss_chunks))
     sharding = Sharding(
         ShardingConfig(sharding=config.sharding, world_size=config.world_size),
         precision=config.precision, device=env.device, mesh=mesh, defer_gradient_sync=defer_gradient_sync,
@@ -263,6 +266,13 @@ def apply_config(
     #    pack hook leaves parameters where they are, so under FSDP2 the
     #    gathered parameters are never copied to the host.
     model = offload.apply(model)
+    # 2b. The chunked output layer and loss: it replaces the model's own forward (the base model, then the head
+    #     per chunk), so it comes after the patches inside the base model and before any wrapper (DDP) or
+    #     sharding, whose hooks then run around it as around the model's own forward.
+    try:
+        model = chunked_loss.apply(model)
+    except ValueError as error:
+        raise UserError(f"--loss-chunks {config.loss_chunks}: {error}; leave --loss-chunks out") from None
     if any(t.device != env.device for t in [*model.parameters(), *model.buffers()]):
         model = model.to(env.device)  # (fake tensors cannot be moved, even to where they are)
     # 3. Sharding (FSDP2 / DDP; nothing on one process): after checkpointing, so
@@ -283,7 +293,7 @@ def apply_config(
     #    on several processes each rank takes its share, and gradients are
     #    reduced once, after the last micro-batch (the sharding's sync).
     split = _batch_split(config, env=env, sync=sharding.sync)
-    strategies = (checkpointing, offload, sharding, precision, optimizer_state, step_in_backward, clipping, split)
+    strategies = (checkpointing, offload, chunked_loss, sharding, precision, optimizer_state, step_in_backward, clipping, split)
     return AppliedPlan(
         config=config, model=model, precision=precision, clipping=clipping, split=split, device=env.device, env=env, strategies=strategies,
     )

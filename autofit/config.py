@@ -27,6 +27,9 @@ from strategies.optimizer_state import OptimizerStateConfig
 from strategies.precision import PRECISIONS, PrecisionConfig
 from strategies.sharding import ShardingConfig
 
+MAX_LOSS_CHUNKS = 1024
+"""The most chunks a loss may be cut into (more only adds per-chunk overhead)."""
+
 BLOCK_MODES = ("checkpoint", "selective_checkpoint", "offload")
 """The fields that name blocks; a block is in at most one of them."""
 
@@ -59,6 +62,9 @@ class TrainingConfig:
     """"none", "ddp" or "fsdp"."""
     world_size: int = 1
     """Processes training together."""
+    loss_chunks: int = 1
+    """Chunks of tokens a causal language model's output layer and loss run over, each recomputed in backward, so
+    that its whole logits never exist (``strategies.chunked_loss``); 1: the model's own forward. Same loss."""
     max_grad_norm: float | None = None
     """Clip the global norm of the step's gradients (all micro-batches', over every rank's shards) to this before
     the optimizer steps (``torch.nn.utils.clip_grad_norm_``); None clips nothing. A training choice, not a memory
@@ -80,6 +86,10 @@ class TrainingConfig:
         PrecisionConfig(precision=self.precision)
         OptimizerStateConfig(optimizer_state=self.optimizer_state)
         ShardingConfig(world_size=self.world_size, sharding=self.sharding)
+        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or not 1 <= self.loss_chunks <= MAX_LOSS_CHUNKS:
+            raise UserError(
+                f"--loss-chunks {self.loss_chunks!r} must be a whole number from 1 (no chunking) to {MAX_LOSS_CHUNKS}, e.g. 8"
+            )
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise UserError(f"--max-grad-norm {self.max_grad_norm} must be a positive finite number, e.g. 1.0 (or left out: no clipping)")
         if self.optimizer_in_backward:
@@ -131,10 +141,11 @@ class TrainingConfig:
         return f"{key}:{levers}" if levers else key
 
     def levers(self) -> str:
-        """"offload=a,b;step-in-backward;state=host", the levers on ("" for none)."""
+        """"offload=a,b;step-in-backward;state=host;loss-chunks=8", the levers on ("" for none)."""
         parts = [f"offload={','.join(self.offload)}"] if self.offload else []
         parts += ["step-in-backward"] if self.optimizer_in_backward else []
         parts += [f"state={self.optimizer_state}"] if self.optimizer_state != "device" else []
+        parts += [f"loss-chunks={self.loss_chunks}"] if self.loss_chunks != 1 else []
         return ";".join(parts)
 
     def simplicity(self) -> tuple:
@@ -142,7 +153,7 @@ class TrainingConfig:
         return (
             self.grad_accum_steps,
             len(self.checkpoint) + len(self.selective_checkpoint) + len(self.offload),
-            int(self.optimizer_in_backward) + int(self.optimizer_state != "device"),
+            int(self.optimizer_in_backward) + int(self.optimizer_state != "device") + int(self.loss_chunks != 1),
             PRECISIONS.index(self.precision),
         )
 

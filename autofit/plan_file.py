@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autofit.atomic import write_atomic
-from autofit.config import TrainingConfig, step_in_backward_refusal
+from autofit.config import MAX_LOSS_CHUNKS, TrainingConfig, step_in_backward_refusal
 from autofit.errors import UserError
 from strategies.batch_split import micro_batch_count
 from strategies.optimizer_state import OPTIMIZER_STATES
@@ -196,6 +196,7 @@ class Plan:
             **({"offload": list(config.offload)} if config.offload else {}),
             **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
             **({"optimizer_state": config.optimizer_state} if config.optimizer_state != "device" else {}),
+            **({"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}),
             "world_size": config.world_size,
             "sharding": config.sharding,
             **({"max_grad_norm": config.max_grad_norm} if config.max_grad_norm is not None else {}),
@@ -370,6 +371,7 @@ _PLAN_FIELDS = {  # checked in this order: the schema version first
     "offload": NAMES,
     "optimizer_in_backward": FLAG,
     "optimizer_state": _choice(OPTIMIZER_STATES),
+    "loss_chunks": _integer(1, MAX_LOSS_CHUNKS, f"a whole number of chunks from 1 (the model's own loss) to {MAX_LOSS_CHUNKS}"),
     "world_size": _integer(1, MAX_BATCH_SIZE, f"a whole number of processes from 1 to {MAX_BATCH_SIZE}"),
     "sharding": _choice(SHARDINGS),
     "max_grad_norm": _Kind("a positive number", lambda value: _number(value) and value > 0).or_null(),

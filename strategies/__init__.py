@@ -11,6 +11,7 @@ train together.
 """
 from strategies.base import Strategy
 from strategies.batch_split import BatchSplit, BatchSplitConfig, micro_batch_count, rank_slice
+from strategies.chunked_loss import DEFAULT_LOSS_CHUNKS, ChunkedLoss, ChunkedLossConfig, chunkable
 from strategies.clipping import ClippingConfig, GradientClipping
 from strategies.checkpointing import (
     CheckpointConfig,
@@ -33,6 +34,9 @@ __all__ = [
     "BatchSplit",
     "BatchSplitConfig",
     "CheckpointConfig",
+    "ChunkedLoss",
+    "ChunkedLossConfig",
+    "DEFAULT_LOSS_CHUNKS",
     "ClippingConfig",
     "GradientClipping",
     "Checkpointing",
@@ -53,6 +57,7 @@ __all__ = [
     "Strategy",
     "check_one_mode_per_block",
     "checkpoint_candidates",
+    "chunkable",
     "checkpoint_granularities",
     "micro_batch_count",
     "precision_dtype",

@@ -154,6 +154,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
             + (f"; offload {_blocks(alt['offload'])}" if alt.get("offload") else "")
             + ("; step in backward" if alt.get("optimizer_in_backward") else "")
             + (f"; {alt['optimizer_state']} state" if alt.get("optimizer_state", "device") != "device" else "")
+            + (f"; loss in {alt['loss_chunks']} chunks" if alt.get("loss_chunks", 1) != 1 else "")
         )
     lines.append(f"    (! = does not fit the budget; measured = by the {measured.meter or 'plan'} meter)")
     if report.rejected:
@@ -198,6 +199,8 @@ def _levers(plan) -> str:
         levers.append("optimizer state on the host")
     elif plan.config.optimizer_state == "8bit":
         levers.append("8-bit AdamW state (lossy)")
+    if plan.config.loss_chunks != 1:
+        levers.append(f"output layer and loss in {plan.config.loss_chunks} chunks")
     return "".join(f", {lever}" for lever in levers)
 
 

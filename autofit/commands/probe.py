@@ -29,6 +29,9 @@ def probe(
         False, "--optimizer-in-backward", help="Step each parameter as soon as its gradient is ready (needs -k 1, not fp16)."
     ),
     optimizer_state: str = typer.Option("device", "--optimizer-state", help="device, host (a GPU lever) or 8bit (torchao; lossy)."),
+    loss_chunks: int = typer.Option(
+        1, "--loss-chunks", help="A causal LM's output layer and loss in this many chunks, recomputed in backward (1: whole)."
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     simulate: bool = typer.Option(False, help="Measure over fake tensors: no arithmetic, no speed."),
     steps: int = typer.Option(3, help="Optimizer steps; the first is a warm-up."),
@@ -52,7 +55,7 @@ def probe(
             "--precision": precision != "fp32", "--checkpoint": checkpoint != "none", "--device": device != "cpu",
             "--selective-checkpoint": selective_checkpoint != "none", "--offload": offload != "none",
             "--optimizer-in-backward": optimizer_in_backward, "--optimizer-state": optimizer_state != "device",
-            "--simulate": simulate, "--list-blocks": list_blocks,
+            "--loss-chunks": loss_chunks != 1, "--simulate": simulate, "--list-blocks": list_blocks,
         })
         return
     if model is None:
@@ -90,6 +93,7 @@ def probe(
             offload=offload,
             optimizer_in_backward=optimizer_in_backward,
             optimizer_state=optimizer_state,
+            loss_chunks=loss_chunks,
             device=device,
             simulate=simulate,
             steps=steps,
@@ -169,6 +173,7 @@ def _print_result(source: str, result) -> None:
     levers += [f"offload {len(result.offload)} block(s)"] if result.offload else []
     levers += ["optimizer step in backward"] if result.optimizer_in_backward else []
     levers += [f"optimizer state {result.optimizer_state}"] if result.optimizer_state != "device" else []
+    levers += [f"output layer and loss in {result.loss_chunks} chunks"] if result.loss_chunks != 1 else []
     print(
         f"{source}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} steps, "
         f"{result.precision}, {', '.join(levers)}, meter {result.meter}"

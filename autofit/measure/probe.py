@@ -40,6 +40,7 @@ class ProbeResult:
     offload: list[str] = field(default_factory=list)
     optimizer_in_backward: bool = False
     optimizer_state: str = "device"
+    loss_chunks: int = 1
     host_peak_bytes: int = 0
     """Peak bytes kept in host memory (offloaded activations, host optimizer state); not in peak_bytes."""
     step_seconds: list[float] = field(default_factory=list)
@@ -60,6 +61,7 @@ def probe(
     offload: str | list[str] | None = None,
     optimizer_in_backward: bool = False,
     optimizer_state: str = "device",
+    loss_chunks: int = 1,
     device: str = "cpu",
     simulate: bool = False,
     steps: int = 3,
@@ -79,6 +81,7 @@ def probe(
         offload: blocks whose saved activations go to host memory (same forms).
         optimizer_in_backward: step each parameter as its gradient is ready.
         optimizer_state: "device", "host" or "8bit".
+        loss_chunks: a causal LM's output layer and loss in this many chunks (1: not chunked).
         device: "cpu" or "cuda".
         simulate: measure over fake tensors (no arithmetic, no speed).
         steps: optimizer steps; the first is a warm-up and is not timed.
@@ -95,7 +98,7 @@ def probe(
         global_batch_size=global_batch_size or micro_batch_size * grad_accum_steps,
         micro_batch_size=micro_batch_size, precision=precision, checkpoint=checkpoint,
         selective_checkpoint=selective_checkpoint, offload=offload,
-        optimizer_in_backward=optimizer_in_backward, optimizer_state=optimizer_state,
+        optimizer_in_backward=optimizer_in_backward, optimizer_state=optimizer_state, loss_chunks=loss_chunks,
     )
     return measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed)
 
@@ -206,5 +209,6 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
         offload=offloaded,
         optimizer_in_backward=config.optimizer_in_backward,
         optimizer_state=config.optimizer_state,
+        loss_chunks=config.loss_chunks,
         host_peak_bytes=measurement.host_peak_bytes,
     )

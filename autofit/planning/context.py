@@ -158,7 +158,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
         kept = _with_kernels(spec, precisions=kept, excluded=excluded, device=device)
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise UserError(f"--threads {threads!r} must be a whole number of threads, at least 1")
-    meta_model = _meta_model(spec)
+    meta_model = meta_model_of(spec)
     fingerprint = model_fingerprint(meta_model)
     # One prefix per model, device, meter, batch and precisions: a study of another budget shares its cost model.
     kind = "simulated" if simulate else "measured"
@@ -179,7 +179,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     )
 
 
-def _meta_model(spec: ModelSpec) -> torch.nn.Module:
+def meta_model_of(spec: ModelSpec) -> torch.nn.Module:
     """The model on the meta device (names, shapes and code; no memory)."""
     build = simulation_spec(spec).build_model if spec.source.startswith("python:") else spec.build_model
     with torch.device("meta"):  # a copy of a Python object is made from a meta template (simulation_spec)

@@ -37,14 +37,16 @@ class MemoryCosts:
     """Where the traces hold plain training only (not ``recomputed``): the whole trace at ``low``'s size, with its
     recomputations (the floor's), so that checkpointed peaks at that one size stay known."""
 
-    def at(self, micro_batch_size: int, *, global_batch_size: int) -> tuple[list[Segment], list[float]]:
+    def at(self, micro_batch_size: int, *, global_batch_size: int, chunked: bool = False) -> tuple[list[Segment], list[float]]:
         """The segments that bound the peak at this size, and each block's dropped bytes.
 
         Args:
             micro_batch_size: samples per micro-batch.
             global_batch_size: samples per optimizer step; gradients of earlier
                 micro-batches are alive when it is larger than the micro-batch.
+            chunked: with the chunked output layer and loss (``has_chunks``).
         """
+        deltas = self.chunk_deltas() if chunked else None
         accumulating = micro_batch_size < global_batch_size
         # The optimizer step follows the last micro-batch, which may be smaller (8 = 3 + 3 + 2):
         # what that micro-step leaves alive (its input copy, the output) is of its size.
@@ -52,8 +54,8 @@ class MemoryCosts:
         segments = [
             Segment(
                 peak_bytes=self._interpolate(
-                    [t.segments[i].peak_bytes for t in self.traces()], last if segment.phase == "optimizer" else micro_batch_size,
-                    global_batch_size=global_batch_size,
+                    [t.segments[i].peak_bytes + (deltas[n][i] if deltas else 0) for n, t in enumerate(self.traces())],
+                    last if segment.phase == "optimizer" else micro_batch_size, global_batch_size=global_batch_size,
                 ),
                 dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes, selective=segment.selective,
             )
@@ -75,6 +77,17 @@ class MemoryCosts:
             self._interpolate([t.selective_drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.selective_drop_bytes))
         ]
+
+    def has_chunks(self) -> bool:
+        """Whether the traces model the chunked output layer and loss (``traces.add_chunk_deltas``)."""
+        return self.chunk_deltas() is not None
+
+    def chunk_deltas(self) -> list[list[int]] | None:
+        """Per trace (as ``traces``), per segment: what the chunked loss changes in its peak; None where not modelled."""
+        deltas = [t.segment_chunk_deltas() for t in self.traces()]
+        if any(d is None or len(d) != len(self.low.segments) for d in deltas):
+            return None
+        return deltas
 
     def traces(self) -> list[MemoryTrace]:
         """The traces sizes interpolate between: low, middle where there is one, high."""
@@ -139,6 +152,9 @@ class MemoryCosts:
             ValueError: levers asked of traces that hold no lever record (``has_levers``), or checkpointed blocks
                 at a size where the traces hold plain training only (``with_checkpointing``).
         """
+        chunked = levers is not None and levers.loss_chunks > 1
+        if chunked and not self.has_chunks():
+            raise ValueError("these memory traces hold no chunked loss's run: trace it to model the chunked loss (add_chunk_deltas)")
         if checkpoint or selective:
             known = self.with_checkpointing(micro_batch_size)
             if known is None:
@@ -147,9 +163,9 @@ class MemoryCosts:
                 return known.peak_bytes(
                     micro_batch_size, global_batch_size=global_batch_size, checkpoint=checkpoint, selective=selective, levers=levers,
                 )
-        segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size)
+        segments, drops = self.at(micro_batch_size, global_batch_size=global_batch_size, chunked=chunked)
         selective_drops = self.selective_drops(micro_batch_size) if selective else None
-        if levers is None or levers == LeverChoice():
+        if levers is None or levers.only_chunks():
             return peak_of(segments, drops, checkpoint, selective_drops=selective_drops, selective=selective)
         peak = lever_peak_bytes(
             self, micro_batch_size, global_batch_size=global_batch_size, drops=drops, selective_drops=selective_drops,
@@ -431,6 +447,8 @@ def _scaled(trace: MemoryTrace, micro_batch_size: int) -> MemoryTrace:
         selective_drop_bytes=[int(b * ratio) for b in trace.selective_drop_bytes],
         recomputed=trace.recomputed,
         scaled=True,
+        chunk_deltas=None if trace.chunk_deltas is None else [int(b * ratio) for b in trace.chunk_deltas],
+        loss_chunks=trace.loss_chunks,
     )
 
 

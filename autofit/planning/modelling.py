@@ -24,7 +24,7 @@ Only what the search can use is traced:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,7 +39,7 @@ from autofit.planning.costs import CostModel, MemoryCosts, PrecisionCosts, Speed
 from autofit.planning.speed.estimated import flop_speed_costs
 from autofit.planning.memory.levers import add_eight_bit
 from autofit.planning.memory.optimizer import eight_bit_record
-from autofit.planning.memory.traces import add_offloaded, trace_memory_sizes
+from autofit.planning.memory.traces import add_chunk_deltas, add_offloaded, trace_memory_sizes
 from autofit.planning.speed.measured import time_precisions
 from autofit.planning.policy import POLICY
 from strategies import checkpoint_candidates
@@ -317,6 +317,40 @@ def add_eight_bit_state(context: PlanContext, costs: Costs) -> None:
         record = eight_bit_record(context.sim_spec, device_type=context.device)
     for memory in memories:
         if memory.replace_traces({name: add_eight_bit(t, record) for name, t in memory.named().items()}):
+            costs.changed = True
+
+
+def add_loss_chunks(context: PlanContext, costs: Costs, *, chunks: int, usable_bytes: float) -> None:
+    """The chunked output layer and loss's change to each traced precision's segments (``traces.add_chunk_deltas``:
+    each size's step traced again with the loss in ``chunks`` chunks), so that the memory model predicts it.
+
+    Only where it could matter: a precision whose plain training at the global batch fits is never given a lever
+    (``search.score_space``), so it is not traced again.
+    """
+    model = costs.model
+    for precision, known in model.precisions.items():
+        memory = known.memory
+        if memory.has_chunks() and memory.low.loss_chunks == chunks:
+            continue
+        if model.peak_bytes(precision, model.global_batch_size, frozenset()) <= usable_bytes:
+            continue
+        named = memory.named()
+        own = {name: t for name, t in named.items() if not t.scaled}
+        sizes = sorted({t.micro_batch_size for t in own.values()})
+        context.log(
+            f"memory: tracing {precision} with the output layer and loss in {chunks} chunks at micro-batch "
+            f"{', '.join(map(str, sizes))} (simulated)"
+        )
+        done = dict(zip(own, add_chunk_deltas(
+            list(own.values()), context.sim_spec, precision=precision, device_type=context.device, chunks=chunks,
+            pool=context.trace_pool,
+        )))
+        high = done.get("high", named["high"])
+        for name, trace in named.items():  # a trace scaled from the high one: its change scaled the same way
+            if trace.scaled and high.chunk_deltas is not None:
+                ratio = trace.micro_batch_size / high.micro_batch_size
+                done[name] = replace(trace, chunk_deltas=[int(d * ratio) for d in high.chunk_deltas], loss_chunks=chunks)
+        if memory.replace_traces(done):
             costs.changed = True
 
 

@@ -52,7 +52,7 @@ from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
-    Costs, add_eight_bit_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
+    Costs, add_eight_bit_state, add_loss_chunks, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
     save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
@@ -376,9 +376,15 @@ def _search(
         if levers is not None and levers.eight_bit is not None:
             with context.phase("memory"):
                 add_eight_bit_state(context, costs)
+        if levers is not None and levers.loss_chunks > 1:
+            with context.phase("memory"):
+                add_loss_chunks(context, costs, chunks=levers.loss_chunks, usable_bytes=usable)
         # What the scores depend on that tracing changes (a precision stored in the cache adds nothing).
         key = [(p, costs.model.precisions[p].memory) for p in _traced(context, costs)]
-        key = [(p, memory.recomputed, [t.levers.offloaded is not None for t in memory.traces() if t.levers]) for p, memory in key]
+        key = [
+            (p, memory.recomputed, memory.has_chunks(), [t.levers.offloaded is not None for t in memory.traces() if t.levers])
+            for p, memory in key
+        ]
         if key == scored_for:
             return evaluations
         scored_for = key

@@ -35,9 +35,11 @@ from autofit.errors import UserError
 from autofit.device import check_device
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import call_model, logits_of
+from autofit.planning.context import meta_model_of
 from autofit.planning.speed.timing import Samples
 from autofit.spec import ModelSpec
 from autofit.tools.evaluate import evaluate
+from strategies import DEFAULT_LOSS_CHUNKS, chunkable
 from autofit.step import train_step
 from strategies import precision_dtype
 
@@ -134,10 +136,13 @@ def runnable_amp_precisions(device: str) -> list[str]:
     return runnable
 
 
-def configurations(*, global_batch_size: int, amp_precisions: list[str], device: str = "cpu") -> list[Contender]:
+def configurations(
+    *, global_batch_size: int, amp_precisions: list[str], device: str = "cpu", loss_chunks: int = 1,
+) -> list[Contender]:
     """fp32, each AMP, checkpointing every block, and each AMP with it (the recipe's rows), then the
     levers beyond it, each alone in fp32: selective checkpointing of every block, the optimizer step
-    in backward, and on a GPU activation offload of every block and the optimizer state on the host.
+    in backward, for a causal LM the output layer and loss in ``loss_chunks`` chunks (when more than 1),
+    and on a GPU activation offload of every block and the optimizer state on the host.
     All at the full batch. (8-bit optimizer state changes the arithmetic: it is a plan's declared
     choice, not a row here.)"""
     def row(name: str, **choices) -> Contender:
@@ -150,6 +155,8 @@ def configurations(*, global_batch_size: int, amp_precisions: list[str], device:
     configs += [row(f"{p} AMP + checkpoint all", precision=p, checkpoint="all") for p in amp_precisions]
     configs.append(row("selective checkpoint all", selective_checkpoint="all"))
     configs.append(row("optimizer step in backward", optimizer_in_backward=True))
+    if loss_chunks > 1:
+        configs.append(row(f"loss in {loss_chunks} chunks", loss_chunks=loss_chunks))
     if device == "cuda":
         configs.append(row("offload all", offload="all"))
         configs.append(row("optimizer state on the host", optimizer_state="host"))
@@ -171,6 +178,7 @@ def plan_configuration(
         f"offload {len(config.offload)}" if config.offload else "",
         "step in backward" if config.optimizer_in_backward else "",
         f"{config.optimizer_state} optimizer state" if config.optimizer_state != "device" else "",
+        f"loss in {config.loss_chunks} chunks" if config.loss_chunks != 1 else "",
     ]
     name = f"autofit plan: {config.precision}{checkpointed}" + "".join(f" + {lever}" for lever in levers if lever)
     return Contender(name=name, config=config)
@@ -248,7 +256,10 @@ def compare(
     left_out = {} if all_rows else _too_slow(spec, amp, device=device, seed=seed)
     for precision, ratio in left_out.items():
         progress(f"{precision} AMP rows left out: a step at micro-batch 1 took {ratio:.1f}x fp32's here (--all-rows measures them)")
-    configs = configurations(global_batch_size=global_batch_size, amp_precisions=[p for p in amp if p not in left_out], device=device)
+    configs = configurations(
+        global_batch_size=global_batch_size, amp_precisions=[p for p in amp if p not in left_out], device=device,
+        loss_chunks=DEFAULT_LOSS_CHUNKS if chunkable(meta_model_of(spec)) is None else 1,
+    )
     if budget_bytes is not None:
         planned = next((row for name, row in kept.items() if name.startswith("autofit plan") and row.config), None)
         if planned is not None:  # the plan an interrupted run made: the same row, not a second planning

@@ -65,6 +65,8 @@ def header(plan: Plan, data: TrainData, applied: AppliedPlan, *, memory_note: st
     val = f" / {len(data.val)} val" if data.val is not None else " (no validation data)"
     skipped = f"; skipped {data.skipped_images} unreadable image(s)" if data.skipped_images else ""
     blocks = f"checkpoint {len(plan.config.checkpoint)} block(s)"
+    if plan.config.levers():
+        blocks += f", levers {plan.config.levers()}"
     if plan.config.max_grad_norm is not None:
         blocks += f", gradients clipped to norm {plan.config.max_grad_norm:g}"
     world_size = applied.env.world_size

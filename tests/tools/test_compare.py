@@ -76,6 +76,9 @@ def test_rows_cover_each_technique():
     # the GPU levers are rows on a GPU only (on the CPU the host is the device)
     on_gpu = [c.name for c in configurations(global_batch_size=16, amp_precisions=[], device="cuda")]
     assert on_gpu == ["fp32", "checkpoint all", *levers, "offload all", "optimizer state on the host"]
+    # a causal LM's chunked loss is a row where it applies
+    chunked = [c.config for c in configurations(global_batch_size=16, amp_precisions=[], loss_chunks=8)]
+    assert [c.loss_chunks for c in chunked] == [1, 1, 1, 1, 8]
 
 
 def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_cli):

@@ -346,6 +346,12 @@ class LeverChoice:
     optimizer_in_backward: bool = False
     optimizer_state: str = "device"
     """"device", "host" or "8bit" (modelled where the traces hold its record, ``add_eight_bit``)."""
+    loss_chunks: int = 1
+    """The chunked output layer and loss's chunks (modelled where the traces hold its run, ``traces.add_chunk_deltas``)."""
+
+    def only_chunks(self) -> bool:
+        """No lever but (perhaps) the chunked loss, which the plain segments model alone (``MemoryCosts.at``)."""
+        return replace(self, loss_chunks=1) == LeverChoice()
 
     @property
     def frees_gradients(self) -> bool:
@@ -414,6 +420,9 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
         state = memory._interpolate([r.state_bytes - r.eight_bit["state_bytes"] for r in records], m, at_least=None)
     temporaries = low.eight_bit["step_temporaries"] if eight_bit else low.step_temporaries
     stepping = choice.optimizer_in_backward and choice.optimizer_state in ("device", "8bit")
+    chunk_deltas = memory.chunk_deltas() if choice.loss_chunks > 1 else None
+    if choice.loss_chunks > 1 and chunk_deltas is None:
+        return None
     found = []
     for i, segment in enumerate(memory.low.segments):
         if not accumulating and segment.phase == "later":
@@ -467,6 +476,14 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
             )
             bytes_, stage = parts[-1]
             parts[-1] = (max(bytes_, at_steps), stage)
+        if chunk_deltas is not None:
+            # The chunked loss changes what grows in the segment (one chunk's logits), not its opening.
+            change = memory._interpolate([d[i] for d in chunk_deltas], size, at_least=None)
+            opening = parts[0][0]
+            parts = [
+                (bytes_ + change if len(parts) == 1 else bytes_ if stage == 0 else max(opening, bytes_ + change), stage)
+                for bytes_, stage in parts
+            ]
         for bytes_, stage in parts:
             found.append(LeverSegment(
                 peak_bytes=bytes_ - state, micro=low.micro[i], position=low.position[i], running=running,

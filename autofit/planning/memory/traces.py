@@ -79,9 +79,29 @@ class MemoryTrace:
     levers: LeverTrace | None = None
     """What the memory levers change in the plain trace's segments (``memory.levers``); None in a trace stored
     before the levers were modelled (then they are not searched)."""
+    chunk_deltas: list[int] | None = None
+    """Per plain segment (``recomputes`` None, in order): what the chunked output layer and loss (``loss_chunks``)
+    change in its peak, from the step traced again with them (``add_chunk_deltas``); None where not traced, []
+    where not modelled."""
+    loss_chunks: int = 1
+    """The chunks ``chunk_deltas`` were traced with."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def segment_chunk_deltas(self) -> list[int] | None:
+        """``chunk_deltas`` for every segment; None where chunking is not modelled.
+
+        A recomputation runs in its block's backward, after the loss: it takes the change of the plain segment it
+        runs in (the last of its phase with the same blocks dropped), where the model's whole logits, which the
+        step's output holds until the micro-step ends, are gone too.
+        """
+        plain = [s for s in self.segments if s.recomputes is None]
+        if not self.chunk_deltas or len(self.chunk_deltas) != len(plain):
+            return None
+        last = {(s.phase, tuple(s.dropped)): delta for s, delta in zip(plain, self.chunk_deltas)}
+        deltas = iter(self.chunk_deltas)
+        return [next(deltas) if s.recomputes is None else last.get((s.phase, tuple(s.dropped)), 0) for s in self.segments]
 
 
 class _TimelineTracker(StorageTracker):
@@ -253,10 +273,10 @@ class _RawTrace:
 
 def run_trace(
     spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, mode: str,
-    blocks: list[str] | None = None,
+    blocks: list[str] | None = None, loss_chunks: int = 1,
 ) -> _RawTrace:
     """One traced step with every block in ``mode`` ("none", "full", "selective" or "offload"); ``blocks`` are the
-    candidates when already found (else one fake forward finds them)."""
+    candidates when already found (else one fake forward finds them); ``loss_chunks`` chunks the output layer and loss."""
     meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
     with meter.environment():
@@ -267,7 +287,7 @@ def run_trace(
         config = TrainingConfig(
             global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
             checkpoint=names if mode == "full" else [], selective_checkpoint=names if mode == "selective" else [],
-            offload=names if mode == "offload" else [],
+            offload=names if mode == "offload" else [], loss_chunks=loss_chunks,
         )
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
         position = {name: index for index, name in enumerate(names)}
@@ -434,6 +454,37 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
         return copy.deepcopy(template, memo)
 
     return dataclasses.replace(spec, build_model=build_model)
+
+
+def add_chunk_deltas(traces: list, spec, *, precision: str, device_type: str, chunks: int, pool=None) -> list:
+    """``traces`` (``MemoryTrace``) each with what the chunked output layer and loss change in its segments
+    (``chunk_deltas``): its step traced again, plainly, with the loss in ``chunks`` chunks; one run per size, at
+    once in ``pool``'s workers where it has them.
+
+    Only the stretch after the last block's forward and before its backward changes (the logits, their fp32
+    copy and their gradient, of one chunk instead of all tokens), and what is alive there besides is the same
+    whatever the blocks do, so the change adds to any checkpoint set's peak. A trace whose chunked run cuts
+    into other segments gets ``[]`` (chunking is then not modelled).
+    """
+    wanted = [t for t in traces if not t.scaled and (t.chunk_deltas is None or t.loss_chunks != chunks)]
+    runs = {
+        t.micro_batch_size: call(
+            pool, run_trace, spec, micro_batch_size=t.micro_batch_size, precision=precision, device_type=device_type,
+            mode="none", blocks=t.blocks, loss_chunks=chunks,
+        )
+        for t in wanted
+    }
+    done = {}
+    for trace in wanted:
+        raw = runs[trace.micro_batch_size]()
+        chunked, _ = plain_segments(raw.marks, raw.peaks, raw.drop_bytes)
+        plain = [s for s in trace.segments if s.recomputes is None]
+        if [(s.dropped, s.phase) for s in chunked] != [(s.dropped, s.phase) for s in plain]:
+            done[id(trace)] = replace(trace, chunk_deltas=[], loss_chunks=chunks)
+            continue
+        deltas = [c.peak_bytes - s.peak_bytes for c, s in zip(chunked, plain)]
+        done[id(trace)] = replace(trace, chunk_deltas=deltas, loss_chunks=chunks)
+    return [done.get(id(t), t) for t in traces]
 
 
 def add_offloaded(traces: list, spec, *, precision: str, device_type: str, pool=None) -> list:

@@ -60,6 +60,11 @@ class LeverSearch:
     """The optimizer's update of every trainable parameter on the host's CPU."""
     step_in_backward_time: UpdateTime | None = None
     """What the step in backward adds to a step (``time_step_in_backward``; None: taken as nothing)."""
+    loss_chunks: int = 1
+    """The chunked output layer and loss's chunks, tried with each other choice where the memory model has its run
+    (1: not searched: the model is no causal LM it applies to, ``strategies.chunkable``)."""
+    head_share: float = 0.0
+    """The output layer's share of the trainable parameters: what recomputing it costs (``speed.levers``)."""
 
     def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
         """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
@@ -75,22 +80,24 @@ class LeverSearch:
             found.append(LeverChoice(optimizer_state="8bit"))
             if stepping:
                 found.append(LeverChoice(optimizer_in_backward=True, optimizer_state="8bit"))
+        if self.loss_chunks > 1:
+            found += [replace(choice, loss_chunks=self.loss_chunks) for choice in found]
         return found
 
     def lever_seconds(self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice) -> float:
         """Seconds the levers add to one optimizer step (``speed.levers.lever_time``)."""
-        if not choice.offload and choice.optimizer_state == "device" and not choice.optimizer_in_backward:
+        if choice == LeverChoice():
             return 0.0
         from autofit.planning.speed.levers import lever_time
 
         config = TrainingConfig(
             global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size, precision=precision,
             offload=model.names(choice.offload), optimizer_in_backward=choice.optimizer_in_backward,
-            optimizer_state=choice.optimizer_state,
+            optimizer_state=choice.optimizer_state, loss_chunks=choice.loss_chunks,
         )
         return lever_time(
             config, model=model, link=self.link, trainable_bytes=self.trainable_bytes, host_update_seconds=self.host_update_seconds,
-            eight_bit=self.eight_bit, step_in_backward=self.step_in_backward_time,
+            eight_bit=self.eight_bit, step_in_backward=self.step_in_backward_time, head_share=self.head_share,
         ).seconds
 
 
@@ -127,7 +134,10 @@ def cheapest_for(
     relaxed = relaxed and known is None
     checkpointing = known is not None or relaxed
     memory = known or memory
-    segments, drops = memory.at(micro_batch_size, global_batch_size=G)
+    levers = levers or LeverChoice()
+    if levers.loss_chunks > 1 and not memory.has_chunks():
+        return None
+    segments, drops = memory.at(micro_batch_size, global_batch_size=G, chunked=levers.loss_chunks > 1)
     seconds = model.recompute_seconds(precision, micro_batch_size)
     selective_drops = memory.selective_drops(micro_batch_size) if selective else None
     modes = dict(
@@ -135,11 +145,10 @@ def cheapest_for(
         selective_drops=drops if relaxed and selective and selective_drops is None else selective_drops,
         selective_seconds=model.selective_recompute_seconds(precision, micro_batch_size) if selective else None,
     )
-    levers = levers or LeverChoice()
     # Offload is a mode where its runs are traced, or (relaxed) before they are.
     traced = search is not None and search.offload and memory.has_levers() and memory.low.levers.offloaded is not None
     offloading, relaxed = traced or relaxed_offload, relaxed or relaxed_offload
-    if levers == LeverChoice() and not offloading:
+    if levers.only_chunks() and not offloading:
         return cheapest_checkpoint(segments, drops, seconds, limit_bytes=limit_bytes, **modes)
     found = lever_segments(memory, micro_batch_size, global_batch_size=G, choice=levers)
     if found is None:
@@ -264,7 +273,7 @@ def score_space(
             result.config = replace(
                 result.config, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
                 offload=model.names(choice.offload), optimizer_in_backward=chosen.optimizer_in_backward,
-                optimizer_state=chosen.optimizer_state,
+                optimizer_state=chosen.optimizer_state, loss_chunks=chosen.loss_chunks,
             )
             result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
             result.samples_per_s = speed

@@ -47,6 +47,14 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 
       eight_bit = E
 
+- **chunked output layer and loss** (``loss_chunks``): backward runs each
+  chunk's output layer again, one more forward of the head per micro-step.
+  Its time is the micro-step's forward F times the head's share h of the
+  trainable parameters (a language model's forward costs about 2 FLOPs per
+  parameter and token; attention's share makes this an over-count)::
+
+      chunked_loss = sum over micro-steps of  h * F
+
 The search prices offload per block (``offload_block_seconds``): the bytes
 the block alone saved, down beyond its own forward and all back up, summed
 over blocks at least the term above. Before the offloading runs are traced,
@@ -107,11 +115,15 @@ class LeverTime:
     host_state_seconds: float = 0.0
     eight_bit_seconds: float = 0.0
     step_in_backward_seconds: float = 0.0
+    chunked_loss_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
-        return self.offload_seconds + self.host_state_seconds + self.eight_bit_seconds + self.step_in_backward_seconds
+        return (
+            self.offload_seconds + self.host_state_seconds + self.eight_bit_seconds + self.step_in_backward_seconds
+            + self.chunked_loss_seconds
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,6 +146,7 @@ def lever_time(
     host_update_seconds: float,
     eight_bit: UpdateTime | None = None,
     step_in_backward: UpdateTime | None = None,
+    head_share: float = 0.0,
 ) -> LeverTime:
     """The levers' seconds per step of ``config`` (see the module docstring for the formulas).
 
@@ -144,8 +157,18 @@ def lever_time(
         host_update_seconds: the optimizer's update of every trainable parameter on the host's CPU.
         eight_bit: what 8-bit state adds to a step (needed with it).
         step_in_backward: what the step in backward adds to a step (None: taken as nothing, and the notes say so).
+        head_share: the output layer's share of the trainable parameters (with the chunked loss).
     """
     time = LeverTime()
+    if config.loss_chunks > 1:
+        speed = model.precisions[config.precision].speed
+        time.chunked_loss_seconds = sum(
+            count * head_share * speed.forward_seconds_at(size) for size, count in model.micro_sizes(config.micro_batch_size)
+        )
+        time.notes.append(
+            f"the output layer and loss in {config.loss_chunks} chunks: {time.chunked_loss_seconds:+.3g} s per step "
+            f"predicted, the head's forward again in backward ({head_share:.0%} of the parameters, of the forward's time)"
+        )
     offloading = bool(config.offload)
     on_host = config.optimizer_state == "host"
     if config.optimizer_state == "8bit":

@@ -49,11 +49,12 @@ from autofit.planning.verify.floor import Floor, InfeasibleBudget, below_floor
 from autofit.planning.memory.headroom import persistent_bytes
 from autofit.planning.speed.levers import UpdateTime, LeverTime, host_link, lever_time
 from autofit.planning.memory.levers import LeverChoice
-from autofit.planning.modelling import Costs, add_eight_bit_state, add_speeds
+from autofit.planning.modelling import Costs, add_eight_bit_state, add_loss_chunks, add_speeds
 from autofit.planning.search.space import LeverSearch
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, write_plan
 from autofit.units import format_bytes
+from strategies import DEFAULT_LOSS_CHUNKS, chunkable
 from strategies.optimizer_state import eight_bit_adam
 
 LOSSY_FLAG = "--allow-lossy-optimizer"
@@ -132,6 +133,11 @@ def lever_candidates(
     else:
         base = replace(base, optimizer_in_backward=True)
         names.append("optimizer step in backward")
+        candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
+    chunks, _ = loss_chunking(context)
+    if chunks > 1:  # the same loss, a little recompute: before the levers that move bytes over the host link
+        base = replace(base, loss_chunks=chunks)
+        names.append(f"output layer and loss in {chunks} chunks")
         candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
     if context.device == "cuda":
         # The checkpointed blocks keep only their inputs: offload is for the others.
@@ -269,6 +275,8 @@ def _report(
     precision_notes = add_speeds(context, costs)  # only what the costs do not hold yet
     if config.optimizer_state == "8bit":
         add_eight_bit_state(context, costs)  # the memory model's term for it
+    if config.loss_chunks > 1:
+        add_loss_chunks(context, costs, chunks=config.loss_chunks, usable_bytes=measurements.usable_bytes())
     known = model.precisions.get(config.precision)
     if known is None or known.memory.with_checkpointing(config.micro_batch_size) is None:
         # Only the floor's trace (at the smallest micro-batch, the floor's) was needed: it predicts this configuration.
@@ -323,14 +331,14 @@ def lever_notes(
         modelled: the predicted peak is the memory model's with the levers (else the floor configuration's).
     """
     predicted = (
-        "the predicted peak is the memory model's with them (planning/lever_memory.py)" if modelled else
+        "the predicted peak is the memory model's with them (planning/memory/levers.py)" if modelled else
         "the memory model does not model these levers (traces without the offload trace), so the "
         "predicted peak is the floor configuration's without them"
     )
     notes = [
         f"below the floor without levers: {candidate.name} lowers the floor configuration's peak from "
         f"{format_bytes(floor_peak)} to {format_bytes(peak_bytes)} (measured); {predicted}; the predicted speed adds "
-        "the levers' costs (planning/lever_costs.py)"
+        "the levers' costs (planning/speed/levers.py)"
     ]
     if host_peak_bytes:
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
@@ -347,7 +355,7 @@ def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> flo
         return None
     choice = LeverChoice(
         offload=frozenset(model.blocks.index(name) for name in config.offload), optimizer_in_backward=config.optimizer_in_backward,
-        optimizer_state=config.optimizer_state,
+        optimizer_state=config.optimizer_state, loss_chunks=config.loss_chunks,
     )
     try:
         return model.peak_bytes(config.precision, config.micro_batch_size, blocks, levers=choice)
@@ -367,8 +375,19 @@ def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfi
     stepping = step_in_backward_time(context, costs, trainable) if config.optimizer_in_backward else None
     return lever_time(
         config, model=model, link=link, trainable_bytes=trainable.bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
-        step_in_backward=stepping,
+        step_in_backward=stepping, head_share=loss_chunking(context)[1],
     )
+
+
+def loss_chunking(context: PlanContext) -> tuple[int, float]:
+    """The chunks the chunked output layer and loss is tried with, and the output layer's share of the trainable
+    parameters (what recomputing it costs); (1, 0.0) for a model it does not apply to (``strategies.chunkable``)."""
+    model = context.meta_model
+    if chunkable(model) is not None:
+        return 1, 0.0
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    head = model.get_output_embeddings().weight
+    return DEFAULT_LOSS_CHUNKS, (head.numel() / trainable if head.requires_grad and trainable else 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,12 +433,16 @@ def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: b
     trainable = _trainable(context)
     eight_bit = eight_bit_time(context, trainable) if allow_lossy_optimizer else None
     stepping = step_in_backward_time(context, costs, trainable)
+    chunks, head_share = loss_chunking(context)
     if context.device != "cuda":
-        return LeverSearch(step_in_backward=step_in_backward, eight_bit=eight_bit, step_in_backward_time=stepping)
+        return LeverSearch(
+            step_in_backward=step_in_backward, eight_bit=eight_bit, step_in_backward_time=stepping, loss_chunks=chunks,
+            head_share=head_share,
+        )
     return LeverSearch(
         step_in_backward=step_in_backward, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable.bytes,
         host_update_seconds=time_host_update(context.spec.build_optimizer) * trainable.elements, eight_bit=eight_bit,
-        step_in_backward_time=stepping,
+        step_in_backward_time=stepping, loss_chunks=chunks, head_share=head_share,
     )
 
 
@@ -483,11 +506,11 @@ def searched_lever_notes(model, config: TrainingConfig, search: LeverSearch) -> 
     the arithmetic (8-bit state does: a declared choice)."""
     time = lever_time(
         config, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
-        eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time,
+        eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time, head_share=search.head_share,
     )
     return [
         f"memory levers chosen by the search ({config.levers()}): the memory model predicts their peak "
-        "(planning/lever_memory.py) and the chosen configuration was measured with them",
+        "(planning/memory/levers.py) and the chosen configuration was measured with them",
         *time.notes,
         LOSSY_NOTE if config.optimizer_state == "8bit" else "the levers do not change the arithmetic: the updates are plain training's",
     ]

@@ -175,7 +175,7 @@ def _without_selective(
     """The cheapest checkpoint set of this point without selective blocks (same levers), measured unless decided."""
     precision, size = config.precision, config.micro_batch_size
     limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
-    gradient_levers = LeverChoice(optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state)
+    gradient_levers = replace(lever_choice(model, config), offload=frozenset())
     choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers, selective=False)
     if choice is None:
         return None
@@ -201,7 +201,7 @@ def _fitting_checkpoint_set(
     precision, size = config.precision, config.micro_batch_size
     # Limits below are in the model's own (unscaled) bytes.
     limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
-    gradient_levers = LeverChoice(optimizer_in_backward=config.optimizer_in_backward, optimizer_state=config.optimizer_state)
+    gradient_levers = replace(lever_choice(model, config), offload=frozenset())
     for _attempt in range(POLICY.verify_attempts):
         raw = _predicted_peak(model, config) / model.memory_scale
         if raw > limit:  # the scale learnt from an earlier measurement rules this set out
@@ -240,7 +240,7 @@ def _config(model: CostModel, point: TrainingConfig, choice, levers: LeverChoice
     return replace(
         point, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
         offload=model.names(choice.offload), optimizer_in_backward=levers.optimizer_in_backward,
-        optimizer_state=levers.optimizer_state,
+        optimizer_state=levers.optimizer_state, loss_chunks=levers.loss_chunks,
     )
 
 
@@ -248,7 +248,7 @@ def lever_choice(model: CostModel, config: TrainingConfig) -> LeverChoice:
     """The configuration's memory levers, as the memory model takes them."""
     return LeverChoice(
         offload=model.indices(config.offload), optimizer_in_backward=config.optimizer_in_backward,
-        optimizer_state=config.optimizer_state,
+        optimizer_state=config.optimizer_state, loss_chunks=config.loss_chunks,
     )
 
 
