@@ -25,6 +25,7 @@ from autofit._torch_private import (
     FAKE_TENSOR_LIMITS, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly, without_dispatch_modes,
 )
 from autofit.errors import UserError
+from autofit.measure.hf_masks import masks_as_in_real_runs
 from autofit.measure.host import host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
 from autofit.device import check_device
@@ -124,6 +125,7 @@ class SimulatedMeter(TrackedMeter):
         stack = ExitStack()
         stack.enter_context(self._fake_mode)
         stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(masks_as_in_real_runs())  # transformers' masks as the real batch has them
         if self.for_device == "cuda":  # the optimizer's step holds what it holds on a card
             stack.enter_context(optimizers_step_as_on_cuda())
         return stack
