@@ -53,6 +53,7 @@ from strategies import (
     BatchSplit,
     BatchSplitConfig,
     CheckpointConfig,
+    MASTER_WEIGHTS,
     Checkpointing,
     ChunkedLoss,
     ChunkedLossConfig,
@@ -254,7 +255,10 @@ def apply_config(
         PrecisionConfig(precision=config.precision), device_type=env.device.type,
         use_scaler=use_scaler, init_scale=init_scale, sharded_gradients=sharding.sharded,
     )
-    optimizer_state = OptimizerState(OptimizerStateConfig(optimizer_state=config.optimizer_state), device=env.device)
+    optimizer_state = OptimizerState(
+        OptimizerStateConfig(optimizer_state=config.optimizer_state), device=env.device,
+        master_weights=config.precision == MASTER_WEIGHTS,
+    )
     step_in_backward = StepInBackward(OptimizerInBackwardConfig(enabled=config.optimizer_in_backward))
     clipping = GradientClipping(ClippingConfig(max_grad_norm=config.max_grad_norm))
     # The order is fixed, and each step says why it comes where it does.
@@ -280,6 +284,11 @@ def apply_config(
     #    then gathers the parameters it needs), and before the optimizer is built,
     #    which must see the sharded parameters.
     model = sharding.apply(model)
+    # 3b. With bf16 weights (precision "bf16-master"), the optimizer's state strategy keeps each trained
+    #     weight's fp32 master on the host and casts the device's to bf16: after the move to the device (the
+    #     masters are copied from the device's values) and before the optimizer is built over them. It runs on
+    #     one process only (the configuration refuses sharding with it).
+    model = optimizer_state.apply(model)
     # 4. Precision: the forward's autocast and the GradScaler (a sharded one that
     #    agrees across ranks on skipped fp16 steps under FSDP). They shape the
     #    step, not the model, so they wrap whatever the steps above produced.

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from autofit.errors import UserError
 from strategies.batch_split import BatchSplitConfig, micro_batch_count
 from strategies.optimizer_state import OptimizerStateConfig
-from strategies.precision import PRECISIONS, PrecisionConfig
+from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PrecisionConfig
 from strategies.sharding import ShardingConfig
 
 MAX_LOSS_CHUNKS = 1024
@@ -99,6 +99,12 @@ class TrainingConfig:
             )
             if refusal:
                 raise UserError(f"optimizer step in backward {refusal}")
+        if self.precision == MASTER_WEIGHTS and (self.optimizer_state != "device" or self.world_size > 1):
+            raise UserError(
+                f"precision {MASTER_WEIGHTS} keeps the fp32 master and the optimizer's state on the host itself, on one "
+                f"process: leave --optimizer-state at device and train on one GPU (or choose bf16 for "
+                f"{'--gpus' if self.world_size > 1 else '--optimizer-state ' + self.optimizer_state})"
+            )
         if self.world_size > 1 and self.optimizer_state == "host":
             raise UserError(
                 "optimizer state on the host runs on one process only (DDP and FSDP reduce gradients after it would "
@@ -170,6 +176,11 @@ def step_in_backward_refusal(
         return (
             f"cannot clip gradients (--max-grad-norm {max_grad_norm:g}): each parameter steps before the norm over all "
             "gradients is known; drop --max-grad-norm or turn the step in backward off"
+        )
+    if precision == MASTER_WEIGHTS:
+        return (
+            f"cannot run with {MASTER_WEIGHTS}: its fp32 masters step on the host after backward; use bf16 or fp32, "
+            "or turn the step in backward off"
         )
     if precision == "fp16":
         return (

@@ -26,7 +26,7 @@ from strategies.checkpointing import (
 from strategies.offload import ActivationOffload, OffloadConfig
 from strategies.optimizer_in_backward import OptimizerInBackward, OptimizerInBackwardConfig, StepInBackward
 from strategies.optimizer_state import OPTIMIZER_STATES, HostOptimizer, OptimizerState, OptimizerStateConfig
-from strategies.precision import PRECISIONS, Precision, PrecisionConfig, precision_dtype
+from strategies.precision import MASTER_WEIGHTS, PRECISIONS, Precision, PrecisionConfig, precision_dtype
 from strategies.sharding import SHARDINGS, Sharding, ShardingConfig, unwrap_model
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "GradientClipping",
     "Checkpointing",
     "HostOptimizer",
+    "MASTER_WEIGHTS",
     "OPTIMIZER_STATES",
     "OffloadConfig",
     "OptimizerInBackward",

@@ -54,14 +54,49 @@ class OptimizerState(Strategy):
     Args:
         config: where the state lives.
         device: where the model trains.
+        master_weights: the "bf16-master" precision: ``apply`` keeps an fp32 master copy of each trained weight
+            on the host and leaves the device's in bf16; the optimizer then runs on the host over the masters
+            (``HostOptimizer``), whatever ``config`` says (the configuration refuses any other state with it).
     """
 
-    def __init__(self, config: OptimizerStateConfig, *, device: torch.device | str) -> None:
+    def __init__(self, config: OptimizerStateConfig, *, device: torch.device | str, master_weights: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
+        self.master_weights = master_weights
+        self.masters: dict[int, torch.Tensor] = {}
+        """id(parameter) -> its fp32 master on the host (with ``master_weights``, once applied)."""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """With ``master_weights``: each trained weight's fp32 value kept on the host, the device's cast to bf16.
+
+        The masters are copied before the cast, so they hold the weights exactly; frozen weights (an adapter's
+        base) go to bf16 with no master. Normalization layers keep theirs in fp32 on the device (a few values per
+        channel, next to fp32 running statistics that a bf16 weight could not be used with), and buffers
+        (running statistics, rotary tables) stay as they are.
+        """
+        if not self.master_weights:
+            return model
+        pin = any(p.is_cuda for p in model.parameters())
+        seen: set[int] = set()
+        with torch.no_grad():
+            for module in model.modules():
+                keep = _is_norm(module)
+                for param in module.parameters(recurse=False):
+                    if id(param) in seen:  # tied weights: one master
+                        continue
+                    seen.add(id(param))
+                    if param.requires_grad:
+                        with host_allocation():
+                            master = torch.empty(param.shape, dtype=torch.float32, pin_memory=pin)
+                            self.masters[id(param)] = master.copy_(param)
+                    if param.is_floating_point() and not keep:
+                        param.data = param.data.to(torch.bfloat16)
+        return model
 
     def wrap_optimizer_builder(self, build: OptimizerBuilder) -> OptimizerBuilder:
         where = self.config.optimizer_state
+        if self.master_weights:
+            return lambda params: HostOptimizer(params, build=build, masters=self.masters)
         if where == "host":
             return lambda params: HostOptimizer(params, build=build)
         if where == "8bit":
@@ -102,14 +137,22 @@ class HostOptimizer(torch.optim.Optimizer):
             with CPU parameters to compare the arithmetic with a plain optimizer).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], *, build: OptimizerBuilder, host: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, params: Iterable[nn.Parameter], *, build: OptimizerBuilder, host: torch.device | str = "cpu",
+        masters: dict[int, torch.Tensor] | None = None,
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.host = torch.device(host)
+        self.has_masters = masters is not None
         pin = any(p.is_cuda for p in self.params)
         with host_allocation():
-            # fp32 copies in pinned memory (when the parameters are on a GPU: copies run asynchronously).
-            self.copies = [_host_empty_like(p, self.host, pin=pin).copy_(p.detach()) for p in self.params]
-            self.grad_buffers = [_host_empty_like(p, self.host, pin=pin) for p in self.params]
+            # fp32 copies in pinned memory (when the parameters are on a GPU: copies run asynchronously); with
+            # bf16 weights on the device, the fp32 masters kept before the cast (``OptimizerState.apply``).
+            self.copies = [
+                masters[id(p)] if masters is not None else _host_empty_like(p, self.host, pin=pin).copy_(p.detach())
+                for p in self.params
+            ]
+            self.grad_buffers = [_host_empty_like(copy, self.host, pin=pin) for copy in self.copies]
             self.inner = build(self.copies)
         super().__init__(self.copies, dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups
@@ -161,12 +204,28 @@ class HostOptimizer(torch.optim.Optimizer):
                 tensor.grad.zero_()
 
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        """The host optimizer's, and with bf16 weights the fp32 masters (the device holds them rounded)."""
+        state = self.inner.state_dict()
+        return {**state, "master_weights": list(self.copies)} if self.has_masters else state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        with host_allocation():
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_weights", None)
+        with host_allocation(), torch.no_grad():
             self.inner.load_state_dict(state_dict)
+            if masters is not None and self.has_masters:
+                for copy, master, param in zip(self.copies, masters, self.params):
+                    copy.copy_(master)
+                    param.copy_(copy)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalization layer (torch's, or a library's RMSNorm/LayerNorm class by its name)."""
+    return isinstance(module, _NORMS) or type(module).__name__.endswith(("Norm", "Norm2d"))
 
 
 def _host_empty_like(param: torch.Tensor, host: torch.device, *, pin: bool) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""Precision: fp32, bf16 autocast, or fp16 autocast with a GradScaler."""
+"""Precision: fp32, bf16 autocast, fp16 autocast with a GradScaler, or bf16 weights with an fp32 master on the host.
+
+"bf16-master" computes as bf16 autocast does, but the device holds the weights in bf16 (2 bytes per
+parameter) while an fp32 master copy and the optimizer's state live on the host, where the update runs
+(ZeRO-Offload's layout; ``strategies.optimizer_state.MasterWeights``). Its arithmetic is bf16 autocast over
+bf16-rounded weights, updated in fp32: a declared precision choice, like bf16 itself.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,8 +16,10 @@ import torch
 from autofit.errors import UserError
 from strategies.base import Strategy
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MASTER_WEIGHTS = "bf16-master"
+"""bf16 weights on the device, their fp32 master copy and the optimizer's state on the host."""
+PRECISIONS = ("fp32", "bf16", "fp16", MASTER_WEIGHTS)
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, MASTER_WEIGHTS: torch.bfloat16}
 
 
 def precision_dtype(precision: str) -> torch.dtype | None:
@@ -24,7 +32,8 @@ def precision_dtype(precision: str) -> torch.dtype | None:
 @dataclass(kw_only=True, slots=True)
 class PrecisionConfig:
     precision: str = "fp32"
-    """One of "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
+    """One of "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler) or "bf16-master" (bf16 autocast over bf16
+    weights, their fp32 master and the optimizer on the host)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
