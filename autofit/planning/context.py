@@ -41,7 +41,7 @@ from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
-from strategies import PRECISIONS
+from strategies import MASTER_WEIGHTS, PRECISIONS
 
 CACHE_FILE = "plans.db"
 """The cache's SQLite file in ``cache_dir()``."""
@@ -361,6 +361,9 @@ def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | No
     if unknown:
         raise UserError(f"precision {unknown[0]!r} is unknown; choose from {', '.join(PRECISIONS)}")
     excluded = {p: "not asked for (--precisions)" for p in PRECISIONS if p not in wanted}
+    if device != "cuda" and MASTER_WEIGHTS in wanted:  # on the CPU the host is the device: it saves nothing
+        wanted.remove(MASTER_WEIGHTS)
+        excluded[MASTER_WEIGHTS] = "a GPU choice (--device cuda): on the CPU the host it moves the weights to is the device"
     if device == "cuda" and torch.cuda.is_available() and not simulate:
         if "bf16" in wanted and not torch.cuda.is_bf16_supported():
             major, minor = torch.cuda.get_device_capability()

@@ -164,12 +164,14 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     context = replace(context, simulate=simulate)  # the candidates only; nothing is measured here
     floor = Floor(config=TrainingConfig(global_batch_size=1, precision="fp32", micro_batch_size=1, checkpoint=("layers.0",)), budget_bytes=1)
     candidates, skipped = lever_candidates(context, floor, blocks=BLOCKS, allow_lossy_optimizer=False)
-    steps = [(c.config.optimizer_in_backward, c.config.offload, c.config.optimizer_state, c.lossy) for c in candidates]
+    steps = [(c.config.optimizer_in_backward, c.config.offload, c.config.optimizer_state, c.config.precision, c.lossy) for c in candidates]
     assert steps == [
-        (True, (), "device", False),
-        (True, ("layers.1", "layers.2"), "host", False),
-        (True, ("layers.1", "layers.2"), "8bit", True),
+        (True, (), "device", "fp32", False),
+        (True, ("layers.1", "layers.2"), "host", "fp32", False),
+        (False, ("layers.1", "layers.2"), "device", "bf16-master", False),
+        (True, ("layers.1", "layers.2"), "8bit", "fp32", True),
     ]
+    assert candidates[2].name == "activation offload of 2 block(s), bf16 weights with fp32 masters and optimizer state on the host"
     assert candidates[-1].name == "optimizer step in backward, activation offload of 2 block(s), 8-bit AdamW state"
     assert any("--allow-lossy-optimizer" in why for why in skipped)
     assert candidates[1].name == "optimizer step in backward, activation offload of 2 block(s), optimizer state on the host"
@@ -201,6 +203,32 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     assert plan.measured.breakdown["optimizer_state"] == 0 and plan.measured.peak_bytes <= host.peak_bytes * 1.5
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
     assert any("the search with the memory levers found" in note for note in plan.notes)
+
+
+def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32_masters_on_the_host(lm):
+    """Below what the state on the host needs, the weights go to bf16 on the device, their fp32 masters to the host:
+    lossless (no --allow-lossy-optimizer), measured by the simulated meter."""
+    from autofit.planning.policy import POLICY
+
+    _, spec = lm
+
+    def simulated_cuda(**choices):
+        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, **choices)
+        return measure(spec, config, device="cuda", simulate=True, steps=2)
+
+    host, master = simulated_cuda(optimizer_state="host"), simulated_cuda(precision="bf16-master")
+    assert master.breakdown["parameters"] < 0.6 * host.breakdown["parameters"]
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+
+    def least(measured) -> int:
+        return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
+
+    assert least(master) < least(host)
+    budget = (least(host) + least(master)) // 2
+    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=1, device="cuda", simulate=True, device_memory="4GiB"))
+    assert plan.config.precision == "bf16-master" and plan.config.optimizer_state == "device", plan.notes
+    assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
+    assert any("fp32 masters" in note for note in plan.notes)
 
 
 WIDE_LM_FILE = '''

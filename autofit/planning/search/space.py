@@ -29,6 +29,7 @@ from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink
 from autofit.planning.costs import CostModel
 from autofit.planning.speed.levers import UpdateTime, offload_block_seconds, offload_floor_seconds
+from strategies import MASTER_WEIGHTS
 from autofit.planning.memory.levers import LeverChoice, lever_segments, offload_drops
 from autofit.planning.search.knapsack import CheckpointChoice, cheapest_checkpoint
 from autofit.planning.memory.segments import Segment
@@ -69,6 +70,8 @@ class LeverSearch:
     def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
         """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
         found = [LeverChoice()]
+        if precision == MASTER_WEIGHTS:  # its masters and state are on the host already, stepped after backward
+            return found + ([LeverChoice(loss_chunks=self.loss_chunks)] if self.loss_chunks > 1 else [])
         stepping = self.step_in_backward and not step_in_backward_refusal(
             precision=precision, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, world_size=1,
         )
@@ -86,7 +89,7 @@ class LeverSearch:
 
     def lever_seconds(self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice) -> float:
         """Seconds the levers add to one optimizer step (``speed.levers.lever_time``)."""
-        if choice == LeverChoice():
+        if choice == LeverChoice() and precision != MASTER_WEIGHTS:
             return 0.0
         from autofit.planning.speed.levers import lever_time
 
@@ -259,7 +262,7 @@ def score_space(
         if plain is not None and not plain.blocks and not plain.selective:
             # It fits as plain training: every lever adds time (the step in backward none), so none is tried.
             choices = [LeverChoice()]
-            search = LeverSearch()
+            search = replace(search, offload=False)  # its time terms stay (bf16-master's host update)
         for lever_choice in choices:
             choice = cheapest_for(
                 model, precision, micro_batch_size, limit_bytes=limit * (1 + slack), levers=lever_choice, search=search,

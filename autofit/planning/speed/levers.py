@@ -75,6 +75,7 @@ from autofit.config import TrainingConfig
 from autofit.measure.host_speed import HostLink, measure_host_link
 from autofit.planning.costs import CostModel
 from autofit.units import format_bytes
+from strategies import MASTER_WEIGHTS
 
 ASSUMED_LINK_BYTES_PER_S = 12e9
 """Pinned copies each way when no GPU is here to measure: PCIe 3.0 x16's practical rate. PCIe 4.0 x16
@@ -160,6 +161,7 @@ def lever_time(
         head_share: the output layer's share of the trainable parameters (with the chunked loss).
     """
     time = LeverTime()
+    master = config.precision == MASTER_WEIGHTS
     if config.loss_chunks > 1:
         speed = model.precisions[config.precision].speed
         time.chunked_loss_seconds = sum(
@@ -170,7 +172,7 @@ def lever_time(
             f"predicted, the head's forward again in backward ({head_share:.0%} of the parameters, of the forward's time)"
         )
     offloading = bool(config.offload)
-    on_host = config.optimizer_state == "host"
+    on_host = config.optimizer_state == "host" or master
     if config.optimizer_state == "8bit":
         if eight_bit is None:
             raise ValueError("8-bit optimizer state needs its update's time (time_eight_bit_update)")
@@ -209,13 +211,15 @@ def lever_time(
         )
     if on_host:
         micro_steps = sum(count for _, count in model.micro_sizes(config.micro_batch_size))
+        moved = trainable_bytes // 2 if master else trainable_bytes  # bf16 gradients down and weights up
         time.host_state_seconds = host_state_seconds(
-            gradient_bytes=micro_steps * trainable_bytes, parameter_bytes=trainable_bytes, update_seconds=host_update_seconds,
+            gradient_bytes=micro_steps * moved, parameter_bytes=moved, update_seconds=host_update_seconds,
             device_optimizer_seconds=costs.speed.optimizer_seconds, link=link,
         )
-        gradients = f"the gradients ({format_bytes(trainable_bytes)}" + (f", after each of {micro_steps} micro-batches)" if micro_steps > 1 else ")")
+        gradients = f"the gradients ({format_bytes(moved)}" + (f", after each of {micro_steps} micro-batches)" if micro_steps > 1 else ")")
+        what = "bf16 weights with their fp32 masters and optimizer state on the host" if master else "optimizer state on the host"
         time.notes.append(
-            f"optimizer state on the host moves {gradients} down and the parameters "
+            f"{what} moves {gradients} down and the parameters "
             f"up each step at {rates}, and updates on the host's CPU in {host_update_seconds:.3g} s (timed on this "
             f"machine's CPU with {torch.get_num_threads()} thread(s)) instead of the device's "
             f"{costs.speed.optimizer_seconds:.3g} s: {time.host_state_seconds:+.3g} s per step predicted (nothing overlaps)"

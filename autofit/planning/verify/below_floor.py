@@ -54,7 +54,7 @@ from autofit.planning.search.space import LeverSearch
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, write_plan
 from autofit.units import format_bytes
-from strategies import DEFAULT_LOSS_CHUNKS, chunkable
+from strategies import DEFAULT_LOSS_CHUNKS, MASTER_WEIGHTS, chunkable
 from strategies.optimizer_state import eight_bit_adam
 
 LOSSY_FLAG = "--allow-lossy-optimizer"
@@ -139,6 +139,14 @@ def lever_candidates(
         base = replace(base, loss_chunks=chunks)
         names.append(f"output layer and loss in {chunks} chunks")
         candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
+    if context.device == "cuda" and config.precision == MASTER_WEIGHTS:
+        # Its masters and state are on the host already: offload is what is left to move.
+        others = [name for name in blocks if name not in config.checkpoint]
+        if others:
+            base = replace(base, offload=others)
+            names.append(f"activation offload of {len(others)} block(s)")
+            candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
+        return candidates, skipped
     if context.device == "cuda":
         # The checkpointed blocks keep only their inputs: offload is for the others.
         others = [name for name in blocks if name not in config.checkpoint]
@@ -149,6 +157,13 @@ def lever_candidates(
         # Simulated too: the simulated meter counts the host optimizer's tensors as host bytes (``host_allocation``).
         added.append("optimizer state on the host")
         candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state="host")))
+        # Then the weights on the device in bf16 too, their fp32 masters beside the state on the host (no step in
+        # backward: the masters step after it).
+        master = replace(base, precision=MASTER_WEIGHTS, optimizer_in_backward=False)
+        candidates.append(LeverCandidate(
+            name=", ".join([*[n for n in names if n != "optimizer step in backward"], *added[:-1], "bf16 weights with fp32 masters and optimizer state on the host"]),
+            added="bf16 weights with fp32 masters on the host", config=master,
+        ))
         names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
@@ -508,8 +523,9 @@ def searched_lever_notes(model, config: TrainingConfig, search: LeverSearch) -> 
         config, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
         eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time, head_share=search.head_share,
     )
+    chosen = config.levers() or f"precision {MASTER_WEIGHTS}"
     return [
-        f"memory levers chosen by the search ({config.levers()}): the memory model predicts their peak "
+        f"memory levers chosen by the search ({chosen}): the memory model predicts their peak "
         "(planning/memory/levers.py) and the chosen configuration was measured with them",
         *time.notes,
         LOSSY_NOTE if config.optimizer_state == "8bit" else "the levers do not change the arithmetic: the updates are plain training's",
