@@ -7,12 +7,13 @@ from the record of the last one made (``_StateRecord``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from autofit._torch_private import FakeTensor
+from autofit.measure.host import host_allocation, host_tensors
 
 
 def create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, at_once: bool = False) -> None:
@@ -39,7 +40,9 @@ def create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
         return step()
     key = _StateRecord.key_of(optimizer)
     if key is not None and _last_state.key == key:
-        return _last_state.fill(optimizer)
+        # An optimizer that runs on the host (``host_tensors``) keeps its state there, as its own step makes it.
+        with host_allocation() if host_tensors(optimizer) else nullcontext():
+            return _last_state.fill(optimizer)
     try:
         with stepping_at_once(optimizer):
             step()
