@@ -166,13 +166,17 @@ def plan(spec: ModelSpec, batch: int, budget: int, *, lossy: bool):
 
 
 def levers_of(plan_) -> str:
-    parts = []
-    if plan_.optimizer_in_backward:
+    config, parts = plan_.config, []
+    if config.optimizer_in_backward:
         parts.append("step in backward")
-    if plan_.offload:
-        parts.append(f"offload {len(plan_.offload)} block(s)")
-    if plan_.optimizer_state != "device":
-        parts.append(f"{plan_.optimizer_state} state")
+    if config.offload:
+        parts.append(f"offload {len(config.offload)} block(s)")
+    if config.optimizer_state != "device":
+        parts.append(f"{config.optimizer_state} state")
+    if config.precision == "bf16-master":
+        parts.append("bf16 weights, fp32 masters and state on the host")
+    if config.loss_chunks != 1:
+        parts.append(f"loss in {config.loss_chunks} chunks")
     return ", ".join(parts) or "none"
 
 

@@ -356,19 +356,23 @@ def _with_kernels(spec: ModelSpec, *, precisions: list[str], excluded: dict[str,
 
 def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
     """The precisions to search, and why any were left out."""
-    wanted = list(wanted) if wanted else list(PRECISIONS)
+    # bf16 weights with their masters on the host are a GPU's choice: on the CPU the host is the device.
+    offered = [p for p in PRECISIONS if device == "cuda" or p != MASTER_WEIGHTS]
+    wanted = list(wanted) if wanted else list(offered)
     unknown = [p for p in wanted if p not in PRECISIONS]
     if unknown:
         raise UserError(f"precision {unknown[0]!r} is unknown; choose from {', '.join(PRECISIONS)}")
-    excluded = {p: "not asked for (--precisions)" for p in PRECISIONS if p not in wanted}
-    if device != "cuda" and MASTER_WEIGHTS in wanted:  # on the CPU the host is the device: it saves nothing
+    excluded = {p: "not asked for (--precisions)" for p in offered if p not in wanted}
+    if device != "cuda" and MASTER_WEIGHTS in wanted:  # asked for: said why not
         wanted.remove(MASTER_WEIGHTS)
         excluded[MASTER_WEIGHTS] = "a GPU choice (--device cuda): on the CPU the host it moves the weights to is the device"
     if device == "cuda" and torch.cuda.is_available() and not simulate:
-        if "bf16" in wanted and not torch.cuda.is_bf16_supported():
+        if not torch.cuda.is_bf16_supported():
             major, minor = torch.cuda.get_device_capability()
-            excluded["bf16"] = f"this GPU (compute capability {major}.{minor}) does not support bf16"
-            wanted.remove("bf16")
+            for precision in ("bf16", MASTER_WEIGHTS):
+                if precision in wanted:
+                    excluded[precision] = f"this GPU (compute capability {major}.{minor}) does not support bf16"
+                    wanted.remove(precision)
     if not wanted:
         raise UserError("no precision is left to search; allow fp32 with --precisions fp32")
     return wanted, excluded
