@@ -25,7 +25,10 @@ def plan(
     study: str = typer.Option(None, "--study", help="Optuna storage to keep the search and resume it, e.g. sqlite:///plans.db."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither reuse nor keep costs in the cache ($AUTOFIT_CACHE_DIR, else ~/.cache/autofit)."),
     threads: int = typer.Option(None, "--threads", help="Intra-op threads to time with (default: PyTorch's, fewer while other work keeps the cores busy)."),
-    precisions: str = typer.Option("fp32,bf16,fp16", "--precisions", help="Precisions to search, separated by commas."),
+    precisions: str = typer.Option(
+        None, "--precisions",
+        help="Precisions to search, separated by commas (default: fp32, bf16, fp16, and on a GPU bf16-master).",
+    ),
     gpus: int = typer.Option(1, "--gpus", help="GPUs (processes) to train on; BUDGET is then per GPU: DDP if the model fits unsharded, else FSDP2."),
     allow_lossy_optimizer: bool = typer.Option(
         False, "--allow-lossy-optimizer",
@@ -53,8 +56,8 @@ def plan(
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     if device_memory is not None and not simulate and device == "cuda":
         raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
-    wanted = [p.strip() for p in precisions.split(",") if p.strip()]
-    if not wanted:  # an empty list used to mean every precision
+    wanted = None if precisions is None else [p.strip() for p in precisions.split(",") if p.strip()]
+    if wanted == []:  # an empty list used to mean every precision
         raise UserError(f"--precisions {precisions!r} names no precision; give e.g. --precisions bf16,fp32, or leave it out for all")
     check_writable(out, option="--out")  # before the search, not after it
     if study is not None:
