@@ -64,6 +64,12 @@ LOSSY_NOTE = (
 )
 
 
+MASTER_NOTE = (
+    f"precision {MASTER_WEIGHTS} is a declared choice: bf16 autocast over the weights rounded to bf16 on the device, "
+    "each updated in fp32 on the host by the model's own optimizer (the arithmetic of a bf16 run with fp32 master weights)"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Levers:
     """What the user allows the memory levers (the search's, and below the floor the ladder's) to change."""
@@ -359,6 +365,8 @@ def lever_notes(
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
     if candidate.lossy:
         notes.append(LOSSY_NOTE)
+    elif candidate.config.precision == MASTER_WEIGHTS:
+        notes.append(MASTER_NOTE)
     else:
         notes.append("the levers do not change the arithmetic: the updates are plain training's")
     return notes
@@ -528,5 +536,6 @@ def searched_lever_notes(model, config: TrainingConfig, search: LeverSearch) -> 
         f"memory levers chosen by the search ({chosen}): the memory model predicts their peak "
         "(planning/memory/levers.py) and the chosen configuration was measured with them",
         *time.notes,
-        LOSSY_NOTE if config.optimizer_state == "8bit" else "the levers do not change the arithmetic: the updates are plain training's",
+        LOSSY_NOTE if config.optimizer_state == "8bit" else MASTER_NOTE if config.precision == MASTER_WEIGHTS
+        else "the levers do not change the arithmetic: the updates are plain training's",
     ]
