@@ -45,3 +45,17 @@ def device_info(device_type: str, *, total_bytes: int | None = None) -> DeviceIn
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return DeviceInfo(type="cuda", name=props.name, total_bytes=total_bytes or props.total_memory)
     raise UserError(f"device {device_type!r} is unknown; use cpu or cuda")
+
+
+def host_memory_bytes(*, available: bool) -> int:
+    """This machine's RAM: what is available now (``MemAvailable``), or all of it."""
+    if available:
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -121,11 +121,14 @@ class Measured:
     noise: float | None = None
     """How well the timed speed repeated: the second-fastest round over the fastest, minus 1 (0.05 is 5%).
     None: timed once, or not recorded."""
+    host_peak_bytes: int | None = None
+    """What the configuration kept in host memory at most (host state, bf16 weights' masters, offloaded activations);
+    None where it keeps nothing there."""
 
     def to_dict(self) -> dict:
-        """Schema 1: ``samples_per_s`` always (null when estimated), the last five keys only when set."""
+        """Schema 1: ``samples_per_s`` always (null when estimated), the last six keys only when set."""
         data = asdict(self)
-        optional = ("unconstrained", "relative_to_unconstrained", "multi_process", "threads", "noise")
+        optional = ("unconstrained", "relative_to_unconstrained", "multi_process", "threads", "noise", "host_peak_bytes")
         return {key: value for key, value in data.items() if key not in optional or value is not None}
 
 
@@ -153,6 +156,8 @@ class Plan:
     budget_bytes: int
     budget_kind: str = "cpu-tracked"
     """"cuda-process" (all the process holds on the card) or "cpu-tracked" (peak live tensor bytes)."""
+    host_budget_bytes: int | None = None
+    """Host memory a GPU plan may spend (``--host-memory``, else the machine's); None on the CPU or in an older plan."""
     config: TrainingConfig
     """The strategy choices: batch sizes, precision, checkpointed, selective and offloaded blocks, the optimizer's
     levers, processes and sharding."""
@@ -186,6 +191,7 @@ class Plan:
             "device": asdict(self.device),
             "budget_bytes": self.budget_bytes,
             "budget_kind": self.budget_kind,
+            **({"host_budget_bytes": self.host_budget_bytes} if self.host_budget_bytes is not None else {}),
             "global_batch_size": config.global_batch_size,
             "micro_batch_size": config.micro_batch_size,
             "grad_accum_steps": config.grad_accum_steps,
@@ -362,6 +368,7 @@ _PLAN_FIELDS = {  # checked in this order: the schema version first
     "device": OBJECT,
     "budget_bytes": POSITIVE_BYTES,
     "budget_kind": _choice(BUDGET_KINDS),
+    "host_budget_bytes": POSITIVE_BYTES,
     "global_batch_size": SAMPLES,
     "micro_batch_size": SAMPLES,
     "grad_accum_steps": COUNT,
@@ -419,6 +426,7 @@ _MEASURED_FIELDS = {
     "multi_process": OBJECT.or_null(),
     "threads": COUNT.or_null(),
     "noise": _Kind("a number, 0 or more", lambda value: _number(value) and value >= 0).or_null(),
+    "host_peak_bytes": BYTES.or_null(),
 }
 _MULTI_PROCESS_FIELDS = {
     "world_size": _integer(2, MAX_BATCH_SIZE, f"a whole number of processes from 2 to {MAX_BATCH_SIZE}"),

@@ -20,6 +20,11 @@ def plan(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     simulate: bool = typer.Option(False, help="Plan with the simulated meter and FLOP-based speeds; the plan is marked estimated."),
     device_memory: str = typer.Option(None, "--device-memory", help='Total memory of a device that is not here (with --simulate), e.g. "24GiB".'),
+    host_memory: str = typer.Option(
+        None, "--host-memory",
+        help='Host memory a GPU plan may spend (host state, bf16 weights\' masters, offload), e.g. "128GiB" (default: '
+        "this machine's available memory; simulating, its total, stated as assumed).",
+    ),
     out: Path = typer.Option(Path("plan.json"), "--out", "-o", help="Where to write the plan."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (progress goes to stderr)."),
     study: str = typer.Option(None, "--study", help="Optuna storage to keep the search and resume it, e.g. sqlite:///plans.db."),
@@ -65,7 +70,8 @@ def plan(
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     check_model_runs(spec)
     request = PlanRequest(
-        budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, study=study,
+        budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
+        host_memory=host_memory, study=study,
         precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus,
         allow_lossy_optimizer=allow_lossy_optimizer, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
     )
@@ -124,6 +130,11 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         f"    {'= needed':<18}{'':>12} {format_bytes(total):>20}  of {format_bytes(plan.budget_bytes)} "
         f"({total / plan.budget_bytes:.0%})"
     )
+    if plan.host_budget_bytes is not None and measured.host_peak_bytes:
+        lines.append(
+            f"  host        {format_bytes(measured.host_peak_bytes)} kept in host memory (measured) of "
+            f"{format_bytes(plan.host_budget_bytes)} the host may spend"
+        )
     speed = measured.samples_per_s
     unconstrained = report.unconstrained
     text = f"{speed:.1f} samples/s measured" if speed else "not measured (simulated)"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from autofit.errors import UserError
-from autofit.device import DeviceInfo, check_device, device_info
+from autofit.device import DeviceInfo, check_device, device_info, host_memory_bytes
 from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
@@ -61,6 +61,9 @@ class PlanContext:
     global_batch_size: int
     precisions: list[str]
     """The precisions searched, in the order the user gave them."""
+    host_budget_bytes: int | None
+    """Host memory a GPU plan may spend (``--host-memory``, else this machine's); None on the CPU (the host is the device)."""
+    host_budget_note: str
     excluded_precisions: dict[str, str]
     """Precision -> why it is not searched."""
     num_classes: int | None
@@ -153,6 +156,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
             f"budget {format_bytes(budget_bytes)} is more than {where}, {format_bytes(info.total_bytes)}; give at most that "
             "(or, with --simulate, --device-memory for a device that is not here)"
         )
+    host_budget, host_note = _host_budget(request.host_memory, device=device, simulate=simulate)
     kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions)
     if not simulate:  # the simulated meter runs no kernel; a model it plans may be too large to run here
         kept = _with_kernels(spec, precisions=kept, excluded=excluded, device=device)
@@ -175,8 +179,29 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     return PlanContext(
         spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=request.num_classes,
+        host_budget_bytes=host_budget, host_budget_note=host_note,
         study=where, user_log=log, started=started, threads=count, threads_note=note, meta_model=meta_model,
     )
+
+
+def _host_budget(host_memory: str | int | None, *, device: str, simulate: bool) -> tuple[int | None, str]:
+    """The host memory a plan may spend, and how it was found ("--host-memory", "available on this machine", ...)."""
+    if host_memory is not None:
+        try:
+            given = parse_budget(host_memory, device_total_bytes=host_memory_bytes(available=False))
+        except UserError as error:
+            raise UserError(f"--host-memory: {error}") from None
+        if device != "cuda":
+            raise UserError(
+                f"--host-memory {host_memory} is for a GPU plan (--device cuda): on the CPU the host is the device, and "
+                "--budget is its memory"
+            )
+        return given, "--host-memory"
+    if device != "cuda":
+        return None, ""
+    if simulate and not torch.cuda.is_available():
+        return host_memory_bytes(available=False), "assumed: this machine's memory (give --host-memory for the machine that will train)"
+    return host_memory_bytes(available=True), "available on this machine now"
 
 
 def meta_model_of(spec: ModelSpec) -> torch.nn.Module:

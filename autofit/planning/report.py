@@ -19,6 +19,7 @@ from autofit.planning.context import PlanContext
 from autofit.planning.costs import CostModel
 from autofit.planning.search.space import Evaluation
 from autofit.spec import model_fingerprint
+from autofit.units import format_bytes
 
 
 @dataclass(kw_only=True)
@@ -90,6 +91,7 @@ def write_plan(
         # What training needs to run as fast as this was timed (``autofit.training.threads``).
         threads=context.threads if context.device == "cpu" and chosen["measured_samples_per_s"] else None,
         noise=chosen.get("measured_noise"),
+        host_peak_bytes=chosen.get("host_peak_bytes") or None,
     )
     measured.unconstrained = {
         key: unconstrained.get(key)
@@ -114,13 +116,17 @@ def write_plan(
 def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_size: int, global_batch_size: int) -> dict:
     """The fields every plan starts with: who wrote it, the model, its notes, the device and the budget."""
     model_info = _model_info(context, output_shape=output_shape)
+    notes = batch_norm_notes(model_info, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    if context.host_budget_note.startswith("assumed"):
+        notes.append(f"host memory {format_bytes(context.host_budget_bytes)}: {context.host_budget_note}")
     return {
         "created_by": {"autofit": __version__, "torch": torch.__version__},
         "model": model_info,
-        "notes": batch_norm_notes(model_info, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size),
+        "notes": notes,
         "device": context.info,
         "budget_bytes": context.budget_bytes,
         "budget_kind": "cuda-process" if context.device == "cuda" else "cpu-tracked",
+        "host_budget_bytes": context.host_budget_bytes,
     }
 
 

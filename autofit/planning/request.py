@@ -32,6 +32,9 @@ class PlanRequest:
     """Plan with the simulated meter and FLOP-based speeds (the plan is marked estimated)."""
     device_memory: str | int | None = None
     """The device's total memory when simulating a GPU that is not here."""
+    host_memory: str | int | None = None
+    """Host memory a GPU plan may spend (host state, bf16 weights' masters, offload): "128GiB" or bytes. None: the
+    memory available on this machine now (simulating a GPU that is not here: this machine's, stated as assumed)."""
     precisions: tuple[str, ...] | None = None
     """The precisions to search; None: all the device runs."""
     gpus: int = 1

@@ -293,3 +293,37 @@ def test_an_optimizer_without_state_is_not_told_to_keep_less():
     from autofit.planning.verify.floor import _less_state
 
     assert _less_state(SimpleNamespace(), 0) == ""
+
+
+def test_host_memory_is_a_second_budget(run_cli, lm, tmp_path):
+    """A simulated GPU plan that needs host state (or bf16 weights' masters) fits the host's memory or is refused in one
+    line naming the host bytes it needs; the plan records both."""
+    from autofit.planning.policy import POLICY
+
+    path, spec = lm
+    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, precision="bf16-master")
+    master = measure(spec, config, device="cuda", simulate=True, steps=2)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+    budget = headroom.smallest_budget(master.peak_bytes, persistent_bytes=persistent_bytes(master.breakdown)) + 2**16
+    common = ["plan", path, "--budget", budget, "--batch-size", "1", "--device", "cuda", "--simulate", "--device-memory", "4GiB",
+              "--no-cache", "--out", tmp_path / "plan.json"]
+    code, out, err = run_cli(*common, "--host-memory", "64GiB")
+    assert code == 0, err
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["host_budget_bytes"] == 64 * 2**30 and plan["measured"]["host_peak_bytes"] >= master.host_peak_bytes > 0
+    assert re.search(r"host +\S+ \S+ kept in host memory \(measured\) of 64\.00 GiB", out)
+    code, out, err = run_cli(*common, "--host-memory", str(master.host_peak_bytes // 2))
+    last = err.strip().splitlines()[-1]  # after the progress lines
+    assert code == 2 and last.startswith("autofit: error: no configuration fits") and "Traceback" not in err, err
+    assert "of host memory at least" in last and "give --host-memory" in last
+
+
+def test_host_memory_is_for_a_gpu_plan(run_cli, lm, tmp_path):
+    path, _ = lm
+    code, _, err = run_cli("plan", path, "--budget", "1GB", "--batch-size", "1", "--host-memory", "8GiB", "--out", tmp_path / "p.json")
+    assert code == 2 and "--host-memory 8GiB is for a GPU plan" in err
+    code, _, err = run_cli(
+        "plan", path, "--budget", "1GB", "--batch-size", "1", "--device", "cuda", "--simulate", "--device-memory", "4GiB",
+        "--host-memory", "lots", "--out", tmp_path / "p.json",
+    )
+    assert code == 2 and err.startswith("autofit: error: --host-memory: budget 'lots' is not a memory size")

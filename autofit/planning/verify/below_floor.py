@@ -209,10 +209,12 @@ def plan_with_levers(
         if measured.peak_bytes is None:
             context.log(f"  {candidate.name}: {measured.why}")
             continue
-        fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown)
+        on_host = measurements.fits_host(measured.host_peak_bytes)
+        fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown) and on_host
         context.log(
             f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured ({_against_floor(measured.peak_bytes, floor_peak)}); "
-            + ("fits" if fits else "does not fit") + ("" if allow_lossy_optimizer or not candidate.lossy else f" (not allowed without {LOSSY_FLAG})")
+            + ("fits" if fits else "does not fit" if on_host else f"keeps {format_bytes(measured.host_peak_bytes)} in host memory, more than the host's")
+            + ("" if allow_lossy_optimizer or not candidate.lossy else f" (not allowed without {LOSSY_FLAG})")
         )
         if fits and (allow_lossy_optimizer or not candidate.lossy):
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
@@ -220,7 +222,7 @@ def plan_with_levers(
                             if not fits else f"with {candidate.name}: fits, but needs {LOSSY_FLAG}")
     raise BelowLeverFloor(
         below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, allow_lossy_optimizer=allow_lossy_optimizer,
-                                                                  fits=measurements.fits_peak)),
+                                                                  fits=measurements.fits_peak, host_fits=measurements.fits_host)),
         below=below,
         lever_budgets=[
             (m.candidate, measurements.headroom.smallest_budget(m.peak_bytes, persistent_bytes=persistent_bytes(m.breakdown)))
@@ -236,7 +238,7 @@ def _against_floor(peak: int, floor_peak: int) -> str:
     return f"{format_bytes(abs(floor_peak - peak))} {'less' if peak < floor_peak else 'more'} than the floor's"
 
 
-def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: bool, fits) -> str:
+def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: bool, fits, host_fits=None) -> str:
     """"optimizer step in backward (-3.09 MiB, measured; not enough), ": each measured lever with what it saves.
 
     The candidates add to each other, so from the second on the saving is "in all".
@@ -252,6 +254,11 @@ def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: 
             flag = "" if allow_lossy_optimizer else f"{LOSSY_FLAG} for "
             would = "; it would fit" if fits(measured.peak_bytes, measured.breakdown) else "; not enough"
             parts.append(f"{flag}{candidate.added} ({saving}{would}; it changes the optimizer's arithmetic)")
+        elif host_fits is not None and fits(measured.peak_bytes, measured.breakdown) and not host_fits(measured.host_peak_bytes):
+            parts.append(
+                f"{candidate.added} ({saving}; it fits the device but keeps {format_bytes(measured.host_peak_bytes)} in host "
+                "memory, more than the host has: give --host-memory for the machine that trains)"
+            )
         else:
             parts.append(f"{candidate.added} ({saving}; not enough)")
     return "".join(f"{'then ' if index else ''}{part}, " for index, part in enumerate(parts))
@@ -320,7 +327,7 @@ def _report(
         "predicted_samples_per_s": context.global_batch_size / (
             model.step_seconds(config.precision, config.micro_batch_size, blocks) + levers_time.seconds
         ),
-        "measured_peak_bytes": chosen.peak_bytes, "measured_samples_per_s": speed,
+        "measured_peak_bytes": chosen.peak_bytes, "measured_samples_per_s": speed, "host_peak_bytes": chosen.host_peak_bytes,
         "meter": "simulated" if context.simulate else context.device, "breakdown": chosen.breakdown,
         "headroom": measurements.headroom.for_peak(chosen.peak_bytes, persistent_bytes=persistent_bytes(chosen.breakdown)),
     }

@@ -100,11 +100,18 @@ def verify(
         peak, _ = measurements.checked_peak(config, fresh=True)
         if measurements.fits(config):
             return {**by_key[config.key()].result(), **measurements.result(config)}
-        measurements.reject(config, f"measured peak {format_bytes(peak)} + headroom does not fit")
+        host = measurements.host_peak(config)
+        measurements.reject(config, (
+            f"measured peak {format_bytes(peak)} + headroom does not fit" if measurements.fits_host(host)
+            else f"keeps {format_bytes(host)} in host memory, more than the host's {format_bytes(context.host_budget_bytes)}"
+        ))
     # Every guess missed: the floor fits by construction.
     floor = _candidate(model, floor_config, levers)
     measurements.checked_peak(floor_config, fresh=True)
     if not measurements.fits(floor_config):
+        host = measurements.host_refusal()
+        if host is not None:
+            raise UserError(f"no configuration fits {format_bytes(context.budget_bytes)} and the host's memory: {host}")
         raise UserError(
             f"no configuration was measured to fit {format_bytes(context.budget_bytes)} (the floor is "
             f"{format_bytes(floor_bytes)}); raise the budget a little or lower --batch-size"
@@ -220,6 +227,10 @@ def _fitting_checkpoint_set(
             measurements.learn(precision, measured=peak, predicted=raw * model.memory_scale)
         if measurements.fits(config):
             return _candidate(model, config, levers)
+        host = measurements.host_peak(config)
+        if not measurements.fits_host(host):  # checkpointing keeps no less on the host: this point does not fit
+            measurements.reject(config, f"keeps {format_bytes(host)} in host memory, more than the host's {format_bytes(context.host_budget_bytes)}")
+            return None
         measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
         limit = min(limit, raw, measurements.usable_bytes() / model.memory_scale / measurements.scale(precision)) - 1

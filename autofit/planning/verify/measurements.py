@@ -21,6 +21,7 @@ from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.probe import measure
 from autofit.planning.context import PlanContext
+from autofit.units import format_bytes
 from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY
@@ -43,6 +44,8 @@ class Measurements:
     def __init__(self, context: PlanContext, *, host_sample_bytes: int, stored: dict | None = None) -> None:
         self.context = context
         self.host_sample_bytes = host_sample_bytes
+        self._exact_host: dict[str, int] = {}
+        """Configuration key -> the simulated meter's host peak (``exact_peak``)."""
         if stored and not _readable(stored):  # a damaged cache: measured again, and said so
             context.log("the stored measurements could not be read: measuring again")
             stored = None
@@ -144,7 +147,7 @@ class Measurements:
         if key not in self.peaks or (fresh and key not in self.fresh):
             if self.context.simulate:
                 peak, breakdown = self.exact_peak(config)
-                self.peaks[key] = {"peak_bytes": peak, "breakdown": breakdown}
+                self.peaks[key] = {"peak_bytes": peak, "breakdown": breakdown, "host_peak_bytes": self._exact_host.get(key, 0)}
             else:
                 self._real_peak(config)
             self.fresh.add(key)
@@ -166,6 +169,7 @@ class Measurements:
             breakdown = dict(result.breakdown)
             breakdown["activations"] = breakdown.get("activations", 0) + host
             self._exact[key] = (result.peak_bytes + host, breakdown)
+            self._exact_host[key] = result.host_peak_bytes
             self.simulated_checks += 1
         return self._exact[key]
 
@@ -186,13 +190,44 @@ class Measurements:
         # The CPU meter counts the host's global batch too; the GPU meter does not see it.
         host = 0 if on_gpu else (context.global_batch_size - traced) * self.host_sample_bytes
         breakdown["activations"] = breakdown.get("activations", 0) + host
-        self.peaks[config.key()] = {"peak_bytes": result.peak_bytes - context_bytes + host, "breakdown": breakdown, "context_bytes": context_bytes}
+        self.peaks[config.key()] = {
+            "peak_bytes": result.peak_bytes - context_bytes + host, "breakdown": breakdown, "context_bytes": context_bytes,
+            "host_peak_bytes": result.host_peak_bytes,
+        }
         self.memory_probes += 1
 
     def fits(self, config: TrainingConfig) -> bool:
-        """Whether the measured peak (``checked_peak``) plus headroom fits the budget."""
+        """Whether the measured peak (``checked_peak``) plus headroom fits the budget, and what it keeps in host
+        memory fits the host's (``fits_host``)."""
         peak, breakdown = self.checked_peak(config)
-        return not self.peaks[config.key()].get("oom") and self.fits_peak(peak, breakdown)
+        entry = self.peaks[config.key()]
+        return not entry.get("oom") and self.fits_peak(peak, breakdown) and self.fits_host(entry.get("host_peak_bytes", 0))
+
+    def fits_host(self, host_peak_bytes: int) -> bool:
+        """Whether a configuration's host bytes (host state, bf16 weights' masters, offloaded activations) fit the host
+        memory the plan may spend (always, where there is no such limit: on the CPU)."""
+        limit = self.context.host_budget_bytes
+        return limit is None or host_peak_bytes <= limit
+
+    def host_peak(self, config: TrainingConfig) -> int:
+        """The host bytes a measured configuration kept at most (0 where it kept none, or was not measured)."""
+        return self.peaks.get(config.key(), {}).get("host_peak_bytes", 0)
+
+    def host_refusal(self) -> str | None:
+        """Where configurations fit the device but not the host: what the least of them needs there, as the rest of a
+        sentence naming ``--host-memory``; None when none was turned away for the host."""
+        needs = [
+            entry["host_peak_bytes"] for entry in self.peaks.values()
+            if not entry.get("oom") and not self.fits_host(entry.get("host_peak_bytes", 0))
+            and self.fits_peak(entry["peak_bytes"], entry["breakdown"])
+        ]
+        if not needs:
+            return None
+        return (
+            f"the configurations that fit the device need {format_bytes(min(needs))} of host memory at least (the fp32 "
+            f"masters, gradients and optimizer state kept there), and the host has {format_bytes(self.context.host_budget_bytes)} "
+            f"({self.context.host_budget_note}); give --host-memory for the machine that trains, or raise --budget"
+        )
 
     def samples_per_s(self, config: TrainingConfig) -> float | None:
         """Measured samples/s of plain training steps: the global batch over the fastest round (None if never timed)."""
@@ -320,6 +355,7 @@ class Measurements:
             "meter": "simulated" if self.context.simulate else self.context.device, "breakdown": dict(entry["breakdown"]),
             "measured_noise": None if self.context.simulate else self.noise(config),
             "context_bytes": entry.get("context_bytes", 0),
+            "host_peak_bytes": entry.get("host_peak_bytes", 0),
             "headroom": self.headroom.for_peak(peak, persistent_bytes=persistent_bytes(entry["breakdown"])),
         }
 
