@@ -190,24 +190,29 @@ def in_autograd_backward() -> bool:
 
 
 @contextmanager
-def optimizers_step_as_on_cuda() -> Iterator[None]:
+def optimizers_step_as_on_cuda(*, unless: Callable[[], bool] = lambda: False) -> Iterator[None]:
     """Inside, PyTorch's optimizers left to choose (``foreach=None``, ``fused=None``) pick the kernels they pick for
     CUDA tensors (``torch.optim.optimizer._default_to_fused_or_foreach``): foreach, one operator over every
     parameter of a group. Over the simulated meter's fake CPU tensors they would step one parameter at a time,
     which holds one parameter's temporaries at the step where a card holds all of them (AdamW: a copy of every
-    parameter, ``bench/RESULTS.md``)."""
+    parameter, ``bench/RESULTS.md``). Where ``unless()`` is true (an optimizer stepping on the host), they choose
+    as for CPU tensors: one parameter at a time."""
     import importlib
     import pkgutil
 
     import torch.optim
 
+    modules = [importlib.import_module(f"torch.optim.{m.name}") for m in pkgutil.iter_modules(torch.optim.__path__)]
+    patched = [(m, m._default_to_fused_or_foreach) for m in modules if hasattr(m, "_default_to_fused_or_foreach")]
+    as_on_cpu = importlib.import_module("torch.optim.optimizer")._default_to_fused_or_foreach
+
     def as_on_cuda(params, differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
+        if unless():
+            return as_on_cpu(params, differentiable, use_fused)
         if torch.jit.is_scripting() or differentiable:
             return False, False
         return use_fused, not use_fused
 
-    modules = [importlib.import_module(f"torch.optim.{m.name}") for m in pkgutil.iter_modules(torch.optim.__path__)]
-    patched = [(m, m._default_to_fused_or_foreach) for m in modules if hasattr(m, "_default_to_fused_or_foreach")]
     for module, _ in patched:
         module._default_to_fused_or_foreach = as_on_cuda
     try:

@@ -26,7 +26,7 @@ from autofit._torch_private import (
 )
 from autofit.errors import UserError
 from autofit.measure.hf_masks import masks_as_in_real_runs
-from autofit.measure.host import host_allocation, host_tensors
+from autofit.measure.host import allocating_on_host, host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
 from autofit.device import check_device
 
@@ -127,7 +127,7 @@ class SimulatedMeter(TrackedMeter):
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(masks_as_in_real_runs())  # transformers' masks as the real batch has them
         if self.for_device == "cuda":  # the optimizer's step holds what it holds on a card
-            stack.enter_context(optimizers_step_as_on_cuda())
+            stack.enter_context(optimizers_step_as_on_cuda(unless=allocating_on_host))  # a host optimizer: as on the CPU
         return stack
 
     def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:

@@ -107,3 +107,12 @@ def test_the_masters_survive_a_saved_optimizer_state():
 def test_impossible_companions_are_one_line(choices, words):
     with pytest.raises(UserError, match=words):
         TrainingConfig(global_batch_size=8, micro_batch_size=8, precision="bf16-master", **choices)
+
+
+def test_simulated_for_a_gpu_the_host_update_steps_one_parameter_at_a_time():
+    """On a card PyTorch's AdamW steps all its CUDA parameters at once (a temporary copy of each); the host's update
+    of the masters runs on CPU tensors, one parameter at a time, and is simulated so."""
+    spec = layout_specs()["lm"]
+    on_cpu = probe(spec, micro_batch_size=4, precision="bf16-master", steps=2, simulate=True)
+    for_cuda = probe(spec, micro_batch_size=4, precision="bf16-master", steps=2, simulate=True, device="cuda")
+    assert for_cuda.host_peak_bytes < 1.1 * on_cpu.host_peak_bytes  # each of its small tensors rounded to 512 bytes (1.23x stepping all at once)
