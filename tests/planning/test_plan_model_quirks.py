@@ -104,3 +104,43 @@ def test_a_model_that_fails_in_fp32_too_has_no_missing_kernel():
         loss_fn=torch.nn.functional.mse_loss, build_optimizer=default_optimizer,
     )
     assert precision_failures(spec, precisions=["fp32", "bf16", "fp16"], device="cpu") == {}
+
+
+PYTHON_BATCH_FILE = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, LENGTH = 32, 12
+
+
+def build_model():
+    return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, VOCAB))
+
+
+def example_batch(n):
+    tokens = torch.randint(1, VOCAB, (n, LENGTH))
+    # seq2seq-style labels built sample by sample: each row's length read as a Python int
+    labels = torch.full((n, LENGTH), -100)
+    for row in range(n):
+        stop = int(tokens[row, 0]) % LENGTH + 1
+        labels[row, :stop] = tokens[row, :stop]
+    return tokens, labels
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+'''
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["cpu", "simulated"])
+def test_an_example_batch_that_reads_values_plans(run_cli, model_file, tmp_path, simulate):
+    """example_batch runs on real tensors even for the simulated meter's runs, so Python in it that reads values
+    works in a plan as it does in a probe."""
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(
+        "plan", model_file(PYTHON_BATCH_FILE), "--batch-size", "8", "--budget", "50MB", "--precisions", "fp32", "--no-cache",
+        "--out", out, *(["--simulate"] if simulate else []),
+    )
+    assert code == 0, err
+    assert load_plan(out).config.micro_batch_size == 8
