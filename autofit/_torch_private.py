@@ -28,6 +28,7 @@ __all__ = [
     "TorchDispatchMode",
     "call_when_backward_ends",
     "copy_tensors",
+    "fake_mode_active",
     "fake_mode_for",
     "fake_process_group_store",
     "grad_scaler_tensors",
@@ -70,6 +71,11 @@ def to_empty_quickly(module: torch.nn.Module, *, device: str) -> torch.nn.Module
 def modes_active() -> bool:
     """Whether any torch function mode (``torch.device(...)`` as a context) or dispatch mode (fake tensors, a tracker) is on."""
     return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
+def fake_mode_active() -> bool:
+    """Whether a fake-tensor mode is on: what is computed now, even from real tensors, has no values."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 FAKE_TENSOR_LIMITS = (

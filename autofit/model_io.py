@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from autofit._torch_private import FakeTensor, tree_leaves
+from autofit._torch_private import FakeTensor, fake_mode_active, tree_leaves
 from autofit.errors import UserError
 
 IGNORE_INDEX = -100
@@ -190,7 +190,7 @@ class Loss:
         Fake tensors (the simulated meter) have no values to count: their
         micro-batches are weighted by samples, which changes no byte of memory.
         """
-        if any(isinstance(t, FakeTensor) for t in tree_leaves((inputs, targets))):
+        if fake_mode_active() or any(isinstance(t, FakeTensor) for t in tree_leaves((inputs, targets))):
             return None
         if self.count_items is None:
             # The default loss averages a per-token (or per-pixel) cross-entropy over its labels that count.
