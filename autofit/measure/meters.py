@@ -28,7 +28,8 @@ from autofit.errors import UserError
 from autofit.measure.hf_masks import masks_as_in_real_runs
 from autofit.measure.host import allocating_on_host, host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
-from autofit.device import check_device
+from autofit.device import check_device, host_memory_bytes
+from autofit.units import format_bytes
 
 CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every block up to this."""
@@ -331,12 +332,30 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
 
     detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
     why = f"{type(error).__name__}{': ' + detail if detail else ''}"
+    needs, available = _real_training_bytes(spec), host_memory_bytes(available=True)
+    if needs is not None and needs > available:
+        raise UserError(
+            f"the simulated meter cannot run {spec.source} on fake tensors ({why}), and measuring it for real would need "
+            f"about {format_bytes(needs)} of this machine's memory ({format_bytes(available)} available: its fp32 weights, "
+            "gradients and AdamW state); make its forward run without reading tensor values, or plan where that memory is"
+        )
     line = (
         f"autofit: the simulated meter cannot run {spec.source} on fake tensors ({why}); "
         "measuring it with the cpu meter instead (real tensors, in this machine's memory)"
     )
     (log or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
     return dataclasses.replace(spec, simulation_fallback=why)
+
+
+def _real_training_bytes(spec) -> int | None:
+    """About what training ``spec``'s model for real takes at least: 16 bytes per parameter (fp32 weights, gradients
+    and AdamW's two moments); None where its model cannot be built on the meta device."""
+    try:
+        with without_dispatch_modes(), torch.device("meta"):
+            model = spec.build_model()
+    except Exception:  # built only for real (a Python object's copy): nothing to say beforehand
+        return None
+    return 16 * sum(p.numel() for p in model.parameters())
 
 
 def _one_simulated_step(spec) -> None:

@@ -62,3 +62,21 @@ def test_a_simulated_hf_causal_lm_with_accumulation_stays_on_fake_tensors(tmp_pa
     spec = simulation_spec(load_spec(config_dir(tmp_path, "llama"), task="causal-lm", seq_len=64))
     result = measure(spec, TrainingConfig(global_batch_size=4, micro_batch_size=2), device="cpu", simulate=True, steps=1)
     assert result.meter == "simulated"
+
+
+def test_a_model_too_large_to_measure_for_real_is_refused_not_run(monkeypatch):
+    """When fake tensors cannot run a model, the cpu meter would train it for real: beyond this machine's memory that
+    is one line naming the bytes, not a process killed for memory."""
+    import torch
+
+    from autofit.errors import UserError
+    from autofit.measure import meters
+    from autofit.spec import ModelSpec, default_optimizer
+
+    spec = ModelSpec(
+        source="big.py", build_model=lambda: torch.nn.Linear(1024, 1024), example_batch=lambda n: (torch.randn(n, 1024), None),
+        loss_fn=None, build_optimizer=default_optimizer,
+    )
+    monkeypatch.setattr(meters, "host_memory_bytes", lambda available: 2**20)  # 1 MiB free: the 16 MiB it needs do not fit
+    with pytest.raises(UserError, match=r"would need about 16\.02 MiB of this machine's memory \(1\.00 MiB available"):
+        meters.fall_back_from_simulation(spec, RuntimeError("reads a value"))
