@@ -9,10 +9,10 @@ over fake tensors transformers takes the cautious path: it builds the
 simulated meter counts bytes no real run holds (10% of a tiny Llama's peak).
 
 Inside ``masks_as_in_real_runs()`` a fake padding mask is taken as all ones
-and fake positions as one sequence per row, which is what autofit's example
-batches hold (``library_models.causal_lm_batch``: every token attends). A
-model file whose example batch pads is then counted without its mask (B x T
-x T booleans) and its key/value copies.
+and fake positions as one sequence per row, as a real run of the same batch
+finds them: the example batch, made once more of real tensors (``meters.noting_padding``), says
+whether its attention mask pads (``note_example_batch``). A batch that pads keeps transformers' cautious path,
+which the real run takes too.
 """
 from __future__ import annotations
 
@@ -22,6 +22,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from autofit._torch_private import FakeTensor
+
+_unpadded = False
+"""Whether the last example batch made of real tensors (``note_example_batch``) pads none of its sequences; until
+one is, transformers' cautious path is kept."""
+
+
+def note_example_batch(batch) -> None:
+    """Remember whether ``batch`` (real tensors: ``(inputs, targets)``) has an attention mask with padding in it
+    (None: not known, so it may)."""
+    global _unpadded
+    if batch is None:
+        _unpadded = False
+        return
+    inputs = batch[0] if isinstance(batch, tuple) and batch else batch
+    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+    _unpadded = not (hasattr(mask, "all") and not isinstance(mask, FakeTensor) and not bool(mask.all()))
 
 
 @contextmanager
@@ -38,10 +54,10 @@ def masks_as_in_real_runs() -> Iterator[None]:
         return
 
     def skip_as_unpadded(padding_mask, *args, **kwargs):
-        return skip(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
+        return skip(None if isinstance(padding_mask, FakeTensor) and _unpadded else padding_mask, *args, **kwargs)
 
     def one_sequence_per_row(position_ids):
-        return None if isinstance(position_ids, FakeTensor) else packed(position_ids)
+        return None if isinstance(position_ids, FakeTensor) and _unpadded else packed(position_ids)
 
     masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = skip_as_unpadded, one_sequence_per_row
     try:

@@ -25,7 +25,7 @@ from autofit._torch_private import (
     FAKE_TENSOR_LIMITS, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly, without_dispatch_modes,
 )
 from autofit.errors import UserError
-from autofit.measure.hf_masks import masks_as_in_real_runs
+from autofit.measure.hf_masks import masks_as_in_real_runs, note_example_batch
 from autofit.measure.host import allocating_on_host, host_allocation, host_tensors
 from autofit.measure.tracker import StorageTracker
 from autofit.device import check_device, host_memory_bytes
@@ -345,6 +345,25 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
     )
     (log or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
     return dataclasses.replace(spec, simulation_fallback=why)
+
+
+def noting_padding(example_batch):
+    """``example_batch`` that first says whether its attention mask pads (``hf_masks.note_example_batch``), from a
+    batch made of real tensors outside every mode (fake tensors have no values to tell), then makes the batch as
+    before, under whatever mode is on."""
+    if getattr(example_batch, "notes_padding", False):
+        return example_batch
+
+    def noted(n: int):
+        try:
+            with without_dispatch_modes():
+                note_example_batch(example_batch(n))
+        except Exception:  # a batch that cannot be made outside the modes: transformers' cautious path stays
+            note_example_batch(None)
+        return example_batch(n)
+
+    noted.notes_padding = True
+    return noted
 
 
 def _real_training_bytes(spec) -> int | None:

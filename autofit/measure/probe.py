@@ -16,7 +16,7 @@ from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
 from autofit.device import check_device
 from autofit.measure.kernels import precision_failure
-from autofit.measure.meters import fall_back_from_simulation, make_meter, release_device_memory
+from autofit.measure.meters import fall_back_from_simulation, make_meter, noting_padding, release_device_memory
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec, model_fingerprint
@@ -180,7 +180,8 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
         optimizer = applied.build_optimizer(spec.build_optimizer)
         create_optimizer_state(applied.model, optimizer)
         # The global batch lives on the host; train_step copies each micro-batch to the device.
-        inputs, targets = spec.example_batch(config.global_batch_size)
+        example_batch = noting_padding(spec.example_batch) if simulate else spec.example_batch
+        inputs, targets = example_batch(config.global_batch_size)
         step_seconds = []
         with meter.measure(applied.model, optimizer) as measurement:
             for _ in range(steps):

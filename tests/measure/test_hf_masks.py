@@ -51,19 +51,6 @@ def test_the_masks_are_put_back_after_the_simulated_meter():
     assert (masking_utils._ignore_causal_mask_sdpa, masking_utils.find_packed_sequence_indices) == before
 
 
-def test_a_simulated_hf_causal_lm_with_accumulation_stays_on_fake_tensors(tmp_path):
-    """Its batch is made of real tensors (``simulation_spec``) and its loss weights micro-batches by tokens: under the
-    fake mode the count is left out (weights by samples, the same bytes), never read from a fake value (which raised,
-    and the planner fell back to the cpu meter: an 8B model then filled this machine's memory)."""
-    from autofit.config import TrainingConfig
-    from autofit.measure.probe import measure
-    from autofit.planning.memory.traces import simulation_spec
-
-    spec = simulation_spec(load_spec(config_dir(tmp_path, "llama"), task="causal-lm", seq_len=64))
-    result = measure(spec, TrainingConfig(global_batch_size=4, micro_batch_size=2), device="cpu", simulate=True, steps=1)
-    assert result.meter == "simulated"
-
-
 def test_a_model_too_large_to_measure_for_real_is_refused_not_run(monkeypatch):
     """When fake tensors cannot run a model, the cpu meter would train it for real: beyond this machine's memory that
     is one line naming the bytes, not a process killed for memory."""

@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from autofit._torch_private import call_when_backward_ends, tree_leaves, without_dispatch_modes
+from autofit._torch_private import call_when_backward_ends, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.boundaries import block_boundaries
-from autofit.measure.meters import SimulatedMeter, simulated_meter
+from autofit.measure.meters import SimulatedMeter, noting_padding, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.planning.memory.levers import LeverRecorder, LeverTrace, lever_trace, with_offloaded
@@ -437,7 +437,7 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
 
     from torch import nn
 
-    spec = dataclasses.replace(spec, example_batch=_real_example_batch(spec.example_batch))
+    spec = dataclasses.replace(spec, example_batch=noting_padding(spec.example_batch))
     meter = SimulatedMeter(for_device="cpu")
     try:
         with meter.environment():
@@ -455,21 +455,6 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
         return copy.deepcopy(template, memo)
 
     return dataclasses.replace(spec, build_model=build_model)
-
-
-def _real_example_batch(example_batch):
-    """``example_batch`` made of real tensors even inside the simulated meter: any Python in it runs (a loop over
-    samples, ``int(t)``), where fake tensors have no values to give. The fake mode takes them as inputs and makes
-    fake tensors of whatever is computed from them, so the run's memory is the same."""
-    if getattr(example_batch, "made_real", False):
-        return example_batch
-
-    def real_example_batch(n: int):
-        with without_dispatch_modes():
-            return example_batch(n)
-
-    real_example_batch.made_real = True
-    return real_example_batch
 
 
 def add_chunk_deltas(traces: list, spec, *, precision: str, device_type: str, chunks: int, pool=None) -> list:
