@@ -54,6 +54,7 @@ from strategies import (
     BatchSplitConfig,
     CheckpointConfig,
     MASTER_WEIGHTS,
+    PURE_BF16,
     Checkpointing,
     ChunkedLoss,
     ChunkedLossConfig,
@@ -257,7 +258,7 @@ def apply_config(
     )
     optimizer_state = OptimizerState(
         OptimizerStateConfig(optimizer_state=config.optimizer_state), device=env.device,
-        master_weights=config.precision == MASTER_WEIGHTS,
+        master_weights=config.precision == MASTER_WEIGHTS, pure_bf16=config.precision == PURE_BF16,
     )
     step_in_backward = StepInBackward(OptimizerInBackwardConfig(enabled=config.optimizer_in_backward))
     clipping = GradientClipping(ClippingConfig(max_grad_norm=config.max_grad_norm))
@@ -285,7 +286,7 @@ def apply_config(
     #    which must see the sharded parameters.
     model = sharding.apply(model)
     # 3b. With bf16 weights (precision "bf16-master"), the optimizer's state strategy keeps each trained
-    #     weight's fp32 master on the host and casts the device's to bf16: after the move to the device (the
+    #     weight's fp32 master on the host and casts the device's to bf16 ("bf16-pure": the cast alone): after the move to the device (the
     #     masters are copied from the device's values) and before the optimizer is built over them. It runs on
     #     one process only (the configuration refuses sharding with it).
     model = optimizer_state.apply(model)

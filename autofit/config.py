@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from autofit.errors import UserError
 from strategies.batch_split import BatchSplitConfig, micro_batch_count
 from strategies.optimizer_state import OptimizerStateConfig
-from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PrecisionConfig
+from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, PrecisionConfig
 from strategies.sharding import ShardingConfig
 
 MAX_LOSS_CHUNKS = 1024
@@ -105,6 +105,11 @@ class TrainingConfig:
                 f"process: leave --optimizer-state at device and train on one GPU (or choose bf16 for "
                 f"{'--gpus' if self.world_size > 1 else '--optimizer-state ' + self.optimizer_state})"
             )
+        if self.precision == PURE_BF16 and (self.optimizer_state == "host" or self.world_size > 1):
+            raise UserError(
+                f"precision {PURE_BF16} keeps its bf16 weights and state on the one device: leave --optimizer-state at "
+                "device (or 8bit) and train on one GPU, or choose bf16-master"
+            )
         if self.world_size > 1 and self.optimizer_state == "host":
             raise UserError(
                 "optimizer state on the host runs on one process only (DDP and FSDP reduce gradients after it would "
@@ -177,6 +182,8 @@ def step_in_backward_refusal(
             f"cannot clip gradients (--max-grad-norm {max_grad_norm:g}): each parameter steps before the norm over all "
             "gradients is known; drop --max-grad-norm or turn the step in backward off"
         )
+    if precision == PURE_BF16:
+        return f"cannot run with {PURE_BF16} (one optimizer per parameter is not torchao's); use bf16, or turn it off"
     if precision == MASTER_WEIGHTS:
         return (
             f"cannot run with {MASTER_WEIGHTS}: its fp32 masters step on the host after backward; use bf16 or fp32, "

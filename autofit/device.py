@@ -28,7 +28,7 @@ def check_device(device_type: str, *, precision: str | None = None, simulate: bo
             "device cuda: no CUDA device is visible; use --device cpu, or plan with --simulate "
             "--device-memory 24GiB for a GPU you do not have and train on a machine that has it"
         )
-    if precision in ("bf16", "bf16-master") and not torch.cuda.is_bf16_supported():
+    if precision in ("bf16", "bf16-master", "bf16-pure") and not torch.cuda.is_bf16_supported():
         raise UserError("precision bf16 is not supported on this GPU; use fp16 or fp32")
 
 

@@ -26,7 +26,7 @@ from strategies.checkpointing import (
 from strategies.offload import ActivationOffload, OffloadConfig
 from strategies.optimizer_in_backward import OptimizerInBackward, OptimizerInBackwardConfig, StepInBackward
 from strategies.optimizer_state import OPTIMIZER_STATES, HostOptimizer, OptimizerState, OptimizerStateConfig
-from strategies.precision import MASTER_WEIGHTS, PRECISIONS, Precision, PrecisionConfig, precision_dtype
+from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, Precision, PrecisionConfig, precision_dtype
 from strategies.sharding import SHARDINGS, Sharding, ShardingConfig, unwrap_model
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "Checkpointing",
     "HostOptimizer",
     "MASTER_WEIGHTS",
+    "PURE_BF16",
     "OPTIMIZER_STATES",
     "OffloadConfig",
     "OptimizerInBackward",

@@ -59,10 +59,14 @@ class OptimizerState(Strategy):
             (``HostOptimizer``), whatever ``config`` says (the configuration refuses any other state with it).
     """
 
-    def __init__(self, config: OptimizerStateConfig, *, device: torch.device | str, master_weights: bool = False) -> None:
+    def __init__(
+        self, config: OptimizerStateConfig, *, device: torch.device | str, master_weights: bool = False, pure_bf16: bool = False,
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.master_weights = master_weights
+        self.pure_bf16 = pure_bf16
+        """The "bf16-pure" precision: the weights cast to bf16 with no master, AdamW with stochastic rounding."""
         self.masters: dict[int, torch.Tensor] = {}
         """id(parameter) -> its fp32 master on the host (with ``master_weights``, once applied)."""
 
@@ -74,9 +78,9 @@ class OptimizerState(Strategy):
         channel, next to fp32 running statistics that a bf16 weight could not be used with), and buffers
         (running statistics, rotary tables) stay as they are.
         """
-        if not self.master_weights:
+        if not (self.master_weights or self.pure_bf16):
             return model
-        pin = any(p.is_cuda for p in model.parameters())
+        pin = any(p.is_cuda for p in model.parameters()) and self.master_weights
         seen: set[int] = set()
         with torch.no_grad():
             for module in model.modules():
@@ -85,7 +89,7 @@ class OptimizerState(Strategy):
                     if id(param) in seen:  # tied weights: one master
                         continue
                     seen.add(id(param))
-                    if param.requires_grad:
+                    if param.requires_grad and self.master_weights:
                         with host_allocation():
                             master = torch.empty(param.shape, dtype=torch.float32, pin_memory=pin)
                             self.masters[id(param)] = master.copy_(param)
@@ -97,6 +101,8 @@ class OptimizerState(Strategy):
         where = self.config.optimizer_state
         if self.master_weights:
             return lambda params: HostOptimizer(params, build=build, masters=self.masters)
+        if self.pure_bf16:
+            return lambda params: stochastic_bf16_adamw(build(params), eight_bit=where == "8bit")
         if where == "host":
             return lambda params: HostOptimizer(params, build=build)
         if where == "8bit":
@@ -265,6 +271,35 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
     kind_8bit = AdamW8bit if kind is torch.optim.AdamW else Adam8bit
     return kind_8bit(groups, lr=groups[0]["lr"])
+
+
+def stochastic_bf16_adamw(optimizer: torch.optim.Optimizer, *, eight_bit: bool = False) -> torch.optim.Optimizer:
+    """torchao's AdamW (8-bit with ``eight_bit``) with ``optimizer``'s groups and hyper-parameters, rounding its bf16
+    updates stochastically (``bf16_stochastic_round``): for "bf16-pure", whose weights and state are bf16.
+
+    Raises:
+        UserError: torchao is not installed, or ``optimizer`` is not AdamW or uses an option torchao's lacks.
+    """
+    if type(optimizer) is not torch.optim.AdamW:
+        raise UserError(
+            f"precision bf16-pure replaces AdamW with torchao's stochastically rounding one, but the model's optimizer is "
+            f"{type(optimizer).__name__}; use bf16 or bf16-master"
+        )
+    try:
+        with _quiet_torch_pytree():
+            from torchao.optim import AdamW8bit, _AdamW
+    except ImportError as error:
+        raise UserError(f"precision bf16-pure needs torchao ({error}); pip install torchao, or use bf16 or bf16-master") from None
+    if eight_bit:
+        _make_quantization_maps()
+    groups = []
+    for group in optimizer.param_groups:
+        unsupported = [name for name in ("maximize", "differentiable", "capturable") if group.get(name)]
+        if unsupported:
+            raise UserError(f"precision bf16-pure does not support {', '.join(unsupported)}=True; use bf16 or bf16-master")
+        groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
+    kind = AdamW8bit if eight_bit else _AdamW
+    return kind(groups, lr=groups[0]["lr"], bf16_stochastic_round=True)
 
 
 def _make_quantization_maps() -> None:

@@ -4,6 +4,10 @@
 parameter) while an fp32 master copy and the optimizer's state live on the host, where the update runs
 (ZeRO-Offload's layout; ``strategies.optimizer_state.MasterWeights``). Its arithmetic is bf16 autocast over
 bf16-rounded weights, updated in fp32: a declared precision choice, like bf16 itself.
+
+"bf16-pure" keeps the weights and AdamW's state in bf16 on the device (no master: 2 + 4 bytes per parameter
+instead of 4 + 8), updated with stochastic rounding (torchao's AdamW, as torchtune trains): the update loses
+what bf16 cannot hold, on average exactly, so it is lossy and searched only with ``--allow-lossy-optimizer``.
 """
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ from strategies.base import Strategy
 
 MASTER_WEIGHTS = "bf16-master"
 """bf16 weights on the device, their fp32 master copy and the optimizer's state on the host."""
-PRECISIONS = ("fp32", "bf16", "fp16", MASTER_WEIGHTS)
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, MASTER_WEIGHTS: torch.bfloat16}
+PURE_BF16 = "bf16-pure"
+"""bf16 weights and AdamW state on the device, updated with stochastic rounding (torchao): lossy, a declared choice."""
+PRECISIONS = ("fp32", "bf16", "fp16", MASTER_WEIGHTS, PURE_BF16)
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, MASTER_WEIGHTS: torch.bfloat16, PURE_BF16: torch.bfloat16}
 
 
 def precision_dtype(precision: str) -> torch.dtype | None:

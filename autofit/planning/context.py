@@ -41,7 +41,7 @@ from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
-from strategies import MASTER_WEIGHTS, PRECISIONS
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
 
 CACHE_FILE = "plans.db"
 """The cache's SQLite file in ``cache_dir()``."""
@@ -157,7 +157,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
             "(or, with --simulate, --device-memory for a device that is not here)"
         )
     host_budget, host_note = _host_budget(request.host_memory, device=device, simulate=simulate)
-    kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions)
+    kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions, lossy=request.allow_lossy_optimizer)
     if not simulate:  # the simulated meter runs no kernel; a model it plans may be too large to run here
         kept = _with_kernels(spec, precisions=kept, excluded=excluded, device=device)
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
@@ -379,22 +379,28 @@ def _with_kernels(spec: ModelSpec, *, precisions: list[str], excluded: dict[str,
     return kept
 
 
-def usable_precisions(device: str, *, simulate: bool, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
-    """The precisions to search, and why any were left out."""
+def usable_precisions(
+    device: str, *, simulate: bool, wanted: Sequence[str] | None, lossy: bool = False,
+) -> tuple[list[str], dict[str, str]]:
+    """The precisions to search, and why any were left out. bf16-pure changes the optimizer's arithmetic: only with
+    ``lossy`` (``--allow-lossy-optimizer``)."""
     # bf16 weights with their masters on the host are a GPU's choice: on the CPU the host is the device.
-    offered = [p for p in PRECISIONS if device == "cuda" or p != MASTER_WEIGHTS]
+    offered = [p for p in PRECISIONS if (device == "cuda" or p != MASTER_WEIGHTS) and (lossy or p != PURE_BF16)]
     wanted = list(wanted) if wanted else list(offered)
     unknown = [p for p in wanted if p not in PRECISIONS]
     if unknown:
         raise UserError(f"precision {unknown[0]!r} is unknown; choose from {', '.join(PRECISIONS)}")
     excluded = {p: "not asked for (--precisions)" for p in offered if p not in wanted}
+    if not lossy and PURE_BF16 in wanted:  # asked for: said why not
+        wanted.remove(PURE_BF16)
+        excluded[PURE_BF16] = "rounds its bf16 updates stochastically (lossy): allow it with --allow-lossy-optimizer"
     if device != "cuda" and MASTER_WEIGHTS in wanted:  # asked for: said why not
         wanted.remove(MASTER_WEIGHTS)
         excluded[MASTER_WEIGHTS] = "a GPU choice (--device cuda): on the CPU the host it moves the weights to is the device"
     if device == "cuda" and torch.cuda.is_available() and not simulate:
         if not torch.cuda.is_bf16_supported():
             major, minor = torch.cuda.get_device_capability()
-            for precision in ("bf16", MASTER_WEIGHTS):
+            for precision in ("bf16", MASTER_WEIGHTS, PURE_BF16):
                 if precision in wanted:
                     excluded[precision] = f"this GPU (compute capability {major}.{minor}) does not support bf16"
                     wanted.remove(precision)

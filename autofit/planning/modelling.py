@@ -42,7 +42,7 @@ from autofit.planning.memory.optimizer import eight_bit_record
 from autofit.planning.memory.traces import add_chunk_deltas, add_offloaded, trace_memory_sizes
 from autofit.planning.speed.measured import time_precisions
 from autofit.planning.policy import POLICY
-from strategies import MASTER_WEIGHTS, checkpoint_candidates
+from strategies import MASTER_WEIGHTS, PURE_BF16, checkpoint_candidates
 
 HALF_PRECISIONS = ("bf16", "fp16")
 """Autocast to one 2-byte type or the other: the same rules on the CPU."""
@@ -436,7 +436,7 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
     wanted = [p for p in context.precisions if p not in costs.speeds]
     # bf16 weights compute as bf16 autocast does: bf16's speeds, its host update and copies priced apart
     # (``speed.levers``: its fp32 masters step on the host).
-    timed = list(dict.fromkeys("bf16" if p == MASTER_WEIGHTS else p for p in wanted))
+    timed = list(dict.fromkeys("bf16" if p in (MASTER_WEIGHTS, PURE_BF16) else p for p in wanted))
     timed = [p for p in timed if p not in costs.speeds]
     if timed:
         sizes = timing_sizes(costs.micro_batch_sizes)
@@ -450,12 +450,15 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
             context.log(f"speed: timing {', '.join(timed)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")
             speeds = time_precisions(context.spec, precisions=timed, sizes=sizes, device=context.device, clock=context.clock)
         costs.speeds.update(speeds)
-    if MASTER_WEIGHTS in wanted:
+    borrowed = {
+        MASTER_WEIGHTS: "bf16's compute; the fp32 masters' update on the host and its copies are priced apart",
+        PURE_BF16: "bf16's compute and optimizer step",
+    }
+    if any(p in borrowed for p in wanted):
         speeds = {**speeds} if timed else {}
-        speeds[MASTER_WEIGHTS] = replace(
-            costs.speeds["bf16"], note="bf16's compute; the fp32 masters' update on the host and its copies are priced apart",
-        )
-        costs.speeds[MASTER_WEIGHTS] = speeds[MASTER_WEIGHTS]
+        for precision in (p for p in wanted if p in borrowed):
+            speeds[precision] = replace(costs.speeds["bf16"], note=borrowed[precision])
+            costs.speeds[precision] = speeds[precision]
     if wanted:
         costs.changed = True
         for precision, speed in speeds.items():

@@ -44,7 +44,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from strategies import MASTER_WEIGHTS
+from strategies import MASTER_WEIGHTS, PURE_BF16
 from autofit.config import step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
@@ -229,7 +229,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
             usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
         )
-        if chosen["config"].levers() or chosen["config"].precision == MASTER_WEIGHTS:
+        if chosen["config"].levers() or chosen["config"].precision in (MASTER_WEIGHTS, PURE_BF16):
             plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(costs.model, chosen["config"], search)])
         context.study.save("measurements", measurements.to_store())
     speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)

@@ -170,9 +170,10 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
         (True, ("layers.1", "layers.2"), "host", "fp32", False),
         (False, ("layers.1", "layers.2"), "device", "bf16-master", False),
         (True, ("layers.1", "layers.2"), "8bit", "fp32", True),
+        (False, ("layers.1", "layers.2"), "device", "bf16-pure", True),
     ]
     assert candidates[2].name == "activation offload of 2 block(s), bf16 weights with fp32 masters and optimizer state on the host"
-    assert candidates[-1].name == "optimizer step in backward, activation offload of 2 block(s), 8-bit AdamW state"
+    assert candidates[-2].name == "optimizer step in backward, activation offload of 2 block(s), 8-bit AdamW state"
     assert any("--allow-lossy-optimizer" in why for why in skipped)
     assert candidates[1].name == "optimizer step in backward, activation offload of 2 block(s), optimizer state on the host"
 

@@ -29,7 +29,7 @@ from autofit.errors import UserError
 from autofit.measure.host_speed import HostLink
 from autofit.planning.costs import CostModel
 from autofit.planning.speed.levers import UpdateTime, offload_block_seconds, offload_floor_seconds
-from strategies import MASTER_WEIGHTS
+from strategies import MASTER_WEIGHTS, PURE_BF16
 from autofit.planning.memory.levers import LeverChoice, lever_segments, offload_drops
 from autofit.planning.search.knapsack import CheckpointChoice, cheapest_checkpoint
 from autofit.planning.memory.segments import Segment
@@ -70,7 +70,7 @@ class LeverSearch:
     def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
         """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
         found = [LeverChoice()]
-        if precision == MASTER_WEIGHTS:  # its masters and state are on the host already, stepped after backward
+        if precision in (MASTER_WEIGHTS, PURE_BF16):  # their own state's place and optimizer: no state lever beside
             return found + ([LeverChoice(loss_chunks=self.loss_chunks)] if self.loss_chunks > 1 else [])
         stepping = self.step_in_backward and not step_in_backward_refusal(
             precision=precision, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, world_size=1,

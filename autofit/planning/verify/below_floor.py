@@ -54,7 +54,7 @@ from autofit.planning.search.space import LeverSearch
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, write_plan
 from autofit.units import format_bytes
-from strategies import DEFAULT_LOSS_CHUNKS, MASTER_WEIGHTS, chunkable
+from strategies import DEFAULT_LOSS_CHUNKS, MASTER_WEIGHTS, PURE_BF16, chunkable
 from strategies.optimizer_state import eight_bit_adam
 
 LOSSY_FLAG = "--allow-lossy-optimizer"
@@ -64,6 +64,10 @@ LOSSY_NOTE = (
 )
 
 
+PURE_NOTE = (
+    f"precision {PURE_BF16} (allowed by {LOSSY_FLAG}) keeps the weights and AdamW's state in bf16 and rounds each update "
+    "stochastically (torchao): it changes the optimizer's arithmetic, close to fp32's on average but not exactly"
+)
 MASTER_NOTE = (
     f"precision {MASTER_WEIGHTS} is a declared choice: bf16 autocast over the weights rounded to bf16 on the device, "
     "each updated in fp32 on the host by the model's own optimizer (the arithmetic of a bf16 run with fp32 master weights)"
@@ -122,8 +126,8 @@ def lever_candidates(
 ) -> tuple[list[LeverCandidate], list[str]]:
     """The floor configuration with the levers, cheapest in speed first, and why any lever was left out.
 
-    The 8-bit candidate is always last and marked lossy; it is listed without
-    ``allow_lossy_optimizer`` too, so that the error can say what it would save.
+    The lossy candidates (8-bit state, then bf16-pure) are last and marked lossy; they are listed without
+    ``allow_lossy_optimizer`` too, so that the error can say what they would save.
     """
     config, G = floor.config, context.global_batch_size
     base = TrainingConfig(
@@ -179,6 +183,12 @@ def lever_candidates(
             name=", ".join([*names, "8-bit AdamW state"]), added="8-bit AdamW state", config=replace(base, optimizer_state="8bit"), lossy=True,
         )
     )
+    # Then bf16 weights and state on the device, rounded stochastically (lossy too; no 8-bit state beside it).
+    pure = replace(base, precision=PURE_BF16, optimizer_state="device", optimizer_in_backward=False)
+    candidates.append(LeverCandidate(
+        name=", ".join([*[n for n in names if n != "optimizer step in backward"], "bf16 weights and AdamW state (stochastic rounding)"]),
+        added="bf16 weights and AdamW state (stochastic rounding)", config=pure, lossy=True,
+    ))
     if not allow_lossy_optimizer:
         skipped.append(f"8-bit AdamW state: it changes the optimizer's arithmetic; allow it with {LOSSY_FLAG}")
     return candidates, skipped
@@ -371,7 +381,7 @@ def lever_notes(
     if host_peak_bytes:
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
     if candidate.lossy:
-        notes.append(LOSSY_NOTE)
+        notes.append(PURE_NOTE if candidate.config.precision == PURE_BF16 else LOSSY_NOTE)
     elif candidate.config.precision == MASTER_WEIGHTS:
         notes.append(MASTER_NOTE)
     else:
@@ -538,11 +548,12 @@ def searched_lever_notes(model, config: TrainingConfig, search: LeverSearch) -> 
         config, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
         eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time, head_share=search.head_share,
     )
-    chosen = config.levers() or f"precision {MASTER_WEIGHTS}"
+    chosen = config.levers() or f"precision {config.precision}"
     return [
         f"memory levers chosen by the search ({chosen}): the memory model predicts their peak "
         "(planning/memory/levers.py) and the chosen configuration was measured with them",
         *time.notes,
         LOSSY_NOTE if config.optimizer_state == "8bit" else MASTER_NOTE if config.precision == MASTER_WEIGHTS
+        else PURE_NOTE if config.precision == PURE_BF16
         else "the levers do not change the arithmetic: the updates are plain training's",
     ]
