@@ -5,6 +5,7 @@ A PyTorch release that moves one of these can only break this file.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -37,6 +38,9 @@ __all__ = [
     "op_flops",
     "optimizers_step_as_on_cuda",
     "reset_grad_scaler_step",
+    "RNN_LAYER",
+    "RNN_LAYER_BACKWARD",
+    "rnn_workspace_bytes",
     "selective_checkpoint_contexts",
     "storage_resizes",
     "tree_leaves",
@@ -51,6 +55,38 @@ def without_dispatch_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer
+"""oneDNN's RNN layer (an LSTM's on the CPU): its fake kernel returns an empty workspace (output 3) where the
+CPU kernel allocates one for backward."""
+RNN_LAYER_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward
+"""Its backward: the fake kernel returns one tensor as both bias gradients (outputs 3 and 4), the CPU kernel two."""
+
+
+def rnn_workspace_bytes(args: tuple) -> int:
+    """Bytes of the workspace oneDNN's RNN layer (``mkldnn_rnn_layer``) allocates for a call with these arguments.
+
+    Its size follows oneDNN's layout (page-aligned regions for the gates and the layer, iteration and cell
+    states, each with padded leading dimensions), which changes with the oneDNN build; so the real kernel is
+    asked, once per shape, on zero tensors of the arguments' shapes and dtypes outside every mode.
+    """
+    signature = tuple(
+        ("tensor", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else tuple(a) if isinstance(a, list) else a
+        for a in args
+    )
+    return _rnn_workspace_bytes(signature)
+
+
+@functools.cache
+def _rnn_workspace_bytes(signature: tuple) -> int:
+    with without_dispatch_modes():  # not under no_grad: the kernel makes its workspace only when grad mode is on
+        args = [
+            torch.zeros(a[1], dtype=a[2]) if isinstance(a, tuple) and a[:1] == ("tensor",)
+            else list(a) if isinstance(a, tuple) else a
+            for a in signature
+        ]
+        return RNN_LAYER.default(*args)[3].untyped_storage().nbytes()
 
 
 def to_empty_quickly(module: torch.nn.Module, *, device: str) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit._torch_private import TorchDispatchMode, inner_tensors, tree_leaves
+from autofit._torch_private import RNN_LAYER, RNN_LAYER_BACKWARD, FakeTensor, TorchDispatchMode, inner_tensors, rnn_workspace_bytes, tree_leaves
 from autofit.measure.host import allocating_on_host
 
 ACTIVATIONS = "activations"
@@ -37,6 +37,9 @@ _FP32_STATISTICS = {
     _aten.native_group_norm,
     _aten.native_layer_norm,
 }
+# oneDNN's RNN layer (an LSTM's on the CPU) returns the workspace its backward reads as output 3; the
+# fake kernel returns it empty. Its backward's fake kernel returns one tensor as both bias gradients,
+# where the real one allocates two. Over fake tensors both are counted as the real kernels allocate them.
 
 
 @dataclass(slots=True)
@@ -49,6 +52,8 @@ class _Record:
     """Counted bytes per stored byte (2 for statistics a fake kernel returns in half precision)."""
     host: bool = False
     """Made inside ``host_allocation()``: host memory, not in the device peak."""
+    fixed: bool = False
+    """Counted at bytes given when it was made (a fake kernel's empty workspace), whatever its storage says."""
 
 
 class StorageTracker(TorchDispatchMode):
@@ -85,6 +90,10 @@ class StorageTracker(TorchDispatchMode):
             widest = max(a.element_size() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point())
             for statistic in out[1:3]:
                 self._track_one(statistic, widen=max(widest // statistic.element_size(), 1))
+        if func.overloadpacket is RNN_LAYER and isinstance(out[3], FakeTensor):
+            self._track_one(out[3], nbytes=rnn_workspace_bytes(args))
+        if func.overloadpacket is RNN_LAYER_BACKWARD and isinstance(out[3], FakeTensor) and _same_storage(out[3], out[4]):
+            self._track_one(out[3], nbytes=2 * out[3].untyped_storage().nbytes())
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._track(leaf)
@@ -129,18 +138,24 @@ class StorageTracker(TorchDispatchMode):
             return [self._track_one(tensor)]
         return [self._track_one(t) for t in inner]
 
-    def _track_one(self, tensor: torch.Tensor, *, widen: int = 1) -> _Record:
+    def _track_one(self, tensor: torch.Tensor, *, widen: int = 1, nbytes: int | None = None) -> _Record:
+        """Count one storage; ``nbytes`` fixes its counted size (before rounding) instead of its own."""
         storage = tensor.untyped_storage()
         key = id(storage)
         record = self._live.get(key)
-        nbytes = _round_up(storage.nbytes() * (record.widen if record is not None else widen), self.round_bytes)
+        if record is not None and record.fixed:
+            return record
+        fixed = nbytes is not None
+        if nbytes is None:
+            nbytes = storage.nbytes() * (record.widen if record is not None else widen)
+        nbytes = _round_up(nbytes, self.round_bytes)
         if record is not None:
             if record.nbytes != nbytes:  # resized in place
                 self._grow_on(record, nbytes - record.nbytes)
                 record.nbytes = nbytes
             return record
         self._clock += 1
-        record = _Record(nbytes=nbytes, born=self._clock, widen=widen, host=allocating_on_host())
+        record = _Record(nbytes=nbytes, born=self._clock, widen=widen, host=allocating_on_host(), fixed=fixed)
         self._live[key] = record
         self._records.append(record)
         weakref.finalize(storage, self._free, key)
@@ -171,6 +186,10 @@ class StorageTracker(TorchDispatchMode):
             self.host_current_bytes -= record.nbytes
         else:
             self.current_bytes -= record.nbytes
+
+
+def _same_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.untyped_storage() is b.untyped_storage()
 
 
 def _round_up(nbytes: int, multiple: int) -> int:

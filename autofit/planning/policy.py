@@ -125,6 +125,10 @@ class PlanPolicy:
     floor_decided_margin_share: float = 0.05
     """Where the memory model is the meter's twin (the CPU, the simulated meter), a budget this far above the
     floor it predicts needs no probe to be known possible (a candidate that misses falls back to it, measured)."""
+    floor_measured_margin_share: float = 0.05
+    """The floor measures, beside the configuration predicted least, every other predicted within this share above
+    the least measured so far: the memory model's error can order two near configurations wrongly (DeepLabV3's
+    fp32 floor measured 187.84 MiB, above a bf16 configuration that measured 186.65 MiB)."""
     timed_reference_max_memory_share: float = 0.9
     """On a GPU the unconstrained configuration is timed beside the candidates (for the speed ratio) only when
     its predicted peak is under this share of the card: nearer the whole card it could run out of memory."""

@@ -47,8 +47,8 @@ class ShardAwareTracker(StorageTracker):
         finally:
             self._resizes.__exit__(*exc)
 
-    def _track_one(self, tensor, *, widen: int = 1):
-        return super()._track_one(_local(tensor), widen=widen)
+    def _track_one(self, tensor, *, widen: int = 1, nbytes: int | None = None):
+        return super()._track_one(_local(tensor), widen=widen, nbytes=nbytes)
 
 
 class _StorageView:

@@ -130,9 +130,9 @@ class _TimelineTracker(StorageTracker):
             self._segment_peak = self.current_bytes
         self.levers.grown()
 
-    def _track_one(self, tensor, *, widen: int = 1):
+    def _track_one(self, tensor, *, widen: int = 1, nbytes: int | None = None):
         made = len(self._records)
-        record = StorageTracker._track_one(self, tensor, widen=widen)
+        record = StorageTracker._track_one(self, tensor, widen=widen, nbytes=nbytes)
         if len(self._records) > made:
             self.levers.created(record)
         return record

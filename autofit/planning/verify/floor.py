@@ -52,31 +52,43 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
     """The floor, measured unless the budget is well above what the memory model predicts for it.
 
     It is the least of every precision traced so far (``Costs.memory_for_floor``):
-    the caller traces the others before taking a refusal as final.
+    the caller traces the others before taking a refusal as final. Measured, it
+    is the least measured budget among the configurations it measures: the one
+    predicted least, every other predicted within
+    ``POLICY.floor_measured_margin_share`` above the least measured peak, and
+    any measured before (by an earlier call, before more precisions were
+    traced), so a misprediction between two configurations never states the
+    larger as the floor.
 
     Raises:
         InfeasibleBudget: the budget is below it (the message says what would lower it).
     """
     model, smallest, G = costs.model, costs.smallest, context.global_batch_size
     blocks = frozenset(range(len(model.blocks)))
-    options = []
+    options: list[tuple[float, TrainingConfig]] = []
     for precision, memory in costs.memory_for_floor().items():
         for checkpoint in (blocks, frozenset()):
             peak = memory.peak_bytes(smallest, global_batch_size=G, checkpoint=checkpoint) * model.memory_scale
-            options.append((peak, precision, checkpoint))
-    predicted, precision, checkpoint = min(options, key=lambda option: option[0])
-    config = TrainingConfig(global_batch_size=G, micro_batch_size=smallest, precision=precision, checkpoint=model.names(checkpoint))
+            config = TrainingConfig(global_batch_size=G, micro_batch_size=smallest, precision=precision, checkpoint=model.names(checkpoint))
+            options.append((peak, config))
+    options.sort(key=lambda option: option[0])
+    predicted, config = options[0]
     # Predicted, its persistent bytes are at least the parameters and optimizer state (``resident_bytes``).
     predicted_budget = measurements.headroom.smallest_budget(predicted, persistent_bytes=measurements.resident_bytes)
     if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + POLICY.floor_decided_margin_share):
         context.log(f"floor: {format_bytes(predicted_budget)} predicted, well under the budget: not measured")
         return Floor(config=config, budget_bytes=predicted_budget, measured=False)
-    peak, breakdown = measurements.checked_peak(config)
-    headroom = measurements.headroom  # after the probe: on a GPU it holds the context just measured
-    persistent = persistent_bytes(breakdown)
-    causes = headroom.for_peak(peak, persistent_bytes=persistent)
+    peaks = {}  # config key -> (config, peak, breakdown), of every option measured
+    for predicted, config in options:
+        least = min((peak for _, peak, _ in peaks.values()), default=None)
+        if least is None or predicted <= least * (1 + POLICY.floor_measured_margin_share) or measurements.has_peak(config):
+            peaks[config.key()] = (config, *measurements.checked_peak(config))
+    headroom = measurements.headroom  # after the probes: on a GPU it holds the context just measured
+    budgets = {key: headroom.smallest_budget(peak, persistent_bytes=persistent_bytes(breakdown)) for key, (_, peak, breakdown) in peaks.items()}
+    config, peak, breakdown = peaks[min(budgets, key=budgets.get)]
+    causes = headroom.for_peak(peak, persistent_bytes=persistent_bytes(breakdown))
     floor = Floor(
-        config=config, budget_bytes=headroom.smallest_budget(peak, persistent_bytes=persistent),
+        config=config, budget_bytes=budgets[config.key()],
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
     )
     context.log(f"floor: {format_bytes(floor.budget_bytes)} measured")

@@ -137,6 +137,10 @@ class Measurements:
     def reject(self, config: TrainingConfig, why: str) -> None:
         self.rejected.append({"config": config.key(), "why": why})
 
+    def has_peak(self, config: TrainingConfig) -> bool:
+        """Whether ``checked_peak`` already knows this configuration's peak (measured in this run or stored)."""
+        return config.key() in self.peaks
+
     def checked_peak(self, config: TrainingConfig, *, fresh: bool = False) -> tuple[int, dict]:
         """A configuration's peak by the meter that has the last word: the device's, or the simulated one when simulating.
 
