@@ -263,12 +263,7 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     except ImportError as error:
         raise UserError(f"optimizer state '8bit' needs torchao ({error}); pip install torchao, or use 'device' or 'host'") from None
     _make_quantization_maps()
-    groups = []
-    for group in optimizer.param_groups:
-        unsupported = [name for name in ("maximize", "differentiable", "capturable") if group.get(name)]
-        if unsupported:
-            raise UserError(f"optimizer state '8bit' does not support {', '.join(unsupported)}=True; use 'device' or 'host'")
-        groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
+    groups = _torchao_groups(optimizer, refused="optimizer state '8bit'", way_out="use 'device' or 'host'")
     kind_8bit = AdamW8bit if kind is torch.optim.AdamW else Adam8bit
     return kind_8bit(groups, lr=groups[0]["lr"])
 
@@ -292,14 +287,20 @@ def stochastic_bf16_adamw(optimizer: torch.optim.Optimizer, *, eight_bit: bool =
         raise UserError(f"precision bf16-pure needs torchao ({error}); pip install torchao, or use bf16 or bf16-master") from None
     if eight_bit:
         _make_quantization_maps()
+    groups = _torchao_groups(optimizer, refused="precision bf16-pure", way_out="use bf16 or bf16-master")
+    kind = AdamW8bit if eight_bit else _AdamW
+    return kind(groups, lr=groups[0]["lr"], bf16_stochastic_round=True)
+
+
+def _torchao_groups(optimizer: torch.optim.Optimizer, *, refused: str, way_out: str) -> list[dict]:
+    """``optimizer``'s parameter groups with the hyper-parameters torchao's AdamW takes; one line for an option it lacks."""
     groups = []
     for group in optimizer.param_groups:
         unsupported = [name for name in ("maximize", "differentiable", "capturable") if group.get(name)]
         if unsupported:
-            raise UserError(f"precision bf16-pure does not support {', '.join(unsupported)}=True; use bf16 or bf16-master")
+            raise UserError(f"{refused} does not support {', '.join(unsupported)}=True; {way_out}")
         groups.append({name: group[name] for name in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad")})
-    kind = AdamW8bit if eight_bit else _AdamW
-    return kind(groups, lr=groups[0]["lr"], bf16_stochastic_round=True)
+    return groups
 
 
 def _make_quantization_maps() -> None:
