@@ -44,7 +44,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from strategies import MASTER_WEIGHTS, PURE_BF16
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
 from autofit.config import step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
@@ -469,8 +469,16 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     world_size, batch_size = request.gpus, request.batch_size
     check_ranks(batch_size=batch_size, world_size=world_size)
     share = math.ceil(batch_size / world_size)
+    # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
+    one_process = (MASTER_WEIGHTS, PURE_BF16)
+    asked = [p for p in (request.precisions or PRECISIONS) if p not in one_process]
+    if not asked:
+        raise UserError(f"--precisions {','.join(request.precisions)} train on one process only; for --gpus {world_size} allow bf16 or fp32")
+    request = replace(request, precisions=tuple(asked))
     # One rank's share of the batch with the whole per-GPU budget (FSDP2 plans in it).
     rank = plan_context(spec, replace(request, batch_size=share, gpus=1, study=None), log=log)
+    one_process_only = {p: f"trains on one process only, not on --gpus {world_size}" for p in one_process}
+    rank.excluded_precisions.update({p: why for p, why in one_process_only.items() if p in rank.excluded_precisions})
     allowance = gradient_bytes(rank.sim_spec)
     rank.log(
         f"{world_size} GPUs: each rank trains {share} of the {batch_size} samples per step; DDP first, keeping "
@@ -480,6 +488,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     try:
         if rank.budget_bytes > allowance:
             ddp = plan_context(spec, replace(request, budget=rank.budget_bytes - allowance, batch_size=share, gpus=1), log=log)
+            ddp.excluded_precisions.update({p: why for p, why in one_process_only.items() if p in ddp.excluded_precisions})
             contexts.append(ddp)
             costs = _memory(ddp)
             try:

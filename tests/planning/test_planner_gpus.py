@@ -180,3 +180,15 @@ def test_a_two_gpu_plan_trains_under_torchrun(sharded, tmp_path):
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2]
     assert f"{GPUS} processes (fsdp)" in done.stdout
+
+
+def test_a_simulated_gpu_plan_on_several_gpus_leaves_the_one_process_precisions_out(run_cli, tmp_path):
+    """bf16-master (and bf16-pure) train on one process: on --gpus N they are left out with a line, not an error."""
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(
+        "plan", str(ROOT / "examples" / "digits_cnn.py"), "--budget", "3.5GiB", "--batch-size", "16", "--gpus", "2",
+        "--device", "cuda", "--simulate", "--device-memory", "4GiB", "--no-cache", "--out", out, "--quiet",
+    )
+    assert code == 0, err
+    assert load_plan(out).config.world_size == 2
+    assert "bf16-master: trains on one process only, not on --gpus 2" in stdout
