@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from strategies import MASTER_WEIGHTS, PURE_BF16
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.model_io import call_model
@@ -31,7 +32,9 @@ def precision_failures(spec: ModelSpec, *, precisions: list[str], device: str) -
     Returns:
         Precision -> why it cannot run (the op's error, first sentence), for each precision that cannot.
     """
-    checked = [p for p in precisions if p != "fp32"]
+    # bf16 weights (bf16-master, bf16-pure) run bf16 autocast's kernels: checked as bf16, on a model they would cast.
+    as_bf16 = [p for p in precisions if p in (MASTER_WEIGHTS, PURE_BF16)]
+    checked = list(dict.fromkeys("bf16" if p in as_bf16 else p for p in precisions if p != "fp32"))
     if not checked:
         return {}
     torch.manual_seed(0)
@@ -45,7 +48,8 @@ def precision_failures(spec: ModelSpec, *, precisions: list[str], device: str) -
             failures[precision] = _first_line(error)
     if failures and _forward_error(model, inputs, precision="fp32", device=device) is not None:
         return {}  # fp32 fails too: not a kernel of the precision
-    return failures
+    failures.update({p: failures["bf16"] for p in as_bf16 if "bf16" in failures})
+    return {p: why for p, why in failures.items() if p in precisions}
 
 
 def precision_failure(spec: ModelSpec, *, precision: str, device: str) -> str | None:
