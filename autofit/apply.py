@@ -286,9 +286,9 @@ def apply_config(
     #    which must see the sharded parameters.
     model = sharding.apply(model)
     # 3b. With bf16 weights (precision "bf16-master"), the optimizer's state strategy keeps each trained
-    #     weight's fp32 master on the host and casts the device's to bf16 ("bf16-pure": the cast alone): after the move to the device (the
-    #     masters are copied from the device's values) and before the optimizer is built over them. It runs on
-    #     one process only (the configuration refuses sharding with it).
+    #     weight's fp32 master on the host and casts the device's to bf16 ("bf16-pure": the cast alone):
+    #     after the move to the device (the masters are copied from the device's values) and before the
+    #     optimizer is built over them. One process only (the configuration refuses sharding with either).
     model = optimizer_state.apply(model)
     # 4. Precision: the forward's autocast and the GradScaler (a sharded one that
     #    agrees across ranks on skipped fp16 steps under FSDP). They shape the

@@ -71,7 +71,8 @@ class OptimizerState(Strategy):
         """id(parameter) -> its fp32 master on the host (with ``master_weights``, once applied)."""
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """With ``master_weights``: each trained weight's fp32 value kept on the host, the device's cast to bf16.
+        """With ``master_weights``: each trained weight's fp32 value kept on the host, the device's cast to bf16; with
+        ``pure_bf16`` the cast alone.
 
         The masters are copied before the cast, so they hold the weights exactly; frozen weights (an adapter's
         base) go to bf16 with no master. Normalization layers keep theirs in fp32 on the device (a few values per

@@ -397,7 +397,7 @@ def complete_memory(spec: ModelSpec, memory: MemoryCosts, *, precision: str, dev
     def again(trace: MemoryTrace | None) -> MemoryTrace | None:  # a scaled trace is scaled again from the whole high one
         if trace is None:
             return None
-        return _scaled(high, trace.micro_batch_size) if trace.scaled else done.get(trace.micro_batch_size, trace)
+        return scaled_trace(high, trace.micro_batch_size) if trace.scaled else done.get(trace.micro_batch_size, trace)
 
     return _assembled(again(memory.low), again(memory.middle), high)
 
@@ -431,11 +431,13 @@ def _same_structure(trace: MemoryTrace, high_trace: MemoryTrace) -> MemoryTrace:
     if [(s.dropped, s.phase, s.recomputes, s.selective) for s in trace.segments] != [
         (s.dropped, s.phase, s.recomputes, s.selective) for s in high_trace.segments
     ] or bool(trace.selective_drop_bytes) != bool(high_trace.selective_drop_bytes):
-        return _scaled(high_trace, trace.micro_batch_size)
+        return scaled_trace(high_trace, trace.micro_batch_size)
     return trace
 
 
-def _scaled(trace: MemoryTrace, micro_batch_size: int) -> MemoryTrace:
+def scaled_trace(trace: MemoryTrace, micro_batch_size: int) -> MemoryTrace:
+    """``trace`` scaled to a smaller micro-batch (its bytes in proportion, its structure as it is): a trace that
+    stands for one the structure of the step at that size did not allow (``_same_structure``)."""
     ratio = micro_batch_size / trace.micro_batch_size
     return MemoryTrace(
         micro_batch_size=micro_batch_size,

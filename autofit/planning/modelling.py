@@ -35,7 +35,7 @@ from autofit.errors import UserError
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
-from autofit.planning.costs import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs
+from autofit.planning.costs import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs, scaled_trace
 from autofit.planning.speed.estimated import flop_speed_costs
 from autofit.planning.memory.levers import add_eight_bit
 from autofit.planning.memory.optimizer import eight_bit_record
@@ -346,10 +346,9 @@ def add_loss_chunks(context: PlanContext, costs: Costs, *, chunks: int, usable_b
             pool=context.trace_pool,
         )))
         high = done.get("high", named["high"])
-        for name, trace in named.items():  # a trace scaled from the high one: its change scaled the same way
-            if trace.scaled and high.chunk_deltas is not None:
-                ratio = trace.micro_batch_size / high.micro_batch_size
-                done[name] = replace(trace, chunk_deltas=[int(d * ratio) for d in high.chunk_deltas], loss_chunks=chunks)
+        for name, trace in named.items():  # a trace scaled from the high one: scaled again, with its change
+            if trace.scaled:
+                done[name] = scaled_trace(high, trace.micro_batch_size)
         if memory.replace_traces(done):
             costs.changed = True
 

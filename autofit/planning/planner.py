@@ -477,8 +477,13 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     request = replace(request, precisions=tuple(asked))
     # One rank's share of the batch with the whole per-GPU budget (FSDP2 plans in it).
     rank = plan_context(spec, replace(request, batch_size=share, gpus=1, study=None), log=log)
-    one_process_only = {p: f"trains on one process only, not on --gpus {world_size}" for p in one_process}
-    rank.excluded_precisions.update({p: why for p, why in one_process_only.items() if p in rank.excluded_precisions})
+
+    def say_why_left_out(context: PlanContext) -> None:
+        for precision in one_process:
+            if precision in context.excluded_precisions:
+                context.excluded_precisions[precision] = f"trains on one process only, not on --gpus {world_size}"
+
+    say_why_left_out(rank)
     allowance = gradient_bytes(rank.sim_spec)
     rank.log(
         f"{world_size} GPUs: each rank trains {share} of the {batch_size} samples per step; DDP first, keeping "
@@ -488,7 +493,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     try:
         if rank.budget_bytes > allowance:
             ddp = plan_context(spec, replace(request, budget=rank.budget_bytes - allowance, batch_size=share, gpus=1), log=log)
-            ddp.excluded_precisions.update({p: why for p, why in one_process_only.items() if p in ddp.excluded_precisions})
+            say_why_left_out(ddp)
             contexts.append(ddp)
             costs = _memory(ddp)
             try:

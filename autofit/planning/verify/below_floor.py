@@ -219,11 +219,11 @@ def plan_with_levers(
         if measured.peak_bytes is None:
             context.log(f"  {candidate.name}: {measured.why}")
             continue
-        on_host = measurements.fits_host(measured.host_peak_bytes)
-        fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown) and on_host
+        excess = measurements.host_excess(measured.host_peak_bytes)
+        fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown) and excess is None
         context.log(
             f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured ({_against_floor(measured.peak_bytes, floor_peak)}); "
-            + ("fits" if fits else "does not fit" if on_host else f"keeps {format_bytes(measured.host_peak_bytes)} in host memory, more than the host's")
+            + ("fits" if fits else excess or "does not fit")
             + ("" if allow_lossy_optimizer or not candidate.lossy else f" (not allowed without {LOSSY_FLAG})")
         )
         if fits and (allow_lossy_optimizer or not candidate.lossy):

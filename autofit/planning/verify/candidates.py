@@ -100,11 +100,8 @@ def verify(
         peak, _ = measurements.checked_peak(config, fresh=True)
         if measurements.fits(config):
             return {**by_key[config.key()].result(), **measurements.result(config)}
-        host = measurements.host_peak(config)
-        measurements.reject(config, (
-            f"measured peak {format_bytes(peak)} + headroom does not fit" if measurements.fits_host(host)
-            else f"keeps {format_bytes(host)} in host memory, more than the host's {format_bytes(context.host_budget_bytes)}"
-        ))
+        excess = measurements.host_excess(measurements.host_peak(config))
+        measurements.reject(config, excess or f"measured peak {format_bytes(peak)} + headroom does not fit")
     # Every guess missed: the floor fits by construction.
     floor = _candidate(model, floor_config, levers)
     measurements.checked_peak(floor_config, fresh=True)
@@ -227,9 +224,9 @@ def _fitting_checkpoint_set(
             measurements.learn(precision, measured=peak, predicted=raw * model.memory_scale)
         if measurements.fits(config):
             return _candidate(model, config, levers)
-        host = measurements.host_peak(config)
-        if not measurements.fits_host(host):  # checkpointing keeps no less on the host: this point does not fit
-            measurements.reject(config, f"keeps {format_bytes(host)} in host memory, more than the host's {format_bytes(context.host_budget_bytes)}")
+        excess = measurements.host_excess(measurements.host_peak(config))
+        if excess is not None:  # checkpointing keeps no less on the host: this point does not fit
+            measurements.reject(config, excess)
             return None
         measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.

@@ -44,8 +44,6 @@ class Measurements:
     def __init__(self, context: PlanContext, *, host_sample_bytes: int, stored: dict | None = None) -> None:
         self.context = context
         self.host_sample_bytes = host_sample_bytes
-        self._exact_host: dict[str, int] = {}
-        """Configuration key -> the simulated meter's host peak (``exact_peak``)."""
         if stored and not _readable(stored):  # a damaged cache: measured again, and said so
             context.log("the stored measurements could not be read: measuring again")
             stored = None
@@ -70,7 +68,7 @@ class Measurements:
         """Precision -> measured / predicted peak, where a probe showed the model optimistic (``scale``)."""
         self.predicted: dict[str, float] = {}
         """Configuration key -> the cost model's peak, for keeping timers within memory (set by ``verify``)."""
-        self._exact: dict[str, tuple[int, dict]] = {}
+        self._exact: dict[str, tuple[int, dict, int]] = {}
         self._measured_context_bytes: int | None = None
         self._resident_bytes: int | None = stored.get("resident_bytes")
 
@@ -151,7 +149,7 @@ class Measurements:
         if key not in self.peaks or (fresh and key not in self.fresh):
             if self.context.simulate:
                 peak, breakdown = self.exact_peak(config)
-                self.peaks[key] = {"peak_bytes": peak, "breakdown": breakdown, "host_peak_bytes": self._exact_host.get(key, 0)}
+                self.peaks[key] = {"peak_bytes": peak, "breakdown": breakdown, "host_peak_bytes": self._exact[key][2]}
             else:
                 self._real_peak(config)
             self.fresh.add(key)
@@ -172,10 +170,10 @@ class Measurements:
             host = (context.global_batch_size - traced) * self.host_sample_bytes
             breakdown = dict(result.breakdown)
             breakdown["activations"] = breakdown.get("activations", 0) + host
-            self._exact[key] = (result.peak_bytes + host, breakdown)
-            self._exact_host[key] = result.host_peak_bytes
+            self._exact[key] = (result.peak_bytes + host, breakdown, result.host_peak_bytes)
             self.simulated_checks += 1
-        return self._exact[key]
+        peak, breakdown, _ = self._exact[key]
+        return peak, breakdown
 
     def _real_peak(self, config: TrainingConfig) -> None:
         """Probe a configuration with the device's meter; its peak less the GPU context goes into ``peaks``."""
@@ -212,6 +210,13 @@ class Measurements:
         memory the plan may spend (always, where there is no such limit: on the CPU)."""
         limit = self.context.host_budget_bytes
         return limit is None or host_peak_bytes <= limit
+
+    def host_excess(self, host_peak_bytes: int) -> str | None:
+        """"keeps 1.00 GiB in host memory, more than the host's 512.00 MiB" where those bytes do not fit the host's
+        memory (``fits_host``); None where they do."""
+        if self.fits_host(host_peak_bytes):
+            return None
+        return f"keeps {format_bytes(host_peak_bytes)} in host memory, more than the host's {format_bytes(self.context.host_budget_bytes)}"
 
     def host_peak(self, config: TrainingConfig) -> int:
         """The host bytes a measured configuration kept at most (0 where it kept none, or was not measured)."""
