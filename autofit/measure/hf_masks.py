@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from autofit._torch_private import FakeTensor
 
 _unpadded = False
-"""Whether the last example batch made of real tensors (``note_example_batch``) pads none of its sequences; until
-one is, transformers' cautious path is kept."""
+"""Whether the example batch of the simulated run now on (``note_example_batch``) pads none of its sequences; until
+one is noted, transformers' cautious path is kept."""
 
 
 def note_example_batch(batch) -> None:
@@ -42,7 +42,10 @@ def note_example_batch(batch) -> None:
 
 @contextmanager
 def masks_as_in_real_runs() -> Iterator[None]:
-    """Within it, transformers decides its attention masks over fake tensors as over an unpadded real batch."""
+    """Within it, transformers decides its attention masks over fake tensors as a real run of the example batch noted
+    inside it (``note_example_batch``) does: none noted, the cautious path. Nothing noted in one run carries over."""
+    global _unpadded
+    _unpadded = False
     if "transformers" not in sys.modules:  # no transformers model can run: nothing to decide
         yield
         return

@@ -282,7 +282,7 @@ def run_trace(
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()
-        inputs, targets = spec.example_batch(2 * micro_batch_size)
+        inputs, targets = noting_padding(spec.example_batch)(2 * micro_batch_size)  # as the probe's (``measure``)
         names = blocks if blocks is not None else checkpoint_candidates(model, example_inputs=inputs)
         config = TrainingConfig(
             global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
@@ -437,7 +437,6 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
 
     from torch import nn
 
-    spec = dataclasses.replace(spec, example_batch=noting_padding(spec.example_batch))
     meter = SimulatedMeter(for_device="cpu")
     try:
         with meter.environment():
