@@ -83,7 +83,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     from autofit.plan_file import load_plan, plan_from_dict
     from autofit.spec import spec_for_plan
     from autofit.training.data import check_sample_shape, cli_data, input_shape_from, model_file_data
-    from autofit.distributed import check_launch, cleanup, is_rank0
+    from autofit.distributed import check_launch, cleanup, end_rank, is_rank0
     from autofit.training.loop import TrainSettings
     from autofit.training.stops import TrainingInterrupted
     from autofit.training.resume import check_same_plan, read_saved_run, resumed_value
@@ -159,8 +159,10 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
                 file=sys.stderr,
             )
         cleanup()
+        end_rank(stop.exit_code)
         raise typer.Exit(stop.exit_code) from None
     cleanup()
+    end_rank(0)
 
 
 @contextmanager

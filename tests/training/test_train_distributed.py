@@ -99,7 +99,8 @@ def _plan(model_file, *, world_size: int, sharding: str, micro_batch_size: int) 
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack, so a failure says where.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
 
 
 def _arguments(plan_path, log_dir, *extra: str) -> list[str]:
