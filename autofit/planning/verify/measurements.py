@@ -9,6 +9,7 @@ and the multi-process plans measure through them too.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from dataclasses import replace
@@ -239,11 +240,18 @@ class Measurements:
         )
 
     def samples_per_s(self, config: TrainingConfig) -> float | None:
-        """Measured samples/s of plain training steps: the global batch over the fastest round (None if never timed)."""
+        """Measured samples/s of plain training steps: the global batch over the median round (None if never timed).
+
+        The fastest round ranks configurations (``Samples.best``: other work
+        only slows a step down); the median is what the plan promises, since
+        training too reports its median step. On 2 quiet cores the quick
+        start's fastest round was 7% under its median (bench/RESULTS.md,
+        "Training against its plan").
+        """
         entry = self.timings.get(config.key())
         if not entry or not entry["seconds"]:
             return None
-        return self.context.global_batch_size / min(entry["seconds"])
+        return self.context.global_batch_size / statistics.median(entry["seconds"])
 
     def noise(self, config: TrainingConfig) -> float | None:
         """How well the configuration's fastest round repeated (``Samples.spread``); None when timed fewer than twice."""
