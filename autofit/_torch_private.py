@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -304,3 +306,57 @@ def _changed_since_kept(entry) -> bool:
         and wrapper.val._version != wrapper.version
         for wrapper in tree_leaves(entry)
     )
+
+
+def compile_failures() -> tuple[type[Exception], ...]:
+    """What a model torch.compile cannot handle raises, at its first forward or backward (imported when asked:
+    Inductor takes most of a second to import)."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on it (``nn.Module`` keeps the compiled call in a private field)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def cpu_allocation_peak(run: Callable[[], object]) -> int:
+    """Most bytes the CPU allocator held at once during ``run()`` beyond what it held before, by its own count.
+
+    Every CPU allocation and free is reported to the profiler when it records
+    memory (``profile_memory``), including those of compiled code, which no
+    dispatch mode sees; the raw events carry each one's signed size.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    recorded = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():  # the profiler's library logs its start and stop there
+        recorded.start()
+    try:
+        run()
+    finally:
+        with _stderr_silenced():
+            recorded.stop()
+    events = recorded.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    held = peak = 0
+    for _, nbytes in changes:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 goes to /dev/null inside (what C++ libraries print there too)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -59,6 +59,8 @@ from strategies import (
     ChunkedLoss,
     ChunkedLossConfig,
     ClippingConfig,
+    Compile,
+    CompileConfig,
     GradientClipping,
     OffloadConfig,
     OptimizerInBackwardConfig,
@@ -262,6 +264,7 @@ def apply_config(
     )
     step_in_backward = StepInBackward(OptimizerInBackwardConfig(enabled=config.optimizer_in_backward))
     clipping = GradientClipping(ClippingConfig(max_grad_norm=config.max_grad_norm))
+    compiled = Compile(CompileConfig(enabled=config.compile))
     # The order is fixed, and each step says why it comes where it does.
     # 1. Checkpointing first: it finds blocks by their module names and patches
     #    their forward; any wrapper applied before it would rename or hide them.
@@ -303,7 +306,10 @@ def apply_config(
     #    on several processes each rank takes its share, and gradients are
     #    reduced once, after the last micro-batch (the sharding's sync).
     split = _batch_split(config, env=env, sync=sharding.sync)
-    strategies = (checkpointing, offload, chunked_loss, sharding, precision, optimizer_state, step_in_backward, clipping, split)
+    # 8. Compile very last: what it compiles is the forward every step above shaped (the checkpointed blocks, the
+    #    chunked loss, the bf16 weights); in place, so the model's names and state_dict stay.
+    model = compiled.apply(model)
+    strategies = (checkpointing, offload, chunked_loss, sharding, precision, optimizer_state, step_in_backward, clipping, split, compiled)
     return AppliedPlan(
         config=config, model=model, precision=precision, clipping=clipping, split=split, device=env.device, env=env, strategies=strategies,
     )

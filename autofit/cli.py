@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import sys
 import traceback
 
@@ -73,6 +74,9 @@ def main() -> None:
     if len(sys.argv) <= 1:
         app()  # prints the help
         return
+    # Inductor's C++ build (torch.compile on the CPU) warns on a machine without CUDA that no CUDA runtime is
+    # found: true, and nothing a user of autofit needs to act on.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     command = typer.main.get_command(app)
     try:
         code = command.main(standalone_mode=False)

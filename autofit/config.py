@@ -65,6 +65,9 @@ class TrainingConfig:
     loss_chunks: int = 1
     """Chunks of tokens a causal language model's output layer and loss run over, each recomputed in backward, so
     that its whole logits never exist (``strategies.chunked_loss``); 1: the model's own forward. Same loss."""
+    compile: bool = False
+    """``torch.compile`` the model (``strategies.compile``): a speed choice, the same arithmetic to rounding. The planner
+    sets it only where it measured the compiled step to fit and to be faster; one process only."""
     max_grad_norm: float | None = None
     """Clip the global norm of the step's gradients (all micro-batches', over every rank's shards) to this before
     the optimizer steps (``torch.nn.utils.clip_grad_norm_``); None clips nothing. A training choice, not a memory
@@ -110,6 +113,11 @@ class TrainingConfig:
                 f"precision {PURE_BF16} keeps its bf16 weights and state on the one device: leave --optimizer-state at "
                 "device (or 8bit) and train on one GPU, or choose bf16-master"
             )
+        if self.compile and self.world_size > 1:
+            raise UserError(
+                "compile on several processes has not been measured (DDP and FSDP2 compile differently); "
+                "leave compile off in the plan, or train on one process"
+            )
         if self.world_size > 1 and self.optimizer_state == "host":
             raise UserError(
                 "optimizer state on the host runs on one process only (DDP and FSDP reduce gradients after it would "
@@ -139,14 +147,14 @@ class TrainingConfig:
         )
 
     def key(self) -> str:
-        """"fp32:4:layers.0,layers.1", and ":layers.2" after it for selective blocks, then the levers.
+        """"fp32:4:layers.0,layers.1", and ":layers.2" after it for selective blocks, then the levers (and "compile").
 
         The planner keys its measurements by it, for one global batch on one
         process: a configuration without selective blocks or levers keeps the
         key it always had, so stored measurements stay found.
         """
         key = f"{self.precision}:{self.micro_batch_size}:{','.join(self.checkpoint)}"
-        levers = self.levers()
+        levers = ";".join(filter(None, [self.levers(), "compile" if self.compile else ""]))
         if self.selective_checkpoint or levers:
             key = f"{key}:{','.join(self.selective_checkpoint)}"
         return f"{key}:{levers}" if levers else key
@@ -160,12 +168,14 @@ class TrainingConfig:
         return ";".join(parts)
 
     def simplicity(self) -> tuple:
-        """Order for ties: fewer micro-steps, fewer checkpointed or offloaded blocks, fewer levers, fp32 before autocast."""
+        """Order for ties: fewer micro-steps, fewer checkpointed or offloaded blocks, fewer levers, fp32 before autocast,
+        uncompiled before compiled."""
         return (
             self.grad_accum_steps,
             len(self.checkpoint) + len(self.selective_checkpoint) + len(self.offload),
             int(self.optimizer_in_backward) + int(self.optimizer_state != "device") + int(self.loss_chunks != 1),
             PRECISIONS.index(self.precision),
+            int(self.compile),
         )
 
 

@@ -13,6 +13,7 @@ from strategies.base import Strategy
 from strategies.batch_split import BatchSplit, BatchSplitConfig, micro_batch_count, rank_slice
 from strategies.chunked_loss import DEFAULT_LOSS_CHUNKS, ChunkedLoss, ChunkedLossConfig, chunkable
 from strategies.clipping import ClippingConfig, GradientClipping
+from strategies.compile import Compile, CompileConfig
 from strategies.checkpointing import (
     CheckpointConfig,
     Checkpointing,
@@ -38,6 +39,8 @@ __all__ = [
     "ChunkedLossConfig",
     "DEFAULT_LOSS_CHUNKS",
     "ClippingConfig",
+    "Compile",
+    "CompileConfig",
     "GradientClipping",
     "Checkpointing",
     "HostOptimizer",

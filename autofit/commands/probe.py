@@ -174,6 +174,11 @@ def _print_result(source: str, result) -> None:
     levers += ["optimizer step in backward"] if result.optimizer_in_backward else []
     levers += [f"optimizer state {result.optimizer_state}"] if result.optimizer_state != "device" else []
     levers += [f"output layer and loss in {result.loss_chunks} chunks"] if result.loss_chunks != 1 else []
+    if result.compiled_change_bytes is not None:
+        change = result.compiled_change_bytes
+        levers += [f"torch.compile (the eager count {'+' if change >= 0 else '-'} {format_bytes(abs(change))}, the CPU allocator's difference)"]
+    elif result.compile:
+        levers += ["torch.compile"]
     print(
         f"{source}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} steps, "
         f"{result.precision}, {', '.join(levers)}, meter {result.meter}"

@@ -14,6 +14,7 @@ allocator's cache and the context).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from autofit._torch_private import (
-    FAKE_TENSOR_LIMITS, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly, without_dispatch_modes,
+    FAKE_TENSOR_LIMITS, cpu_allocation_peak, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly, without_dispatch_modes,
 )
 from autofit.errors import UserError
 from autofit.measure.hf_masks import masks_as_in_real_runs, note_example_batch
@@ -401,3 +402,27 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def compiled_step_on_cpu(step: Callable[[], object]) -> tuple[int, float]:
+    """A compiled model's step on the CPU: how its peak differs from the eager step's, and its seconds.
+
+    The cpu meter's tracker runs compiled code eagerly (``TrackedMeter``): a
+    dispatch mode cannot look inside it. The CPU allocator's own count
+    (``cpu_allocation_peak``) sees both, so the tracker's peak of the eager
+    step plus the difference of the two allocator peaks is the compiled
+    step's. Inductor's fused kernels save what its partitioner chose, which
+    may be less or (rarely) more than eager code holds.
+
+    Returns:
+        (compiled peak - eager peak in bytes, seconds of one compiled step after the one that compiles).
+    """
+    with torch.compiler.set_stance("default"):
+        step()  # compiles
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+        compiled = cpu_allocation_peak(step)
+    with torch.compiler.set_stance("force_eager"):
+        eager = cpu_allocation_peak(step)
+    return compiled - eager, seconds

@@ -16,7 +16,8 @@ from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
 from autofit.device import check_device
 from autofit.measure.kernels import precision_failure
-from autofit.measure.meters import fall_back_from_simulation, make_meter, noting_padding, release_device_memory
+from autofit.measure.meters import compiled_step_on_cpu, fall_back_from_simulation, make_meter, noting_padding, release_device_memory
+from autofit.measure.tracker import ACTIVATIONS
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.plan_file import Plan
 from autofit.spec import ModelSpec, model_fingerprint
@@ -44,6 +45,9 @@ class ProbeResult:
     host_peak_bytes: int = 0
     """Peak bytes kept in host memory (offloaded activations, host optimizer state); not in peak_bytes."""
     step_seconds: list[float] = field(default_factory=list)
+    compile: bool = False
+    compiled_change_bytes: int | None = None
+    """Compiled on the CPU: how the compiled step's peak differed from the eager one the tracker counted (in peak_bytes)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -190,6 +194,15 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
                 if not simulate:
                     result.loss.item()  # waits for the device
                 step_seconds.append(time.perf_counter() - start)
+        compiled_change = None
+        if config.compile and meter.name == "cpu":  # the tracker ran the compiled model eagerly
+            def step() -> None:
+                train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer).loss.item()
+
+            compiled_change, seconds = compiled_step_on_cpu(step)
+            measurement.peak_bytes += compiled_change
+            measurement.breakdown[ACTIVATIONS] = measurement.breakdown.get(ACTIVATIONS, 0) + compiled_change
+            step_seconds = [seconds]
     timed = step_seconds[1:] or step_seconds
     samples_per_s = None if simulate else config.global_batch_size * len(timed) / sum(timed)
     del model, applied, optimizer, inputs, targets, result
@@ -212,4 +225,6 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
         optimizer_state=config.optimizer_state,
         loss_chunks=config.loss_chunks,
         host_peak_bytes=measurement.host_peak_bytes,
+        compile=config.compile,
+        compiled_change_bytes=compiled_change,
     )

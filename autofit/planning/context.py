@@ -78,6 +78,8 @@ class PlanContext:
     """Intra-op threads the run measures with (``timing_threads``)."""
     threads_note: str = ""
     """Why they are fewer than PyTorch's, when they are."""
+    compile: bool = False
+    """Measure the chosen configuration compiled too (``PlanRequest.compile``, decided for the device)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds spent so far per step of the run ("memory", "floor", "speed", "search", "verify", "write")."""
     trace_pool: TracePool = field(default_factory=TracePool)
@@ -175,12 +177,15 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
         where = Study(storage=cache_storage(), prefix=prefix, name=name, precisions=tuple(kept), keep_trials=False, strict=False)
     else:
         where = Study(storage=None, prefix=prefix, name=name, precisions=tuple(kept))
+    if request.compile and simulate:
+        raise UserError("--compile is measured on the device, and --simulate runs nothing there; drop one of them")
     count, note = (threads, "") if threads is not None else timing_threads(device)
     return PlanContext(
         spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=request.num_classes,
         host_budget_bytes=host_budget, host_budget_note=host_note,
         study=where, user_log=log, started=started, threads=count, threads_note=note, meta_model=meta_model,
+        compile=request.compile if request.compile is not None else device == "cuda" and not simulate,
     )
 
 

@@ -61,6 +61,7 @@ from autofit.planning.search.space import Evaluation, LeverSearch, score_space
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.policy import POLICY
 from autofit.planning.verify.candidates import measure_unconstrained, timed_reference, verify
+from autofit.planning.verify.compiled import with_compile
 from autofit.planning.report import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
 from autofit.units import format_bytes
@@ -223,6 +224,11 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             context, costs.model, evaluations, floor_config=floor.config, floor_bytes=floor.budget_bytes,
             measurements=measurements, reference=reference, levers=search,
         )
+    compile_note = None
+    if context.compile and levers is not None:  # one process (several: the configuration refuses compile)
+        with context.phase("compile"):
+            chosen, compile_note = with_compile(context, chosen, measurements, reference=reference)
+    with context.phase("verify"):
         unconstrained = measure_unconstrained(context, evaluations, chosen=chosen, measurements=measurements)
     with context.phase("write"):
         plan = write_plan(
@@ -231,6 +237,8 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         )
         if chosen["config"].levers() or chosen["config"].precision in (MASTER_WEIGHTS, PURE_BF16):
             plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(costs.model, chosen["config"], search)])
+        if compile_note:
+            plan = replace(plan, notes=[*plan.notes, compile_note])
         context.study.save("measurements", measurements.to_store())
     speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)
     report = PlanReport(

@@ -50,6 +50,10 @@ class PlanRequest:
     """Intra-op threads to time with; None: PyTorch's, fewer when other work keeps the cores busy."""
     num_classes: int | None = None
     """Outputs the model file's model is built with, when it takes them (``--num-classes``)."""
+    compile: bool | None = None
+    """Also measure the chosen configuration under ``torch.compile`` and keep it where it fits and is faster. None:
+    on a GPU, not on the CPU (Inductor's C++ build takes longer there than most CPU plans do in all); never when
+    simulating (nothing runs to say whether it pays)."""
     max_grad_norm: float | None = None
     """Training clips the gradients' global norm to this (written in the plan); the optimizer step in backward,
     which cannot clip, is then not searched."""

@@ -67,6 +67,8 @@ def header(plan: Plan, data: TrainData, applied: AppliedPlan, *, memory_note: st
     blocks = f"checkpoint {len(plan.config.checkpoint)} block(s)"
     if plan.config.levers():
         blocks += f", levers {plan.config.levers()}"
+    if plan.config.compile:
+        blocks += ", torch.compile (its first steps compile)"
     if plan.config.max_grad_norm is not None:
         blocks += f", gradients clipped to norm {plan.config.max_grad_norm:g}"
     world_size = applied.env.world_size

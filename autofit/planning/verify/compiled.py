@@ -1,0 +1,62 @@
+"""After the verification: the chosen configuration compiled (``torch.compile``), kept only where measured to fit and faster.
+
+The compiled configuration is probed with the device's meter (on the CPU
+the tracker's eager count corrected by the allocator's own, in
+``measure.meters.compiled_step_on_cpu``) and timed side by side with the
+chosen one in interleaved rounds (``Measurements.race``); compiled counts as
+the less simple of the two, so a tie keeps the model uncompiled. The time it
+all took, compiling included, is said in the plan's notes: it is part of
+planning. A model Inductor cannot compile stays uncompiled, with one note.
+
+Measured on the device only: when simulating nothing runs, so nothing says
+that compiling pays.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from autofit._torch_private import compile_failures
+from autofit.config import TrainingConfig
+from autofit.planning.context import PlanContext
+from autofit.planning.verify.measurements import Measurements
+from autofit.units import format_bytes
+
+def with_compile(
+    context: PlanContext, chosen: dict, measurements: Measurements, *, reference: TrainingConfig | None = None,
+) -> tuple[dict, str]:
+    """The chosen configuration, compiled where that was measured to fit and to be faster; and a note saying what was found.
+
+    Args:
+        chosen: ``verify``'s result (its "config" and measurements).
+        reference: the unconstrained configuration timed beside the candidates; timed again beside these two so
+            that the speed ratio compares times of one race.
+    """
+    config: TrainingConfig = chosen["config"]
+    compiled = replace(config, compile=True)
+    started = time.perf_counter()
+    context.log("compile: measuring the chosen configuration under torch.compile (its first steps compile)")
+    try:
+        peak, _ = measurements.checked_peak(compiled, fresh=True)
+    except compile_failures() as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return chosen, f"torch.compile left off: the model did not compile ({type(error).__name__}: {first[:200]})"
+    if not measurements.fits(compiled):
+        measurements.reject(compiled, f"compiled: measured peak {format_bytes(peak)} + headroom does not fit")
+        return chosen, (
+            f"torch.compile left off: compiled, the peak is {format_bytes(peak)}, which with its headroom does not fit "
+            f"(uncompiled {format_bytes(chosen['measured_peak_bytes'])}); measured in {time.perf_counter() - started:.0f} s"
+        )
+    timed_reference = reference if reference is not None and reference.key() != config.key() else None
+    order = measurements.race([config, compiled], reference=timed_reference)
+    seconds = time.perf_counter() - started
+    plain_speed, compiled_speed = measurements.samples_per_s(config), measurements.samples_per_s(compiled)
+    speeds = f"{compiled_speed:.1f} samples/s compiled, {plain_speed:.1f} not (medians of the rounds)"
+    memory = f"peak {format_bytes(peak)} compiled, {format_bytes(chosen['measured_peak_bytes'])} not"
+    if order[0].key() != compiled.key():
+        chosen = {**chosen, **measurements.result(config)}  # this race's timings are the latest of it
+        return chosen, f"torch.compile left off: not faster beyond the noise ({speeds}; {memory}); compiling and measuring took {seconds:.0f} s"
+    return {**chosen, "config": compiled, **measurements.result(compiled)}, (
+        f"torch.compile on: measured to fit and to be faster ({speeds}; {memory}); compiling and measuring took "
+        f"{seconds:.0f} s of this plan, and training compiles again at its first steps"
+    )
