@@ -14,7 +14,7 @@ from autofit.apply import apply_config, checkpointed_blocks, offloaded_blocks, s
 from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
-from autofit.device import check_device
+from autofit.device import check_device, steady_host_allocations
 from autofit.measure.kernels import precision_failure
 from autofit.measure.meters import compiled_step_on_cpu, fall_back_from_simulation, make_meter, noting_padding, release_device_memory
 from autofit.measure.tracker import ACTIVATIONS
@@ -166,6 +166,7 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
     if steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
     check_device(device, precision=config.precision, simulate=simulate)
+    steady_host_allocations()  # its steps timed as training runs them
     meter = make_meter(device_type=device, simulate=simulate, spec=spec)
     torch.manual_seed(seed)
     with meter.environment():

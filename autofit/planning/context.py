@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from autofit.errors import UserError
-from autofit.device import DeviceInfo, check_device, device_info, host_memory_bytes
+from autofit.device import DeviceInfo, check_device, device_info, host_memory_bytes, steady_host_allocations
 from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
@@ -144,6 +144,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
             for ``device="cuda"`` without ``simulate``, or no precision left to search.
     """
     started = time.perf_counter()
+    steady_host_allocations()  # steps timed as training will run them
     budget, batch_size, device, simulate = request.budget, request.batch_size, request.device, request.simulate
     device_memory, study, precisions, threads = request.device_memory, request.study, request.precisions, request.threads
     check_device(device, simulate=simulate)

@@ -15,6 +15,7 @@ from torch import nn
 
 from autofit.plan_file import Plan
 from autofit.training.data import TrainData
+from autofit.device import steady_host_allocations
 from autofit.distributed import init_distributed, is_rank0, same_on_all_ranks
 from autofit.errors import UserError
 from autofit.training.hf_export import save_for_transformers
@@ -63,6 +64,7 @@ def run_training(
     Raises:
         UserError: as ``train``; TrainingInterrupted on Ctrl-C.
     """
+    steady_host_allocations()  # as the planner timed the steps
     if plan.config.sharding != "none":
         # Under torchrun: join the processes now, so that all write to rank 0's default log dir.
         init_distributed(device_type=plan.device.type)

@@ -18,6 +18,7 @@ import torch
 
 from autofit.apply import AppliedPlan, apply_config
 from autofit.config import TrainingConfig
+from autofit.device import steady_host_allocations
 from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import as_loss, call_model
@@ -316,6 +317,7 @@ class StepTimer:
     """
 
     def __init__(self, spec: ModelSpec, config: TrainingConfig, *, device: str, seed: int = 0, clock=time.perf_counter) -> None:
+        steady_host_allocations()  # as training allocates
         self.spec, self.device, self.clock = spec, device, clock
         self.global_batch_size = config.global_batch_size
         torch.manual_seed(seed)
