@@ -65,6 +65,11 @@ class PlanPolicy:
     """Rounds at most when the fastest rounds repeat worse than ``max_tie_share`` (a busy machine): more rounds
     bring each minimum nearer a quiet machine's, so the faster minimum wins on speed rather than on which rounds
     other work disturbed (``Race.noisy``)."""
+    promise_rounds: int = 5
+    """Rounds the chosen configuration gets at least (more steps of it alone, after the race), so that the speed a
+    plan promises, the median round, is not one disturbed round of two (bench/train_vs_plan.py once saw timm's
+    plan promise 1611 samples/s from two rounds, where its training ran at 3487 and a plan of it minutes later
+    measured 4210). Off the race: they decide nothing, only the median. At most ``noisy_race_time_share`` of the plan's time."""
     tie_share: float = 0.03
     """Speeds this close are a tie even on a quiet machine."""
     max_tie_share: float = 0.05
