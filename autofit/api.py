@@ -50,7 +50,7 @@ def fit(
     log_dir: str | Path | None = None,
     resume: bool = False,
     overwrite: bool = False,
-    num_workers: int = 0,
+    num_workers: int | None = None,
     seed: int | None = None,
     max_steps: int | None = None,
     verbose: bool = True,
@@ -97,7 +97,7 @@ def fit(
         overwrite: start a new run in a ``log_dir`` that holds one, deleting its
             files once the new run has saved its first checkpoint (without it,
             such a start is refused).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes; None: on the CPU the cores the step's threads leave free, on a GPU up to 4.
         seed: fixes the data order and the RNG; default 0, or on resume the run's own.
         max_steps: stop (after saving last.pt) after this many optimizer steps.
         verbose: progress bar and a line per epoch.

@@ -55,7 +55,10 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --log-dir from its last.pt, with the settings it saved."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --log-dir that holds one; its files go once the new run has saved."),
     model: Optional[str] = typer.Option(None, "--model", help="The model file, when it is not where the plan says."),
-    workers: int = typer.Option(min(4, max((os.cpu_count() or 1) - 1, 0)), "--workers", help="DataLoader worker processes."),
+    workers: Optional[int] = typer.Option(
+        None, "--workers",
+        help="DataLoader worker processes (default: on the CPU the cores the step's threads leave free; on a GPU up to 4).",
+    ),
     save_every: Optional[int] = typer.Option(
         None, "--save-every", help="Also save last.pt every N steps (default: at each epoch end and when stopped)."
     ),

@@ -94,8 +94,9 @@ class TrainSettings:
     checkpoint (``rundir.start_fresh``); without it such a start is refused."""
     seed: int | None = None
     """Fixes the data order of every epoch and the RNG (dropout). None: 0, or the run's own."""
-    num_workers: int = 0
-    """DataLoader worker processes; 0 loads in the training process."""
+    num_workers: int | None = 0
+    """DataLoader worker processes; 0 loads in the training process; None: decided at the start by
+    ``training.threads.default_workers`` (the cores the step's threads leave free, on the CPU)."""
     save_every_steps: int | None = None
     """Also save last.pt every this many steps; 0 saves at each epoch end (and when stopped). None: 0, or the run's own."""
     max_steps: int | None = None
@@ -117,7 +118,7 @@ class TrainSettings:
             raise UserError(f"--lr {self.lr} must be a positive finite number, e.g. 1e-3")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed {self.seed} must be a whole number from 0 to {MAX_SEED}")
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             raise UserError(f"--workers {self.num_workers} must be 0 or more")
         if self.save_every_steps is not None and self.save_every_steps < 0:
             raise UserError(f"--save-every {self.save_every_steps} must be 0 (each epoch) or a number of steps")

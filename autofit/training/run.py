@@ -21,7 +21,7 @@ from autofit.errors import UserError
 from autofit.training.hf_export import save_for_transformers
 from autofit.training.resume import resumed_value
 from autofit.training.stops import disk_full_line
-from autofit.training.threads import plan_threads
+from autofit.training.threads import default_workers, plan_threads
 from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, train
 
 
@@ -80,7 +80,12 @@ def run_training(
     if weights_note and settings.verbose and is_rank0():
         print(f"weights: {weights_note}", flush=True)
     # The threads the plan's speed was timed with (``training.threads``); PyTorch's setting is put back after.
-    with plan_threads(plan, say=print if settings.verbose else lambda line: None):
+    say = print if settings.verbose and is_rank0() else lambda line: None
+    with plan_threads(plan, say=say) as threads:
+        if settings.num_workers is None:
+            workers, line = default_workers(plan.device.type, threads=threads, world_size=plan.config.world_size)
+            say(line)
+            settings = dataclasses.replace(settings, num_workers=workers)
         result = train(
             model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
             settings=settings,

@@ -10,7 +10,7 @@ from autofit.plan_file import Measured, load_plan, plan_from_dict, save_plan
 from autofit.training.loop import TrainSettings
 from autofit.training.run import run_training
 from autofit.training.speed import StepSpeed
-from autofit.training.threads import threads_for
+from autofit.training.threads import default_workers, threads_for
 from tests.training.test_loop import CLASSES, fresh_model, make_data, make_plan, optimizer
 
 
@@ -48,6 +48,31 @@ def test_training_uses_the_threads_the_plan_was_timed_with_and_says_so(tmp_path,
     assert torch.get_num_threads() == 2  # PyTorch's setting is put back
     assert "threads: training with 1 intra-op thread(s), as the plan's speed was timed (PyTorch's default here: 2)" in out
     assert "speed: training " in out and "the plan measured 100.0 (noise 4%)" in out
+
+
+def test_data_workers_by_default_take_only_the_cores_the_steps_threads_leave(monkeypatch):
+    import autofit.measure.other_work as other_work
+
+    monkeypatch.setattr(other_work, "usable_cores", lambda: 2)
+    assert default_workers("cpu", threads=2)[0] == 0  # a worker would take a core from the step (timm: 0.81x against 0.91x)
+    assert default_workers("cpu", threads=1)[0] == 1
+    assert default_workers("cpu", threads=1, world_size=2)[0] == 0  # two processes' threads take both cores
+    assert default_workers("cuda", threads=2)[0] == 1  # the step runs on the card
+    monkeypatch.setattr(other_work, "usable_cores", lambda: 16)
+    assert default_workers("cpu", threads=8)[0] == 4 and default_workers("cuda", threads=8)[0] == 4
+
+
+def test_training_without_workers_given_decides_them_and_says_so(tmp_path, capsys, monkeypatch):
+    import autofit.measure.other_work as other_work
+
+    monkeypatch.setattr(other_work, "usable_cores", lambda: torch.get_num_threads())
+    model = fresh_model()
+    run_training(
+        model, plan=make_plan(model), data=make_data(), source="tests/training/test_loop.py", input_shape=[1, 4, 4],
+        loss_fn=nn.functional.cross_entropy, build_optimizer=optimizer,
+        settings=TrainSettings(log_dir=tmp_path / "run", epochs=1, num_workers=None),
+    )
+    assert "data: 0 DataLoader worker(s) beside the step" in capsys.readouterr().out
 
 
 def test_a_plan_without_threads_decides_them_with_the_planners_rule(monkeypatch):
