@@ -20,6 +20,7 @@ from autofit.measure.probe import probe_plan
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, load_plan, save_plan
 from autofit.planning.planner import plan_with_report
 from autofit.planning.request import PlanRequest
+from autofit.planning.verify.compiled import KEPT
 from autofit.spec import load_spec
 from autofit.step import train_step
 from tests.conftest import EXAMPLES
@@ -77,25 +78,30 @@ def test_compile_is_not_asked_of_a_simulation():
 
 
 @pytest.fixture(scope="module")
-def compiled_plan():
-    """The tiny transformer example planned on the CPU with --compile (one thread: steadier timings)."""
+def compiled_plan(tmp_path_factory):
+    """The tiny transformer example planned on the CPU with --compile (one thread: steadier timings), then again from
+    the study the first run kept."""
     spec = load_spec(str(EXAMPLES / "tiny_transformer.py"))
-    request = PlanRequest(budget="60MB", batch_size=16, precisions=("fp32",), compile=True, cache=False, threads=1)
-    return spec, plan_with_report(spec, request).plan
+    study = f"sqlite:///{tmp_path_factory.mktemp('compile') / 'plans.db'}"
+    request = PlanRequest(budget="60MB", batch_size=16, precisions=("fp32",), compile=True, study=study, threads=1)
+    first = plan_with_report(spec, request).plan
+    return spec, first, plan_with_report(spec, request).plan
 
 
 @pytest.mark.slow
 def test_the_planner_measures_the_compiled_configuration_and_keeps_it_only_if_faster(compiled_plan):
-    _, plan = compiled_plan
+    _, plan, again = compiled_plan
     notes = [n for n in plan.notes if n.startswith("torch.compile")]
     assert len(notes) == 1, plan.notes
     assert ("torch.compile on: measured to fit and to be faster" in notes[0]) == plan.config.compile, notes[0]
-    assert "samples/s compiled" in notes[0] and "peak" in notes[0]
+    assert "samples/s compiled" in notes[0] and "peak" in notes[0] and "compiling and measuring took" in notes[0]
+    # Planned again: the finding comes from the study, nothing is compiled again.
+    assert f"{notes[0]} ({KEPT})" in again.notes and again.config == plan.config
 
 
 @pytest.mark.slow
 def test_probe_re_measures_a_compiled_plans_peak_within_its_budget(compiled_plan):
-    spec, plan = compiled_plan
+    spec, plan, _ = compiled_plan
     compiled = replace(plan, config=replace(plan.config, compile=True))  # whether or not it was faster here
     result = probe_plan(spec, compiled, steps=2)
     assert result.compile and result.compiled_change_bytes is not None  # the CPU allocator's count of the compiled step

@@ -22,6 +22,9 @@ from autofit.planning.context import PlanContext
 from autofit.planning.verify.measurements import Measurements
 from autofit.units import format_bytes
 
+KEPT = "found by an earlier run of this plan, kept in the cost cache"
+"""Said after a finding an earlier run made (``Measurements.compiled``)."""
+
 def with_compile(
     context: PlanContext, chosen: dict, measurements: Measurements, *, reference: TrainingConfig | None = None,
 ) -> tuple[dict, str]:
@@ -34,19 +37,40 @@ def with_compile(
     """
     config: TrainingConfig = chosen["config"]
     compiled = replace(config, compile=True)
+    known = measurements.compiled.get(config.key())
+    # An earlier run of this plan (same model, device, batch; another budget perhaps) found it: kept in the cost
+    # cache, not compiled again; whether the compiled peak fits is this budget's question.
+    if known is not None and known["on"] and measurements.has_peak(compiled) and measurements.samples_per_s(compiled):
+        if measurements.fits(compiled):
+            return {**chosen, "config": compiled, **measurements.result(compiled)}, f"{known['note']} ({KEPT})"
+    elif known is not None and not known["on"]:
+        return chosen, f"{known['note']} ({KEPT})"
+    chosen, note, any_budget = _measured(context, chosen, compiled, measurements, reference=reference)
+    if any_budget:
+        measurements.compiled[config.key()] = {"on": chosen["config"].compile, "note": note}
+    return chosen, note
+
+
+
+def _measured(
+    context: PlanContext, chosen: dict, compiled: TrainingConfig, measurements: Measurements, *, reference: TrainingConfig | None,
+) -> tuple[dict, str, bool]:
+    """``with_compile`` measured in this run; the last value says whether the finding holds under any budget (it is
+    kept then): failing to compile, being slower or faster do, not fitting does not."""
+    config: TrainingConfig = chosen["config"]
     started = time.perf_counter()
     context.log("compile: measuring the chosen configuration under torch.compile (its first steps compile)")
     try:
         peak, _ = measurements.checked_peak(compiled, fresh=True)
     except compile_failures() as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return chosen, f"torch.compile left off: the model did not compile ({type(error).__name__}: {first[:200]})"
+        return chosen, f"torch.compile left off: the model did not compile ({type(error).__name__}: {first[:200]})", True
     if not measurements.fits(compiled):
         measurements.reject(compiled, f"compiled: measured peak {format_bytes(peak)} + headroom does not fit")
         return chosen, (
             f"torch.compile left off: compiled, the peak is {format_bytes(peak)}, which with its headroom does not fit "
             f"(uncompiled {format_bytes(chosen['measured_peak_bytes'])}); measured in {time.perf_counter() - started:.0f} s"
-        )
+        ), False
     timed_reference = reference if reference is not None and reference.key() != config.key() else None
     order = measurements.race([config, compiled], reference=timed_reference)
     seconds = time.perf_counter() - started
@@ -55,8 +79,8 @@ def with_compile(
     memory = f"peak {format_bytes(peak)} compiled, {format_bytes(chosen['measured_peak_bytes'])} not"
     if order[0].key() != compiled.key():
         chosen = {**chosen, **measurements.result(config)}  # this race's timings are the latest of it
-        return chosen, f"torch.compile left off: not faster beyond the noise ({speeds}; {memory}); compiling and measuring took {seconds:.0f} s"
+        return chosen, f"torch.compile left off: not faster beyond the noise ({speeds}; {memory}); compiling and measuring took {seconds:.0f} s", True
     return {**chosen, "config": compiled, **measurements.result(compiled)}, (
         f"torch.compile on: measured to fit and to be faster ({speeds}; {memory}); compiling and measuring took "
         f"{seconds:.0f} s of this plan, and training compiles again at its first steps"
-    )
+    ), True

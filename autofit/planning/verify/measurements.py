@@ -72,6 +72,9 @@ class Measurements:
         self._exact: dict[str, tuple[int, dict, int]] = {}
         self._measured_context_bytes: int | None = None
         self._resident_bytes: int | None = stored.get("resident_bytes")
+        self.compiled: dict[str, dict] = dict(stored.get("compiled", {}))
+        """Chosen configuration's key -> what compiling it was found to do ({"on": bool, "note": str}), kept so that
+        a plan made again decides without compiling again (``verify.compiled``)."""
 
     @property
     def headroom(self) -> Headroom:
@@ -414,6 +417,7 @@ class Measurements:
 
     def to_store(self) -> dict:
         kept = {"resident_bytes": self._resident_bytes} if self._resident_bytes else {}
+        kept |= {"compiled": self.compiled} if self.compiled else {}
         return {"peaks": self.peaks, "timings": self.timings, **kept}
 
 
@@ -436,7 +440,7 @@ def _readable(stored) -> bool:
     """Whether a stored ``to_store()`` has its shape: peaks and timings by configuration key, each an object."""
     if not isinstance(stored, dict):
         return False
-    tables = [stored.get("peaks", {}), stored.get("timings", {})]
+    tables = [stored.get("peaks", {}), stored.get("timings", {}), stored.get("compiled", {})]
     resident = stored.get("resident_bytes")
     return (
         all(isinstance(table, dict) and all(isinstance(v, dict) for v in table.values()) for table in tables)
