@@ -72,13 +72,20 @@ def _measured(
             f"(uncompiled {format_bytes(chosen['measured_peak_bytes'])}); measured in {time.perf_counter() - started:.0f} s"
         ), False
     timed_reference = reference if reference is not None and reference.key() != config.key() else None
+    # This race times the chosen (and the reference) again: their entries go back to the verification's race after
+    # it, so that a plan made again from the cost cache finds that race whole (and chooses as this run did).
+    kept = {c.key(): measurements.timings.get(c.key()) for c in (config, timed_reference) if c is not None}
+    verification_timing = measurements.timing
     order = measurements.race([config, compiled], reference=timed_reference)
     seconds = time.perf_counter() - started
     plain_speed, compiled_speed = measurements.samples_per_s(config), measurements.samples_per_s(compiled)
+    for key, entry in kept.items():
+        if entry is not None:
+            measurements.timings[key] = entry
     speeds = f"{compiled_speed:.1f} samples/s compiled, {plain_speed:.1f} not (medians of the rounds)"
     memory = f"peak {format_bytes(peak)} compiled, {format_bytes(chosen['measured_peak_bytes'])} not"
     if order[0].key() != compiled.key():
-        chosen = {**chosen, **measurements.result(config)}  # this race's timings are the latest of it
+        measurements.timing = verification_timing  # the summary's timing lines: the race that chose
         return chosen, f"torch.compile left off: not faster beyond the noise ({speeds}; {memory}); compiling and measuring took {seconds:.0f} s", True
     return {**chosen, "config": compiled, **measurements.result(compiled)}, (
         f"torch.compile on: measured to fit and to be faster ({speeds}; {memory}); compiling and measuring took "
