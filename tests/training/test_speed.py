@@ -128,7 +128,13 @@ def test_the_speed_lines_compare_with_the_plan_and_warn_beyond_its_noise():
     lines = speed.lines(plan)
     assert lines == ["speed: training 100.0 samples/s (median of 5 step(s), the wait for data included), the plan measured 100.0 (noise 5%): 1.00x"]
     slow = replace(plan, measured=_measured(noise=0.05, samples_per_s=200.0))
-    assert speed.lines(slow)[1].startswith("warning: training ran slower than the plan measured, by more than the plan's noise (50% > 5%)")
+    assert speed.lines(slow)[1].startswith(
+        "warning: training ran slower than the plan measured, by more than the plan's noise and the loop's own work allow (50% > 10%)"
+    )
+    noisy = replace(plan, measured=_measured(noise=0.6, samples_per_s=200.0))
+    assert len(speed.lines(noisy)) == 1  # within a noisy plan's noise
+    near = replace(plan, measured=_measured(noise=0.01, samples_per_s=108.0))
+    assert len(speed.lines(near)) == 1  # 7% slower: the loop's own work, no warning
     text = replace(plan, model=replace(plan.model, seq_len=8))
     assert "training 800.0 tokens/s" in speed.lines(text)[0]
 
