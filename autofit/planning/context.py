@@ -101,6 +101,12 @@ class PlanContext:
         return checked
 
     @property
+    def trace_meter(self) -> str:
+        """How the memory traces measure, as the progress lines say it: "simulated", or the cpu meter after the
+        simulated one could not run the model (``sim_spec``)."""
+        return "cpu meter: fake tensors cannot run this model" if self.sim_spec.simulation_fallback else "simulated"
+
+    @property
     def clock(self) -> Callable[[], float]:
         """What steps are timed by: on the CPU with one intra-op thread, that thread's CPU time (every operator then
         runs on it, so a quiet machine's wall time and it agree), else the wall clock.

@@ -184,7 +184,7 @@ def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
     if shared is not None:
         costs.low_only[precision] = costs.memory_for_floor()[shared]
         return
-    context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} (simulated)")
+    context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} ({context.trace_meter})")
     trace = trace_memory_sizes(
         context.sim_spec, sizes=[costs.smallest], precision=precision, device_type=context.device, blocks=_traced_blocks(costs),
         pool=context.trace_pool,
@@ -208,7 +208,7 @@ def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute:
         memory = costs.model.precisions[shared].memory
     else:
         low = costs.low_only.get(precision)
-        context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + " (simulated)")
+        context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + f" ({context.trace_meter})")
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
             low_trace=low.low if low else None, blocks=_traced_blocks(costs), pool=context.trace_pool, recompute=recompute,
@@ -299,7 +299,7 @@ def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_
     memory = costs.model.precisions[precision].memory
     named = memory.named()
     sizes = sorted({trace.micro_batch_size for trace in named.values()})
-    context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(map(str, sizes))} (simulated)")
+    context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(map(str, sizes))} ({context.trace_meter})")
     done = add_offloaded(list(named.values()), context.sim_spec, precision=precision, device_type=context.device, pool=context.trace_pool)
     memory.replace_traces(dict(zip(named, done)))
     costs.changed = True
@@ -313,7 +313,7 @@ def add_eight_bit_state(context: PlanContext, costs: Costs) -> None:
     traces = [t for memory in memories for t in memory.named().values()]
     record = next((t.levers.eight_bit for t in traces if t.levers is not None and t.levers.eight_bit is not None), None)
     if record is None:
-        context.log("memory: 8-bit optimizer state's bytes, one 8-bit step per parameter shape (simulated)")
+        context.log(f"memory: 8-bit optimizer state's bytes, one 8-bit step per parameter shape ({context.trace_meter})")
         record = eight_bit_record(context.sim_spec, device_type=context.device)
     for memory in memories:
         if memory.replace_traces({name: add_eight_bit(t, record) for name, t in memory.named().items()}):
@@ -339,7 +339,7 @@ def add_loss_chunks(context: PlanContext, costs: Costs, *, chunks: int, usable_b
         sizes = sorted({t.micro_batch_size for t in own.values()})
         context.log(
             f"memory: tracing {precision} with the output layer and loss in {chunks} chunks at micro-batch "
-            f"{', '.join(map(str, sizes))} (simulated)"
+            f"{', '.join(map(str, sizes))} ({context.trace_meter})"
         )
         done = dict(zip(own, add_chunk_deltas(
             list(own.values()), context.sim_spec, precision=precision, device_type=context.device, chunks=chunks,

@@ -91,7 +91,10 @@ def test_a_model_fake_tensors_cannot_run_falls_back_to_the_cpu_meter_with_one_li
 
 
 def test_a_plan_for_a_model_fake_tensors_cannot_run(one_thread, capsys):
-    plan = make_plan(stack_spec(branch_on_values=True), PlanRequest(budget="2MB", batch_size=8, device="cpu", simulate=True))
+    lines = []
+    plan = make_plan(stack_spec(branch_on_values=True), PlanRequest(budget="2MB", batch_size=8, device="cpu", simulate=True), log=lines.append)
     err = capsys.readouterr().err
     assert plan.measured.peak_bytes > 0
-    assert err.count("simulated meter cannot run") == 1
+    assert (err + "\n".join(lines)).count("simulated meter cannot run") == 1
+    traces = [line for line in lines if "memory: tracing" in line]
+    assert traces and all("(cpu meter: fake tensors cannot run this model)" in line for line in traces), traces
