@@ -110,6 +110,8 @@ class BudgetWatch:
         self._previous_fraction: float | None = None
         self._steps_to_track = 2
         self.tracked_peak_bytes: int | None = None
+        self.tracked_last = False
+        """Whether the last step ran under the tracker (slower by its bookkeeping: not a step to time)."""
 
     def __enter__(self) -> BudgetWatch:
         if self.device.type == "cuda":
@@ -128,11 +130,13 @@ class BudgetWatch:
 
     def measuring(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         """The context of one step: on the CPU, now and then, the tracker counting its live tensor bytes."""
+        self.tracked_last = False
         if self.device.type != "cpu" or self._steps_to_track <= 0:
             return nullcontext()
         self._steps_to_track -= 1
         if self._steps_to_track:
             return nullcontext()
+        self.tracked_last = True
         return self._tracked(model, optimizer)
 
     @contextmanager

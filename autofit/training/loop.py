@@ -364,7 +364,7 @@ def _train_epochs(
             lr = float(optimizer.param_groups[0]["lr"])
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule
                 scheduler.step()
-            step_seconds = speed.step_done(batch_size)
+            step_seconds = speed.step_done(batch_size, counted=not watch.tracked_last)
             position.advance(samples=batch_size, loss=loss, seconds=step_seconds)
             for oom in ooms:
                 plan = _record_oom(oom, plan=plan, log=log, console=console, epoch=epoch + 1, step=position.global_step)

@@ -69,14 +69,15 @@ class StepSpeed:
     def batch_ready(self) -> None:
         self._ready = self._clock()
 
-    def step_done(self, samples: int) -> float:
-        """The step has ended: count it (unless it warms up), and return its wall seconds since the last mark (the
-        previous step's end, or ``start``), the wait for its batch included: the loop's per-step speed."""
+    def step_done(self, samples: int, *, counted: bool = True) -> float:
+        """The step has ended: count it (unless it warms up, or not ``counted``: a step the budget watch tracked), and
+        return its wall seconds since the last mark (the previous step's end, or ``start``), the wait for its batch
+        included: the loop's per-step speed."""
         now, cpu_now = self._clock(), self._cpu_clock()
         seconds = now - self._mark
         if self._warm_up:
             self._warm_up = False
-        else:
+        elif counted:
             requested = self._requested if self._requested is not None else self._mark
             self.wait_seconds.append(max(self._ready - max(requested, self._mark), 0.0))
             self.total_seconds.append(now - self._mark)

@@ -118,6 +118,18 @@ def _steps(speed: StepSpeed, clock: FakeClock, *, wait: float, step: float, coun
         speed.step_done(samples)
 
 
+def test_a_step_the_budget_watch_tracked_is_not_timed():
+    clock = FakeClock()
+    speed = StepSpeed(clock)
+    speed.start(warm_up=True)
+    _steps(speed, clock, wait=0.0, step=5.0, count=1)  # warm-up
+    clock.now += 3.0  # the tracker's bookkeeping makes this step slow
+    speed.batch_ready()
+    speed.step_done(10, counted=False)
+    _steps(speed, clock, wait=0.0, step=0.1, count=2)
+    assert speed.samples == [10, 10] and speed.samples_per_s() == pytest.approx(100.0)
+
+
 def test_the_speed_lines_compare_with_the_plan_and_warn_beyond_its_noise():
     clock = FakeClock()
     speed = StepSpeed(clock)
