@@ -55,6 +55,8 @@ class ModelInfo:
     """For an ``hf:`` model: causal-lm, sequence-classification or image-classification."""
     seq_len: int | None = None
     """For an ``hf:`` text model: tokens per sample."""
+    lora: str | None = None
+    """LoRA adapters over the model (``autofit.adapters``), e.g. "r=16,alpha=32,targets=q_proj,v_proj"; None: none."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -406,6 +408,7 @@ _MODEL_FIELDS = {
     "num_classes": COUNT.or_null(),
     "task": _choice(("causal-lm", "sequence-classification", "image-classification")).or_null(),
     "seq_len": COUNT.or_null(),
+    "lora": TEXT.or_null(),
 }
 _DEVICE_FIELDS = {
     "type": _choice(DEVICE_TYPES),

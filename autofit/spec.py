@@ -17,6 +17,7 @@ A model file defines ``build_model() -> nn.Module`` and
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import sys
@@ -114,6 +115,7 @@ def load_spec(
     num_classes: int | None = None,
     task: str | None = None,
     seq_len: int | None = None,
+    lora: str | None = None,
 ) -> ModelSpec:
     """Load a model file, ``torchvision:NAME``, ``timm:NAME`` or ``hf:PATH`` into a ModelSpec.
 
@@ -122,12 +124,33 @@ def load_spec(
         num_classes: outputs of a classifier; default 1000 for torchvision and timm, the config's for hf.
         task: hf: only; "causal-lm", "sequence-classification" or "image-classification".
         seq_len: hf: text tasks only; tokens per example sequence.
+        lora: LoRA adapters over the model (``autofit.adapters``: "r=16,alpha=32,targets=q_proj,v_proj"); None: none.
 
     Raises:
         UserError: the file is missing, fails to import, or lacks build_model /
             example_batch; the library name is unknown or the library is not installed;
             ``num_classes`` below 2 (0 used to pass as "not given").
     """
+    spec = _load_spec(source, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+    return spec if lora is None else _with_adapters(spec, lora)
+
+
+def _with_adapters(spec: ModelSpec, lora: str) -> ModelSpec:
+    """``spec`` with LoRA adapters over its model, pretrained or not; its options record them (plans, weights)."""
+    from autofit.adapters import parse_lora, with_lora
+
+    settings = parse_lora(lora)
+    pretrained = spec.build_pretrained
+    base = spec.weights_note or "the model's own initialisation"
+    return dataclasses.replace(
+        spec, build_model=with_lora(spec.build_model, settings),
+        build_pretrained=with_lora(pretrained, settings) if pretrained is not None else None,
+        source_options={**spec.source_options, "lora": settings.text()},
+        weights_note=f"{base}, frozen; LoRA adapters ({settings.text()}) trained",
+    )
+
+
+def _load_spec(source: str, *, input_shape: str, num_classes: int | None, task: str | None, seq_len: int | None) -> ModelSpec:
     if num_classes is not None and num_classes < 2:
         raise UserError(f"--num-classes {num_classes} must be at least 2 (leave it out for the model's default)")
     if source.startswith("torchvision:"):
@@ -158,6 +181,7 @@ def spec_from_source_info(info: dict, *, model_file: str | None = None) -> Model
         num_classes=info.get("num_classes"),
         task=info.get("task"),
         seq_len=info.get("seq_len"),
+        lora=info.get("lora"),
     )
 
 

@@ -19,14 +19,19 @@ TASK = typer.Option(None, "--task", help="hf: only: causal-lm, sequence-classifi
 SEQ_LEN = typer.Option(None, "--seq-len", help="hf: text tasks: tokens per example sequence (default 128, or the context length if shorter).")
 
 
-def load_model_spec(model: str, *, input_shape: str, num_classes: int | None, task: str | None, seq_len: int | None):
+LORA = typer.Option(
+    None, "--lora", help="LoRA adapters over the model (PEFT; its weights frozen), e.g. r=16,alpha=32,targets=q_proj,v_proj.",
+)
+
+
+def load_model_spec(model: str, *, input_shape: str, num_classes: int | None, task: str | None, seq_len: int | None, lora: str | None = None):
     """The ModelSpec a command's MODEL and model options name; --task/--seq-len only for hf:."""
     from autofit.errors import UserError
     from autofit.spec import load_spec
 
     if not model.startswith("hf:") and (task is not None or seq_len is not None):
         raise UserError(f"--task and --seq-len are for hf: models; {model} takes neither")
-    return load_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+    return load_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
 
 
 def print_json(data) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
+from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
 from autofit.planning.policy import POLICY
 from autofit.units import format_bytes
@@ -51,6 +51,7 @@ def plan(
     num_classes: int | None = NUM_CLASSES,
     task: str | None = TASK,
     seq_len: int | None = SEQ_LEN,
+    lora: str | None = LORA,
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
     from autofit.atomic import check_writable
@@ -71,7 +72,7 @@ def plan(
     check_writable(out, option="--out")  # before the search, not after it
     if study is not None:
         _check_study(study)
-    spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+    spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
     check_model_runs(spec)
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,

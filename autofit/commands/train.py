@@ -66,6 +66,9 @@ def train(
         None, "--max-steps", help="Stop after this many optimizer steps in all (last.pt saved; --resume continues)."
     ),
     seed: Optional[int] = typer.Option(None, "--seed", help="Fixes the weights' initialisation, the data order and the RNG (default 0)."),
+    lora: Optional[str] = typer.Option(
+        None, "--lora", help="LoRA adapters: the plan's own (`autofit plan --lora ...` records them); given here it must be the same.",
+    ),
 ) -> None:
     """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C, SIGTERM and SIGHUP save, --resume continues.
 
@@ -76,11 +79,11 @@ def train(
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
                workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, schedule=schedule,
                warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config,
-               pack=pack, val_fraction=val_fraction)
+               pack=pack, val_fraction=val_fraction, lora=lora)
 
 
 def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, resume, overwrite, model, workers, save_every,
-           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config) -> None:
+           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
@@ -121,6 +124,12 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
         the_plan = load_plan(plan)
     # A plan for N processes: refuse any other number, naming the command that starts N.
     check_launch(ShardingConfig(world_size=the_plan.config.world_size, sharding=the_plan.config.sharding))
+    if lora is not None:
+        from autofit.adapters import parse_lora
+
+        if the_plan.model.lora != parse_lora(lora).text():
+            made = f"with --lora {the_plan.model.lora}" if the_plan.model.lora else "without --lora"
+            raise UserError(f"the plan was made {made}, and its memory holds for that; drop --lora here, or plan again with --lora {lora}")
     spec = spec_for_plan(the_plan.model, model_file=model)
     if resume and (weights is not None or from_config):
         raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")

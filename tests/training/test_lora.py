@@ -1,0 +1,60 @@
+"""--lora: PEFT adapters over a pretrained hf: model, planned, trained and saved for PEFT; the base stays as loaded."""
+import json
+
+import pytest
+import torch
+
+from autofit.adapters import parse_lora
+from autofit.errors import UserError
+from autofit.training.weights import load_checkpoint
+from tests.tiny_lm import corpus_lines
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LORA = "r=4,alpha=8,targets=q_proj,v_proj"
+
+
+def test_lora_text_is_read_once_and_written_back_the_same():
+    settings = parse_lora("r=4, targets=q_proj,v_proj,alpha=8")
+    assert settings.targets == ("q_proj", "v_proj") and settings.alpha == 8 and settings.text() == LORA
+    assert parse_lora(settings.text()) == settings
+    assert parse_lora("r=16").alpha == 16  # alpha defaults to r
+    for bad, said in [("alpha=8", "needs r"), ("r=0", "at least 1"), ("r=4,rank=2", "'rank' is not a LoRA setting"),
+                      ("r=4,r=8", "twice"), ("r=x", "whole number"), ("r=4,targets=", "targets not empty")]:
+        with pytest.raises(UserError, match=said):
+            parse_lora(bad)
+
+
+def test_plan_and_train_with_lora_change_only_the_adapters_and_save_them_for_peft(tiny_lm, tmp_path, run_cli):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in corpus_lines(80)))
+    plan = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", f"hf:{tiny_lm}", "--task", "causal-lm", "--seq-len", "32", "--batch-size", "4",
+                             "--budget", "1GB", "--out", plan, "--precisions", "fp32", "--lora", LORA)
+    assert code == 0, err
+    saved = json.loads(plan.read_text())["model"]
+    assert saved["lora"] == LORA
+    assert f"frozen; LoRA adapters ({LORA}) trained" in out
+    code, out, err = run_cli("train", "--plan", plan, "--data", corpus, "--epochs", "1", "--workers", "0",
+                             "--log-dir", tmp_path / "run", "--lr", "1e-2")
+    assert code == 0, err
+    trained = load_checkpoint(tmp_path / "run" / "last.pt")["model_state"]
+    base = {name: tensor for name, tensor in
+            __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_lm).state_dict().items()}
+    adapters = [name for name in trained if "lora_" in name]
+    assert adapters
+    for name, tensor in trained.items():
+        if "lora_" in name:
+            continue
+        base_name = name.replace("base_model.model.", "").replace(".base_layer", "")
+        assert torch.equal(tensor, base[base_name]), name  # the pretrained base, loaded and frozen
+    assert any(not torch.all(trained[name] == 0) for name in adapters if "lora_B" in name)  # B starts at 0: it trained
+    # The adapter is saved for PEFT and loads over the base to the trained model's logits.
+    model = peft.PeftModel.from_pretrained(
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_lm), tmp_path / "run" / "hf",
+    )
+    assert all(torch.equal(model.state_dict()[name], trained[name]) for name in adapters)
+    # Given again to train, it must be the plan's.
+    code, out, err = run_cli("train", "--plan", plan, "--data", corpus, "--log-dir", tmp_path / "again", "--lora", "r=8")
+    assert code == 2 and "the plan was made with --lora r=4,alpha=8,targets=q_proj,v_proj" in err
