@@ -45,6 +45,7 @@ def fit(
     warmup_steps: int | None = None,
     max_grad_norm: float | None = None,
     init_from=None,
+    lora: str | None = None,
     device: str = "cpu",
     input_shape: str | None = None,
     log_dir: str | Path | None = None,
@@ -89,6 +90,9 @@ def fit(
             then leaves out the optimizer step in backward, which cannot clip. Default: no clipping (or the plan's).
         init_from: weights to start from: a state dict, or a path to one (.pt, .bin, .safetensors, an autofit
             last.pt/best.pt, a save_pretrained directory); keys and shapes must match ``model``'s.
+        lora: LoRA adapters over ``model`` (PEFT), e.g. "r=16,alpha=32,targets=q_proj,v_proj": its weights (after
+            ``init_from``) are frozen and the adapters, added to it in place, train (``autofit.adapters``). A plan
+            made with adapters brings its own; one given here must be the same.
         device: "cpu" or "cuda", where to plan (and so train).
         input_shape: "CxHxW" images from a folder are resized to.
         log_dir: where metrics, plan.json, last.pt and best.pt go; default runs/<time>.
@@ -137,10 +141,11 @@ def fit(
         where = "init_from" if isinstance(init_from, dict) else str(init_from)
         load_into(model, init_from if isinstance(init_from, dict) else state_dict_from(init_from), where=where)
         weights_note = f"from {where}"
+    model, adapters = _with_adapters(model, lora, plan=plan)
     data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan)
     plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
                      example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
-                     max_grad_norm=max_grad_norm)
+                     max_grad_norm=max_grad_norm, adapters=adapters)
     folder = str(Path(train_data).resolve()) if isinstance(train_data, (str, Path)) else None
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
@@ -171,6 +176,7 @@ def _read_data(train_data, val_data, *, input_shape: str | None, plan: Plan | No
 def _plan_for(
     model: nn.Module, plan: Plan | None, *, data: TrainData, input_shape: tuple[int, ...] | None, batch_size: int | None,
     budget, device: str, example_batch, loss_fn, count_items, optimizer, max_grad_norm: float | None = None,
+    adapters: str | None = None,
 ) -> Plan:
     """``plan``, or without one a plan for ``batch_size`` samples per step under ``budget`` (probing ``model``).
 
@@ -195,11 +201,26 @@ def _plan_for(
             "drop batch_size or re-plan for it"
         )
     model_info = plan.model
+    if adapters is not None and model_info.lora is None:
+        model_info = replace(model_info, lora=adapters)
     if model_info.fingerprint is None:
         model_info = replace(model_info, fingerprint=model_fingerprint(model))
     if input_shape is not None and model_info.input_shape is None:
         model_info = replace(model_info, input_shape=list(input_shape))
     return replace(plan, model=model_info)
+
+
+def _with_adapters(model: nn.Module, lora: str | None, *, plan: Plan | None) -> tuple[nn.Module, str | None]:
+    """``model`` with the LoRA adapters asked for (or its plan's), and their settings' text; (model, None) without."""
+    from autofit.adapters import lora_model, parse_lora
+
+    planned = plan.model.lora if plan is not None else None
+    if lora is not None and planned is not None and parse_lora(lora).text() != planned:
+        raise UserError(f"the plan was made with lora={planned!r}; drop lora= or plan again with lora={lora!r}")
+    if lora is None and planned is None:
+        return model, None
+    settings = parse_lora(lora if lora is not None else planned)
+    return lora_model(model, settings), settings.text()
 
 
 def _examples_from(dataset) -> Callable[[int], tuple]:

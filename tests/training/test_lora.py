@@ -58,3 +58,25 @@ def test_plan_and_train_with_lora_change_only_the_adapters_and_save_them_for_pef
     # Given again to train, it must be the plan's.
     code, out, err = run_cli("train", "--plan", plan, "--data", corpus, "--log-dir", tmp_path / "again", "--lora", "r=8")
     assert code == 2 and "the plan was made with --lora r=4,alpha=8,targets=q_proj,v_proj" in err
+
+
+def test_fit_with_lora_trains_the_adapters_over_the_frozen_model(tmp_path):
+    import autofit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("fc", torch.nn.Linear(8, 16))
+    model.add_module("act", torch.nn.ReLU())
+    model.add_module("out", torch.nn.Linear(16, 3))
+    base = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    result = autofit.fit(model, train_data=data, batch_size=8, budget="64MB", epochs=1, lora="r=2,targets=fc,out",
+                         log_dir=tmp_path / "run", verbose=False, num_workers=0, lr=1e-2)
+    assert result.plan.model.lora == "r=2,alpha=2,targets=fc,out"
+    state = model.state_dict()  # the adapters went into the model given, in place
+    for name, tensor in base.items():
+        layer, kind = name.rsplit(".", 1)
+        assert torch.equal(state[f"{layer}.base_layer.{kind}"], tensor), name
+    assert any("lora_B" in name and not torch.all(tensor == 0) for name, tensor in state.items())
+    with pytest.raises(UserError, match="the plan was made with lora='r=2,alpha=2,targets=fc,out'"):
+        autofit.fit(torch.nn.Linear(8, 3), train_data=data, plan=result.plan, lora="r=4,targets=fc", verbose=False)
