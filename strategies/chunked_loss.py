@@ -46,8 +46,16 @@ class ChunkedLossConfig:
     """Chunks of tokens the output layer and the loss run over (1: the model's own forward, unchanged)."""
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside: under PEFT's adapters (``get_base_model``), the causal LM they were added to,
+    whose forward PEFT calls with the labels; else ``model`` itself."""
+    inner = getattr(model, "get_base_model", None)
+    return inner() if callable(inner) else model
+
+
 def chunkable(model: nn.Module) -> str | None:
     """Why ``model``'s output layer and loss cannot be chunked, as the rest of a sentence; None when they can."""
+    model = causal_lm(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     name = type(model).__name__
@@ -76,8 +84,10 @@ class ChunkedLoss(Strategy):
         reason = chunkable(model)
         if reason is not None:
             raise ValueError(f"a chunked loss {reason}")
-        # The instance's forward: FSDP2's and DDP's wrappers and hooks call it as they call the class's.
-        model.forward = _ChunkedForward(model, self.config.chunks)
+        # The instance's forward: FSDP2's and DDP's wrappers and hooks call it as they call the class's (and PEFT's
+        # adapters call the causal LM's).
+        inner = causal_lm(model)
+        inner.forward = _ChunkedForward(inner, self.config.chunks)
         return model
 
 

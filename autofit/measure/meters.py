@@ -283,15 +283,18 @@ def frozen_parameter_bytes(model: nn.Module) -> int:
 
 
 def frozen_note(spec) -> str:
-    """" (N of them frozen: no gradients or optimizer state)" for a model with frozen parameters, else ""."""
-    from autofit.units import format_bytes
+    """" (99.5% of them frozen: no gradients or optimizer state)" for a model with frozen parameters, else "".
 
+    A share of the parameters, not bytes: the bytes at the floor are in the floor's precision (bf16 weights under
+    bf16-master), the model is built in fp32."""
     try:
         with torch.device("meta"):
-            frozen = frozen_parameter_bytes(spec.build_model())
+            model = spec.build_model()
     except Exception:  # a model that cannot be built on meta: the note is cosmetic
         return ""
-    return f" ({format_bytes(frozen)} of them frozen: no gradients or optimizer state)" if frozen else ""
+    total = sum(p.numel() for p in model.parameters())
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return f" ({frozen / total:.1%} of them frozen: no gradients or optimizer state)" if frozen else ""
 
 
 def simulated_meter(spec=None, *, for_device: str = "cpu") -> Meter:

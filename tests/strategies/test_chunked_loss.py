@@ -39,7 +39,7 @@ def loss_and_grads(model, inputs, *, chunks: int, precision: str = "fp32"):
     with applied.forward_context():
         output = call_model(applied.model, inputs)
     output.loss.backward()
-    return output.loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return output.loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("chunks", [2, 7])
@@ -109,3 +109,22 @@ def test_probe_measures_the_chunked_loss_and_says_so(run_cli, tmp_path):
     assert chunked["loss_chunks"] == 4 and chunked["peak_bytes"] < plain["peak_bytes"]
     code, out, err = run_cli(*source[:-1], "--loss-chunks", "0")
     assert code == 2 and "--loss-chunks 0 must be a whole number from 1" in err and "Traceback" not in err
+
+
+def test_a_causal_lm_under_lora_adapters_chunks_its_loss_to_the_same_loss_and_adapter_gradients():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(2)
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # B starts at 0: give the adapters a say in the loss
+            torch.nn.init.normal_(parameter, std=0.1)
+    assert chunkable(model) is None
+    plain = copy.deepcopy(model)
+    inputs = batch()
+    loss, grads = loss_and_grads(model, inputs, chunks=3)
+    expected_loss, expected_grads = loss_and_grads(plain, inputs, chunks=1)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-6)
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in name for name in trained)
+    for name in trained:
+        torch.testing.assert_close(grads[name], expected_grads[name], atol=1e-6, rtol=1e-5, msg=name)

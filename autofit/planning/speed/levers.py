@@ -158,7 +158,7 @@ def lever_time(
         host_update_seconds: the optimizer's update of every trainable parameter on the host's CPU.
         eight_bit: what 8-bit state adds to a step (needed with it).
         step_in_backward: what the step in backward adds to a step (None: taken as nothing, and the notes say so).
-        head_share: the output layer's share of the trainable parameters (with the chunked loss).
+        head_share: the output layer's share of the parameters (with the chunked loss): of the forward's time.
     """
     time = LeverTime()
     master = config.precision == MASTER_WEIGHTS

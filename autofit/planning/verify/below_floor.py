@@ -55,6 +55,7 @@ from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, write_plan
 from autofit.units import format_bytes
 from strategies import DEFAULT_LOSS_CHUNKS, MASTER_WEIGHTS, PURE_BF16, chunkable
+from strategies.chunked_loss import causal_lm
 from strategies.optimizer_state import eight_bit_adam
 
 LOSSY_FLAG = "--allow-lossy-optimizer"
@@ -420,14 +421,15 @@ def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfi
 
 
 def loss_chunking(context: PlanContext) -> tuple[int, float]:
-    """The chunks the chunked output layer and loss is tried with, and the output layer's share of the trainable
-    parameters (what recomputing it costs); (1, 0.0) for a model it does not apply to (``strategies.chunkable``)."""
+    """The chunks the chunked output layer and loss is tried with, and the output layer's share of the parameters
+    (of the forward's time: what recomputing it costs, frozen or not); (1, 0.0) for a model it does not apply to
+    (``strategies.chunkable``)."""
     model = context.meta_model
     if chunkable(model) is not None:
         return 1, 0.0
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    head = model.get_output_embeddings().weight
-    return DEFAULT_LOSS_CHUNKS, (head.numel() / trainable if head.requires_grad and trainable else 0.0)
+    total = sum(p.numel() for p in model.parameters())
+    head = causal_lm(model).get_output_embeddings().weight
+    return DEFAULT_LOSS_CHUNKS, head.numel() / total if total else 0.0
 
 
 @dataclass(frozen=True, slots=True)

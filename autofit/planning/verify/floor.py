@@ -116,8 +116,15 @@ def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, 
     return (
         f"budget {format_bytes(context.budget_bytes)} is below the floor {format_bytes(floor.budget_bytes)} for a batch of "
         f"{context.global_batch_size} ({what}: {parts} + headroom {format_bytes(headroom_bytes)}); "
-        f"to lower it: {levers}{_less_state(context, state)}{gpus}"
+        f"to lower it: {_ways_out(levers + _less_state(context, state), gpus)}"
     )
+
+
+def _ways_out(first: str, gpus: str) -> str:
+    """The ways out in order; the GPUs' advice ("or --gpus 4 (...)") loses its "or" when nothing comes before it."""
+    if not first.strip() and gpus.startswith("or "):
+        return gpus[len("or "):]
+    return f"{first}{gpus}"
 
 
 def _less_state(context: PlanContext, state: int) -> str:
