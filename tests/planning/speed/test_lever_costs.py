@@ -1,5 +1,7 @@
 """The levers' time terms (planning/lever_costs.py) and what feeds them: the host link (measured on a GPU,
 assumed without one), the optimizer's update on the host, and what 8-bit state adds to the update."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -211,3 +213,15 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
     expected = 1 / (floor_step + nbytes / ASSUMED_LINK_BYTES_PER_S + 1e-6 * elements + nbytes / ASSUMED_LINK_BYTES_PER_S - speed.optimizer_seconds)
     assert plan.predicted.samples_per_s == pytest.approx(expected)
     assert any("assumed (no GPU here to measure it" in note for note in plan.notes)
+
+
+def test_below_the_floor_bf16_master_is_priced_with_its_host_update_and_link(lm_costs):
+    """The ladder's configurations with bf16-master are priced as the search's are (it raised for want of the link)."""
+    from autofit.planning.context import plan_context
+    from autofit.planning.verify.below_floor import _lever_time
+
+    spec, model = lm_costs
+    context = plan_context(spec, PlanRequest(budget="3GiB", batch_size=2, device="cuda", simulate=True, device_memory="4GiB"))
+    model = dataclasses.replace(model, precisions={**model.precisions, "bf16-master": model.precisions["fp32"]})
+    time = _lever_time(context, None, model, TrainingConfig(global_batch_size=2, micro_batch_size=2, precision="bf16-master"))
+    assert time.host_state_seconds > 0 and any("fp32 masters" in note for note in time.notes), time.notes
