@@ -283,7 +283,7 @@ def frozen_parameter_bytes(model: nn.Module) -> int:
 
 
 def frozen_note(spec) -> str:
-    """" (99.5% of them frozen: no gradients or optimizer state)" for a model with frozen parameters, else "".
+    """" (99.50% of them frozen: no gradients or optimizer state)" for a model with frozen parameters, else "".
 
     A share of the parameters, not bytes: the bytes at the floor are in the floor's precision (bf16 weights under
     bf16-master), the model is built in fp32."""
@@ -294,7 +294,7 @@ def frozen_note(spec) -> str:
         return ""
     total = sum(p.numel() for p in model.parameters())
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    return f" ({frozen / total:.1%} of them frozen: no gradients or optimizer state)" if frozen else ""
+    return f" ({frozen / total:.2%} of them frozen: no gradients or optimizer state)" if frozen else ""
 
 
 def simulated_meter(spec=None, *, for_device: str = "cpu") -> Meter:
