@@ -20,6 +20,10 @@ def plan(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     simulate: bool = typer.Option(False, help="Plan with the simulated meter and FLOP-based speeds; the plan is marked estimated."),
     device_memory: str = typer.Option(None, "--device-memory", help='Total memory of a device that is not here (with --simulate), e.g. "24GiB".'),
+    device_kind: str = typer.Option(
+        None, "--device-kind",
+        help='The GPU that is not here (with --simulate --device cuda), e.g. "RTX 4090" or H100: its speeds, and its memory unless --device-memory.',
+    ),
     host_memory: str = typer.Option(
         None, "--host-memory",
         help='Host memory a GPU plan may spend (host state, bf16 weights\' masters, offload), e.g. "128GiB" (default: '
@@ -75,7 +79,7 @@ def plan(
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
     check_model_runs(spec)
     request = PlanRequest(
-        budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory,
+        budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
         host_memory=host_memory, study=study,
         precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus,
         allow_lossy_optimizer=allow_lossy_optimizer, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from autofit.measure.other_work import other_work, usable_cores
 from autofit.planning.memory.traces import simulation_spec
 from autofit.planning.request import PlanRequest
 from autofit.planning.policy import POLICY
+from autofit.planning.speed.estimated import GPU_PEAKS, gpu_kind
 from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
@@ -156,8 +157,13 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     check_device(device, simulate=simulate)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
+    kind = _device_kind(request.device_kind, device=device, simulate=simulate)
+    if device_memory is None and kind is not None:
+        device_memory = f"{GPU_PEAKS[kind].memory_gib}GiB"
     total = parse_budget(device_memory) if device_memory is not None else None
     info = device_info(device, total_bytes=total)
+    if kind is not None:
+        info = replace(info, name=f"simulated {kind}")
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
     if budget_bytes > info.total_bytes:
         where = "this machine's memory" if device == "cpu" and total is None else f"the {info.name}'s memory"
@@ -194,6 +200,19 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
         study=where, user_log=log, started=started, threads=count, threads_note=note, meta_model=meta_model,
         compile=request.compile if request.compile is not None else device == "cuda" and not simulate,
     )
+
+
+def _device_kind(kind: str | None, *, device: str, simulate: bool) -> str | None:
+    """``--device-kind``'s GPU, in the table's spelling; None when not given.
+
+    Raises:
+        UserError: given without simulating a GPU (a GPU here is its own kind), or a GPU the table does not hold.
+    """
+    if kind is None:
+        return None
+    if device != "cuda" or not simulate:
+        raise UserError(f"--device-kind {kind} names a GPU that is not here: use it with --simulate --device cuda (a GPU here is measured as it is)")
+    return gpu_kind(kind)
 
 
 def _host_budget(host_memory: str | int | None, *, device: str, simulate: bool) -> tuple[int | None, str]:

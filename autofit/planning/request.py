@@ -31,7 +31,10 @@ class PlanRequest:
     simulate: bool = False
     """Plan with the simulated meter and FLOP-based speeds (the plan is marked estimated)."""
     device_memory: str | int | None = None
-    """The device's total memory when simulating a GPU that is not here."""
+    """The device's total memory when simulating a GPU that is not here (default: ``device_kind``'s)."""
+    device_kind: str | None = None
+    """The GPU that is not here, when simulating one ("RTX 4090", "rtx4090", "H100": ``speed.estimated.GPU_PEAKS``):
+    its speeds are estimated from its rates and its memory is the default ``device_memory``. None: an A100's rates."""
     host_memory: str | int | None = None
     """Host memory a GPU plan may spend (host state, bf16 weights' masters, offload): "128GiB" or bytes. None: the
     memory available on this machine now (simulating a GPU that is not here: this machine's, stated as assumed)."""

@@ -204,6 +204,19 @@ def test_simulated_plan_is_marked_estimated(tmp_path):
     assert abs(again.peak_bytes - plan.measured.peak_bytes) <= 0.001 * again.peak_bytes
 
 
+def test_a_simulated_gpu_of_a_named_kind_has_its_memory_and_its_speeds():
+    report = plan_with_report(uneven_spec(), PlanRequest(budget="50%", batch_size=16, device="cuda", simulate=True, device_kind="rtx-4090"))
+    plan = report.plan
+    assert plan.device == DeviceInfo(type="cuda", name="simulated RTX 4090", total_bytes=24 * 2**30)
+    assert report.precision_notes["fp32"].startswith("estimated from FLOPs for the RTX 4090"), report.precision_notes
+    a100 = make_plan(uneven_spec(), PlanRequest(budget="50%", batch_size=16, device="cuda", simulate=True, device_memory="24GiB"))
+    assert plan.predicted.samples_per_s != a100.predicted.samples_per_s  # another card's rates
+    with pytest.raises(UserError, match="--device-kind 'B200' is not a GPU autofit knows; give one of H200"):
+        make_plan(uneven_spec(), PlanRequest(budget="50%", batch_size=16, device="cuda", simulate=True, device_kind="B200"))
+    with pytest.raises(UserError, match="use it with --simulate --device cuda"):
+        make_plan(uneven_spec(), PlanRequest(budget="50%", batch_size=16, device="cpu", device_kind="H100"))
+
+
 def test_simulated_gpu_plan_without_a_gpu():
     plan = make_plan(uneven_spec(), PlanRequest(budget="90%", batch_size=16, device="cuda", simulate=True, device_memory="4GiB"))
     assert plan.device == DeviceInfo(type="cuda", name="simulated cuda", total_bytes=4 * 2**30)

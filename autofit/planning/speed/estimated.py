@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autofit.errors import UserError
+
 from autofit.apply import AppliedPlan, apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.blocks import profile_blocks
@@ -61,7 +63,10 @@ def flop_speed_costs(
         if device_type == "cuda":
             gpu, known = gpu_peaks(device_name)
             launch_s, bytes_per_s = GPU_LAUNCH_SECONDS, gpu.bandwidth * 0.5
-            note = "estimated from FLOPs" + ("" if known else f" for an {_UNKNOWN_GPU_NAME}-class GPU ({device_name!r} is not in the table)")
+            note = "estimated from FLOPs" + (
+                f" for the {device_name.removeprefix('simulated ')}" if known
+                else f" for an {_UNKNOWN_GPU_NAME}-class GPU ({device_name!r} is not in the table; --device-kind names one)"
+            )
         else:
             cpu_flops_per_s, launch_s, bytes_per_s = cpu
             note = "estimated from FLOPs"
@@ -233,19 +238,21 @@ class GpuPeaks:
     """FLOP/s on bf16/fp16 tensor cores (autocast)."""
     bandwidth: float
     """Memory bytes/s."""
+    memory_gib: int = 0
+    """The card's memory (the common model of it: an A100 is also sold with 40 GiB), the default of ``--device-kind``."""
 
 
 GPU_PEAKS = {
-    "H200": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=4.8e12),
-    "H100": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=3.35e12),
-    "A100": GpuPeaks(fp32=19.5e12, tf32=156e12, half=312e12, bandwidth=2.0e12),
-    "L40S": GpuPeaks(fp32=91.6e12, tf32=183e12, half=362e12, bandwidth=0.86e12),
-    "A10": GpuPeaks(fp32=31.2e12, tf32=62.5e12, half=125e12, bandwidth=0.6e12),
-    "L4": GpuPeaks(fp32=30.3e12, tf32=60e12, half=121e12, bandwidth=0.3e12),
-    "RTX 4090": GpuPeaks(fp32=82.6e12, tf32=82.6e12, half=165e12, bandwidth=1.0e12),
-    "RTX 3090": GpuPeaks(fp32=35.6e12, tf32=35.6e12, half=71e12, bandwidth=0.94e12),
-    "V100": GpuPeaks(fp32=15.7e12, tf32=15.7e12, half=125e12, bandwidth=0.9e12),
-    "T4": GpuPeaks(fp32=8.1e12, tf32=8.1e12, half=65e12, bandwidth=0.32e12),
+    "H200": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=4.8e12, memory_gib=141),
+    "H100": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=3.35e12, memory_gib=80),
+    "A100": GpuPeaks(fp32=19.5e12, tf32=156e12, half=312e12, bandwidth=2.0e12, memory_gib=80),
+    "L40S": GpuPeaks(fp32=91.6e12, tf32=183e12, half=362e12, bandwidth=0.86e12, memory_gib=48),
+    "A10": GpuPeaks(fp32=31.2e12, tf32=62.5e12, half=125e12, bandwidth=0.6e12, memory_gib=24),
+    "L4": GpuPeaks(fp32=30.3e12, tf32=60e12, half=121e12, bandwidth=0.3e12, memory_gib=24),
+    "RTX 4090": GpuPeaks(fp32=82.6e12, tf32=82.6e12, half=165e12, bandwidth=1.0e12, memory_gib=24),
+    "RTX 3090": GpuPeaks(fp32=35.6e12, tf32=35.6e12, half=71e12, bandwidth=0.94e12, memory_gib=24),
+    "V100": GpuPeaks(fp32=15.7e12, tf32=15.7e12, half=125e12, bandwidth=0.9e12, memory_gib=32),
+    "T4": GpuPeaks(fp32=8.1e12, tf32=8.1e12, half=65e12, bandwidth=0.32e12, memory_gib=16),
 }
 _UNKNOWN_GPU_NAME = "A100"
 """The table row assumed for a GPU that is not named in it (e.g. --simulate with no GPU here)."""
@@ -261,6 +268,19 @@ GPU_FILL_SECONDS = 4.2e-4
 small micro-steps leave a large GPU idle (fitted on the same rows: ResNet-18 reaches 0.87x of ResNet-50's rate)."""
 GPU_LAUNCH_SECONDS = 5e-4
 """Launch overhead per forward (x3 per micro-step with the backward)."""
+
+
+def gpu_kind(kind: str) -> str:
+    """The table's name for ``--device-kind``'s value ("rtx4090", "RTX 4090", "h100" ...).
+
+    Raises:
+        UserError: a GPU the table does not hold (the line lists those it does).
+    """
+    wanted = kind.upper().replace(" ", "").replace("-", "").replace("_", "")
+    for key in GPU_PEAKS:
+        if key.replace(" ", "") == wanted:
+            return key
+    raise UserError(f"--device-kind {kind!r} is not a GPU autofit knows; give one of {', '.join(GPU_PEAKS)} (or leave it out: an A100 is assumed)")
 
 
 def gpu_peaks(device_name: str) -> tuple[GpuPeaks, bool]:
