@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from autofit._torch_private import is_compiled
 from strategies.base import Strategy
 
 
@@ -32,6 +33,6 @@ class Compile(Strategy):
         self.config = config
 
     def apply(self, model: nn.Module) -> nn.Module:
-        if self.config.enabled and getattr(model, "_compiled_call_impl", None) is None:
+        if self.config.enabled and not is_compiled(model):  # applied again (a warm-up, a smaller micro-batch): once
             model.compile()
         return model

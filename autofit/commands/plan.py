@@ -1,6 +1,7 @@
 """`autofit plan`: the fastest configuration measured to fit a budget, written to plan.json."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -64,6 +65,7 @@ def plan(
     from autofit.planning.planner import plan_with_report, print_progress
     from autofit.planning.request import PlanRequest
 
+    started = time.perf_counter()
     if device not in DEVICES:
         raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
     if batch_size < 1:
@@ -91,6 +93,10 @@ def plan(
         print_json(report.plan.to_dict())
         return
     lines = summary_lines(report, path=path)
+    before = time.perf_counter() - started - report.seconds
+    if before >= 1.0:  # building the model and checking one step of it come before the plan's own clock
+        at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
+        lines.insert(at, f"    before that, {before:.1f} s loading the model and checking that it trains ({time.perf_counter() - started:.1f} s in all)")
     if spec.weights_note:  # planning used none: weights change no byte
         again = "; --from-config there for random init" if spec.build_pretrained is not None else ""
         lines.insert(2, f"  weights     {spec.weights_note} (what `autofit train` starts from{again})")

@@ -406,7 +406,7 @@ class Measurements:
                 found[key] = {"fits": False, "rejected": why.get(key, "out of memory on the device")}
                 continue
             timing = self.timings.get(key)
-            speed = self.context.global_batch_size / min(timing["seconds"]) if timing and timing["seconds"] else None
+            speed = self.context.global_batch_size / statistics.median(timing["seconds"]) if timing and timing["seconds"] else None
             found[key] = {
                 "measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": speed,
                 "fits": self.fits_peak(entry["peak_bytes"], entry["breakdown"]),
