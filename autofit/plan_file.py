@@ -189,7 +189,7 @@ class Plan:
             "schema_version": self.schema_version,
             "created_by": dict(self.created_by),
             # Schema 1: an hf: model's task and sequence length are written when it has them.
-            "model": {k: v for k, v in asdict(self.model).items() if v is not None or k not in ("task", "seq_len")},
+            "model": {k: v for k, v in asdict(self.model).items() if v is not None or k not in ("task", "seq_len", "lora")},
             "device": asdict(self.device),
             "budget_bytes": self.budget_bytes,
             "budget_kind": self.budget_kind,
