@@ -227,7 +227,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     compile_note = None
     if context.compile and levers is not None:  # one process (several: the configuration refuses compile)
         with context.phase("compile"):
-            chosen, compile_note = with_compile(context, chosen, measurements, reference=reference)
+            chosen, compile_note = with_compile(context, chosen, measurements)
     with context.phase("verify"):
         unconstrained = measure_unconstrained(context, evaluations, chosen=chosen, measurements=measurements)
     with context.phase("write"):

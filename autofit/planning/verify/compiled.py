@@ -25,15 +25,13 @@ from autofit.units import format_bytes
 KEPT = "found by an earlier run of this plan, kept in the cost cache"
 """Said after a finding an earlier run made (``Measurements.compiled``)."""
 
-def with_compile(
-    context: PlanContext, chosen: dict, measurements: Measurements, *, reference: TrainingConfig | None = None,
-) -> tuple[dict, str]:
+
+def with_compile(context: PlanContext, chosen: dict, measurements: Measurements) -> tuple[dict, str]:
     """The chosen configuration, compiled where that was measured to fit and to be faster; and a note saying what was found.
 
     Args:
-        chosen: ``verify``'s result (its "config" and measurements).
-        reference: the unconstrained configuration timed beside the candidates; timed again beside these two so
-            that the speed ratio compares times of one race.
+        chosen: ``verify``'s result (its "config" and measurements). Compiled, its speed ratio to the unconstrained
+            configuration compares the compile race's median with the verification race's.
     """
     config: TrainingConfig = chosen["config"]
     compiled = replace(config, compile=True)
@@ -45,16 +43,14 @@ def with_compile(
             return {**chosen, "config": compiled, **measurements.result(compiled)}, f"{known['note']} ({KEPT})"
     elif known is not None and not known["on"]:
         return chosen, f"{known['note']} ({KEPT})"
-    chosen, note, any_budget = _measured(context, chosen, compiled, measurements, reference=reference)
+    chosen, note, any_budget = _measured(context, chosen, compiled, measurements)
     if any_budget:
         measurements.compiled[config.key()] = {"on": chosen["config"].compile, "note": note}
     return chosen, note
 
 
 
-def _measured(
-    context: PlanContext, chosen: dict, compiled: TrainingConfig, measurements: Measurements, *, reference: TrainingConfig | None,
-) -> tuple[dict, str, bool]:
+def _measured(context: PlanContext, chosen: dict, compiled: TrainingConfig, measurements: Measurements) -> tuple[dict, str, bool]:
     """``with_compile`` measured in this run; the last value says whether the finding holds under any budget (it is
     kept then): failing to compile, being slower or faster do, not fitting does not."""
     config: TrainingConfig = chosen["config"]
@@ -71,17 +67,14 @@ def _measured(
             f"torch.compile left off: compiled, the peak is {format_bytes(peak)}, which with its headroom does not fit "
             f"(uncompiled {format_bytes(chosen['measured_peak_bytes'])}); measured in {time.perf_counter() - started:.0f} s"
         ), False
-    timed_reference = reference if reference is not None and reference.key() != config.key() else None
-    # This race times the chosen (and the reference) again: their entries go back to the verification's race after
-    # it, so that a plan made again from the cost cache finds that race whole (and chooses as this run did).
-    kept = {c.key(): measurements.timings.get(c.key()) for c in (config, timed_reference) if c is not None}
-    verification_timing = measurements.timing
-    order = measurements.race([config, compiled], reference=timed_reference)
+    # This race times the chosen one again: its entry goes back to the verification's race after it, so that a plan
+    # made again from the cost cache finds that race whole (and chooses as this run did).
+    kept, verification_timing = measurements.timings.get(config.key()), measurements.timing
+    order = measurements.race([config, compiled])
     seconds = time.perf_counter() - started
     plain_speed, compiled_speed = measurements.samples_per_s(config), measurements.samples_per_s(compiled)
-    for key, entry in kept.items():
-        if entry is not None:
-            measurements.timings[key] = entry
+    if kept is not None:
+        measurements.timings[config.key()] = kept
     speeds = f"{compiled_speed:.1f} samples/s compiled, {plain_speed:.1f} not (medians of the rounds)"
     memory = f"peak {format_bytes(peak)} compiled, {format_bytes(chosen['measured_peak_bytes'])} not"
     if order[0].key() != compiled.key():
