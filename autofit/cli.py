@@ -8,6 +8,7 @@ import importlib
 import logging
 import sys
 import traceback
+import warnings
 
 import typer
 
@@ -74,9 +75,12 @@ def main() -> None:
     if len(sys.argv) <= 1:
         app()  # prints the help
         return
-    # Inductor's C++ build (torch.compile on the CPU) warns on a machine without CUDA that no CUDA runtime is
-    # found: true, and nothing a user of autofit needs to act on.
+    # Libraries' notices nothing a user of autofit acts on: Inductor's C++ build (torch.compile on the CPU) says on
+    # a machine without CUDA that no CUDA runtime is found; importing torchao (PEFT does, for --lora) logs that its
+    # enums need no pytree registration; PEFT calls transformers' deprecated is_gradient_checkpointing.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     command = typer.main.get_command(app)
     try:
         code = command.main(standalone_mode=False)
