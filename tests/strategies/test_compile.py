@@ -39,7 +39,9 @@ class Net(nn.Module):
 def _trained(model: nn.Module, *, compile: bool, steps: int = 4) -> nn.Module:
     config = TrainingConfig(global_batch_size=8, micro_batch_size=4, checkpoint=("blocks.0",), compile=compile)
     applied = apply_config(model, config, device="cpu")
-    optimizer = applied.build_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-2))
+    # SGD: AdamW divides by the gradients' root mean square and turns a rounding difference in a near-zero gradient
+    # into a full step (bench/gpu_truth.py's decoder: 9.9e-4 after 4 steps), which is not what this compares.
+    optimizer = applied.build_optimizer(lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9))
     generator = torch.Generator().manual_seed(3)
     for _ in range(steps):
         inputs, targets = torch.randn(8, 24, generator=generator), torch.randint(0, 5, (8,), generator=generator)
@@ -49,6 +51,7 @@ def _trained(model: nn.Module, *, compile: bool, steps: int = 4) -> nn.Module:
 
 
 def test_a_compiled_plan_trains_to_the_uncompiled_runs_weights_within_rounding():
+    """Under SGD, 4 steps of a checkpointed MLP: the same weights to 1e-4 relative (Inductor's kernels round differently)."""
     torch.manual_seed(0)
     model = Net()
     eager = _trained(copy.deepcopy(model), compile=False)
