@@ -49,7 +49,6 @@ def with_compile(context: PlanContext, chosen: dict, measurements: Measurements)
     return chosen, note
 
 
-
 def _measured(context: PlanContext, chosen: dict, compiled: TrainingConfig, measurements: Measurements) -> tuple[dict, str, bool]:
     """``with_compile`` measured in this run; the last value says whether the finding holds under any budget (it is
     kept then): failing to compile, being slower or faster do, not fitting does not."""
