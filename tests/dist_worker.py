@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autofit.apply import apply_config  # noqa: E402
 from autofit.config import TrainingConfig  # noqa: E402
 from autofit.planning.memory.per_rank import ShardAwareTracker  # noqa: E402
-from autofit.distributed import cleanup, init_distributed, is_rank0, mean_across_ranks  # noqa: E402
+from autofit.distributed import cleanup, end_rank, init_distributed, is_rank0, mean_across_ranks  # noqa: E402
 from autofit.training.sharded_checkpoints import (  # noqa: E402
     full_model_state_dict,
     load_sharded_checkpoint,
@@ -185,6 +185,7 @@ def main() -> None:
     if is_rank0():
         Path(out_path).write_text(json.dumps({"world_size": env.world_size, "results": results}))
     cleanup()
+    end_rank(0)  # as `autofit train` ends a rank: without the interpreter's teardown, where gloo's ranks sometimes abort
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def _torchrun(tmp_path, name: str, scenarios: list[dict]) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
         str(ROOT / "tests" / "dist_worker.py"), str(scenarios_path), str(out_path),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack, so a failure says where.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     report = json.loads(out_path.read_text())
