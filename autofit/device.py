@@ -10,6 +10,7 @@ import torch
 
 from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo
+from strategies.precision import precision_dtype
 
 
 def check_device(device_type: str, *, precision: str | None = None, simulate: bool = False) -> None:
@@ -28,7 +29,7 @@ def check_device(device_type: str, *, precision: str | None = None, simulate: bo
             "device cuda: no CUDA device is visible; use --device cpu, or plan with --simulate "
             "--device-memory 24GiB for a GPU you do not have and train on a machine that has it"
         )
-    if precision in ("bf16", "bf16-master", "bf16-pure") and not torch.cuda.is_bf16_supported():
+    if precision is not None and precision_dtype(precision) == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise UserError("precision bf16 is not supported on this GPU; use fp16 or fp32")
 
 

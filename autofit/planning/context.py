@@ -42,7 +42,7 @@ from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
-from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, precision_dtype
 
 CACHE_FILE = "plans.db"
 """The cache's SQLite file in ``cache_dir()``."""
@@ -431,10 +431,9 @@ def usable_precisions(
     if device == "cuda" and torch.cuda.is_available() and not simulate:
         if not torch.cuda.is_bf16_supported():
             major, minor = torch.cuda.get_device_capability()
-            for precision in ("bf16", MASTER_WEIGHTS, PURE_BF16):
-                if precision in wanted:
-                    excluded[precision] = f"this GPU (compute capability {major}.{minor}) does not support bf16"
-                    wanted.remove(precision)
+            for precision in [p for p in wanted if precision_dtype(p) == torch.bfloat16]:
+                excluded[precision] = f"this GPU (compute capability {major}.{minor}) does not support bf16"
+                wanted.remove(precision)
     if not wanted:
         raise UserError("no precision is left to search; allow fp32 with --precisions fp32")
     return wanted, excluded
