@@ -130,6 +130,11 @@ class TrainingConfig:
         return micro_batch_count(self.global_batch_size, world_size=self.world_size, micro_batch_size=self.micro_batch_size)
 
     @property
+    def updates_on_host(self) -> bool:
+        """Whether the optimizer's update runs on the host: with its state there, or with bf16-master's fp32 masters."""
+        return self.optimizer_state == "host" or self.precision == MASTER_WEIGHTS
+
+    @property
     def rank_batch_size(self) -> int:
         """Samples the largest process's share of a global batch holds: ceil(global / world_size)."""
         return math.ceil(self.global_batch_size / self.world_size)

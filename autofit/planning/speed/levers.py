@@ -172,7 +172,7 @@ def lever_time(
             f"predicted, the head's forward again in backward ({head_share:.0%} of the parameters, of the forward's time)"
         )
     offloading = bool(config.offload)
-    on_host = config.optimizer_state == "host" or master
+    on_host = config.updates_on_host
     if config.optimizer_state == "8bit":
         if eight_bit is None:
             raise ValueError("8-bit optimizer state needs its update's time (time_eight_bit_update)")

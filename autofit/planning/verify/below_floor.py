@@ -407,10 +407,9 @@ def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> flo
 def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfig) -> LeverTime:
     """What the chosen levers add to a step (``speed.levers``): the host link measured on a GPU here, else assumed;
     the host update timed on this CPU."""
-    on_host = config.optimizer_state == "host" or config.precision == MASTER_WEIGHTS  # the update runs on the host
-    link = host_link(context.device) if config.offload or on_host else None
+    link = host_link(context.device) if config.offload or config.updates_on_host else None
     trainable = _trainable(context)
-    update_seconds = time_host_update(context.spec.build_optimizer) * trainable.elements if on_host else 0.0
+    update_seconds = time_host_update(context.spec.build_optimizer) * trainable.elements if config.updates_on_host else 0.0
     eight_bit = None
     if config.optimizer_state == "8bit":
         eight_bit = eight_bit_time(context, trainable) or UpdateTime(seconds=0.0, source="not measured: its update could not be timed here")
