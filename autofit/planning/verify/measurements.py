@@ -251,7 +251,11 @@ class Measurements:
         start's fastest round was 7% under its median (bench/RESULTS.md,
         "Training against its plan").
         """
-        entry = self.timings.get(config.key())
+        return self._median_speed(config.key())
+
+    def _median_speed(self, key: str) -> float | None:
+        """The global batch over the median timed round of a configuration's key (None if never timed)."""
+        entry = self.timings.get(key)
         if not entry or not entry["seconds"]:
             return None
         return self.context.global_batch_size / statistics.median(entry["seconds"])
@@ -285,11 +289,11 @@ class Measurements:
         samples = self._stored_samples(list(configs), race)
         if samples is None:
             samples = self._time_now(configs, race)
-        # The chosen one was timed alone a few more times (``POLICY.promise_rounds``): the others' count the interleaved rounds.
-        others = [len(samples[k].seconds) for k in configs if k != race.chosen(samples)]
         leader = race.leader(samples)
         tied = race.within_noise(samples)
         chosen = race.chosen(samples)
+        # The chosen one was timed alone a few more times (``POLICY.promise_rounds``): the others' count the interleaved rounds.
+        others = [len(samples[k].seconds) for k in configs if k != chosen]
         spreads = sorted(samples[k].spread for k in keys if len(samples[k].seconds) >= 2)
         self.timing = {
             "rounds": max(others) if others else len(samples[keys[0]].seconds),
@@ -405,10 +409,8 @@ class Measurements:
             if entry.get("oom"):
                 found[key] = {"fits": False, "rejected": why.get(key, "out of memory on the device")}
                 continue
-            timing = self.timings.get(key)
-            speed = self.context.global_batch_size / statistics.median(timing["seconds"]) if timing and timing["seconds"] else None
             found[key] = {
-                "measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": speed,
+                "measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": self._median_speed(key),
                 "fits": self.fits_peak(entry["peak_bytes"], entry["breakdown"]),
             }
             if key in why:
