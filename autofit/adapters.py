@@ -84,6 +84,22 @@ def parse_lora(text: str) -> LoraSettings:
     return LoraSettings(r=r, alpha=alpha, targets=targets, dropout=dropout)
 
 
+def planned_lora(given: str | None, planned: str | None, *, flag: str, spell: Callable[[str], str]) -> LoraSettings | None:
+    """The adapters a plan trains with: those it recorded (``planned``); None where it has none.
+
+    Args:
+        given: the adapters asked for again (``--lora``, ``lora=``): they must be the plan's.
+        flag, spell: how the user spells the option, and a value of it ("--lora", ``lambda v: f"--lora {v}"``).
+
+    Raises:
+        UserError: ``given`` differs from the plan's (the plan's memory holds for its own model only).
+    """
+    if given is not None and parse_lora(given).text() != planned:
+        made = f"with {spell(planned)}" if planned else f"without {flag}"
+        raise UserError(f"the plan was made {made}, and its memory holds for that; drop {flag} here, or plan again with {spell(given)}")
+    return parse_lora(planned) if planned else None
+
+
 def lora_model(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """``model`` with LoRA adapters (PEFT): the base frozen, the adapters trainable.
 

@@ -212,14 +212,14 @@ def _plan_for(
 
 def _with_adapters(model: nn.Module, lora: str | None, *, plan: Plan | None) -> tuple[nn.Module, str | None]:
     """``model`` with the LoRA adapters asked for (or its plan's), and their settings' text; (model, None) without."""
-    from autofit.adapters import lora_model, parse_lora
+    from autofit.adapters import lora_model, parse_lora, planned_lora
 
-    planned = plan.model.lora if plan is not None else None
-    if lora is not None and planned is not None and parse_lora(lora).text() != planned:
-        raise UserError(f"the plan was made with lora={planned!r}; drop lora= or plan again with lora={lora!r}")
-    if lora is None and planned is None:
+    if plan is None:
+        settings = parse_lora(lora) if lora is not None else None
+    else:
+        settings = planned_lora(lora, plan.model.lora, flag="lora=", spell=lambda value: f"lora={value!r}")
+    if settings is None:
         return model, None
-    settings = parse_lora(lora if lora is not None else planned)
     return lora_model(model, settings), settings.text()
 
 

@@ -125,11 +125,9 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     # A plan for N processes: refuse any other number, naming the command that starts N.
     check_launch(ShardingConfig(world_size=the_plan.config.world_size, sharding=the_plan.config.sharding))
     if lora is not None:
-        from autofit.adapters import parse_lora
+        from autofit.adapters import planned_lora
 
-        if the_plan.model.lora != parse_lora(lora).text():
-            made = f"with --lora {the_plan.model.lora}" if the_plan.model.lora else "without --lora"
-            raise UserError(f"the plan was made {made}, and its memory holds for that; drop --lora here, or plan again with --lora {lora}")
+        planned_lora(lora, the_plan.model.lora, flag="--lora", spell=lambda value: f"--lora {value}")
     spec = spec_for_plan(the_plan.model, model_file=model)
     if resume and (weights is not None or from_config):
         raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")
