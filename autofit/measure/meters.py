@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from autofit._torch_private import (
-    FAKE_TENSOR_LIMITS, cpu_allocation_peak, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly, without_dispatch_modes,
+    FAKE_TENSOR_LIMITS, cpu_allocation_peak, fake_mode_active, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly,
+    tree_map, without_dispatch_modes,
 )
 from autofit.errors import UserError
 from autofit.measure.hf_masks import masks_as_in_real_runs, note_example_batch
@@ -349,6 +350,29 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
     )
     (log or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
     return dataclasses.replace(spec, simulation_fallback=why)
+
+
+def made_of_real_tensors(example_batch):
+    """``example_batch`` run outside every dispatch mode, so any Python in it works (a loop over samples, ``int(t)``,
+    a dataset's ``__getitem__``: fake tensors have no values to give); under a fake mode its tensors are then made
+    again there, empty, of the same shapes, strides and dtypes: they are fake, and a tracker on counts them as it
+    counts a batch made in the mode."""
+    if getattr(example_batch, "made_real", False):
+        return example_batch
+
+    def made_real(n: int):
+        with without_dispatch_modes():
+            batch = example_batch(n)
+        if not fake_mode_active():
+            return batch
+        return tree_map(
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+            if isinstance(t, torch.Tensor) else t,
+            batch,
+        )
+
+    made_real.made_real = True
+    return made_real
 
 
 def noting_padding(example_batch):

@@ -40,7 +40,7 @@ from autofit._torch_private import call_when_backward_ends, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.boundaries import block_boundaries
-from autofit.measure.meters import SimulatedMeter, noting_padding, simulated_meter
+from autofit.measure.meters import SimulatedMeter, made_of_real_tensors, noting_padding, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.planning.memory.levers import LeverRecorder, LeverTrace, lever_trace, with_offloaded
@@ -425,7 +425,9 @@ class _NoStep:
 
 
 def simulation_spec(spec: ModelSpec) -> ModelSpec:
-    """A spec whose model the simulated meter can build.
+    """A spec whose model the simulated meter can build, and whose example batches it can make.
+
+    Example batches are made of real tensors, then of fake ones of the same shapes (``made_of_real_tensors``).
 
     Models from files and torchvision build under the meta device. A model
     object from the Python API is copied by ``deepcopy``, which fails under fake tensors;
@@ -437,6 +439,7 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
 
     from torch import nn
 
+    spec = dataclasses.replace(spec, example_batch=made_of_real_tensors(spec.example_batch))
     meter = SimulatedMeter(for_device="cpu")
     try:
         with meter.environment():
