@@ -28,6 +28,7 @@ __all__ = [
     "FAKE_TENSOR_LIMITS",
     "FakeTensor",
     "FakeTensorMode",
+    "NORM_AND_DROPOUT_TYPES",
     "TorchDispatchMode",
     "call_when_backward_ends",
     "copy_tensors",
@@ -39,6 +40,7 @@ __all__ = [
     "new_fake_mode",
     "op_flops",
     "optimizers_step_as_on_cuda",
+    "register_list_type",
     "reset_grad_scaler_step",
     "RNN_LAYER",
     "RNN_LAYER_BACKWARD",
@@ -50,6 +52,22 @@ __all__ = [
     "versions",
     "without_dispatch_modes",
 ]
+
+
+NORM_AND_DROPOUT_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.modules.dropout._DropoutNd)
+"""Modules whose train mode changes state or draws randomness: batch and instance norms (running statistics), dropout."""
+
+
+def register_list_type(cls: type) -> type:
+    """Make a ``list`` subclass a pytree node, so ``tree_map`` and ``tree_leaves`` go into it and rebuild it as ``cls``
+    (a plain subclass is a leaf to them)."""
+    from torch.utils import _pytree
+
+    _pytree.register_pytree_node(
+        cls, lambda items: (list(items), None), lambda items, _: cls(items),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
+    return cls
 
 
 def without_dispatch_modes():

@@ -40,6 +40,7 @@ def fit(
     loss_fn: Callable | None = None,
     count_items: Callable | None = None,
     optimizer: Callable | None = None,
+    collate: Callable | None = None,
     lr: float | None = None,
     schedule: str | None = None,
     warmup_steps: int | None = None,
@@ -83,6 +84,9 @@ def fit(
             ``autofit.model_io.count_labels(shift=True)`` for a causal LM's tokens);
             micro-batches are weighted by them. Default: samples.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
+        collate: samples -> (inputs, targets) for samples that do not stack, whose lists hold one entry per sample
+            (torchvision detection: ``lambda s: (tuple(map(list, zip(*s))), None)``, the model called as
+            ``model(images, targets)`` and trained on the sum of its loss dict); ``example_batch``'s lists too.
         lr: peak learning rate; default the optimizer's.
         schedule: after the warm-up, "cosine" (default) or "linear" to a tenth of the peak, or "constant".
         warmup_steps: optimizer steps of linear warm-up to the peak rate; default 0.
@@ -142,7 +146,7 @@ def fit(
         load_into(model, init_from if isinstance(init_from, dict) else state_dict_from(init_from), where=where)
         weights_note = f"from {where}"
     model, adapters = _with_adapters(model, lora, plan=plan)
-    data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan)
+    data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan, collate=collate)
     plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
                      example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
                      max_grad_norm=max_grad_norm, adapters=adapters)
@@ -161,16 +165,22 @@ def fit(
                      last_path=result.last_path, log_dir=result.log_dir)
 
 
-def _read_data(train_data, val_data, *, input_shape: str | None, plan: Plan | None) -> tuple[TrainData, tuple[int, ...] | None]:
+def _read_data(
+    train_data, val_data, *, input_shape: str | None, plan: Plan | None, collate: Callable | None = None,
+) -> tuple[TrainData, tuple[int, ...] | None]:
     """The datasets (or the image folder ``train_data`` names), and the input shape saved with the weights."""
+    from autofit.model_checks import CheckedCollate
     from autofit.training.data import datasets_data, image_folder_data, input_shape_from
 
     if isinstance(train_data, (str, Path)):
         if val_data is not None:
             raise UserError(f"train_data is the image folder {str(train_data)!r}: its val/ is the validation data; drop val_data")
+        if collate is not None:
+            raise UserError(f"train_data is the image folder {str(train_data)!r}, whose images stack; drop collate")
         shape = input_shape_from(input_shape or (plan.model.input_shape if plan else None))
         return image_folder_data(train_data, input_shape=shape), shape
-    return datasets_data(train_data, val_data), (input_shape_from(input_shape) if input_shape else None)
+    checked = CheckedCollate(collate, owner="fit()") if collate is not None else None
+    return datasets_data(train_data, val_data, collate=checked), (input_shape_from(input_shape) if input_shape else None)
 
 
 def _plan_for(
@@ -192,7 +202,8 @@ def _plan_for(
         from autofit.spec import spec_from_model
 
         spec = spec_from_model(
-            model, example_batch or _examples_from(data.train), loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
+            model, example_batch or _examples_from(data.train, collate=data.collate), loss_fn=loss_fn,
+            count_items=count_items, optimizer=optimizer, collate=data.collate,
         )
         plan = make_plan(spec, PlanRequest(budget=budget, batch_size=batch_size, device=device, max_grad_norm=max_grad_norm))
     elif batch_size is not None and batch_size != plan.config.global_batch_size:
@@ -223,11 +234,12 @@ def _with_adapters(model: nn.Module, lora: str | None, *, plan: Plan | None) -> 
     return lora_model(model, settings), settings.text()
 
 
-def _examples_from(dataset) -> Callable[[int], tuple]:
-    """example_batch for the planner: the first ``batch_size`` samples of the dataset (repeated if short)."""
+def _examples_from(dataset, *, collate: Callable | None = None) -> Callable[[int], tuple]:
+    """example_batch for the planner: the first ``batch_size`` samples of the dataset (repeated if short), collated
+    by ``collate`` (default ``collate_pairs``)."""
     from autofit.training.data import collate_pairs
 
     def example_batch(batch_size: int) -> tuple:
-        return collate_pairs([dataset[i % len(dataset)] for i in range(batch_size)])
+        return (collate or collate_pairs)([dataset[i % len(dataset)] for i in range(batch_size)])
 
     return example_batch

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from autofit.errors import UserError
-from autofit.model_io import call_model
+from autofit.model_io import Samples, batch_sizes, call_model, per_sample
 
 
 class CheckedBuild:
@@ -44,14 +44,20 @@ class CheckedBuild:
 
 
 class CheckedExampleBatch:
-    """A model file's ``example_batch``: ``(inputs, targets)`` of ``batch_size`` samples, or a UserError saying what is wrong."""
+    """A model file's ``example_batch``: ``(inputs, targets)`` of ``batch_size`` samples, or a UserError saying what is wrong.
 
-    def __init__(self, example_batch: Callable[[int], tuple], *, source: str) -> None:
-        self.example_batch, self.source = example_batch, source
+    Args:
+        per_sample: the file defines ``collate``: lists in its batches hold one entry per sample (``model_io.per_sample``).
+    """
+
+    def __init__(self, example_batch: Callable[[int], tuple], *, source: str, per_sample: bool = False) -> None:
+        self.example_batch, self.source, self.per_sample = example_batch, source, per_sample
 
     def __call__(self, batch_size: int) -> tuple:
         try:
             batch = self.example_batch(batch_size)
+            if self.per_sample and isinstance(batch, (tuple, list)) and len(batch) == 2:
+                batch = per_sample(batch)
         except UserError:
             raise
         except SystemExit as error:
@@ -63,6 +69,32 @@ class CheckedExampleBatch:
                 f"model file {self.source!r}: example_batch({batch_size}) raised {_describe(error, self.source)}; fix it there"
             ) from error
         check_batch(batch, batch_size=batch_size, where=f"model file {self.source!r}: example_batch({batch_size})")
+        return batch
+
+
+class CheckedCollate:
+    """A ``collate(samples) -> (inputs, targets)``: the batch its datasets' samples make, with lists one entry per
+    sample (``model_io.per_sample``); a UserError where it raises or returns another number of samples.
+
+    Args:
+        owner: whose function it is, for messages ("model file 'det.py'", "fit()").
+    """
+
+    def __init__(self, collate: Callable[[list], tuple], *, owner: str) -> None:
+        self.collate, self.owner = collate, owner
+
+    def __call__(self, samples: list) -> tuple:
+        where = f"{self.owner}: collate() of {len(samples)} sample(s)"
+        try:
+            batch = self.collate(samples)
+            if isinstance(batch, (tuple, list)) and len(batch) == 2:
+                batch = per_sample(batch)
+        except UserError:
+            raise
+        except Exception as error:  # the user's code: any error is theirs to fix
+            source = self.owner.split("'")[1] if "'" in self.owner else ""
+            raise UserError(f"{where} raised {_describe(error, source)}; fix it there") from error
+        check_batch(batch, batch_size=len(samples), where=where)
         return batch
 
 
@@ -81,11 +113,13 @@ def check_batch(batch, *, batch_size: int, where: str) -> None:
         tensors = _tensors(part)
         if not tensors:
             raise UserError(f"{where} returned {role} of type {type(part).__name__}, which hold no tensor; return torch tensors")
-        sizes = sorted({t.shape[0] for t in tensors if t.ndim > 0})
+        sizes = sorted(set(batch_sizes(part)))
         if sizes != [batch_size]:
+            lists = _holds_lists(part)
             raise UserError(
                 f"{where} returned {role} of {' and '.join(map(str, sizes)) or 'no'} sample(s) (first dimension), not {batch_size}; "
-                "return as many samples as asked for"
+                + ("if a list holds one entry per sample (torchvision detection's images and targets), define "
+                   "collate(samples) -> (inputs, targets) in the model file" if lists else "return as many samples as asked for")
             )
 
 
@@ -133,6 +167,12 @@ def check_trainable(model: nn.Module) -> None:
             f"the model has no parameters that train ({len(parameters)} parameter tensor(s), none with requires_grad): "
             "nothing to fit; give a model with trainable parameters"
         )
+
+
+def _holds_lists(part) -> bool:
+    """Whether a batch's inputs or targets hold a list or tuple not marked ``Samples`` (one level in, or themselves)."""
+    values = part.values() if isinstance(part, dict) else part if isinstance(part, (tuple, list)) else ()
+    return isinstance(part, list) or any(isinstance(value, (tuple, list)) and not isinstance(value, Samples) for value in values)
 
 
 def _tensors(part) -> list[torch.Tensor]:

@@ -11,6 +11,9 @@ model that takes a dict and returns a ``ModelOutput`` works everywhere:
 - ``Loss``: the model file's ``loss_fn`` (or the model's own loss) and its
   ``count_items``; ``Loss.weighted`` is one micro-batch's share of the global
   batch's loss.
+- ``Samples``: a list in a batch with one entry per sample (torchvision
+  detection's images and target dicts), split by entry; ``per_sample`` marks
+  the lists of what a model file's ``collate`` returns.
 
 Micro-batch weights. Accumulated micro-batches give exactly the gradient of
 one step over the whole batch when each micro-batch's loss is weighted by its
@@ -28,11 +31,73 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from autofit._torch_private import FakeTensor, fake_mode_active, tree_leaves
+from autofit._torch_private import FakeTensor, fake_mode_active, register_list_type, tree_leaves, tree_map
 from autofit.errors import UserError
 
 IGNORE_INDEX = -100
 """The label that losses skip (PyTorch's cross_entropy and transformers use it for padding)."""
+
+
+@register_list_type
+class Samples(list):
+    """One entry per sample (torchvision detection's list of images and list of target dicts): the batch holds as
+    many samples as entries, and a micro-batch takes whole entries, whatever the shapes of the tensors inside.
+
+    It is a list (the model receives it as one), and a pytree node: tensors inside move to the device and become
+    fake tensors like any other.
+    """
+
+
+def per_sample(batch: tuple) -> tuple:
+    """``(inputs, targets)`` with each list or tuple one level in marked as ``Samples``: the arguments in the inputs
+    (a tuple or list of the model's arguments, or a dict of them), and the targets themselves.
+
+    A model file that defines ``collate`` has its batches read this way (torchvision detection:
+    ``((images, targets), None)``, ``model(images, targets)`` returning its losses).
+
+    Example:
+        >>> inputs, targets = per_sample(((["img0", "img1"], [{"boxes": 0}, {"boxes": 1}]), None))
+        >>> type(inputs[0]).__name__, len(inputs[1])
+        ('Samples', 2)
+    """
+    inputs, targets = batch
+
+    def mark(part):
+        return Samples(part) if isinstance(part, (list, tuple)) and not isinstance(part, Samples) else part
+
+    if isinstance(inputs, Mapping):
+        inputs = {name: mark(value) for name, value in inputs.items()}
+    elif isinstance(inputs, (tuple, list)):
+        inputs = tuple(mark(argument) for argument in inputs)
+    return inputs, mark(targets)
+
+
+def _is_samples(tree) -> bool:
+    return isinstance(tree, Samples)
+
+
+def batch_sizes(tree) -> list[int]:
+    """The sample count of every part of a batch that has one: each ``Samples``' length and each tensor's first
+    dimension (not those inside a ``Samples``)."""
+    return [
+        len(leaf) if isinstance(leaf, Samples) else int(leaf.shape[0])
+        for leaf in tree_leaves(tree, is_leaf=_is_samples)
+        if isinstance(leaf, Samples) or (isinstance(leaf, torch.Tensor) and leaf.ndim > 0)
+    ]
+
+
+def sliced(tree, piece: slice):
+    """Samples ``piece`` of a batch: every tensor with a batch dimension sliced along it, every ``Samples`` by entry;
+    other leaves (flags, None) as they are. Tensors come out as views."""
+    if isinstance(tree, torch.Tensor):  # the usual case, without tree_map's cost
+        return tree[piece] if tree.ndim > 0 else tree
+
+    def cut(leaf):
+        if isinstance(leaf, Samples):
+            return Samples(leaf[piece])
+        return leaf[piece] if isinstance(leaf, torch.Tensor) and leaf.ndim > 0 else leaf
+
+    return tree_map(cut, tree, is_leaf=_is_samples)
 
 
 def call_model(model: Callable, inputs) -> Any:
@@ -56,8 +121,21 @@ def _field(output, name: str):
 
 
 def own_loss(output) -> torch.Tensor | None:
-    """The loss a model computed itself (``output.loss``, as transformers models do given labels), or None."""
-    return _field(output, "loss")
+    """The loss a model computed itself, or None: ``output.loss`` (transformers models given labels), or the sum of
+    a dict of losses (torchvision detection in train mode: ``{"loss_classifier": ..., "loss_box_reg": ...}``)."""
+    loss = _field(output, "loss")
+    if loss is None and _is_loss_dict(output):
+        loss = sum(output.values())
+    return loss
+
+
+def _is_loss_dict(output) -> bool:
+    """A dict of named losses: every key says "loss", every value a number (a 0-dim floating tensor)."""
+    return (
+        isinstance(output, Mapping) and len(output) > 0
+        and all(isinstance(name, str) and "loss" in name for name in output)
+        and all(isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point() for value in output.values())
+    )
 
 
 def logits_of(output) -> torch.Tensor | None:
@@ -87,11 +165,12 @@ def batch_labels(inputs, targets) -> torch.Tensor | None:
 
 
 def batch_size_of(inputs, targets=None) -> int:
-    """Samples in a batch: the first dimension of its first tensor (targets first, then inputs)."""
-    for leaf in tree_leaves((targets, inputs)):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
-            return int(leaf.shape[0])
-    raise UserError("a batch holds no tensor with a batch dimension; example_batch and datasets must return tensors")
+    """Samples in a batch: the first dimension of its first tensor, or the length of its first ``Samples``
+    (targets first, then inputs)."""
+    sizes = batch_sizes((targets, inputs))
+    if not sizes:
+        raise UserError("a batch holds no tensor with a batch dimension; example_batch and datasets must return tensors")
+    return sizes[0]
 
 
 def count_labels(*, ignore_index: int = IGNORE_INDEX, shift: bool = False) -> Callable:
@@ -178,6 +257,11 @@ class Loss:
                 raise UserError(f"loss_fn returned {len(value)} values; return a mean loss, or (loss_sum, item_count)")
             return value[0], value[1]
         return value, None
+
+    def scores(self, output) -> bool:
+        """Whether this loss can score ``output``: a declared ``loss_fn`` always; the default needs the model's own
+        loss or logits."""
+        return self.fn is not None or own_loss(output) is not None or logits_of(output) is not None
 
     def __call__(self, output, targets) -> torch.Tensor:
         """The mean loss of one batch (a ``(sum, count)`` loss divided by its count)."""
@@ -291,7 +375,7 @@ class Scores:
         if self.classified:
             self.correct += (logits.argmax(dim=1) == labels).sum().item() * counted
         self.samples += size * counted
-        self.language_model = self.language_model or (logits is None and own_loss(output) is not None) or (
+        self.language_model = self.language_model or (logits is None and _field(output, "loss") is not None) or (
             logits is not None and logits.ndim == 3 and labels is not None and labels.ndim == 2
         )
 

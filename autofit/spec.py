@@ -3,8 +3,8 @@
 A model file defines ``build_model() -> nn.Module`` and
 ``example_batch(batch_size) -> (inputs, targets)``; optionally
 ``loss_fn(output, targets)``, ``count_items(inputs, targets)``,
-``build_optimizer(params)`` (default AdamW), ``train_dataset()`` and
-``val_dataset()``:
+``build_optimizer(params)`` (default AdamW), ``train_dataset()``,
+``val_dataset()`` and ``collate(samples)``:
 
 - inputs may be a tensor (``model(x)``), a tuple or list (``model(*x)``) or a
   dict (``model(**x)``); targets may be None when the labels are in the inputs.
@@ -14,6 +14,11 @@ A model file defines ``build_model() -> nn.Module`` and
 - ``count_items`` gives the items the loss averages over (tokens that are not
   padding: ``count_items = autofit.model_io.count_labels()``); micro-batches are
   then weighted by items, not samples, which keeps accumulation exact.
+- ``collate(samples) -> (inputs, targets)`` makes a batch of dataset samples
+  whose lists hold one entry per sample (torchvision detection:
+  ``((images, targets), None)``; ``model_io.per_sample``); micro-batches then
+  take whole entries, and ``example_batch`` is read the same way. A model that
+  returns a dict of losses trains on their sum.
 """
 from __future__ import annotations
 
@@ -54,6 +59,8 @@ class ModelSpec:
     weights_note: str = ""
     """Where training's weights come from, as the plan summary and the run's header say it ("pretrained from
     DIR", "random init from config.json"); "" for a model file's own initialisation."""
+    collate: Callable[[list], tuple] | None = None
+    """Dataset samples -> ``(inputs, targets)`` with per-sample lists marked (``model_io.per_sample``); None: stacked."""
     simulation_fallback: str = ""
     """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
 
@@ -229,12 +236,16 @@ def _file_spec(source: str) -> ModelSpec:
     count_items = getattr(module, "count_items", None)
     if count_items is not None and not callable(count_items):
         raise UserError(f"model file {source!r}: count_items must be a function (inputs, targets) -> int, e.g. autofit.model_io.count_labels()")
-    from autofit.model_checks import CheckedBuild, CheckedExampleBatch
+    collate = getattr(module, "collate", None)
+    if collate is not None and not callable(collate):
+        raise UserError(f"model file {source!r}: collate must be a function samples -> (inputs, targets), e.g. ((images, targets), None)")
+    from autofit.model_checks import CheckedBuild, CheckedCollate, CheckedExampleBatch
 
     return ModelSpec(
         source=str(path),
         build_model=CheckedBuild(module.build_model, source=str(path)),
-        example_batch=CheckedExampleBatch(module.example_batch, source=str(path)),
+        example_batch=CheckedExampleBatch(module.example_batch, source=str(path), per_sample=collate is not None),
+        collate=CheckedCollate(collate, owner=f"model file {str(path)!r}") if collate is not None else None,
         loss_fn=Loss(getattr(module, "loss_fn", None), count_items=count_items),
         build_optimizer=getattr(module, "build_optimizer", None) or default_optimizer,
         train_dataset=getattr(module, "train_dataset", None),
@@ -285,6 +296,7 @@ def spec_from_model(
     loss_fn: Callable | None = None,
     count_items: Callable | None = None,
     optimizer: Callable | None = None,
+    collate: Callable | None = None,
 ) -> ModelSpec:
     """A ModelSpec for a model object (the Python API): probes train copies of it.
 
@@ -295,8 +307,12 @@ def spec_from_model(
             default the model's own ``output.loss``, else cross-entropy.
         count_items: (inputs, targets) -> items the loss averages over; default samples.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
+        collate: samples -> (inputs, targets) whose lists hold one entry per sample (a ``model_checks.CheckedCollate``);
+            ``example_batch``'s lists are then read so too.
     """
     import copy
+
+    from autofit.model_io import per_sample
 
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -306,7 +322,8 @@ def spec_from_model(
     return ModelSpec(
         source=f"python:{type(model).__name__}",
         build_model=lambda: copy.deepcopy(template),
-        example_batch=example_batch,
+        example_batch=example_batch if collate is None else lambda n: per_sample(example_batch(n)),
         loss_fn=Loss(loss_fn, count_items=count_items),
         build_optimizer=optimizer or default_optimizer,
+        collate=collate,
     )

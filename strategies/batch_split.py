@@ -11,7 +11,8 @@ weights are ``world_size * items / items of the global batch`` instead.
 
 Inputs and targets may be tensors or pytrees of them (a tuple, a dict of
 ``input_ids`` and ``attention_mask``; targets may be None when the labels
-ride with the inputs): every tensor leaf is sliced along its first dimension.
+ride with the inputs): every tensor leaf is sliced along its first dimension,
+and a ``model_io.Samples`` list (one entry per sample) by entry.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit._torch_private import tree_leaves, tree_map
 from autofit.errors import UserError
+from autofit.model_io import batch_size_of, sliced
 from strategies.base import Strategy
 from strategies.sharding import GradientSync
 
@@ -134,7 +135,7 @@ class BatchSplit(Strategy):
             count: ``(inputs, targets) -> items`` the loss averages over (``Loss.count``);
                 None weights by samples.
         """
-        total = batch_len((targets, inputs))
+        total = batch_size_of(inputs, targets)
         share = rank_slice(total, rank=self.rank, world_size=self.world_size)
         steps = micro_batch_count(total, world_size=self.world_size, micro_batch_size=self.config.micro_batch_size)
         # Every rank sees the whole global batch, so each knows the total without communicating.
@@ -151,25 +152,10 @@ class BatchSplit(Strategy):
             start = stop
         for index, (piece, weight) in enumerate(pieces):
             context = nullcontext() if index == len(pieces) - 1 else self.sync.deferred()
-            micro_inputs, micro_targets = _sliced(inputs, piece), _sliced(targets, piece)
+            micro_inputs, micro_targets = sliced(inputs, piece), sliced(targets, piece)
             if total_items is not None and weight:
                 weight = self.world_size * count(micro_inputs, micro_targets) / total_items if total_items else 0.0
             # The caller's forward and backward of this micro-batch run while the
             # generator waits here, so they run inside the context.
             with context:
                 yield micro_inputs, micro_targets, weight
-
-
-def _sliced(tree, piece: slice):
-    """Every tensor leaf with a batch dimension, sliced along it; other leaves (flags, None) as they are."""
-    if isinstance(tree, torch.Tensor):
-        return tree[piece]
-    return tree_map(lambda t: t[piece] if isinstance(t, torch.Tensor) and t.ndim > 0 else t, tree)
-
-
-def batch_len(tree) -> int:
-    """Samples in a batch: the first dimension of its first tensor that has one."""
-    for leaf in tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
-            return leaf.shape[0]
-    raise UserError("a batch holds no tensor; example_batch/datasets must return tensors")

@@ -10,9 +10,11 @@ from torch.nn import functional as F
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.errors import UserError
-from autofit.model_io import IGNORE_INDEX, Loss, Scores, call_model, count_labels, logits_of, own_loss
+from autofit.model_io import (
+    IGNORE_INDEX, Loss, Samples, Scores, batch_size_of, call_model, count_labels, logits_of, own_loss, per_sample, sliced,
+)
 from autofit.training.data import collate_pairs
-from autofit.step import train_step
+from autofit.step import to_device, train_step
 
 VOCAB, SEQ = 11, 6
 
@@ -219,3 +221,105 @@ def test_token_weights_over_two_ranks_average_to_the_full_batch_gradient():
             loss.weighted(copy_(**inputs), targets, weight=weight).backward()
         per_rank.append([p.grad for p in copy_.parameters()])
     assert_same([(a + b) / 2 for a, b in zip(*per_rank)], expected)
+
+
+class ListDetector(nn.Module):
+    """torchvision detection's interface: a list of images of any size and a list of target dicts in, a dict of
+    losses out (each a mean over the images, as a detector's losses are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.box = nn.Linear(4, 4)
+
+    def forward(self, images, targets):
+        features = [self.conv(image[None]).mean(dim=(2, 3))[0] for image in images]  # each (4,)
+        boxes = torch.stack([self.box(f) for f in features])  # (N, 4)
+        wanted = torch.stack([t["boxes"][0] for t in targets])
+        return {"loss_box": F.smooth_l1_loss(boxes, wanted), "loss_size": torch.stack([f.pow(2).mean() for f in features]).mean()}
+
+
+def detection_batch(n: int):
+    """n images of 3 channels and different sizes (the first dimension of each is 3, never n)."""
+    generator = torch.Generator().manual_seed(1)
+    images = [torch.randn(3, 5 + i, 7, generator=generator) for i in range(n)]
+    targets = [{"boxes": torch.rand(2, 4, generator=generator), "labels": torch.tensor([1, 2])} for _ in range(n)]
+    return per_sample(((images, targets), None))
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 3, 1])  # 8 = 3 + 3 + 2
+def test_per_sample_lists_split_by_entry_give_the_full_batch_gradient(micro_batch_size):
+    torch.manual_seed(0)
+    model = ListDetector()
+    inputs, targets = detection_batch(8)
+    expected = full_batch_gradients(model, lambda m: own_loss(call_model(m, inputs)))
+    grads, step_loss = step_gradients(model, inputs, targets, micro_batch_size=micro_batch_size, loss_fn=None)
+    assert_same(grads, expected)
+    torch.testing.assert_close(step_loss, own_loss(call_model(model, inputs)).detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_per_sample_batches_count_entries_not_tensor_dimensions():
+    inputs, targets = detection_batch(3)
+    assert isinstance(inputs[0], Samples) and isinstance(inputs[1], Samples) and targets is None
+    assert batch_size_of(inputs, targets) == 3  # each image's first dimension is its 3 channels
+    first_two = sliced(inputs, slice(0, 2))
+    assert isinstance(first_two[0], Samples) and len(first_two[0]) == 2 and first_two[0][1] is inputs[0][1]
+    moved = to_device(inputs, "cpu")
+    assert isinstance(moved[1], Samples) and moved[1][2]["labels"].tolist() == [1, 2]
+
+
+def test_a_loss_dict_is_summed_and_is_no_language_model():
+    losses = {"loss_classifier": torch.tensor(1.0), "loss_box_reg": torch.tensor(0.5)}
+    assert own_loss(losses).item() == 1.5
+    assert own_loss({"loss": torch.tensor(2.0), "aux": torch.tensor(1.0)}).item() == 2.0
+    assert own_loss({"boxes": torch.zeros(()), "scores": torch.zeros(())}) is None  # not named losses
+    scores = Scores(None)
+    inputs, targets = detection_batch(2)
+    scores.add(losses, inputs, targets)
+    assert scores.loss == 1.5 and scores.perplexity is None and scores.accuracy is None
+
+
+def test_lists_that_are_not_declared_per_sample_are_one_line_naming_collate():
+    from autofit.model_checks import check_batch
+
+    images = [torch.randn(3, 8, 8) for _ in range(2)]
+    with pytest.raises(UserError, match="define collate"):
+        check_batch(((images, [{"boxes": torch.zeros(1, 4)}] * 2), None), batch_size=2, where="example_batch(2)")
+    check_batch(per_sample(((images, [{"boxes": torch.zeros(1, 4)}] * 2), None)), batch_size=2, where="example_batch(2)")
+
+
+class EvalDetections(ListDetector):
+    """Losses when training, detections in eval mode (torchvision detection), with a BatchNorm and a dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.drop = nn.BatchNorm2d(3), nn.Dropout(0.5)
+
+    def forward(self, images, targets):
+        images = [self.drop(self.norm(image[None]))[0] for image in images]
+        if not self.training:
+            return [{"boxes": self.box(self.conv(image[None]).mean(dim=(2, 3))), "scores": torch.ones(1)} for image in images]
+        return super().forward(images, targets)
+
+
+def test_validation_scores_a_model_that_computes_its_losses_only_when_training():
+    from autofit.training.validation import evaluate
+
+    torch.manual_seed(0)
+    model = EvalDetections()
+    applied = apply_config(model, TrainingConfig(global_batch_size=4, micro_batch_size=2), device="cpu")
+    samples = [((image, target),) for image, target in zip(*detection_batch(4)[0])]
+
+    def collate(batch):
+        images, targets = zip(*(sample[0] for sample in batch))
+        return per_sample(((list(images), list(targets)), None))
+
+    statistics = model.norm.running_mean.clone()
+    scores = evaluate(model, samples, loss_fn=None, applied=applied, num_workers=0, collate=collate)
+    assert model.training and model.norm.training and model.drop.training  # evaluate left the model training
+    model.norm.eval(), model.drop.eval()  # what the losses were computed with: running statistics, no dropout
+    inputs, _ = collate(samples)
+    with torch.no_grad():
+        expected = torch.stack([own_loss(model(*sliced(inputs, slice(i, i + 2)))) for i in (0, 2)]).mean()
+    assert scores.loss == pytest.approx(expected.item(), rel=1e-6)
+    assert torch.equal(model.norm.running_mean, statistics)  # validation left them alone

@@ -17,8 +17,9 @@ the batches an uninterrupted one would: ``epoch_order`` is that order, and
 """
 from __future__ import annotations
 
+import functools
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class TrainData:
     """Files with an image extension that could not be read, left out."""
     source: str = "datasets"
     """Where the data came from, for messages."""
+    collate: Callable[[list], tuple] | None = None
+    """Samples -> ``(inputs, targets)`` (a model file's ``collate``); None: ``collate_pairs``."""
 
 
 def input_shape_from(value, *, fallback: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -162,7 +165,7 @@ def model_file_data(spec: ModelSpec) -> TrainData:
     train = spec.train_dataset()
     description = getattr(train, "description", None)  # e.g. hf: text tasks' synthetic tokens
     source = f"{spec.source} ({description})" if description else spec.source
-    return datasets_data(train, spec.val_dataset() if spec.val_dataset else None, source=source)
+    return datasets_data(train, spec.val_dataset() if spec.val_dataset else None, source=source, collate=spec.collate)
 
 
 def check_sample_shape(data: TrainData, input_shape: Sequence[int] | None) -> None:
@@ -185,8 +188,11 @@ def check_sample_shape(data: TrainData, input_shape: Sequence[int] | None) -> No
         )
 
 
-def datasets_data(train, val=None, *, source: str = "datasets") -> TrainData:
+def datasets_data(train, val=None, *, source: str = "datasets", collate: Callable[[list], tuple] | None = None) -> TrainData:
     """Wrap map-style datasets (``len`` and ``[i]`` -> (input, target), or a dict holding its labels).
+
+    Args:
+        collate: samples -> ``(inputs, targets)``, for samples that do not stack (a model file's ``collate``).
 
     Raises:
         UserError: a dataset is a DataLoader, not indexable, or empty.
@@ -201,7 +207,7 @@ def datasets_data(train, val=None, *, source: str = "datasets") -> TrainData:
         if len(dataset) == 0:
             raise UserError(f"{name} is empty; give at least one sample")
     classes = getattr(train, "classes", None)
-    return TrainData(train=train, val=val, classes=list(classes) if classes is not None else None, source=source)
+    return TrainData(train=train, val=val, classes=list(classes) if classes is not None else None, source=source, collate=collate)
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
@@ -210,11 +216,14 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
     return torch.randperm(num_samples, generator=generator).tolist()
 
 
-def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_workers: int) -> DataLoader:
+def make_loader(
+    dataset: Dataset, *, batch_size: int, order: Sequence[int], num_workers: int, collate: Callable[[list], tuple] | None = None,
+) -> DataLoader:
     """Batches of ``dataset`` taken in ``order`` (indices; start mid-epoch by slicing it).
 
     Each batch is ``(inputs, targets, unreadable)``: the samples that could be
-    read, collated (None, None when none could), and the ``Unreadable`` ones.
+    read, collated by ``collate`` (default ``collate_pairs``; None, None when
+    none could), and the ``Unreadable`` ones.
 
     Workers ignore Ctrl-C, SIGTERM and SIGHUP (sent to the whole process group
     by a terminal or a job scheduler): the main process finishes its step and
@@ -225,7 +234,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, order: Sequence[int], num_
         batch_size=batch_size,
         sampler=order,
         num_workers=num_workers,
-        collate_fn=collate_readable,
+        collate_fn=functools.partial(collate_readable, collate=collate or collate_pairs),
         worker_init_fn=_ignore_interrupts if num_workers else None,
         # A fixed generator: creating the iterator does not draw from the global RNG,
         # which a resumed run must find exactly where it was saved.
@@ -248,11 +257,11 @@ def collate_pairs(samples: list):
     return batch
 
 
-def collate_readable(samples: list) -> tuple:
-    """``(inputs, targets, unreadable)``: the readable samples collated as usual, and the ``Unreadable`` ones apart."""
+def collate_readable(samples: list, *, collate: Callable[[list], tuple] = collate_pairs) -> tuple:
+    """``(inputs, targets, unreadable)``: the readable samples collated by ``collate``, and the ``Unreadable`` ones apart."""
     unreadable = [sample for sample in samples if isinstance(sample, Unreadable)]
     readable = [sample for sample in samples if not isinstance(sample, Unreadable)]
-    collated = collate_pairs(readable) if readable else (None, None)
+    collated = collate(readable) if readable else (None, None)
     return (*collated, unreadable)
 
 

@@ -346,7 +346,7 @@ def _train_epochs(
         order = epoch_order(len(data.train), seed=settings.seed, epoch=epoch)
         loader = make_loader(
             data.train, batch_size=global_batch_size, order=order[position.step_in_epoch * global_batch_size:],
-            num_workers=settings.num_workers,
+            num_workers=settings.num_workers, collate=data.collate,
         )
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         speed.start(warm_up=True)
@@ -431,7 +431,7 @@ def _validated_record(
 ) -> dict:
     """Validation now, and the record of the epoch so far: an epoch's end ("epoch"), or --max-steps's stop ("stop")."""
     val = evaluate(
-        applied.model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers,
+        applied.model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers, collate=data.collate,
         on_unreadable=lambda sample: _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step),
     )
     return {

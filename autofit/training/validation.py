@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autofit._torch_private import NORM_AND_DROPOUT_TYPES
 from autofit.apply import AppliedPlan
 from autofit.errors import UserError
 from autofit.model_io import Scores, call_model
-from autofit.training.data import collate_readable, make_loader
+from autofit.training.data import collate_pairs, collate_readable, make_loader
 from autofit.distributed import sum_across_ranks
 from autofit.step import to_device
 from strategies import micro_batch_count, rank_slice
@@ -15,11 +16,16 @@ from strategies import micro_batch_count, rank_slice
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int, on_unreadable=lambda sample: None,
+    model: nn.Module, dataset, *, loss_fn, applied: AppliedPlan, num_workers: int, collate=None,
+    on_unreadable=lambda sample: None,
 ) -> Scores:
     """Mean loss (over the items the loss counts), and accuracy or perplexity, over ``dataset`` in micro-batches.
 
-    Samples that fail to decode are left out, each passed to ``on_unreadable``.
+    Samples that fail to decode are left out, each passed to ``on_unreadable``. ``collate`` makes the batches
+    (a model file's; default ``collate_pairs``).
+
+    A model whose output in eval mode holds neither a loss nor logits (torchvision detection returns its
+    detections, and its losses only when training) is scored in ``loss_mode``.
 
     On several processes each rank evaluates its contiguous share and the sums
     are added over the ranks. Every rank runs as many forwards (FSDP gathers
@@ -37,18 +43,35 @@ def evaluate(
     env = applied.env
     share = rank_slice(len(dataset), rank=env.rank, world_size=env.world_size)
     batches = micro_batch_count(len(dataset), world_size=env.world_size, micro_batch_size=applied.micro_batch_size)
-    loader = make_loader(dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers)
-    for inputs, targets, counted in _padded_batches(loader, batches=batches, dataset=dataset, on_unreadable=on_unreadable):
+    loader = make_loader(
+        dataset, batch_size=applied.micro_batch_size, order=range(share.start, share.stop), num_workers=num_workers,
+        collate=collate,
+    )
+    padding = _padded_batches(loader, batches=batches, dataset=dataset, collate=collate, on_unreadable=on_unreadable)
+    for inputs, targets, counted in padding:
         inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
         with applied.forward_context():
-            scores.add(call_model(model, inputs), inputs, targets, counted=counted)
+            output = call_model(model, inputs)
+            if not scores.loss_fn.scores(output) and not model.training:
+                loss_mode(model)  # for this batch and the rest
+                output = call_model(model, inputs)
+            scores.add(output, inputs, targets, counted=counted)
     model.train()
     totals = torch.tensor(scores.totals(), dtype=torch.float64, device=applied.device)
     scores.set_totals(sum_across_ranks(totals).tolist())
     return scores
 
 
-def _padded_batches(loader, *, batches: int, dataset, on_unreadable):
+def loss_mode(model: nn.Module) -> None:
+    """Train mode for the model's own control flow (torchvision detection computes its losses only when training),
+    eval mode for the modules training would change or randomise: norms' running statistics, dropout."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, NORM_AND_DROPOUT_TYPES):
+            module.eval()
+
+
+def _padded_batches(loader, *, batches: int, dataset, collate, on_unreadable):
     """Yield (inputs, targets, 1) per batch of ``loader``, then padding (a sample counted 0) up to ``batches``.
 
     A batch with no readable sample is padding too: every rank runs as many forwards.
@@ -58,15 +81,15 @@ def _padded_batches(loader, *, batches: int, dataset, on_unreadable):
         for sample in unreadable:
             on_unreadable(sample)
         done += 1
-        yield (inputs, targets, 1) if inputs is not None else (*_padding(dataset), 0)
+        yield (inputs, targets, 1) if inputs is not None else (*_padding(dataset, collate), 0)
     for _ in range(batches - done):
-        yield (*_padding(dataset), 0)
+        yield (*_padding(dataset, collate), 0)
 
 
-def _padding(dataset) -> tuple:
+def _padding(dataset, collate) -> tuple:
     """The first readable sample of ``dataset``, as a batch of one."""
     for index in range(len(dataset)):
-        inputs, targets, _ = collate_readable([dataset[index]])
+        inputs, targets, _ = collate_readable([dataset[index]], collate=collate or collate_pairs)
         if inputs is not None:
             return inputs, targets
     raise UserError("no sample of the validation data can be read; replace its files")
