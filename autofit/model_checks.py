@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -123,11 +124,19 @@ def check_batch(batch, *, batch_size: int, where: str) -> None:
             )
 
 
-def check_model_runs(spec) -> None:
+def check_model_runs(
+    spec, *, build: Callable[[Callable[[], nn.Module]], nn.Module] | None = None,
+    environment: Callable[[], AbstractContextManager] = nullcontext,
+) -> None:
     """Build a model file's model and run its forward and loss on ``example_batch(2)`` on the CPU (no gradients).
 
     Only model files are checked (their ``build_model`` is a ``CheckedBuild``):
     library models (``torchvision:NAME``) take what their spec makes.
+
+    Args:
+        build: how the model is built from ``spec.build_model`` (default: called); the simulated meter's
+            ``build_model`` builds it of fake tensors (``measure.meters.check_model_runs_simulated``).
+        environment: what the check runs inside (the simulated meter's fake mode); default nothing.
 
     Raises:
         UserError: build_model or example_batch fail their checks, or the
@@ -135,19 +144,20 @@ def check_model_runs(spec) -> None:
     """
     if not isinstance(spec.build_model, CheckedBuild):
         return
-    model = spec.build_model()
-    check_trainable(model)
-    inputs, targets = spec.example_batch(2)
-    try:
-        with torch.no_grad():
-            loss = spec.loss_fn(call_model(model, inputs), targets)
-    except UserError:
-        raise
-    except Exception as error:
-        raise UserError(
-            f"model file {spec.source!r}: the forward or the loss failed on example_batch(2): {_describe(error, spec.source)}; "
-            "make example_batch return inputs the model takes and targets its loss takes"
-        ) from error
+    with environment():
+        model = build(spec.build_model) if build is not None else spec.build_model()
+        check_trainable(model)
+        inputs, targets = spec.example_batch(2)
+        try:
+            with torch.no_grad():
+                loss = spec.loss_fn(call_model(model, inputs), targets)
+        except UserError:
+            raise
+        except Exception as error:
+            raise UserError(
+                f"model file {spec.source!r}: the forward or the loss failed on example_batch(2): {_describe(error, spec.source)}; "
+                "make example_batch return inputs the model takes and targets its loss takes"
+            ) from error
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise UserError(
             f"model file {spec.source!r}: loss_fn returned {type(loss).__name__}"

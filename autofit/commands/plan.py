@@ -60,6 +60,7 @@ def plan(
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
     from autofit.atomic import check_writable
+    from autofit.measure.meters import check_model_runs_simulated
     from autofit.model_checks import check_model_runs
     from autofit.plan_file import save_plan
     from autofit.planning.planner import plan_with_report, print_progress
@@ -79,7 +80,10 @@ def plan(
     if study is not None:
         _check_study(study)
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
-    check_model_runs(spec)
+    if simulate:  # built of fake tensors only: the machine that plans need not hold the model
+        check_model_runs_simulated(spec)
+    else:
+        check_model_runs(spec)
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
         host_memory=host_memory, study=study,

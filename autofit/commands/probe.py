@@ -64,13 +64,15 @@ def probe(
     if micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {micro_batch_size} must be at least 1")
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
-    check_model_runs(spec)
     if simulate:
+        from autofit.measure.meters import check_model_runs_simulated
         from autofit.planning.memory.traces import simulation_spec
 
+        check_model_runs_simulated(spec)
         # As the planner does: a model whose build the simulated meter cannot fake (ViT's) is copied from meta.
         spec = simulation_spec(spec)
     else:
+        check_model_runs(spec)
         _check_fits_machine(spec, micro_batch_size=micro_batch_size, device=device)
     if list_blocks:
         blocks = profile_blocks(spec, micro_batch_size=micro_batch_size, precision=precision, device=device, simulate=simulate)
@@ -116,11 +118,14 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
         raise UserError(f"--plan re-measures the plan's own configuration; drop {', '.join(given)} (or drop --plan)")
     the_plan = load_plan(path)
     spec = spec_for_plan(the_plan.model, model_file=model)
-    check_model_runs(spec)
     if the_plan.estimated:
+        from autofit.measure.meters import check_model_runs_simulated
         from autofit.planning.memory.traces import simulation_spec
 
+        check_model_runs_simulated(spec)
         spec = simulation_spec(spec)
+    else:
+        check_model_runs(spec)
     with _out_of_memory_as_one_line(f"the plan's micro-batch {the_plan.config.micro_batch_size}", device=the_plan.device.type):
         result = probe_plan(spec, the_plan, steps=steps)
     planned = {

@@ -352,6 +352,30 @@ def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str]
     return dataclasses.replace(spec, simulation_fallback=why)
 
 
+def check_model_runs_simulated(spec) -> None:
+    """``model_checks.check_model_runs`` on fake tensors, for a plan or probe with the simulated meter: a model file
+    is never built for real here (an 8B model would need its 32 GB of this machine). A model that fake tensors
+    cannot run is checked for real, as the cpu meter will measure it so.
+
+    Raises:
+        UserError: as ``check_model_runs``.
+    """
+    import dataclasses
+
+    from autofit.model_checks import check_model_runs
+
+    meter = SimulatedMeter(for_device="cpu")
+    try:
+        check_model_runs(
+            dataclasses.replace(spec, example_batch=made_of_real_tensors(spec.example_batch)),
+            build=meter.build_model, environment=meter.environment,
+        )
+    except UserError as error:
+        if not isinstance(error.__cause__, FAKE_TENSOR_LIMITS):
+            raise
+        check_model_runs(spec)
+
+
 def made_of_real_tensors(example_batch):
     """``example_batch`` run outside every dispatch mode, so any Python in it works (a loop over samples, ``int(t)``,
     a dataset's ``__getitem__``: fake tensors have no values to give); under a fake mode its tensors are then made

@@ -105,3 +105,33 @@ def test_a_model_that_fails_in_fp32_too_has_no_missing_kernel():
     )
     assert precision_failures(spec, precisions=["fp32", "bf16", "fp16"], device="cpu") == {}
 
+
+
+BUILT_ONLY_ON_FAKE_TENSORS_FILE = '''
+import torch
+from torch import nn
+
+
+def build_model():
+    made = torch.empty(0)  # as an 8B model would: too big to build here for real
+    if made.device.type != "meta" and type(made).__name__ != "FakeTensor":
+        raise RuntimeError("built for real")
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def example_batch(n):
+    return torch.randn(n, 16), torch.randint(0, 4, (n,))
+'''
+
+
+def test_with_simulate_a_model_file_is_never_built_for_real(run_cli, model_file, tmp_path):
+    """plan --simulate, probe --simulate and probe --plan of an estimated plan check the model on fake tensors."""
+    source, out = model_file(BUILT_ONLY_ON_FAKE_TENSORS_FILE), tmp_path / "plan.json"
+    code, _, err = run_cli("plan", source, "--simulate", "--budget", "1MB", "--batch-size", "4", "--precisions", "fp32", "--out", out)
+    assert code == 0, err
+    code, _, err = run_cli("probe", source, "--simulate", "-m", "4")
+    assert code == 0, err
+    code, _, err = run_cli("probe", "--plan", out)
+    assert code == 0, err
+    code, _, err = run_cli("probe", source, "-m", "4")  # without --simulate it is built for real, and the line says why it failed
+    assert code == 2 and "built for real" in err
