@@ -61,6 +61,8 @@ from strategies import (
     ClippingConfig,
     Compile,
     CompileConfig,
+    FrozenNF4,
+    FrozenNF4Config,
     GradientClipping,
     OffloadConfig,
     OptimizerInBackwardConfig,
@@ -265,6 +267,7 @@ def apply_config(
     step_in_backward = StepInBackward(OptimizerInBackwardConfig(enabled=config.optimizer_in_backward))
     clipping = GradientClipping(ClippingConfig(max_grad_norm=config.max_grad_norm))
     compiled = Compile(CompileConfig(enabled=config.compile))
+    frozen_nf4 = FrozenNF4(FrozenNF4Config(enabled=config.frozen_nf4))
     # The order is fixed, and each step says why it comes where it does.
     # 1. Checkpointing first: it finds blocks by their module names and patches
     #    their forward; any wrapper applied before it would rename or hide them.
@@ -293,6 +296,9 @@ def apply_config(
     #     after the move to the device (the masters are copied from the device's values) and before the
     #     optimizer is built over them. One process only (the configuration refuses sharding with either).
     model = optimizer_state.apply(model)
+    # 3c. Frozen weights in NF4 (QLoRA's base): on the device, so they are quantized there, and after 3b, which
+    #     casts frozen weights to bf16 under bf16-master (NF4 then dequantizes to bf16). One process only.
+    model = frozen_nf4.apply(model)
     # 4. Precision: the forward's autocast and the GradScaler (a sharded one that
     #    agrees across ranks on skipped fp16 steps under FSDP). They shape the
     #    step, not the model, so they wrap whatever the steps above produced.
@@ -309,7 +315,10 @@ def apply_config(
     # 8. Compile very last: what it compiles is the forward every step above shaped (the checkpointed blocks, the
     #    chunked loss, the bf16 weights); in place, so the model's names and state_dict stay.
     model = compiled.apply(model)
-    strategies = (checkpointing, offload, chunked_loss, sharding, precision, optimizer_state, step_in_backward, clipping, split, compiled)
+    strategies = (
+        checkpointing, offload, chunked_loss, sharding, precision, optimizer_state, frozen_nf4, step_in_backward, clipping, split,
+        compiled,
+    )
     return AppliedPlan(
         config=config, model=model, precision=precision, clipping=clipping, split=split, device=env.device, env=env, strategies=strategies,
     )

@@ -68,6 +68,9 @@ class TrainingConfig:
     compile: bool = False
     """``torch.compile`` the model (``strategies.compile``): a speed choice, the same arithmetic to rounding. The planner
     sets it only where it measured the compiled step to fit and to be faster; one process only."""
+    frozen_nf4: bool = False
+    """Frozen linear weights (an adapter's base) held in 4-bit NF4 and dequantized per product
+    (``strategies.frozen_nf4``, torchao; QLoRA): lossy for those weights, a declared choice; one process only."""
     max_grad_norm: float | None = None
     """Clip the global norm of the step's gradients (all micro-batches', over every rank's shards) to this before
     the optimizer steps (``torch.nn.utils.clip_grad_norm_``); None clips nothing. A training choice, not a memory
@@ -118,6 +121,11 @@ class TrainingConfig:
                 "compile on several processes has not been measured (DDP and FSDP2 compile differently); "
                 "leave compile off in the plan, or train on one process"
             )
+        if self.frozen_nf4 and self.world_size > 1:
+            raise UserError(
+                "frozen weights in NF4 run on one process only (their sharding has not been measured); "
+                "leave them dense in the plan, or train on one process"
+            )
         if self.world_size > 1 and self.optimizer_state == "host":
             raise UserError(
                 "optimizer state on the host runs on one process only (DDP and FSDP reduce gradients after it would "
@@ -165,11 +173,12 @@ class TrainingConfig:
         return f"{key}:{levers}" if levers else key
 
     def levers(self) -> str:
-        """"offload=a,b;step-in-backward;state=host;loss-chunks=8", the levers on ("" for none)."""
+        """"offload=a,b;step-in-backward;state=host;loss-chunks=8;base=nf4", the levers on ("" for none)."""
         parts = [f"offload={','.join(self.offload)}"] if self.offload else []
         parts += ["step-in-backward"] if self.optimizer_in_backward else []
         parts += [f"state={self.optimizer_state}"] if self.optimizer_state != "device" else []
         parts += [f"loss-chunks={self.loss_chunks}"] if self.loss_chunks != 1 else []
+        parts += ["base=nf4"] if self.frozen_nf4 else []
         return ";".join(parts)
 
     def simplicity(self) -> tuple:
@@ -178,7 +187,8 @@ class TrainingConfig:
         return (
             self.grad_accum_steps,
             len(self.checkpoint) + len(self.selective_checkpoint) + len(self.offload),
-            int(self.optimizer_in_backward) + int(self.optimizer_state != "device") + int(self.loss_chunks != 1),
+            int(self.optimizer_in_backward) + int(self.optimizer_state != "device") + int(self.loss_chunks != 1)
+            + int(self.frozen_nf4),
             PRECISIONS.index(self.precision),
             int(self.compile),
         )

@@ -206,6 +206,7 @@ class Plan:
             **({"optimizer_state": config.optimizer_state} if config.optimizer_state != "device" else {}),
             **({"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}),
             **({"compile": True} if config.compile else {}),
+            **({"frozen_nf4": True} if config.frozen_nf4 else {}),
             "world_size": config.world_size,
             "sharding": config.sharding,
             **({"max_grad_norm": config.max_grad_norm} if config.max_grad_norm is not None else {}),
@@ -302,6 +303,8 @@ def _check_together(choices: dict, *, grad_accum_steps: int | None, where: str) 
         precision=precision, global_batch_size=G, micro_batch_size=m, world_size=N, max_grad_norm=choices.get("max_grad_norm"),
     ):
         _refuse(where, "optimizer_in_backward", True, "false unless one micro-batch per step on one process, not fp16, no max_grad_norm")
+    if choices.get("frozen_nf4") and N > 1:
+        _refuse(where, "frozen_nf4", True, f"false for world_size {N} (NF4 frozen weights run on one process)")
     if choices.get("optimizer_state") == "host" and N > 1:
         _refuse(where, "optimizer_state", "host", f'"device" or "8bit" for world_size {N} (host state runs on one process)')
     expected_steps = micro_batch_count(G, world_size=N, micro_batch_size=m)
@@ -383,6 +386,7 @@ _PLAN_FIELDS = {  # checked in this order: the schema version first
     "optimizer_state": _choice(OPTIMIZER_STATES),
     "loss_chunks": _integer(1, MAX_LOSS_CHUNKS, f"a whole number of chunks from 1 (the model's own loss) to {MAX_LOSS_CHUNKS}"),
     "compile": FLAG,
+    "frozen_nf4": FLAG,
     "world_size": _integer(1, MAX_BATCH_SIZE, f"a whole number of processes from 1 to {MAX_BATCH_SIZE}"),
     "sharding": _choice(SHARDINGS),
     "max_grad_norm": _Kind("a positive number", lambda value: _number(value) and value > 0).or_null(),

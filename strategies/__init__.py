@@ -14,6 +14,7 @@ from strategies.batch_split import BatchSplit, BatchSplitConfig, micro_batch_cou
 from strategies.chunked_loss import DEFAULT_LOSS_CHUNKS, ChunkedLoss, ChunkedLossConfig, chunkable
 from strategies.clipping import ClippingConfig, GradientClipping
 from strategies.compile import Compile, CompileConfig
+from strategies.frozen_nf4 import FrozenNF4, FrozenNF4Config, nf4_weights
 from strategies.checkpointing import (
     CheckpointConfig,
     Checkpointing,
@@ -41,6 +42,8 @@ __all__ = [
     "ClippingConfig",
     "Compile",
     "CompileConfig",
+    "FrozenNF4",
+    "FrozenNF4Config",
     "GradientClipping",
     "Checkpointing",
     "HostOptimizer",
@@ -57,6 +60,7 @@ __all__ = [
     "PrecisionConfig",
     "SHARDINGS",
     "Sharding",
+    "nf4_weights",
     "ShardingConfig",
     "StepInBackward",
     "Strategy",

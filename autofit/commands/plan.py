@@ -44,6 +44,10 @@ def plan(
         False, "--allow-lossy-optimizer",
         help="8-bit AdamW state (torchao) may be chosen, above the floor and below it; it changes the optimizer's arithmetic.",
     ),
+    allow_lossy_base: bool = typer.Option(
+        False, "--allow-lossy-base",
+        help="Frozen linear weights (a --lora base) may be held in 4-bit NF4 (torchao; QLoRA) below the floor; it rounds them.",
+    ),
     max_grad_norm: float | None = typer.Option(
         None, "--max-grad-norm", help="Training will clip the gradients' global norm to this (written in the plan); the step in backward, which cannot clip, is not searched.",
     ),
@@ -88,7 +92,7 @@ def plan(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
         host_memory=host_memory, study=study,
         precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus,
-        allow_lossy_optimizer=allow_lossy_optimizer, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
+        allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
         compile=compile_,
     )
     report = plan_with_report(spec, request, log=None if quiet else print_progress)
@@ -236,6 +240,8 @@ def _levers(plan) -> str:
         levers.append("8-bit AdamW state (lossy)")
     if plan.config.loss_chunks != 1:
         levers.append(f"output layer and loss in {plan.config.loss_chunks} chunks")
+    if plan.config.frozen_nf4:
+        levers.append("frozen weights in NF4 (lossy)")
     if plan.config.compile:
         levers.append("torch.compile")
     return "".join(f", {lever}" for lever in levers)

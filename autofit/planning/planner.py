@@ -85,7 +85,7 @@ def plan(
         loss_fn: (output, target) -> loss; default cross-entropy.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
         request: the fields of ``PlanRequest`` (``budget`` and ``batch_size`` at least; ``device``,
-            ``simulate``, ``device_memory``, ``precisions``, ``gpus``, ``allow_lossy_optimizer``,
+            ``simulate``, ``device_memory``, ``precisions``, ``gpus``, ``allow_lossy_optimizer``, ``allow_lossy_base``,
             ``study``, ``cache``, ``threads``), each documented there.
 
     Returns:
@@ -132,7 +132,10 @@ def plan_with_report(spec: ModelSpec, request: PlanRequest, *, log: Callable[[st
     if gpus > 1:
         return _with_clipping(_plan_ranks(spec, request, log=log), request.max_grad_norm)
     context = plan_context(spec, request, log=log)
-    levers = Levers(allow_lossy_optimizer=request.allow_lossy_optimizer, max_grad_norm=request.max_grad_norm)
+    levers = Levers(
+        allow_lossy_optimizer=request.allow_lossy_optimizer, allow_lossy_base=request.allow_lossy_base,
+        max_grad_norm=request.max_grad_norm,
+    )
     try:
         with _threads(context):
             return _with_clipping(_plan_one_process(context, _memory(context), levers=levers), request.max_grad_norm)
@@ -200,7 +203,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             try:
                 ladder = plan_with_levers(
                     context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
-                    max_grad_norm=levers.max_grad_norm,
+                    max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base,
                 )
             except BelowLeverFloor as refused:
                 # The ladder adds the levers to the floor configuration only; where that takes several micro-batches

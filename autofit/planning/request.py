@@ -44,6 +44,8 @@ class PlanRequest:
     """Processes (GPUs) to train on: DDP when the model fits unsharded, FSDP2 otherwise."""
     allow_lossy_optimizer: bool = False
     """8-bit AdamW state (torchao) may be chosen; it changes the optimizer's arithmetic, so never without this."""
+    allow_lossy_base: bool = False
+    """Frozen linear weights (a LoRA base) may be held in 4-bit NF4 (QLoRA); it rounds them, so never without this."""
     study: str | None = None
     """An Optuna storage URL ("sqlite:///plans.db") that keeps the search, to resume and inspect it."""
     cache: bool = True

@@ -15,7 +15,9 @@ with the levers, cheapest first and each adding to the last:
    activation offload of every block not checkpointed and the optimizer
    state on the host, whose gradients also leave the device in backward
    (same arithmetic; costs transfers),
-3. with ``allow_lossy_optimizer`` only: torchao's 8-bit AdamW state (it
+3. with ``allow_lossy_base`` only, for a model with frozen linear weights (a
+   LoRA base): those weights in 4-bit NF4 (QLoRA; ``strategies.frozen_nf4``),
+4. with ``allow_lossy_optimizer`` only: torchao's 8-bit AdamW state (it
    changes the optimizer's arithmetic: a declared choice, never a silent one).
 
 Each candidate's peak is measured by the plan's meter (the device's, or the
@@ -54,11 +56,17 @@ from autofit.planning.search.space import LeverSearch
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, write_plan
 from autofit.units import format_bytes
-from strategies import DEFAULT_LOSS_CHUNKS, MASTER_WEIGHTS, PURE_BF16, chunkable
+from strategies import DEFAULT_LOSS_CHUNKS, MASTER_WEIGHTS, PURE_BF16, chunkable, nf4_weights
 from strategies.chunked_loss import causal_lm
 from strategies.optimizer_state import eight_bit_adam
 
 LOSSY_FLAG = "--allow-lossy-optimizer"
+LOSSY_BASE_FLAG = "--allow-lossy-base"
+NF4_NOTE = (
+    f"the frozen weights are held in 4-bit NF4 (torchao, QLoRA's base; allowed by {LOSSY_BASE_FLAG}): each is rounded to "
+    "one of 16 levels of its block, so the model the adapters train over differs from the dense one by that rounding; "
+    "the updates are plain training's"
+)
 LOSSY_NOTE = (
     f"8-bit AdamW state (torchao, allowed by {LOSSY_FLAG}) changes the optimizer's arithmetic: its moments are "
     "quantized block-wise, so training follows plain AdamW closely but not exactly"
@@ -81,6 +89,8 @@ class Levers:
 
     allow_lossy_optimizer: bool = False
     """8-bit optimizer state may be chosen (it changes the optimizer's arithmetic)."""
+    allow_lossy_base: bool = False
+    """Frozen weights may be held in NF4 (it rounds them: QLoRA)."""
     max_grad_norm: float | None = None
     """Training clips gradients (``--max-grad-norm``): the step in backward cannot, so it is left out."""
 
@@ -96,6 +106,17 @@ class LeverCandidate:
     config: TrainingConfig
     lossy: bool = False
     """It changes the optimizer's arithmetic (8-bit state)."""
+    lossy_base: bool = False
+    """It rounds the frozen weights (NF4)."""
+
+    def allowed(self, *, allow_lossy_optimizer: bool, allow_lossy_base: bool) -> bool:
+        """Whether the user's flags let the plan use it."""
+        return (allow_lossy_optimizer or not self.lossy) and (allow_lossy_base or not self.lossy_base)
+
+    @property
+    def flag(self) -> str:
+        """The flag that allows it ("" for a lossless candidate)."""
+        return LOSSY_FLAG if self.lossy else LOSSY_BASE_FLAG if self.lossy_base else ""
 
 
 class BelowLeverFloor(InfeasibleBudget):
@@ -106,9 +127,12 @@ class BelowLeverFloor(InfeasibleBudget):
         self.lever_budgets = lever_budgets
         """(candidate, the least budget whose headroom leaves room for its measured peak), for each candidate measured."""
 
-    def lever_floor_bytes(self, *, allow_lossy_optimizer: bool) -> int | None:
+    def lever_floor_bytes(self, *, allow_lossy_optimizer: bool, allow_lossy_base: bool = False) -> int | None:
         """The least budget a plan with the levers needs (None: no candidate was measured)."""
-        budgets = [budget for candidate, budget in self.lever_budgets if allow_lossy_optimizer or not candidate.lossy]
+        budgets = [
+            budget for candidate, budget in self.lever_budgets
+            if candidate.allowed(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)
+        ]
         return min(budgets, default=None)
 
 
@@ -124,11 +148,12 @@ class _Measured:
 
 def lever_candidates(
     context: PlanContext, floor: Floor, *, blocks: list[str], allow_lossy_optimizer: bool, max_grad_norm: float | None = None,
+    allow_lossy_base: bool = False,
 ) -> tuple[list[LeverCandidate], list[str]]:
     """The floor configuration with the levers, cheapest in speed first, and why any lever was left out.
 
-    The lossy candidates (8-bit state, then bf16-pure) are last and marked lossy; they are listed without
-    ``allow_lossy_optimizer`` too, so that the error can say what they would save.
+    The lossy candidates (frozen weights in NF4, then 8-bit state, then bf16-pure) are last and marked lossy; they are
+    listed without their flags too, so that the error can say what they would save.
     """
     config, G = floor.config, context.global_batch_size
     base = TrainingConfig(
@@ -157,6 +182,7 @@ def lever_candidates(
             base = replace(base, offload=others)
             names.append(f"activation offload of {len(others)} block(s)")
             candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
+        _add_nf4(context, candidates, skipped, base=base, allow_lossy_base=allow_lossy_base)
         return candidates, skipped
     if context.device == "cuda":
         # The checkpointed blocks keep only their inputs: offload is for the others.
@@ -178,6 +204,7 @@ def lever_candidates(
         names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
+    _add_nf4(context, candidates, skipped, base=candidates[-1].config if candidates else base, allow_lossy_base=allow_lossy_base)
     # Last: 8-bit state on the device (on a GPU host state already keeps none there; this one is faster).
     candidates.append(
         LeverCandidate(
@@ -195,9 +222,23 @@ def lever_candidates(
     return candidates, skipped
 
 
+def _add_nf4(context: PlanContext, candidates: list[LeverCandidate], skipped: list[str], *, base: TrainingConfig,
+             allow_lossy_base: bool) -> None:
+    """The candidate with the frozen linear weights in NF4 too (after the lossless ones it adds to), for a model that
+    has such weights (a LoRA base)."""
+    frozen = nf4_weights(context.meta_model)
+    if not frozen:
+        return
+    added = f"frozen weights in NF4 ({len(frozen)} linear layer(s))"
+    name = ", ".join(filter(None, [candidates[-1].name if candidates and candidates[-1].config == base else "", added]))
+    candidates.append(LeverCandidate(name=name, added=added, config=replace(base, frozen_nf4=True), lossy_base=True))
+    if not allow_lossy_base:
+        skipped.append(f"frozen weights in NF4: it rounds the frozen weights to 4 bits; allow it with {LOSSY_BASE_FLAG}")
+
+
 def plan_with_levers(
     context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, allow_lossy_optimizer: bool,
-    max_grad_norm: float | None = None,
+    max_grad_norm: float | None = None, allow_lossy_base: bool = False,
 ) -> PlanReport:
     """The first lever candidate measured to fit, as the plan; the floor's error with the levers' savings otherwise.
 
@@ -209,7 +250,9 @@ def plan_with_levers(
     floor_peak, _ = measurements.checked_peak(floor.config)
     candidates, skipped = lever_candidates(
         context, floor, blocks=list(costs.model.blocks), allow_lossy_optimizer=allow_lossy_optimizer, max_grad_norm=max_grad_norm,
+        allow_lossy_base=allow_lossy_base,
     )
+    flags = {"allow_lossy_optimizer": allow_lossy_optimizer, "allow_lossy_base": allow_lossy_base}
     context.log(f"below the floor {format_bytes(floor.budget_bytes)}: the floor configuration with the memory levers")
     for why in skipped:
         context.log(f"  left out: {why}")
@@ -225,14 +268,14 @@ def plan_with_levers(
         context.log(
             f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured ({_against_floor(measured.peak_bytes, floor_peak)}); "
             + ("fits" if fits else excess or "does not fit")
-            + ("" if allow_lossy_optimizer or not candidate.lossy else f" (not allowed without {LOSSY_FLAG})")
+            + ("" if candidate.allowed(**flags) else f" (not allowed without {candidate.flag})")
         )
-        if fits and (allow_lossy_optimizer or not candidate.lossy):
+        if fits and candidate.allowed(**flags):
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
         measurements.reject(floor.config, f"with {candidate.name}: measured peak {format_bytes(measured.peak_bytes)} does not fit"
-                            if not fits else f"with {candidate.name}: fits, but needs {LOSSY_FLAG}")
+                            if not fits else f"with {candidate.name}: fits, but needs {candidate.flag}")
     raise BelowLeverFloor(
-        below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, allow_lossy_optimizer=allow_lossy_optimizer,
+        below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, flags=flags,
                                                                   fits=measurements.fits_peak, host_fits=measurements.fits_host)),
         below=below,
         lever_budgets=[
@@ -249,7 +292,7 @@ def _against_floor(peak: int, floor_peak: int) -> str:
     return f"{format_bytes(abs(floor_peak - peak))} {'less' if peak < floor_peak else 'more'} than the floor's"
 
 
-def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: bool, fits, host_fits=None) -> str:
+def _savings(tried: list[_Measured], *, floor_peak: int, flags: dict[str, bool], fits, host_fits=None) -> str:
     """"optimizer step in backward (-3.09 MiB, measured; not enough), ": each measured lever with what it saves.
 
     The candidates add to each other, so from the second on the saving is "in all".
@@ -261,10 +304,11 @@ def _savings(tried: list[_Measured], *, floor_peak: int, allow_lossy_optimizer: 
         candidate = measured.candidate
         in_all = " in all" if parts else ""
         saving = f"-{format_bytes(floor_peak - measured.peak_bytes)}{in_all}, measured"
-        if candidate.lossy:
-            flag = "" if allow_lossy_optimizer else f"{LOSSY_FLAG} for "
+        if candidate.lossy or candidate.lossy_base:
+            flag = "" if candidate.allowed(**flags) else f"{candidate.flag} for "
             would = "; it would fit" if fits(measured.peak_bytes, measured.breakdown) else "; not enough"
-            parts.append(f"{flag}{candidate.added} ({saving}{would}; it changes the optimizer's arithmetic)")
+            change = "it changes the optimizer's arithmetic" if candidate.lossy else "it rounds the frozen weights"
+            parts.append(f"{flag}{candidate.added} ({saving}{would}; {change})")
         elif host_fits is not None and fits(measured.peak_bytes, measured.breakdown) and not host_fits(measured.host_peak_bytes):
             parts.append(
                 f"{candidate.added} ({saving}; it fits the device but keeps {format_bytes(measured.host_peak_bytes)} in host "
@@ -371,6 +415,8 @@ def lever_notes(
     """
     predicted = (
         "the predicted peak is the memory model's with them (planning/memory/levers.py)" if modelled else
+        "the memory model does not model NF4 weights, so the predicted peak is the floor configuration's without them"
+        if candidate.lossy_base else
         "the memory model does not model these levers (traces without the offload trace), so the "
         "predicted peak is the floor configuration's without them"
     )
@@ -381,7 +427,10 @@ def lever_notes(
     ]
     if host_peak_bytes:
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
-    if candidate.lossy:
+    if candidate.lossy_base:
+        notes.append(NF4_NOTE)
+        notes.append("the speed model does not price NF4's dequantization: the predicted speed is without it")
+    elif candidate.lossy:
         notes.append(PURE_NOTE if candidate.config.precision == PURE_BF16 else LOSSY_NOTE)
     elif candidate.config.precision == MASTER_WEIGHTS:
         notes.append(MASTER_NOTE)
@@ -392,7 +441,7 @@ def lever_notes(
 
 def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> float | None:
     """The memory model's peak of a lever candidate, where its traces model its levers."""
-    if config.selective_checkpoint:
+    if config.selective_checkpoint or config.frozen_nf4:  # the traces hold no NF4 weights
         return None
     choice = LeverChoice(
         offload=frozenset(model.blocks.index(name) for name in config.offload), optimizer_in_backward=config.optimizer_in_backward,
