@@ -47,6 +47,7 @@ def fit(
     max_grad_norm: float | None = None,
     init_from=None,
     lora: str | None = None,
+    merge: bool = False,
     device: str = "cpu",
     input_shape: str | None = None,
     log_dir: str | Path | None = None,
@@ -97,6 +98,8 @@ def fit(
         lora: LoRA adapters over ``model`` (PEFT), e.g. "r=16,alpha=32,targets=q_proj,v_proj": its weights (after
             ``init_from``) are frozen and the adapters, added to it in place, train (``autofit.adapters``). A plan
             made with adapters brings its own; one given here must be the same.
+        merge: with adapters, also save them merged into the base (``log_dir/hf/merged``, loadable with
+            ``from_pretrained`` alone); the returned model keeps its adapters.
         device: "cpu" or "cuda", where to plan (and so train).
         input_shape: "CxHxW" images from a folder are resized to.
         log_dir: where metrics, plan.json, last.pt and best.pt go; default runs/<time>.
@@ -146,10 +149,14 @@ def fit(
         load_into(model, init_from if isinstance(init_from, dict) else state_dict_from(init_from), where=where)
         weights_note = f"from {where}"
     model, adapters = _with_adapters(model, lora, plan=plan)
+    if merge and adapters is None:
+        raise UserError("merge=True merges LoRA adapters into the base, and this run trains none; drop merge, or give lora=...")
     data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan, collate=collate)
     plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
                      example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
                      max_grad_norm=max_grad_norm, adapters=adapters)
+    if merge and plan.config.world_size > 1:
+        raise UserError("merge=True runs on one process; drop it, and merge the saved adapter with PEFT's merge_and_unload")
     folder = str(Path(train_data).resolve()) if isinstance(train_data, (str, Path)) else None
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
@@ -159,7 +166,7 @@ def fit(
     result = run_training(
         model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
         input_shape=shape, loss_fn=Loss(loss_fn, count_items=count_items), build_optimizer=optimizer or default_optimizer,
-        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
+        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note, merge=merge,
     )
     return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
                      last_path=result.last_path, log_dir=result.log_dir)

@@ -69,6 +69,9 @@ def train(
     lora: Optional[str] = typer.Option(
         None, "--lora", help="LoRA adapters: the plan's own (`autofit plan --lora ...` records them); given here it must be the same.",
     ),
+    merge: bool = typer.Option(
+        False, "--merge", help="Also save the LoRA adapters merged into the base: runs/NAME/hf/merged, loadable with from_pretrained alone.",
+    ),
 ) -> None:
     """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C, SIGTERM and SIGHUP save, --resume continues.
 
@@ -79,11 +82,11 @@ def train(
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
                workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, schedule=schedule,
                warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config,
-               pack=pack, val_fraction=val_fraction, lora=lora)
+               pack=pack, val_fraction=val_fraction, lora=lora, merge=merge)
 
 
 def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, resume, overwrite, model, workers, save_every,
-           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora) -> None:
+           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
@@ -128,6 +131,12 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
         from autofit.adapters import planned_lora
 
         planned_lora(lora, the_plan.model.lora, flag="--lora", spell=lambda value: f"--lora {value}")
+    if merge and the_plan.model.lora is None:
+        raise UserError("--merge merges LoRA adapters into the base, and this plan trains none; drop --merge, or plan with --lora")
+    if merge and the_plan.config.world_size > 1:
+        raise UserError(
+            "--merge runs on one process; drop it, and merge the saved adapter with PEFT's merge_and_unload after training"
+        )
     spec = spec_for_plan(the_plan.model, model_file=model)
     if resume and (weights is not None or from_config):
         raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")
@@ -158,7 +167,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
             network, plan=the_plan, data=train_data, source=spec.source, source_options=spec.source_options,
             input_shape=shape, loss_fn=spec.loss_fn,
             build_optimizer=spec.build_optimizer, settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
-            pretrained_dir=pretrained_dir(spec),
+            pretrained_dir=pretrained_dir(spec), merge=merge,
         )
     except TrainingInterrupted as stop:
         if is_rank0():

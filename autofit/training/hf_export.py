@@ -6,7 +6,11 @@ weights it ended with (as last.pt holds them), its config, and the tokenizer
 of the ``hf:`` directory when that has one, so that
 ``AutoModelForCausalLM.from_pretrained("runs/NAME/hf")`` loads it. A PEFT
 model saves its adapter (``PeftModel.save_pretrained``), which
-``PeftModel.from_pretrained`` loads over its base. The folder is written
+``PeftModel.from_pretrained`` loads over its base; with ``merge`` (``--merge``)
+``hf/merged/`` also holds the base with the adapters merged into it
+(``merged_state_dict``: PEFT's own delta of each adapted layer added to its
+weight, an NF4 base dequantized first), which ``from_pretrained`` loads
+alone. The trained model itself is left as it is. The folder is written
 beside as ``hf.partial/`` and renamed into place, so a crash leaves the old
 ``hf/`` or the new one.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from autofit.distributed import is_rank0
@@ -22,6 +27,7 @@ from autofit.library_models import hf_dir, quiet_transformers
 from autofit.spec import ModelSpec
 from autofit.training.sharded_checkpoints import full_model_state_dict
 from strategies import unwrap_model
+from strategies.frozen_nf4 import is_nf4
 
 
 def pretrained_dir(spec: ModelSpec) -> Path | None:
@@ -34,8 +40,42 @@ def saves_pretrained(model: nn.Module) -> bool:
     return callable(getattr(unwrap_model(model), "save_pretrained", None))
 
 
-def save_for_transformers(model: nn.Module, *, log_dir: Path, tokenizer_dir: Path | None = None) -> Path | None:
+def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA model's weights with its adapters merged in, under the base model's own names, on the host.
+
+    Each adapted layer's weight is its base weight (dequantized where it is held in NF4) plus PEFT's delta of each
+    active adapter (``get_delta_weight``: B @ A times the scale), in fp32 and then the base weight's dtype; the
+    adapters' own tensors are left out. The model is not changed.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base_model = module.get_base_model()
+    merged = {}
+    with torch.no_grad():
+        for name, tensor in base_model.state_dict().items():
+            if ".lora_" not in name:
+                merged[name.replace(".base_layer.", ".")] = _dense(tensor).cpu()
+        for name, layer in base_model.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            weight = _dense(layer.get_base_layer().weight)
+            total = weight.float() + sum(layer.get_delta_weight(adapter).float() for adapter in layer.active_adapters)
+            merged[f"{name}.weight"] = total.to(weight.dtype).cpu()
+    return merged
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or the dense weight an NF4 tensor stands for (``strategies.frozen_nf4``)."""
+    return tensor.get_original_weight() if is_nf4(tensor) else tensor.detach()
+
+
+def save_for_transformers(
+    model: nn.Module, *, log_dir: Path, tokenizer_dir: Path | None = None, merge: bool = False,
+) -> Path | None:
     """Write ``log_dir/hf`` (see the module docstring); a collective on several processes (rank 0 writes).
+
+    Args:
+        merge: also write ``hf/merged``, the LoRA adapters merged into the base (a PEFT model on one process).
 
     Returns:
         The folder, or None for a model without ``save_pretrained``.
@@ -55,11 +95,15 @@ def save_for_transformers(model: nn.Module, *, log_dir: Path, tokenizer_dir: Pat
         with quiet_transformers():
             if hasattr(module, "peft_config"):
                 module.save_pretrained(str(partial))  # the adapter: PEFT picks its own tensors
+                if merge:
+                    module.get_base_model().save_pretrained(str(partial / "merged"), state_dict=merged_state_dict(module))
             else:
                 module.save_pretrained(str(partial), state_dict=state)
             tokenizer = _tokenizer(tokenizer_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(partial))
+                if merge and (partial / "merged").is_dir():
+                    tokenizer.save_pretrained(str(partial / "merged"))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -38,6 +38,7 @@ def run_training(
     settings: TrainSettings,
     max_grad_norm: float | None = None,
     weights_note: str = "",
+    merge: bool = False,
     pretrained_dir: Path | None = None,
 ) -> TrainResult:
     """Train ``model`` with ``plan`` on ``data`` in the shared loop (``autofit.training.loop.train``).
@@ -56,6 +57,7 @@ def run_training(
         max_grad_norm: clip the gradients' global norm to this (the plan's ``max_grad_norm`` from now on); None
             keeps the plan's. On resume it must equal the run's.
         weights_note: where the weights came from ("pretrained from DIR"), printed before training.
+        merge: LoRA adapters are also saved merged into the base (``hf/merged``; ``hf_export.merged_state_dict``).
         pretrained_dir: the ``hf:`` directory whose tokenizer ``hf/`` gets beside the weights.
 
     Returns:
@@ -91,13 +93,15 @@ def run_training(
             settings=settings,
         )
     try:
-        saved = save_for_transformers(model, log_dir=result.log_dir, tokenizer_dir=pretrained_dir)
+        saved = save_for_transformers(model, log_dir=result.log_dir, tokenizer_dir=pretrained_dir, merge=merge)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise UserError(disk_full_line(error, result.log_dir)) from None
     if saved is not None and settings.verbose and is_rank0():
         print(f"saved for transformers: {saved} (from_pretrained loads it)", flush=True)
+        if merge:
+            print(f"saved merged: {saved / 'merged'} (the adapters merged into the base; from_pretrained loads it alone)", flush=True)
     return result
 
 

@@ -159,3 +159,16 @@ def test_qlora_below_the_floor_is_planned_only_with_allow_lossy_base(run_cli, tm
     monkeypatch.chdir(tmp_path)
     code, stdout, err = run_cli("train", "--plan", out, "--max-steps", "2")
     assert code == 0, err
+
+
+def test_merged_weights_of_an_nf4_base_give_the_adapted_models_outputs():
+    """``--merge`` over QLoRA: the dequantized base plus PEFT's deltas, under the base model's own names."""
+    from autofit.training.hf_export import merged_state_dict
+
+    model = lora_mlp()
+    applied = apply_config(model, TrainingConfig(global_batch_size=8, micro_batch_size=8, frozen_nf4=True), device="cpu")
+    plain = MLP()
+    plain.load_state_dict(merged_state_dict(applied.model))  # strict: every name of the plain model, no adapter's
+    inputs, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(inputs), applied.model(inputs), rtol=1e-5, atol=1e-5)

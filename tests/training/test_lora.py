@@ -37,8 +37,9 @@ def test_plan_and_train_with_lora_change_only_the_adapters_and_save_them_for_pef
     assert saved["lora"] == LORA
     assert f"frozen; LoRA adapters ({LORA}) trained" in out
     code, out, err = run_cli("train", "--plan", plan, "--data", corpus, "--epochs", "1", "--workers", "0",
-                             "--log-dir", tmp_path / "run", "--lr", "1e-2")
+                             "--log-dir", tmp_path / "run", "--lr", "1e-2", "--merge")
     assert code == 0, err
+    assert "saved merged" in out
     trained = load_checkpoint(tmp_path / "run" / "last.pt")["model_state"]
     base = {name: tensor for name, tensor in
             __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_lm).state_dict().items()}
@@ -55,6 +56,12 @@ def test_plan_and_train_with_lora_change_only_the_adapters_and_save_them_for_pef
         __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_lm), tmp_path / "run" / "hf",
     )
     assert all(torch.equal(model.state_dict()[name], trained[name]) for name in adapters)
+    # --merge: the adapters merged into the base, loaded by transformers alone, give the adapted model's logits.
+    merged = __import__("transformers").AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf" / "merged")
+    assert not any("lora" in name for name in merged.state_dict())
+    tokens = torch.randint(0, merged.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)
     # Given again to train, it must be the plan's.
     code, out, err = run_cli("train", "--plan", plan, "--data", corpus, "--log-dir", tmp_path / "again", "--lora", "r=8")
     assert code == 2 and "the plan was made with --lora r=4,alpha=8,targets=q_proj,v_proj" in err
@@ -80,3 +87,12 @@ def test_fit_with_lora_trains_the_adapters_over_the_frozen_model(tmp_path):
     assert any("lora_B" in name and not torch.all(tensor == 0) for name, tensor in state.items())
     with pytest.raises(UserError, match="the plan was made with lora='r=2,alpha=2,targets=fc,out'"):
         autofit.fit(torch.nn.Linear(8, 3), train_data=data, plan=result.plan, lora="r=4,targets=fc", verbose=False)
+
+
+def test_merge_without_adapters_is_one_line_before_training(run_cli, tmp_path):
+    from tests.conftest import ROOT
+
+    code, _, err = run_cli("train", "--plan", ROOT / "tests" / "plan_files" / "cpu_measured.json", "--merge",
+                           "--log-dir", tmp_path / "run")
+    assert code == 2 and "--merge merges LoRA adapters into the base, and this plan trains none" in err
+    assert not (tmp_path / "run").exists()
