@@ -59,6 +59,9 @@ class ModelSpec:
     weights_note: str = ""
     """Where training's weights come from, as the plan summary and the run's header say it ("pretrained from
     DIR", "random init from config.json"); "" for a model file's own initialisation."""
+    build_base: Callable[[], nn.Module] | None = None
+    """With adapters (``lora``): the model without them, with its own initialisation, which weights given to start
+    from (``--weights``) are loaded into before the adapters are added. None: no adapters."""
     collate: Callable[[list], tuple] | None = None
     """Dataset samples -> ``(inputs, targets)`` with per-sample lists marked (``model_io.per_sample``); None: stacked."""
     simulation_fallback: str = ""
@@ -150,7 +153,7 @@ def _with_adapters(spec: ModelSpec, lora: str) -> ModelSpec:
     pretrained = spec.build_pretrained
     base = spec.weights_note or "the model's own initialisation"
     return dataclasses.replace(
-        spec, build_model=with_lora(spec.build_model, settings),
+        spec, build_model=with_lora(spec.build_model, settings), build_base=spec.build_model,
         build_pretrained=with_lora(pretrained, settings) if pretrained is not None else None,
         source_options={**spec.source_options, "lora": settings.text()},
         weights_note=f"{base}, frozen; LoRA adapters ({settings.text()}) trained",

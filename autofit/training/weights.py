@@ -117,6 +117,13 @@ def initial_model(spec: ModelSpec, *, weights=None, from_config: bool = False) -
     if weights is not None:
         where = "init_from" if isinstance(weights, dict) else str(weights)
         state = weights if isinstance(weights, dict) else state_dict_from(weights)
+        if spec.build_base is not None and not any(".lora_" in name for name in state):
+            # The base model's weights (not a LoRA run's): loaded into the base, then the adapters added over them.
+            from autofit.adapters import lora_model, parse_lora
+
+            lora = spec.source_options["lora"]
+            base = load_without_copy(spec.build_base, state, where=where)
+            return lora_model(base, parse_lora(lora)), f"from {where}, frozen; LoRA adapters ({lora}) trained"
         return load_without_copy(spec.build_model, state, where=where), f"from {where}"
     if spec.build_pretrained is not None and not from_config:
         return spec.build_pretrained(), spec.weights_note

@@ -96,3 +96,25 @@ def test_merge_without_adapters_is_one_line_before_training(run_cli, tmp_path):
                            "--log-dir", tmp_path / "run")
     assert code == 2 and "--merge merges LoRA adapters into the base, and this plan trains none" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_weights_of_the_base_model_start_a_lora_run(tiny_lm, tmp_path, run_cli):
+    """--weights with the base model's own names (not a LoRA run's): loaded into the base, the adapters added over it."""
+    transformers = __import__("transformers")
+    plan = tmp_path / "plan.json"
+    code, _, err = run_cli("plan", f"hf:{tiny_lm}", "--task", "causal-lm", "--seq-len", "32", "--batch-size", "2",
+                           "--budget", "1GB", "--out", plan, "--precisions", "fp32", "--lora", LORA)
+    assert code == 0, err
+    torch.manual_seed(3)
+    base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny_lm))
+    torch.save(base.state_dict(), tmp_path / "base.pt")
+    code, out, err = run_cli("train", "--plan", plan, "--weights", tmp_path / "base.pt", "--max-steps", "1", "--workers", "0",
+                             "--log-dir", tmp_path / "run")
+    assert code == 0, err
+    assert f"from {tmp_path / 'base.pt'}, frozen; LoRA adapters ({LORA}) trained" in out
+    trained = load_checkpoint(tmp_path / "run" / "last.pt")["model_state"]
+    for name, tensor in base.state_dict().items():
+        if name == "lm_head.weight" and base.config.tie_word_embeddings:
+            continue
+        adapted = "base_model.model." + name.replace("q_proj.", "q_proj.base_layer.").replace("v_proj.", "v_proj.base_layer.")
+        assert torch.equal(trained[adapted], tensor), name
