@@ -16,7 +16,8 @@ gradients of a plain run over the dequantized weights
 (tests/strategies/test_frozen_nf4.py).
 
 Weights whose element count NF4's blocks do not divide (a multiple of
-64 x 256 = 16,384 elements) stay dense. Applied after the move to the device
+64 x 256 = 16,384 elements) stay dense, and so does a language model's output
+layer (as in torchtune's QLoRA). Applied after the move to the device
 (quantized there) and after bf16-master's cast of frozen weights to bf16 (the
 NF4 weight then dequantizes to bf16); one process only.
 """
@@ -40,17 +41,30 @@ class FrozenNF4Config:
 
 
 def nf4_weights(model: nn.Module) -> list[nn.Linear]:
-    """The linear layers whose weight NF4 would hold: frozen, of a size its blocks divide, and not shared with another
-    module (a tied output layer: its embedding would keep the dense weight beside the NF4 one)."""
+    """The linear layers whose weight NF4 would hold: frozen, of a size its blocks divide, not shared with another
+    module (a tied output layer: its embedding would keep the dense weight beside the NF4 one), and not a language
+    model's output layer (as torchtune's QLoRA leaves it: dequantizing its vocabulary-sized weight for every chunk
+    of tokens would take several times its bytes at once)."""
     users: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             users[id(param)] = users.get(id(param), 0) + 1
+    output = _output_layer(model)
     return [
         module for module in model.modules()
         if isinstance(module, nn.Linear) and not module.weight.requires_grad and module.weight.is_floating_point()
         and module.weight.numel() % NF4_BLOCK_ELEMENTS == 0 and users[id(module.weight)] == 1
+        and module.weight is not output
     ]
+
+
+def _output_layer(model: nn.Module) -> torch.Tensor | None:
+    """A transformers model's output layer weight (under PEFT's wrapper too), or None."""
+    inner = getattr(model, "get_base_model", None)
+    model = inner() if callable(inner) else model
+    get = getattr(model, "get_output_embeddings", None)
+    layer = get() if callable(get) else None
+    return getattr(layer, "weight", None)
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

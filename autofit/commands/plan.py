@@ -64,7 +64,7 @@ def plan(
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
     from autofit.atomic import check_writable
-    from autofit.measure.meters import check_model_runs_simulated
+    from autofit.measure.meters import check_fits_this_machine, check_model_runs_simulated
     from autofit.model_checks import check_model_runs
     from autofit.plan_file import save_plan
     from autofit.planning.planner import plan_with_report, print_progress
@@ -87,6 +87,7 @@ def plan(
     if simulate:  # built of fake tensors only: the machine that plans need not hold the model
         check_model_runs_simulated(spec)
     else:
+        check_fits_this_machine(spec, device=device)
         check_model_runs(spec)
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,

@@ -72,6 +72,9 @@ def probe(
         # As the planner does: a model whose build the simulated meter cannot fake (ViT's) is copied from meta.
         spec = simulation_spec(spec)
     else:
+        from autofit.measure.meters import check_fits_this_machine
+
+        check_fits_this_machine(spec, device=device)
         check_model_runs(spec)
         _check_fits_machine(spec, micro_batch_size=micro_batch_size, device=device)
     if list_blocks:

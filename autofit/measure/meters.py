@@ -418,6 +418,31 @@ def noting_padding(example_batch):
     return noted
 
 
+def check_fits_this_machine(spec, *, device: str) -> None:
+    """Refuse, before building it, a model this machine's memory cannot hold for what comes next: on the CPU, training
+    it for real (its weights, and for what trains gradients and AdamW's two moments); for a GPU here, its weights (it
+    is built on the host first). Nothing is said for a model that cannot be built on the meta device.
+
+    Raises:
+        UserError: naming the bytes needed, those available, and ``--simulate``.
+    """
+    try:
+        with without_dispatch_modes(), torch.device("meta"):
+            model = spec.build_model()
+    except Exception:  # built only for real (a Python object's copy): nothing to say beforehand
+        return
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    needs = weights + 3 * trainable if device == "cpu" else weights
+    available = host_memory_bytes(available=True)
+    if needs > available:
+        what = "train it for real: its weights, gradients and AdamW state" if device == "cpu" else "build it: its weights"
+        raise UserError(
+            f"{spec.source} is too big for this machine: it would need at least {format_bytes(needs)} to {what}, and "
+            f"{format_bytes(available)} is available; plan it with --simulate (--device cuda --device-memory for the GPU that trains)"
+        )
+
+
 def _real_training_bytes(spec) -> int | None:
     """About what training ``spec``'s model for real takes at least: 16 bytes per parameter (fp32 weights, gradients
     and AdamW's two moments); None where its model cannot be built on the meta device."""

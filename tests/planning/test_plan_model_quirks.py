@@ -135,3 +135,28 @@ def test_with_simulate_a_model_file_is_never_built_for_real(run_cli, model_file,
     assert code == 0, err
     code, _, err = run_cli("probe", source, "-m", "4")  # without --simulate it is built for real, and the line says why it failed
     assert code == 2 and "built for real" in err
+
+
+HUGE_FILE = '''
+import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(100_000, 100_000), nn.Linear(100_000, 4))  # 40 GB of fp32 weights
+
+
+def example_batch(n):
+    return torch.randn(n, 100_000), torch.randint(0, 4, (n,))
+'''
+
+
+def test_a_model_this_machine_cannot_hold_is_one_line_before_it_is_built(run_cli, model_file, tmp_path, monkeypatch):
+    import autofit.measure.meters as meters
+
+    monkeypatch.setattr(meters, "host_memory_bytes", lambda available: 8 * 2**30)  # however much this machine has
+    source = model_file(HUGE_FILE)
+    code, _, err = run_cli("plan", source, "--budget", "16GB", "--batch-size", "4", "--out", tmp_path / "plan.json")
+    assert code == 2 and "too big for this machine: it would need at least 149.02 GiB" in err and "--simulate" in err
+    code, _, err = run_cli("probe", source, "-m", "1")
+    assert code == 2 and "too big for this machine" in err
