@@ -138,7 +138,10 @@ def plan_with_report(spec: ModelSpec, request: PlanRequest, *, log: Callable[[st
     )
     try:
         with _threads(context):
-            return _with_clipping(_plan_one_process(context, _memory(context), levers=levers), request.max_grad_norm)
+            report = _plan_one_process(context, _memory(context), levers=levers)
+        # The wall time: a report made by the ladder below the floor is followed by the search with the levers.
+        report.seconds = time.perf_counter() - context.started
+        return _with_clipping(report, request.max_grad_norm)
     finally:
         context.trace_pool.close()
 
