@@ -64,3 +64,13 @@ def format_bytes(num_bytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_rate(per_second: float) -> str:
+    """A speed with three significant digits, whole above 100: 0.0123, 1.1, 8.42, 103, 12345.
+
+    Example:
+        >>> format_rate(0.01234), format_rate(8.4167), format_rate(12345.6)
+        ('0.0123', '8.42', '12346')
+    """
+    return f"{per_second:.0f}" if per_second >= 100 else f"{per_second:.3g}"

@@ -10,7 +10,7 @@ from autofit.cli import app
 from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
 from autofit.planning.policy import POLICY
-from autofit.units import format_bytes
+from autofit.units import format_bytes, format_rate
 
 
 @app.command()
@@ -162,8 +162,12 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         )
     speed = measured.samples_per_s
     unconstrained = report.unconstrained
-    text = f"{speed:.1f} samples/s measured" if speed else "not measured (simulated)"
-    lines.append(f"  speed       {text}, {predicted.samples_per_s:.1f} predicted")
+    tokens = plan.model.seq_len  # a language model's speed in tokens too
+    text = f"{format_rate(speed)} samples/s measured" if speed else "not measured (simulated)"
+    lines.append(
+        f"  speed       {text}, {format_rate(predicted.samples_per_s)} predicted"
+        + (f" ({format_rate((speed or predicted.samples_per_s) * tokens)} tokens/s at {tokens} tokens a sample)" if tokens else "")
+    )
     if unconstrained:
         reference = unconstrained.get("samples_per_s") or unconstrained["predicted_samples_per_s"]
         mine = speed or predicted.samples_per_s
@@ -172,7 +176,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         peak_kind = "" if unconstrained.get("peak_measured", True) else " predicted"
         lines.append(
             f"              {mine / reference:.2f}x the unconstrained configuration ({unconstrained['precision']}, micro-batch "
-            f"{unconstrained['micro_batch_size']}, no checkpointing: {reference:.1f} samples/s {kind}, peak {format_bytes(peak)}{peak_kind})"
+            f"{unconstrained['micro_batch_size']}, no checkpointing: {format_rate(reference)} samples/s {kind}, peak {format_bytes(peak)}{peak_kind})"
         )
     for precision, why in report.excluded_precisions.items():
         lines.append(f"  left out    {precision}: {why}")
@@ -188,7 +192,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         measured_peak = alt.get("measured_peak_bytes", alt.get("simulated_peak_bytes"))
         lines.append(
             f"  {mark} {format_bytes(alt['predicted_peak_bytes']):>12} {format_bytes(measured_peak) if measured_peak is not None else '-':>12} "
-            f"{alt['predicted_samples_per_s']:>10.1f}  {alt['precision']:<9} {split:>14}  {_fits_text(alt):<14} {_blocks(alt['checkpoint'])}"
+            f"{format_rate(alt['predicted_samples_per_s']):>10}  {alt['precision']:<9} {split:>14}  {_fits_text(alt):<14} {_blocks(alt['checkpoint'])}"
             + (f"; selective {_blocks(alt['selective_checkpoint'])}" if alt.get("selective_checkpoint") else "")
             + (f"; offload {_blocks(alt['offload'])}" if alt.get("offload") else "")
             + ("; step in backward" if alt.get("optimizer_in_backward") else "")

@@ -69,7 +69,7 @@ def test_the_summary_marks_how_each_alternative_fits_and_lists_the_rejections():
     report = PlanReport(plan=plan, rejected=[{"config": "fp32:4:", "why": "measured peak 260 B does not fit"}])
     lines = summary_lines(report)
     rows = {key: next(line for line in lines if text in line) for key, text in [
-        ("measured", "10.0  fp32"), ("rejected", "20.0  fp32"), ("too big", "30.0  fp32"), ("predicted", "5.0  bf16"), ("chosen", "15.0  bf16"),
+        ("measured", " 10  fp32"), ("rejected", " 20  fp32"), ("too big", " 30  fp32"), ("predicted", " 5  bf16"), ("chosen", " 15  bf16"),
     ]}
     assert rows["measured"].split()[0] != "!" and " measured " in rows["measured"] and "110 B" in rows["measured"]
     assert rows["rejected"].lstrip().startswith("!") and " rejected " in rows["rejected"] and "260 B" in rows["rejected"]
@@ -88,3 +88,16 @@ def test_a_simulated_plan_lists_its_chosen_measured_peak():
     plan = make_plan(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, simulate=True, precisions=["fp32"]))
     chosen = [a for a in plan.alternatives if a["chosen"]]
     assert len(chosen) == 1 and chosen[0]["measured_peak_bytes"] == plan.measured.peak_bytes and chosen[0]["fits_budget"]
+
+
+def test_speeds_keep_three_significant_digits_and_a_language_model_says_tokens():
+    from autofit.units import format_rate
+
+    assert [format_rate(x) for x in (0.01234, 1.1, 8.4167, 102.5, 12345.6)] == ["0.0123", "1.1", "8.42", "102", "12346"]
+    plan = Plan(
+        model=ModelInfo(source="hf:llama", task="causal-lm", seq_len=2048), budget_bytes=300,
+        config=TrainingConfig(global_batch_size=8, micro_batch_size=4), predicted=Predicted(peak_bytes=150, samples_per_s=0.0421),
+        measured=Measured(peak_bytes=140, meter="simulated"), alternatives=alternatives(),
+    )
+    speed = next(line for line in summary_lines(PlanReport(plan=plan)) if line.startswith("  speed"))
+    assert speed == "  speed       not measured (simulated), 0.0421 predicted (86.2 tokens/s at 2048 tokens a sample)"
