@@ -212,3 +212,21 @@ def test_ranks_that_accumulate_keep_whole_gradients(model_file):
         micro_batch_size=2, global_batch_size=4,
     )
     assert halves.gpus == 2 and halves.state_bytes == 500_000
+
+
+def test_the_optimizer_steps_temporaries_are_sharded_like_its_state(model_file):
+    """A foreach AdamW's step briefly holds an fp32 copy of every parameter: at the floor's peak those are its
+    'activations', but a rank steps its shards only (#31: 70B was told 64 GPUs would need 327 GiB each)."""
+    from autofit.planning.verify.floor import sharded_floor
+    from autofit.planning.memory.headroom import Headroom
+    from autofit.spec import load_spec
+
+    breakdown = {"parameters": 1_000_000, "gradients": 1_000_000, "optimizer_state": 2_000_000, "activations": 1_000_000}
+    options = dict(
+        precision="fp32", headroom=Headroom(device_type="cpu", estimated=False, budget_bytes=1_000_000),
+        micro_batch_size=1, global_batch_size=8,
+    )
+    unsplit = sharded_floor(load_spec(str(model_file)), breakdown=breakdown, **options)
+    assert unsplit.gpus is None and unsplit.activation_bytes == 1_000_000  # each GPU would hold the whole copy
+    split = sharded_floor(load_spec(str(model_file)), breakdown=breakdown, phases=(20_000, 1_000_000), **options)
+    assert split.gpus is not None and split.activation_bytes == 20_000

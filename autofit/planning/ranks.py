@@ -24,6 +24,7 @@ from autofit.planning.memory.headroom import Headroom
 from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
 from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
+from autofit.planning.memory.segments import peak_of
 from autofit.planning.search.knapsack import cheapest_checkpoint
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, plan_basics
@@ -139,6 +140,8 @@ def _fsdp_candidates(
     """
     model = costs.model
     state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+    # Whole gradients, whatever the single process's peak held of them: its backward and its step hold them all.
+    state["gradients"] = max(state["gradients"], gradient_bytes(context.sim_spec))
     with torch.device("meta"):
         layout = fsdp_layout(context.sim_spec.build_model(), world_size=world_size)
     usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
@@ -146,15 +149,24 @@ def _fsdp_candidates(
     for precision in context.precisions:
         for size in costs.micro_batch_sizes:
             steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=size)
-            sharded = estimate_fsdp_peak_bytes(
+            estimate = estimate_fsdp_peak_bytes(
                 parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
                 optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=layout,
                 world_size=world_size, precision=precision, grad_accum_steps=steps,
-            ).peak_bytes
+            )
             # The one-process model's peak holds the whole state; a rank holds its sharded part and the buffers instead.
-            swap = sharded - sum(state.values())
+            swap = estimate.peak_bytes - sum(state.values())
             segments, drops = model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size)
-            choice = cheapest_checkpoint(segments, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
+            # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
+            # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
+            # is gathered. Forward and backward keep the one-process segments, with the state swapped.
+            backward = [segment for segment in segments if segment.phase != "optimizer"]
+            step_peak = max((segment.peak_bytes for segment in segments if segment.phase == "optimizer"), default=0)
+            step_bytes = estimate.state_bytes + max(step_peak - sum(state.values()), 0) / world_size
+            choice = (
+                cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
+                if step_bytes <= usable else None
+            )
             every = frozenset(range(len(model.blocks)))
             options = [(choice.blocks, True)] if choice is not None else []
             if choice is None or choice.blocks != every:
@@ -168,7 +180,8 @@ def _fsdp_candidates(
                 )
                 candidates.append(_Candidate(
                     samples_per_s=model.samples_per_s(precision, size, blocks), config=config,
-                    estimate_bytes=model.peak_bytes(precision, size, blocks) + swap, fits_estimate=fits_estimate,
+                    estimate_bytes=max(peak_of(backward, drops, blocks) * model.memory_scale + swap, step_bytes),
+                    fits_estimate=fits_estimate,
                 ))
     candidates.sort(key=lambda c: (
         not c.fits_estimate, -round(c.samples_per_s, 6) if c.fits_estimate else c.estimate_bytes,

@@ -192,3 +192,41 @@ def test_a_simulated_gpu_plan_on_several_gpus_leaves_the_one_process_precisions_
     assert code == 0, err
     assert load_plan(out).config.world_size == 2
     assert "bf16-master: trains on one process only, not on --gpus 2" in stdout
+
+
+STEP_BOUND_FILE = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2048, 2048)
+
+    def forward(self, x):
+        return x + F.gelu(self.fc(x))
+
+
+def build_model():
+    return nn.Sequential(*(Block() for _ in range(8)), nn.Linear(2048, 4))
+
+
+def example_batch(n):
+    return torch.randn(n, 2048), torch.randint(0, 4, (n,))
+'''
+
+
+def test_the_fsdp_estimate_shards_the_optimizer_steps_temporaries(run_cli, tmp_path):
+    """A model whose peak is its optimizer step (a CUDA foreach AdamW's fp32 copy of every parameter, and the whole
+    gradients): a rank steps its shards, so the estimate is close to the simulated rank (#31; it was 74% over)."""
+    source, out = tmp_path / "step_bound.py", tmp_path / "plan.json"
+    source.write_text(STEP_BOUND_FILE)
+    code, _, err = run_cli(
+        "plan", source, "--simulate", "--device", "cuda", "--device-memory", "24GiB", "--budget", "2.5GiB", "--batch-size", "4",
+        "--gpus", "4", "--precisions", "fp32", "--out", out,
+    )
+    assert code == 0, err
+    chosen = next(a for a in json.loads(out.read_text())["alternatives"] if a["chosen"])
+    assert abs(chosen["predicted_peak_bytes"] / chosen["simulated_peak_bytes"] - 1) < 0.15

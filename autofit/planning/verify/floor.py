@@ -18,6 +18,7 @@ from autofit.measure.meters import frozen_note
 from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
 from autofit.planning.memory.headroom import PERSISTENT, Headroom, persistent_bytes
+from autofit.planning.memory.segments import peak_of
 from autofit.planning.modelling import Costs
 from autofit.planning.memory.per_rank import ShardedMemoryEstimate, estimate_fsdp_peak_bytes, fsdp_layout
 from autofit.planning.policy import POLICY
@@ -46,6 +47,9 @@ class Floor:
     breakdown: dict[str, int] = field(default_factory=dict)
     """Its measured peak and headroom, by cause (empty when predicted)."""
     measured: bool = True
+    phases: tuple[int, int] | None = None
+    """(activations in forward and backward, the optimizer step's temporaries), each above the whole state, by the
+    memory model: what ranks would hold of each (a rank steps its shards only). None: not known."""
 
 
 def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) -> Floor:
@@ -90,11 +94,30 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
     floor = Floor(
         config=config, budget_bytes=budgets[config.key()],
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
+        phases=_phases(costs, config, state_bytes=persistent_bytes(breakdown)),
     )
     context.log(f"floor: {format_bytes(floor.budget_bytes)} measured")
     if context.budget_bytes < floor.budget_bytes:
         raise InfeasibleBudget(below_floor(context, floor, measurements), floor_bytes=floor.budget_bytes, breakdown=floor.breakdown, floor=floor)
     return floor
+
+
+def _phases(costs: Costs, config: TrainingConfig, *, state_bytes: int) -> tuple[int, int] | None:
+    """(forward and backward's peak, the optimizer step's peak), each less ``state_bytes``, of ``config`` by the memory
+    model; None where its traces do not say."""
+    model = costs.model
+    memory = costs.memory_for_floor().get(config.precision)
+    if not hasattr(memory, "at"):  # no traces of this precision (or a memory model without segments)
+        return None
+    try:
+        segments, drops = memory.at(config.micro_batch_size, global_batch_size=model.global_batch_size)
+    except (KeyError, ValueError):
+        return None
+    step = [segment.peak_bytes for segment in segments if segment.phase == "optimizer"]
+    if not step:
+        return None
+    backward = peak_of([s for s in segments if s.phase != "optimizer"], drops, model.indices(config.checkpoint))
+    return (max(int(backward * model.memory_scale) - state_bytes, 0), max(int(max(step) * model.memory_scale) - state_bytes, 0))
 
 
 def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, *, levers: str = "") -> str:
@@ -143,7 +166,7 @@ def _gpus_advice(context: PlanContext, floor: Floor, *, breakdown: dict[str, int
     try:
         sharded = sharded_floor(
             context.sim_spec, breakdown=breakdown, precision=floor.config.precision, headroom=headroom,
-            micro_batch_size=floor.config.micro_batch_size, global_batch_size=G,
+            micro_batch_size=floor.config.micro_batch_size, global_batch_size=G, phases=floor.phases,
         )
     except Exception:  # a model that cannot be built on meta: no count, the advice stays general
         return "or more GPUs (--gpus N: FSDP2 shards parameters, gradients and optimizer state)"
@@ -186,7 +209,8 @@ class ShardedFloor:
 
 
 def sharded_floor(
-    spec: ModelSpec, *, breakdown: dict[str, int], precision: str, headroom: Headroom, micro_batch_size: int, global_batch_size: int
+    spec: ModelSpec, *, breakdown: dict[str, int], precision: str, headroom: Headroom, micro_batch_size: int, global_batch_size: int,
+    phases: tuple[int, int] | None = None,
 ) -> ShardedFloor:
     """What 2 to ``global_batch_size`` GPUs (at most ``POLICY.floor_advice_max_gpus``) would make of a configuration whose one-process peak breaks down as ``breakdown``.
 
@@ -196,9 +220,16 @@ def sharded_floor(
     is not divided further), but not the activations, the gathered blocks or
     the headroom, and a rank that accumulates micro-batches keeps its whole
     gradients until the last one (``RankSplit``). Conservative: fewer GPUs may do.
+
+    With ``phases`` (forward and backward's activations, the optimizer step's temporaries), the activations are
+    forward and backward's, and the step a moment of its own: a rank steps its shards, so it holds a 1/N share of the
+    one-process step's temporaries (a foreach AdamW's fp32 copy of every parameter), and no gathered block.
     """
     state = {key: breakdown.get(key, 0) for key in PERSISTENT}
     activations = sum(value for key, value in breakdown.items() if key not in state)
+    step_bytes = 0
+    if phases is not None:
+        activations, step_bytes = phases
     with torch.device("meta"):
         model = spec.build_model()
     numel = sum(p.numel() for p in model.parameters()) or 1
@@ -212,8 +243,9 @@ def sharded_floor(
             optimizer_state_bytes=math.ceil(state["optimizer_state"] * padded), activation_bytes=activations, layout=layout,
             world_size=world_size, precision=precision, grad_accum_steps=steps,
         )
-        budget = headroom.smallest_budget(estimate.peak_bytes, persistent_bytes=estimate.state_bytes)
-        fits = headroom.fits(estimate.peak_bytes, persistent_bytes=estimate.state_bytes)
+        peak = max(estimate.peak_bytes, estimate.state_bytes + math.ceil(step_bytes / world_size))
+        budget = headroom.smallest_budget(peak, persistent_bytes=estimate.state_bytes)
+        fits = headroom.fits(peak, persistent_bytes=estimate.state_bytes)
         if fits or best is None or budget < best[1]:
             best = (world_size, budget, estimate)
         if fits:
