@@ -79,10 +79,11 @@ class CheckedCollate:
 
     Args:
         owner: whose function it is, for messages ("model file 'det.py'", "fit()").
+        source: the model file, whose line an error names ("" for a function passed to ``fit``).
     """
 
-    def __init__(self, collate: Callable[[list], tuple], *, owner: str) -> None:
-        self.collate, self.owner = collate, owner
+    def __init__(self, collate: Callable[[list], tuple], *, owner: str, source: str = "") -> None:
+        self.collate, self.owner, self.source = collate, owner, source
 
     def __call__(self, samples: list) -> tuple:
         where = f"{self.owner}: collate() of {len(samples)} sample(s)"
@@ -93,8 +94,7 @@ class CheckedCollate:
         except UserError:
             raise
         except Exception as error:  # the user's code: any error is theirs to fix
-            source = self.owner.split("'")[1] if "'" in self.owner else ""
-            raise UserError(f"{where} raised {_describe(error, source)}; fix it there") from error
+            raise UserError(f"{where} raised {_describe(error, self.source)}; fix it there") from error
         check_batch(batch, batch_size=len(samples), where=where)
         return batch
 

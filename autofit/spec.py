@@ -248,7 +248,7 @@ def _file_spec(source: str) -> ModelSpec:
         source=str(path),
         build_model=CheckedBuild(module.build_model, source=str(path)),
         example_batch=CheckedExampleBatch(module.example_batch, source=str(path), per_sample=collate is not None),
-        collate=CheckedCollate(collate, owner=f"model file {str(path)!r}") if collate is not None else None,
+        collate=CheckedCollate(collate, owner=f"model file {str(path)!r}", source=str(path)) if collate is not None else None,
         loss_fn=Loss(getattr(module, "loss_fn", None), count_items=count_items),
         build_optimizer=getattr(module, "build_optimizer", None) or default_optimizer,
         train_dataset=getattr(module, "train_dataset", None),

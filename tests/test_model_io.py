@@ -323,3 +323,15 @@ def test_validation_scores_a_model_that_computes_its_losses_only_when_training()
         expected = torch.stack([own_loss(model(*sliced(inputs, slice(i, i + 2)))) for i in (0, 2)]).mean()
     assert scores.loss == pytest.approx(expected.item(), rel=1e-6)
     assert torch.equal(model.norm.running_mean, statistics)  # validation left them alone
+
+
+def test_a_collate_that_raises_or_miscounts_is_one_line():
+    from autofit.model_checks import CheckedCollate
+
+    def broken(samples):
+        return 1 / 0
+
+    with pytest.raises(UserError, match=r"fit\(\): collate\(\) of 2 sample\(s\) raised ZeroDivisionError"):
+        CheckedCollate(broken, owner="fit()")([1, 2])
+    with pytest.raises(UserError, match=r"returned inputs of 1 sample\(s\).*not 2"):
+        CheckedCollate(lambda samples: (([torch.zeros(3)],), None), owner="fit()")([1, 2])
