@@ -379,8 +379,8 @@ def check_model_runs_simulated(spec) -> None:
 def made_of_real_tensors(example_batch):
     """``example_batch`` run outside every dispatch mode, so any Python in it works (a loop over samples, ``int(t)``,
     a dataset's ``__getitem__``: fake tensors have no values to give); under a fake mode its tensors are then made
-    again there, empty, of the same shapes, strides and dtypes: they are fake, and a tracker on counts them as it
-    counts a batch made in the mode."""
+    again there, empty, of the same shapes, strides, dtypes and shared storages: they are fake, and a tracker on
+    counts them as it counts a batch made in the mode."""
     if getattr(example_batch, "made_real", False):
         return example_batch
 
@@ -389,11 +389,16 @@ def made_of_real_tensors(example_batch):
             batch = example_batch(n)
         if not fake_mode_active():
             return batch
-        return tree_map(
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
-            if isinstance(t, torch.Tensor) else t,
-            batch,
-        )
+        storages = {}  # views of one storage (``tokens[:, :-1]``, ``tokens[:, 1:]``) stay views of one storage
+
+        def remade(t: torch.Tensor) -> torch.Tensor:
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in storages:
+                storages[key] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=t.device)
+            view = storages[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+            return view.requires_grad_() if t.requires_grad else view
+
+        return tree_map(lambda t: remade(t) if isinstance(t, torch.Tensor) else t, batch)
 
     made_real.made_real = True
     return made_real

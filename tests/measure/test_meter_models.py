@@ -98,3 +98,20 @@ def test_a_plan_for_a_model_fake_tensors_cannot_run(one_thread, capsys):
     assert (err + "\n".join(lines)).count("simulated meter cannot run") == 1
     traces = [line for line in lines if "memory: tracing" in line]
     assert traces and all("(cpu meter: fake tensors cannot run this model)" in line for line in traces), traces
+
+
+def test_an_example_batch_of_views_is_counted_as_the_cpu_meter_counts_it(one_thread):
+    """example_batch runs on real tensors and is made again of fake ones (``made_of_real_tensors``); inputs and
+    targets that are views of one tensor (nanoGPT's ``tokens[:, :-1], tokens[:, 1:]``) stay views of one storage."""
+    from autofit.planning.memory.traces import simulation_spec
+
+    def example_batch(n):
+        tokens = torch.randint(0, 50, (n, 33))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    spec = ModelSpec(
+        source="views", build_model=lambda: nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50)), example_batch=example_batch,
+        loss_fn=Loss(None), build_optimizer=default_optimizer,
+    )
+    real = probe(spec, micro_batch_size=2, global_batch_size=8, steps=1).peak_bytes
+    assert probe(simulation_spec(spec), micro_batch_size=2, global_batch_size=8, steps=1, simulate=True).peak_bytes == real
