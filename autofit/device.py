@@ -48,6 +48,15 @@ def device_info(device_type: str, *, total_bytes: int | None = None) -> DeviceIn
     raise UserError(f"device {device_type!r} is unknown; use cpu or cuda")
 
 
+def peak_resident_bytes() -> int:
+    """The most memory this process has held resident so far (``getrusage``'s maximum resident set size)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
 def host_memory_bytes(*, available: bool) -> int:
     """This machine's RAM: what is available now (``MemAvailable``), or all of it."""
     if available:

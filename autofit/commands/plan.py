@@ -106,6 +106,10 @@ def plan(
     if before >= 1.0:  # building the model and checking one step of it come before the plan's own clock
         at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
         lines.insert(at, f"    before that, {before:.1f} s loading the model and checking that it trains ({time.perf_counter() - started:.1f} s in all)")
+    from autofit.device import peak_resident_bytes
+
+    at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
+    lines.insert(at, f"    planning held at most {format_bytes(peak_resident_bytes())} of this machine's memory (the process's peak resident set)")
     if spec.weights_note:  # planning used none: weights change no byte
         again = "; --from-config there for random init" if spec.build_pretrained is not None else ""
         lines.insert(2, f"  weights     {spec.weights_note} (what `autofit train` starts from{again})")

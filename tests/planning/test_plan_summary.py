@@ -101,3 +101,13 @@ def test_speeds_keep_three_significant_digits_and_a_language_model_says_tokens()
     )
     speed = next(line for line in summary_lines(PlanReport(plan=plan)) if line.startswith("  speed"))
     assert speed == "  speed       not measured (simulated), 0.0421 predicted (86.2 tokens/s at 2048 tokens a sample)"
+
+
+def test_the_summary_says_how_much_memory_planning_held(run_cli, tmp_path):
+    from tests.conftest import EXAMPLES
+
+    code, out, err = run_cli("plan", EXAMPLES / "digits_cnn.py", "--budget", "64MB", "--batch-size", "8", "--precisions", "fp32",
+                             "--out", tmp_path / "plan.json")
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if "planning held at most" in line)
+    assert "of this machine's memory (the process's peak resident set)" in line
