@@ -210,6 +210,11 @@ def test_plan_probe_and_train(name, model, flags, budget, tmp_path, run_cli, mon
     assert code == 0, err
     assert "Traceback" not in err
     assert "stopped at --max-steps 2" in out + err
+    if name == "faster-rcnn":  # its val_dataset batched by its collate, scored by its losses
+        best = next((tmp_path / "runs").glob("*/best.pt"))
+        code, out, err = run_cli("val", "--weights", best)
+        assert code == 0, err
+        assert "loss" in out
 
 
 def _image_folder(root) -> str:

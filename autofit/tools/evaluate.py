@@ -206,25 +206,28 @@ def validate_weights(
     )
 
 
-def score_dataset(model, dataset, *, loss_fn, batch_size: int = 256, device: str = "cpu") -> dict:
+def score_dataset(model, dataset, *, loss_fn, batch_size: int = 256, device: str = "cpu", collate=None) -> dict:
     """Mean loss, and accuracy or perplexity, of ``model`` over any dataset (tensor, tuple or dict inputs).
 
-    What ``autofit val`` reports without ``--data``: the model file's ``val_dataset()``.
+    What ``autofit val`` reports without ``--data``: the model file's ``val_dataset()``, batched by its ``collate``
+    (default ``collate_pairs``); a model that computes its losses only when training is scored as validation does
+    (``training.validation.scored_output``).
 
     Returns:
         {"num_samples", "loss", "accuracy", "perplexity"} (None where it does not apply).
     """
     from autofit.model_io import Scores
     from autofit.training.data import collate_pairs
+    from autofit.training.validation import scored_output
 
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     scores = Scores(loss_fn)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_pairs)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate or collate_pairs)
     with torch.no_grad():
         for inputs, targets in loader:
             inputs, targets = to_device(inputs, device), to_device(targets, device)
-            scores.add(call_model(model, inputs), inputs, targets)
+            scores.add(scored_output(model, inputs, loss=scores.loss_fn), inputs, targets)
     return {"num_samples": int(scores.samples), "loss": scores.loss, "accuracy": scores.accuracy, "perplexity": scores.perplexity}
 
 
@@ -237,7 +240,9 @@ def validate_model_data(weights: str | Path, *, batch_size: int = 256, device: s
     checkpoint, model, spec = load_model_for_eval(weights)
     if spec.val_dataset is None:
         raise UserError(f"{spec.source} defines no val_dataset(); give --data DIR (an image folder of class folders)")
-    return score_dataset(model.to(device), spec.val_dataset(), loss_fn=spec.loss_fn, batch_size=batch_size, device=device)
+    return score_dataset(
+        model.to(device), spec.val_dataset(), loss_fn=spec.loss_fn, batch_size=batch_size, device=device, collate=spec.collate,
+    )
 
 
 def format_scores(scores: dict) -> str:

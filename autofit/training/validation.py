@@ -7,7 +7,7 @@ from torch import nn
 from autofit._torch_private import NORM_AND_DROPOUT_TYPES
 from autofit.apply import AppliedPlan
 from autofit.errors import UserError
-from autofit.model_io import Scores, call_model
+from autofit.model_io import Loss, Scores, call_model
 from autofit.training.data import collate_pairs, collate_readable, make_loader
 from autofit.distributed import sum_across_ranks
 from autofit.step import to_device
@@ -51,15 +51,21 @@ def evaluate(
     for inputs, targets, counted in padding:
         inputs, targets = to_device(inputs, applied.device), to_device(targets, applied.device)
         with applied.forward_context():
-            output = call_model(model, inputs)
-            if not scores.loss_fn.scores(output) and not model.training:
-                loss_mode(model)  # for this batch and the rest
-                output = call_model(model, inputs)
-            scores.add(output, inputs, targets, counted=counted)
+            scores.add(scored_output(model, inputs, loss=scores.loss_fn), inputs, targets, counted=counted)
     model.train()
     totals = torch.tensor(scores.totals(), dtype=torch.float64, device=applied.device)
     scores.set_totals(sum_across_ranks(totals).tolist())
     return scores
+
+
+def scored_output(model: nn.Module, inputs, *, loss: Loss):
+    """The model's output on ``inputs``, one ``loss`` can score: in eval mode, or, where that output holds neither a
+    loss nor logits (detections), in ``loss_mode``, which then stays for the batches after."""
+    output = call_model(model, inputs)
+    if not loss.scores(output) and not model.training:
+        loss_mode(model)
+        output = call_model(model, inputs)
+    return output
 
 
 def loss_mode(model: nn.Module) -> None:
