@@ -20,6 +20,7 @@ from torch import nn
 from autofit.atomic import write_atomic
 from autofit.errors import UserError
 from autofit.spec import ModelSpec, model_fingerprint, spec_from_source_info
+from strategies.frozen_nf4 import is_nf4
 
 FORMAT = "autofit-checkpoint"
 VERSION = 1
@@ -94,8 +95,15 @@ def model_from_checkpoint(checkpoint: dict, *, where: str = "weights") -> tuple[
     model = spec.build_model()
     if model_fingerprint(model) != checkpoint.get("fingerprint"):
         raise UserError(f"{where} were saved from another model than {source['source']!r} builds now (parameter names or shapes differ); use the model file they were trained with")
-    model.load_state_dict(checkpoint["model_state"])
+    model.load_state_dict(dense_state(checkpoint["model_state"]))
     return model, spec
+
+
+def dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with frozen weights a QLoRA run held in NF4 (``strategies.frozen_nf4``) as the dense weights they
+    stand for: what the run computed with, loadable into the model as it is built (evaluated, exported, or started
+    from). A resumed run loads its checkpoint into the NF4 weights themselves."""
+    return {name: tensor.get_original_weight() if is_nf4(tensor) else tensor for name, tensor in state.items()}
 
 
 # ---- the weights a run starts from ----------------------------------------------------------------
@@ -178,7 +186,7 @@ def _read_state_file(path: Path) -> dict[str, torch.Tensor]:
         loaded = next((loaded[key] for key in ("state_dict", "model_state_dict", "model") if _is_state(loaded.get(key))), loaded)
     if not _is_state(loaded):
         raise UserError(f"--weights {str(path)!r} holds no state dict (names -> tensors); save one with torch.save(model.state_dict(), PATH)")
-    return loaded
+    return dense_state(loaded)
 
 
 def _is_state(value) -> bool:

@@ -159,6 +159,14 @@ def test_qlora_below_the_floor_is_planned_only_with_allow_lossy_base(run_cli, tm
     monkeypatch.chdir(tmp_path)
     code, stdout, err = run_cli("train", "--plan", out, "--max-steps", "2")
     assert code == 0, err
+    # best.pt holds the NF4 weights; rebuilt for evaluation or export they are the dense weights they stand for.
+    from autofit.training.weights import load_checkpoint, model_from_checkpoint
+
+    checkpoint = load_checkpoint(next((tmp_path / "runs").glob("*/best.pt")))
+    name = "base_model.model.0.up.base_layer.weight"
+    assert type(checkpoint["model_state"][name]).__name__ == "NF4Tensor"
+    model, _ = model_from_checkpoint(checkpoint)
+    assert torch.equal(model.state_dict()[name], checkpoint["model_state"][name].get_original_weight())
 
 
 def test_merged_weights_of_an_nf4_base_give_the_adapted_models_outputs():
