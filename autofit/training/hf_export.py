@@ -26,8 +26,8 @@ from autofit.distributed import is_rank0
 from autofit.library_models import hf_dir, quiet_transformers
 from autofit.spec import ModelSpec
 from autofit.training.sharded_checkpoints import full_model_state_dict
+from autofit.training.weights import dense, dense_state
 from strategies import unwrap_model
-from strategies.frozen_nf4 import is_nf4
 
 
 def pretrained_dir(spec: ModelSpec) -> Path | None:
@@ -54,19 +54,14 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, tensor in base_model.state_dict().items():
             if ".lora_" not in name:
-                merged[name.replace(".base_layer.", ".")] = _dense(tensor).cpu()
+                merged[name.replace(".base_layer.", ".")] = dense(tensor).detach().cpu()
         for name, layer in base_model.named_modules():
             if not isinstance(layer, LoraLayer):
                 continue
-            weight = _dense(layer.get_base_layer().weight)
+            weight = dense(layer.get_base_layer().weight).detach()
             total = weight.float() + sum(layer.get_delta_weight(adapter).float() for adapter in layer.active_adapters)
             merged[f"{name}.weight"] = total.to(weight.dtype).cpu()
     return merged
-
-
-def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or the dense weight an NF4 tensor stands for (``strategies.frozen_nf4``)."""
-    return tensor.get_original_weight() if is_nf4(tensor) else tensor.detach()
 
 
 def save_for_transformers(
@@ -98,7 +93,7 @@ def save_for_transformers(
                 if merge:
                     module.get_base_model().save_pretrained(str(partial / "merged"), state_dict=merged_state_dict(module))
             else:
-                module.save_pretrained(str(partial), state_dict=state)
+                module.save_pretrained(str(partial), state_dict=dense_state(state))  # frozen NF4 weights as dense ones
             tokenizer = _tokenizer(tokenizer_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(partial))

@@ -103,7 +103,12 @@ def dense_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with frozen weights a QLoRA run held in NF4 (``strategies.frozen_nf4``) as the dense weights they
     stand for: what the run computed with, loadable into the model as it is built (evaluated, exported, or started
     from). A resumed run loads its checkpoint into the NF4 weights themselves."""
-    return {name: tensor.get_original_weight() if is_nf4(tensor) else tensor for name, tensor in state.items()}
+    return {name: dense(tensor) for name, tensor in state.items()}
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or the dense weight an NF4 tensor stands for (``strategies.frozen_nf4``)."""
+    return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 
 # ---- the weights a run starts from ----------------------------------------------------------------
