@@ -161,7 +161,7 @@ def _fsdp_candidates(
             # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
             # is gathered. Forward and backward keep the one-process segments, with the state swapped.
             backward = [segment for segment in segments if segment.phase != "optimizer"]
-            step_peak = max((segment.peak_bytes for segment in segments if segment.phase == "optimizer"), default=0)
+            step_peak = max((s.peak_bytes for s in segments if s.phase == "optimizer"), default=0) * model.memory_scale
             step_bytes = estimate.state_bytes + max(step_peak - sum(state.values()), 0) / world_size
             choice = (
                 cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
