@@ -44,6 +44,10 @@ def plan(
         False, "--allow-lossy-optimizer",
         help="8-bit AdamW state (torchao) may be chosen, above the floor and below it; it changes the optimizer's arithmetic.",
     ),
+    host_speed: float = typer.Option(
+        None, "--host-speed",
+        help="Parameter elements per second the training machine's host updates with the optimizer (e.g. 2e9), for a GPU plan's host levers; default timed on this CPU.",
+    ),
     allow_lossy_base: bool = typer.Option(
         False, "--allow-lossy-base",
         help="Frozen linear weights (a --lora base) may be held in 4-bit NF4 (torchao; QLoRA) below the floor; it rounds them.",
@@ -91,7 +95,7 @@ def plan(
         check_model_runs(spec)
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
-        host_memory=host_memory, study=study,
+        host_memory=host_memory, host_speed=host_speed, study=study,
         precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus,
         allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
         compile=compile_,

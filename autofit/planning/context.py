@@ -65,6 +65,8 @@ class PlanContext:
     host_budget_bytes: int | None
     """Host memory a GPU plan may spend (``--host-memory``, else this machine's); None on the CPU (the host is the device)."""
     host_budget_note: str
+    host_speed: float | None
+    """``--host-speed``: parameter elements per second the training machine's host updates; None: timed here."""
     excluded_precisions: dict[str, str]
     """Precision -> why it is not searched."""
     num_classes: int | None
@@ -196,10 +198,21 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     return PlanContext(
         spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=request.num_classes,
-        host_budget_bytes=host_budget, host_budget_note=host_note,
+        host_budget_bytes=host_budget, host_budget_note=host_note, host_speed=_host_speed(request.host_speed, device=device),
         study=where, user_log=log, started=started, threads=count, threads_note=note, meta_model=meta_model,
         compile=request.compile if request.compile is not None else device == "cuda" and not simulate,
     )
+
+
+def _host_speed(host_speed: float | None, *, device: str) -> float | None:
+    """``--host-speed``, for a GPU plan (on the CPU the host is the device: nothing is moved to it).
+
+    Raises:
+        UserError: given for a CPU plan.
+    """
+    if host_speed is not None and device != "cuda":
+        raise UserError(f"--host-speed {host_speed:g} is the host of a GPU plan (--device cuda); on the CPU the host is the device")
+    return host_speed
 
 
 def _device_kind(kind: str | None, *, device: str, simulate: bool) -> str | None:

@@ -42,6 +42,9 @@ class PlanRequest:
     """The precisions to search; None: all the device runs."""
     gpus: int = 1
     """Processes (GPUs) to train on: DDP when the model fits unsharded, FSDP2 otherwise."""
+    host_speed: float | None = None
+    """Parameter elements per second the host of the machine that trains updates with the model's optimizer (its
+    fp32 AdamW step on that CPU), for the host-state and bf16-master levers' time; None: timed on this machine's CPU."""
     allow_lossy_optimizer: bool = False
     """8-bit AdamW state (torchao) may be chosen; it changes the optimizer's arithmetic, so never without this."""
     allow_lossy_base: bool = False
@@ -66,6 +69,8 @@ class PlanRequest:
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and 0 < self.max_grad_norm < float("inf")):
             raise UserError(f"--max-grad-norm {self.max_grad_norm} must be a positive finite number, e.g. 1.0 (or left out: no clipping)")
+        if self.host_speed is not None and not (isinstance(self.host_speed, (int, float)) and 0 < self.host_speed < float("inf")):
+            raise UserError(f"--host-speed {self.host_speed} must be a positive number of parameter elements per second, e.g. 2e9")
         if self.precisions is not None and not isinstance(self.precisions, tuple):
             object.__setattr__(self, "precisions", tuple(self.precisions))
 

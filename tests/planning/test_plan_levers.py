@@ -328,3 +328,22 @@ def test_host_memory_is_for_a_gpu_plan(run_cli, lm, tmp_path):
         "--host-memory", "lots", "--out", tmp_path / "p.json",
     )
     assert code == 2 and err.startswith("autofit: error: --host-memory: budget 'lots' is not a memory size")
+
+
+def test_host_speed_prices_the_host_update_of_a_gpu_plan(lm, run_cli, tmp_path):
+    """--host-speed: the training machine's host update rate, in place of this CPU's timing, said in the notes."""
+    from autofit.planning.policy import POLICY
+
+    path, spec = lm
+    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_state="host")
+    host = measure(spec, config, device="cuda", simulate=True, steps=2)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+    budget = headroom.smallest_budget(host.peak_bytes, persistent_bytes=persistent_bytes(host.breakdown)) + 2**16
+    request = dict(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
+    plan = make_plan(spec, PlanRequest(**request, host_speed=1e6))
+    assert plan.config.optimizer_state == "host"
+    elements = sum(p.numel() for p in spec.build_model().parameters() if p.requires_grad)
+    note = next(note for note in plan.notes if "updates on the host's CPU" in note)
+    assert f"in {elements / 1e6:.3g} s (at --host-speed 1e+06 elements/s" in note
+    code, _, err = run_cli("plan", path, "--budget", "1GB", "--batch-size", "1", "--host-speed", "1e9", "--out", tmp_path / "p.json")
+    assert code == 2 and "--host-speed 1e+09 is the host of a GPU plan (--device cuda)" in err

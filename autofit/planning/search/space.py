@@ -58,6 +58,8 @@ class LeverSearch:
     trainable_bytes: int = 0
     """Bytes of the parameters that train (their gradients are as many)."""
     host_update_seconds: float = 0.0
+    host_update_source: str = ""
+    """Where ``host_update_seconds`` came from (``--host-speed``); "": timed on this machine's CPU."""
     """The optimizer's update of every trainable parameter on the host's CPU."""
     step_in_backward_time: UpdateTime | None = None
     """What the step in backward adds to a step (``time_step_in_backward``; None: taken as nothing)."""
@@ -100,7 +102,7 @@ class LeverSearch:
         )
         return lever_time(
             config, model=model, link=self.link, trainable_bytes=self.trainable_bytes, host_update_seconds=self.host_update_seconds,
-            eight_bit=self.eight_bit, step_in_backward=self.step_in_backward_time, head_share=self.head_share,
+            host_update_source=self.host_update_source, eight_bit=self.eight_bit, step_in_backward=self.step_in_backward_time, head_share=self.head_share,
         ).seconds
 
 

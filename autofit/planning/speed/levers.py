@@ -148,6 +148,7 @@ def lever_time(
     eight_bit: UpdateTime | None = None,
     step_in_backward: UpdateTime | None = None,
     head_share: float = 0.0,
+    host_update_source: str = "",
 ) -> LeverTime:
     """The levers' seconds per step of ``config`` (see the module docstring for the formulas).
 
@@ -159,6 +160,7 @@ def lever_time(
         eight_bit: what 8-bit state adds to a step (needed with it).
         step_in_backward: what the step in backward adds to a step (None: taken as nothing, and the notes say so).
         head_share: the output layer's share of the parameters (with the chunked loss): of the forward's time.
+        host_update_source: where ``host_update_seconds`` came from, for the notes ("": timed on this machine's CPU).
     """
     time = LeverTime()
     master = config.precision == MASTER_WEIGHTS
@@ -218,10 +220,10 @@ def lever_time(
         )
         gradients = f"the gradients ({format_bytes(moved)}" + (f", after each of {micro_steps} micro-batches)" if micro_steps > 1 else ")")
         what = "bf16 weights with their fp32 masters and optimizer state on the host" if master else "optimizer state on the host"
+        source = host_update_source or f"timed on this machine's CPU with {torch.get_num_threads()} thread(s)"
         time.notes.append(
             f"{what} moves {gradients} down and the parameters "
-            f"up each step at {rates}, and updates on the host's CPU in {host_update_seconds:.3g} s (timed on this "
-            f"machine's CPU with {torch.get_num_threads()} thread(s)) instead of the device's "
+            f"up each step at {rates}, and updates on the host's CPU in {host_update_seconds:.3g} s ({source}) instead of the device's "
             f"{costs.speed.optimizer_seconds:.3g} s: {time.host_state_seconds:+.3g} s per step predicted (nothing overlaps)"
         )
     return time

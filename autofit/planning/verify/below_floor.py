@@ -455,18 +455,29 @@ def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> flo
 
 def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfig) -> LeverTime:
     """What the chosen levers add to a step (``speed.levers``): the host link measured on a GPU here, else assumed;
-    the host update timed on this CPU."""
+    the host update timed on this CPU, or from ``--host-speed``."""
     link = host_link(context.device) if config.offload or config.updates_on_host else None
     trainable = _trainable(context)
-    update_seconds = time_host_update(context.spec.build_optimizer) * trainable.elements if config.updates_on_host else 0.0
+    update = host_update(context, trainable) if config.updates_on_host else UpdateTime(seconds=0.0, source="")
     eight_bit = None
     if config.optimizer_state == "8bit":
         eight_bit = eight_bit_time(context, trainable) or UpdateTime(seconds=0.0, source="not measured: its update could not be timed here")
     stepping = step_in_backward_time(context, costs, trainable) if config.optimizer_in_backward else None
     return lever_time(
-        config, model=model, link=link, trainable_bytes=trainable.bytes, host_update_seconds=update_seconds, eight_bit=eight_bit,
-        step_in_backward=stepping, head_share=loss_chunking(context)[1],
+        config, model=model, link=link, trainable_bytes=trainable.bytes, host_update_seconds=update.seconds,
+        host_update_source=update.source, eight_bit=eight_bit, step_in_backward=stepping, head_share=loss_chunking(context)[1],
     )
+
+
+def host_update(context: PlanContext, trainable: _Trainable) -> UpdateTime:
+    """The optimizer's update of every trainable parameter on the host: at ``--host-speed`` elements per second when
+    given (the machine that trains), else timed on this CPU (``time_host_update``)."""
+    if context.host_speed is not None:
+        return UpdateTime(
+            seconds=trainable.elements / context.host_speed,
+            source=f"at --host-speed {context.host_speed:g} elements/s, the training machine's host as given, not measured",
+        )
+    return UpdateTime(seconds=time_host_update(context.spec.build_optimizer) * trainable.elements, source="")
 
 
 def loss_chunking(context: PlanContext) -> tuple[int, float]:
@@ -530,9 +541,10 @@ def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: b
             step_in_backward=step_in_backward, eight_bit=eight_bit, step_in_backward_time=stepping, loss_chunks=chunks,
             head_share=head_share,
         )
+    update = host_update(context, trainable)
     return LeverSearch(
         step_in_backward=step_in_backward, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable.bytes,
-        host_update_seconds=time_host_update(context.spec.build_optimizer) * trainable.elements, eight_bit=eight_bit,
+        host_update_seconds=update.seconds, host_update_source=update.source, eight_bit=eight_bit,
         step_in_backward_time=stepping, loss_chunks=chunks, head_share=head_share,
     )
 
@@ -597,7 +609,7 @@ def searched_lever_notes(model, config: TrainingConfig, search: LeverSearch) -> 
     the arithmetic (8-bit state does: a declared choice)."""
     time = lever_time(
         config, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
-        eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time, head_share=search.head_share,
+        host_update_source=search.host_update_source, eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time, head_share=search.head_share,
     )
     chosen = config.levers() or f"precision {config.precision}"
     return [
