@@ -24,7 +24,7 @@ from autofit.planning.memory.headroom import Headroom
 from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
 from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
-from autofit.planning.memory.segments import peak_of
+from autofit.planning.memory.segments import apart_from_step, peak_of
 from autofit.planning.search.knapsack import cheapest_checkpoint
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, plan_basics
@@ -160,9 +160,8 @@ def _fsdp_candidates(
             # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
             # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
             # is gathered. Forward and backward keep the one-process segments, with the state swapped.
-            backward = [segment for segment in segments if segment.phase != "optimizer"]
-            step_peak = max((s.peak_bytes for s in segments if s.phase == "optimizer"), default=0) * model.memory_scale
-            step_bytes = estimate.state_bytes + max(step_peak - sum(state.values()), 0) / world_size
+            backward, step_peak = apart_from_step(segments)
+            step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
             choice = (
                 cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
                 if step_bytes <= usable else None

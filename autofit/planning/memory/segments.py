@@ -62,6 +62,13 @@ def peak_of(
     )
 
 
+def apart_from_step(segments: list[Segment]) -> tuple[list[Segment], int]:
+    """Forward and backward's segments, and the optimizer step's peak (0 where the segments hold no step): a rank
+    under FSDP2 holds each differently (it steps its shards only)."""
+    backward = [segment for segment in segments if segment.phase != "optimizer"]
+    return backward, max((segment.peak_bytes for segment in segments if segment.phase == "optimizer"), default=0)
+
+
 def plain_segments(marks: list[tuple], peaks: list[int], drop_bytes: list[int]) -> tuple[list[Segment], bool]:
     """The plain trace's segments, and whether their dropped blocks are always a prefix."""
     segments = [segment for segment, _, _ in labelled_segments(marks, peaks, len(drop_bytes))]

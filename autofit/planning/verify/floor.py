@@ -18,7 +18,7 @@ from autofit.measure.meters import frozen_note
 from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
 from autofit.planning.memory.headroom import PERSISTENT, Headroom, persistent_bytes
-from autofit.planning.memory.segments import peak_of
+from autofit.planning.memory.segments import apart_from_step, peak_of
 from autofit.planning.modelling import Costs
 from autofit.planning.memory.per_rank import ShardedMemoryEstimate, estimate_fsdp_peak_bytes, fsdp_layout
 from autofit.planning.policy import POLICY
@@ -113,11 +113,11 @@ def _phases(costs: Costs, config: TrainingConfig, *, state_bytes: int) -> tuple[
         segments, drops = memory.at(config.micro_batch_size, global_batch_size=model.global_batch_size)
     except (KeyError, ValueError):
         return None
-    step = [segment.peak_bytes for segment in segments if segment.phase == "optimizer"]
+    backward, step = apart_from_step(segments)
     if not step:
         return None
-    backward = peak_of([s for s in segments if s.phase != "optimizer"], drops, model.indices(config.checkpoint))
-    return (max(int(backward * model.memory_scale) - state_bytes, 0), max(int(max(step) * model.memory_scale) - state_bytes, 0))
+    peak = peak_of(backward, drops, model.indices(config.checkpoint))
+    return (max(int(peak * model.memory_scale) - state_bytes, 0), max(int(step * model.memory_scale) - state_bytes, 0))
 
 
 def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, *, levers: str = "") -> str:
