@@ -30,6 +30,7 @@ from torch import nn
 
 from autofit.errors import UserError
 from strategies.base import Strategy
+from strategies.chunked_loss import causal_lm
 
 NF4_BLOCK_ELEMENTS = 64 * 256
 """Elements NF4 quantizes together: blocks of 64 weights, their scales in blocks of 256; a weight's count must divide by it."""
@@ -60,9 +61,7 @@ def nf4_weights(model: nn.Module) -> list[nn.Linear]:
 
 def _output_layer(model: nn.Module) -> torch.Tensor | None:
     """A transformers model's output layer weight (under PEFT's wrapper too), or None."""
-    inner = getattr(model, "get_base_model", None)
-    model = inner() if callable(inner) else model
-    get = getattr(model, "get_output_embeddings", None)
+    get = getattr(causal_lm(model), "get_output_embeddings", None)
     layer = get() if callable(get) else None
     return getattr(layer, "weight", None)
 
