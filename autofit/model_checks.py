@@ -57,7 +57,7 @@ class CheckedExampleBatch:
     def __call__(self, batch_size: int) -> tuple:
         try:
             batch = self.example_batch(batch_size)
-            if self.per_sample and isinstance(batch, (tuple, list)) and len(batch) == 2:
+            if self.per_sample:
                 batch = per_sample(batch)
         except UserError:
             raise
@@ -88,9 +88,7 @@ class CheckedCollate:
     def __call__(self, samples: list) -> tuple:
         where = f"{self.owner}: collate() of {len(samples)} sample(s)"
         try:
-            batch = self.collate(samples)
-            if isinstance(batch, (tuple, list)) and len(batch) == 2:
-                batch = per_sample(batch)
+            batch = per_sample(self.collate(samples))
         except UserError:
             raise
         except Exception as error:  # the user's code: any error is theirs to fix

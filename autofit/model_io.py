@@ -53,13 +53,16 @@ def per_sample(batch: tuple) -> tuple:
     (a tuple or list of the model's arguments, or a dict of them), and the targets themselves.
 
     A model file that defines ``collate`` has its batches read this way (torchvision detection:
-    ``((images, targets), None)``, ``model(images, targets)`` returning its losses).
+    ``((images, targets), None)``, ``model(images, targets)`` returning its losses). Anything but a pair is returned
+    as it is, for ``model_checks.check_batch`` to refuse in one line.
 
     Example:
         >>> inputs, targets = per_sample(((["img0", "img1"], [{"boxes": 0}, {"boxes": 1}]), None))
         >>> type(inputs[0]).__name__, len(inputs[1])
         ('Samples', 2)
     """
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        return batch
     inputs, targets = batch
 
     def mark(part):
