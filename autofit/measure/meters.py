@@ -288,13 +288,11 @@ def frozen_note(spec) -> str:
 
     A share of the parameters, not bytes: the bytes at the floor are in the floor's precision (bf16 weights under
     bf16-master), the model is built in fp32."""
-    try:
-        with torch.device("meta"):
-            model = spec.build_model()
-    except Exception:  # a model that cannot be built on meta: the note is cosmetic
+    params = _meta_parameters(spec)
+    if params is None:  # a model that cannot be built on meta: the note is cosmetic
         return ""
-    total = sum(p.numel() for p in model.parameters())
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    total = sum(p.numel() for p in params)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
     return f" ({frozen / total:.2%} of them frozen: no gradients or optimizer state)" if frozen else ""
 
 
@@ -431,13 +429,11 @@ def check_fits_this_machine(spec, *, device: str) -> None:
     Raises:
         UserError: naming the bytes needed, those available, and ``--simulate``.
     """
-    try:
-        with without_dispatch_modes(), torch.device("meta"):
-            model = spec.build_model()
-    except Exception:  # built only for real (a Python object's copy): nothing to say beforehand
+    params = _meta_parameters(spec)
+    if params is None:
         return
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     needs = weights + 3 * trainable if device == "cpu" else weights
     available = host_memory_bytes(available=True)
     if needs > available:
@@ -451,12 +447,18 @@ def check_fits_this_machine(spec, *, device: str) -> None:
 def _real_training_bytes(spec) -> int | None:
     """About what training ``spec``'s model for real takes at least: 16 bytes per parameter (fp32 weights, gradients
     and AdamW's two moments); None where its model cannot be built on the meta device."""
+    params = _meta_parameters(spec)
+    return None if params is None else 16 * sum(p.numel() for p in params)
+
+
+def _meta_parameters(spec) -> list[nn.Parameter] | None:
+    """The parameters of ``spec``'s model built on the meta device (names, shapes, dtypes; no memory); None where
+    it cannot be built there (a Python object's copy is built only for real)."""
     try:
         with without_dispatch_modes(), torch.device("meta"):
-            model = spec.build_model()
-    except Exception:  # built only for real (a Python object's copy): nothing to say beforehand
+            return list(spec.build_model().parameters())
+    except Exception:
         return None
-    return 16 * sum(p.numel() for p in model.parameters())
 
 
 def _one_simulated_step(spec) -> None:
