@@ -138,10 +138,12 @@ def _start_worker() -> None:
     machine, once in a few real-probe plans: PyTorch's thread pool assertion, then an abort) dies with it, and the
     pool, broken, leaves every trace to the planner's process: without this the abort's C++ stack reached the
     user's terminal."""
+    import faulthandler
     import signal
 
     global _worker_fails
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.disable()  # enabled in the parent (pytest, python -X faulthandler), it writes to a copy of its stderr
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
