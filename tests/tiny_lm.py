@@ -1,6 +1,6 @@
 """A tiny Llama-style model directory with its own tokenizer, built offline (for hf:DIR tests).
 
-``tiny_lm_dir(path)`` writes ``config.json`` (LlamaConfig: hidden 32, 2 layers), the
+``tiny_lm_dir(path)`` writes ``config.json`` (LlamaConfig: hidden 32, 2 layers, unless asked), the
 model's weights (``save_pretrained``) and a WordLevel tokenizer trained with the
 ``tokenizers`` library on ``CORPUS`` (``PreTrainedTokenizerFast`` with EOS and pad
 tokens), all in one folder. The ``tiny_lm`` fixture in ``tests/conftest.py`` gives one per test.
@@ -35,8 +35,11 @@ def train_tokenizer(lines: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
-def tiny_lm_dir(path: str | Path, *, tokenizer: bool = True, weights: bool = True, seed: int = 0) -> Path:
-    """Write a tiny LlamaForCausalLM (and, by default, its tokenizer) to ``path``; returns ``path``."""
+def tiny_lm_dir(
+    path: str | Path, *, tokenizer: bool = True, weights: bool = True, seed: int = 0, hidden: int = 32, layers: int = 2,
+) -> Path:
+    """Write a tiny LlamaForCausalLM (and, by default, its tokenizer) to ``path``; returns ``path``. Its MLP is twice
+    ``hidden`` wide, with two attention heads and one key-value head."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,7 +47,7 @@ def tiny_lm_dir(path: str | Path, *, tokenizer: bool = True, weights: bool = Tru
     path.mkdir(parents=True, exist_ok=True)
     text_tokenizer = train_tokenizer(corpus_lines())
     config = LlamaConfig(
-        vocab_size=len(text_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=len(text_tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=128, eos_token_id=text_tokenizer.eos_token_id,
         pad_token_id=text_tokenizer.pad_token_id, bos_token_id=None, architectures=["LlamaForCausalLM"],
     )
