@@ -71,7 +71,12 @@ def is_nf4(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "NF4Tensor" or type(getattr(tensor, "data", None)).__name__ == "NF4Tensor"
 
 
-def _to_nf4():
+def nf4_quantizer():
+    """torchao's ``to_nf4`` (a dense tensor to its NF4 tensor).
+
+    Raises:
+        UserError: torchao is missing.
+    """
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
@@ -89,7 +94,7 @@ class FrozenNF4(Strategy):
     def apply(self, model: nn.Module) -> nn.Module:
         if not self.config.enabled:
             return model
-        to_nf4 = _to_nf4()
+        to_nf4 = nf4_quantizer()
         with torch.no_grad():
             for linear in nf4_weights(model):
                 if is_nf4(linear.weight):  # applied again (a smaller micro-batch): once

@@ -206,6 +206,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
             + ("; step in backward" if alt.get("optimizer_in_backward") else "")
             + (f"; {alt['optimizer_state']} state" if alt.get("optimizer_state", "device") != "device" else "")
             + (f"; loss in {alt['loss_chunks']} chunks" if alt.get("loss_chunks", 1) != 1 else "")
+            + ("; base in NF4" if alt.get("frozen_nf4") else "")
             + ("; torch.compile" if alt.get("compile") else "")
         )
     lines.append(f"    (! = does not fit the budget; measured = by the {measured.meter or 'plan'} meter)")

@@ -113,15 +113,15 @@ def _fastest_step(make: Callable, sizes: list[int], *, device, repeats: int) -> 
     for repeat in range(repeats + 1):
         for param in params:
             param.grad = torch.full_like(param, 1e-3)
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         optimizer.step()
-        _synchronize(device)
+        synchronize(device)
         if repeat:
             seconds.append(time.perf_counter() - start)
     return min(seconds)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -37,7 +37,8 @@ from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
 from autofit.planning.costs import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs, scaled_trace
 from autofit.planning.speed.estimated import flop_speed_costs
-from autofit.planning.memory.levers import add_eight_bit
+from autofit.planning.memory.levers import add_eight_bit, add_nf4
+from autofit.planning.memory.nf4 import nf4_record, nf4_weight_dtype
 from autofit.planning.memory.optimizer import eight_bit_record
 from autofit.planning.memory.traces import add_chunk_deltas, add_offloaded, trace_memory_sizes
 from autofit.planning.speed.measured import time_precisions
@@ -317,6 +318,26 @@ def add_eight_bit_state(context: PlanContext, costs: Costs) -> None:
         record = eight_bit_record(context.sim_spec, device_type=context.device)
     for memory in memories:
         if memory.replace_traces({name: add_eight_bit(t, record) for name, t in memory.named().items()}):
+            costs.changed = True
+
+
+def add_nf4_state(context: PlanContext, costs: Costs) -> None:
+    """With --allow-lossy-base: NF4's record in every trace (``memory.levers.add_nf4``), so that the memory model
+    predicts the frozen weights in NF4. The record depends on the dtype the precision gives frozen weights only
+    (``memory.nf4.nf4_weight_dtype``): made once per dtype (over fake tensors, one product per weight shape), or
+    taken from a trace of the same precision that has it (a stored study's)."""
+    memories = [(p, c.memory) for p, c in costs.model.precisions.items()] + list(costs.low_only.items())
+    records: dict = {}
+    for precision, memory in memories:
+        for trace in memory.named().values():
+            if trace.levers is not None and trace.levers.nf4 is not None:
+                records.setdefault(nf4_weight_dtype(precision), trace.levers.nf4)
+    for precision, memory in memories:
+        dtype = nf4_weight_dtype(precision)
+        if dtype not in records:
+            context.log(f"memory: frozen weights in NF4 ({str(dtype).removeprefix('torch.')}), one product per weight shape ({context.trace_meter})")
+            records[dtype] = nf4_record(context.sim_spec, device_type=context.device, weight_dtype=dtype)
+        if records[dtype] is not None and memory.replace_traces({name: add_nf4(t, records[dtype]) for name, t in memory.named().items()}):
             costs.changed = True
 
 

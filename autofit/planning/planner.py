@@ -53,7 +53,7 @@ from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
-    Costs, add_eight_bit_state, add_loss_chunks, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
+    Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
     save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
@@ -221,7 +221,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer, step_in_backward=levers.max_grad_norm is None) if levers is not None else None
+        search = lever_search(context, costs, levers) if levers is not None else None
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     with context.phase("verify"):
@@ -289,7 +289,7 @@ def _searched_below_floor(
     fallback = below.floor.config if plan is None else plan.config
     with context.phase("speed"):
         add_speeds(context, costs)
-        search = lever_search(context, costs, allow_lossy_optimizer=levers.allow_lossy_optimizer, step_in_backward=levers.max_grad_norm is None)
+        search = lever_search(context, costs, levers)
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     if not any(e.fits for e in evaluations):
@@ -394,6 +394,9 @@ def _search(
         if levers is not None and levers.loss_chunks > 1:
             with context.phase("memory"):
                 add_loss_chunks(context, costs, chunks=levers.loss_chunks, usable_bytes=usable)
+        if levers is not None and levers.nf4 is not None:
+            with context.phase("memory"):
+                add_nf4_state(context, costs)
         # What the scores depend on that tracing changes (a precision stored in the cache adds nothing).
         key = [(p, costs.model.precisions[p].memory) for p in _traced(context, costs)]
         key = [

@@ -171,6 +171,7 @@ def _alternatives(
             **({"optimizer_in_backward": True} if config.optimizer_in_backward else {}),
             **({"optimizer_state": config.optimizer_state} if config.optimizer_state != "device" else {}),
             **({"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}),
+            **({"frozen_nf4": True} if config.frozen_nf4 else {}),
             **({"compile": True} if config.compile else {}),
             "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
             "fits_budget": peak * model.memory_scale <= usable_bytes, "chosen": is_chosen,

@@ -81,6 +81,19 @@ def test_eight_bit_state_is_searched_only_when_allowed():
     assert all(c.optimizer_state != "8bit" for c in LeverSearch(step_in_backward=True).choices("fp32", 8, 8))
 
 
+def test_nf4_weights_are_searched_only_when_allowed_and_add_to_every_other_choice():
+    """Frozen weights in NF4 round them: a choice only with --allow-lossy-base (``LeverSearch.nf4``), beside each of the
+    other levers, at every precision (bf16-master's too)."""
+    timed = UpdateTime(seconds=0.0, source="test")
+    allowed = LeverSearch(step_in_backward=True, nf4={"fp32": timed, "bf16-master": timed})
+    assert allowed.choices("fp32", 8, 8) == [
+        LeverChoice(), LeverChoice(optimizer_in_backward=True), LeverChoice(frozen_nf4=True),
+        LeverChoice(optimizer_in_backward=True, frozen_nf4=True),
+    ]
+    assert allowed.choices("bf16-master", 4, 8) == [LeverChoice(), LeverChoice(frozen_nf4=True)]
+    assert not any(c.frozen_nf4 for c in LeverSearch(step_in_backward=True).choices("fp32", 8, 8))
+
+
 def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
     """The LM at micro-batch 8 on a simulated GPU, at a budget where dropping its blocks' activations is needed:
     offloading a block costs its copies over the assumed host link, less than recomputing it or splitting the batch,

@@ -1,4 +1,4 @@
-"""The memory levers in the memory model: what the step in backward, host optimizer state and offload free.
+"""The memory levers in the memory model: what the step in backward, host optimizer state, NF4 weights and offload free.
 
 The plain trace (``memory.traces.trace_memory``) records, beside each
 segment's peak, what the levers need (``LeverRecorder``, kept by the trace's
@@ -36,6 +36,10 @@ From these, for any configuration (``lever_peak_bytes``):
   when it began plus the largest one parameter's 8-bit step makes (torchao
   steps them one at a time; the meters run its compiled step eagerly); with
   the step in backward, each parameter's 8-bit step at its gradient.
+- **frozen weights in NF4** (``--allow-lossy-base``; its record made only when
+  asked, ``add_nf4``, per the weights' dtype: ``memory.nf4``): every segment
+  holds the same less the weights' dense bytes beyond their NF4 tensors', plus
+  the most one product's dequantization holds (an upper bound).
 - **activation offload** (a GPU lever; traced only when asked,
   ``add_offloaded``): the step is traced once more with every block
   offloaded. Where an offloaded block runs (its forward, its backward) the
@@ -254,6 +258,9 @@ class LeverTrace:
     """torchao's 8-bit AdamW in place of the optimizer (``add_eight_bit``): {"state_bytes" (its state on the device),
     "step_temporaries" (per parameter, what stepping it alone holds beyond its state)}. None when not made: 8-bit
     state is then not modelled."""
+    nf4: dict | None = None
+    """Frozen weights in NF4 (``add_nf4``; ``memory.nf4.nf4_record`` for the trace's precision): {"saved_bytes",
+    "transient_bytes", ...}, the same in every segment. None when not made: NF4 is then not modelled."""
     offloaded: dict | None = None
     """The step traced again with every block offloaded (``add_offloaded``): per plain segment "peak_bytes",
     "without_gradients", "opening_without_gradients", "steps"; per item "freed_in" ([the segment position where
@@ -333,6 +340,13 @@ def add_eight_bit(trace, record: dict):
     return replace(trace, levers=replace(trace.levers, eight_bit=record))
 
 
+def add_nf4(trace, record: dict):
+    """``trace`` (a ``MemoryTrace``) with NF4's record for its precision (``LeverTrace.nf4``)."""
+    if trace is None or trace.levers is None or trace.levers.nf4 == record:
+        return trace
+    return replace(trace, levers=replace(trace.levers, nf4=record))
+
+
 def trace_from_dict(data: dict | None) -> LeverTrace | None:
     return None if data is None else LeverTrace(**data)
 
@@ -348,6 +362,8 @@ class LeverChoice:
     """"device", "host" or "8bit" (modelled where the traces hold its record, ``add_eight_bit``)."""
     loss_chunks: int = 1
     """The chunked output layer and loss's chunks (modelled where the traces hold its run, ``traces.add_chunk_deltas``)."""
+    frozen_nf4: bool = False
+    """Frozen linear weights in NF4 (modelled where the traces hold its record, ``add_nf4``)."""
 
     def only_chunks(self) -> bool:
         """No lever but (perhaps) the chunked loss, which the plain segments model alone (``MemoryCosts.at``)."""
@@ -423,6 +439,12 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     chunk_deltas = memory.chunk_deltas() if choice.loss_chunks > 1 else None
     if choice.loss_chunks > 1 and chunk_deltas is None:
         return None
+    # NF4 frees the same bytes in every segment and holds one weight's dequantization at most (``memory.nf4``).
+    nf4 = 0.0
+    if choice.frozen_nf4:
+        if any(r.nf4 is None for r in records):
+            return None
+        nf4 = low.nf4["transient_bytes"] - low.nf4["saved_bytes"]
     found = []
     for i, segment in enumerate(memory.low.segments):
         if not accumulating and segment.phase == "later":
@@ -437,7 +459,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
             if choice.frees_gradients:  # its trace has no gradient record: those alive when its block's backward begins
                 peak -= delta([r.opening_gradients[plain] for r in records], size)
             found.append(LeverSegment(
-                peak_bytes=peak - state, micro=low.micro[plain], position=low.position[plain], running=segment.recomputes,
+                peak_bytes=peak - state + nf4, micro=low.micro[plain], position=low.position[plain], running=segment.recomputes,
                 in_backward=True, **common,
             ))
             continue
@@ -486,7 +508,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
             ]
         for bytes_, stage in parts:
             found.append(LeverSegment(
-                peak_bytes=bytes_ - state, micro=low.micro[i], position=low.position[i], running=running,
+                peak_bytes=bytes_ - state + nf4, micro=low.micro[i], position=low.position[i], running=running,
                 in_backward=low.in_backward[i], stated_offloaded=offloaded, stage=stage, **common,
             ))
     items = [{**item, "bytes": delta([r.items[n]["bytes"] for r in records], m)} for n, item in enumerate(low.items)]

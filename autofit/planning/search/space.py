@@ -7,8 +7,9 @@ seconds they cost (``CostModel.recompute_seconds``,
 ``CostModel.selective_recompute_seconds``), under the memory model's segments.
 
 With the memory levers (``LeverSearch``), each point also tries the step in
-backward, host optimizer state and, with ``--allow-lossy-optimizer``, 8-bit
-optimizer state (the memory model's segments with them,
+backward, host optimizer state, with ``--allow-lossy-optimizer`` 8-bit
+optimizer state and with ``--allow-lossy-base`` frozen weights in NF4 (the
+memory model's segments with them,
 ``memory.levers.lever_segments``), and offload is a fourth mode per block
 (freeing what the block alone saved, at its copies' time); the knapsack's
 choice is then checked against the model's whole prediction.
@@ -43,7 +44,8 @@ class LeverSearch:
     The step in backward is tried where a point has one micro-batch per step and is not fp16 (its GradScaler
     must see every gradient first); optimizer state on the host and offload (per block, a fourth mode beside
     none, selective and full) on a GPU only: on the CPU the host is the device; 8-bit optimizer state only
-    when the user allowed it (it changes the optimizer's arithmetic), alone or with the step in backward.
+    when the user allowed it (it changes the optimizer's arithmetic), alone or with the step in backward; frozen weights
+    in NF4 only when allowed (they round the weights), beside each of the others.
     Their time is ``speed.levers``': the step in backward's per-parameter overheads, measured; transfers over the host link (measured
     on a GPU here, else assumed) and the host's update for host state and offload; the 8-bit update's, measured.
     """
@@ -68,9 +70,19 @@ class LeverSearch:
     (1: not searched: the model is no causal LM it applies to, ``strategies.chunkable``)."""
     head_share: float = 0.0
     """The output layer's share of the trainable parameters: what recomputing it costs (``speed.levers``)."""
+    nf4: dict[str, UpdateTime] | None = None
+    """Frozen weights may be held in NF4 (``--allow-lossy-base``, a model with weights it takes): per precision, one
+    dequantization of every NF4 weight (None: not searched)."""
 
     def choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
-        """The gradient and state levers to try at one point (offload is chosen per block inside each)."""
+        """The levers to try at one point (offload is chosen per block inside each)."""
+        found = self._state_choices(precision, micro_batch_size, global_batch_size)
+        if self.nf4 is not None:  # it adds to each of the others
+            found += [replace(choice, frozen_nf4=True) for choice in found]
+        return found
+
+    def _state_choices(self, precision: str, micro_batch_size: int, global_batch_size: int) -> list[LeverChoice]:
+        """The gradient, state and loss levers to try at one point."""
         found = [LeverChoice()]
         if precision in (MASTER_WEIGHTS, PURE_BF16):  # their own state's place and optimizer: no state lever beside
             return found + ([LeverChoice(loss_chunks=self.loss_chunks)] if self.loss_chunks > 1 else [])
@@ -89,21 +101,29 @@ class LeverSearch:
             found += [replace(choice, loss_chunks=self.loss_chunks) for choice in found]
         return found
 
-    def lever_seconds(self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice) -> float:
-        """Seconds the levers add to one optimizer step (``speed.levers.lever_time``)."""
+    def lever_seconds(
+        self, model: CostModel, precision: str, micro_batch_size: int, choice: LeverChoice, *, checkpoint=frozenset(),
+    ) -> float:
+        """Seconds the levers add to one optimizer step (``speed.levers.lever_time``), with ``checkpoint`` (indices)
+        the fully checkpointed blocks (NF4's weights are dequantized again where they recompute)."""
         if choice == LeverChoice() and precision != MASTER_WEIGHTS:
             return 0.0
-        from autofit.planning.speed.levers import lever_time
-
         config = TrainingConfig(
             global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size, precision=precision,
-            offload=model.names(choice.offload), optimizer_in_backward=choice.optimizer_in_backward,
-            optimizer_state=choice.optimizer_state, loss_chunks=choice.loss_chunks,
+            checkpoint=model.names(checkpoint), offload=model.names(choice.offload), optimizer_in_backward=choice.optimizer_in_backward,
+            optimizer_state=choice.optimizer_state, loss_chunks=choice.loss_chunks, frozen_nf4=choice.frozen_nf4,
         )
+        return self.lever_time(model, config).seconds
+
+    def lever_time(self, model: CostModel, config: TrainingConfig):
+        """What ``config``'s levers add to one optimizer step, with the notes that say how (``speed.levers.lever_time``)."""
+        from autofit.planning.speed.levers import lever_time
+
         return lever_time(
             config, model=model, link=self.link, trainable_bytes=self.trainable_bytes, host_update_seconds=self.host_update_seconds,
-            host_update_source=self.host_update_source, eight_bit=self.eight_bit, step_in_backward=self.step_in_backward_time, head_share=self.head_share,
-        ).seconds
+            host_update_source=self.host_update_source, eight_bit=self.eight_bit, step_in_backward=self.step_in_backward_time,
+            head_share=self.head_share, nf4=self.nf4.get(config.precision) if self.nf4 else None,
+        )
 
 
 def cheapest_for(
@@ -278,7 +298,7 @@ def score_space(
             result.config = replace(
                 result.config, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
                 offload=model.names(choice.offload), optimizer_in_backward=chosen.optimizer_in_backward,
-                optimizer_state=chosen.optimizer_state, loss_chunks=chosen.loss_chunks,
+                optimizer_state=chosen.optimizer_state, loss_chunks=chosen.loss_chunks, frozen_nf4=chosen.frozen_nf4,
             )
             result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
             result.samples_per_s = speed
@@ -313,7 +333,8 @@ def _bound_samples_per_s(
             continue
         if choice.offload and _offload_untraced(model.precisions[precision].memory, search):
             seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
-            seconds += search.lever_seconds(model, precision, micro_batch_size, lever_choice) + choice.offload_seconds
+            seconds += search.lever_seconds(model, precision, micro_batch_size, lever_choice, checkpoint=choice.blocks)
+            seconds += choice.offload_seconds
             best = max(best, G / seconds)
             continue
         best = max(best, _samples_per_s(model, precision, micro_batch_size, choice, lever_choice, search, G)[0])
@@ -333,7 +354,8 @@ def _samples_per_s(
     """A point's samples/s with the knapsack's choice and the levers' time, and the levers with its offloaded blocks."""
     chosen = replace(lever_choice, offload=choice.offload)
     seconds = model.step_seconds(precision, micro_batch_size, choice.blocks, choice.selective)
-    return global_batch_size / (seconds + search.lever_seconds(model, precision, micro_batch_size, chosen)), chosen
+    added = search.lever_seconds(model, precision, micro_batch_size, chosen, checkpoint=choice.blocks)
+    return global_batch_size / (seconds + added), chosen
 
 
 def search(

@@ -55,6 +55,16 @@ optimizer step of micro-batches m_1 .. m_k, with the host link's rates
 
       chunked_loss = sum over micro-steps of  h * F
 
+- **frozen weights in NF4** (``frozen_nf4``, with ``--allow-lossy-base``):
+  every product over an NF4 weight dequantizes it whole, in forward and again
+  in backward, and once more where a checkpointed block recomputes its
+  forward. With D seconds for one dequantization of every NF4 weight
+  (``time_nf4_dequantize`` on the device the plan is for, per element; for a
+  GPU that is not here, the bytes it writes and reads again over half the
+  table's memory bandwidth, an estimate), c checkpointed blocks of n::
+
+      nf4 = sum over micro-steps of  (2 + c / n) * D
+
 The search prices offload per block (``offload_block_seconds``): the bytes
 the block alone saved, down beyond its own forward and all back up, summed
 over blocks at least the term above. Before the offloading runs are traced,
@@ -117,13 +127,14 @@ class LeverTime:
     eight_bit_seconds: float = 0.0
     step_in_backward_seconds: float = 0.0
     chunked_loss_seconds: float = 0.0
+    nf4_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
         return (
             self.offload_seconds + self.host_state_seconds + self.eight_bit_seconds + self.step_in_backward_seconds
-            + self.chunked_loss_seconds
+            + self.chunked_loss_seconds + self.nf4_seconds
         )
 
 
@@ -149,6 +160,7 @@ def lever_time(
     step_in_backward: UpdateTime | None = None,
     head_share: float = 0.0,
     host_update_source: str = "",
+    nf4: UpdateTime | None = None,
 ) -> LeverTime:
     """The levers' seconds per step of ``config`` (see the module docstring for the formulas).
 
@@ -161,6 +173,7 @@ def lever_time(
         step_in_backward: what the step in backward adds to a step (None: taken as nothing, and the notes say so).
         head_share: the output layer's share of the parameters (with the chunked loss): of the forward's time.
         host_update_source: where ``host_update_seconds`` came from, for the notes ("": timed on this machine's CPU).
+        nf4: one dequantization of every NF4 weight (needed with ``frozen_nf4``).
     """
     time = LeverTime()
     master = config.precision == MASTER_WEIGHTS
@@ -172,6 +185,17 @@ def lever_time(
         time.notes.append(
             f"the output layer and loss in {config.loss_chunks} chunks: {time.chunked_loss_seconds:+.3g} s per step "
             f"predicted, the head's forward again in backward ({head_share:.0%} of the parameters, of the forward's time)"
+        )
+    if config.frozen_nf4:
+        if nf4 is None:
+            raise ValueError("frozen weights in NF4 need their dequantization's time (time_nf4_dequantize)")
+        micro_steps = sum(count for _, count in model.micro_sizes(config.micro_batch_size))
+        passes = micro_steps * (2 + len(config.checkpoint) / max(len(model.blocks), 1))
+        time.nf4_seconds = passes * nf4.seconds
+        time.notes.append(
+            f"frozen weights in NF4: {time.nf4_seconds:+.3g} s per step predicted for their dequantization, {passes:.3g} "
+            f"times a step (in each micro-batch's forward and backward{', and again where checkpointed blocks recompute' if config.checkpoint else ''}; "
+            f"{nf4.source})"
         )
     offloading = bool(config.offload)
     on_host = config.updates_on_host

@@ -2,7 +2,8 @@
 floor configuration again, with the levers, measured.
 
 Above the floor, the search scores the step in backward, on a GPU offload per block and host optimizer
-state, and with ``allow_lossy_optimizer`` 8-bit optimizer state, with the memory model's lever terms
+state, with ``allow_lossy_optimizer`` 8-bit optimizer state and with ``allow_lossy_base`` frozen weights in
+NF4, with the memory model's lever terms
 (``memory.levers``) and ``speed.levers``' time (``search.LeverSearch``).
 
 When the budget is below the floor (``check_floor``), the floor configuration
@@ -46,12 +47,15 @@ from autofit.planning.context import PlanContext
 from autofit.planning.costs import PrecisionCosts
 from autofit.planning.speed.measured import time_training
 from autofit.measure.host_speed import time_host_update
+from autofit.measure.nf4_speed import nf4_bytes_moved, time_nf4_dequantize
 from autofit.measure.optimizer_speed import EIGHT_BIT_ELEMENTS, time_eight_bit_update, time_step_in_backward
+from autofit.planning.memory.nf4 import nf4_weight_dtype
+from autofit.planning.speed.estimated import gpu_peaks
 from autofit.planning.verify.floor import Floor, InfeasibleBudget, below_floor
 from autofit.planning.memory.headroom import persistent_bytes
 from autofit.planning.speed.levers import UpdateTime, LeverTime, host_link, lever_time
 from autofit.planning.memory.levers import LeverChoice
-from autofit.planning.modelling import Costs, add_eight_bit_state, add_loss_chunks, add_speeds
+from autofit.planning.modelling import Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_speeds
 from autofit.planning.search.space import LeverSearch
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, write_plan
@@ -360,6 +364,8 @@ def _report(
         add_eight_bit_state(context, costs)  # the memory model's term for it
     if config.loss_chunks > 1:
         add_loss_chunks(context, costs, chunks=config.loss_chunks, usable_bytes=measurements.usable_bytes())
+    if config.frozen_nf4:
+        add_nf4_state(context, costs)
     known = model.precisions.get(config.precision)
     if known is None or known.memory.with_checkpointing(config.micro_batch_size) is None:
         # Only the floor's trace (at the smallest micro-batch, the floor's) was needed: it predicts this configuration.
@@ -415,8 +421,6 @@ def lever_notes(
     """
     predicted = (
         "the predicted peak is the memory model's with them (planning/memory/levers.py)" if modelled else
-        "the memory model does not model NF4 weights, so the predicted peak is the floor configuration's without them"
-        if candidate.lossy_base else
         "the memory model does not model these levers (traces without the offload trace), so the "
         "predicted peak is the floor configuration's without them"
     )
@@ -429,7 +433,6 @@ def lever_notes(
         notes.append(f"the levers keep {format_bytes(host_peak_bytes)} in host memory (measured)")
     if candidate.lossy_base:
         notes.append(NF4_NOTE)
-        notes.append("the speed model does not price NF4's dequantization: the predicted speed is without it")
     elif candidate.lossy:
         notes.append(PURE_NOTE if candidate.config.precision == PURE_BF16 else LOSSY_NOTE)
     elif candidate.config.precision == MASTER_WEIGHTS:
@@ -441,11 +444,11 @@ def lever_notes(
 
 def _modelled_peak(model, config: TrainingConfig, blocks: frozenset[int]) -> float | None:
     """The memory model's peak of a lever candidate, where its traces model its levers."""
-    if config.selective_checkpoint or config.frozen_nf4:  # the traces hold no NF4 weights
+    if config.selective_checkpoint:
         return None
     choice = LeverChoice(
         offload=frozenset(model.blocks.index(name) for name in config.offload), optimizer_in_backward=config.optimizer_in_backward,
-        optimizer_state=config.optimizer_state, loss_chunks=config.loss_chunks,
+        optimizer_state=config.optimizer_state, loss_chunks=config.loss_chunks, frozen_nf4=config.frozen_nf4,
     )
     try:
         return model.peak_bytes(config.precision, config.micro_batch_size, blocks, levers=choice)
@@ -466,6 +469,7 @@ def _lever_time(context: PlanContext, costs: Costs, model, config: TrainingConfi
     return lever_time(
         config, model=model, link=link, trainable_bytes=trainable.bytes, host_update_seconds=update.seconds,
         host_update_source=update.source, eight_bit=eight_bit, step_in_backward=stepping, head_share=loss_chunking(context)[1],
+        nf4=nf4_time(context, costs, config.precision) if config.frozen_nf4 else None,
     )
 
 
@@ -523,29 +527,34 @@ def _timing_device(context: PlanContext) -> tuple[torch.device, str] | None:
 NOT_TIMED = "not measured: no GPU here to time it on, so taken as nothing"
 
 
-def lever_search(context: PlanContext, costs: Costs, *, allow_lossy_optimizer: bool = False, step_in_backward: bool = True) -> LeverSearch:
+def lever_search(context: PlanContext, costs: Costs, levers: Levers = Levers()) -> LeverSearch:
     """The memory levers the search may add above the floor on one process (``search.LeverSearch``).
 
     The step in backward everywhere (the search tries it where a point allows it); on a GPU (simulated too)
     also offload per block and optimizer state on the host, with the host link's rates (measured on a GPU
     here, else assumed) and the host's update timed on this CPU. 8-bit state only with
-    ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for.
-    Without ``step_in_backward`` (training clips gradients) that lever is left out.
+    ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for; frozen
+    weights in NF4 only with ``allow_lossy_base`` (it rounds them), for a model that has weights it takes, priced
+    by their dequantization (``nf4_time``). With ``max_grad_norm`` (training clips gradients) the step in backward
+    is left out.
     """
     trainable = _trainable(context)
-    eight_bit = eight_bit_time(context, trainable) if allow_lossy_optimizer else None
+    eight_bit = eight_bit_time(context, trainable) if levers.allow_lossy_optimizer else None
     stepping = step_in_backward_time(context, costs, trainable)
     chunks, head_share = loss_chunking(context)
+    nf4 = None
+    if levers.allow_lossy_base and nf4_weights(context.meta_model):
+        nf4 = {precision: nf4_time(context, costs, precision) for precision in context.precisions}
+    common = dict(
+        step_in_backward=levers.max_grad_norm is None, eight_bit=eight_bit, step_in_backward_time=stepping, loss_chunks=chunks,
+        head_share=head_share, nf4=nf4,
+    )
     if context.device != "cuda":
-        return LeverSearch(
-            step_in_backward=step_in_backward, eight_bit=eight_bit, step_in_backward_time=stepping, loss_chunks=chunks,
-            head_share=head_share,
-        )
+        return LeverSearch(**common)
     update = host_update(context, trainable)
     return LeverSearch(
-        step_in_backward=step_in_backward, host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable.bytes,
-        host_update_seconds=update.seconds, host_update_source=update.source, eight_bit=eight_bit,
-        step_in_backward_time=stepping, loss_chunks=chunks, head_share=head_share,
+        host_state=True, offload=True, link=host_link(context.device), trainable_bytes=trainable.bytes,
+        host_update_seconds=update.seconds, host_update_source=update.source, **common,
     )
 
 
@@ -567,6 +576,36 @@ def step_in_backward_time(context: PlanContext, costs: Costs, trainable: _Traina
         seconds=per_tensor * trainable.tensors,
         source=f"one optimizer per parameter timed against one for all on this {where}: {per_tensor * 1e6:+.3g} us "
         f"per tensor, for {trainable.tensors} trainable tensors",
+    )
+
+
+def nf4_time(context: PlanContext, costs: Costs, precision: str) -> UpdateTime:
+    """One dequantization of every weight NF4 holds in this model at ``precision`` (``speed.levers``' D): timed per
+    element on the device the plan is for (``time_nf4_dequantize``; once per dtype, then kept with the costs); for a
+    GPU that is not here, the bytes it writes, counted on this CPU (``nf4_bytes_moved``), written and read again at
+    half the GPU's memory bandwidth (an estimate)."""
+    elements = sum(linear.weight.numel() for linear in nf4_weights(context.meta_model))
+    dtype = nf4_weight_dtype(precision)
+    name = str(dtype).removeprefix("torch.")
+    timing = _timing_device(context)
+    if timing is None:
+        gpu, _ = gpu_peaks(context.info.name)
+        moved = 2 * nf4_bytes_moved(dtype)
+        return UpdateTime(
+            seconds=moved * elements / (0.5 * gpu.bandwidth),
+            source=f"estimated: {moved:.3g} bytes written and read per {name} weight element at half the "
+            f"{gpu.bandwidth / 1e12:.2g} TB/s of {context.info.name}, for {elements:,} elements",
+        )
+    device, where = timing
+    key = f"nf4_dequantize_{name}"
+    per_element = costs.update_seconds.get(key)
+    if per_element is None:
+        per_element = time_nf4_dequantize(device=device, dtype=dtype)
+        costs.update_seconds[key] = per_element
+        costs.changed = True
+    return UpdateTime(
+        seconds=per_element * elements,
+        source=f"timed on this {where}: {per_element * 1e9:.3g} ns per {name} weight element, for {elements:,} elements",
     )
 
 
@@ -606,17 +645,18 @@ def eight_bit_time(context: PlanContext, trainable: _Trainable) -> UpdateTime | 
 
 def searched_lever_notes(model, config: TrainingConfig, search: LeverSearch) -> list[str]:
     """The notes of a plan whose search chose memory levers: which, what they cost in time, and whether they change
-    the arithmetic (8-bit state does: a declared choice)."""
-    time = lever_time(
-        config, model=model, link=search.link, trainable_bytes=search.trainable_bytes, host_update_seconds=search.host_update_seconds,
-        host_update_source=search.host_update_source, eight_bit=search.eight_bit, step_in_backward=search.step_in_backward_time, head_share=search.head_share,
-    )
+    the arithmetic (8-bit state and NF4 weights do: declared choices)."""
     chosen = config.levers() or f"precision {config.precision}"
+    arithmetic = [NF4_NOTE] if config.frozen_nf4 else []
+    if config.optimizer_state == "8bit":
+        arithmetic.append(LOSSY_NOTE)
+    elif config.precision in (MASTER_WEIGHTS, PURE_BF16):
+        arithmetic.append(MASTER_NOTE if config.precision == MASTER_WEIGHTS else PURE_NOTE)
+    elif not arithmetic:
+        arithmetic.append("the levers do not change the arithmetic: the updates are plain training's")
     return [
         f"memory levers chosen by the search ({chosen}): the memory model predicts their peak "
         "(planning/memory/levers.py) and the chosen configuration was measured with them",
-        *time.notes,
-        LOSSY_NOTE if config.optimizer_state == "8bit" else MASTER_NOTE if config.precision == MASTER_WEIGHTS
-        else PURE_NOTE if config.precision == PURE_BF16
-        else "the levers do not change the arithmetic: the updates are plain training's",
+        *search.lever_time(model, config).notes,
+        *arithmetic,
     ]

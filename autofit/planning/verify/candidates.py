@@ -190,7 +190,7 @@ def _without_selective(
 
 def _decided(model: CostModel, config: TrainingConfig, measurements: Measurements) -> bool:
     """Whether the memory model alone says this configuration fits, with ``POLICY.decided_margin_share`` to spare."""
-    if not measurements.model_is_exact:
+    if not measurements.model_is_exact or config.frozen_nf4:  # NF4's dequantization is bounded, not traced: measure it
         return False
     predicted = _predicted_peak(model, config) * measurements.scale(config.precision)
     return predicted <= measurements.usable_bytes() * (1 - POLICY.decided_margin_share)
@@ -248,7 +248,7 @@ def _config(model: CostModel, point: TrainingConfig, choice, levers: LeverChoice
     return replace(
         point, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
         offload=model.names(choice.offload), optimizer_in_backward=levers.optimizer_in_backward,
-        optimizer_state=levers.optimizer_state, loss_chunks=levers.loss_chunks,
+        optimizer_state=levers.optimizer_state, loss_chunks=levers.loss_chunks, frozen_nf4=levers.frozen_nf4,
     )
 
 
@@ -256,7 +256,7 @@ def lever_choice(model: CostModel, config: TrainingConfig) -> LeverChoice:
     """The configuration's memory levers, as the memory model takes them."""
     return LeverChoice(
         offload=model.indices(config.offload), optimizer_in_backward=config.optimizer_in_backward,
-        optimizer_state=config.optimizer_state, loss_chunks=config.loss_chunks,
+        optimizer_state=config.optimizer_state, loss_chunks=config.loss_chunks, frozen_nf4=config.frozen_nf4,
     )
 
 
@@ -269,7 +269,7 @@ def _candidate(model: CostModel, config: TrainingConfig, levers: LeverSearch) ->
     blocks, selective = _indices(model, config)
     precision, size = config.precision, config.micro_batch_size
     seconds = model.step_seconds(precision, size, blocks, selective)
-    seconds += levers.lever_seconds(model, precision, size, lever_choice(model, config))
+    seconds += levers.lever_seconds(model, precision, size, lever_choice(model, config), checkpoint=blocks)
     return _Candidate(
         config=config, predicted_samples_per_s=model.global_batch_size / seconds, predicted_peak_bytes=_predicted_peak(model, config),
     )
