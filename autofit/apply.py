@@ -253,7 +253,7 @@ def apply_config(
     offload = ActivationOffload(OffloadConfig(blocks=offloaded), device=env.device)
     chunked_loss = ChunkedLoss(ChunkedLossConfig(chunks=config.loss_chunks))
     sharding = Sharding(
-        ShardingConfig(sharding=config.sharding, world_size=config.world_size),
+        config.sharding_config(),
         precision=config.precision, device=env.device, mesh=mesh, defer_gradient_sync=defer_gradient_sync,
     )
     precision = Precision(
@@ -400,7 +400,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
     device = torch.device(device or plan.device.type)
     config = plan.config
     check_device(device.type, precision=config.precision)
-    env = _join_processes(ShardingConfig(world_size=config.world_size, sharding=config.sharding), device=device)
+    env = _join_processes(config.sharding_config(), device=device)
     return apply_config(model, config, device=env.device, env=env)
 
 

@@ -59,9 +59,11 @@ class TrainingConfig:
     CPU its host tensors are counted apart as host bytes) or "8bit" (torchao's 8-bit AdamW; lossy,
     a declared choice)."""
     sharding: str = "none"
-    """"none", "ddp" or "fsdp"."""
+    """"none", "ddp", "fsdp" or "hsdp" (``strategies.sharding``)."""
     world_size: int = 1
     """Processes training together."""
+    nodes: int = 1
+    """Machines the processes span (``world_size / nodes`` GPUs each); "hsdp" shards within a node, replicates across."""
     loss_chunks: int = 1
     """Chunks of tokens a causal language model's output layer and loss run over, each recomputed in backward, so
     that its whole logits never exist (``strategies.chunked_loss``); 1: the model's own forward. Same loss."""
@@ -91,7 +93,7 @@ class TrainingConfig:
         BatchSplitConfig(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size)
         PrecisionConfig(precision=self.precision)
         OptimizerStateConfig(optimizer_state=self.optimizer_state)
-        ShardingConfig(world_size=self.world_size, sharding=self.sharding)
+        self.sharding_config()
         if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or not 1 <= self.loss_chunks <= MAX_LOSS_CHUNKS:
             raise UserError(
                 f"--loss-chunks {self.loss_chunks!r} must be a whole number from 1 (no chunking) to {MAX_LOSS_CHUNKS}, e.g. 8"
@@ -132,6 +134,10 @@ class TrainingConfig:
                 "step); turn it off or train on one GPU"
             )
 
+    def sharding_config(self) -> ShardingConfig:
+        """How the processes share the model (``strategies.sharding``)."""
+        return ShardingConfig(world_size=self.world_size, sharding=self.sharding, nodes=self.nodes)
+
     @property
     def grad_accum_steps(self) -> int:
         """Micro-batches per optimizer step in each process: ceil(ceil(global / world_size) / micro)."""
@@ -157,6 +163,7 @@ class TrainingConfig:
         share = self.rank_batch_size
         return dataclasses.replace(
             self, global_batch_size=share, micro_batch_size=min(self.micro_batch_size, share), sharding="none", world_size=1,
+            nodes=1,
         )
 
     def key(self) -> str:

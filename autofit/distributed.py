@@ -143,9 +143,23 @@ def end_rank(exit_code: int) -> None:
     os._exit(exit_code)
 
 
-def torchrun_command(*, world_size: int, args: list[str]) -> str:
-    """The command line that starts ``autofit ARGS`` on ``world_size`` processes of this machine."""
-    return " ".join(["torchrun", f"--nproc-per-node {world_size}", "-m autofit", *map(shlex.quote, args)])
+NODE0_ADDRESS = "NODE0_ADDRESS"
+"""What the per-node commands name the first node by: the user puts its address (host name or IP) there."""
+
+
+def torchrun_commands(config: ShardingConfig, *, args: list[str]) -> list[str]:
+    """The command lines that start ``autofit ARGS`` on the plan's processes: one on this machine, or one per node
+    (each with its ``--node-rank``, all meeting at the first node's address, ``NODE0_ADDRESS``)."""
+    tail = ["-m autofit", *map(shlex.quote, args)]
+    if config.nodes == 1:
+        return [" ".join(["torchrun", f"--nproc-per-node {config.world_size}", *tail])]
+    return [
+        " ".join([
+            "torchrun", f"--nnodes {config.nodes}", f"--node-rank {rank}", f"--nproc-per-node {config.per_node}",
+            f"--master-addr {NODE0_ADDRESS}", "--master-port 29500", *tail,
+        ])
+        for rank in range(config.nodes)
+    ]
 
 
 def check_launch(config: ShardingConfig, *, args: list[str] | None = None) -> None:
@@ -163,14 +177,17 @@ def check_launch(config: ShardingConfig, *, args: list[str] | None = None) -> No
     if launched == config.world_size:
         return
     args = list(sys.argv[1:] if args is None else args)
+    commands = torchrun_commands(config, args=args)
     if config.world_size > 1 and launched == 1:
+        start = commands[0] if len(commands) == 1 else "; ".join(f"on node {rank}: {command}" for rank, command in enumerate(commands))
         raise UserError(
-            f"this plan trains on {config.world_size} processes ({config.sharding}); start it with: "
-            f"{torchrun_command(world_size=config.world_size, args=args)}"
+            f"this plan trains on {config.world_size} processes ({config.sharding}"
+            f"{f', {config.nodes} nodes' if config.nodes > 1 else ''}); start it with: {start}"
         )
+    started = f"--nproc-per-node {config.world_size}" if config.nodes == 1 else f"--nnodes {config.nodes} --nproc-per-node {config.per_node}"
     raise UserError(
         f"this plan is for {config.world_size} process(es) but torchrun started {launched}; use "
-        f"--nproc-per-node {config.world_size}, or re-plan with `autofit plan ... --gpus {launched}`"
+        f"{started}, or re-plan with `autofit plan ... --gpus {launched}`"
     )
 
 

@@ -92,7 +92,7 @@ class MultiProcess:
 
     world_size: int
     sharding: str
-    """"ddp" or "fsdp"."""
+    """"ddp", "fsdp" or "hsdp"."""
     rank_batch_size: int
     """Samples each rank trains per step: ceil(global batch / world_size)."""
     note: str
@@ -209,6 +209,7 @@ class Plan:
             **({"frozen_nf4": True} if config.frozen_nf4 else {}),
             "world_size": config.world_size,
             "sharding": config.sharding,
+            **({"nodes": config.nodes} if config.nodes != 1 else {}),
             **({"max_grad_norm": config.max_grad_norm} if config.max_grad_norm is not None else {}),
             "estimated": self.estimated,
             "predicted": self.predicted.to_dict() if self.predicted else {},
@@ -287,7 +288,12 @@ def _check_together(choices: dict, *, grad_accum_steps: int | None, where: str) 
     if N == 1 and sharding != "none":
         _refuse(where, "sharding", sharding, '"none" for world_size 1 (one process shards nothing)')
     if N > 1 and sharding == "none":
-        _refuse(where, "sharding", sharding, f'"ddp" or "fsdp" for world_size {N}')
+        _refuse(where, "sharding", sharding, f'"ddp", "fsdp" or "hsdp" for world_size {N}')
+    nodes = choices.get("nodes", 1)
+    if N % nodes:
+        _refuse(where, "nodes", nodes, f"a divisor of world_size {N} (the same number of processes on each node)")
+    if sharding == "hsdp" and (nodes < 2 or N // nodes < 2):
+        _refuse(where, "sharding", sharding, f'"fsdp" or "ddp" unless nodes is 2 or more with 2 or more processes each (nodes {nodes}, world_size {N})')
     if N > G:
         _refuse(where, "world_size", N, f"at most global_batch_size {G}: every process needs a sample per step")
     share = math.ceil(G / N)
@@ -389,6 +395,7 @@ _PLAN_FIELDS = {  # checked in this order: the schema version first
     "frozen_nf4": FLAG,
     "world_size": _integer(1, MAX_BATCH_SIZE, f"a whole number of processes from 1 to {MAX_BATCH_SIZE}"),
     "sharding": _choice(SHARDINGS),
+    "nodes": _integer(1, MAX_BATCH_SIZE, f"a whole number of machines from 1 to {MAX_BATCH_SIZE}"),
     "max_grad_norm": _Kind("a positive number", lambda value: _number(value) and value > 0).or_null(),
     "estimated": FLAG,
     "predicted": OBJECT,
@@ -439,7 +446,7 @@ _MEASURED_FIELDS = {
 }
 _MULTI_PROCESS_FIELDS = {
     "world_size": _integer(2, MAX_BATCH_SIZE, f"a whole number of processes from 2 to {MAX_BATCH_SIZE}"),
-    "sharding": _choice(("ddp", "fsdp")),
+    "sharding": _choice(("ddp", "fsdp", "hsdp")),
     "rank_batch_size": SAMPLES,
     "note": TEXT,
 }

@@ -1,8 +1,9 @@
-"""Sharding over processes: FSDP2 or DDP under torchrun, or none (one process).
+"""Sharding over processes: FSDP2, HSDP or DDP under torchrun, or none (one process).
 
 ``Sharding.apply`` distributes the model: ``fully_shard`` on each block, then
-the root, with a ``MixedPrecisionPolicy`` from the plan's precision (FSDP2), or
-a ``DistributedDataParallel`` wrapper (DDP). ``gradient_sync`` tells the batch
+the root, with a ``MixedPrecisionPolicy`` from the plan's precision (FSDP2;
+HSDP is FSDP2 over a two-dimensional mesh: sharded over the processes of one
+node, replicated across nodes), or a ``DistributedDataParallel`` wrapper (DDP). ``gradient_sync`` tells the batch
 split how to defer the gradient reduction to a step's last micro-batch.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from strategies.base import Strategy
 from strategies.checkpointing import checkpoint_candidates
 from strategies.precision import PRECISIONS, precision_dtype
 
-SHARDINGS = ("none", "ddp", "fsdp")
+SHARDINGS = ("none", "ddp", "fsdp", "hsdp")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,8 +30,10 @@ class ShardingConfig:
     world_size: int = 1
     """Processes (one per GPU) that train together."""
     sharding: str = "none"
-    """"none" (one process), "ddp" (every rank holds the whole model) or "fsdp" (FSDP2: parameters,
-    gradients and optimizer state divided over the ranks)."""
+    """"none" (one process), "ddp" (every rank holds the whole model), "fsdp" (FSDP2: parameters,
+    gradients and optimizer state divided over the ranks) or "hsdp" (FSDP2 within each node, replicated across nodes)."""
+    nodes: int = 1
+    """Machines the processes span, ``world_size / nodes`` on each; "hsdp" shards within one and replicates across them."""
     backend: str | None = None
     """torch.distributed backend; None picks "nccl" on CUDA and "gloo" on the CPU."""
 
@@ -43,6 +46,21 @@ class ShardingConfig:
             raise UserError(
                 f"world size {self.world_size} needs a sharding; use sharding 'ddp' or 'fsdp' (or --gpus 1)"
             )
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 or self.world_size % self.nodes:
+            raise UserError(
+                f"--nodes {self.nodes!r} must be a whole number of machines, at least 1, that divides the {self.world_size} "
+                "processes (the same number of GPUs on each)"
+            )
+        if self.sharding == "hsdp" and (self.nodes < 2 or self.world_size // self.nodes < 2):
+            raise UserError(
+                f"sharding 'hsdp' shards within a node and replicates across nodes: it needs 2 nodes or more of 2 GPUs or "
+                f"more (here {self.nodes} of {self.world_size // self.nodes}); use 'fsdp' or 'ddp'"
+            )
+
+    @property
+    def per_node(self) -> int:
+        """Processes on each machine."""
+        return self.world_size // self.nodes
 
 
 def mixed_precision_policy(precision: str):
@@ -150,11 +168,11 @@ class Sharding(Strategy):
 
     @property
     def sharded(self) -> bool:
-        """True when each rank holds only a shard of the gradients (FSDP2)."""
-        return self.config.sharding == "fsdp"
+        """True when each rank holds only a shard of the gradients (FSDP2, HSDP)."""
+        return self.config.sharding in ("fsdp", "hsdp")
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Return the module to train: the same instance for "fsdp" and "none", a DDP wrapper for "ddp".
+        """Return the module to train: the same instance for "fsdp", "hsdp" and "none", a DDP wrapper for "ddp".
 
         Raises:
             UserError: no process group (not under torchrun), or an unknown unit name.
@@ -178,13 +196,12 @@ class Sharding(Strategy):
 
     def _fully_shard(self, model: nn.Module) -> None:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = self.mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
+        mesh = self.mesh or self._mesh()
         # Each rank keeps its slice of its own tensors: they must start equal, as
         # DDP makes them by broadcasting from rank 0 (a model built without a seed differs per rank).
-        _broadcast_from_rank0(model, group=mesh.get_group())
+        _broadcast_from_rank0(model, group=mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD)
         policy = mixed_precision_policy(self.precision)
         names = fsdp_units(model) if self.units is None else list(self.units)
         modules = dict(model.named_modules())
@@ -196,6 +213,20 @@ class Sharding(Strategy):
         for name in names:
             fully_shard(modules[name], mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def _mesh(self):
+        """Every rank in one dimension (FSDP2); for HSDP nodes x processes per node, replicated over the first
+        dimension and sharded over the second (torchrun numbers a node's processes consecutively)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.config.sharding == "hsdp":
+            if dist.get_world_size() != self.config.world_size:
+                raise UserError(f"the plan is for {self.config.world_size} processes but {dist.get_world_size()} joined")
+            return init_device_mesh(
+                self.device.type, (self.config.nodes, self.config.per_node), mesh_dim_names=("replicate", "shard"),
+            )
+        return init_device_mesh(self.device.type, (dist.get_world_size(),))
 
 
 @torch.no_grad()

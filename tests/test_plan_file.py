@@ -121,6 +121,10 @@ BAD = [
     ("micro_batch_size", {"micro_batch_size": 16, "grad_accum_steps": MISSING}),
     ("micro_batch_size", {"world_size": 2, "sharding": "ddp", "micro_batch_size": 5, "grad_accum_steps": MISSING}),
     ("grad_accum_steps", {"world_size": 2, "sharding": "fsdp", "micro_batch_size": 2, "grad_accum_steps": 4}),
+    *[("nodes", {"nodes": v}) for v in (0, "2", True, 1.5, None)],
+    ("nodes", {"world_size": 4, "sharding": "fsdp", "micro_batch_size": 2, "grad_accum_steps": MISSING, "nodes": 3}),
+    ("sharding", {"world_size": 4, "sharding": "hsdp", "micro_batch_size": 2, "grad_accum_steps": MISSING}),
+    ("sharding", {"world_size": 4, "sharding": "hsdp", "micro_batch_size": 2, "grad_accum_steps": MISSING, "nodes": 4}),
 ]
 
 

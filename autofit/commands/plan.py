@@ -8,6 +8,7 @@ import typer
 
 from autofit.cli import app
 from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
+from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.errors import UserError
 from autofit.planning.policy import POLICY
 from autofit.units import format_bytes, format_rate
@@ -40,6 +41,10 @@ def plan(
         help="Precisions to search, separated by commas (default: fp32, bf16, fp16, and on a GPU bf16-master).",
     ),
     gpus: int = typer.Option(1, "--gpus", help="GPUs (processes) to train on; BUDGET is then per GPU: DDP if the model fits unsharded, else FSDP2."),
+    nodes: int = typer.Option(
+        1, "--nodes", help="Machines of --gpus GPUs each: FSDP2 within a node and replicated across nodes (HSDP) where that fits, "
+        "else over every GPU; the summary prints each node's torchrun command.",
+    ),
     allow_lossy_optimizer: bool = typer.Option(
         False, "--allow-lossy-optimizer",
         help="8-bit AdamW state (torchao) may be chosen, above the floor and below it; it changes the optimizer's arithmetic.",
@@ -96,7 +101,7 @@ def plan(
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
         host_memory=host_memory, host_speed=host_speed, study=study,
-        precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus,
+        precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus, nodes=nodes,
         allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
         compile=compile_,
     )
@@ -137,10 +142,11 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     measured, predicted = plan.measured, plan.predicted
     ranks = measured.multi_process
     if ranks:
-        where = f"per GPU, {plan.config.world_size} GPUs ({plan.config.sharding})"
+        on_nodes = f" on {plan.config.nodes} nodes" if plan.config.nodes > 1 else ""
+        where = f"per GPU, {plan.config.world_size} GPUs{on_nodes} ({plan.config.sharding})"
         split = (f"per rank: micro-batch {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} step(s) "
                  f"({plan.config.world_size} ranks x {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} >= {plan.config.global_batch_size})")
-        estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.config.sharding == "fsdp" else ""
+        estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.config.sharding in ("fsdp", "hsdp") else ""
     else:
         where = f"on {plan.device.name}"
         split = f"micro-batch {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} step(s)"
@@ -215,6 +221,12 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         for rejection in report.rejected:
             lines.append(f"              {_config_text(rejection['config'])}: {rejection['why']}")
     lines += _timing_lines(report)
+    if ranks:
+        commands = torchrun_commands(plan.config.sharding_config(), args=["train", "--plan", str(path or "plan.json")])
+        for rank, command in enumerate(commands):
+            lines.append(f"  start       {f'on node {rank}: ' if len(commands) > 1 else ''}{command}")
+        if len(commands) > 1:
+            lines.append(f"              ({NODE0_ADDRESS}: node 0's address, which every node can reach; plan.json and the data on every node)")
     where = f"wrote {path}; " if path else ""
     lines.append(
         f"  {where}planned in {report.seconds:.1f} s: {report.evaluations} points by {report.sampler}, "

@@ -99,7 +99,6 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     from autofit.training.run import run_training
     from autofit.training.weights import initial_model
     from autofit.training.hf_export import pretrained_dir
-    from strategies import ShardingConfig
 
     data = Path(data).resolve() if data is not None else None
     model = str(Path(model).resolve()) if model is not None and not model.startswith("torchvision:") else model
@@ -126,7 +125,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     else:
         the_plan = load_plan(plan)
     # A plan for N processes: refuse any other number, naming the command that starts N.
-    check_launch(ShardingConfig(world_size=the_plan.config.world_size, sharding=the_plan.config.sharding))
+    check_launch(the_plan.config.sharding_config())
     if lora is not None:
         from autofit.adapters import planned_lora
 

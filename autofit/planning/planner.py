@@ -56,7 +56,7 @@ from autofit.planning.modelling import (
     Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
     save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
 )
-from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp
+from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp, restate_for_hsdp
 from autofit.planning.search.space import Evaluation, LeverSearch, score_space
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.policy import POLICY
@@ -126,10 +126,12 @@ def plan_with_report(spec: ModelSpec, request: PlanRequest, *, log: Callable[[st
     8-bit optimizer state only with ``allow_lossy_optimizer``. They run on one
     process, so N > 1 plans do not use them.
     """
-    gpus = request.gpus
+    gpus, nodes = request.gpus, request.nodes
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise UserError(f"--gpus {gpus!r} must be a whole number of GPUs, at least 1")
-    if gpus > 1:
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise UserError(f"--nodes {nodes!r} must be a whole number of machines, at least 1")
+    if gpus * nodes > 1:
         return _with_clipping(_plan_ranks(spec, request, log=log), request.max_grad_norm)
     context = plan_context(spec, request, log=log)
     levers = Levers(
@@ -481,24 +483,26 @@ def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evalu
 
 
 def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], None] | None) -> PlanReport:
-    """N > 1 processes: DDP when a rank's share fits as one process with the buckets' allowance, else FSDP2."""
+    """N > 1 processes: DDP when a rank's share fits as one process with the buckets' allowance, else FSDP2; on several
+    nodes, FSDP2 within each node and replicated across them (HSDP) where that fits, else over every process."""
     started = time.perf_counter()
-    world_size, batch_size = request.gpus, request.batch_size
-    check_ranks(batch_size=batch_size, world_size=world_size)
+    nodes = request.nodes
+    world_size, batch_size = request.gpus * nodes, request.batch_size
+    check_ranks(batch_size=batch_size, world_size=world_size, nodes=nodes)
     share = math.ceil(batch_size / world_size)
     # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
     one_process = (MASTER_WEIGHTS, PURE_BF16)
     asked = [p for p in (request.precisions or PRECISIONS) if p not in one_process]
     if not asked:
-        raise UserError(f"--precisions {','.join(request.precisions)} train on one process only; for --gpus {world_size} allow bf16 or fp32")
+        raise UserError(f"--precisions {','.join(request.precisions)} train on one process only; for {world_size} GPUs allow bf16 or fp32")
     request = replace(request, precisions=tuple(asked))
     # One rank's share of the batch with the whole per-GPU budget (FSDP2 plans in it).
-    rank = plan_context(spec, replace(request, batch_size=share, gpus=1, study=None), log=log)
+    rank = plan_context(spec, replace(request, batch_size=share, gpus=1, nodes=1, study=None), log=log)
 
     def say_why_left_out(context: PlanContext) -> None:
         for precision in one_process:
             if precision in context.excluded_precisions:
-                context.excluded_precisions[precision] = f"trains on one process only, not on --gpus {world_size}"
+                context.excluded_precisions[precision] = f"trains on one process only, not on {world_size} GPUs"
 
     say_why_left_out(rank)
     allowance = gradient_bytes(rank.sim_spec)
@@ -509,7 +513,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     costs, contexts = None, [rank]
     try:
         if rank.budget_bytes > allowance:
-            ddp = plan_context(spec, replace(request, budget=rank.budget_bytes - allowance, batch_size=share, gpus=1), log=log)
+            ddp = plan_context(spec, replace(request, budget=rank.budget_bytes - allowance, batch_size=share, gpus=1, nodes=1), log=log)
             say_why_left_out(ddp)
             contexts.append(ddp)
             costs = _memory(ddp)
@@ -521,17 +525,37 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
                 rank.log("DDP does not fit: every rank would hold the whole model's state; sharding it with FSDP2")
             else:
                 report = restate_for_ddp(
-                    report, budget_bytes=rank.budget_bytes, allowance=allowance, world_size=world_size, global_batch_size=batch_size
+                    report, budget_bytes=rank.budget_bytes, allowance=allowance, world_size=world_size, global_batch_size=batch_size,
+                    nodes=nodes,
                 )
                 report.seconds = time.perf_counter() - started
                 return report
         with _threads(rank):
-            report = plan_fsdp(rank, costs or stored_or_new(rank), world_size=world_size, global_batch_size=batch_size)
+            costs = costs or stored_or_new(rank)
+            hsdp = nodes > 1 and request.gpus > 1
+            report = _plan_hsdp(rank, costs, per_node=request.gpus, nodes=nodes, batch_size=batch_size) if hsdp else None
+            if report is None:
+                report = plan_fsdp(rank, costs, world_size=world_size, global_batch_size=batch_size, nodes=nodes)
     finally:
         for context in contexts:
             context.trace_pool.close()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _plan_hsdp(rank: PlanContext, costs: Costs, *, per_node: int, nodes: int, batch_size: int) -> PlanReport | None:
+    """HSDP: a rank's share planned as FSDP2 over the GPUs of one node (a rank holds that sharding's shard and the
+    same share of the batch), restated for every node; None where that does not fit."""
+    share = rank.global_batch_size
+    rank.log(f"{nodes} nodes: FSDP2 within each node's {per_node} GPUs, replicated across the nodes (HSDP)")
+    try:
+        report = plan_fsdp(rank, costs, world_size=per_node, global_batch_size=share * per_node)
+    except InfeasibleBudget:
+        rank.log(f"HSDP does not fit: sharded over one node's {per_node} GPUs a rank holds too much; sharding over all {nodes * per_node}")
+        return None
+    return restate_for_hsdp(report, nodes=nodes, global_batch_size=batch_size)
+
+
 
 
 def print_progress(line: str) -> None:

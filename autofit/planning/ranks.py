@@ -38,13 +38,14 @@ MULTI_PROCESS_NOTE = (
 )
 
 
-def check_ranks(*, batch_size: int, world_size: int) -> None:
+def check_ranks(*, batch_size: int, world_size: int, nodes: int = 1) -> None:
     """Every rank needs a whole sample at least."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise UserError(f"--batch-size {batch_size!r} must be a whole number of samples, at least 1")
     if batch_size < world_size:
+        gpus = f"--gpus {world_size}" if nodes == 1 else f"the {world_size} GPUs (--gpus {world_size // nodes} on --nodes {nodes})"
         raise UserError(
-            f"--batch-size {batch_size} is smaller than --gpus {world_size}: every GPU needs at least one sample per step; "
+            f"--batch-size {batch_size} is smaller than {gpus}: every GPU needs at least one sample per step; "
             f"raise --batch-size or lower --gpus"
         )
 
@@ -57,11 +58,11 @@ def gradient_bytes(spec: ModelSpec) -> int:
 
 
 def restate_for_ddp(
-    report: PlanReport, *, budget_bytes: int, allowance: int, world_size: int, global_batch_size: int
+    report: PlanReport, *, budget_bytes: int, allowance: int, world_size: int, global_batch_size: int, nodes: int = 1,
 ) -> PlanReport:
-    """The one-process plan of a rank's share, restated for ``world_size`` processes under DDP."""
+    """The one-process plan of a rank's share, restated for ``world_size`` processes (on ``nodes`` machines) under DDP."""
     plan = report.plan
-    config = replace(plan.config, global_batch_size=global_batch_size, world_size=world_size, sharding="ddp")
+    config = replace(plan.config, global_batch_size=global_batch_size, world_size=world_size, sharding="ddp", nodes=nodes)
     rank_batch_size = config.rank_batch_size
     plan = replace(
         plan, budget_bytes=budget_bytes, config=config,
@@ -77,6 +78,24 @@ def restate_for_ddp(
     return replace(report, plan=plan)
 
 
+def restate_for_hsdp(report: PlanReport, *, nodes: int, global_batch_size: int) -> PlanReport:
+    """An FSDP2 plan over one node's processes (``plan_fsdp``), restated for ``nodes`` such nodes under HSDP: each rank
+    holds what it held there (the node's shard, the same share of the batch)."""
+    plan = report.plan
+    per_node = plan.config.world_size
+    world_size = nodes * per_node
+    config = replace(plan.config, global_batch_size=global_batch_size, world_size=world_size, sharding="hsdp", nodes=nodes)
+    rank_batch_size = config.rank_batch_size
+    multi_process = MultiProcess(
+        world_size=world_size, sharding="hsdp", rank_batch_size=rank_batch_size,
+        note=MULTI_PROCESS_NOTE.format(world_size=world_size, rank_batch_size=rank_batch_size)
+        + f"; the per-rank peak is FSDP2 over one node's {per_node} processes run in one process on a fake process group "
+        "(simulated, not measured); the all-reduce of each rank's gradient shard across the nodes is not simulated",
+    )
+    plan = replace(plan, config=config, measured=replace(plan.measured, multi_process=multi_process))
+    return replace(report, plan=plan)
+
+
 @dataclass(kw_only=True, slots=True)
 class _Candidate:
     """A per-rank configuration under FSDP2, as the conservative estimate sees it."""
@@ -89,10 +108,11 @@ class _Candidate:
     fits_estimate: bool
 
 
-def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_batch_size: int) -> PlanReport:
+def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_batch_size: int, nodes: int = 1) -> PlanReport:
     """FSDP2: per-rank candidates ranked by the conservative estimate, the fastest verified by simulation.
 
-    ``context`` is one rank's: its share of the batch, the whole per-GPU budget.
+    ``context`` is one rank's: its share of the batch, the whole per-GPU budget. ``nodes``: the machines the
+    ``world_size`` processes span (the plan's, and its advice's GPUs are per node).
     """
     notes = add_speeds(context, costs)
     for precision in context.precisions:  # every precision is ranked by the FSDP2 estimate: each needs its memory
@@ -115,13 +135,17 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
         context, candidates, headroom=headroom, resident_bytes=resident, memory_scale=costs.model.memory_scale, world_size=world_size
     )
     if chosen is None:
-        raise _infeasible(context, single=single, smallest=smallest, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size)
+        raise _infeasible(
+            context, single=single, smallest=smallest, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size,
+            nodes=nodes,
+        )
     candidate, measurement = chosen
     config = candidate.config
     context.log(f"FSDP2: {config.precision}, micro-batch {config.micro_batch_size} x {config.grad_accum_steps} per rank, simulated to fit")
     plan = _fsdp_plan(
-        context, costs, candidate=candidate, measurement=measurement, headroom=headroom, resident_bytes=resident, world_size=world_size,
-        global_batch_size=global_batch_size, alternatives=sorted(alternatives, key=lambda a: a["predicted_peak_bytes"]),
+        context, costs, candidate=replace(candidate, config=replace(candidate.config, nodes=nodes)), measurement=measurement,
+        headroom=headroom, resident_bytes=resident, world_size=world_size, global_batch_size=global_batch_size,
+        alternatives=sorted(alternatives, key=lambda a: a["predicted_peak_bytes"]),
     )
     return PlanReport(
         plan=plan, excluded_precisions=context.excluded_precisions, precision_notes=notes,
@@ -257,13 +281,16 @@ def _fsdp_plan(
 
 
 def _infeasible(
-    context: PlanContext, *, single: dict, smallest: TrainingConfig, headroom: Headroom, world_size: int, global_batch_size: int
+    context: PlanContext, *, single: dict, smallest: TrainingConfig, headroom: Headroom, world_size: int, global_batch_size: int,
+    nodes: int = 1,
 ) -> InfeasibleBudget:
     sharded = sharded_floor(
         context.sim_spec, breakdown=single, precision=smallest.precision, headroom=headroom,
         micro_batch_size=smallest.micro_batch_size, global_batch_size=global_batch_size,
     )
-    if sharded.gpus is not None and sharded.gpus > world_size:
+    if sharded.gpus is not None and sharded.gpus > world_size and nodes > 1:
+        advice = f"try --gpus {-(-sharded.gpus // nodes)} on each of the {nodes} nodes (estimated)"
+    elif sharded.gpus is not None and sharded.gpus > world_size:
         advice = f"try --gpus {sharded.gpus} (estimated)"
     elif sharded.gpus is not None:
         advice = "try more --gpus"
@@ -273,7 +300,8 @@ def _infeasible(
             f"{format_bytes(sharded.budget_bytes)} per GPU at the least, with --gpus {sharded.best_gpus}, estimated)"
         )
     return InfeasibleBudget(
-        f"budget {format_bytes(context.budget_bytes)} per GPU is too small for a batch of {global_batch_size} on {world_size} GPUs: "
+        f"budget {format_bytes(context.budget_bytes)} per GPU is too small for a batch of {global_batch_size} on {world_size} GPUs"
+        f"{f' ({nodes} nodes)' if nodes > 1 else ''}: "
         f"no FSDP2 configuration was simulated to fit (micro-batch down to {smallest.micro_batch_size}, checkpointing "
         f"every block); {advice}, or raise --budget",
         floor_bytes=0, breakdown=single,

@@ -41,7 +41,10 @@ class PlanRequest:
     precisions: tuple[str, ...] | None = None
     """The precisions to search; None: all the device runs."""
     gpus: int = 1
-    """Processes (GPUs) to train on: DDP when the model fits unsharded, FSDP2 otherwise."""
+    """Processes (GPUs) to train on: DDP when the model fits unsharded, FSDP2 otherwise; on each node when ``nodes`` > 1."""
+    nodes: int = 1
+    """Machines of ``gpus`` GPUs each: ``nodes x gpus`` processes, sharded within a node and replicated across nodes
+    (HSDP) where that fits, else sharded over all of them."""
     host_speed: float | None = None
     """Parameter elements per second the host of the machine that trains updates with the model's optimizer (its
     fp32 AdamW step on that CPU), for the host-state and bf16-master levers' time; None: timed on this machine's CPU."""

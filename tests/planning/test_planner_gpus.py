@@ -89,8 +89,8 @@ def spec(model_file):
     return load_spec(str(model_file))
 
 
-def _plan(spec, *, budget, gpus):
-    return plan_with_report(spec, PlanRequest(budget=budget, batch_size=GLOBAL_BATCH_SIZE, precisions=["fp32"], gpus=gpus))
+def _plan(spec, *, budget, gpus, nodes=1):
+    return plan_with_report(spec, PlanRequest(budget=budget, batch_size=GLOBAL_BATCH_SIZE, precisions=["fp32"], gpus=gpus, nodes=nodes))
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +145,35 @@ def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
     assert "allowance" in plan.measured.multi_process.note and not plan.estimated
 
 
+def test_on_two_nodes_fsdp_shards_within_a_node_where_that_fits_else_over_every_gpu(run_cli, model_file, spec, floor, tmp_path):
+    """--gpus 2 --nodes 2: at 0.6 of the one-process floor a rank holds a node's half of the state (HSDP: sharded over
+    the node's 2 GPUs, replicated across the nodes), each node's torchrun command in the summary; at 0.45 only a
+    quarter fits, so FSDP2 shards over all 4 GPUs."""
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli(
+        "plan", model_file, "--budget", int(0.6 * floor.floor_bytes), "--batch-size", GLOBAL_BATCH_SIZE, "--precisions", "fp32",
+        "--gpus", 2, "--nodes", 2, "--out", out,
+    )
+    assert code == 0, err
+    plan = load_plan(out)
+    assert (plan.config.sharding, plan.config.world_size, plan.config.nodes) == ("hsdp", 4, 2)
+    assert plan.config.rank_batch_size == 2 and plan.measured.multi_process.sharding == "hsdp"
+    assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
+    assert "4 GPUs on 2 nodes (hsdp)" in stdout
+    for rank in (0, 1):
+        assert f"on node {rank}: torchrun --nnodes 2 --node-rank {rank} --nproc-per-node 2" in stdout
+    over_all = _plan(spec, budget=int(0.45 * floor.floor_bytes), gpus=2, nodes=2).plan
+    assert (over_all.config.sharding, over_all.config.world_size, over_all.config.nodes) == ("fsdp", 4, 2)
+    assert over_all.measured.peak_bytes < plan.measured.peak_bytes
+
+
 def test_bad_gpu_counts_are_one_line(spec):
     with pytest.raises(UserError, match=r"--gpus 0 must be a whole number of GPUs"):
         make_plan(spec, PlanRequest(budget="100MB", batch_size=8, gpus=0))
     with pytest.raises(UserError, match=r"--batch-size 2 is smaller than --gpus 4.*lower --gpus"):
         make_plan(spec, PlanRequest(budget="100MB", batch_size=2, gpus=4))
+    with pytest.raises(UserError, match=r"--nodes 0 must be a whole number of machines"):
+        make_plan(spec, PlanRequest(budget="100MB", batch_size=8, gpus=2, nodes=0))
 
 
 def test_a_budget_too_small_even_when_sharded_says_so(spec):
@@ -191,7 +215,7 @@ def test_a_simulated_gpu_plan_on_several_gpus_leaves_the_one_process_precisions_
     )
     assert code == 0, err
     assert load_plan(out).config.world_size == 2
-    assert "bf16-master: trains on one process only, not on --gpus 2" in stdout
+    assert "bf16-master: trains on one process only, not on 2 GPUs" in stdout
 
 
 STEP_BOUND_FILE = '''

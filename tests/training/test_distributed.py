@@ -284,12 +284,40 @@ def test_a_multi_process_plan_names_the_torchrun_command(monkeypatch):
     with pytest.raises(UserError, match="--nproc-per-node 4"):
         check_launch(config, args=["train"])
     check_launch(ShardingConfig(world_size=2, sharding="ddp"), args=["train"])
+    # On several nodes: one command per node, each with its rank, meeting at node 0.
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(UserError) as refused:
+        check_launch(ShardingConfig(world_size=4, sharding="hsdp", nodes=2), args=["train", "--plan", "plan.json"])
+    for rank in (0, 1):
+        assert (f"on node {rank}: torchrun --nnodes 2 --node-rank {rank} --nproc-per-node 2 --master-addr NODE0_ADDRESS "
+                "--master-port 29500 -m autofit train --plan plan.json") in str(refused.value)
+
+
+def test_hsdp_shards_within_a_node_and_replicates_across_nodes():
+    """Four ranks as two nodes of two (on a fake process group): every parameter is a DTensor over a 2 x 2 mesh,
+    replicated over the nodes' dimension and sharded over the node's own."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from autofit._torch_private import fake_process_group_store
+
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=4)
+    try:
+        model = dist_worker.build_model()
+        Sharding(ShardingConfig(world_size=4, sharding="hsdp", nodes=2), precision="fp32", device="cpu").apply(model)
+        params = list(model.parameters())
+        assert params and all(isinstance(p, DTensor) for p in params)
+        assert all(p.device_mesh.shape == (2, 2) and p.placements == (Replicate(), Shard(0)) for p in params)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"world_size": 2, "sharding": "zero3"}, "sharding 'zero3' is unknown"),
     ({"world_size": 0, "sharding": "fsdp"}, "--gpus 0"),
     ({"world_size": 2, "sharding": "none"}, "needs a sharding"),
+    ({"world_size": 4, "sharding": "fsdp", "nodes": 3}, "--nodes 3 must be .* that divides the 4 processes"),
+    ({"world_size": 4, "sharding": "hsdp", "nodes": 1}, "needs 2 nodes or more of 2 GPUs or more"),
+    ({"world_size": 4, "sharding": "hsdp", "nodes": 4}, "needs 2 nodes or more of 2 GPUs or more"),
 ])
 def test_bad_distributed_configs_fail_early(kwargs, message):
     with pytest.raises(UserError, match=message):

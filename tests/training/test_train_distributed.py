@@ -90,11 +90,14 @@ def _write_model(path, *, dropout: float) -> None:
     path.write_text(textwrap.dedent(MODEL_FILE).format(dropout=dropout, train_samples=TRAIN_SAMPLES))
 
 
-def _plan(model_file, *, world_size: int, sharding: str, micro_batch_size: int) -> Plan:
+def _plan(model_file, *, world_size: int, sharding: str, micro_batch_size: int, nodes: int = 1) -> Plan:
     """A plan written by hand: micro-batch and accumulation per rank, the global batch over all ranks."""
     return Plan(
         model=ModelInfo(source=str(model_file), input_shape=[1, 4, 4], num_classes=3),
-        device=DeviceInfo(type="cpu"), budget_bytes=10**8, config=TrainingConfig(global_batch_size=GLOBAL_BATCH_SIZE, micro_batch_size=micro_batch_size, world_size=world_size, sharding=sharding, checkpoint=["blocks.0", "blocks.1"]),
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8, config=TrainingConfig(
+            global_batch_size=GLOBAL_BATCH_SIZE, micro_batch_size=micro_batch_size, world_size=world_size, sharding=sharding,
+            nodes=nodes, checkpoint=["blocks.0", "blocks.1"],
+        ),
     )
 
 
@@ -107,9 +110,9 @@ def _arguments(plan_path, log_dir, *extra: str) -> list[str]:
     return ["train", "--plan", str(plan_path), "--log-dir", str(log_dir), "--epochs", str(EPOCHS), "--workers", "0", *extra]
 
 
-def _torchrun(cwd, plan_path, log_dir, *extra: str) -> subprocess.CompletedProcess:
+def _torchrun(cwd, plan_path, log_dir, *extra: str, processes: int = WORLD_SIZE) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
         "-m", "autofit", *_arguments(plan_path, log_dir, *extra),
     ]
     done = subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=180)
@@ -143,12 +146,15 @@ def runs(tmp_path_factory):
         "fsdp": _plan(plain, world_size=WORLD_SIZE, sharding="fsdp", micro_batch_size=2),
         "ddp": _plan(plain, world_size=WORLD_SIZE, sharding="ddp", micro_batch_size=2),
         "fsdp_dropout": _plan(dropout, world_size=WORLD_SIZE, sharding="fsdp", micro_batch_size=2),
+        # 2 nodes of 2 processes (one machine stands for both: the mesh is the same), 4 ranks x micro-batch 2.
+        "hsdp": _plan(plain, world_size=4, sharding="hsdp", micro_batch_size=2, nodes=2),
     }
     paths = {name: save_plan(plan, root / f"{name}.json") for name, plan in plans.items()}
     _one_process(paths["one"], root / "one")
     outputs = {
         "fsdp": _torchrun(root, paths["fsdp"], root / "fsdp"),
         "ddp": _torchrun(root, paths["ddp"], root / "ddp"),
+        "hsdp": _torchrun(root, paths["hsdp"], root / "hsdp", processes=4),
         "whole": _torchrun(root, paths["fsdp_dropout"], root / "whole"),
         # Stopped mid-epoch 1 (after step 3 of 5), then 2 new processes continue.
         "cut": _torchrun(root, paths["fsdp_dropout"], root / "resumed", "--max-steps", "3"),
@@ -177,15 +183,17 @@ def _assert_same_run(run, reference, *, rtol: float) -> None:
         assert torch.allclose(tensor, reference_weights[name], rtol=rtol, atol=1e-6), name
 
 
-@pytest.mark.slow  # `runs`: five torchrun launches, about a minute
-@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
-def test_two_processes_give_the_single_process_loss_curve(runs, sharding):
-    """Global batch 8 = 2 ranks x micro-batch 2 x 2 steps, checkpointed, vs 3+3+2 on one process: same curve and weights."""
+@pytest.mark.slow  # `runs`: six torchrun launches, about a minute and a half
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp", "hsdp"])
+def test_several_processes_give_the_single_process_loss_curve(runs, sharding):
+    """Global batch 8 = 2 ranks x micro-batch 2 x 2 steps (HSDP: 2 nodes x 2 ranks x micro-batch 2), checkpointed, vs
+    3+3+2 on one process: same curve and weights."""
     root, outputs = runs
     _assert_same_run(root / sharding, root / "one", rtol=1e-5)
     # Only rank 0 logs and prints.
     assert outputs[sharding].stdout.count("epoch 1/2: train loss") == 1
-    assert f"2 processes ({sharding}) x micro-batch 2 x 2" in outputs[sharding].stdout
+    ranks = "4 processes (hsdp) x micro-batch 2 x 1" if sharding == "hsdp" else f"2 processes ({sharding}) x micro-batch 2 x 2"
+    assert ranks in outputs[sharding].stdout
     assert json.loads((root / sharding / "plan.json").read_text())["sharding"] == sharding
     assert (root / sharding / "best.pt").is_file() and (root / sharding / "last_sharded" / ".metadata").is_file()
 
