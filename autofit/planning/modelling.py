@@ -24,6 +24,7 @@ Only what the search can use is traced:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -428,8 +429,11 @@ class _OperatorLog(TorchDispatchMode):
         return out
 
 
-def _simulated_forward(context: PlanContext, *, size: int, precision: str, backward: bool = False) -> list[tuple]:
-    """One micro-batch's forward and loss (and backward) over fake tensors; the operators it made."""
+def _simulated_forward(
+    context: PlanContext, *, size: int, precision: str, backward: bool = False, log: Callable[[torch.nn.Module], TorchDispatchMode] | None = None,
+):
+    """One micro-batch's forward and loss (and backward) over fake tensors; the operators it made (or what ``log``,
+    made over the model, returns as ``entries``)."""
     spec = context.sim_spec
     meter = simulated_meter(spec, for_device=context.device)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
@@ -439,12 +443,44 @@ def _simulated_forward(context: PlanContext, *, size: int, precision: str, backw
         config = TrainingConfig(global_batch_size=size, micro_batch_size=size, precision=precision)
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
         inputs, targets = spec.example_batch(size)
-        log = _OperatorLog()
-        with log, applied.forward_context():
+        mode = _OperatorLog() if log is None else log(applied.model)
+        with mode, applied.forward_context():
             loss = as_loss(spec.loss_fn).weighted(call_model(applied.model, inputs), targets, weight=1.0)
         if backward:
             loss.backward()
-    return log.entries
+    return mode.entries
+
+
+def weight_casts(context: PlanContext, precision: str) -> dict[str, int]:
+    """Parameter name -> bytes of the copy autocast makes of it in one forward at ``precision`` (each trained fp32
+    weight a matmul or convolution takes, cast once, cached until the forward ends and held for its backward): what a
+    one-process trace holds that FSDP2, whose gathered parameters are already in the autocast dtype, does not.
+    Empty without autocast, or for a model the fake forward cannot run."""
+    if precision not in HALF_PRECISIONS:
+        return {}
+    try:
+        return _simulated_forward(context, size=1, precision=precision, log=_WeightCasts)
+    except Exception:  # a model the forward cannot run here: nothing is taken off
+        return {}
+
+
+class _WeightCasts(TorchDispatchMode):
+    """The bytes of each trained parameter's first cast to a 2-byte type (autocast's), by parameter name."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+        self.entries: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        if (
+            func is torch.ops.aten._to_copy.default and id(source) in self.names and source.dtype == torch.float32
+            and isinstance(out, torch.Tensor) and out.element_size() == 2
+        ):
+            self.entries.setdefault(self.names[id(source)], out.numel() * out.element_size())
+        return out
 
 
 def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:

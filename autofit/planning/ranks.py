@@ -21,10 +21,10 @@ from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
 from autofit.planning.verify.floor import InfeasibleBudget, sharded_floor
 from autofit.planning.memory.headroom import Headroom
-from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full
+from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full, weight_casts
 from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
-from autofit.planning.memory.segments import apart_from_step, peak_of
+from autofit.planning.memory.segments import Segment, apart_from_step, peak_of
 from autofit.planning.search.knapsack import cheapest_checkpoint
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.report import PlanReport, plan_basics
@@ -171,6 +171,7 @@ def _fsdp_candidates(
     usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
     candidates = []
     for precision in context.precisions:
+        casts = _casts_by_block(model.blocks, weight_casts(context, precision))
         for size in costs.micro_batch_sizes:
             steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=size)
             estimate = estimate_fsdp_peak_bytes(
@@ -180,7 +181,7 @@ def _fsdp_candidates(
             )
             # The one-process model's peak holds the whole state; a rank holds its sharded part and the buffers instead.
             swap = estimate.peak_bytes - sum(state.values())
-            segments, drops = model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size)
+            segments, drops = _without_casts(*model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size), casts)
             # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
             # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
             # is gathered. Forward and backward keep the one-process segments, with the state swapped.
@@ -211,6 +212,33 @@ def _fsdp_candidates(
         c.config.simplicity(),
     ))
     return candidates
+
+
+def _casts_by_block(blocks: list[str], casts: dict[str, int]) -> tuple[list[int], int]:
+    """Autocast's weight copies (``modelling.weight_casts``) per block, and those of the weights outside every block."""
+    per_block = [sum(nbytes for name, nbytes in casts.items() if name.startswith(block + ".")) for block in blocks]
+    return per_block, sum(casts.values()) - sum(per_block)
+
+
+def _without_casts(segments: list[Segment], drops: list[float], casts: tuple[list[int], int]) -> tuple[list[Segment], list[float]]:
+    """The one-process segments without autocast's copies of the weights, which a rank under FSDP2 never makes (it
+    gathers the weights in the autocast dtype already, ``mixed_precision_policy``).
+
+    A block's copies are held where its forward has ended and its backward not begun (autograd saved them; the cast
+    cache holds them to the forward's end): the segments' ``dropped`` blocks. Those of weights outside the blocks (an
+    output layer) are taken off every segment but the optimizer step's. What checkpointing a block frees is taken to
+    hold its copies, so it frees that much less here (at least nothing).
+    """
+    per_block, outside = casts
+    if not outside and not any(per_block):
+        return segments, drops
+    kept = [
+        replace(segment, peak_bytes=segment.peak_bytes - (
+            0 if segment.phase == "optimizer" else outside + sum(per_block[b] for b in segment.dropped)
+        ))
+        for segment in segments
+    ]
+    return kept, [max(drop - per_block[b], 0.0) for b, drop in enumerate(drops)]
 
 
 def _simulate_fastest(
