@@ -24,6 +24,7 @@ from autofit.planning.memory.headroom import Headroom
 from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full, weight_casts
 from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
+from autofit.planning.memory.levers import LeverChoice, lever_segments
 from autofit.planning.memory.segments import Segment, apart_from_step, peak_of
 from autofit.planning.search.knapsack import cheapest_checkpoint
 from autofit.planning.verify.measurements import Measurements
@@ -160,7 +161,8 @@ def _fsdp_candidates(
     """Every (precision, micro-batch) with the cheapest checkpoint set the estimate says fits, and with every block.
 
     Estimated to fit first, fastest first; then the rest, least memory first (the estimate is mostly high, 3-38%,
-    but not always: simulated ranks of two small CNNs held 21% (8 GPUs) and 41% (64 GPUs) more than it).
+    but not always: simulated ranks of two small CNNs held 21% (8 GPUs) and 41% (64 GPUs) more than it; an 8B Llama
+    on 8 GPUs 5% high, a 70B one on 64 46% high: bench/RESULTS.md).
     """
     model = costs.model
     state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
@@ -179,13 +181,16 @@ def _fsdp_candidates(
                 optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=layout,
                 world_size=world_size, precision=precision, grad_accum_steps=steps,
             )
-            # The one-process model's peak holds the whole state; a rank holds its sharded part and the buffers instead.
-            swap = estimate.peak_bytes - sum(state.values())
-            segments, drops = _without_casts(*model.precisions[precision].memory.at(size, global_batch_size=context.global_batch_size), casts)
+            memory = model.precisions[precision].memory
+            segments, drops = memory.at(size, global_batch_size=context.global_batch_size)
             # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
             # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
-            # is gathered. Forward and backward keep the one-process segments, with the state swapped.
-            backward, step_peak = apart_from_step(segments)
+            # is gathered. Forward and backward keep the one-process segments, with the state swapped: what of it
+            # they hold (``_without_state``) for the rank's sharded part and the buffers.
+            _, step_peak = apart_from_step(segments)
+            backward, held = _without_state(memory, size, global_batch_size=context.global_batch_size, segments=segments, state=state)
+            backward, drops = _without_casts(backward, drops, casts)
+            swap = estimate.peak_bytes - held
             step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
             choice = (
                 cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
@@ -212,6 +217,26 @@ def _fsdp_candidates(
         c.config.simplicity(),
     ))
     return candidates
+
+
+def _without_state(memory, size: int, *, global_batch_size: int, segments: list[Segment], state: dict) -> tuple[list[Segment], int]:
+    """Forward and backward's one-process segments with the optimizer state and every gradient taken off where the
+    traces' lever records know what each held (``memory.levers.lever_segments``, as for host state), and the state
+    they still hold (the parameters); without those records, the plain segments and the whole state.
+
+    A segment holds the gradients accumulated so far, none early in the first micro-step's backward: taking the whole
+    state off every segment made a 70B Llama's rank at micro-batch 8 (one micro-step, whose backward peaks before most
+    gradients exist) an estimate of a fifth of its simulated peak.
+    """
+    if memory.has_levers():
+        found = lever_segments(memory, size, global_batch_size=global_batch_size, choice=LeverChoice(optimizer_state="host"))
+        if found is not None:
+            kept = [
+                Segment(peak_bytes=s.peak_bytes, dropped=s.dropped, phase=s.phase, recomputes=s.recomputes, selective=s.selective)
+                for s in found[0] if s.phase != "optimizer"
+            ]
+            return kept, state["parameters"]
+    return apart_from_step(segments)[0], sum(state.values())
 
 
 def _casts_by_block(blocks: list[str], casts: dict[str, int]) -> tuple[list[int], int]:
