@@ -224,6 +224,22 @@ def test_nf4_is_searched_above_the_floor_and_the_memory_model_bounds_its_peak(ru
     assert json.loads(stdout)["peak_bytes"] <= plan.budget_bytes - sum(plan.headroom.values())
 
 
+def test_without_torchao_the_search_leaves_nf4_out_and_plans(run_cli, tmp_path, monkeypatch, capsys):
+    """--allow-lossy-base where NF4 cannot run (torchao missing): the search says so and plans without it."""
+    from autofit.planning.verify import below_floor
+
+    def missing(*args, **kwargs):
+        raise UserError("frozen weights in NF4 need torchao: pip install torchao (or 'autofit[hf]')")
+
+    monkeypatch.setattr(below_floor, "nf4_time", missing)
+    source = tmp_path / "lora_tokens.py"
+    source.write_text(LORA_TOKENS_FILE)
+    code, _, err = run_cli("plan", source, "--lora", "r=4,alpha=8,targets=up,down", "--budget", "1GB", "--batch-size", "8",
+                           "--precisions", "fp32", "--simulate", "--no-cache", "--allow-lossy-base", "--out", tmp_path / "plan.json")
+    assert code == 0, err
+    assert "left out: frozen weights in NF4 need torchao" in err
+
+
 def test_merged_weights_of_an_nf4_base_give_the_adapted_models_outputs():
     """``--merge`` over QLoRA: the dequantized base plus PEFT's deltas, under the base model's own names."""
     from autofit.training.hf_export import merged_state_dict

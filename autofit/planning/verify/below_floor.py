@@ -544,7 +544,10 @@ def lever_search(context: PlanContext, costs: Costs, levers: Levers = Levers()) 
     chunks, head_share = loss_chunking(context)
     nf4 = None
     if levers.allow_lossy_base and nf4_weights(context.meta_model):
-        nf4 = {precision: nf4_time(context, costs, precision) for precision in context.precisions}
+        try:
+            nf4 = {precision: nf4_time(context, costs, precision) for precision in context.precisions}
+        except UserError as error:  # torchao missing: the plan goes on without it
+            context.log(f"  left out: {error}")
     common = dict(
         step_in_backward=levers.max_grad_norm is None, eight_bit=eight_bit, step_in_backward_time=stepping, loss_chunks=chunks,
         head_share=head_share, nf4=nf4,
