@@ -556,8 +556,6 @@ def _plan_hsdp(rank: PlanContext, costs: Costs, *, per_node: int, nodes: int, ba
     return restate_for_hsdp(report, nodes=nodes, global_batch_size=batch_size)
 
 
-
-
 def print_progress(line: str) -> None:
     """A log function for the CLI: progress on stderr, so --json keeps stdout clean."""
     print(f"  {line}", file=sys.stderr, flush=True)

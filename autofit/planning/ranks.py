@@ -28,7 +28,7 @@ from autofit.planning.memory.levers import LeverChoice, lever_segments
 from autofit.planning.memory.segments import Segment, apart_from_step, peak_of
 from autofit.planning.search.knapsack import cheapest_checkpoint
 from autofit.planning.verify.measurements import Measurements
-from autofit.planning.report import PlanReport, plan_basics
+from autofit.planning.report import PlanReport, batch_norm_notes, plan_basics
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
 from strategies import micro_batch_count
@@ -93,7 +93,11 @@ def restate_for_hsdp(report: PlanReport, *, nodes: int, global_batch_size: int) 
         + f"; the per-rank peak is FSDP2 over one node's {per_node} processes run in one process on a fake process group "
         "(simulated, not measured); the all-reduce of each rank's gradient shard across the nodes is not simulated",
     )
-    plan = replace(plan, config=config, measured=replace(plan.measured, multi_process=multi_process))
+    # The notes on batch norm name the global batch: the whole one, not one node's.
+    per_node_notes = batch_norm_notes(plan.model, micro_batch_size=config.micro_batch_size, global_batch_size=plan.config.global_batch_size)
+    notes = [note for note in plan.notes if note not in per_node_notes]
+    notes += batch_norm_notes(plan.model, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size)
+    plan = replace(plan, config=config, notes=notes, measured=replace(plan.measured, multi_process=multi_process))
     return replace(report, plan=plan)
 
 

@@ -207,6 +207,22 @@ def test_the_fsdp_estimate_takes_off_only_the_gradients_a_segment_holds(spec, fl
     assert plan.measured.peak_bytes <= plan.predicted.estimate_peak_bytes <= 1.1 * plan.measured.peak_bytes
 
 
+def test_an_hsdp_plan_of_a_batch_norm_model_names_the_whole_global_batch(tmp_path):
+    """HSDP is planned as FSDP2 over one node's GPUs, with that node's share of the batch; its note on BatchNorm still
+    names the global batch (8), not the node's (4)."""
+    source = tmp_path / "bn_model.py"
+    source.write_text(textwrap.dedent(MODEL_FILE).replace(
+        "self.stem = nn.Linear(16, 128)", "self.stem = nn.Sequential(nn.Linear(16, 128), nn.BatchNorm1d(128))",
+    ))
+    spec = load_spec(str(source))
+    with pytest.raises(InfeasibleBudget) as below:
+        _plan(spec, budget=10**5, gpus=1)
+    plan = _plan(spec, budget=int(0.6 * below.value.floor_bytes), gpus=2, nodes=2).plan
+    assert plan.config.sharding == "hsdp"
+    notes = [note for note in plan.notes if "BatchNorm" in note]
+    assert len(notes) == 1 and f"not the batch of {GLOBAL_BATCH_SIZE}," in notes[0]
+
+
 def test_bad_gpu_counts_are_one_line(spec):
     with pytest.raises(UserError, match=r"--gpus 0 must be a whole number of GPUs"):
         make_plan(spec, PlanRequest(budget="100MB", batch_size=8, gpus=0))
