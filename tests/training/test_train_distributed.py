@@ -155,6 +155,8 @@ def runs(tmp_path_factory):
         "fsdp": _torchrun(root, paths["fsdp"], root / "fsdp"),
         "ddp": _torchrun(root, paths["ddp"], root / "ddp"),
         "hsdp": _torchrun(root, paths["hsdp"], root / "hsdp", processes=4),
+        "hsdp_cut": _torchrun(root, paths["hsdp"], root / "hsdp_resumed", "--max-steps", "3", processes=4),
+        "hsdp_resumed": _torchrun(root, paths["hsdp"], root / "hsdp_resumed", "--resume", processes=4),
         "whole": _torchrun(root, paths["fsdp_dropout"], root / "whole"),
         # Stopped mid-epoch 1 (after step 3 of 5), then 2 new processes continue.
         "cut": _torchrun(root, paths["fsdp_dropout"], root / "resumed", "--max-steps", "3"),
@@ -183,7 +185,7 @@ def _assert_same_run(run, reference, *, rtol: float) -> None:
         assert torch.allclose(tensor, reference_weights[name], rtol=rtol, atol=1e-6), name
 
 
-@pytest.mark.slow  # `runs`: six torchrun launches, about a minute and a half
+@pytest.mark.slow  # `runs`: eight torchrun launches, about two minutes
 @pytest.mark.parametrize("sharding", ["fsdp", "ddp", "hsdp"])
 def test_several_processes_give_the_single_process_loss_curve(runs, sharding):
     """Global batch 8 = 2 ranks x micro-batch 2 x 2 steps (HSDP: 2 nodes x 2 ranks x micro-batch 2), checkpointed, vs
@@ -209,6 +211,18 @@ def test_a_resumed_two_process_run_ends_as_an_uninterrupted_one(runs):
     assert all(torch.equal(whole[name], resumed[name]) for name in whole)
     # Dropout draws differ per rank: the 2-process curve is not the plain model's.
     assert _records(root / "whole", "step")[0]["loss"] != _records(root / "fsdp", "step")[0]["loss"]
+
+
+@pytest.mark.slow
+def test_a_resumed_hsdp_run_ends_as_an_uninterrupted_one(runs):
+    """4 processes as 2 nodes of 2, stopped after step 3: the sharded checkpoint over the 2 x 2 mesh loads into 4 new
+    processes, which end with the uninterrupted run's losses and exactly its weights."""
+    root, outputs = runs
+    assert "resuming from" in outputs["hsdp_resumed"].stdout and "after step 3" in outputs["hsdp_resumed"].stdout
+    _assert_same_run(root / "hsdp_resumed", root / "hsdp", rtol=1e-6)
+    whole = load_checkpoint(root / "hsdp" / "last.pt")["model_state"]
+    resumed = load_checkpoint(root / "hsdp_resumed" / "last.pt")["model_state"]
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
 
 
 def test_a_multi_process_plan_without_torchrun_prints_the_command(tmp_path, run_cli, monkeypatch):
