@@ -201,28 +201,24 @@ def test_several_processes_give_the_single_process_loss_curve(runs, sharding):
 
 
 @pytest.mark.slow
-def test_a_resumed_two_process_run_ends_as_an_uninterrupted_one(runs):
-    """With dropout, so each rank's RNG must come back too: losses, validation and weights as if never stopped."""
+@pytest.mark.parametrize(("resumed", "whole"), [("resumed", "whole"), ("hsdp_resumed", "hsdp")])
+def test_a_resumed_run_ends_as_an_uninterrupted_one(runs, resumed, whole):
+    """Stopped after step 3, then new processes resume: losses, validation and exactly the weights as if never stopped.
+    FSDP2 on 2 processes with dropout, so each rank's RNG must come back too; HSDP on 4 as 2 nodes of 2, whose sharded
+    checkpoint is over a 2 x 2 mesh."""
     root, outputs = runs
-    assert "resuming from" in outputs["resumed"].stdout and "after step 3" in outputs["resumed"].stdout
-    _assert_same_run(root / "resumed", root / "whole", rtol=1e-6)
-    whole = load_checkpoint(root / "whole" / "last.pt")["model_state"]
-    resumed = load_checkpoint(root / "resumed" / "last.pt")["model_state"]
-    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
-    # Dropout draws differ per rank: the 2-process curve is not the plain model's.
-    assert _records(root / "whole", "step")[0]["loss"] != _records(root / "fsdp", "step")[0]["loss"]
+    assert "resuming from" in outputs[resumed].stdout and "after step 3" in outputs[resumed].stdout
+    _assert_same_run(root / resumed, root / whole, rtol=1e-6)
+    weights = load_checkpoint(root / whole / "last.pt")["model_state"]
+    again = load_checkpoint(root / resumed / "last.pt")["model_state"]
+    assert all(torch.equal(weights[name], again[name]) for name in weights)
 
 
 @pytest.mark.slow
-def test_a_resumed_hsdp_run_ends_as_an_uninterrupted_one(runs):
-    """4 processes as 2 nodes of 2, stopped after step 3: the sharded checkpoint over the 2 x 2 mesh loads into 4 new
-    processes, which end with the uninterrupted run's losses and exactly its weights."""
-    root, outputs = runs
-    assert "resuming from" in outputs["hsdp_resumed"].stdout and "after step 3" in outputs["hsdp_resumed"].stdout
-    _assert_same_run(root / "hsdp_resumed", root / "hsdp", rtol=1e-6)
-    whole = load_checkpoint(root / "hsdp" / "last.pt")["model_state"]
-    resumed = load_checkpoint(root / "hsdp_resumed" / "last.pt")["model_state"]
-    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+def test_dropout_draws_differ_per_rank(runs):
+    """The dropout runs' 2-process curve is not the plain model's: each rank draws its own masks."""
+    root, _ = runs
+    assert _records(root / "whole", "step")[0]["loss"] != _records(root / "fsdp", "step")[0]["loss"]
 
 
 def test_a_multi_process_plan_without_torchrun_prints_the_command(tmp_path, run_cli, monkeypatch):
