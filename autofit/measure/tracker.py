@@ -111,7 +111,11 @@ class StorageTracker(TorchDispatchMode):
         self.track(tensors, category)
 
     def counted_bytes(self, tensor: torch.Tensor) -> int:
-        """The bytes counted for ``tensor``'s storage (rounded, as the real kernel holds it)."""
+        """The bytes counted for ``tensor``'s storage (rounded, as the real kernel holds it); for a wrapper subclass
+        (torchao's 8-bit state, an NF4 weight), its inner tensors', as ``track`` counts it."""
+        inner = inner_tensors(tensor)
+        if inner is not None:
+            return sum(self.counted_bytes(t) for t in inner)
         record = self._live.get(id(tensor.untyped_storage()))
         if record is None:
             return _round_up(tensor.untyped_storage().nbytes(), self.round_bytes)

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit._torch_private import inner_tensors
 from autofit.measure.tracker import StorageTracker
 from strategies import MASTER_WEIGHTS, PURE_BF16, nf4_weights
 
@@ -56,8 +55,8 @@ def nf4_record(spec, *, device_type: str, weight_dtype: torch.dtype) -> dict | N
             if key not in seen:
                 dense = weight.detach().to(weight_dtype)
                 quantized = nn.Parameter(to_nf4(dense), requires_grad=False)
-                held = sum(counter.counted_bytes(t) for t in inner_tensors(quantized) or [quantized])
-                seen[key] = (counter.counted_bytes(dense) - held, _product_bytes(quantized, meter) - _product_bytes(dense, meter))
+                saving = counter.counted_bytes(dense) - counter.counted_bytes(quantized)
+                seen[key] = (saving, _product_bytes(quantized, meter) - _product_bytes(dense, meter))
                 del dense, quantized
             saved += seen[key][0]
             transient = max(transient, seen[key][1])
@@ -69,8 +68,7 @@ def nf4_record(spec, *, device_type: str, weight_dtype: torch.dtype) -> dict | N
 
 def _product_bytes(weight: torch.Tensor, meter) -> int:
     """What one row's linear product over ``weight``, forward and backward, holds beyond the weight."""
-    row = torch.zeros(1, weight.shape[1], dtype=torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32,
-                      device=weight.device, requires_grad=True)
+    row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True)
     tracker = StorageTracker(round_bytes=meter.round_bytes)
     tracker.track([weight, row])
     held = tracker.current_bytes

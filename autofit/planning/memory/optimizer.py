@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from autofit._torch_private import inner_tensors
 from autofit.measure.tracker import StorageTracker
 
 
@@ -71,18 +70,12 @@ def _optimizer_bytes(spec, *, device_type: str, optimizer_state: str) -> tuple[i
                 held = tracker.current_bytes
                 with tracker:
                     optimizer.step()
-                seen[key] = (sum(_counted(counter, t) for t in state), tracker.peak_bytes - held)
+                seen[key] = (sum(counter.counted_bytes(t) for t in state), tracker.peak_bytes - held)
                 param.grad = None
                 del optimizer
             state_bytes += seen[key][0]
             temporaries.append(seen[key][1])
     return state_bytes, temporaries
-
-
-def _counted(counter: StorageTracker, tensor: torch.Tensor) -> int:
-    """Bytes the meters count for a state tensor: a wrapper subclass's (torchao's 8-bit state) are its inner tensors'."""
-    inner = inner_tensors(tensor)
-    return sum(counter.counted_bytes(t) for t in (inner if inner is not None else [tensor]))
 
 
 def eight_bit_record(spec, *, device_type: str) -> dict:
