@@ -148,13 +148,13 @@ NODE0_ADDRESS = "NODE0_ADDRESS"
 
 
 def torchrun_commands(config: ShardingConfig, *, args: list[str]) -> list[str]:
-    """The command lines that start ``autofit ARGS`` on the plan's processes: one on this machine, or one per node
-    (each with its ``--node-rank``, all meeting at the first node's address, ``NODE0_ADDRESS``)."""
+    """The command lines that start ``autofit ARGS`` on the plan's processes: one on this machine, or one per node,
+    each said as "on node K: ..." (with its ``--node-rank``, all meeting at the first node's address, ``NODE0_ADDRESS``)."""
     tail = ["-m autofit", *map(shlex.quote, args)]
     if config.nodes == 1:
         return [" ".join(["torchrun", f"--nproc-per-node {config.world_size}", *tail])]
     return [
-        " ".join([
+        f"on node {rank}: " + " ".join([
             "torchrun", f"--nnodes {config.nodes}", f"--node-rank {rank}", f"--nproc-per-node {config.per_node}",
             f"--master-addr {NODE0_ADDRESS}", "--master-port 29500", *tail,
         ])
@@ -177,12 +177,10 @@ def check_launch(config: ShardingConfig, *, args: list[str] | None = None) -> No
     if launched == config.world_size:
         return
     args = list(sys.argv[1:] if args is None else args)
-    commands = torchrun_commands(config, args=args)
     if config.world_size > 1 and launched == 1:
-        start = commands[0] if len(commands) == 1 else "; ".join(f"on node {rank}: {command}" for rank, command in enumerate(commands))
         raise UserError(
             f"this plan trains on {config.world_size} processes ({config.sharding}"
-            f"{f', {config.nodes} nodes' if config.nodes > 1 else ''}); start it with: {start}"
+            f"{f', {config.nodes} nodes' if config.nodes > 1 else ''}); start it with: {'; '.join(torchrun_commands(config, args=args))}"
         )
     started = f"--nproc-per-node {config.world_size}" if config.nodes == 1 else f"--nnodes {config.nodes} --nproc-per-node {config.per_node}"
     raise UserError(

@@ -62,6 +62,11 @@ class ShardingConfig:
         """Processes on each machine."""
         return self.world_size // self.nodes
 
+    @property
+    def sharded(self) -> bool:
+        """Each rank holds only a shard of the parameters, gradients and optimizer state (FSDP2, HSDP)."""
+        return self.sharding in ("fsdp", "hsdp")
+
 
 def mixed_precision_policy(precision: str):
     """FSDP2's policy for a plan precision: compute and all-gather in bf16/fp16, reduce gradients in fp32."""
@@ -169,7 +174,7 @@ class Sharding(Strategy):
     @property
     def sharded(self) -> bool:
         """True when each rank holds only a shard of the gradients (FSDP2, HSDP)."""
-        return self.config.sharding in ("fsdp", "hsdp")
+        return self.config.sharded
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Return the module to train: the same instance for "fsdp", "hsdp" and "none", a DDP wrapper for "ddp".

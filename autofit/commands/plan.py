@@ -146,7 +146,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         where = f"per GPU, {plan.config.world_size} GPUs{on_nodes} ({plan.config.sharding})"
         split = (f"per rank: micro-batch {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} step(s) "
                  f"({plan.config.world_size} ranks x {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} >= {plan.config.global_batch_size})")
-        estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.config.sharding in ("fsdp", "hsdp") else ""
+        estimated = " [estimated: FSDP2 per-rank peak simulated]" if plan.config.sharding_config().sharded else ""
     else:
         where = f"on {plan.device.name}"
         split = f"micro-batch {plan.config.micro_batch_size} x {plan.config.grad_accum_steps} step(s)"
@@ -223,8 +223,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     lines += _timing_lines(report)
     if ranks:
         commands = torchrun_commands(plan.config.sharding_config(), args=["train", "--plan", str(path or "plan.json")])
-        for rank, command in enumerate(commands):
-            lines.append(f"  start       {f'on node {rank}: ' if len(commands) > 1 else ''}{command}")
+        lines += [f"  start       {command}" for command in commands]
         if len(commands) > 1:
             lines.append(f"              ({NODE0_ADDRESS}: node 0's address, which every node can reach; plan.json and the data on every node)")
     where = f"wrote {path}; " if path else ""
