@@ -82,10 +82,6 @@ class LeverRecorder:
         tracker: the timeline tracker whose live bytes and marks it follows.
     """
 
-    def __getstate__(self) -> dict:
-        """What it recorded, without the tracker: a trace worker sends it back (``memory.workers``)."""
-        return {**self.__dict__, "tracker": None}
-
     def __init__(self, tracker) -> None:
         self.tracker = tracker
         self.gradient_bytes = 0
@@ -122,6 +118,9 @@ class LeverRecorder:
         """(micro-step, block) -> the tracker's clock where the block's forward began."""
         self._policy_outputs: set[int] = set()
         """Records (``id``) of the storages made by ops selective checkpointing keeps."""
+        self.counts: list[tuple[int, int]] = []
+        """Per mark: (micro-step, device storages it had made) just before it: a storage's ordinal says which
+        segment made it (``memory.repeats``)."""
 
     def follow_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Label each trainable parameter's gradient when backward has accumulated it."""
@@ -200,6 +199,7 @@ class LeverRecorder:
             self._rest = _higher(self._rest, [self.tracker.current_bytes, level])
 
     def mark(self, event: tuple) -> None:
+        self.counts.append((self._micro, self._made))
         if event[0] == "micro":
             self._micro, self._made = event[1], 0
         elif event[0] == "fwd_start":
@@ -211,6 +211,30 @@ class LeverRecorder:
         self.afters.append(self._after if self._backward_begun else None)
         self._peak = self.tracker.current_bytes - self.gradient_bytes
         self._steps, self._rest, self._after, self._grown, self._backward_begun = [], None, None, False, None
+
+
+    def record(self) -> LeverRecord:
+        """What it recorded, per mark and per saved storage (what a trace worker sends back, ``memory.workers``)."""
+        # Copies: storages the run leaves behind are freed later, and would still be recorded.
+        return LeverRecord(
+            peaks=list(self.peaks), openings=list(self.openings), steps=list(self.steps), rests=list(self.rests),
+            afters=list(self.afters), items={key: dict(item) for key, item in self.items.items()},
+            freed_in=dict(self.freed_in), counts=list(self.counts),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class LeverRecord:
+    """What a ``LeverRecorder`` recorded in one traced run (its fields' meanings are the recorder's)."""
+
+    peaks: list[int]
+    openings: list[tuple[int, int]]
+    steps: list[list[list[int]]]
+    rests: list[list[int] | None]
+    afters: list[list[int] | None]
+    items: dict[tuple[int, int], dict]
+    freed_in: dict[tuple[int, int], list]
+    counts: list[tuple[int, int]]
 
 
 def _higher(peaks: list[int] | None, levels: list[int]) -> list[int]:
@@ -279,7 +303,7 @@ class LeverTrace:
         return asdict(self)
 
 
-def lever_trace(recorder: LeverRecorder | None, marks: list[tuple], peaks: list[int], *, spec, device_type: str) -> LeverTrace | None:
+def lever_trace(recorder: LeverRecord | None, marks: list[tuple], peaks: list[int], *, spec, device_type: str) -> LeverTrace | None:
     """The plain trace's lever record, per plain segment (``segments.labelled_segments``' order)."""
     if recorder is None:
         return None
@@ -302,7 +326,8 @@ def lever_trace(recorder: LeverRecorder | None, marks: list[tuple], peaks: list[
         trace.steps.append(recorder.steps[position])
         trace.rests.append(recorder.rests[position])
         trace.afters.append(recorder.afters[position])
-    for (micro, _), item in recorder.items.items():
+    # In the order the step made them (a trace expanded from shorter ones, ``memory.repeats``, lists them so too).
+    for (micro, _), item in sorted(recorder.items.items(), key=lambda entry: (entry[0][0], entry[1]["ordinal"])):
         if micro in (_FIRST_MICRO, _LATER_MICRO) and item["holders"]:
             trace.items.append({
                 "micro": micro, "bytes": 0 if item["small"] else item["bytes"], "holders": sorted(item["holders"]),

@@ -43,7 +43,8 @@ from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import SimulatedMeter, made_of_real_tensors, noting_padding, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
-from autofit.planning.memory.levers import LeverRecorder, LeverTrace, lever_trace, with_offloaded
+from autofit.planning.memory.levers import LeverRecord, LeverRecorder, LeverTrace, lever_trace, with_offloaded
+from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, expand, find_repeat
 from autofit.planning.memory.segments import (
     _LATER_MICRO, Segment, plain_segments, recompute_segments,
 )
@@ -268,7 +269,7 @@ class _RawTrace:
     host_bytes: int
     output_shape: list[int]
     selective_drop_bytes: list[int]
-    levers: LeverRecorder | None = None
+    levers: LeverRecord | None = None
 
 
 def run_trace(
@@ -276,14 +277,46 @@ def run_trace(
     blocks: list[str] | None = None, loss_chunks: int = 1,
 ) -> _RawTrace:
     """One traced step with every block in ``mode`` ("none", "full", "selective" or "offload"); ``blocks`` are the
-    candidates when already found (else one fake forward finds them); ``loss_chunks`` chunks the output layer and loss."""
+    candidates when already found (else one fake forward finds them); ``loss_chunks`` chunks the output layer and loss.
+
+    A model with a long run of identical blocks is traced with that run cut short, twice, and its whole trace
+    inferred from the two (``memory.repeats``); where they do not line up, it is traced whole.
+    """
     meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
     with meter.environment():
         model = meter.build_model(spec.build_model)
+        names = blocks
+        if names is None:
+            model.train()
+            inputs, _ = noting_padding(spec.example_batch)(2 * micro_batch_size)
+            names = checkpoint_candidates(model, example_inputs=inputs)
+        repeat = find_repeat(model, names)
+    settings = dict(micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode=mode, loss_chunks=loss_chunks)
+    if repeat is not None:
+        try:
+            short, longer = (_traced_run(spec, names=repeat.short_names(names, n), shorten=(repeat, n), **settings) for n in SHORT_LENGTHS)
+        except Exception:  # a forward that counts on every block being there (the whole model's run says what is wrong)
+            short = longer = None
+        expanded = expand(short, longer, repeat=repeat, names=names) if short is not None else None
+        if expanded is not None:
+            return expanded
+    return _traced_run(spec, names=names, **settings)
+
+
+def _traced_run(
+    spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, mode: str, names: list[str],
+    loss_chunks: int, shorten: tuple[Repeat, int] | None = None,
+) -> _RawTrace:
+    """``run_trace``'s one traced step over the model, with its run of identical blocks cut to ``shorten``'s length."""
+    meter = simulated_meter(spec, for_device=device_type)
+    torch.manual_seed(0)
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        if shorten is not None:
+            shorten[0].shorten(model, shorten[1])
         model.train()
         inputs, targets = noting_padding(spec.example_batch)(2 * micro_batch_size)  # as the probe's (``measure``)
-        names = blocks if blocks is not None else checkpoint_candidates(model, example_inputs=inputs)
         config = TrainingConfig(
             global_batch_size=2 * micro_batch_size, micro_batch_size=micro_batch_size, precision=precision,
             checkpoint=names if mode == "full" else [], selective_checkpoint=names if mode == "selective" else [],
@@ -407,7 +440,7 @@ def run_trace(
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,
-        levers=tracker.levers,
+        levers=tracker.levers.record(),
     )
 
 
