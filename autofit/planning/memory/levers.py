@@ -213,13 +213,14 @@ class LeverRecorder:
         self._steps, self._rest, self._after, self._grown, self._backward_begun = [], None, None, False, None
 
 
-    def record(self) -> LeverRecord:
-        """What it recorded, per mark and per saved storage (what a trace worker sends back, ``memory.workers``)."""
+    def record(self, *, freed: bool) -> LeverRecord:
+        """What it recorded, per mark and per saved storage (what a trace worker sends back, ``memory.workers``);
+        where each storage was freed only with ``freed`` (read of the all-offloaded run only, ``with_offloaded``)."""
         # Copies: storages the run leaves behind are freed later, and would still be recorded.
         return LeverRecord(
             peaks=list(self.peaks), openings=list(self.openings), steps=list(self.steps), rests=list(self.rests),
             afters=list(self.afters), items={key: dict(item) for key, item in self.items.items()},
-            freed_in=dict(self.freed_in), counts=list(self.counts),
+            freed_in=dict(self.freed_in) if freed else {}, counts=list(self.counts),
         )
 
 

@@ -440,7 +440,7 @@ def _traced_run(
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,
-        levers=tracker.levers.record(),
+        levers=tracker.levers.record(freed=mode == "offload"),
     )
 
 
