@@ -50,7 +50,7 @@ from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
-from autofit.planning.verify.floor import InfeasibleBudget, check_floor
+from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
 from autofit.planning.modelling import (
     Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
@@ -349,14 +349,19 @@ def _fastest(context: PlanContext, costs: Costs) -> str:
 
 
 def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
-    """The floor over the precisions traced so far; before a refusal is final, over every precision."""
-    try:
-        return check_floor(context, costs, measurements)
-    except InfeasibleBudget:
-        missing = [p for p in context.precisions if p not in costs.memory_for_floor()]
-        if not missing:
-            save(context, costs)
-            raise
+    """The floor over the precisions traced so far; before a refusal is final, over every precision (measured only
+    then, where the memory model already puts it far above the budget)."""
+    missing = [p for p in context.precisions if p not in costs.memory_for_floor()]
+    far = far_above_budget(context, costs, measurements) if missing else None
+    if far is not None:
+        context.log(f"floor: {format_bytes(far)} predicted, far over the budget: tracing {', '.join(missing)} before measuring it")
+    else:
+        try:
+            return check_floor(context, costs, measurements)
+        except InfeasibleBudget:
+            if not missing:
+                save(context, costs)
+                raise
     with context.phase("memory"):
         for precision in missing:
             trace_low(context, costs, precision)

@@ -1,6 +1,7 @@
 """The floor is the least measured configuration among those check_floor measures, whatever the memory model
 predicted (DeepLabV3's stated floor was a configuration measured above another that fits)."""
 import pytest
+import torch
 import autofit.planning.planner as planner
 from autofit.planning.request import PlanRequest
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor
@@ -41,3 +42,39 @@ def test_floor_is_the_least_measured_when_the_prediction_orders_it_wrong(monkeyp
     wrong = _floor(request)
     assert wrong.floor_bytes == right.floor_bytes
     assert wrong.floor.config == right.floor.config
+
+
+def _wide_spec():
+    """Weights dominate: bf16's floor (fp32 weights, gradients, AdamW state) is several times bf16-master's."""
+    from torch import nn
+
+    from autofit.spec import ModelSpec, default_optimizer
+
+    return ModelSpec(
+        source="tests:wide", build_model=lambda: nn.Sequential(*(nn.Linear(8192, 8192) for _ in range(6))),
+        example_batch=lambda n: (torch.randn(n, 8192), torch.randint(0, 8192, (n,))),
+        loss_fn=nn.functional.cross_entropy, build_optimizer=default_optimizer,
+    )
+
+
+def test_a_floor_far_over_the_budget_is_measured_only_once_every_precision_is_traced(monkeypatch):
+    request = dict(batch_size=4, precisions=("bf16", "bf16-master"), simulate=True, device="cuda", device_memory="24GiB", cache=False)
+    floors = {}
+    for precision in ("bf16", "bf16-master"):
+        with pytest.raises(InfeasibleBudget) as error:
+            planner.make_plan(_wide_spec(), PlanRequest(budget=1000, **{**request, "precisions": (precision,)}))
+        floors[precision] = error.value.floor_bytes
+    budget = int(1.3 * floors["bf16-master"])
+    assert budget * 1.1 < floors["bf16"]
+    measured = []
+    real = planner.check_floor
+
+    def counted(context, costs, measurements):
+        measured.append(sorted(costs.memory_for_floor()))
+        return real(context, costs, measurements)
+
+    monkeypatch.setattr(planner, "check_floor", counted)
+    plan = planner.make_plan(_wide_spec(), PlanRequest(budget=budget, **request))
+    assert plan.config.precision == "bf16-master"
+    # One check, after both precisions were traced: bf16's floor alone was not measured first.
+    assert measured == [["bf16", "bf16-master"]]

@@ -67,18 +67,9 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
     Raises:
         InfeasibleBudget: the budget is below it (the message says what would lower it).
     """
-    model, smallest, G = costs.model, costs.smallest, context.global_batch_size
-    blocks = frozenset(range(len(model.blocks)))
-    options: list[tuple[float, TrainingConfig]] = []
-    for precision, memory in costs.memory_for_floor().items():
-        for checkpoint in (blocks, frozenset()):
-            peak = memory.peak_bytes(smallest, global_batch_size=G, checkpoint=checkpoint) * model.memory_scale
-            config = TrainingConfig(global_batch_size=G, micro_batch_size=smallest, precision=precision, checkpoint=model.names(checkpoint))
-            options.append((peak, config))
-    options.sort(key=lambda option: option[0])
-    predicted, config = options[0]
-    # Predicted, its persistent bytes are at least the parameters and optimizer state (``resident_bytes``).
-    predicted_budget = measurements.headroom.smallest_budget(predicted, persistent_bytes=measurements.resident_bytes)
+    options = _options(context, costs)
+    predicted_budget = _predicted_budget(options, measurements)
+    config = options[0][1]
     if measurements.model_is_exact and context.budget_bytes >= predicted_budget * (1 + POLICY.floor_decided_margin_share):
         context.log(f"floor: {format_bytes(predicted_budget)} predicted, well under the budget: not measured")
         return Floor(config=config, budget_bytes=predicted_budget, measured=False)
@@ -100,6 +91,36 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
     if context.budget_bytes < floor.budget_bytes:
         raise InfeasibleBudget(below_floor(context, floor, measurements), floor_bytes=floor.budget_bytes, breakdown=floor.breakdown, floor=floor)
     return floor
+
+
+def far_above_budget(context: PlanContext, costs: Costs, measurements: Measurements) -> int | None:
+    """The floor the memory model predicts over the precisions traced so far, where it is the meter's twin and puts
+    that well above the budget (then a refusal waits for the other precisions, and measures nothing before them);
+    else None."""
+    options = _options(context, costs)
+    if not options or not measurements.model_is_exact:
+        return None
+    budget = _predicted_budget(options, measurements)
+    return budget if budget > context.budget_bytes * (1 + POLICY.floor_decided_margin_share) else None
+
+
+def _options(context: PlanContext, costs: Costs) -> list[tuple[float, TrainingConfig]]:
+    """The floor's candidate configurations with their predicted peaks, least first."""
+    model, smallest, G = costs.model, costs.smallest, context.global_batch_size
+    blocks = frozenset(range(len(model.blocks)))
+    options: list[tuple[float, TrainingConfig]] = []
+    for precision, memory in costs.memory_for_floor().items():
+        for checkpoint in (blocks, frozenset()):
+            peak = memory.peak_bytes(smallest, global_batch_size=G, checkpoint=checkpoint) * model.memory_scale
+            config = TrainingConfig(global_batch_size=G, micro_batch_size=smallest, precision=precision, checkpoint=model.names(checkpoint))
+            options.append((peak, config))
+    options.sort(key=lambda option: option[0])
+    return options
+
+
+def _predicted_budget(options: list[tuple[float, TrainingConfig]], measurements: Measurements) -> int:
+    # Predicted, its persistent bytes are at least the parameters and optimizer state (``resident_bytes``).
+    return measurements.headroom.smallest_budget(options[0][0], persistent_bytes=measurements.resident_bytes)
 
 
 def _phases(costs: Costs, config: TrainingConfig, *, state_bytes: int) -> tuple[int, int] | None:
