@@ -14,9 +14,15 @@ With --load-test, the digits plan runs again while the bench keeps two busy
 processes running, and the chosen configurations and times are compared with
 the runs without them.
 
+With --llama, Llama-3-shaped 1B and 70B configs (config.json only, written
+here) are planned cold with the same flags (``LLAMA_FLAGS``: one simulated
+192 GiB card, both plan), in every tree: the wall times, the memory model's
+share, its 'memory: tracing' lines, and 70B over 1B.
+
     python bench/plan_speed.py                                  # this tree
     python bench/plan_speed.py --trees /tmp/before,. --threads 1
     python bench/plan_speed.py --cases digits --load-test 5
+    python bench/plan_speed.py --llama --no-main --trees /tmp/before,.
 
 Every figure is printed with the machine's load average (1 minute) at its start.
 """
@@ -65,6 +71,15 @@ CASES = {
     "vit": Case("vit", ["torchvision:vit_b_16", "--input-shape", "3x224x224", "--num-classes", "1000"], 32, ("5GiB", "4GiB"), simulate=True),
 }
 PHASES = ("startup", "memory", "floor", "speed", "search", "verify", "write")
+
+LLAMA_SHAPES = {
+    "1B": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, intermediate_size=8192, tie_word_embeddings=True),
+    "70B": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672, tie_word_embeddings=False),
+}
+LLAMA_FLAGS = (
+    "--task", "causal-lm", "--seq-len", "2048", "--batch-size", "8", "--simulate", "--device", "cuda",
+    "--device-memory", "192GiB", "--budget", "180GiB", "--host-memory", "2TiB", "--no-cache",
+)
 
 
 def load() -> float:
@@ -193,7 +208,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every process (default: unset).")
     parser.add_argument("--load-test", type=int, default=0, help="Runs of the digits plan under two busy processes.")
-    parser.add_argument("--no-main", action="store_true", help="Only the load test.")
+    parser.add_argument("--no-main", action="store_true", help="Only the load test and --llama.")
+    parser.add_argument("--llama", action="store_true", help="Plan Llama-3-shaped 1B and 70B configs with the same flags.")
     args = parser.parse_args()
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     labels = {tree: ("before" if i == 0 and len(trees) > 1 else "after") if len(trees) <= 2 else tree.name for i, tree in enumerate(trees)}
@@ -224,12 +240,42 @@ def main() -> None:
                     print(row(labels[tree], case, label, shown, run, yardstick if label == "first" else _last_probe.get(key + labels[tree])), flush=True)
                     if yardstick:
                         _last_probe[key + labels[tree]] = yardstick
+    if args.llama:
+        llama(trees, labels, env=env, scratch=scratch)
     if args.load_test:
         for tree in trees:  # the last tree (this one) gets every run; others two, to show what they did
             load_test(tree, runs=args.load_test if tree == trees[-1] else min(2, args.load_test), env=env, scratch=scratch)
 
 
 _last_probe: dict[str, Run] = {}
+
+
+def llama(trees: list[Path], labels: dict, *, env: dict, scratch: Path) -> None:
+    """Plan the 1B and 70B Llama shapes cold with ``LLAMA_FLAGS`` in each tree; 70B's wall time over 1B's."""
+    from transformers import LlamaConfig
+
+    print(f"\n## Llama-3 shapes, one flag set: {' '.join(LLAMA_FLAGS)}\n")
+    print("| tree | model | layers | wall s | load | memory s | 'memory: tracing' lines | verify s | outcome |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for tree in trees:
+        walls = {}
+        for name, shape in LLAMA_SHAPES.items():
+            folder = scratch / f"llama-{name}"
+            if not folder.exists():
+                LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=8192, **shape).save_pretrained(folder)
+            settle()
+            out = scratch / f"llama-{name}-{labels[tree]}.json"
+            seconds, started_load, done = autofit(tree, ["plan", f"hf:{folder}", *LLAMA_FLAGS, "--out", str(out)], env=env)
+            walls[name] = seconds
+            found = phases(done.stdout, done.stderr, wall=seconds)
+            traced = len(re.findall(r"\] memory: tracing", done.stderr))
+            outcome = chosen_text(json.loads(out.read_text())) if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:120]
+            print(
+                f"| {labels[tree]} | {name} | {shape['num_hidden_layers']} | {seconds:.1f} | {started_load:.1f} | "
+                f"{found.get('memory', 0.0):.1f} | {traced} | {found.get('verify', 0.0):.1f} | {outcome} |",
+                flush=True,
+            )
+        print(f"\n{labels[tree]}: 70B / 1B wall time {walls['70B'] / walls['1B']:.2f}\n")
 
 
 def load_test(tree: Path, *, runs: int, env: dict, scratch: Path) -> None:

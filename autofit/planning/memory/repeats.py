@@ -17,13 +17,18 @@ at the j-th (1 <= j <= N - 4) a value is
 ``v5 + (j - 1) (v6'' - v6') + (N - 5) (v6' - v5)``, where v6' and v6'' are
 the longer trace's two core blocks' values.
 
+A segment's peak is the highest of its moments, each affine in N: where a
+moment that grows faster with N overtakes the one that peaked in the short
+traces, the inferred peak falls short of the whole trace's (a GPT-2-shaped
+model of 18 layers: one segment 14 KiB, 0.07%, under). The planner measures
+the configuration it chooses on the whole model in the simulated meter, so
+this moves a prediction, never a plan past its budget.
+
 Blocks are identical when their modules, parameters, buffers and plain
 attributes are (``find_repeat``; an attribute equal to the block's own index,
 such as a layer's ``layer_idx``, counts as the same). Where the two short
 traces do not line up as the rule needs (a block behaves by its position in
-ways its attributes do not show), the model is traced whole. The planner
-checks the plans it emits with the whole model in the simulated meter, as
-before.
+ways its attributes do not show), the model is traced whole.
 """
 from __future__ import annotations
 
