@@ -21,7 +21,7 @@ from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
 from autofit.planning.verify.floor import InfeasibleBudget, sharded_floor
 from autofit.planning.memory.headroom import Headroom
-from autofit.planning.modelling import Costs, add_recomputations, add_speeds, trace_full, weight_casts
+from autofit.planning.modelling import HALF_PRECISIONS, Costs, add_recomputations, add_speeds, trace_full, weight_casts
 from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
 from autofit.planning.memory.levers import LeverChoice, lever_segments
@@ -176,8 +176,13 @@ def _fsdp_candidates(
         layout = fsdp_layout(context.sim_spec.build_model(), world_size=world_size)
     usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
     candidates = []
+    casts_of: dict[bool, tuple[list[int], int]] = {}
     for precision in context.precisions:
-        casts = _casts_by_block(model.blocks, weight_casts(context, precision))
+        # Autocast's copies are 2-byte ones under bf16 and fp16 alike (``weight_casts``): one fake forward for both.
+        half = precision in HALF_PRECISIONS
+        if half not in casts_of:
+            casts_of[half] = _casts_by_block(model.blocks, weight_casts(context, precision))
+        casts = casts_of[half]
         for size in costs.micro_batch_sizes:
             steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=size)
             estimate = estimate_fsdp_peak_bytes(
