@@ -82,20 +82,14 @@ class OptimizerState(Strategy):
         if not (self.master_weights or self.pure_bf16):
             return model
         pin = any(p.is_cuda for p in model.parameters()) and self.master_weights
-        seen: set[int] = set()
         with torch.no_grad():
-            for module in model.modules():
-                keep = _is_norm(module)
-                for param in module.parameters(recurse=False):
-                    if id(param) in seen:  # tied weights: one master
-                        continue
-                    seen.add(id(param))
-                    if param.requires_grad and self.master_weights:
-                        with host_allocation():
-                            master = torch.empty(param.shape, dtype=torch.float32, pin_memory=pin)
-                            self.masters[id(param)] = master.copy_(param)
-                    if param.is_floating_point() and not keep:
-                        param.data = param.data.to(torch.bfloat16)
+            for param, cast in _weights_to_cast(model):
+                if param.requires_grad and self.master_weights:
+                    with host_allocation():
+                        master = torch.empty(param.shape, dtype=torch.float32, pin_memory=pin)
+                        self.masters[id(param)] = master.copy_(param)
+                if cast:
+                    param.data = param.data.to(torch.bfloat16)
         return model
 
     def wrap_optimizer_builder(self, build: OptimizerBuilder) -> OptimizerBuilder:
@@ -225,6 +219,25 @@ class HostOptimizer(torch.optim.Optimizer):
                     copy.copy_(master)
                     param.copy_(copy)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+
+def bf16_weight_bytes(model: nn.Module) -> int:
+    """The parameters' bytes on the device once ``OptimizerState.apply`` has cast them to bf16 (bf16-master,
+    bf16-pure); a tied weight once."""
+    return sum(param.numel() * (2 if cast else param.element_size()) for param, cast in _weights_to_cast(model))
+
+
+def _weights_to_cast(model: nn.Module) -> Iterator[tuple[nn.Parameter, bool]]:
+    """Each parameter once (tied weights: one), and whether bf16-master and bf16-pure cast it to bf16: floating
+    weights outside normalization layers."""
+    seen: set[int] = set()
+    for module in model.modules():
+        keep = _is_norm(module)
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield param, param.is_floating_point() and not keep
 
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)

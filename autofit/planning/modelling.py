@@ -223,6 +223,26 @@ def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute:
     costs.changed = True
 
 
+def rank_compute_memory(context: PlanContext, costs: Costs) -> MemoryCosts | None:
+    """What an FSDP2 rank computes over in a half precision, traced: bf16 weights under bf16 autocast
+    (bf16-master's traces, with every block checkpointed too). FSDP2 gathers the weights in the autocast dtype
+    (``MixedPrecisionPolicy``), so what its forward makes and saves is made from bf16 weights: the residual stream
+    between layers is bf16, where autocast over fp32 weights keeps it fp32. None on the CPU (bf16-master is a
+    GPU's choice), or without a half precision to plan.
+    """
+    if context.device != "cuda" or not any(p in HALF_PRECISIONS for p in context.precisions):
+        return None
+    G = context.global_batch_size
+    context.log(
+        f"memory: tracing bf16 autocast over bf16 weights (as FSDP2's ranks compute) at micro-batch {G} and "
+        f"{costs.smallest} ({context.trace_meter})"
+    )
+    return memory_costs(
+        context.sim_spec, precision=MASTER_WEIGHTS, low=costs.smallest, high=G, device_type=context.device,
+        blocks=_traced_blocks(costs), pool=context.trace_pool,
+    )
+
+
 def add_recomputations(context: PlanContext, costs: Costs, precision: str) -> None:
     """A precision traced without its recomputations (``trace_full``), with them: checkpointed peaks now known."""
     memory = costs.model.precisions[precision].memory

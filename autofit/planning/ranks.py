@@ -21,7 +21,7 @@ from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
 from autofit.planning.verify.floor import InfeasibleBudget, sharded_floor
 from autofit.planning.memory.headroom import Headroom
-from autofit.planning.modelling import HALF_PRECISIONS, Costs, add_recomputations, add_speeds, trace_full, weight_casts
+from autofit.planning.modelling import HALF_PRECISIONS, Costs, add_recomputations, add_speeds, rank_compute_memory, trace_full, weight_casts
 from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
 from autofit.planning.memory.levers import LeverChoice, lever_segments
@@ -32,6 +32,7 @@ from autofit.planning.report import PlanReport, batch_norm_notes, plan_basics
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
 from strategies import micro_batch_count
+from strategies.optimizer_state import bf16_weight_bytes
 
 MULTI_PROCESS_NOTE = (
     "{world_size} processes were not run while planning: memory and speed are one process's, training one rank's "
@@ -133,7 +134,8 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
     # simulated breakdown counts FSDP2's gathered parameters as parameters too, which come and go).
     resident = measurements.resident_bytes // world_size
     candidates = _fsdp_candidates(
-        context, costs, single=single, headroom=headroom, resident_bytes=resident, world_size=world_size, global_batch_size=global_batch_size
+        context, costs, single=single, headroom=headroom, resident_bytes=resident, world_size=world_size, global_batch_size=global_batch_size,
+        compute=rank_compute_memory(context, costs),
     )
     context.log(f"FSDP2: {sum(c.fits_estimate for c in candidates)} of {len(candidates)} per-rank configurations fit by the estimate; simulating")
     chosen, simulated, alternatives, rejected = _simulate_fastest(
@@ -160,9 +162,14 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
 
 
 def _fsdp_candidates(
-    context: PlanContext, costs: Costs, *, single: dict, headroom: Headroom, resident_bytes: int, world_size: int, global_batch_size: int
+    context: PlanContext, costs: Costs, *, single: dict, headroom: Headroom, resident_bytes: int, world_size: int, global_batch_size: int,
+    compute=None,
 ) -> list[_Candidate]:
     """Every (precision, micro-batch) with the cheapest checkpoint set the estimate says fits, and with every block.
+
+    ``compute``: the traces of bf16 autocast over bf16 weights (``modelling.rank_compute_memory``), whose forward
+    and backward a half precision's rank holds beside its state; None: the precision's own, less autocast's copies
+    of the fp32 weights.
 
     Estimated to fit first, fastest first; then the rest, least memory first (the estimate is mostly high, 3-38%,
     but not always: simulated ranks of two small CNNs held 21% (8 GPUs) and 41% (64 GPUs) more than it; an 8B Llama
@@ -173,7 +180,9 @@ def _fsdp_candidates(
     # Whole gradients, whatever the single process's peak held of them: its backward and its step hold them all.
     state["gradients"] = max(state["gradients"], gradient_bytes(context.sim_spec))
     with torch.device("meta"):
-        layout = fsdp_layout(context.sim_spec.build_model(), world_size=world_size)
+        meta_model = context.sim_spec.build_model()
+    layout = fsdp_layout(meta_model, world_size=world_size)
+    compute_weights = bf16_weight_bytes(meta_model) + sum(b.numel() * b.element_size() for b in meta_model.buffers())
     usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
     candidates = []
     casts_of: dict[bool, tuple[list[int], int]] = {}
@@ -197,8 +206,15 @@ def _fsdp_candidates(
             # is gathered. Forward and backward keep the one-process segments, with the state swapped: what of it
             # they hold (``_without_state``) for the rank's sharded part and the buffers.
             _, step_peak = apart_from_step(segments)
-            backward, held = _without_state(memory, size, global_batch_size=context.global_batch_size, segments=segments, state=state)
-            backward, drops = _without_casts(backward, drops, casts)
+            lighter = estimate.buffer_bytes - estimate.forward_buffer_bytes
+            if compute is not None and precision in HALF_PRECISIONS:
+                # Their segments hold bf16 weights and no gradient or state (those go to the host as they come).
+                rank_segments, drops = compute.at(size, global_batch_size=context.global_batch_size)
+                rank_segments = _before_backward_lighter(compute, rank_segments, size, global_batch_size=context.global_batch_size, lighter=lighter)
+                backward, held = apart_from_step(rank_segments)[0], compute_weights
+            else:
+                backward, held = _without_state(memory, size, global_batch_size=context.global_batch_size, segments=segments, state=state)
+                backward, drops = _without_casts(backward, drops, casts)
             swap = estimate.peak_bytes - held
             step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
             choice = (
@@ -226,6 +242,19 @@ def _fsdp_candidates(
         c.config.simplicity(),
     ))
     return candidates
+
+
+def _before_backward_lighter(memory, segments: list[Segment], size: int, *, global_batch_size: int, lighter: float) -> list[Segment]:
+    """``memory.at``'s ``segments`` with those before any block's backward ``lighter`` (the rank's buffers there hold
+    gathered parameters only: no unsharded gradient, no reduce-scatter input); as they are without lever records."""
+    low = memory.low
+    if low.levers is None:
+        return segments
+    accumulating = size < global_batch_size
+    plain = iter(low.levers.in_backward)
+    flags = [next(plain) if s.recomputes is None else True for s in low.segments]
+    flags = [flag for flag, s in zip(flags, low.segments) if accumulating or s.phase != "later"]
+    return [replace(s, peak_bytes=s.peak_bytes - (0 if in_backward else lighter)) for s, in_backward in zip(segments, flags)]
 
 
 def _without_state(memory, size: int, *, global_batch_size: int, segments: list[Segment], state: dict) -> tuple[list[Segment], int]:

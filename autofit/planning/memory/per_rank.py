@@ -114,7 +114,9 @@ class ShardedMemoryEstimate:
     activation_bytes: int
     """Activations of this rank's micro-batch."""
     buffer_bytes: int
-    """Gathered parameters, unsharded gradients and the reduce-scatter input."""
+    """Gathered parameters, unsharded gradients and the reduce-scatter input: what backward holds."""
+    forward_buffer_bytes: int = 0
+    """What forward holds of them: the root's and two units' gathered parameters (no gradient yet)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,7 +147,8 @@ def estimate_fsdp_peak_bytes(
     - the root's gathered parameters, the largest unit gathered twice (the
       one in use and the next one prefetched) and its unsharded gradients,
       all in the parameter dtype of ``precision``, plus one unit's fp32
-      reduce-scatter input.
+      reduce-scatter input (``forward_buffer_bytes``: forward's share, the
+      gathered parameters only).
 
     For searching and for "how many GPUs would fit"; a plan is checked with
     ``simulate_fsdp_peak_bytes``, which runs FSDP2 itself.
@@ -181,6 +184,7 @@ def estimate_fsdp_peak_bytes(
     buffers = (layout.root_numel + 3 * largest) * param_bytes + largest * 4
     return ShardedMemoryEstimate(
         peak_bytes=state + activation_bytes + buffers, state_bytes=state, activation_bytes=activation_bytes, buffer_bytes=buffers,
+        forward_buffer_bytes=(layout.root_numel + 2 * largest) * param_bytes,
     )
 
 
