@@ -173,7 +173,7 @@ def _fsdp_candidates(
 
     Estimated to fit first, fastest first; then the rest, least memory first (the estimate is mostly high, 3-38%,
     but not always: simulated ranks of two small CNNs held 21% (8 GPUs) and 41% (64 GPUs) more than it; an 8B Llama
-    on 8 GPUs 5% high, a 70B one on 64 46% high: bench/RESULTS.md).
+    on 8 GPUs 1.5% high, a 70B one on 64 8.5% high: bench/RESULTS.md).
     """
     model = costs.model
     state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
@@ -186,12 +186,15 @@ def _fsdp_candidates(
     usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
     candidates = []
     casts_of: dict[bool, tuple[list[int], int]] = {}
-    for precision in context.precisions:
+
+    def casts_for(precision: str) -> tuple[list[int], int]:
         # Autocast's copies are 2-byte ones under bf16 and fp16 alike (``weight_casts``): one fake forward for both.
         half = precision in HALF_PRECISIONS
         if half not in casts_of:
             casts_of[half] = _casts_by_block(model.blocks, weight_casts(context, precision))
-        casts = casts_of[half]
+        return casts_of[half]
+
+    for precision in context.precisions:
         for size in costs.micro_batch_sizes:
             steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=size)
             estimate = estimate_fsdp_peak_bytes(
@@ -214,7 +217,7 @@ def _fsdp_candidates(
                 backward, held = apart_from_step(rank_segments)[0], compute_weights
             else:
                 backward, held = _without_state(memory, size, global_batch_size=context.global_batch_size, segments=segments, state=state)
-                backward, drops = _without_casts(backward, drops, casts)
+                backward, drops = _without_casts(backward, drops, casts_for(precision))
             swap = estimate.peak_bytes - held
             step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
             choice = (
