@@ -9,9 +9,10 @@ saved, every block its weights, gradients and state), a mark's block index and
 position, a storage's ordinal (how many storages its micro-step made before
 it), a gradient's parameter index. So the model is traced with its run cut to
 5 blocks and to 6, and the trace of all N blocks is made from the two
-(``expand``). The two blocks at each end of the run are the run's edges (a
-block next to the first or the last one may hold what they leave, such as an
-offloaded block's last copy): a value there, or outside the run, is
+(``expand``). The two blocks at each end of the run are the run's edges (the
+stretch after the first block is not like the others': with one block at each
+end, the all-offloaded trace's stretches between two forwards came out 4 KiB
+a block high): a value there, or outside the run, is
 ``v5 + (N - 5) (v6 - v5)``. The blocks between are the core, the same each:
 at the j-th (1 <= j <= N - 4) a value is
 ``v5 + (j - 1) (v6'' - v6') + (N - 5) (v6' - v5)``, where v6' and v6'' are
