@@ -212,7 +212,6 @@ class LeverRecorder:
         self._peak = self.tracker.current_bytes - self.gradient_bytes
         self._steps, self._rest, self._after, self._grown, self._backward_begun = [], None, None, False, None
 
-
     def record(self, *, freed: bool) -> LeverRecord:
         """What it recorded, per mark and per saved storage (what a trace worker sends back, ``memory.workers``);
         where each storage was freed only with ``freed`` (read of the all-offloaded run only, ``with_offloaded``)."""

@@ -254,10 +254,14 @@ def traced_candidates(spec: ModelSpec, *, micro_batch_size: int, device_type: st
     meter = simulated_meter(spec, for_device=device_type)
     torch.manual_seed(0)
     with meter.environment():
-        model = meter.build_model(spec.build_model)
-        model.train()
-        inputs, _ = spec.example_batch(2 * micro_batch_size)
-        return checkpoint_candidates(model, example_inputs=inputs)
+        return _candidates(meter.build_model(spec.build_model), spec, micro_batch_size=micro_batch_size)
+
+
+def _candidates(model, spec: ModelSpec, *, micro_batch_size: int) -> list[str]:
+    """The checkpoint candidates one forward of ``model`` (built in a meter's environment) over a micro-batch finds."""
+    model.train()
+    inputs, _ = spec.example_batch(2 * micro_batch_size)
+    return checkpoint_candidates(model, example_inputs=inputs)
 
 
 @dataclass(slots=True)
@@ -286,11 +290,7 @@ def run_trace(
     torch.manual_seed(0)
     with meter.environment():
         model = meter.build_model(spec.build_model)
-        names = blocks
-        if names is None:
-            model.train()
-            inputs, _ = noting_padding(spec.example_batch)(2 * micro_batch_size)
-            names = checkpoint_candidates(model, example_inputs=inputs)
+        names = blocks if blocks is not None else _candidates(model, spec, micro_batch_size=micro_batch_size)
         repeat = find_repeat(model, names)
     settings = dict(micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode=mode, loss_chunks=loss_chunks)
     if repeat is not None:
