@@ -59,14 +59,26 @@ class MemoryCosts:
                 ),
                 dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes, selective=segment.selective,
             )
-            for i, segment in enumerate(self.low.segments)
-            if accumulating or segment.phase != "later"
+            for i, segment in self._kept(accumulating=accumulating)
         ]
         drops = [  # negative where the checkpoint keeps an input that plain training frees: it adds bytes
             self._interpolate([t.drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.drop_bytes))
         ]
         return segments, drops
+
+    def in_backward(self, micro_batch_size: int, *, global_batch_size: int) -> list[bool] | None:
+        """Per segment of ``at`` (its order): whether some block's backward has begun in it; None without lever records."""
+        levers = self.low.levers
+        if levers is None:
+            return None
+        plain = iter(levers.in_backward)  # the plain segments come first, each with its flag; recomputations run in backward
+        flags = [next(plain) if segment.recomputes is None else True for segment in self.low.segments]
+        return [flags[i] for i, _ in self._kept(accumulating=micro_batch_size < global_batch_size)]
+
+    def _kept(self, *, accumulating: bool) -> list[tuple[int, Segment]]:
+        """The low trace's segments ``at`` keeps, with their indices: without accumulation, none of a later micro-step."""
+        return [(i, segment) for i, segment in enumerate(self.low.segments) if accumulating or segment.phase != "later"]
 
     def selective_drops(self, micro_batch_size: int) -> list[float] | None:
         """Bytes each block's selective checkpointing frees at this size (negative where it keeps more than

@@ -250,13 +250,9 @@ def _fsdp_candidates(
 def _before_backward_lighter(memory, segments: list[Segment], size: int, *, global_batch_size: int, lighter: float) -> list[Segment]:
     """``memory.at``'s ``segments`` with those before any block's backward ``lighter`` (the rank's buffers there hold
     gathered parameters only: no unsharded gradient, no reduce-scatter input); as they are without lever records."""
-    low = memory.low
-    if low.levers is None:
+    flags = memory.in_backward(size, global_batch_size=global_batch_size)
+    if flags is None:
         return segments
-    accumulating = size < global_batch_size
-    plain = iter(low.levers.in_backward)
-    flags = [next(plain) if s.recomputes is None else True for s in low.segments]
-    flags = [flag for flag, s in zip(flags, low.segments) if accumulating or s.phase != "later"]
     return [replace(s, peak_bytes=s.peak_bytes - (0 if in_backward else lighter)) for s, in_backward in zip(segments, flags)]
 
 
