@@ -308,7 +308,7 @@ def simulated_meter(spec=None, *, for_device: str = "cpu") -> Meter:
     return SimulatedMeter(for_device=for_device)
 
 
-def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None):
+def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None, stand_in=None):
     """``spec``, or a copy that measures with the cpu meter when fake tensors cannot run one training step of it.
 
     One simulated step of a micro-batch of 2 (2 optimizer micro-steps' worth of
@@ -316,11 +316,19 @@ def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None):
     (``.item()``, a Python ``if`` on a tensor, ``nonzero``) cannot run on fake
     tensors. Then one line (on stderr, or ``log``) says why and which meter is used.
     Errors of the model itself (any other exception) are left for the real measurement to report.
+
+    ``stand_in``: the same model with its identical blocks cut short (``memory.repeats.shortened``), stepped
+    instead; where fake tensors cannot run it, the whole model is stepped to be sure.
     """
     if spec.simulation_fallback:
         return spec
     try:
-        _one_simulated_step(spec)
+        try:
+            _one_simulated_step(stand_in or spec)
+        except FAKE_TENSOR_LIMITS:
+            if stand_in is None:
+                raise
+            _one_simulated_step(spec)
     except FAKE_TENSOR_LIMITS as error:
         return fall_back_from_simulation(spec, error, log=log)
     except Exception:  # the model's own problem, or a batch size it refuses: the measurements report it

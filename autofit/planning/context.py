@@ -34,6 +34,7 @@ from autofit.device import DeviceInfo, check_device, device_info, host_memory_by
 from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
+from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, find_repeat, shortened
 from autofit.planning.memory.traces import simulation_spec
 from autofit.planning.request import PlanRequest
 from autofit.planning.policy import POLICY
@@ -42,7 +43,7 @@ from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
-from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, precision_dtype
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, checkpoint_candidates, precision_dtype
 
 CACHE_FILE = "plans.db"
 """The cache's SQLite file in ``cache_dir()``."""
@@ -98,10 +99,21 @@ class PlanContext:
         run autograd); they are closed again when the check falls back to the cpu meter."""
         spec = simulation_spec(self.spec)
         self.trace_pool.start(spec)
-        checked = checked_for_simulation(spec)
+        checked = checked_for_simulation(spec, stand_in=self.stand_in(spec))
         if checked is not spec:
             self.trace_pool.close()
         return checked
+
+    @cached_property
+    def repeat(self) -> Repeat | None:
+        """The model's longest run of identical blocks (``memory.repeats.find_repeat``), None where none is long
+        enough to trace short."""
+        return find_repeat(self.meta_model, checkpoint_candidates(self.meta_model))
+
+    def stand_in(self, spec: ModelSpec) -> ModelSpec | None:
+        """``spec`` with its run of identical blocks cut to ``SHORT_LENGTHS[0]`` blocks: what runs that only ask
+        whether the model runs, or what each kind of block does, are made on (None: the model has no such run)."""
+        return None if self.repeat is None else shortened(spec, self.repeat, SHORT_LENGTHS[0])
 
     @property
     def trace_meter(self) -> str:

@@ -190,7 +190,7 @@ class MemoryCosts:
     def has_levers(self) -> bool:
         """Whether the traces can model the memory levers (``memory.levers``; traces stored before could not)."""
         traces = self.traces()
-        return all(t.levers is not None for t in traces) and len({repr(t.levers.structure()) for t in traces}) == 1
+        return all(t.levers is not None for t in traces) and len({t.levers.structure_key() for t in traces}) == 1
 
 
 @dataclass(kw_only=True, slots=True)

@@ -163,12 +163,13 @@ def _low_memory(trace) -> MemoryCosts:
 def smallest_runnable(context: PlanContext) -> int:
     """The smallest micro-batch the model trains with (BatchNorm refuses 1 sample per channel).
 
-    A simulated forward and backward per size (no arithmetic), smallest first.
+    A simulated forward and backward per size (no arithmetic), smallest first; a model with a long run of
+    identical blocks has it cut short for them (``PlanContext.stand_in``).
     """
     errors = []
     for size in micro_batch_sizes(context.global_batch_size, smallest=1)[::-1]:
         try:
-            _simulated_forward(context, size=size, precision=context.precisions[0], backward=True)
+            _simulated_forward(context, size=size, precision=context.precisions[0], backward=True, stand_in=True)
         except Exception as error:  # the user's model refused this batch size
             errors.append(f"micro-batch {size}: {type(error).__name__}: {error}")
             continue
@@ -425,10 +426,14 @@ def same_autocast_bytes(context: PlanContext, first: str, second: str, *, size: 
     """Whether a forward (with its loss) under the two precisions makes the same operators with outputs of the
     same shapes and element sizes: then backward, the optimizer and every saved tensor weigh the same too.
 
-    Run over fake tensors (no arithmetic) at ``size`` samples.
+    Run over fake tensors (no arithmetic) at ``size`` samples, on the model with its run of identical blocks cut
+    short (``PlanContext.stand_in``): the blocks cut make what the ones kept make.
     """
     try:
-        return _simulated_forward(context, size=size, precision=first) == _simulated_forward(context, size=size, precision=second)
+        return (
+            _simulated_forward(context, size=size, precision=first, stand_in=True)
+            == _simulated_forward(context, size=size, precision=second, stand_in=True)
+        )
     except Exception:  # a model the comparison cannot run: trace both
         return False
 
@@ -451,10 +456,21 @@ class _OperatorLog(TorchDispatchMode):
 
 def _simulated_forward(
     context: PlanContext, *, size: int, precision: str, backward: bool = False, log: Callable[[torch.nn.Module], TorchDispatchMode] | None = None,
+    stand_in: bool = False,
 ):
     """One micro-batch's forward and loss (and backward) over fake tensors; the operators it made (or what ``log``,
-    made over the model, returns as ``entries``)."""
-    spec = context.sim_spec
+    made over the model, returns as ``entries``). ``stand_in``: over the model with its run of identical blocks cut
+    short (``PlanContext.stand_in``), where there is one and that runs; else over the whole model."""
+    short = context.stand_in(context.sim_spec) if stand_in else None
+    if short is not None:
+        try:
+            return _forward_over(context, short, size=size, precision=precision, backward=backward, log=log)
+        except Exception:  # a forward that counts on every block being there: the whole model has the last word
+            pass
+    return _forward_over(context, context.sim_spec, size=size, precision=precision, backward=backward, log=log)
+
+
+def _forward_over(context: PlanContext, spec, *, size: int, precision: str, backward: bool, log) -> list:
     meter = simulated_meter(spec, for_device=context.device)  # the cpu meter for a model fake tensors cannot run
     torch.manual_seed(0)
     with meter.environment():
@@ -520,7 +536,7 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
             context.log(f"speed: estimating from FLOPs at micro-batch {', '.join(map(str, sizes))}")
             speeds = flop_speed_costs(
                 context.sim_spec, precisions=timed, sizes=sizes, device_type=context.device, device_name=context.info.name,
-                pool=context.trace_pool,
+                pool=context.trace_pool, repeat=context.repeat,
             )
         else:
             context.log(f"speed: timing {', '.join(timed)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")
@@ -567,8 +583,8 @@ def worth_tracing(costs: Costs, precision: str, *, best_fitting: float, within: 
 
 
 def save(context: PlanContext, costs: Costs) -> None:
-    """Keep the costs in the study (the cache or ``--study``) when this run added to them."""
-    if costs.changed:
+    """Keep the costs in the study (the cache or ``--study``) when this run added to them (none kept: ``--no-cache``)."""
+    if costs.changed and context.study.storage is not None:
         context.study.save("costs", costs.to_store())
         costs.changed = False
 

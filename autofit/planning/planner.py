@@ -254,7 +254,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         excluded_precisions=context.excluded_precisions, precision_notes=_precision_notes(context, costs, evaluations),
         unconstrained=unconstrained, sampler=sampler, evaluations=len(evaluations), simulated_checks=measurements.simulated_checks,
         memory_probes=measurements.memory_probes, real_probes=measurements.real_probes, resumed=costs.resumed,
-        seconds=time.perf_counter() - context.started, rejected=measurements.rejected, cost_model=costs.model.to_dict(),
+        seconds=time.perf_counter() - context.started, rejected=measurements.rejected, costs=costs.model,
         speeds={p: asdict(s) for p, s in costs.speeds.items() if p in context.precisions}, phases=dict(context.phases), timing=measurements.timing, speed_noise=0.0 if context.simulate else speed_noise,
         threads_note=context.threads_note, study=context.study.storage or "", study_problems=list(context.study.problems),
     )
@@ -335,7 +335,7 @@ def _searched_below_floor(
         precision_notes=_precision_notes(context, costs, evaluations), sampler=sampler, evaluations=len(evaluations),
         simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes,
         real_probes=measurements.real_probes, resumed=costs.resumed, seconds=time.perf_counter() - context.started,
-        rejected=measurements.rejected, cost_model=costs.model.to_dict(), phases=dict(context.phases),
+        rejected=measurements.rejected, costs=costs.model, phases=dict(context.phases),
         timing=measurements.timing, study=context.study.storage or "", study_problems=list(context.study.problems),
     )
 

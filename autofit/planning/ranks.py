@@ -157,7 +157,7 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
     return PlanReport(
         plan=plan, excluded_precisions=context.excluded_precisions, precision_notes=notes,
         sampler="the FSDP2 estimate (all points)", evaluations=len(candidates), simulated_checks=simulated,
-        rejected=rejected, cost_model=costs.model.to_dict(),
+        rejected=rejected, costs=costs.model,
     )
 
 

@@ -45,8 +45,8 @@ class PlanReport:
     seconds: float = 0.0
     rejected: list[dict] = field(default_factory=list)
     """Candidates that failed verification, with why."""
-    cost_model: dict = field(default_factory=dict)
-    """The cost model the search used (``CostModel.from_dict`` reads it)."""
+    costs: CostModel | None = None
+    """The cost model the search used (``cost_model`` as a dict)."""
     speeds: dict[str, dict] = field(default_factory=dict)
     """Every precision's speeds (``SpeedCosts`` as a dict), timed or estimated, traced or not."""
     phases: dict[str, float] = field(default_factory=dict)
@@ -63,6 +63,12 @@ class PlanReport:
     study: str = ""
     """Where the cost model and measurements were kept: the cache's or --study's storage, or "" (nowhere)."""
     study_problems: list[str] = field(default_factory=list)
+
+    @property
+    def cost_model(self) -> dict:
+        """The cost model the search used as a dict (``CostModel.from_dict`` reads it), made when asked: for a
+        model of many blocks it is large."""
+        return {} if self.costs is None else self.costs.to_dict()
 
 
 def write_plan(

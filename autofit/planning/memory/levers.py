@@ -61,6 +61,7 @@ piecewise (a few hundred bytes off on the test models).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -241,7 +242,11 @@ def _higher(peaks: list[int] | None, levels: list[int]) -> list[int]:
     return levels if peaks is None else [max(a, b) for a, b in zip(peaks, levels)]
 
 
-@dataclass(kw_only=True, slots=True)
+_structure_keys: dict[int, tuple[weakref.ref, str]] = {}
+"""``LeverTrace.structure_key`` by the trace's id: a weak reference to it (the entry goes with it) and its key."""
+
+
+@dataclass(kw_only=True, slots=True, weakref_slot=True)
 class LeverTrace:
     """What the levers change in one plain trace; lists per plain segment, in ``MemoryTrace.segments``' order
     (the plain segments come first there)."""
@@ -298,6 +303,16 @@ class LeverTrace:
             [(i["micro"], i["holders"], i["outside"], i["inputs_of"], i["policy"]) for i in self.items],
             None if self.offloaded is None else [[step[0] for step in steps] for steps in self.offloaded["steps"]],
         )
+
+    def structure_key(self) -> str:
+        """``repr(structure())``, made once per trace: a trace is not changed once made, and the search compares
+        the keys of every trace of a precision for each configuration it scores."""
+        entry = _structure_keys.get(id(self))
+        if entry is None or entry[0]() is not self:
+            key = id(self)
+            entry = (weakref.ref(self, lambda _, key=key: _structure_keys.pop(key, None)), repr(self.structure()))
+            _structure_keys[key] = entry
+        return entry[1]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -434,7 +449,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     """
     traces = memory.traces()
     records = [t.levers for t in traces]
-    if any(r is None for r in records) or len({repr(r.structure()) for r in records}) > 1:
+    if any(r is None for r in records) or len({r.structure_key() for r in records}) > 1:
         return None
     low = records[0]
     if choice.offload and low.offloaded is None:

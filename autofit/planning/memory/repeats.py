@@ -34,9 +34,13 @@ ways its attributes do not show), the model is traced whole.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
+
+from autofit.measure.meters import simulated_meter
 
 EDGE = 2
 """Blocks at each end of a run that are traced as they are (the first and last, and each one's neighbour)."""
@@ -89,6 +93,57 @@ class Repeat:
                 index -= self.length - length
             short.append(prefix + str(index) + ("." + rest if rest else ""))
         return short
+
+    def widen(self, short_names: list[str], values: list, length: int) -> list:
+        """Per-block ``values`` of the model cut to ``length`` (its candidates ``short_names``, forward order) as
+        the whole model's candidates would have them: each core block takes the first kept core block's values
+        (the blocks are identical), the blocks after the core and the rest of the model theirs."""
+        prefix = f"{self.container}." if self.container else ""
+
+        def position(name: str) -> int | None:
+            head = name[len(prefix):].partition(".")[0]
+            if not name.startswith(prefix) or not head.isdigit():
+                return None
+            return int(head) - self.first
+
+        places = [position(name) for name in short_names]
+        core = [i for i, p in enumerate(places) if p is not None and EDGE <= p < length - EDGE]
+        if not core:
+            return list(values)
+        first = [values[i] for i in core if places[i] == EDGE]
+        return values[:core[0]] + first * (self.length - 2 * EDGE) + values[core[-1] + 1:]
+
+
+def shortened(spec, repeat: Repeat, length: int):
+    """``spec`` (a ``ModelSpec``) building its model with ``repeat`` cut to ``length`` blocks (``Repeat.shorten``):
+    cut where it is built, so a meter materializes the short model only."""
+    build = spec.build_model
+
+    def build_short() -> nn.Module:
+        model = build()
+        repeat.shorten(model, length)
+        return model
+
+    return dataclasses.replace(spec, build_model=build_short)
+
+
+_found: tuple | None = None
+"""The last ``repeat_in``: (spec, (candidates, ``SHORTEN_FROM``), its Repeat); one process's runs over one spec
+find it once."""
+
+
+def repeat_in(spec, names: list[str]) -> Repeat | None:
+    """``find_repeat`` over ``spec``'s model, built by the simulated meter, with candidates ``names``."""
+    global _found
+    key = (list(names), SHORTEN_FROM)
+    if _found is not None and _found[0] is spec and _found[1] == key:
+        return _found[2]
+    meter = simulated_meter(spec, for_device="cpu")
+    torch.manual_seed(0)
+    with meter.environment():
+        repeat = find_repeat(meter.build_model(spec.build_model), names)
+    _found = (spec, key, repeat)
+    return repeat
 
 
 def find_repeat(model: nn.Module, names: list[str]) -> Repeat | None:

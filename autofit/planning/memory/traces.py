@@ -44,7 +44,7 @@ from autofit.measure.meters import SimulatedMeter, made_of_real_tensors, noting_
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.planning.memory.levers import LeverRecord, LeverRecorder, LeverTrace, lever_trace, with_offloaded
-from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, expand, find_repeat
+from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, expand, find_repeat, repeat_in, shortened
 from autofit.planning.memory.segments import (
     _LATER_MICRO, Segment, plain_segments, recompute_segments,
 )
@@ -286,12 +286,15 @@ def run_trace(
     A model with a long run of identical blocks is traced with that run cut short, twice, and its whole trace
     inferred from the two (``memory.repeats``); where they do not line up, it is traced whole.
     """
-    meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
-    torch.manual_seed(0)
-    with meter.environment():
-        model = meter.build_model(spec.build_model)
-        names = blocks if blocks is not None else _candidates(model, spec, micro_batch_size=micro_batch_size)
-        repeat = find_repeat(model, names)
+    if blocks is not None:
+        names, repeat = blocks, repeat_in(spec, blocks)
+    else:
+        meter = simulated_meter(spec, for_device=device_type)  # the cpu meter for a model fake tensors cannot run
+        torch.manual_seed(0)
+        with meter.environment():
+            model = meter.build_model(spec.build_model)
+            names = _candidates(model, spec, micro_batch_size=micro_batch_size)
+            repeat = find_repeat(model, names)
     settings = dict(micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode=mode, loss_chunks=loss_chunks)
     if repeat is not None:
         try:
@@ -312,9 +315,7 @@ def _traced_run(
     meter = simulated_meter(spec, for_device=device_type)
     torch.manual_seed(0)
     with meter.environment():
-        model = meter.build_model(spec.build_model)
-        if shorten is not None:
-            shorten[0].shorten(model, shorten[1])
+        model = meter.build_model((shortened(spec, *shorten) if shorten is not None else spec).build_model)
         model.train()
         inputs, targets = noting_padding(spec.example_batch)(2 * micro_batch_size)  # as the probe's (``measure``)
         config = TrainingConfig(

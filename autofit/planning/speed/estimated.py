@@ -23,6 +23,7 @@ from autofit.measure.meters import simulated_meter
 from autofit.model_io import call_model
 from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
 from autofit.planning.costs import SpeedCosts
+from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, shortened
 from autofit.planning.memory.workers import call
 from autofit.spec import ModelSpec
 from strategies import changed_in_place, checkpoint_candidates, selective_saves
@@ -30,6 +31,7 @@ from strategies import changed_in_place, checkpoint_candidates, selective_saves
 
 def flop_speed_costs(
     spec: ModelSpec, *, precisions: list[str], sizes: list[int], device_type: str, device_name: str, pool=None,
+    repeat: Repeat | None = None,
 ) -> dict[str, SpeedCosts]:
     """Times estimated from FLOPs (``--simulate``): nothing runs on the device.
 
@@ -40,21 +42,25 @@ def flop_speed_costs(
     cores) times the share of it training reaches, which falls for a
     micro-step too small to fill the GPU (``gpu_forward_seconds``). The
     optimizer step reads and writes its state at an assumed memory bandwidth.
+
+    With ``repeat`` (a run of identical blocks, ``memory.repeats``), every count is made on the model with the run
+    cut short: the FLOPs at two lengths (they grow by one block's each block), each block's FLOPs and
+    selective share at one (a block cut counts as the identical block kept).
     """
     size = max(sizes)
     cpu = None if device_type == "cuda" else _cpu_throughput()
     flops_per_s, share_bytes_per_s = roofline_rates(device_type, device_name, cpu=cpu)
-    # The blocks' profile and each precision's shares in the pool's workers (``pool``) while this process counts the FLOPs.
-    profiles = call(pool, profile_blocks, spec, micro_batch_size=size, simulate=True)
+    # The blocks' FLOPs and each precision's shares in the pool's workers (``pool``) while this process counts the FLOPs.
+    block_flops = call(pool, _block_flops, spec, micro_batch_size=size, repeat=repeat)
     shares = {
         name: call(
-            pool, _simulated_selective_shares, spec,
+            pool, _simulated_selective_shares, spec, repeat=repeat,
             micro_batch_size=min(sizes), precision=name, flops_per_s=flops_per_s[name], bytes_per_s=share_bytes_per_s,
         )
         for name in precisions
     }
-    flops = _forward_flops(spec, size)
-    profiles = profiles()
+    flops = _forward_flops(spec, size, repeat=repeat)
+    block_flops = block_flops()
     total_flops = max(sum(flops.values()), 1)
     param_bytes = _parameter_bytes(spec)
     results = {}
@@ -78,7 +84,7 @@ def flop_speed_costs(
                 seconds = sum(scaled.values()) / cpu_flops_per_s
             forward.append(seconds + launch_s)
             step.append(3 * (seconds + launch_s))
-            per_block.append([p.forward_flops / total_flops * seconds for p in profiles])  # each block's share of the forward
+            per_block.append([n / total_flops * seconds for n in block_flops])  # each block's share of the forward
         results[name] = SpeedCosts(
             sizes=list(sizes),
             step_seconds=step,
@@ -188,21 +194,42 @@ def selective_shares(
     return shares
 
 
-def _simulated_selective_shares(spec: ModelSpec, *, micro_batch_size: int, precision: str, flops_per_s, bytes_per_s) -> list[float]:
-    """``selective_shares`` over fake tensors (nothing runs), for the memory model's blocks."""
-    meter = simulated_meter(spec, for_device="cpu")
+def _simulated_selective_shares(
+    spec: ModelSpec, *, micro_batch_size: int, precision: str, flops_per_s, bytes_per_s, repeat: Repeat | None = None,
+) -> list[float]:
+    """``selective_shares`` over fake tensors (nothing runs), for the memory model's blocks; with ``repeat``, made on
+    the model with the run cut short and widened to every block (``Repeat.widen``)."""
+    short = spec if repeat is None else shortened(spec, repeat, SHORT_LENGTHS[0])
+    meter = simulated_meter(short, for_device="cpu")
     torch.manual_seed(0)
     with meter.environment():
-        model = meter.build_model(spec.build_model)
+        model = meter.build_model(short.build_model)
         model.train()
-        inputs, _ = spec.example_batch(micro_batch_size)
+        inputs, _ = short.example_batch(micro_batch_size)
         blocks = checkpoint_candidates(model, example_inputs=inputs)
         applied = apply_config(model, one_micro_batch(micro_batch_size, precision=precision), device=meter.device, use_scaler=False)
-        return selective_shares(applied, inputs, blocks=blocks, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
+        shares = selective_shares(applied, inputs, blocks=blocks, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s)
+    return shares if repeat is None else repeat.widen(blocks, shares, SHORT_LENGTHS[0])
 
 
-def _forward_flops(spec: ModelSpec, size: int) -> dict[str, int]:
-    """Forward FLOPs of a micro-batch of ``size``, by operator family: "conv" and "matmul" (everything else counted)."""
+def _block_flops(spec: ModelSpec, *, micro_batch_size: int, repeat: Repeat | None = None) -> list[int]:
+    """Each checkpoint candidate's forward FLOPs at ``micro_batch_size`` (``profile_blocks``, simulated); with
+    ``repeat``, made on the model with the run cut short and widened to every block."""
+    if repeat is None:
+        return [p.forward_flops for p in profile_blocks(spec, micro_batch_size=micro_batch_size, simulate=True)]
+    profiles = profile_blocks(shortened(spec, repeat, SHORT_LENGTHS[0]), micro_batch_size=micro_batch_size, simulate=True)
+    return repeat.widen([p.name for p in profiles], [p.forward_flops for p in profiles], SHORT_LENGTHS[0])
+
+
+def _forward_flops(spec: ModelSpec, size: int, *, repeat: Repeat | None = None) -> dict[str, int]:
+    """Forward FLOPs of a micro-batch of ``size``, by operator family: "conv" and "matmul" (everything else counted).
+
+    With ``repeat``, counted with the run cut to its two short lengths and carried on to its whole length: each
+    block adds the same FLOPs."""
+    if repeat is not None:
+        short, longer = (_forward_flops(shortened(spec, repeat, n), size) for n in SHORT_LENGTHS)
+        more = repeat.length - SHORT_LENGTHS[0]
+        return {family: short[family] + more * (longer[family] - short[family]) for family in short}
     from torch.utils.flop_counter import FlopCounterMode
 
     meter = simulated_meter(spec, for_device="cpu")

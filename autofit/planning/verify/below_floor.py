@@ -407,7 +407,7 @@ def _report(
         plan=plan, floor_bytes=floor.budget_bytes, floor_breakdown=floor.breakdown, excluded_precisions=context.excluded_precisions,
         precision_notes=precision_notes, sampler="adding the memory levers to the floor configuration", evaluations=tried,
         simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes, real_probes=measurements.real_probes,
-        resumed=costs.resumed, seconds=time.perf_counter() - context.started, rejected=measurements.rejected, cost_model=model.to_dict(),
+        resumed=costs.resumed, seconds=time.perf_counter() - context.started, rejected=measurements.rejected, costs=model,
     )
 
 

@@ -88,3 +88,25 @@ def test_the_short_model_keeps_the_runs_ends_and_names_them_as_it_does():
     assert [model[i] for i in (1, 2, 4, 5, 6)] == ends
     names = [str(i) for i in range(21)] + ["20.linear"]
     assert repeat.short_names(names, 5) == ["0", "1", "2", "3", "4", "5", "6", "6.linear"]
+
+
+def test_per_block_values_of_the_short_model_widen_to_every_block():
+    repeat = Repeat(container="", first=1, length=19, start=1)
+    short = ["0", "1", "2", "3", "3.linear", "4", "5", "6"]  # the model cut to 5: block 3 is the one core block kept
+    values = ["in", "edge", "edge2", "core", "core.linear", "end", "end2", "out"]
+    whole = repeat.widen(short, values, 5)
+    assert whole == ["in", "edge", "edge2", *["core", "core.linear"] * 15, "end", "end2", "out"]
+
+
+def test_speed_estimated_on_the_short_model_equals_the_whole_models(deep_lm):
+    """FLOPs, each block's FLOPs and selective shares counted with the run cut short are the whole model's."""
+    from autofit.planning.memory.repeats import repeat_in
+    from autofit.planning.memory.traces import traced_candidates
+    from autofit.planning.speed.estimated import flop_speed_costs
+
+    repeat = repeat_in(deep_lm, traced_candidates(deep_lm, micro_batch_size=1))
+    assert repeat is not None and repeat.length == LAYERS
+    settings = dict(precisions=["fp32", "bf16"], sizes=[1, 2], device_type="cuda", device_name="NVIDIA H200")
+    short = flop_speed_costs(deep_lm, repeat=repeat, **settings)
+    assert short == flop_speed_costs(deep_lm, **settings)
+    assert len(short["bf16"].block_seconds[0]) == LAYERS
