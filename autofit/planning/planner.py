@@ -241,7 +241,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     with context.phase("write"):
         plan = write_plan(
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
-            usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
+            usable_bytes={p: measurements.usable_bytes(p) for p in context.precisions}, verified=measurements.verified,
         )
         if chosen["config"].levers() or chosen["config"].precision in (MASTER_WEIGHTS, PURE_BF16):
             plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(costs.model, chosen["config"], search)])
@@ -322,7 +322,7 @@ def _searched_below_floor(
     with context.phase("write"):
         plan = write_plan(
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained={},
-            usable_bytes=measurements.usable_bytes(), verified=measurements.verified,
+            usable_bytes={p: measurements.usable_bytes(p) for p in context.precisions}, verified=measurements.verified,
         )
         plan = replace(plan, notes=[
             *plan.notes,
@@ -388,6 +388,7 @@ def _search(
     """
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     usable = measurements.usable_bytes()
+    usable_for = {p: measurements.usable_bytes(p) for p in context.precisions}  # what the search scores each precision by
     lazy = context.simulate
     within = _verify_within(context)
     evaluations: list[Evaluation] = []
@@ -416,7 +417,7 @@ def _search(
         with context.phase("search"):
             found, sampler = score_space(
                 costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-                global_batch_size=context.global_batch_size, usable_bytes=usable, study=None, slack=measurements.slack,
+                global_batch_size=context.global_batch_size, usable_bytes=usable_for, study=None, slack=measurements.slack,
                 levers=levers,
             )
         return found
@@ -447,7 +448,7 @@ def _search(
             # The search kept where the user asked (--study): over every precision traced.
             evaluations, sampler = score_space(
                 costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-                global_batch_size=context.global_batch_size, usable_bytes=usable, study=context.study, slack=measurements.slack,
+                global_batch_size=context.global_batch_size, usable_bytes=usable_for, study=context.study, slack=measurements.slack,
                 levers=levers,
             )
     skipped = costs.untraced(context.precisions)

@@ -78,14 +78,14 @@ def write_plan(
     chosen: dict,
     evaluations: list[Evaluation],
     unconstrained: dict,
-    usable_bytes: float,
+    usable_bytes: float | dict[str, float],
     verified: dict[str, dict],
 ) -> Plan:
     """The plan of the verified choice (``verify``'s result) on one process.
 
     Args:
-        usable_bytes: the largest predicted peak that fits (``Measurements.usable_bytes``), for the
-            alternatives that were not measured.
+        usable_bytes: the largest predicted peak that fits (``Measurements.usable_bytes``), or that per precision,
+            for the alternatives that were not measured.
         verified: configuration key -> what was measured of it (``Measurements.verified``).
     """
     config: TrainingConfig = chosen["config"]
@@ -137,7 +137,8 @@ def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_si
 
 
 def _alternatives(
-    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, usable_bytes: float, verified: dict
+    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, usable_bytes: float | dict[str, float],
+    verified: dict
 ) -> list[dict]:
     """The Pareto front (less memory, more samples/s) of every configuration the search scored.
 
@@ -180,7 +181,8 @@ def _alternatives(
             **({"frozen_nf4": True} if config.frozen_nf4 else {}),
             **({"compile": True} if config.compile else {}),
             "predicted_peak_bytes": int(peak), "predicted_samples_per_s": speed,
-            "fits_budget": peak * model.memory_scale <= usable_bytes, "chosen": is_chosen,
+            "fits_budget": peak * model.memory_scale <= (usable_bytes[config.precision] if isinstance(usable_bytes, dict) else usable_bytes),
+            "chosen": is_chosen,
         }
         measured = measured_chosen if is_chosen else verified.get(key)
         if measured:

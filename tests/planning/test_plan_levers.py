@@ -347,3 +347,28 @@ def test_host_speed_prices_the_host_update_of_a_gpu_plan(lm, run_cli, tmp_path):
     assert f"in {elements / 1e6:.3g} s (at --host-speed 1e+06 elements/s" in note
     code, _, err = run_cli("plan", path, "--budget", "1GB", "--batch-size", "1", "--host-speed", "1e9", "--out", tmp_path / "p.json")
     assert code == 2 and "--host-speed 1e+09 is the host of a GPU plan (--device cuda)" in err
+
+
+def test_bf16_weights_are_scored_within_the_headroom_of_the_bytes_they_keep(lm):
+    """On a GPU that is not here the fragmentation allowance grows with a peak's non-persistent bytes; bf16-master
+    keeps bf16 weights on the device, far less than the fp32 parameters and AdamW state, so its peaks are scored
+    against the headroom of those: the largest it may be given fits the budget with them."""
+    from autofit.planning.context import plan_context
+    from autofit.planning.verify.measurements import Measurements
+    from strategies.optimizer_state import bf16_weight_bytes
+
+    _, spec = lm
+    context = plan_context(
+        spec, PlanRequest(
+            budget="3GiB", batch_size=1, device="cuda", simulate=True, device_memory="4GiB", study=None,
+            precisions=["bf16", "bf16-master"], num_classes=None,
+        ),
+        log=None,
+    )
+    measurements = Measurements(context, host_sample_bytes=0)
+    kept = bf16_weight_bytes(context.meta_model) + sum(b.numel() * b.element_size() for b in context.meta_model.buffers())
+    assert kept < measurements.resident_bytes
+    headroom = measurements.headroom
+    assert headroom.fits(measurements.usable_bytes("bf16-master"), persistent_bytes=kept)
+    assert not headroom.fits(measurements.usable_bytes("bf16"), persistent_bytes=kept)  # the fp32 bound's: too much
+    assert measurements.usable_bytes("bf16") == measurements.usable_bytes()

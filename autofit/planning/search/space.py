@@ -248,7 +248,7 @@ def score_space(
     precisions: list[str],
     micro_batch_sizes: list[int],
     global_batch_size: int,
-    usable_bytes: float,
+    usable_bytes: float | dict[str, float],
     study: Study | None,
     slack: float = POLICY.model_slack_share,
     levers: LeverSearch | None = None,
@@ -260,7 +260,7 @@ def score_space(
         model: the cost model (memory and speed).
         precisions, micro_batch_sizes: the space.
         global_batch_size: samples per optimizer step.
-        usable_bytes: the largest peak the budget's headroom leaves (``Measurements.usable_bytes``).
+        usable_bytes: the largest peak the budget's headroom leaves (``Measurements.usable_bytes``), or that per precision.
         slack: how far over it a prediction still counts as a candidate (the model's pessimism).
         study: where the search is kept (None: in memory).
         levers: the memory levers the search may add (None: none); each point keeps the fastest of its choices.
@@ -268,9 +268,8 @@ def score_space(
     Returns:
         ``search``'s evaluations and the sampler's name.
     """
-    limit = usable_bytes / model.memory_scale
-
     def evaluate(precision: str, micro_batch_size: int) -> Evaluation:
+        limit = (usable_bytes[precision] if isinstance(usable_bytes, dict) else usable_bytes) / model.memory_scale
         plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
         plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
         result = Evaluation(

@@ -178,7 +178,7 @@ def _without_selective(
 ) -> _Candidate | None:
     """The cheapest checkpoint set of this point without selective blocks (same levers), measured unless decided."""
     precision, size = config.precision, config.micro_batch_size
-    limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
+    limit = measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
     gradient_levers = replace(lever_choice(model, config), offload=frozenset())
     choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers, selective=False)
     if choice is None:
@@ -193,7 +193,7 @@ def _decided(model: CostModel, config: TrainingConfig, measurements: Measurement
     if not measurements.model_is_exact or config.frozen_nf4:  # NF4's dequantization is bounded, not traced: measure it
         return False
     predicted = _predicted_peak(model, config) * measurements.scale(config.precision)
-    return predicted <= measurements.usable_bytes() * (1 - POLICY.decided_margin_share)
+    return predicted <= measurements.usable_bytes(config.precision) * (1 - POLICY.decided_margin_share)
 
 
 def _fitting_checkpoint_set(
@@ -204,7 +204,7 @@ def _fitting_checkpoint_set(
     config = evaluation.config
     precision, size = config.precision, config.micro_batch_size
     # Limits below are in the model's own (unscaled) bytes.
-    limit = measurements.usable_bytes() / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
+    limit = measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
     gradient_levers = replace(lever_choice(model, config), offload=frozenset())
     for _attempt in range(POLICY.verify_attempts):
         raw = _predicted_peak(model, config) / model.memory_scale
@@ -230,7 +230,7 @@ def _fitting_checkpoint_set(
             return None
         measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
-        limit = min(limit, raw, measurements.usable_bytes() / model.memory_scale / measurements.scale(precision)) - 1
+        limit = min(limit, raw, measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision)) - 1
         choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
         if choice is None:
             return None

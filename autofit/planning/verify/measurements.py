@@ -27,6 +27,8 @@ from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
+from strategies import MASTER_WEIGHTS, PURE_BF16
+from strategies.optimizer_state import bf16_weight_bytes
 
 
 class Measurements:
@@ -101,9 +103,19 @@ class Measurements:
             self._resident_bytes = _resident_bytes(self.context) if self.headroom.depends_on_persistent else 0
         return self._resident_bytes
 
-    def usable_bytes(self) -> float:
-        """The largest predicted peak the budget's headroom leaves (``Headroom.usable_bytes``, with ``resident_bytes``)."""
-        return self.headroom.usable_bytes(persistent_bytes=self.resident_bytes)
+    def usable_bytes(self, precision: str | None = None) -> float:
+        """The largest predicted peak the budget's headroom leaves (``Headroom.usable_bytes``, with ``resident_bytes``);
+        with ``precision``, for its configurations (``resident_for``)."""
+        return self.headroom.usable_bytes(persistent_bytes=self.resident_for(precision))
+
+    def resident_for(self, precision: str | None) -> int:
+        """``resident_bytes`` for ``precision``'s configurations: bf16-master and bf16-pure hold the weights in bf16
+        (and bf16-master its optimizer state on the host), less than the fp32 parameters and state counted there;
+        a bound above what they hold would leave their peaks too little fragmentation allowance."""
+        if precision not in (MASTER_WEIGHTS, PURE_BF16) or not self.resident_bytes:
+            return self.resident_bytes
+        meta = self.context.meta_model
+        return min(self.resident_bytes, bf16_weight_bytes(meta) + sum(b.numel() * b.element_size() for b in meta.buffers()))
 
     def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
         """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
