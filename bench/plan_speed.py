@@ -22,7 +22,12 @@ share, its 'memory: tracing' lines, and 70B over 1B.
     python bench/plan_speed.py                                  # this tree
     python bench/plan_speed.py --trees /tmp/before,. --threads 1
     python bench/plan_speed.py --cases digits --load-test 5
-    python bench/plan_speed.py --llama --no-main --trees /tmp/before,.
+    AUTOFIT_TRACE_WORKERS=2 python bench/plan_speed.py --llama --no-main --trees /tmp/before,.
+
+A plan starts its trace workers only where no other task is seen running
+(``planning/memory/workers.py``), so on a small machine one plan may trace
+in its own process and the next in two workers; AUTOFIT_TRACE_WORKERS fixes
+that for every plan the bench runs.
 
 Every figure is printed with the machine's load average (1 minute) at its start.
 """
