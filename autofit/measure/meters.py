@@ -318,17 +318,18 @@ def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None, st
     Errors of the model itself (any other exception) are left for the real measurement to report.
 
     ``stand_in``: the same model with its identical blocks cut short (``memory.repeats.shortened``), stepped
-    instead; where fake tensors cannot run it, the whole model is stepped to be sure.
+    instead; where it fails, the whole model is stepped to say why.
     """
     if spec.simulation_fallback:
         return spec
     try:
-        try:
-            _one_simulated_step(stand_in or spec)
-        except FAKE_TENSOR_LIMITS:
-            if stand_in is None:
-                raise
+        if stand_in is None:
             _one_simulated_step(spec)
+        else:
+            try:
+                _one_simulated_step(stand_in)
+            except Exception:  # fake tensors, or a forward that counts on every block: the whole model says which
+                _one_simulated_step(spec)
     except FAKE_TENSOR_LIMITS as error:
         return fall_back_from_simulation(spec, error, log=log)
     except Exception:  # the model's own problem, or a batch size it refuses: the measurements report it

@@ -241,7 +241,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     with context.phase("write"):
         plan = write_plan(
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
-            usable_bytes={p: measurements.usable_bytes(p) for p in context.precisions}, verified=measurements.verified,
+            usable_bytes=measurements.usable_by_precision(), verified=measurements.verified,
         )
         if chosen["config"].levers() or chosen["config"].precision in (MASTER_WEIGHTS, PURE_BF16):
             plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(costs.model, chosen["config"], search)])
@@ -322,7 +322,7 @@ def _searched_below_floor(
     with context.phase("write"):
         plan = write_plan(
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained={},
-            usable_bytes={p: measurements.usable_bytes(p) for p in context.precisions}, verified=measurements.verified,
+            usable_bytes=measurements.usable_by_precision(), verified=measurements.verified,
         )
         plan = replace(plan, notes=[
             *plan.notes,
@@ -388,7 +388,7 @@ def _search(
     """
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     usable = measurements.usable_bytes()
-    usable_for = {p: measurements.usable_bytes(p) for p in context.precisions}  # what the search scores each precision by
+    usable_for = measurements.usable_by_precision()  # what the search scores each precision by
     lazy = context.simulate
     within = _verify_within(context)
     evaluations: list[Evaluation] = []

@@ -27,7 +27,7 @@ from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
-from strategies import MASTER_WEIGHTS, PURE_BF16
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
 from strategies.optimizer_state import bf16_weight_bytes
 
 
@@ -107,6 +107,11 @@ class Measurements:
         """The largest predicted peak the budget's headroom leaves (``Headroom.usable_bytes``, with ``resident_bytes``);
         with ``precision``, for its configurations (``resident_for``)."""
         return self.headroom.usable_bytes(persistent_bytes=self.resident_for(precision))
+
+    def usable_by_precision(self) -> dict[str, float]:
+        """``usable_bytes`` for every precision a configuration may have (the levers below the floor add bf16-master
+        to a plan that did not search it)."""
+        return {precision: self.usable_bytes(precision) for precision in PRECISIONS}
 
     def resident_for(self, precision: str | None) -> int:
         """``resident_bytes`` for ``precision``'s configurations: bf16-master and bf16-pure hold the weights in bf16
