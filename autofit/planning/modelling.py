@@ -534,10 +534,16 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
         sizes = timing_sizes(costs.micro_batch_sizes)
         if context.simulate:
             context.log(f"speed: estimating from FLOPs at micro-batch {', '.join(map(str, sizes))}")
-            speeds = flop_speed_costs(
-                context.sim_spec, precisions=timed, sizes=sizes, device_type=context.device, device_name=context.info.name,
-                pool=context.trace_pool, repeat=context.repeat,
+            settings = dict(
+                precisions=timed, sizes=sizes, device_type=context.device, device_name=context.info.name, pool=context.trace_pool,
             )
+            try:  # counted on the model with its run of identical blocks cut short
+                speeds = flop_speed_costs(context.sim_spec, repeat=context.repeat, **settings)
+            except Exception:
+                if context.repeat is None:
+                    raise
+                # A forward that counts on every block being there: counted on the whole model (its own error, if any).
+                speeds = flop_speed_costs(context.sim_spec, **settings)
         else:
             context.log(f"speed: timing {', '.join(timed)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")
             speeds = time_precisions(context.spec, precisions=timed, sizes=sizes, device=context.device, clock=context.clock)
