@@ -11,7 +11,7 @@ def test_the_dry_run_makes_every_section_and_no_row_fails(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench/gpu_truth.py"), "--dry-run", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=170, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=400, env=env, cwd=ROOT,  # 134 s alone on a slow 2-core machine
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_truth.json").read_text())
