@@ -45,7 +45,9 @@ __all__ = [
     "RNN_LAYER",
     "RNN_LAYER_BACKWARD",
     "rnn_workspace_bytes",
+    "expandable_segments_in_use",
     "selective_checkpoint_contexts",
+    "set_cuda_allocator_settings",
     "storage_resizes",
     "tree_leaves",
     "tree_map",
@@ -296,14 +298,20 @@ def selective_checkpoint_contexts(policy_fn) -> tuple[TorchDispatchMode, TorchDi
     keep), and only the ops whose output was changed are computed again.
     """
     caching, cached = _checkpoint.create_selective_checkpoint_contexts(policy_fn)
+    if not _SAC_INTERNALS:  # an older torch keys its storage otherwise: its own mode, which refuses a changed output
+        return caching, cached
     return caching, _RecomputeChanged(cached.storage)
+
+
+_SAC_INTERNALS = all(hasattr(_checkpoint, name) for name in ("_sac_storage_key", "_CONSUMED", "_RECOMPUTE", "SAC_IGNORED_OPS"))
+"""Whether this torch's selective checkpointing has the internals ``_RecomputeChanged`` reads (torch 2.14 has)."""
 
 
 class _RecomputeChanged(_checkpoint._CachedTorchDispatchMode):
     """torch's recomputing mode of selective checkpointing, which reruns an op whose kept output was changed."""
 
     def __init__(self, storage) -> None:
-        super().__init__(None, storage)
+        super().__init__(None, storage, False)  # (policy_fn, storage, allow_cache_entry_mutation): a mutated entry is refused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in _checkpoint.SAC_IGNORED_OPS:
@@ -378,3 +386,20 @@ def _stderr_silenced() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def set_cuda_allocator_settings(settings: str) -> None:
+    """Change the CUDA caching allocator's settings in this process (``PYTORCH_CUDA_ALLOC_CONF``'s syntax).
+
+    Takes effect for the segments the allocator reserves from now on; set it
+    before the first CUDA allocation for all of them."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch before the accelerator-wide allocator config
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
+
+
+def expandable_segments_in_use(device: torch.device) -> bool:
+    """Whether the allocator holds any expandable segment on ``device`` now (its memory snapshot says so)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return any(segment.get("is_expandable", False) for segment in torch.cuda.memory_snapshot() if segment.get("device", index) == index)

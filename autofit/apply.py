@@ -284,6 +284,13 @@ def apply_config(
         model = chunked_loss.apply(model)
     except ValueError as error:
         raise UserError(f"--loss-chunks {config.loss_chunks}: {error}; leave --loss-chunks out") from None
+    # 2c. With bf16 weights (precision "bf16-master"), the optimizer's state strategy keeps each trained
+    #     weight's fp32 master on the host and casts the weight to bf16 ("bf16-pure": the cast alone): before
+    #     the move to the device, so the device never holds the fp32 weights (an 8B model's 32 GB would not fit
+    #     the 24 GiB card its plan is for; on an H200 the 0.94B decoder's cast there left 2 GiB in the
+    #     allocator's cache), and before the optimizer is built over them. A model already on the device is
+    #     cast there. One process only (the configuration refuses sharding with either).
+    model = optimizer_state.apply(model)
     if any(t.device != env.device for t in [*model.parameters(), *model.buffers()]):
         model = model.to(env.device)  # (fake tensors cannot be moved, even to where they are)
     # 3. Sharding (FSDP2 / DDP; nothing on one process): after checkpointing, so
@@ -291,11 +298,7 @@ def apply_config(
     #    then gathers the parameters it needs), and before the optimizer is built,
     #    which must see the sharded parameters.
     model = sharding.apply(model)
-    # 3b. With bf16 weights (precision "bf16-master"), the optimizer's state strategy keeps each trained
-    #     weight's fp32 master on the host and casts the device's to bf16 ("bf16-pure": the cast alone):
-    #     after the move to the device (the masters are copied from the device's values) and before the
-    #     optimizer is built over them. One process only (the configuration refuses sharding with either).
-    model = optimizer_state.apply(model)
+    # 3b. (Before the move to the device, above: the bf16 weights' cast.)
     # 3c. Frozen weights in NF4 (QLoRA's base): on the device, so they are quantized there, and after 3b, which
     #     casts frozen weights to bf16 under bf16-master (NF4 then dequantizes to bf16). One process only.
     model = frozen_nf4.apply(model)

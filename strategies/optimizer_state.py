@@ -81,7 +81,8 @@ class OptimizerState(Strategy):
         """
         if not (self.master_weights or self.pure_bf16):
             return model
-        pin = any(p.is_cuda for p in model.parameters()) and self.master_weights
+        # Pinned masters where the weights train on a GPU (they are cast here, before or after the move there).
+        pin = self.master_weights and (self.device.type == "cuda" or any(p.is_cuda for p in model.parameters()))
         with torch.no_grad():
             for param, cast in _weights_to_cast(model):
                 if param.requires_grad and self.master_weights:

@@ -86,6 +86,18 @@ def test_the_device_holds_half_the_weights_and_the_host_the_masters_and_state():
     assert simulated.peak_bytes == master.peak_bytes and simulated.host_peak_bytes == master.host_peak_bytes
 
 
+@pytest.mark.gpu
+def test_the_weights_reach_the_card_already_in_bf16():
+    """The cast happens on the host: the card never holds the fp32 weights (an 8B model's would not fit its 24 GiB)."""
+    model = layout_specs()["lm"].build_model()
+    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    apply_config(model, TrainingConfig(global_batch_size=8, micro_batch_size=8, precision="bf16-master"), device="cuda")
+    assert torch.cuda.max_memory_allocated() - before < 0.6 * fp32_bytes  # 2 bytes a weight; norms keep 4
+
+
 def test_the_masters_survive_a_saved_optimizer_state():
     model = layout_specs()["cnn"].build_model()
     weights, optimizer = autofit_run(model, batches(2), micro_batch_size=8)
