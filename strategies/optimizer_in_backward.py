@@ -17,6 +17,7 @@ per-parameter optimizers through ``OptimizerInBackward``.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -123,7 +124,15 @@ class _States(Mapping):
 
 
 def _stepper(optimizer: torch.optim.Optimizer):
+    # A weak reference: the parameter holds its hooks where the garbage collector cannot follow them, so a hook
+    # holding the optimizer (which holds the parameter) would keep both, and the model, alive for good. The
+    # optimizer lives as long as the one training with it; once it is gone, backward steps nothing.
+    reference = weakref.ref(optimizer)
+
     def step_and_free(param: nn.Parameter) -> None:
+        optimizer = reference()
+        if optimizer is None:
+            return
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -163,7 +163,10 @@ class HostOptimizer(torch.optim.Optimizer):
             param.register_post_accumulate_grad_hook(self._gradient_to_host(index))
 
     def _gradient_to_host(self, index: int):
-        copy, buffer = self.copies[index], self.grad_buffers[index]
+        # The hook holds the host tensors, not this optimizer: a parameter's hooks live where the garbage collector
+        # cannot follow them, so a cycle through them (parameter -> hook -> optimizer -> parameter) is never freed,
+        # and each probe of a plan left its model's weights on the card.
+        copy, buffer, host = self.copies[index], self.grad_buffers[index], self.host
 
         @torch.no_grad()
         def move(param: nn.Parameter) -> None:
@@ -173,7 +176,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 if copy.grad is None:  # the first micro-batch since zero_grad()
                     copy.grad = buffer.copy_(param.grad, non_blocking=True)
                 else:
-                    copy.grad.add_(param.grad.to(self.host))  # waits for the gradient (and the earlier copies)
+                    copy.grad.add_(param.grad.to(host))  # waits for the gradient (and the earlier copies)
             param.grad = None  # on a GPU the allocator reuses it only after the copy, on the same stream
 
         return move

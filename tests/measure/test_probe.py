@@ -121,3 +121,31 @@ def test_optimizer_state_is_made_again_from_its_record():
     assert stepped == 0 and again == first
     other, stepped = made(lr=1e-2)
     assert stepped == 1 and other == first
+
+
+@pytest.mark.parametrize("choices", [
+    dict(precision="bf16-master"), dict(optimizer_state="host"), dict(optimizer_in_backward=True),
+    dict(optimizer_in_backward=True, optimizer_state="host"),
+], ids=["bf16-master", "host state", "step in backward", "step in backward, host state"])
+def test_a_probe_leaves_no_model_behind(choices):
+    """A planner probes one configuration after another in one process: weights a probe kept alive (on a card)
+    would be counted in every later probe's peak. Hooks on the parameters must not hold the optimizer."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from autofit.config import TrainingConfig
+    from autofit.measure.probe import measure
+    from tests.models import layout_specs
+
+    spec = layout_specs()["lm"]
+    built = []
+
+    def build_model():
+        model = spec.build_model()
+        built.extend(weakref.ref(param) for param in model.parameters())
+        return model
+
+    measure(dataclasses.replace(spec, build_model=build_model), TrainingConfig(global_batch_size=4, micro_batch_size=4, **choices), device="cpu", steps=2)
+    gc.collect()
+    assert built and all(reference() is None for reference in built)
