@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from autofit._torch_private import set_cuda_allocator_settings
 from autofit.config import TrainingConfig
 from autofit.device import check_device
 from autofit.errors import UserError
@@ -403,6 +404,9 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
     device = torch.device(device or plan.device.type)
     config = plan.config
     check_device(device.type, precision=config.precision)
+    if device.type == "cuda" and plan.device.allocator_settings:
+        # The allocator the plan's peaks were measured or estimated with: segments reserved from here on use it.
+        set_cuda_allocator_settings(plan.device.allocator_settings)
     env = _join_processes(config.sharding_config(), device=device)
     return apply_config(model, config, device=env.device, env=env)
 

@@ -28,6 +28,9 @@ from strategies.precision import PRECISIONS
 SCHEMA_VERSION = 1
 BUDGET_KINDS = ("cpu-tracked", "cuda-process")
 DEVICE_TYPES = ("cpu", "cuda")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+ALLOCATOR_SETTINGS = (EXPANDABLE_SEGMENTS, "expandable_segments:False")
+"""The CUDA allocator settings a plan may name: with or without expandable segments (docs/plan-file.md)."""
 METERS = ("cpu", "cuda", "simulated")
 """The ``name`` of each meter in ``autofit.measure.meters``."""
 MAX_BATCH_SIZE = 2**31
@@ -68,6 +71,9 @@ class DeviceInfo:
     name: str | None = None
     total_bytes: int | None = None
     """The card's memory, or the machine's RAM for "cpu"."""
+    allocator_settings: str | None = None
+    """On a GPU: the CUDA caching allocator's settings the plan was made for, in ``PYTORCH_CUDA_ALLOC_CONF``'s
+    syntax ("expandable_segments:True"); training sets them (``apply_plan``). None: the allocator as it is."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,7 +196,7 @@ class Plan:
             "created_by": dict(self.created_by),
             # Schema 1: an hf: model's task and sequence length are written when it has them.
             "model": {k: v for k, v in asdict(self.model).items() if v is not None or k not in ("task", "seq_len", "lora")},
-            "device": asdict(self.device),
+            "device": {key: value for key, value in asdict(self.device).items() if key != "allocator_settings" or value is not None},
             "budget_bytes": self.budget_bytes,
             "budget_kind": self.budget_kind,
             **({"host_budget_bytes": self.host_budget_bytes} if self.host_budget_bytes is not None else {}),
@@ -425,6 +431,7 @@ _DEVICE_FIELDS = {
     "type": _choice(DEVICE_TYPES),
     "name": TEXT.or_null(),
     "total_bytes": POSITIVE_BYTES.or_null(),
+    "allocator_settings": _choice(ALLOCATOR_SETTINGS).or_null(),
 }
 _PREDICTED_FIELDS = {
     "peak_bytes": BYTES,

@@ -104,6 +104,19 @@ def test_a_cuda_plan_without_a_gpu_is_refused():
         apply_plan(model, plan)
 
 
+@pytest.mark.gpu
+def test_a_cuda_plan_sets_the_allocator_it_names():
+    from autofit._torch_private import expandable_segments_in_use, set_cuda_allocator_settings
+
+    model, plan = model_and_plan()
+    plan = replace(plan, device=DeviceInfo(type="cuda", allocator_settings="expandable_segments:True"))
+    try:
+        applied = apply_plan(model, plan)
+        assert expandable_segments_in_use(applied.device)
+    finally:
+        set_cuda_allocator_settings("expandable_segments:False")
+
+
 def test_the_exported_name_is_this_function():
     import autofit
     from autofit.apply import apply_plan as direct

@@ -49,6 +49,10 @@ def plan(
         False, "--allow-lossy-optimizer",
         help="8-bit AdamW state (torchao) may be chosen, above the floor and below it; it changes the optimizer's arithmetic.",
     ),
+    expandable_segments: bool = typer.Option(
+        True, "--expandable-segments/--no-expandable-segments",
+        help="On a GPU: plan for, and train with, the CUDA allocator's expandable segments (less memory kept in its cache).",
+    ),
     host_speed: float = typer.Option(
         None, "--host-speed",
         help="Parameter elements per second the training machine's host updates with the optimizer (e.g. 2e9), for a GPU plan's host levers; default timed on this CPU.",
@@ -100,7 +104,7 @@ def plan(
         check_model_runs(spec)
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
-        host_memory=host_memory, host_speed=host_speed, study=study,
+        host_memory=host_memory, host_speed=host_speed, study=study, expandable_segments=expandable_segments,
         precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus, nodes=nodes,
         allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
         compile=compile_,
@@ -163,7 +167,9 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         lines.append(f"    {name.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
     lines.append(f"    {'peak':<18}{format_bytes(predicted.peak_bytes):>12} {format_bytes(measured.peak_bytes):>20}")
     for cause, value in plan.headroom.items():
-        lines.append(f"    {'+ ' + cause.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
+        segments = {"expandable_segments:True": "  (expandable segments, set by training)", "expandable_segments:False": "  (default segments)"}
+        why = segments.get(plan.device.allocator_settings, "") if cause == "allocator_reserve" else ""
+        lines.append(f"    {'+ ' + cause.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}{why}")
     total = measured.peak_bytes + sum(plan.headroom.values())
     lines.append(
         f"    {'= needed':<18}{'':>12} {format_bytes(total):>20}  of {format_bytes(plan.budget_bytes)} "

@@ -29,11 +29,13 @@ from pathlib import Path
 
 import torch
 
+from autofit._torch_private import set_cuda_allocator_settings
 from autofit.errors import UserError
 from autofit.device import DeviceInfo, check_device, device_info, host_memory_bytes, steady_host_allocations
 from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
+from autofit.plan_file import ALLOCATOR_SETTINGS
 from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, find_repeat, shortened
 from autofit.planning.memory.traces import simulation_spec
 from autofit.planning.request import PlanRequest
@@ -178,6 +180,10 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     info = device_info(device, total_bytes=total)
     if kind is not None:
         info = replace(info, name=f"simulated {kind}")
+    if device == "cuda":
+        info = replace(info, allocator_settings=ALLOCATOR_SETTINGS[0 if request.expandable_segments else 1])
+        if not simulate:  # the probes measure the allocator the plan names (its segments from here on)
+            set_cuda_allocator_settings(info.allocator_settings)
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
     if budget_bytes > info.total_bytes:
         where = "this machine's memory" if device == "cpu" and total is None else f"the {info.name}'s memory"
@@ -196,7 +202,8 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     # One prefix per model, device, meter, batch and precisions: a study of another budget shares its cost model.
     kind = "simulated" if simulate else "measured"
     identity = model_identity(spec, meta_model, device_name=info.name)
-    prefix = f"autofit:{fingerprint}:{identity}:{device}:{kind}:batch{batch_size}:{','.join(kept)}:"
+    allocator = f"{info.allocator_settings}:" if device == "cuda" and not simulate else ""  # a card's peaks depend on it
+    prefix = f"autofit:{fingerprint}:{identity}:{device}:{kind}:{allocator}batch{batch_size}:{','.join(kept)}:"
     name = f"{prefix}budget{budget_bytes}"
     if study is not None:
         where = Study(storage=study, prefix=prefix, name=name, precisions=tuple(kept))

@@ -28,6 +28,11 @@ class PlanPolicy:
     estimated_cuda_allocator_reserve_bytes: int = 5 * 2**28
     """Fixed part of the allocator's cache and the meter's under-count when estimated: 1.25 GiB, what the
     calibration cases needed beyond the simulated peak whatever their activations."""
+    estimated_cuda_expandable_reserve_bytes: int = 2**29
+    """The same with expandable segments (the plans' default on a GPU): 0.5 GiB. On an H200 (bench/gpu_allocator.py,
+    bench/RESULTS.md "The CUDA allocator both ways") the allocator's cache with them was 0.05-0.16 GiB where the
+    default segments kept 0.35-1.25 GiB; 0.18 GiB (with the 10% share) covered the 12 calibration cases, and 0.5
+    also covers the 0.25 GiB the simulated meter missed on the 0.94B decoder's bf16-master floor."""
     estimated_cuda_context_bytes: int = 768 * 2**20
     """CUDA context and library workspaces assumed when planning for a GPU that is not here: the calibration
     cases' process held 0.74-0.75 GiB outside the allocator in every case."""

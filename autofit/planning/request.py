@@ -45,6 +45,10 @@ class PlanRequest:
     nodes: int = 1
     """Machines of ``gpus`` GPUs each: ``nodes x gpus`` processes, sharded within a node and replicated across nodes
     (HSDP) where that fits, else sharded over all of them."""
+    expandable_segments: bool = True
+    """On a GPU: plan for, and train with, the CUDA allocator's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True``, set by planning on the card and by training); False: its default segments, which
+    on an H200 kept 0.35-1.25 GiB more in its cache (bench/RESULTS.md, "The CUDA allocator both ways")."""
     host_speed: float | None = None
     """Parameter elements per second the host of the machine that trains updates with the model's optimizer (its
     fp32 AdamW step on that CPU), for the host-state and bf16-master levers' time; None: timed on this machine's CPU."""

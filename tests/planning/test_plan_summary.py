@@ -111,3 +111,16 @@ def test_the_summary_says_how_much_memory_planning_held(run_cli, tmp_path):
     assert code == 0, err
     line = next(line for line in out.splitlines() if "planning held at most" in line)
     assert "of this machine's memory (the process's peak resident set)" in line
+
+
+def test_the_summary_names_the_allocator_setting_the_reserve_is_for():
+    from autofit.plan_file import DeviceInfo
+
+    plan = Plan(
+        device=DeviceInfo(type="cuda", name="simulated cuda", total_bytes=2**34, allocator_settings="expandable_segments:True"),
+        budget_bytes=2**33, budget_kind="cuda-process", estimated=True, config=TrainingConfig(global_batch_size=8, micro_batch_size=4),
+        predicted=Predicted(peak_bytes=2**30, samples_per_s=1.0), measured=Measured(peak_bytes=2**30, meter="simulated"),
+        headroom={"context": 768 * 2**20, "allocator_reserve": 2**29, "fragmentation": 1, "safety_margin": 1},
+    )
+    reserve = next(line for line in summary_lines(PlanReport(plan=plan)) if "allocator reserve" in line)
+    assert reserve.endswith("512.00 MiB  (expandable segments, set by training)"), reserve

@@ -21,6 +21,7 @@ from autofit.config import TrainingConfig
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.probe import measure
+from autofit.plan_file import EXPANDABLE_SEGMENTS
 from autofit.planning.context import PlanContext
 from autofit.units import format_bytes
 from autofit.planning.speed.measured import StepTimer
@@ -86,7 +87,7 @@ class Measurements:
         measured = self._measured_context_bytes
         return Headroom(
             device_type=context.device, estimated=context.simulate, budget_bytes=context.budget_bytes,
-            context_bytes=assumed if measured is None else measured,
+            context_bytes=assumed if measured is None else measured, expandable_segments=context.info.allocator_settings == EXPANDABLE_SEGMENTS,
         )
 
     @property

@@ -56,6 +56,37 @@ def test_estimated_gpu_headroom_covers_what_an_h200_measured(case, precision, ch
     assert covered >= process * GiB, f"{case} {precision} {checkpoint}: short by {(process * GiB - covered) / GiB:.3f} GiB"
 
 
+H200_EXPANDABLE_CASES = [
+    # bench/RESULTS.md, "The CUDA allocator both ways" (bench/gpu_allocator.py, GiB): the same models with
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. (case, predicted, process, persistent)
+    ("resnet50 224 m=64 fp32 ckpt none", 5.498, 6.357, 0.294),
+    ("resnet50 224 m=64 fp32 ckpt all", 2.383, 3.486, 0.349),
+    ("resnet50 224 m=64 bf16 ckpt none", 3.041, 3.879, 0.294),
+    ("resnet50 224 m=64 bf16 ckpt all", 1.470, 2.453, 0.349),
+    ("vit_b_16 224 m=32 fp32 ckpt none", 4.573, 5.719, 0.979),
+    ("vit_b_16 224 m=32 fp32 ckpt all", 1.685, 2.650, 1.270),
+    ("vit_b_16 224 m=32 bf16 ckpt none", 3.195, 4.158, 0.970),
+    ("vit_b_16 224 m=32 bf16 ckpt all", 1.648, 2.494, 1.290),
+    ("transformer d768 L12 T512 m=16 fp32 ckpt none", 5.596, 6.521, 0.972),
+    ("transformer d768 L12 T512 m=16 fp32 ckpt all", 1.756, 2.668, 1.263),
+    ("transformer d768 L12 T512 m=16 bf16 ckpt none", 3.746, 4.703, 0.964),
+    ("transformer d768 L12 T512 m=16 bf16 ckpt all", 1.606, 2.531, 1.285),
+]
+
+
+@pytest.mark.parametrize("case, predicted, process, persistent", H200_EXPANDABLE_CASES)
+def test_the_expandable_segments_headroom_covers_what_an_h200_measured_with_them(case, predicted, process, persistent):
+    headroom = Headroom(
+        device_type="cuda", estimated=True, budget_bytes=int(process * GiB), context_bytes=POLICY.estimated_cuda_context_bytes,
+        expandable_segments=True,
+    )
+    causes = headroom.for_peak(predicted * GiB, persistent_bytes=persistent * GiB)
+    covered = predicted * GiB + sum(causes.values()) - causes["safety_margin"]
+    assert covered >= process * GiB, f"{case}: short by {(process * GiB - covered) / GiB:.3f} GiB"
+    # and it keeps less than the default segments' headroom, which these cases did not need
+    assert causes["allocator_reserve"] < estimated(int(process * GiB)).for_peak(predicted * GiB, persistent_bytes=persistent * GiB)["allocator_reserve"]
+
+
 def test_fragmentation_scales_with_what_is_not_persistent():
     """A 1B-parameter model's peak is mostly AdamW state: only its activations earn a fragmentation allowance."""
     breakdown = {"parameters": 4 * GiB, "gradients": 4 * GiB, "optimizer_state": 8 * GiB, "activations": 3 * GiB}
