@@ -131,6 +131,7 @@ class SimulatedMeter(TrackedMeter):
         stack.enter_context(masks_as_in_real_runs())  # transformers' masks as the real batch has them
         if self.for_device == "cuda":  # the optimizer's step holds what it holds on a card
             stack.enter_context(optimizers_step_as_on_cuda(unless=allocating_on_host))  # a host optimizer: as on the CPU
+            stack.enter_context(attention_as_on_cuda())
         return stack
 
     def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
@@ -158,6 +159,32 @@ class SimulatedMeter(TrackedMeter):
         except Exception:  # a model whose construction needs real parameters
             with torch.device("cpu"), self._fake_mode:
                 return build()
+
+
+@contextmanager
+def attention_as_on_cuda() -> Iterator[None]:
+    """Attention with dropout kept as a card keeps it: inside, ``F.scaled_dot_product_attention`` given a
+    ``dropout_p`` runs without it (under fake tensors nothing is computed: only what is kept matters).
+
+    On the CPU, torch runs attention with dropout by its math path, which keeps the attention probabilities, the
+    dropout mask and the dropped probabilities for backward. A card's fused kernels (memory-efficient, flash) draw
+    the dropout inside and keep only the output and its log-sum-exp, as the CPU's fused kernel does without
+    dropout. On an H200 (bench/RESULTS.md, gpu_truth's meters), a transformers GPT-2 with attention dropout 0.1
+    (d512, 6 layers, 512 tokens, micro-batch 8, fp32) allocated 2.23 GiB; simulated with the dropout it was 3.32
+    GiB, without it 2.24. Attention written out by hand (a softmax, then ``F.dropout``) keeps its tensors on a card
+    too, and is counted as it runs.
+    """
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def as_a_fused_kernel(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return original(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    functional.scaled_dot_product_attention = as_a_fused_kernel
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
 
 
 def to_empty_keeping_ties(model: nn.Module, *, device: str = "cpu") -> nn.Module:

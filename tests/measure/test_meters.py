@@ -103,3 +103,34 @@ def test_simulating_a_gpu_steps_the_optimizer_as_on_the_card():
     on_cpu = probe(spec, micro_batch_size=2, global_batch_size=2, simulate=True, device="cpu", steps=2)
     assert on_gpu.breakdown["activations"] >= matrix_bytes  # the step's temporaries: a copy of every parameter of a group
     assert on_cpu.breakdown["activations"] < 0.5 * parameter_bytes  # one parameter's at a time (each an eighth)
+
+
+def test_simulating_a_gpu_keeps_attention_with_dropout_as_a_fused_kernel_does():
+    """On the CPU, attention with dropout keeps its probabilities, mask and dropped probabilities for backward; a
+    card's fused kernels keep only the output (GPT-2 on an H200: simulated 3.32 GiB with them, allocated 2.23)."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from autofit.spec import ModelSpec, default_optimizer
+
+    class Attention(nn.Module):
+        def __init__(self, dropout: float) -> None:
+            super().__init__()
+            self.qkv, self.out, self.dropout = nn.Linear(32, 96), nn.Linear(32, 4), dropout
+
+        def forward(self, x):  # (B, T, 32): 4 heads of 8
+            q, k, v = (t.unflatten(-1, (4, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+            return self.out(y.transpose(1, 2).flatten(2)).mean(1)
+
+    def peak(dropout: float, device: str) -> int:
+        spec = ModelSpec(
+            source="tests:attention", build_model=lambda: Attention(dropout), build_optimizer=default_optimizer,
+            loss_fn=F.cross_entropy, example_batch=lambda n: (torch.randn(n, 256, 32), torch.randint(0, 4, (n,))), input_shape=(256, 32),
+        )
+        return probe(spec, micro_batch_size=4, simulate=True, device=device, steps=1).peak_bytes
+
+    probabilities = 4 * 4 * 256 * 256 * 4  # batch x heads x T x T, fp32
+    assert peak(0.1, "cuda") == peak(0.0, "cuda")
+    assert peak(0.1, "cpu") >= peak(0.0, "cpu") + 2 * probabilities  # the CPU's math path keeps them, as it runs there
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # put back
