@@ -192,7 +192,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
     # The state leaves the device, and with it the update's temporaries (at the peak here: a step in backward).
     assert in_backward.peak_bytes - host.peak_bytes >= in_backward.breakdown["optimizer_state"] > 0
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
     def least(measured) -> int:
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 
@@ -219,7 +219,7 @@ def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32
 
     host, master = simulated_cuda(optimizer_state="host"), simulated_cuda(precision="bf16-master")
     assert master.breakdown["parameters"] < 0.6 * host.breakdown["parameters"]
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
 
     def least(measured) -> int:
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
@@ -304,7 +304,7 @@ def test_host_memory_is_a_second_budget(run_cli, lm, tmp_path):
     path, spec = lm
     config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, precision="bf16-master")
     master = measure(spec, config, device="cuda", simulate=True, steps=2)
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
     budget = headroom.smallest_budget(master.peak_bytes, persistent_bytes=persistent_bytes(master.breakdown)) + 2**16
     common = ["plan", path, "--budget", budget, "--batch-size", "1", "--device", "cuda", "--simulate", "--device-memory", "4GiB",
               "--no-cache", "--out", tmp_path / "plan.json"]
@@ -337,7 +337,7 @@ def test_host_speed_prices_the_host_update_of_a_gpu_plan(lm, run_cli, tmp_path):
     path, spec = lm
     config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_state="host")
     host = measure(spec, config, device="cuda", simulate=True, steps=2)
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
     budget = headroom.smallest_budget(host.peak_bytes, persistent_bytes=persistent_bytes(host.breakdown)) + 2**16
     request = dict(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
     plan = make_plan(spec, PlanRequest(**request, host_speed=1e6))

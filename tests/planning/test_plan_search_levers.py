@@ -95,12 +95,13 @@ def test_nf4_weights_are_searched_only_when_allowed_and_add_to_every_other_choic
 
 
 def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
-    """The LM at micro-batch 8 on a simulated GPU, at a budget where dropping its blocks' activations is needed:
+    """The LM at micro-batch 8 on a simulated GPU, at a budget where dropping its blocks' activations is needed (with
+    the default segments' allocator reserve, which the budget was sized for):
     offloading a block costs its copies over the assumed host link, less than recomputing it or splitting the batch,
     and the plan names it; ``autofit probe --plan`` re-measures it within the budget."""
     spec = layout_specs()["lm"]
     report = plan_with_report(
-        spec, PlanRequest(budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"]),
+        spec, PlanRequest(budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"], expandable_segments=False),
     )
     plan = report.plan
     assert plan.config.offload and plan.config.micro_batch_size == 8
@@ -195,7 +196,7 @@ def test_the_bound_before_offload_is_traced_holds(monkeypatch):
 
     monkeypatch.setattr(planner, "score_space", spy)
     report = plan_with_report(
-        layout_specs()["lm"], PlanRequest(budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"]),
+        layout_specs()["lm"], PlanRequest(budget="2.042GiB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False, precisions=["fp32"], expandable_segments=False),
     )
     assert report.plan.config.offload
     before = next(i for i, scored in enumerate(scorings) if any(e.config.offload for e in scored.values()))

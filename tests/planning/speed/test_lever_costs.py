@@ -196,7 +196,7 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
         return measure(spec, config, device="cuda", simulate=True, steps=2)
 
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes)
+    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
     def least(measured) -> int:
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 
