@@ -404,11 +404,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
     device = torch.device(device or plan.device.type)
     config = plan.config
     check_device(device.type, precision=config.precision)
-    if device.type == "cuda" and plan.device.allocator_settings:
-        # The allocator the plan's peaks were measured or estimated with: segments reserved from here on use it.
-        set_cuda_allocator_settings(plan.device.allocator_settings)
+    use_plan_allocator(plan, device=device)
     env = _join_processes(config.sharding_config(), device=device)
     return apply_config(model, config, device=env.device, env=env)
+
+
+def use_plan_allocator(plan: Plan, *, device: torch.device) -> None:
+    """On a GPU, the CUDA allocator settings the plan's peaks were measured or estimated with
+    (``device.allocator_settings``), for the segments reserved from here on; nothing for a plan that names none."""
+    if device.type == "cuda" and plan.device.allocator_settings:
+        set_cuda_allocator_settings(plan.device.allocator_settings)
 
 
 def _join_processes(config: ShardingConfig, *, device: torch.device) -> DistributedEnv:

@@ -29,7 +29,8 @@ SCHEMA_VERSION = 1
 BUDGET_KINDS = ("cpu-tracked", "cuda-process")
 DEVICE_TYPES = ("cpu", "cuda")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
-ALLOCATOR_SETTINGS = (EXPANDABLE_SEGMENTS, "expandable_segments:False")
+DEFAULT_SEGMENTS = "expandable_segments:False"
+ALLOCATOR_SETTINGS = (EXPANDABLE_SEGMENTS, DEFAULT_SEGMENTS)
 """The CUDA allocator settings a plan may name: with or without expandable segments (docs/plan-file.md)."""
 METERS = ("cpu", "cuda", "simulated")
 """The ``name`` of each meter in ``autofit.measure.meters``."""

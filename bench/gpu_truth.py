@@ -56,11 +56,12 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from autofit.apply import apply_config, apply_plan  # noqa: E402
+from autofit._torch_private import set_cuda_allocator_settings  # noqa: E402
+from autofit.apply import apply_config, apply_plan, use_plan_allocator  # noqa: E402
 from autofit.config import TrainingConfig  # noqa: E402
 from autofit.measure.host_speed import measure_host_link  # noqa: E402
 from autofit.measure.probe import measure  # noqa: E402
-from autofit.plan_file import load_plan, save_plan  # noqa: E402
+from autofit.plan_file import DEFAULT_SEGMENTS, load_plan, save_plan  # noqa: E402
 from autofit.planning.memory.headroom import Headroom, persistent_bytes  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
 from autofit.planning.policy import POLICY  # noqa: E402
@@ -512,8 +513,13 @@ def check_plan(truth: Truth, spec: ModelSpec, *, name: str, budget: int | None, 
     plan = load_plan(save_plan(plan, truth.out / "plans" / f"{name}.json"))
     plans.append((spec, plan))
     # What `autofit probe --plan` does, for real (it simulates an estimated plan again): the plan's configuration on
-    # its device under the device's meter.
-    real = measure(spec, plan.config.rank_share(), device=truth.device, steps=3, fingerprint=plan.model.fingerprint)
+    # its device under the device's meter, with the allocator settings the plan names (as training sets them).
+    use_plan_allocator(plan, device=torch.device(truth.device))
+    try:
+        real = measure(spec, plan.config.rank_share(), device=truth.device, steps=3, fingerprint=plan.model.fingerprint)
+    finally:  # the other sections measure with the allocator's default segments
+        if truth.device == "cuda":
+            set_cuda_allocator_settings(DEFAULT_SEGMENTS)
     margin = plan.headroom.get("safety_margin", 0)
     config = plan.config
     levers = config.levers()
@@ -523,6 +529,7 @@ def check_plan(truth: Truth, spec: ModelSpec, *, name: str, budget: int | None, 
     )
     values = {
         "budget_bytes": budget, "choice": choice, "config": dataclasses.asdict(config), "planned_s": planned_s,
+        "allocator_settings": plan.device.allocator_settings,
         "predicted_peak_bytes": plan.predicted.peak_bytes, "simulated_peak_bytes": plan.measured.peak_bytes,
         "headroom": dict(plan.headroom), "measured_peak_bytes": real.peak_bytes, "measured_breakdown": real.breakdown,
         "predicted_over_measured": ratio(plan.predicted.peak_bytes, real.peak_bytes),

@@ -10,6 +10,7 @@ from autofit.cli import app
 from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.errors import UserError
+from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
 from autofit.planning.policy import POLICY
 from autofit.units import format_bytes, format_rate
 
@@ -167,7 +168,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         lines.append(f"    {name.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
     lines.append(f"    {'peak':<18}{format_bytes(predicted.peak_bytes):>12} {format_bytes(measured.peak_bytes):>20}")
     for cause, value in plan.headroom.items():
-        segments = {"expandable_segments:True": "  (expandable segments, set by training)", "expandable_segments:False": "  (default segments)"}
+        segments = {EXPANDABLE_SEGMENTS: "  (expandable segments, set by training)", DEFAULT_SEGMENTS: "  (default segments)"}
         why = segments.get(plan.device.allocator_settings, "") if cause == "allocator_reserve" else ""
         lines.append(f"    {'+ ' + cause.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}{why}")
     total = measured.peak_bytes + sum(plan.headroom.values())

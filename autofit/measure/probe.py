@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autofit.apply import apply_config, checkpointed_blocks, offloaded_blocks, selectively_checkpointed_blocks
+from autofit.apply import apply_config, checkpointed_blocks, offloaded_blocks, selectively_checkpointed_blocks, use_plan_allocator
 from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
@@ -117,6 +117,8 @@ def probe_plan(spec: ModelSpec, plan: Plan, *, steps: int = 3, seed: int = 0) ->
     Raises:
         UserError: the model is not the one the plan was made for.
     """
+    if not plan.estimated:  # a card measures with the allocator the plan trains with
+        use_plan_allocator(plan, device=torch.device(plan.device.type))
     return measure(
         spec, plan.config.rank_share(), device=plan.device.type, simulate=plan.estimated, steps=steps, seed=seed,
         fingerprint=plan.model.fingerprint,

@@ -35,7 +35,7 @@ from autofit.device import DeviceInfo, check_device, device_info, host_memory_by
 from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
-from autofit.plan_file import ALLOCATOR_SETTINGS
+from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
 from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, find_repeat, shortened
 from autofit.planning.memory.traces import simulation_spec
 from autofit.planning.request import PlanRequest
@@ -181,7 +181,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     if kind is not None:
         info = replace(info, name=f"simulated {kind}")
     if device == "cuda":
-        info = replace(info, allocator_settings=ALLOCATOR_SETTINGS[0 if request.expandable_segments else 1])
+        info = replace(info, allocator_settings=EXPANDABLE_SEGMENTS if request.expandable_segments else DEFAULT_SEGMENTS)
         if not simulate:  # the probes measure the allocator the plan names (its segments from here on)
             set_cuda_allocator_settings(info.allocator_settings)
     budget_bytes = parse_budget(budget, device_total_bytes=info.total_bytes)
