@@ -4,14 +4,16 @@ For each case (ResNet-50, ViT-B/16 and a d768 transformer at the calibration
 table's sizes, and bench/floor.py's 0.94B decoder at its floor configuration,
 bf16-master, and in fp32 with AdamW on the card), the simulated meter's peak is
 predicted on the CPU (``--predict``, on any machine: fake tensors), and then
-the same 3 steps run for real on the card twice, each in a fresh process: with
-the allocator's default segments and with ``PYTORCH_CUDA_ALLOC_CONF=
-expandable_segments:True``. Each row gives the allocated peak, the reserved
-peak (the allocator's cache on top), what the process held in all (NVML), and
-what the estimated headroom (planning/memory/headroom.py) would keep.
+the same 3 steps run for real on the card, each setting in a fresh process:
+the allocator's default segments, ``PYTORCH_CUDA_ALLOC_CONF=
+expandable_segments:True``, and (for a few cases) expandable segments set from
+inside the process as training sets them. Each row gives the allocated peak,
+the reserved peak (the allocator's cache on top), what the process held in all
+(NVML), and what an estimated plan for that setting keeps beyond the simulated
+peak (planning/memory/headroom.py).
 
-    python bench/gpu_allocator.py --predict results/allocator/predicted.json      # here, on the CPU (minutes)
-    python bench/gpu_allocator.py --measure results/allocator/predicted.json --out results/allocator   # on a card
+    python bench/gpu_allocator.py --predict bench/gpu_inputs/allocator_predicted.json   # on any CPU (2.5 minutes on 2 cores)
+    timeout 300 python bench/gpu_allocator.py --measure bench/gpu_inputs/allocator_predicted.json --out results/allocator   # on a card (about 4 minutes on an H200)
     python bench/gpu_allocator.py --smoke --out /tmp/allocator                    # tiny cases, all on the CPU
 
 ``--measure`` writes ``allocator.json`` (every value) and ``allocator.md`` (the

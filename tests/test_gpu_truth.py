@@ -24,7 +24,8 @@ def test_the_dry_run_makes_every_section_and_no_row_fails(tmp_path):
     report = json.loads((tmp_path / "gpu_truth.json").read_text())
     assert report["device"] == "cpu" and report["dry_run"] and report["failed"] == 0
     sections = report["sections"]
-    assert list(sections) == ["meters", "levers", "plans", "faults", "host link"]
+    assert list(sections) == ["meters", "floor", "levers", "plans", "faults", "host link"]
+    assert sections["floor"][0]["values"]["simulated_bytes"] == sections["floor"][0]["values"]["measured_bytes"]
     rows = [row for section in sections.values() for row in section]
     assert not [row for row in rows if row["status"] == "FAILED"]
     # Every check ran but the CUDA-only ones, which say so; none was cut by the time limit.
