@@ -39,13 +39,14 @@ import torch  # noqa: E402
 from autofit._torch_private import expandable_segments_in_use, set_cuda_allocator_settings  # noqa: E402
 from autofit.config import TrainingConfig  # noqa: E402
 from autofit.measure.probe import measure  # noqa: E402
+from autofit.plan_file import EXPANDABLE_SEGMENTS  # noqa: E402
 from autofit.planning.memory.headroom import Headroom, persistent_bytes  # noqa: E402
 from autofit.planning.policy import POLICY  # noqa: E402
 from autofit.spec import ModelSpec, load_spec  # noqa: E402
 from bench.sized_examples import example_spec  # noqa: E402
 
 GiB = 2**30
-SETTINGS = {"default": "", "expandable": "expandable_segments:True", "expandable at run time": ""}
+SETTINGS = {"default": "", "expandable": EXPANDABLE_SEGMENTS, "expandable at run time": ""}
 """The allocator settings measured, as PYTORCH_CUDA_ALLOC_CONF spells them. "expandable at run time" sets
 expandable segments from inside the process (``set_cuda_allocator_settings``, what training does where CUDA may
 already be in use), for the cases in RUNTIME_CASES only: its peaks should be the environment variable's."""
@@ -109,7 +110,7 @@ def measure_cases(predicted: list[dict], *, device: str, out: Path, at_run_time:
     if at_run_time:
         predicted = [row for row in predicted if row["case"].startswith(RUNTIME_CASES)]
         if device == "cuda":
-            set_cuda_allocator_settings("expandable_segments:True")
+            set_cuda_allocator_settings(EXPANDABLE_SEGMENTS)
     with out.open("a") as lines:
         for row in predicted:
             start = time.perf_counter()
