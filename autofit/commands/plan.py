@@ -167,8 +167,8 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     for name, value in measured.breakdown.items():
         lines.append(f"    {name.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
     lines.append(f"    {'peak':<18}{format_bytes(predicted.peak_bytes):>12} {format_bytes(measured.peak_bytes):>20}")
+    segments = {EXPANDABLE_SEGMENTS: "  (expandable segments, set by training)", DEFAULT_SEGMENTS: "  (default segments)"}
     for cause, value in plan.headroom.items():
-        segments = {EXPANDABLE_SEGMENTS: "  (expandable segments, set by training)", DEFAULT_SEGMENTS: "  (default segments)"}
         why = segments.get(plan.device.allocator_settings, "") if cause == "allocator_reserve" else ""
         lines.append(f"    {'+ ' + cause.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}{why}")
     total = measured.peak_bytes + sum(plan.headroom.values())
