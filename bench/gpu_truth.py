@@ -60,7 +60,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from autofit._torch_private import set_cuda_allocator_settings  # noqa: E402
-from autofit.apply import apply_config, apply_plan, use_plan_allocator  # noqa: E402
+from autofit.apply import apply_config, apply_plan  # noqa: E402
 from autofit.config import TrainingConfig  # noqa: E402
 from autofit.measure.host_speed import measure_host_link  # noqa: E402
 from autofit.measure.probe import measure  # noqa: E402
@@ -322,6 +322,19 @@ def estimated_headroom(peak_bytes: int, breakdown: dict) -> dict[str, int]:
     return {cause: size for cause, size in causes.items() if cause != "safety_margin"}
 
 
+@contextmanager
+def allocator(truth: Truth, settings: str | None) -> Iterator[None]:
+    """On a card, the CUDA allocator with ``settings`` inside (None: as it is), and its default segments after, which
+    the other checks measure with; nothing on the CPU."""
+    if truth.device == "cuda" and settings:
+        set_cuda_allocator_settings(settings)
+    try:
+        yield
+    finally:
+        if truth.device == "cuda":
+            set_cuda_allocator_settings(DEFAULT_SEGMENTS)
+
+
 def check_floor(truth: Truth, sizes: Sizes) -> tuple[str, dict]:
     """#29's 1B case: bench/floor.py's 0.94B decoder in its floor configuration (bf16-master, micro-batch 1 of 8,
     every block checkpointed), on a card with expandable segments as its plan sets them: the process peak within the
@@ -340,13 +353,8 @@ def check_floor(truth: Truth, sizes: Sizes) -> tuple[str, dict]:
         device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True,
     )
     budget = expandable.smallest_budget(simulated.peak_bytes, persistent_bytes=persistent_bytes(simulated.breakdown))
-    if truth.device == "cuda":
-        set_cuda_allocator_settings(EXPANDABLE_SEGMENTS)
-    try:
+    with allocator(truth, EXPANDABLE_SEGMENTS):
         real = measure(spec, config, device=truth.device, steps=3)
-    finally:
-        if truth.device == "cuda":
-            set_cuda_allocator_settings(DEFAULT_SEGMENTS)
     cache, context = real.breakdown.get("allocator_cache", 0), real.breakdown.get("context", 0)
     values = {
         "simulated_bytes": simulated.peak_bytes, "budget_bytes": budget, "measured_bytes": real.peak_bytes,
@@ -564,12 +572,8 @@ def check_plan(truth: Truth, spec: ModelSpec, *, name: str, budget: int | None, 
     plans.append((spec, plan))
     # What `autofit probe --plan` does, for real (it simulates an estimated plan again): the plan's configuration on
     # its device under the device's meter, with the allocator settings the plan names (as training sets them).
-    use_plan_allocator(plan, device=torch.device(truth.device))
-    try:
+    with allocator(truth, plan.device.allocator_settings):
         real = measure(spec, plan.config.rank_share(), device=truth.device, steps=3, fingerprint=plan.model.fingerprint)
-    finally:  # the other sections measure with the allocator's default segments
-        if truth.device == "cuda":
-            set_cuda_allocator_settings(DEFAULT_SEGMENTS)
     margin = plan.headroom.get("safety_margin", 0)
     config = plan.config
     levers = config.levers()
