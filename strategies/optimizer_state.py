@@ -231,6 +231,15 @@ def bf16_weight_bytes(model: nn.Module) -> int:
     return sum(param.numel() * (2 if cast else param.element_size()) for param, cast in _weights_to_cast(model))
 
 
+def trained_weight_bytes(model: nn.Module, *, cast: bool) -> int:
+    """The trained parameters' bytes on the device: as built, or (``cast``) once ``OptimizerState.apply`` has cast
+    them to bf16 (bf16-master, bf16-pure); a tied weight once."""
+    return sum(
+        param.numel() * (2 if cast and to_cast else param.element_size())
+        for param, to_cast in _weights_to_cast(model) if param.requires_grad
+    )
+
+
 def _weights_to_cast(model: nn.Module) -> Iterator[tuple[nn.Parameter, bool]]:
     """Each parameter once (tied weights: one), and whether bf16-master and bf16-pure cast it to bf16: floating
     weights outside normalization layers."""

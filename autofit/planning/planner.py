@@ -46,6 +46,7 @@ import torch
 
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
 from autofit.config import step_in_backward_refusal
+from strategies.optimizer_state import trained_weight_bytes
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
@@ -194,10 +195,11 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     if context.simulate:  # FLOPs cost a fraction of a trace: they say which precision to trace first
         with context.phase("speed"):
             add_speeds(context, costs)
+    measurements = Measurements(context, host_sample_bytes=0, stored=context.study.load("measurements"))
     with context.phase("memory"):
-        if not costs.memory_for_floor():
-            trace_low(context, costs, _fastest(context, costs))
-    measurements = Measurements(context, host_sample_bytes=costs.host_sample_bytes, stored=context.study.load("measurements"))
+        if not costs.memory_for_floor():  # of those whose weights leave a peak room: a 70B's fp32 ones do not
+            trace_low(context, costs, _fastest(context, costs, leaving_out=_weights_over_budget(context, measurements)))
+    measurements.host_sample_bytes = costs.host_sample_bytes  # what a trace says
     try:
         with context.phase("floor"):
             floor = _floor(context, costs, measurements)
@@ -251,7 +253,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     speed_noise = max((s.noise for p, s in costs.speeds.items() if p in context.precisions), default=0.0)
     report = PlanReport(
         plan=plan, floor_bytes=floor.budget_bytes, floor_breakdown=floor.breakdown,
-        excluded_precisions=context.excluded_precisions, precision_notes=_precision_notes(context, costs, evaluations),
+        excluded_precisions=context.excluded_precisions, precision_notes=_precision_notes(context, costs, evaluations, measurements),
         unconstrained=unconstrained, sampler=sampler, evaluations=len(evaluations), simulated_checks=measurements.simulated_checks,
         memory_probes=measurements.memory_probes, real_probes=measurements.real_probes, resumed=costs.resumed,
         seconds=time.perf_counter() - context.started, rejected=measurements.rejected, costs=costs.model,
@@ -332,7 +334,7 @@ def _searched_below_floor(
         context.study.save("measurements", measurements.to_store())
     return PlanReport(
         plan=plan, floor_bytes=below.floor_bytes, floor_breakdown=below.breakdown, excluded_precisions=context.excluded_precisions,
-        precision_notes=_precision_notes(context, costs, evaluations), sampler=sampler, evaluations=len(evaluations),
+        precision_notes=_precision_notes(context, costs, evaluations, measurements), sampler=sampler, evaluations=len(evaluations),
         simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes,
         real_probes=measurements.real_probes, resumed=costs.resumed, seconds=time.perf_counter() - context.started,
         rejected=measurements.rejected, costs=costs.model, phases=dict(context.phases),
@@ -340,28 +342,35 @@ def _searched_below_floor(
     )
 
 
-def _fastest(context: PlanContext, costs: Costs) -> str:
-    """The precision expected fastest: by its speeds when known, else the first asked for."""
-    known = [p for p in context.precisions if p in costs.speeds]
+def _fastest(context: PlanContext, costs: Costs, *, leaving_out=()) -> str:
+    """The precision expected fastest, of those not in ``leaving_out`` (which leaves one at least): by its speeds
+    when known, else the first asked for."""
+    candidates = [p for p in context.precisions if p not in leaving_out]
+    known = [p for p in candidates if p in costs.speeds]
     if not known:
-        return context.precisions[0]
+        return candidates[0]
     return max(known, key=lambda p: best_plain_samples_per_s(costs, p))
 
 
 def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
     """The floor over the precisions traced so far; before a refusal is final, over every precision (measured only
-    then, where the memory model already puts it far above the budget)."""
+    then, where the memory model already puts it far above the budget).
+
+    Where it is far above, the missing precisions are traced one at a time, the least trained weights first (the
+    likeliest to bring it down: bf16-master's before fp32's), until it no longer is.
+    """
     missing = [p for p in context.precisions if p not in costs.memory_for_floor()]
-    far = far_above_budget(context, costs, measurements) if missing else None
-    if far is not None:
-        context.log(f"floor: {format_bytes(far)} predicted, far over the budget: tracing {', '.join(missing)} before measuring it")
-    else:
-        try:
-            return check_floor(context, costs, measurements)
-        except InfeasibleBudget:
-            if not missing:
-                save(context, costs)
-                raise
+    missing.sort(key=lambda p: trained_weight_bytes(context.meta_model, cast=p in (MASTER_WEIGHTS, PURE_BF16)))
+    while missing and (far := far_above_budget(context, costs, measurements)) is not None:
+        context.log(f"floor: {format_bytes(far)} predicted, far over the budget: tracing {missing[0]} before measuring it")
+        with context.phase("memory"):
+            trace_low(context, costs, missing.pop(0))
+    try:
+        return check_floor(context, costs, measurements)
+    except InfeasibleBudget:
+        if not missing:
+            save(context, costs)
+            raise
     with context.phase("memory"):
         for precision in missing:
             trace_low(context, costs, precision)
@@ -387,6 +396,12 @@ def _search(
     16 MB after one at 64 MB: 1.7 s of its 8.3 s were the recomputing runs the first plan had left out).
     """
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
+    over = _weights_over_budget(context, measurements)
+    if over:
+        context.log(
+            f"memory: {', '.join(over)} not traced further: {_weights_words(over, measurements)}"
+        )
+        order = [p for p in order if p not in over]
     usable = measurements.usable_bytes()
     usable_for = measurements.usable_by_precision()  # what the search scores each precision by
     lazy = context.simulate
@@ -451,12 +466,29 @@ def _search(
                 global_batch_size=context.global_batch_size, usable_bytes=usable_for, study=context.study, slack=measurements.slack,
                 levers=levers,
             )
-    skipped = costs.untraced(context.precisions)
+    skipped = [p for p in costs.untraced(context.precisions) if p not in over]
     context.log(
         f"search: {len(evaluations)} (precision, micro-batch) points by {sampler}, {sum(e.fits for e in evaluations)} fit the "
         f"model's budget" + (f"; {', '.join(skipped)} not traced (too slow to matter)" if skipped else "")
     )
     return evaluations, sampler
+
+
+def _weights_over_budget(context: PlanContext, measurements: Measurements) -> dict[str, int]:
+    """The precisions whose trained weights alone are more than any of their peaks may be
+    (``Measurements.weights_over_budget``), with those bytes; none where that would leave no precision to search."""
+    over = {p: b for p in context.precisions if (b := measurements.weights_over_budget(p)) is not None}
+    return over if len(over) < len(context.precisions) else {}
+
+
+def _weights_words(over: dict[str, int], measurements: Measurements) -> str:
+    """"their trained weights alone (261.00 GiB) are more than a peak may be (170.52 GiB)"."""
+    weights = sorted(set(over.values()))
+    usable = sorted({int(measurements.usable_bytes(p)) for p in over})
+    return (
+        f"{'its' if len(over) == 1 else 'their'} trained weights alone ({' / '.join(format_bytes(b) for b in weights)}) are more "
+        f"than a peak may be ({' / '.join(format_bytes(b) for b in usable)})"
+    )
 
 
 def _verify_within(context: PlanContext) -> float:
@@ -469,15 +501,18 @@ def _traced(context: PlanContext, costs: Costs) -> list[str]:
     return [p for p in context.precisions if p in costs.model.precisions]
 
 
-def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evaluation]) -> dict[str, str]:
+def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evaluation], measurements: Measurements) -> dict[str, str]:
     """Per precision: its speed note, the traces it shares, or why it was not traced."""
     best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+    over = _weights_over_budget(context, measurements)
     notes = {}
     for precision in context.precisions:
         parts = [costs.notes[precision]] if precision in costs.notes else []
         if precision in costs.shared and precision in costs.model.precisions:
             parts.append(f"memory from {costs.shared[precision]}'s traces (autocast checked to make the same tensors)")
-        if precision not in costs.model.precisions:
+        if precision in over and precision not in costs.model.precisions:
+            parts.append(f"not traced: {_weights_words({precision: over[precision]}, measurements)}")
+        elif precision not in costs.model.precisions:
             within = _verify_within(context)
             parts.append(
                 f"not traced: at most {best_plain_samples_per_s(costs, precision):.1f} samples/s with no budget, under "

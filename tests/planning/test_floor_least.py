@@ -74,7 +74,33 @@ def test_a_floor_far_over_the_budget_is_measured_only_once_every_precision_is_tr
         return real(context, costs, measurements)
 
     monkeypatch.setattr(planner, "check_floor", counted)
-    plan = planner.make_plan(_wide_spec(), PlanRequest(budget=budget, **request))
+    plan = planner.make_plan(_wide_spec(), PlanRequest(budget=budget, **{**request, "precisions": ("bf16", "fp32", "bf16-master")}))
     assert plan.config.precision == "bf16-master"
-    # One check, after both precisions were traced: bf16's floor alone was not measured first.
+    # One check, after bf16-master was traced: bf16's floor alone was not measured first, and fp32 (more weights
+    # than bf16-master's, traced after it) was not needed once bf16-master's floor was under the budget.
     assert measured == [["bf16", "bf16-master"]]
+
+
+def test_precisions_whose_weights_alone_are_over_the_budget_are_traced_no_further(monkeypatch):
+    """fp32 weights over what a peak may be: the floor traces bf16-master alone, the search leaves bf16 and fp32 out,
+    and the summary says why."""
+    request = dict(batch_size=4, simulate=True, device="cuda", device_memory="24GiB", cache=False)
+    with pytest.raises(InfeasibleBudget) as error:
+        planner.make_plan(_wide_spec(), PlanRequest(budget=1000, **request, precisions=("bf16-master",)))
+    budget = int(1.1 * error.value.floor_bytes)  # a peak may be about 1.15 GiB: under the 1.50 GiB of fp32 weights
+    measured, lines = [], []
+    real = planner.check_floor
+
+    def counted(context, costs, measurements):
+        measured.append(sorted(costs.memory_for_floor()))
+        return real(context, costs, measurements)
+
+    monkeypatch.setattr(planner, "check_floor", counted)
+    report = planner.plan_with_report(
+        _wide_spec(), PlanRequest(budget=budget, **request, precisions=("bf16", "fp32", "bf16-master")), log=lines.append,
+    )
+    assert report.plan.config.precision == "bf16-master"
+    assert measured == [["bf16-master"]]
+    assert not [line for line in lines if "tracing fp32" in line or "tracing bf16 " in line]
+    for precision in ("bf16", "fp32"):
+        assert "not traced: its trained weights alone (1.50 GiB) are more than a peak may be" in report.precision_notes[precision]

@@ -29,7 +29,7 @@ from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
-from strategies.optimizer_state import bf16_weight_bytes
+from strategies.optimizer_state import bf16_weight_bytes, trained_weight_bytes
 
 
 class Measurements:
@@ -122,6 +122,17 @@ class Measurements:
             return self.resident_bytes
         meta = self.context.meta_model
         return min(self.resident_bytes, bf16_weight_bytes(meta) + sum(b.numel() * b.element_size() for b in meta.buffers()))
+
+    def weights_over_budget(self, precision: str) -> int | None:
+        """The trained weights' bytes ``precision`` keeps on the device (``trained_weight_bytes``: bf16 where
+        bf16-master and bf16-pure cast them), where they alone are more than any of its peaks may be
+        (``usable_bytes``, with the ``slack`` a prediction may have and still be probed); else None.
+
+        Every configuration of one process keeps them there, whatever its levers (they move activations and
+        optimizer state; frozen weights, which NF4 shrinks, are not counted), so such a precision has none that fits.
+        """
+        weights = trained_weight_bytes(self.context.meta_model, cast=precision in (MASTER_WEIGHTS, PURE_BF16))
+        return weights if weights > self.usable_bytes(precision) * (1 + self.slack) else None
 
     def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
         """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
