@@ -134,12 +134,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         loading = dict(build_pretrained=build_pretrained, weights_note=f"pretrained from {weights.parent}")
     else:
         loading = dict(weights_note=f"random init from {hf_config_file(source).name}")
-    saved_dtype = getattr(config, "dtype", None)
-    if saved_dtype is not None and saved_dtype not in (torch.float32, "float32"):  # said, never silently trained in it
-        loading["weights_note"] += (
-            f", held in fp32 (config.json's dtype {str(saved_dtype).removeprefix('torch.')} is not used: the plan's "
-            "precision sets the arithmetic, and pure half-precision weights are not lossless)"
-        )
+    loading["config_dtype"] = _config_dtype(config)  # said with the plan's precision (``spec.weights_held``), never silently trained in
     options: dict = {"task": task}
     if task == "image-classification":
         size = getattr(config, "image_size", 224)
@@ -183,6 +178,16 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         build_model=build_model, example_batch=example_batch, loss_fn=loss,
         train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options, **loading,
     )
+
+
+def _config_dtype(config) -> str | None:
+    """config.json's ``dtype`` in a precision's spelling ("fp32", "bf16", "fp16"; another dtype by its torch name);
+    None where it names none."""
+    saved = getattr(config, "dtype", None)
+    if saved is None:
+        return None
+    name = str(saved).removeprefix("torch.")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
 
 
 def _check_hf_config(transformers, config, *, task: str, source: str) -> None:

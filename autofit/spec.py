@@ -59,6 +59,10 @@ class ModelSpec:
     weights_note: str = ""
     """Where training's weights come from, as the plan summary and the run's header say it ("pretrained from
     DIR", "random init from config.json"); "" for a model file's own initialisation."""
+    config_dtype: str | None = None
+    """The weights' dtype the model's config names (hf: config.json's ``dtype``: "fp32", "bf16", "fp16"); None where
+    none is named. The weights are built in fp32 whatever it says; a plan keeps bf16 ones only when asked
+    (``PlanRequest.weights_dtype``), and ``weights_held`` says which."""
     build_base: Callable[[], nn.Module] | None = None
     """With adapters (``lora``): the model without them, with its own initialisation, which weights given to start
     from (``--weights``) are loaded into before the adapters are added. None: no adapters."""
@@ -66,6 +70,25 @@ class ModelSpec:
     """Dataset samples -> ``(inputs, targets)`` with per-sample lists marked (``model_io.per_sample``); None: stacked."""
     simulation_fallback: str = ""
     """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
+
+
+def weights_held(spec: ModelSpec, precision: str) -> str:
+    """How a plan's precision holds the weights on the device, and what became of the dtype the config names:
+    "held in fp32 (config.json's dtype bf16 is not used: ...)", "held in bf16 (bf16-pure, config.json's dtype)"."""
+    from strategies import MASTER_WEIGHTS, PURE_BF16
+
+    named = spec.config_dtype
+    if precision == MASTER_WEIGHTS:
+        return "held in bf16 on the device, their fp32 masters on the host (bf16-master)"
+    if precision == PURE_BF16:
+        return "held in bf16 (bf16-pure" + (", config.json's dtype)" if named == "bf16" else ")")
+    if named in (None, "fp32"):
+        return "held in fp32"
+    keep = "; --weights-dtype config keeps them in bf16" if named == "bf16" else ""
+    return (
+        f"held in fp32 (config.json's dtype {named} is not used: the plan's precision sets the arithmetic, and pure "
+        f"half-precision weights are not lossless{keep})"
+    )
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:

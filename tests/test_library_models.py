@@ -14,7 +14,7 @@ import torch
 from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.model_io import Loss, count_labels
-from autofit.spec import ModelSpec, default_optimizer, load_spec
+from autofit.spec import ModelSpec, default_optimizer, load_spec, weights_held
 from tests.conftest import EXAMPLES
 
 
@@ -342,4 +342,6 @@ def test_a_config_s_half_precision_dtype_is_said_and_the_weights_stay_fp32(tmp_p
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = load_spec(f"hf:{tmp_path}", task="causal-lm", seq_len=8)
     assert {p.dtype for p in spec.build_model().parameters()} == {torch.float32}
-    assert "config.json's dtype bfloat16 is not used" in spec.weights_note
+    assert spec.config_dtype == "bf16"
+    assert "config.json's dtype bf16 is not used" in weights_held(spec, "bf16")
+    assert weights_held(spec, "bf16-pure") == "held in bf16 (bf16-pure, config.json's dtype)"

@@ -50,6 +50,11 @@ def plan(
         False, "--allow-lossy-optimizer",
         help="8-bit AdamW state (torchao) may be chosen, above the floor and below it; it changes the optimizer's arithmetic.",
     ),
+    weights_dtype: str = typer.Option(
+        "fp32", "--weights-dtype",
+        help="fp32: fp32 weights whatever the model's config.json says (the precision sets the arithmetic); config: "
+        "its dtype, where bf16 is precision bf16-pure (bf16 weights and AdamW state, lossy stochastic rounding).",
+    ),
     expandable_segments: bool = typer.Option(
         True, "--expandable-segments/--no-expandable-segments",
         help="On a GPU: plan for, and train with, the CUDA allocator's expandable segments (less memory kept in its cache).",
@@ -83,6 +88,7 @@ def plan(
     from autofit.plan_file import save_plan
     from autofit.planning.planner import plan_with_report, print_progress
     from autofit.planning.request import PlanRequest
+    from autofit.spec import weights_held
 
     started = time.perf_counter()
     if device not in DEVICES:
@@ -105,7 +111,7 @@ def plan(
         check_model_runs(spec)
     request = PlanRequest(
         budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
-        host_memory=host_memory, host_speed=host_speed, study=study, expandable_segments=expandable_segments,
+        host_memory=host_memory, host_speed=host_speed, study=study, expandable_segments=expandable_segments, weights_dtype=weights_dtype,
         precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus, nodes=nodes,
         allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
         compile=compile_,
@@ -126,7 +132,8 @@ def plan(
     lines.insert(at, f"    planning held at most {format_bytes(peak_resident_bytes())} of this machine's memory (the process's peak resident set)")
     if spec.weights_note:  # planning used none: weights change no byte
         again = "; --from-config there for random init" if spec.build_pretrained is not None else ""
-        lines.insert(2, f"  weights     {spec.weights_note} (what `autofit train` starts from{again})")
+        held = weights_held(spec, report.plan.config.precision)
+        lines.insert(2, f"  weights     {spec.weights_note}, {held} (what `autofit train` starts from{again})")
     print("\n".join(lines))
 
 

@@ -90,7 +90,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
-    from autofit.spec import spec_for_plan
+    from autofit.spec import spec_for_plan, weights_held
     from autofit.training.data import check_sample_shape, cli_data, input_shape_from, model_file_data
     from autofit.distributed import check_launch, cleanup, end_rank, is_rank0
     from autofit.training.loop import TrainSettings
@@ -161,6 +161,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
         network, weights_note = spec.build_model(), ""
     else:
         network, weights_note = initial_model(spec, weights=weights, from_config=from_config)
+        weights_note = f"{weights_note}, {weights_held(spec, the_plan.config.precision)}" if weights_note else ""
     try:
         run_training(
             network, plan=the_plan, data=train_data, source=spec.source, source_options=spec.source_options,

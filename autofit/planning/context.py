@@ -192,7 +192,8 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
             "(or, with --simulate, --device-memory for a device that is not here)"
         )
     host_budget, host_note = _host_budget(request.host_memory, device=device, simulate=simulate)
-    kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions, lossy=request.allow_lossy_optimizer)
+    precisions, lossy = kept_weights_dtype(request, spec)
+    kept, excluded = usable_precisions(device, simulate=simulate, wanted=precisions, lossy=lossy)
     if not simulate:  # the simulated meter runs no kernel; a model it plans may be too large to run here
         kept = _with_kernels(spec, precisions=kept, excluded=excluded, device=device)
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
@@ -440,6 +441,39 @@ def _with_kernels(spec: ModelSpec, *, precisions: list[str], excluded: dict[str,
             f"({next(iter(failures.values()))}); plan with --precisions {others}"
         )
     return kept
+
+
+def kept_weights_dtype(request: PlanRequest, spec: ModelSpec) -> tuple[tuple[str, ...] | None, bool]:
+    """The precisions to search and whether bf16-pure's lossy update may be among them, after ``--weights-dtype``:
+    ``config`` with a config that names bf16 keeps bf16 weights, which is bf16-pure alone (declared by the flag).
+
+    Raises:
+        UserError: an unknown value; ``config`` for a model whose config names no dtype, or one (fp16) no precision
+            trains as it is; ``config`` with ``--precisions`` other than bf16-pure.
+    """
+    wanted, lossy, dtype = request.precisions, request.allow_lossy_optimizer, spec.config_dtype
+    if request.weights_dtype == "fp32":
+        return wanted, lossy
+    if request.weights_dtype != "config":
+        raise UserError(
+            f"--weights-dtype {request.weights_dtype!r} is unknown; choose fp32 (the default: fp32 weights, the precision "
+            "sets the arithmetic) or config (the dtype the model's config.json names)"
+        )
+    if dtype is None:
+        raise UserError(f"--weights-dtype config keeps the dtype a model's config.json names, and {spec.source} names none; leave it out (fp32 weights)")
+    if dtype == "fp32":
+        return wanted, lossy
+    if dtype != "bf16":
+        raise UserError(
+            f"--weights-dtype config: {spec.source}'s config.json names {dtype}, and no precision here trains {dtype} "
+            "weights as they are (bf16-pure keeps bf16 ones); leave it out (fp32 weights, any precision)"
+        )
+    if wanted is not None and tuple(wanted) != (PURE_BF16,):
+        raise UserError(
+            f"--weights-dtype config keeps config.json's bf16 weights, which is precision {PURE_BF16} alone; drop "
+            f"--precisions {','.join(wanted)} or --weights-dtype"
+        )
+    return (PURE_BF16,), True
 
 
 def usable_precisions(

@@ -533,6 +533,8 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     share = math.ceil(batch_size / world_size)
     # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
     one_process = (MASTER_WEIGHTS, PURE_BF16)
+    if request.weights_dtype == "config" and spec.config_dtype == "bf16":
+        raise UserError(f"--weights-dtype config keeps config.json's bf16 weights ({PURE_BF16}), which train on one process only; for {world_size} GPUs leave it out")
     asked = [p for p in (request.precisions or PRECISIONS) if p not in one_process]
     if not asked:
         raise UserError(f"--precisions {','.join(request.precisions)} train on one process only; for {world_size} GPUs allow bf16 or fp32")

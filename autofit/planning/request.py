@@ -52,6 +52,11 @@ class PlanRequest:
     host_speed: float | None = None
     """Parameter elements per second the host of the machine that trains updates with the model's optimizer (its
     fp32 AdamW step on that CPU), for the host-state and bf16-master levers' time; None: timed on this machine's CPU."""
+    weights_dtype: str = "fp32"
+    """"fp32": fp32 weights on the device (bf16-master's bf16 copies aside), whatever the model's config names, the
+    precision setting the arithmetic. "config": the dtype the config names (``ModelSpec.config_dtype``): bf16 there
+    is precision bf16-pure alone, its stochastic rounding declared by this choice; fp32 (or none named) changes
+    nothing."""
     allow_lossy_optimizer: bool = False
     """8-bit AdamW state (torchao) may be chosen; it changes the optimizer's arithmetic, so never without this."""
     allow_lossy_base: bool = False

@@ -168,6 +168,39 @@ def test_plan_summary_says_which_weights_training_starts_from_and_that_clipping_
     assert code == 0 and "weights     random init from config.json" in out, err
 
 
+def test_weights_dtype_config_keeps_a_bf16_config_s_weights_as_bf16_pure_and_is_one_line_where_it_cannot(llama_dir, tmp_path, run_cli):
+    config = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    arguments = (f"hf:{llama_dir}", "--seq-len", str(SEQ_LEN), "-n", "4", "-b", "200MB", "--simulate", "--no-cache", "-q")
+    code, out, err = run_cli("plan", *arguments, "--precisions", "fp32", "-o", tmp_path / "fp32.json")
+    assert code == 0, err
+    assert "held in fp32 (config.json's dtype bf16 is not used" in out and "--weights-dtype config keeps them in bf16" in out
+    code, out, err = run_cli("plan", *arguments, "--weights-dtype", "config", "-o", tmp_path / "plan.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "plan.json").read_text())["precision"] == "bf16-pure"
+    assert "held in bf16 (bf16-pure, config.json's dtype)" in out
+    refused = {
+        ("--weights-dtype", "bf16"): "--weights-dtype 'bf16' is unknown; choose fp32",
+        ("--weights-dtype", "config", "--precisions", "bf16"): "drop --precisions bf16 or --weights-dtype",
+        ("--weights-dtype", "config", "--gpus", "2"): "train on one process only; for 2 GPUs leave it out",
+    }
+    for flags, words in refused.items():
+        code, out, err = run_cli("plan", *arguments, *flags, "-o", tmp_path / "refused.json")
+        assert code == 2 and words in err and "Traceback" not in err, (flags, err)
+    (llama_dir / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
+    code, out, err = run_cli("plan", *arguments, "--weights-dtype", "config", "-o", tmp_path / "refused.json")
+    assert code == 2 and "config.json names fp16, and no precision here trains fp16 weights" in err, err
+    model_file = tmp_path / "mlp.py"
+    model_file.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(4, 2)\n"
+        "def example_batch(n):\n    return torch.randn(n, 4), torch.randint(0, 2, (n,))\n"
+    )
+    code, out, err = run_cli("plan", str(model_file), "-n", "4", "-b", "200MB", "--no-cache", "-q", "--weights-dtype", "config", "-o", tmp_path / "refused.json")
+    assert code == 2 and "names none; leave it out (fp32 weights)" in err, err
+    assert not (tmp_path / "refused.json").exists()
+
+
 def test_from_config_is_refused_for_a_model_file_and_with_weights(llama_dir, tmp_path, run_cli):
     model_file = tmp_path / "mlp.py"
     model_file.write_text(
