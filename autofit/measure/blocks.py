@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from autofit._torch_private import tree_leaves
+from autofit._torch_private import count_cpu_attention, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.boundaries import block_boundaries
@@ -104,6 +104,7 @@ def profile_blocks(
             sync()
             total_seconds = time.perf_counter() - start
         # FLOPs in a pass of their own: the counter's overhead must not distort the times.
+        count_cpu_attention()
         flop_counter = FlopCounterMode(display=False)
         with torch.no_grad(), flop_counter, forward_context():
             call_model(model, inputs)

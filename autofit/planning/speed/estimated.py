@@ -21,7 +21,7 @@ from autofit.measure.blocks import profile_blocks
 from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import call_model
-from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
+from autofit._torch_private import TorchDispatchMode, count_cpu_attention, op_flops, tree_leaves
 from autofit.planning.costs import SpeedCosts
 from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, shortened
 from autofit.planning.memory.workers import call
@@ -232,6 +232,7 @@ def _forward_flops(spec: ModelSpec, size: int, *, repeat: Repeat | None = None) 
         return {family: short[family] + more * (longer[family] - short[family]) for family in short}
     from torch.utils.flop_counter import FlopCounterMode
 
+    count_cpu_attention()
     meter = simulated_meter(spec, for_device="cpu")
     with meter.environment():
         model = meter.build_model(spec.build_model)

@@ -60,3 +60,27 @@ def test_an_estimated_gpu_plan_is_not_fp32_by_default(one_thread):
     )
     plan = make_plan(spec, PlanRequest(budget="90%", batch_size=32, device="cuda", simulate=True, device_memory="80GiB"))
     assert plan.estimated and plan.config.precision in ("bf16", "fp16")
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, x):  # (batch, heads, tokens, head size)
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+def test_the_cpus_fused_attention_counts_its_flops_forward_and_backward():
+    """A simulated GPU's FLOPs are counted over CPU tensors, where attention runs the CPU's fused kernel, which torch's
+    counter had no formula for: every SDPA model's estimated speed left attention out. Counted now as CUDA flash is."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    from autofit.planning.speed.estimated import _forward_flops
+
+    shape = (2, 4, 256, 32)
+    spec = ModelSpec(
+        source="attention", build_model=_Attention, example_batch=lambda n: (torch.randn(n, *shape[1:]), None),
+        loss_fn=torch.nn.functional.mse_loss, build_optimizer=default_optimizer,
+    )
+    assert _forward_flops(spec, 2) == {"conv": 0, "matmul": sdpa_flop_count(shape, shape, shape)}
+    x = torch.randn(*shape, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        _Attention()(x).sum().backward()
+    assert counter.get_total_flops() == sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
