@@ -45,8 +45,8 @@ from dataclasses import asdict, replace
 import torch
 
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
-from autofit.config import step_in_backward_refusal
 from strategies.optimizer_state import trained_weight_bytes
+from autofit.config import step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
