@@ -65,7 +65,7 @@ def test_hf_dir_with_weights_trains_from_them_and_saves_hf_for_transformers(llam
     plan = _plan(tmp_path, f"hf:{llama_dir}")
     code, out, err = run_cli("train", "--plan", plan, "--max-steps", "2", "--log-dir", tmp_path / "run", "--workers", "0")
     assert code == 0, err
-    assert f"weights: pretrained from {llama_dir}" in out
+    assert f"weights: pretrained from {llama_dir}, held in fp32\n" in out  # how the plan's precision holds them
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True, dtype=torch.float32)
     first = _steps(tmp_path / "run")[0]["loss"]
     assert first == pytest.approx(_first_batch_loss(pretrained), rel=1e-6)
