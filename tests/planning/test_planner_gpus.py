@@ -326,3 +326,11 @@ def test_a_half_precision_ranks_estimate_is_traced_over_bf16_weights(tmp_path):
     plan = make_plan(spec, PlanRequest(budget=int(0.6 * refused.value.floor_bytes), gpus=4, **request))
     assert plan.config.sharding == "fsdp"
     assert plan.measured.peak_bytes <= plan.predicted.estimate_peak_bytes <= 1.2 * plan.measured.peak_bytes
+
+
+def test_the_gpus_a_one_process_refusal_names_plan_when_followed(spec, floor):
+    """#31: the `--gpus N` of the one-process refusal (the levers too fall short), followed at the same per-GPU
+    budget, plans on N GPUs."""
+    gpus = int(re.search(r"or --gpus (\d+)", str(floor)).group(1))
+    report = _plan(spec, budget=10**6, gpus=gpus)
+    assert report.plan.config.world_size == gpus and report.plan.budget_bytes == 10**6
