@@ -32,10 +32,10 @@ __all__ = [
     "TorchDispatchMode",
     "call_when_backward_ends",
     "copy_tensors",
-    "count_cpu_attention",
     "fake_mode_active",
     "fake_mode_for",
     "fake_process_group_store",
+    "flop_counter",
     "grad_scaler_tensors",
     "inner_tensors",
     "new_fake_mode",
@@ -194,6 +194,15 @@ def count_cpu_attention() -> None:
         register_flop_formula(backward)(
             lambda grad_out, query, key, value, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad_out, query, key, value)
         )
+
+
+def flop_counter():
+    """A ``torch.utils.flop_counter.FlopCounterMode`` (no display) that counts the CPU's fused attention too
+    (``count_cpu_attention``): what every FLOP count autofit makes is taken with."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    count_cpu_attention()
+    return FlopCounterMode(display=False)
 
 
 def op_flops(op, args, kwargs, out) -> int:

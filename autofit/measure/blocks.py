@@ -7,9 +7,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from autofit._torch_private import count_cpu_attention, tree_leaves
+from autofit._torch_private import flop_counter, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.boundaries import block_boundaries
@@ -104,11 +103,10 @@ def profile_blocks(
             sync()
             total_seconds = time.perf_counter() - start
         # FLOPs in a pass of their own: the counter's overhead must not distort the times.
-        count_cpu_attention()
-        flop_counter = FlopCounterMode(display=False)
-        with torch.no_grad(), flop_counter, forward_context():
+        counter = flop_counter()
+        with torch.no_grad(), counter, forward_context():
             call_model(model, inputs)
-        flops_by_module = flop_counter.get_flop_counts()
+        flops_by_module = counter.get_flop_counts()
         total_flops = sum(flops_by_module.get("Global", {}).values()) or 1
     profiles = []
     for name in names:

@@ -45,7 +45,6 @@ from dataclasses import asdict, replace
 import torch
 
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
-from strategies.optimizer_state import trained_weight_bytes
 from autofit.config import step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
@@ -360,7 +359,7 @@ def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
     likeliest to bring it down: bf16-master's before fp32's), until it no longer is.
     """
     missing = [p for p in context.precisions if p not in costs.memory_for_floor()]
-    missing.sort(key=lambda p: trained_weight_bytes(context.meta_model, cast=p in (MASTER_WEIGHTS, PURE_BF16)))
+    missing.sort(key=measurements.weight_bytes)
     while missing and (far := far_above_budget(context, costs, measurements)) is not None:
         context.log(f"floor: {format_bytes(far)} predicted, far over the budget: tracing {missing[0]} before measuring it")
         with context.phase("memory"):

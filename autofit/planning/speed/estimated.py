@@ -21,7 +21,7 @@ from autofit.measure.blocks import profile_blocks
 from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import call_model
-from autofit._torch_private import TorchDispatchMode, count_cpu_attention, op_flops, tree_leaves
+from autofit._torch_private import TorchDispatchMode, flop_counter, op_flops, tree_leaves
 from autofit.planning.costs import SpeedCosts
 from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, shortened
 from autofit.planning.memory.workers import call
@@ -230,14 +230,11 @@ def _forward_flops(spec: ModelSpec, size: int, *, repeat: Repeat | None = None) 
         short, longer = (_forward_flops(shortened(spec, repeat, n), size) for n in SHORT_LENGTHS)
         more = repeat.length - SHORT_LENGTHS[0]
         return {family: short[family] + more * (longer[family] - short[family]) for family in short}
-    from torch.utils.flop_counter import FlopCounterMode
-
-    count_cpu_attention()
     meter = simulated_meter(spec, for_device="cpu")
     with meter.environment():
         model = meter.build_model(spec.build_model)
         inputs, _ = spec.example_batch(size)
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with counter:
             call_model(model, inputs)
     families = {"conv": 0, "matmul": 0}

@@ -123,15 +123,16 @@ class Measurements:
         meta = self.context.meta_model
         return min(self.resident_bytes, bf16_weight_bytes(meta) + sum(b.numel() * b.element_size() for b in meta.buffers()))
 
-    def weights_over_budget(self, precision: str) -> int | None:
+    def weight_bytes(self, precision: str) -> int:
         """The trained weights' bytes ``precision`` keeps on the device (``trained_weight_bytes``: bf16 where
-        bf16-master and bf16-pure cast them), where they alone are more than any of its peaks may be
-        (``usable_bytes``, with the ``slack`` a prediction may have and still be probed); else None.
+        bf16-master and bf16-pure cast them). Every configuration of one process keeps them there, whatever its
+        levers (they move activations and optimizer state; frozen weights, which NF4 shrinks, are not counted)."""
+        return trained_weight_bytes(self.context.meta_model, cast=precision in (MASTER_WEIGHTS, PURE_BF16))
 
-        Every configuration of one process keeps them there, whatever its levers (they move activations and
-        optimizer state; frozen weights, which NF4 shrinks, are not counted), so such a precision has none that fits.
-        """
-        weights = trained_weight_bytes(self.context.meta_model, cast=precision in (MASTER_WEIGHTS, PURE_BF16))
+    def weights_over_budget(self, precision: str) -> int | None:
+        """``weight_bytes`` where they alone are more than any of the precision's peaks may be (``usable_bytes``,
+        with the ``slack`` a prediction may have and still be probed): it has no configuration that fits; else None."""
+        weights = self.weight_bytes(precision)
         return weights if weights > self.usable_bytes(precision) * (1 + self.slack) else None
 
     def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
