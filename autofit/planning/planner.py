@@ -194,7 +194,9 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     if context.simulate:  # FLOPs cost a fraction of a trace: they say which precision to trace first
         with context.phase("speed"):
             add_speeds(context, costs)
-    measurements = Measurements(context, host_sample_bytes=0, stored=context.study.load("measurements"))
+    measurements = Measurements(
+        context, host_sample_bytes=0, stored=context.study.load("measurements"), nf4=levers is not None and levers.allow_lossy_base,
+    )
     with context.phase("memory"):
         if not costs.memory_for_floor():  # of those whose weights leave a peak room: a 70B's fp32 ones do not
             trace_low(context, costs, _fastest(context, costs, leaving_out=_weights_over_budget(context, measurements)))
@@ -355,18 +357,23 @@ def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
     """The floor over the precisions traced so far; before a refusal is final, over every precision (measured only
     then, where the memory model already puts it far above the budget).
 
-    Where it is far above, the missing precisions are traced one at a time, the least trained weights first (the
-    likeliest to bring it down: bf16-master's before fp32's), until it no longer is.
+    Where it is far above, the missing precisions are traced one at a time, the least weights first (the
+    likeliest to bring it down: bf16-master's before fp32's), until it no longer is. A precision whose weights alone
+    need the floor's budget (``Measurements.weights_budget``) cannot lower it and is not traced for it.
     """
     missing = [p for p in context.precisions if p not in costs.memory_for_floor()]
     missing.sort(key=measurements.weight_bytes)
     while missing and (far := far_above_budget(context, costs, measurements)) is not None:
+        missing = _may_lower(context, measurements, missing, far, predicted=True)
+        if not missing:
+            break
         context.log(f"floor: {format_bytes(far)} predicted, far over the budget: tracing {missing[0]} before measuring it")
         with context.phase("memory"):
             trace_low(context, costs, missing.pop(0))
     try:
         return check_floor(context, costs, measurements)
-    except InfeasibleBudget:
+    except InfeasibleBudget as below:
+        missing = _may_lower(context, measurements, missing, below.floor_bytes)
         if not missing:
             save(context, costs)
             raise
@@ -377,6 +384,21 @@ def _floor(context: PlanContext, costs: Costs, measurements: Measurements):
         return check_floor(context, costs, measurements)
     finally:
         save(context, costs)
+
+
+def _may_lower(
+    context: PlanContext, measurements: Measurements, missing: list[str], floor_bytes: int, *, predicted: bool = False,
+) -> list[str]:
+    """Of the ``missing`` precisions, those whose weights alone need less than the floor's budget; the others said."""
+    kept = [p for p in missing if measurements.weights_budget(p) < floor_bytes]
+    if len(kept) < len(missing):
+        left = [p for p in missing if p not in kept]
+        needs = dict.fromkeys(format_bytes(measurements.weights_budget(p)) for p in left)
+        context.log(
+            f"floor: {', '.join(left)} not traced for it: {'its' if len(left) == 1 else 'their'} weights alone need "
+            f"a budget of {' / '.join(needs)}, at least the floor's {format_bytes(floor_bytes)}{' (predicted)' if predicted else ''}"
+        )
+    return kept
 
 
 def _search(
@@ -474,18 +496,23 @@ def _search(
 
 
 def _weights_over_budget(context: PlanContext, measurements: Measurements) -> dict[str, int]:
-    """The precisions whose trained weights alone are more than any of their peaks may be
-    (``Measurements.weights_over_budget``), with those bytes; none where that would leave no precision to search."""
+    """The precisions whose weights alone are more than any of their peaks may be
+    (``Measurements.weights_over_budget``), with those bytes. Where that is every precision, those with the least
+    weights are left out of it: they are searched (and the floor, which no other precision's could be under, says
+    how far over the budget it is)."""
     over = {p: b for p in context.precisions if (b := measurements.weights_over_budget(p)) is not None}
-    return over if len(over) < len(context.precisions) else {}
+    if len(over) == len(context.precisions):
+        least = min(over.values())
+        over = {p: b for p, b in over.items() if b > least}
+    return over
 
 
 def _weights_words(over: dict[str, int], measurements: Measurements) -> str:
-    """"their trained weights alone (261.00 GiB) are more than a peak may be (170.52 GiB)"."""
+    """"their weights alone (261.00 GiB) are more than a peak may be (170.52 GiB)"."""
     weights = sorted(set(over.values()))
     usable = sorted({int(measurements.usable_bytes(p)) for p in over})
     return (
-        f"{'its' if len(over) == 1 else 'their'} trained weights alone ({' / '.join(format_bytes(b) for b in weights)}) are more "
+        f"{'its' if len(over) == 1 else 'their'} weights alone ({' / '.join(format_bytes(b) for b in weights)}) are more "
         f"than a peak may be ({' / '.join(format_bytes(b) for b in usable)})"
     )
 

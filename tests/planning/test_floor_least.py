@@ -103,4 +103,60 @@ def test_precisions_whose_weights_alone_are_over_the_budget_are_traced_no_furthe
     assert measured == [["bf16-master"]]
     assert not [line for line in lines if "tracing fp32" in line or "tracing bf16 " in line]
     for precision in ("bf16", "fp32"):
-        assert "not traced: its trained weights alone (1.50 GiB) are more than a peak may be" in report.precision_notes[precision]
+        assert "not traced: its weights alone (1.50 GiB) are more than a peak may be" in report.precision_notes[precision]
+
+
+def _frozen_base_spec():
+    """An adapter's shape: six frozen 8192x8192 layers (1.50 GiB in fp32, 768 MiB in bf16) under a small trained
+    head; the trained weights alone are 256 KiB at any precision."""
+    from torch import nn
+
+    from autofit.spec import ModelSpec, default_optimizer
+
+    def build():
+        base = nn.Sequential(*(nn.Linear(8192, 8192, bias=False) for _ in range(6))).requires_grad_(False)
+        return nn.Sequential(base, nn.Linear(8192, 8))
+
+    return ModelSpec(
+        source="tests:frozen-base", build_model=build, example_batch=lambda n: (torch.randn(n, 8192), torch.randint(0, 8, (n,))),
+        loss_fn=nn.functional.cross_entropy, build_optimizer=default_optimizer,
+    )
+
+
+def test_a_frozen_base_counts_in_the_weights_over_the_budget_at_nf4_s_size_where_it_may_be_nf4():
+    """A frozen base stays on the device with its precision's dtype unless NF4 may hold it: fp32's 1.50 GiB of
+    weights are over a peak bf16-master's floor leaves, and are not traced; with --allow-lossy-base the bound counts
+    the NF4 codes (half a byte an element), and fp32 is traced."""
+    from autofit.planning.context import plan_context
+    from autofit.planning.verify.measurements import Measurements
+
+    request = dict(batch_size=4, simulate=True, device="cuda", device_memory="24GiB", cache=False)
+    with pytest.raises(InfeasibleBudget) as error:
+        planner.make_plan(_frozen_base_spec(), PlanRequest(budget=1000, **request, precisions=("bf16-master",)))
+    budget = int(1.1 * error.value.floor_bytes)
+    lines = []
+    report = planner.plan_with_report(
+        _frozen_base_spec(), PlanRequest(budget=budget, **request, precisions=("fp32", "bf16-master")), log=lines.append,
+    )
+    assert report.plan.config.precision == "bf16-master"
+    assert not [line for line in lines if "tracing fp32" in line]
+    assert "not traced: its weights alone (1.50 GiB) are more than a peak may be" in report.precision_notes["fp32"]
+
+    context = plan_context(_frozen_base_spec(), PlanRequest(budget=budget, **request, precisions=("fp32", "bf16-master")), log=None)
+    head = 8192 * 8 * 4 + 8 * 4
+    assert Measurements(context, host_sample_bytes=0).weight_bytes("bf16-master") == 6 * 8192 * 8192 * 2 + 8192 * 8 * 2 + 8 * 2
+    assert Measurements(context, host_sample_bytes=0, nf4=True).weight_bytes("fp32") == 6 * 8192 * 8192 // 2 + head
+
+
+def test_where_every_precision_s_weights_are_over_the_floor_traces_the_least_and_no_precision_that_could_not_lower_it():
+    """Even bf16-master's 768 MiB of frozen weights are more than a peak may be: the floor traces bf16-master alone
+    (fp32's weights alone need more than its floor) and refuses with the floor bf16-master alone has."""
+    request = dict(batch_size=4, simulate=True, device="cuda", device_memory="24GiB", cache=False)
+    with pytest.raises(InfeasibleBudget) as alone:
+        planner.make_plan(_frozen_base_spec(), PlanRequest(budget="1500MiB", **request, precisions=("bf16-master",)))
+    lines = []
+    with pytest.raises(InfeasibleBudget) as error:
+        planner.make_plan(_frozen_base_spec(), PlanRequest(budget="1500MiB", **request, precisions=("fp32", "bf16-master")), log=lines.append)
+    assert error.value.floor_bytes == alone.value.floor_bytes
+    assert not [line for line in lines if "tracing fp32" in line]
+    assert [line for line in lines if "floor: fp32 not traced for it: its weights alone need a budget of" in line]

@@ -28,8 +28,8 @@ from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
-from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
-from strategies.optimizer_state import bf16_weight_bytes, trained_weight_bytes
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, nf4_weights
+from strategies.optimizer_state import bf16_weight_bytes, held_weight_bytes
 
 
 class Measurements:
@@ -43,10 +43,13 @@ class Measurements:
         stored: ``to_store()`` of an earlier run with the same model, device and
             batch (from the study): peaks are reused, timings only where every
             configuration compared was timed in one earlier run.
+        nf4: frozen linear weights may be held in NF4 (``--allow-lossy-base``): ``weight_bytes`` counts them at
+            NF4's size.
     """
 
-    def __init__(self, context: PlanContext, *, host_sample_bytes: int, stored: dict | None = None) -> None:
+    def __init__(self, context: PlanContext, *, host_sample_bytes: int, stored: dict | None = None, nf4: bool = False) -> None:
         self.context = context
+        self.nf4 = nf4
         self.host_sample_bytes = host_sample_bytes
         if stored and not _readable(stored):  # a damaged cache: measured again, and said so
             context.log("the stored measurements could not be read: measuring again")
@@ -75,6 +78,8 @@ class Measurements:
         self._exact: dict[str, tuple[int, dict, int]] = {}
         self._measured_context_bytes: int | None = None
         self._resident_bytes: int | None = stored.get("resident_bytes")
+        self._weight_bytes: dict[bool, int] = {}
+        """Whether the precision casts the weights to bf16 -> ``weight_bytes``."""
         self.compiled: dict[str, dict] = dict(stored.get("compiled", {}))
         """Chosen configuration's key -> what compiling it was found to do ({"on": bool, "note": str}), kept so that
         a plan made again decides without compiling again (``verify.compiled``)."""
@@ -124,16 +129,27 @@ class Measurements:
         return min(self.resident_bytes, bf16_weight_bytes(meta) + sum(b.numel() * b.element_size() for b in meta.buffers()))
 
     def weight_bytes(self, precision: str) -> int:
-        """The trained weights' bytes ``precision`` keeps on the device (``trained_weight_bytes``: bf16 where
-        bf16-master and bf16-pure cast them). Every configuration of one process keeps them there, whatever its
-        levers (they move activations and optimizer state; frozen weights, which NF4 shrinks, are not counted)."""
-        return trained_weight_bytes(self.context.meta_model, cast=precision in (MASTER_WEIGHTS, PURE_BF16))
+        """The weights' bytes ``precision`` keeps on the device (``held_weight_bytes``: bf16 where bf16-master and
+        bf16-pure cast them; frozen ones NF4 may hold at its size). Every configuration of one process keeps them
+        there, whatever its levers (they move activations and optimizer state)."""
+        cast = precision in (MASTER_WEIGHTS, PURE_BF16)
+        if cast not in self._weight_bytes:
+            meta = self.context.meta_model
+            nf4 = [layer.weight for layer in nf4_weights(meta)] if self.nf4 else ()
+            self._weight_bytes[cast] = held_weight_bytes(meta, cast=cast, nf4=nf4)
+        return self._weight_bytes[cast]
 
     def weights_over_budget(self, precision: str) -> int | None:
         """``weight_bytes`` where they alone are more than any of the precision's peaks may be (``usable_bytes``,
         with the ``slack`` a prediction may have and still be probed): it has no configuration that fits; else None."""
         weights = self.weight_bytes(precision)
         return weights if weights > self.usable_bytes(precision) * (1 + self.slack) else None
+
+    def weights_budget(self, precision: str) -> int:
+        """The least budget ``weight_bytes`` alone would need with their headroom: every configuration of the
+        precision needs at least this (a floor at or below it is not lowered by tracing the precision)."""
+        weights = self.weight_bytes(precision)
+        return self.headroom.smallest_budget(weights, persistent_bytes=weights)
 
     def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
         """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
