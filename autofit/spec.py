@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.library_models import hf_parts, timm_parts
 from autofit.model_io import Loss
@@ -72,12 +73,17 @@ class ModelSpec:
     """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
 
 
-def weights_held(spec: ModelSpec, precision: str) -> str:
-    """How a plan's precision holds the weights on the device, and what became of the dtype the config names:
-    "held in fp32 (config.json's dtype bf16 is not used: ...)", "held in bf16 (bf16-pure, config.json's dtype)"."""
+def weights_held(spec: ModelSpec, config: TrainingConfig) -> str:
+    """How a plan's configuration holds the weights on the device, and what became of the dtype the config names:
+    "held in fp32 (config.json's dtype bf16 is not used: ...)", "held in bf16 (bf16-pure, config.json's dtype)";
+    with frozen weights in NF4, that said after it."""
+    held = _precision_holds(spec.config_dtype, config.precision)
+    return f"{held}; the frozen linear weights in 4-bit NF4 (QLoRA's base)" if config.frozen_nf4 else held
+
+
+def _precision_holds(named: str | None, precision: str) -> str:
     from strategies import MASTER_WEIGHTS, PURE_BF16
 
-    named = spec.config_dtype
     if precision == MASTER_WEIGHTS:
         return "held in bf16 on the device, their fp32 masters on the host (bf16-master)"
     if precision == PURE_BF16:

@@ -7,10 +7,12 @@ import copy
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.model_io import Loss, count_labels
@@ -343,5 +345,10 @@ def test_a_config_s_half_precision_dtype_is_said_and_the_weights_stay_fp32(tmp_p
     spec = load_spec(f"hf:{tmp_path}", task="causal-lm", seq_len=8)
     assert {p.dtype for p in spec.build_model().parameters()} == {torch.float32}
     assert spec.config_dtype == "bf16"
-    assert "config.json's dtype bf16 is not used" in weights_held(spec, "bf16")
-    assert weights_held(spec, "bf16-pure") == "held in bf16 (bf16-pure, config.json's dtype)"
+    config = TrainingConfig(global_batch_size=2, micro_batch_size=2)
+    assert "config.json's dtype bf16 is not used" in weights_held(spec, replace(config, precision="bf16"))
+    assert weights_held(spec, replace(config, precision="bf16-pure")) == "held in bf16 (bf16-pure, config.json's dtype)"
+    qlora = replace(config, precision="bf16-master", frozen_nf4=True)
+    assert weights_held(spec, qlora) == (
+        "held in bf16 on the device, their fp32 masters on the host (bf16-master); the frozen linear weights in 4-bit NF4 (QLoRA's base)"
+    )

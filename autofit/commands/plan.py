@@ -132,7 +132,7 @@ def plan(
     lines.insert(at, f"    planning held at most {format_bytes(peak_resident_bytes())} of this machine's memory (the process's peak resident set)")
     if spec.weights_note:  # planning used none: weights change no byte
         again = "; --from-config there for random init" if spec.build_pretrained is not None else ""
-        held = weights_held(spec, report.plan.config.precision)
+        held = weights_held(spec, report.plan.config)
         lines.insert(2, f"  weights     {spec.weights_note}, {held} (what `autofit train` starts from{again})")
     print("\n".join(lines))
 

@@ -161,7 +161,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
         network, weights_note = spec.build_model(), ""
     else:
         network, weights_note = initial_model(spec, weights=weights, from_config=from_config)
-        weights_note = f"{weights_note}, {weights_held(spec, the_plan.config.precision)}" if weights_note else ""
+        weights_note = f"{weights_note}, {weights_held(spec, the_plan.config)}" if weights_note else ""
     try:
         run_training(
             network, plan=the_plan, data=train_data, source=spec.source, source_options=spec.source_options,
