@@ -41,7 +41,6 @@ from autofit.config import TrainingConfig  # noqa: E402
 from autofit.measure.probe import measure  # noqa: E402
 from autofit.plan_file import EXPANDABLE_SEGMENTS  # noqa: E402
 from autofit.planning.memory.headroom import Headroom, persistent_bytes  # noqa: E402
-from autofit.planning.policy import POLICY  # noqa: E402
 from autofit.spec import ModelSpec, load_spec  # noqa: E402
 from bench.sized_examples import example_spec  # noqa: E402
 
@@ -137,10 +136,7 @@ def measure_cases(predicted: list[dict], *, device: str, out: Path, at_run_time:
 def estimated_headroom(row: dict, *, setting: str) -> int:
     """What a plan estimated for this setting keeps beyond the simulated peak, less the safety margin (a share of the
     budget, not of the peak)."""
-    headroom = Headroom(
-        device_type="cuda", estimated=True, budget_bytes=row["predicted_bytes"], context_bytes=POLICY.estimated_cuda_context_bytes,
-        expandable_segments=setting != "default",
-    )
+    headroom = Headroom.estimated_cuda(row["predicted_bytes"], expandable_segments=setting != "default")
     causes = headroom.for_peak(row["predicted_bytes"], persistent_bytes=row["persistent_bytes"])
     return sum(value for cause, value in causes.items() if cause != "safety_margin")
 

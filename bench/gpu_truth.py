@@ -67,7 +67,6 @@ from autofit.measure.probe import measure  # noqa: E402
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS, load_plan, save_plan  # noqa: E402
 from autofit.planning.memory.headroom import Headroom, persistent_bytes  # noqa: E402
 from autofit.planning.planner import plan_with_report  # noqa: E402
-from autofit.planning.policy import POLICY  # noqa: E402
 from autofit.planning.request import PlanRequest  # noqa: E402
 from autofit.planning.verify.floor import InfeasibleBudget  # noqa: E402
 from autofit.spec import ModelSpec, default_optimizer, load_spec  # noqa: E402
@@ -317,7 +316,7 @@ def estimated_headroom(peak_bytes: int, breakdown: dict) -> dict[str, int]:
     """The room an estimated plan keeps on a card beyond a simulated peak, by cause: the context, the allocator's
     reserve and fragmentation (autofit/planning/memory/headroom.py). Not its safety margin, a share of a budget:
     there is no budget here, and the margin is for what no meter sees."""
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=0, context_bytes=POLICY.estimated_cuda_context_bytes)
+    headroom = Headroom.estimated_cuda(0)
     causes = headroom.for_peak(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
     return {cause: size for cause, size in causes.items() if cause != "safety_margin"}
 
@@ -349,9 +348,7 @@ def check_floor(truth: Truth, sizes: Sizes) -> tuple[str, dict]:
         spec, batch = decoder_spec(sizes), sizes.decoder_batch
     config = TrainingConfig(global_batch_size=batch, micro_batch_size=1, precision="bf16-master", checkpoint="all")
     simulated = measure(spec, config, device=truth.device, simulate=True, steps=2)
-    expandable = Headroom(
-        device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True,
-    )
+    expandable = Headroom.estimated_cuda(1, expandable_segments=True)
     budget = expandable.smallest_budget(simulated.peak_bytes, persistent_bytes=persistent_bytes(simulated.breakdown))
     with allocator(truth, EXPANDABLE_SEGMENTS):
         real = measure(spec, config, device=truth.device, steps=3)

@@ -181,7 +181,6 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
 def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     """--simulate --device cuda below the step in backward's floor: the state goes to the host, measured by the simulated
     meter (the device peak without it, the host peak in the notes)."""
-    from autofit.planning.policy import POLICY
 
     _, spec = lm
 
@@ -192,7 +191,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
     # The state leaves the device, and with it the update's temporaries (at the peak here: a step in backward).
     assert in_backward.peak_bytes - host.peak_bytes >= in_backward.breakdown["optimizer_state"] > 0
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
+    headroom = Headroom.estimated_cuda(1, expandable_segments=True)
     def least(measured) -> int:
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 
@@ -209,7 +208,6 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
 def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32_masters_on_the_host(lm):
     """Below what the state on the host needs, the weights go to bf16 on the device, their fp32 masters to the host:
     lossless (no --allow-lossy-optimizer), measured by the simulated meter."""
-    from autofit.planning.policy import POLICY
 
     _, spec = lm
 
@@ -219,7 +217,7 @@ def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32
 
     host, master = simulated_cuda(optimizer_state="host"), simulated_cuda(precision="bf16-master")
     assert master.breakdown["parameters"] < 0.6 * host.breakdown["parameters"]
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
+    headroom = Headroom.estimated_cuda(1, expandable_segments=True)
 
     def least(measured) -> int:
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
@@ -299,12 +297,11 @@ def test_an_optimizer_without_state_is_not_told_to_keep_less():
 def test_host_memory_is_a_second_budget(run_cli, lm, tmp_path):
     """A simulated GPU plan that needs host state (or bf16 weights' masters) fits the host's memory or is refused in one
     line naming the host bytes it needs; the plan records both."""
-    from autofit.planning.policy import POLICY
 
     path, spec = lm
     config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, precision="bf16-master")
     master = measure(spec, config, device="cuda", simulate=True, steps=2)
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
+    headroom = Headroom.estimated_cuda(1, expandable_segments=True)
     budget = headroom.smallest_budget(master.peak_bytes, persistent_bytes=persistent_bytes(master.breakdown)) + 2**16
     common = ["plan", path, "--budget", budget, "--batch-size", "1", "--device", "cuda", "--simulate", "--device-memory", "4GiB",
               "--no-cache", "--out", tmp_path / "plan.json"]
@@ -332,12 +329,11 @@ def test_host_memory_is_for_a_gpu_plan(run_cli, lm, tmp_path):
 
 def test_host_speed_prices_the_host_update_of_a_gpu_plan(lm, run_cli, tmp_path):
     """--host-speed: the training machine's host update rate, in place of this CPU's timing, said in the notes."""
-    from autofit.planning.policy import POLICY
 
     path, spec = lm
     config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_state="host")
     host = measure(spec, config, device="cuda", simulate=True, steps=2)
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
+    headroom = Headroom.estimated_cuda(1, expandable_segments=True)
     budget = headroom.smallest_budget(host.peak_bytes, persistent_bytes=persistent_bytes(host.breakdown)) + 2**16
     request = dict(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB")
     plan = make_plan(spec, PlanRequest(**request, host_speed=1e6))

@@ -96,6 +96,14 @@ class Headroom:
     """On a GPU: the allocator grows its segments in place (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), so
     when estimated its reserve is the smaller one measured with them."""
 
+    @classmethod
+    def estimated_cuda(cls, budget_bytes: int, *, expandable_segments: bool = False) -> Headroom:
+        """The headroom of a plan for a GPU that is not here: its context assumed (``POLICY``)."""
+        return cls(
+            device_type="cuda", estimated=True, budget_bytes=budget_bytes, context_bytes=POLICY.estimated_cuda_context_bytes,
+            expandable_segments=expandable_segments,
+        )
+
     @property
     def depends_on_persistent(self) -> bool:
         """Whether ``persistent_bytes`` changes anything here: only on a GPU that is not here (estimated)."""

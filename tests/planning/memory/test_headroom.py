@@ -40,7 +40,7 @@ H200_CASES = [
 
 
 def estimated(budget_bytes: int) -> Headroom:
-    return Headroom(device_type="cuda", estimated=True, budget_bytes=budget_bytes, context_bytes=POLICY.estimated_cuda_context_bytes)
+    return Headroom.estimated_cuda(budget_bytes)
 
 
 def test_the_table_has_every_case():
@@ -76,10 +76,7 @@ H200_EXPANDABLE_CASES = [
 
 @pytest.mark.parametrize("case, predicted, process, persistent", H200_EXPANDABLE_CASES)
 def test_the_expandable_segments_headroom_covers_what_an_h200_measured_with_them(case, predicted, process, persistent):
-    headroom = Headroom(
-        device_type="cuda", estimated=True, budget_bytes=int(process * GiB), context_bytes=POLICY.estimated_cuda_context_bytes,
-        expandable_segments=True,
-    )
+    headroom = Headroom.estimated_cuda(int(process * GiB), expandable_segments=True)
     causes = headroom.for_peak(predicted * GiB, persistent_bytes=persistent * GiB)
     covered = predicted * GiB + sum(causes.values()) - causes["safety_margin"]
     assert covered >= process * GiB, f"{case}: short by {(process * GiB - covered) / GiB:.3f} GiB"

@@ -14,7 +14,6 @@ from autofit.planning.speed import levers as lever_costs
 from autofit.planning.verify import below_floor as levers
 from autofit.planning.costs import CostModel
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
-from autofit.planning.policy import POLICY
 from autofit.planning.speed.levers import (
     ASSUMED_LINK_BYTES_PER_S, UpdateTime, host_link, host_state_seconds, lever_time, offload_seconds,
 )
@@ -196,7 +195,7 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
         return measure(spec, config, device="cuda", simulate=True, steps=2)
 
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
-    headroom = Headroom(device_type="cuda", estimated=True, budget_bytes=1, context_bytes=POLICY.estimated_cuda_context_bytes, expandable_segments=True)
+    headroom = Headroom.estimated_cuda(1, expandable_segments=True)
     def least(measured) -> int:
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 
