@@ -34,6 +34,7 @@ once ``--time-limit`` seconds have passed, with a row saying so.
 
     timeout 600 python bench/gpu_truth.py --out results/gpu_truth      # on a CUDA card (under 8 minutes on an H200)
     python bench/gpu_truth.py --dry-run --out /tmp/gpu_truth           # the same code paths on the CPU, tiny sizes
+    bash bench/gpu_session.sh "$OUT"                                    # a lent card's one command: this, then the GPU-marked tests
 """
 from __future__ import annotations
 
