@@ -225,16 +225,11 @@ class HostOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
 
-def bf16_weight_bytes(model: nn.Module) -> int:
-    """The parameters' bytes on the device once ``OptimizerState.apply`` has cast them to bf16 (bf16-master,
-    bf16-pure); a tied weight once."""
-    return sum(param.numel() * (2 if cast else param.element_size()) for param, cast in _weights_to_cast(model))
-
-
 def held_weight_bytes(model: nn.Module, *, cast: bool, nf4: Collection[nn.Parameter] = ()) -> int:
     """Every parameter's bytes on one process's device, trained and frozen: as built, or (``cast``) once
     ``OptimizerState.apply`` has cast them to bf16 (bf16-master, bf16-pure); a tied weight once. Those in ``nf4``
-    (frozen linear weights ``frozen_nf4.FrozenNF4`` may hold) count their NF4 codes alone, half a byte per element: a lower bound."""
+    (frozen linear weights ``frozen_nf4.FrozenNF4`` may hold) count their NF4 codes alone, half a byte per
+    element: a lower bound."""
     held = {id(param) for param in nf4}
     return sum(
         param.numel() // 2 if id(param) in held else param.numel() * (2 if cast and to_cast else param.element_size())

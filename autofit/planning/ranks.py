@@ -32,7 +32,7 @@ from autofit.planning.report import PlanReport, batch_norm_notes, plan_basics
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
 from strategies import micro_batch_count
-from strategies.optimizer_state import bf16_weight_bytes
+from strategies.optimizer_state import held_weight_bytes
 
 MULTI_PROCESS_NOTE = (
     "{world_size} processes were not run while planning: memory and speed are one process's, training one rank's "
@@ -182,7 +182,7 @@ def _fsdp_candidates(
     with torch.device("meta"):
         meta_model = context.sim_spec.build_model()
     layout = fsdp_layout(meta_model, world_size=world_size)
-    compute_weights = bf16_weight_bytes(meta_model) + sum(b.numel() * b.element_size() for b in meta_model.buffers())
+    compute_weights = held_weight_bytes(meta_model, cast=True) + sum(b.numel() * b.element_size() for b in meta_model.buffers())
     usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
     candidates = []
     casts_of: dict[bool, tuple[list[int], int]] = {}

@@ -351,7 +351,7 @@ def test_bf16_weights_are_scored_within_the_headroom_of_the_bytes_they_keep(lm):
     against the headroom of those: the largest it may be given fits the budget with them."""
     from autofit.planning.context import plan_context
     from autofit.planning.verify.measurements import Measurements
-    from strategies.optimizer_state import bf16_weight_bytes
+    from strategies.optimizer_state import held_weight_bytes
 
     _, spec = lm
     context = plan_context(
@@ -362,7 +362,7 @@ def test_bf16_weights_are_scored_within_the_headroom_of_the_bytes_they_keep(lm):
         log=None,
     )
     measurements = Measurements(context, host_sample_bytes=0)
-    kept = bf16_weight_bytes(context.meta_model) + sum(b.numel() * b.element_size() for b in context.meta_model.buffers())
+    kept = held_weight_bytes(context.meta_model, cast=True) + sum(b.numel() * b.element_size() for b in context.meta_model.buffers())
     assert kept < measurements.resident_bytes
     headroom = measurements.headroom
     assert headroom.fits(measurements.usable_bytes("bf16-master"), persistent_bytes=kept)

@@ -29,7 +29,7 @@ from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, nf4_weights
-from strategies.optimizer_state import bf16_weight_bytes, held_weight_bytes
+from strategies.optimizer_state import held_weight_bytes
 
 
 class Measurements:
@@ -126,7 +126,7 @@ class Measurements:
         if precision not in (MASTER_WEIGHTS, PURE_BF16) or not self.resident_bytes:
             return self.resident_bytes
         meta = self.context.meta_model
-        return min(self.resident_bytes, bf16_weight_bytes(meta) + sum(b.numel() * b.element_size() for b in meta.buffers()))
+        return min(self.resident_bytes, held_weight_bytes(meta, cast=True) + sum(b.numel() * b.element_size() for b in meta.buffers()))
 
     def weight_bytes(self, precision: str) -> int:
         """The weights' bytes ``precision`` keeps on the device (``held_weight_bytes``: bf16 where bf16-master and
