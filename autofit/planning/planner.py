@@ -143,7 +143,7 @@ def plan_with_report(spec: ModelSpec, request: PlanRequest, *, log: Callable[[st
             report = _plan_one_process(context, _memory(context), levers=levers)
         # The wall time: a report made by the ladder below the floor is followed by the search with the levers.
         report.seconds = time.perf_counter() - context.started
-        return _with_clipping(report, request.max_grad_norm)
+        return _with_clipping(_with_trace_notes(report, [context]), request.max_grad_norm)
     finally:
         context.trace_pool.close()
 
@@ -163,6 +163,15 @@ def _with_clipping(report: PlanReport, max_grad_norm: float | None) -> PlanRepor
     )
     note = f"gradients are clipped to norm {max_grad_norm:g} before each step; the optimizer step in backward was left out: it {why.split(';')[0]}"
     report.plan = replace(plan, config=replace(plan.config, max_grad_norm=max_grad_norm), notes=[*plan.notes, note])
+    return report
+
+
+def _with_trace_notes(report: PlanReport, contexts: list[PlanContext]) -> PlanReport:
+    """The plan saying, once, where its trace workers were stopped (``TracePool.note``: a run past its deadline,
+    a worker that died): its traces were then made in this process, the same but slower."""
+    notes = dict.fromkeys(c.trace_pool.note for c in contexts if c.trace_pool.note)
+    if notes:
+        report.plan = replace(report.plan, notes=[*report.plan.notes, *notes])
     return report
 
 
@@ -598,7 +607,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
                     nodes=nodes,
                 )
                 report.seconds = time.perf_counter() - started
-                return report
+                return _with_trace_notes(report, contexts)
         with _threads(rank):
             costs = costs or stored_or_new(rank)
             hsdp = nodes > 1 and request.gpus > 1
@@ -609,7 +618,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
         for context in contexts:
             context.trace_pool.close()
     report.seconds = time.perf_counter() - started
-    return report
+    return _with_trace_notes(report, contexts)
 
 
 def _plan_hsdp(rank: PlanContext, costs: Costs, *, per_node: int, nodes: int, batch_size: int) -> PlanReport | None:
