@@ -1,6 +1,6 @@
 """The memory model's prediction against the cpu meter, for the plan each model gets under a tight budget.
 
-For each model (the bundled examples, and the four layouts of tests/models.py:
+For each model (the bundled examples, and the four layouts of tests/helpers/models.py:
 a CNN with BatchNorm, a pre-norm causal LM, a ViT-style model, a U-Net with
 skips) the planner plans on the CPU with real probes under two budgets, 35%
 and 15% of what the model needs with no budget (the plain fp32 step of the
@@ -30,7 +30,7 @@ from autofit.spec import load_spec  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
 
 CASES = [
-    # (label, source: a model file or a tests/models.py layout, global batch)
+    # (label, source: a model file or a tests/helpers/models.py layout, global batch)
     ("digits CNN (examples)", "examples/digits_cnn.py", 64),
     ("tiny transformer (examples)", "examples/tiny_transformer.py", 64),
     ("GPT-2, transformers (examples)", "examples/hf_causal_lm.py", 64),
@@ -46,7 +46,7 @@ SHARES = (0.35, 0.15)
 
 def load(source: str):
     if source.startswith("layout:"):
-        from tests.models import layout_specs
+        from tests.helpers.models import layout_specs
 
         return layout_specs()[source.split(":", 1)[1]]
     return load_spec(str(ROOT / source))

@@ -1,12 +1,7 @@
 import gc
 import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
 
 # One intra-op thread for the whole session: on a shared two-core machine a second thread spins
 # against other jobs (a ResNet-18 probe took 5-17 s of CPU with two threads, 1 s with one).
@@ -23,11 +18,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def private_plan_cache(tmp_path_factory):
-    """Plans made by the tests keep their costs in a temporary cache, never the user's (~/.cache/autofit)."""
+def suite_environment(tmp_path_factory):
+    """The suite's planning environment, for this process and the commands it starts:
+
+    - plans keep their costs in a temporary cache, never the user's (~/.cache/autofit);
+    - the short timing policy (``AUTOFIT_TIMING=short``): the memory figures are the same, and the modules that test
+      timing itself take the ``full_timing`` fixture;
+    - no trace workers (``AUTOFIT_TRACE_WORKERS=0``): pytest-xdist already gives each core a test, so a pool would
+      only add processes; the pool's own tests set the variable.
+    """
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path_factory.mktemp("autofit-cache")))
+        patch.setenv("AUTOFIT_TIMING", "short")
+        patch.setenv("AUTOFIT_TRACE_WORKERS", "0")
         yield
+
+
+@pytest.fixture
+def full_timing(monkeypatch):
+    """The production timing policy, for a test of timing itself."""
+    monkeypatch.setenv("AUTOFIT_TIMING", "full")
 
 
 @pytest.fixture
@@ -37,6 +47,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def quiet_process():
+    """For a module of many probes: one intra-op thread, and a garbage collector that skips the objects made before
+    (each probe collects)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A model file, an image folder and a plan for them (``tests/helpers/images.py``)."""
+    from tests.helpers.images import make_project
+
+    return make_project(tmp_path_factory.mktemp("project"))
 
 
 @pytest.fixture
@@ -70,11 +101,12 @@ def frozen_heap():
     yield
 
 
-@pytest.fixture
-def tiny_lm(tmp_path):
-    """A folder with a tiny Llama-style model and its tokenizer (``tests/tiny_lm.py``); skipped without transformers."""
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    """A folder with a tiny Llama-style model and its tokenizer (``tests/helpers/tiny_lm.py``), made once per session:
+    read it, never write into it; skipped without transformers."""
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from tests.tiny_lm import tiny_lm_dir
+    from tests.helpers.tiny_lm import tiny_lm_dir
 
-    return tiny_lm_dir(tmp_path / "tiny-lm")
+    return tiny_lm_dir(tmp_path_factory.mktemp("tiny-lm"))

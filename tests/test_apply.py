@@ -10,7 +10,7 @@ from autofit import apply_plan
 from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo
 from autofit.spec import model_fingerprint
-from tests.training.test_loop import CLASSES, TinyNet, make_plan
+from tests.helpers.training import CLASSES, TinyNet, make_plan
 
 
 def model_and_plan(**plan_fields):

@@ -8,7 +8,7 @@ from autofit.config import TrainingConfig, step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan, plan_from_dict
 from strategies import micro_batch_count
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize("G,N,m", [(8, 1, 3), (8, 2, 3), (9, 2, 5), (64, 8, 1), (7, 7, 1)])

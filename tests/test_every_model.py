@@ -16,7 +16,7 @@ from autofit.measure.probe import measure
 from autofit.plan_file import load_plan
 from autofit.planning.memory.traces import simulation_spec
 from autofit.spec import load_spec
-from tests.conftest import EXAMPLES
+from tests.helpers import EXAMPLES
 
 COMMON = '''
 import torch
@@ -244,7 +244,7 @@ def _spec_options(flags: list[str]) -> dict:
 def test_fit_takes_a_collate_for_samples_that_do_not_stack(tmp_path, one_thread):
     """The Python API: torchvision detection's (image, target) samples, its collate, and validation by its losses."""
     import autofit
-    from tests.test_model_io import EvalDetections, detection_batch
+    from tests.helpers.detection import EvalDetections, detection_batch
 
     (images, targets), _ = detection_batch(8)
     samples = list(zip(images, targets))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import gpu_truth
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 MiB, GiB = 2**20, 2**30
 

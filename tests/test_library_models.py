@@ -17,7 +17,7 @@ from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.model_io import Loss, count_labels
 from autofit.spec import ModelSpec, default_optimizer, load_spec, weights_held
-from tests.conftest import EXAMPLES
+from tests.helpers import EXAMPLES
 
 
 def _needs(*packages):

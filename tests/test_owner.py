@@ -7,7 +7,7 @@ import pytest
 
 import strategies
 from strategies.base import Strategy
-from tests.conftest import EXAMPLES, ROOT
+from tests.helpers import EXAMPLES, ROOT
 
 OWNER = ROOT / "autofit" / "apply.py"
 STRATEGY_CLASSES = {

@@ -15,7 +15,7 @@ from autofit.plan_file import (
     DeviceInfo, Measured, ModelInfo, MultiProcess, Plan, Predicted, load_plan, plan_from_dict, save_plan,
 )
 from strategies import micro_batch_count
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 OLD_PLANS = Path(__file__).parent / "plan_files"
 """plan.json files written by autofit 0.1.0 before the plan was typed (alternatives cut to two)."""

@@ -97,3 +97,14 @@ def test_planning_is_housed_by_concern():
     planning = ROOT / "autofit" / "planning"
     rooms = {p.name for p in planning.iterdir() if (p / "__init__.py").exists()}
     assert {"memory", "speed", "search", "verify"} <= rooms
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers or conftest: importing a test module runs its collection-time code twice
+    and ties the two modules' fixtures together."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.startswith("tests.") and (name.rpartition(".")[2].startswith("test_") or name == "tests.conftest")]
+    assert found == []

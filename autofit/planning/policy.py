@@ -9,7 +9,10 @@ the measurements in ``autofit.measure``, which sits below the planner.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+from autofit.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,20 +64,7 @@ class PlanPolicy:
     a limit lowered by the excess before the point is given up: each try narrows the miss to what the segments
     leave out."""
 
-    # Speed: timing on a shared machine (speed/timing.py).
-    min_rounds: int = 2
-    """Timed rounds before any decision: one disturbed step can never decide alone."""
-    max_rounds: int = 4
-    """Rounds at most while a comparison stays within the noise (then it is a tie, or the faster minimum wins)."""
-    max_noisy_rounds: int = 8
-    """Rounds at most when the fastest rounds repeat worse than ``max_tie_share`` (a busy machine): more rounds
-    bring each minimum nearer a quiet machine's, so the faster minimum wins on speed rather than on which rounds
-    other work disturbed (``Race.noisy``)."""
-    promise_rounds: int = 5
-    """Rounds the chosen configuration gets at least (more steps of it alone, after the race), so that the speed a
-    plan promises, the median round, is not one disturbed round of two (bench/train_vs_plan.py once saw timm's
-    plan promise 1611 samples/s from two rounds, where its training ran at 3487 and a plan of it minutes later
-    measured 4210). Off the race: they decide nothing, only the median. At most ``noisy_race_time_share`` of the plan's time."""
+    # Speed: ties on a shared machine (speed/timing.py); the rounds and limits are ``TimingPolicy``'s.
     tie_share: float = 0.03
     """Speeds this close are a tie even on a quiet machine."""
     max_tie_share: float = 0.05
@@ -97,17 +87,11 @@ class PlanPolicy:
     slow_precision_ratio: float = 3.0
     """A precision this many times slower than the fastest at the same micro-batch is timed at one size only: it
     cannot win, and it costs seconds to learn that fp16 on a CPU is slow, not minutes."""
-    precision_timing_limit_s: float = 20.0
-    """A precision whose next size would take its timing past this stops there, its larger sizes extrapolated:
-    the verification times whatever is chosen for real."""
     shortest_measurement_s: float = 0.02
     """A micro-step shorter than this is repeated within one measurement (the fastest repeat counts)."""
     max_repeats_per_measurement: int = 16
     """Repeats at most of a short micro-step within one measurement: a step that stays under
     ``shortest_measurement_s`` even so costs nothing the plan would notice."""
-    optimizer_step_timings: int = 3
-    """Optimizer steps run to time it: the first creates the optimizer state and is not counted, the fastest of
-    the rest is."""
     recompute_factor_range: tuple[float, float] = (0.5, 3.0)
     """Bounds of the measured full recompute factor (recomputing over a plain forward): one disturbed round can
     price recomputation at nothing or many times over; the verification times the choice for real."""
@@ -145,11 +129,63 @@ class PlanPolicy:
     keep_timers_memory_share: float = 0.25
     """On the CPU the timed candidates stay built between rounds while their peaks add up to at most this share of
     the machine's memory; on a GPU one is built at a time (its memory is the budget's)."""
+    floor_advice_max_gpus: int = 1024
+    """The most GPUs the floor's advice considers: it bounds the advice's loop (an FSDP layout per GPU count)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimingPolicy:
+    """How long the planner times real steps: its rounds and limits, read through ``timing_policy()``.
+
+    The memory figures never depend on it (the meters are exact); only how
+    surely speeds are ranked and how long that takes.
+    """
+
+    min_rounds: int = 2
+    """Timed rounds before any decision: one disturbed step can never decide alone."""
+    max_rounds: int = 4
+    """Rounds at most while a comparison stays within the noise (then it is a tie, or the faster minimum wins)."""
+    max_noisy_rounds: int = 8
+    """Rounds at most when the fastest rounds repeat worse than ``max_tie_share`` (a busy machine): more rounds
+    bring each minimum nearer a quiet machine's, so the faster minimum wins on speed rather than on which rounds
+    other work disturbed (``Race.noisy``)."""
+    promise_rounds: int = 5
+    """Rounds the chosen configuration gets at least (more steps of it alone, after the race), so that the speed a
+    plan promises, the median round, is not one disturbed round of two (bench/train_vs_plan.py once saw timm's
+    plan promise 1611 samples/s from two rounds, where its training ran at 3487 and a plan of it minutes later
+    measured 4210). Off the race: they decide nothing, only the median. At most ``noisy_race_time_share`` of the plan's time."""
+    precision_timing_limit_s: float = 20.0
+    """A precision whose next size would take its timing past this stops there, its larger sizes extrapolated:
+    the verification times whatever is chosen for real."""
+    optimizer_step_timings: int = 3
+    """Optimizer steps run to time it: the first creates the optimizer state and is not counted, the fastest of
+    the rest is."""
     noisy_race_time_share: float = 0.5
     """A noisy race goes on past ``max_rounds`` only while it has taken less than this share of the time the plan
     took before it: a busy machine may lengthen the plan by half, not more."""
-    floor_advice_max_gpus: int = 1024
-    """The most GPUs the floor's advice considers: it bounds the advice's loop (an FSDP layout per GPU count)."""
+
+
+TIMING_VARIABLE = "AUTOFIT_TIMING"
+"""Environment variable naming the timing policy: ``full`` (the default) or ``short``."""
+
+TIMING_POLICIES = {
+    "full": TimingPolicy(),
+    "short": TimingPolicy(max_rounds=2, max_noisy_rounds=2, promise_rounds=2, optimizer_step_timings=2, precision_timing_limit_s=5.0),
+}
+"""``short`` times each decision in the fewest rounds that still compare two of them (a test suite's plans: the
+memory figures are the same, speeds within each other's noise may rank the other way)."""
+
+
+def timing_policy() -> TimingPolicy:
+    """The timing policy this process plans with: ``TIMING_POLICIES[$AUTOFIT_TIMING]``, ``full`` where unset.
+
+    Raises:
+        UserError: the variable names no policy.
+    """
+    name = os.environ.get(TIMING_VARIABLE, "").strip() or "full"
+    if name not in TIMING_POLICIES:
+        raise UserError(f"{TIMING_VARIABLE}={name!r} names no timing policy: use one of {', '.join(TIMING_POLICIES)}, or unset it")
+    return TIMING_POLICIES[name]
 
 
 POLICY = PlanPolicy()

@@ -14,8 +14,8 @@ import pytest
 
 from autofit.training.rundir import run_files
 from autofit.training.weights import load_checkpoint, save_checkpoint
-from tests.conftest import ROOT
-from tests.training.test_faults import project, train_args, write_images  # noqa: F401  (project is a fixture)
+from tests.helpers import ROOT
+from tests.helpers.images import train_args, write_images
 
 HEADER = "import numpy\nimport torch\nfrom torch import nn\n\n\n"
 EXAMPLE = "def example_batch(n):\n    return torch.rand(n, 1, 8, 8), torch.randint(0, 2, (n,))\n"

@@ -1,6 +1,6 @@
 """Training scenarios on 1 or N processes, for tests/training/test_distributed.py.
 
-Under torchrun (``torchrun --standalone --nproc-per-node 2 tests/dist_worker.py SCENARIOS.json OUT.json``)
+Under torchrun (``torchrun --standalone --nproc-per-node 2 tests/helpers/dist_worker.py SCENARIOS.json OUT.json``)
 every rank runs each scenario in turn on one process group; rank 0 writes the
 results. ``run_scenario`` without torchrun is the single-process reference
 (plain model, ``BatchSplit``), built from the same model, data and seed.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.apply import apply_config  # noqa: E402
 from autofit.config import TrainingConfig  # noqa: E402

@@ -2,10 +2,9 @@
 import importlib.util
 
 import torch
-import torchvision
 
 from autofit.spec import ModelSpec, default_optimizer, load_spec
-from tests.conftest import EXAMPLES
+from tests.helpers import EXAMPLES
 
 
 def resnet_spec() -> ModelSpec:

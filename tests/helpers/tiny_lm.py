@@ -3,7 +3,7 @@
 ``tiny_lm_dir(path)`` writes ``config.json`` (LlamaConfig: hidden 32, 2 layers, unless asked), the
 model's weights (``save_pretrained``) and a WordLevel tokenizer trained with the
 ``tokenizers`` library on ``CORPUS`` (``PreTrainedTokenizerFast`` with EOS and pad
-tokens), all in one folder. The ``tiny_lm`` fixture in ``tests/conftest.py`` gives one per test.
+tokens), all in one folder. The ``tiny_lm`` fixture in ``tests/conftest.py`` makes one per session.
 """
 from __future__ import annotations
 
@@ -51,11 +51,10 @@ def tiny_lm_dir(
         num_key_value_heads=1, max_position_embeddings=128, eos_token_id=text_tokenizer.eos_token_id,
         pad_token_id=text_tokenizer.pad_token_id, bos_token_id=None, architectures=["LlamaForCausalLM"],
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
     if weights:
-        model.save_pretrained(path)
-    else:
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(path)
+    else:  # no model built: a wide one takes seconds to initialise
         config.save_pretrained(path)
     if tokenizer:
         text_tokenizer.save_pretrained(path)

@@ -7,7 +7,7 @@ from torch import nn
 from autofit.errors import UserError
 from strategies import CheckpointConfig, Checkpointing, checkpoint_candidates, checkpoint_granularities
 from strategies.checkpointing import resolve_blocks
-from tests.models import ConvBN, DictCNN, StagedCNN, TinyUNet, transformer_module
+from tests.helpers.models import ConvBN, DictCNN, StagedCNN, TinyUNet, transformer_module
 
 IMAGES = torch.randn(2, 3, 16, 16)
 

@@ -15,8 +15,8 @@ from autofit.measure.probe import measure
 from autofit.spec import load_spec
 from autofit.step import train_step
 from strategies import HostOptimizer, OptimizerInBackward
-from tests.conftest import EXAMPLES
-from tests.models import transformer_module
+from tests.helpers import EXAMPLES
+from tests.helpers.models import transformer_module
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 

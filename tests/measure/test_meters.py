@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autofit.measure.probe import probe
-from tests.models import resnet_spec, transformer_spec
+from tests.helpers.models import resnet_spec, transformer_spec
 
 SPECS = {
     "resnet18": resnet_spec,

@@ -6,7 +6,7 @@ import torch
 from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.spec import load_spec
-from tests.conftest import EXAMPLES
+from tests.helpers import EXAMPLES
 
 TRANSFORMER = str(EXAMPLES / "tiny_transformer.py")
 
@@ -136,7 +136,7 @@ def test_a_probe_leaves_no_model_behind(choices):
 
     from autofit.config import TrainingConfig
     from autofit.measure.probe import measure
-    from tests.models import layout_specs
+    from tests.helpers.models import layout_specs
 
     spec = layout_specs()["lm"]
     built = []

@@ -8,12 +8,12 @@ from autofit.measure.probe import probe
 from autofit.planning.planner import make_plan
 from autofit.planning.request import PlanRequest
 from autofit.spec import ModelSpec, default_optimizer
-from tests.models import BatchNormCNN
+from tests.helpers.models import BatchNormCNN
 
 
 def cnn_spec() -> ModelSpec:
     return ModelSpec(
-        source="tests.models.BatchNormCNN", build_model=BatchNormCNN,
+        source="tests.helpers.models.BatchNormCNN", build_model=BatchNormCNN,
         example_batch=lambda n: (torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,))),
         loss_fn=torch.nn.functional.cross_entropy, build_optimizer=default_optimizer,
     )

@@ -5,7 +5,7 @@ import torch
 import autofit.planning.planner as planner
 from autofit.planning.request import PlanRequest
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor
-from tests.planning.test_planner import uneven_spec
+from tests.helpers.planning import uneven_spec
 
 
 class Swapped:

@@ -13,37 +13,20 @@ from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.planner import make_plan
 from autofit.planning.request import PlanRequest
 from autofit.spec import load_spec
+from tests.helpers.planning import LM_BLOCKS, LM_MODEL_FILE
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
-
-# A small pre-norm decoder LM (3 blocks, about 43k parameters), trained one sequence per step:
-# the global batch is the micro-batch, so the floor configuration can step in backward.
-MODEL_FILE = '''
-from torch.nn import functional as F
-from tests.models import PreNormLM, _tokens
-
-def build_model():
-    return PreNormLM()
-
-def example_batch(n):
-    return _tokens(n)
-
-def loss_fn(logits, targets):  # (B, T, V), (B, T)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-'''
-BLOCKS = ["layers.0", "layers.1", "layers.2"]
-
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
     path = tmp_path_factory.mktemp("lm") / "lm.py"
-    path.write_text(MODEL_FILE)
+    path.write_text(LM_MODEL_FILE)
     return str(path), load_spec(str(path))
 
 
 def floor_peak(spec, **levers) -> int:
     """The floor configuration's peak (one sequence, every block checkpointed) on the cpu meter, as the planner measures it."""
-    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, **levers)
+    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=LM_BLOCKS, **levers)
     return measure(spec, config, device="cpu", steps=2).peak_bytes
 
 
@@ -63,7 +46,7 @@ def test_a_budget_between_the_lever_floor_and_the_floor_steps_in_backward(run_cl
     assert plan.config.optimizer_in_backward and plan.config.optimizer_state == "device" and plan.config.offload == ()
     # The floor configuration (every block checkpointed) with the step in backward fits; the search with it may
     # then find fewer blocks checkpointed, timed faster.
-    assert set(plan.config.checkpoint + plan.config.selective_checkpoint) <= set(BLOCKS) and plan.config.micro_batch_size == 1
+    assert set(plan.config.checkpoint + plan.config.selective_checkpoint) <= set(LM_BLOCKS) and plan.config.micro_batch_size == 1
     assert plan.measured.samples_per_s > 0
     assert plan.measured.breakdown["gradients"] == 0  # each gradient is stepped and freed in backward
     assert "optimizer step in backward" in stdout.splitlines()[1]  # the chosen line
@@ -104,7 +87,7 @@ def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backwa
     _, spec = lm
 
     def peak(micro_batch_size: int, **levers) -> int:
-        config = TrainingConfig(global_batch_size=2, micro_batch_size=micro_batch_size, checkpoint=BLOCKS, **levers)
+        config = TrainingConfig(global_batch_size=2, micro_batch_size=micro_batch_size, checkpoint=LM_BLOCKS, **levers)
         return measure(spec, config, device="cpu", steps=2).peak_bytes
 
     floor, lever_floor = smallest_budget(peak(1)), smallest_budget(peak(2, optimizer_in_backward=True))
@@ -163,7 +146,7 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     )
     context = replace(context, simulate=simulate)  # the candidates only; nothing is measured here
     floor = Floor(config=TrainingConfig(global_batch_size=1, precision="fp32", micro_batch_size=1, checkpoint=("layers.0",)), budget_bytes=1)
-    candidates, skipped = lever_candidates(context, floor, blocks=BLOCKS, allow_lossy_optimizer=False)
+    candidates, skipped = lever_candidates(context, floor, blocks=LM_BLOCKS, allow_lossy_optimizer=False)
     steps = [(c.config.optimizer_in_backward, c.config.offload, c.config.optimizer_state, c.config.precision, c.lossy) for c in candidates]
     assert steps == [
         (True, (), "device", "fp32", False),
@@ -185,7 +168,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     _, spec = lm
 
     def simulated_cuda(**levers):
-        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_in_backward=True, **levers)
+        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=LM_BLOCKS, optimizer_in_backward=True, **levers)
         return measure(spec, config, device="cuda", simulate=True, steps=2)
 
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")
@@ -199,7 +182,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     plan = make_plan(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB"))
     # The floor configuration fits with the state on the host; the search with the levers then finds the state on
     # the host with fewer blocks checkpointed (it needs no step in backward: the gradients leave the device anyway).
-    assert plan.estimated and plan.config.optimizer_state == "host" and len(plan.config.checkpoint) + len(plan.config.selective_checkpoint) < len(BLOCKS)
+    assert plan.estimated and plan.config.optimizer_state == "host" and len(plan.config.checkpoint) + len(plan.config.selective_checkpoint) < len(LM_BLOCKS)
     assert plan.measured.breakdown["optimizer_state"] == 0 and plan.measured.peak_bytes <= host.peak_bytes * 1.5
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
     assert any("the search with the memory levers found" in note for note in plan.notes)
@@ -212,7 +195,7 @@ def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32
     _, spec = lm
 
     def simulated_cuda(**choices):
-        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, **choices)
+        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=LM_BLOCKS, **choices)
         return measure(spec, config, device="cuda", simulate=True, steps=2)
 
     host, master = simulated_cuda(optimizer_state="host"), simulated_cuda(precision="bf16-master")
@@ -233,7 +216,7 @@ def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32
 WIDE_LM_FILE = '''
 import torch
 from torch.nn import functional as F
-from tests.models import PreNormLM
+from tests.helpers.models import PreNormLM
 
 
 class WideLM(PreNormLM):
@@ -299,7 +282,7 @@ def test_host_memory_is_a_second_budget(run_cli, lm, tmp_path):
     line naming the host bytes it needs; the plan records both."""
 
     path, spec = lm
-    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, precision="bf16-master")
+    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=LM_BLOCKS, precision="bf16-master")
     master = measure(spec, config, device="cuda", simulate=True, steps=2)
     headroom = Headroom.estimated_cuda(1, expandable_segments=True)
     budget = headroom.smallest_budget(master.peak_bytes, persistent_bytes=persistent_bytes(master.breakdown)) + 2**16
@@ -331,7 +314,7 @@ def test_host_speed_prices_the_host_update_of_a_gpu_plan(lm, run_cli, tmp_path):
     """--host-speed: the training machine's host update rate, in place of this CPU's timing, said in the notes."""
 
     path, spec = lm
-    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_state="host")
+    config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=LM_BLOCKS, optimizer_state="host")
     host = measure(spec, config, device="cuda", simulate=True, steps=2)
     headroom = Headroom.estimated_cuda(1, expandable_segments=True)
     budget = headroom.smallest_budget(host.peak_bytes, persistent_bytes=persistent_bytes(host.breakdown)) + 2**16

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from autofit.plan_file import load_plan
-from tests.models import TinyLSTM
+from tests.helpers.models import TinyLSTM
 
 IN_PLACE_FILE = '''
-from tests.models import InplaceCNN, _small_images
+from tests.helpers.models import InplaceCNN, _small_images
 
 def build_model():
     return InplaceCNN()
@@ -19,7 +19,7 @@ def example_batch(n):
 '''
 
 LSTM_FILE = '''
-from tests.models import TinyLSTM, _sequences
+from tests.helpers.models import TinyLSTM, _sequences
 
 def build_model():
     return TinyLSTM()

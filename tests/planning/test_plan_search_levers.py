@@ -14,13 +14,8 @@ from autofit.planning.planner import plan_with_report
 from autofit.planning.request import PlanRequest
 from autofit.planning.search.space import LeverSearch, score_space
 from autofit.planning.memory.levers import LeverChoice
-from tests.models import conv_then_wide_spec, layout_specs
-from tests.planning.memory.test_memory_grid import grid_spec
-
-STEP_BUDGET = 10_300_000
-"""Bytes: above ConvThenWide's floor (9.0 MB), below its plain peak at micro-batch 8 (10.8 MB) and the peak with
-its first block checkpointed (10.3 MB); the step in backward brings micro-batch 8 down to 9.8 MB."""
-
+from tests.helpers.models import conv_then_wide_spec, layout_specs
+from tests.helpers.planning import STEP_BUDGET, grid_spec
 
 @pytest.fixture(autouse=True)
 def two_threads():

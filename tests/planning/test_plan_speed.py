@@ -11,9 +11,9 @@ from autofit.planning.speed.measured import time_precisions
 from autofit.planning.planner import plan_with_report
 from autofit.planning.request import PlanRequest
 from autofit.planning.speed.timing import Race, Samples, compare, interleaved_rounds
-from autofit.planning.policy import POLICY
+from autofit.planning.policy import POLICY, timing_policy
 from autofit.spec import ModelSpec, default_optimizer
-from tests.planning.test_planner import uneven_spec
+from tests.helpers.planning import CNN_MODEL_FILE, uneven_spec
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
@@ -47,64 +47,70 @@ def test_fastest_round_and_how_well_it_repeats():
     assert Samples(seconds=[1.0]).spread == float("inf")
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_one_disturbed_step_does_not_decide():
     # A is truly 10% faster than B, which is simpler (B would win a tie); A's first step is disturbed 5x over.
     machine = Machine({"A": 1.0, "B": 1.1}, disturb={2: 4.0})
     race, samples = race_on(machine, ["B", "A"], simpler_first=True)
     assert race.leader(samples) == "A" and race.chosen(samples) == "A"
-    assert len(samples["A"].seconds) >= POLICY.min_rounds + 1  # timed again while the noise left the decision open
+    assert len(samples["A"].seconds) >= timing_policy().min_rounds + 1  # timed again while the noise left the decision open
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_contender_that_cannot_win_is_not_timed_on():
     # C is more complex than A and no faster: whatever the noise between them, A wins; only B (simpler) stays.
     machine = Machine({"A": 1.0, "B": 1.06, "C": 1.02}, disturb={4: 0.5})
     race, samples = race_on(machine, ["B", "A", "C"], simpler_first=True)
-    assert len(samples["C"].seconds) == POLICY.min_rounds
+    assert len(samples["C"].seconds) == timing_policy().min_rounds
     assert race.chosen(samples) in ("A", "B")
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_clearly_slower_contender_drops_out():
     machine = Machine({"A": 1.0, "B": 2.0, "C": 1.01})
     race, samples = race_on(machine, ["A", "B", "C"])
-    assert len(samples["B"].seconds) == POLICY.min_rounds
+    assert len(samples["B"].seconds) == timing_policy().min_rounds
     assert race.standing(samples)["B"] == "slower"
     assert set(race.within_noise(samples)) == {"A", "C"}  # a tie: the caller picks the simpler
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_rounds_interleave_and_stop_at_the_cap():
-    # Noise that never settles (every other step of A is 30% slow): rounds stop at POLICY.max_rounds.
+    # Noise that never settles (every other step of A is 30% slow): rounds stop at timing_policy().max_rounds.
     disturb = {n: 0.3 for n in range(1, 100, 2)}
     machine = Machine({"A": 1.0, "B": 1.1}, disturb=disturb)
     race, samples = race_on(machine, ["A", "B"])
-    assert max(len(s.seconds) for s in samples.values()) <= POLICY.max_rounds
+    assert max(len(s.seconds) for s in samples.values()) <= timing_policy().max_rounds
     assert machine.timed[:2] != machine.timed[2:4] or machine.timed[0] == machine.timed[2]  # rotated or tied order
     assert {k for k in machine.timed[:2]} == {"A", "B"}  # interleaved: both in the first round
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_noisy_race_goes_on_until_the_minima_settle():
     # A (simpler) and B are equally fast; other work slows every step of the first four rounds by 8-30%, A's
-    # more: after POLICY.max_rounds B leads by 10%, beyond the widest tie. The rounds repeat that badly (noisy), so the
+    # more: after timing_policy().max_rounds B leads by 10%, beyond the widest tie. The rounds repeat that badly (noisy), so the
     # race goes on; undisturbed rounds then show the tie, and the simpler A wins, as on a quiet machine.
     # Rounds rotate: calls 1, 4, 5 and 8 time A, calls 2, 3, 6 and 7 time B.
     disturb = {1: 0.10, 2: 0.0, 3: 0.08, 4: 0.30, 5: 0.18, 6: 0.20, 7: 0.15, 8: 0.25}
     machine = Machine({"A": 1.0, "B": 1.0}, disturb=disturb)
     race = Race(contenders=["A", "B"], simplicity=lambda k: (k,))
     samples = interleaved_rounds(
-        {k: machine.measure(k) for k in ["A", "B"]}, settled=race.done, active=race.running, max_rounds=POLICY.max_noisy_rounds,
+        {k: machine.measure(k) for k in ["A", "B"]}, settled=race.done, active=race.running, max_rounds=timing_policy().max_noisy_rounds,
     )
-    assert POLICY.max_rounds < max(len(s.seconds) for s in samples.values()) <= POLICY.max_noisy_rounds
+    assert timing_policy().max_rounds < max(len(s.seconds) for s in samples.values()) <= timing_policy().max_noisy_rounds
     assert race.chosen(samples) == "A"
     assert race.behind(samples)["B"] == pytest.approx(0.0)
-    # Without leave to go on (the plan's time is spent), the race stops at POLICY.max_rounds as before.
+    # Without leave to go on (the plan's time is spent), the race stops at timing_policy().max_rounds as before.
     machine = Machine({"A": 1.0, "B": 1.0}, disturb=disturb)
     samples = interleaved_rounds(
         {k: machine.measure(k) for k in ["A", "B"]}, settled=lambda s: race.done(s, may_go_on=False), active=race.running,
-        max_rounds=POLICY.max_noisy_rounds,
+        max_rounds=timing_policy().max_noisy_rounds,
     )
-    assert max(len(s.seconds) for s in samples.values()) == POLICY.max_rounds
+    assert max(len(s.seconds) for s in samples.values()) == timing_policy().max_rounds
     assert race.chosen(samples) == "B"  # what the disturbed minima say
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_busy_machine_ties_speeds_within_its_wider_band():
     # B (simpler) is 8% slower than A in every round: beyond a quiet machine's widest tie, within a busy one's.
     machine = Machine({"A": 1.0, "B": 1.08})
@@ -137,6 +143,7 @@ def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
     assert not any("count as a tie" in line for line in _timing_lines(Report()))
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_compare_is_unsure_within_the_noise():
     fast, slow = Samples(seconds=[1.0, 1.5]), Samples(seconds=[3.2, 3.3])
     assert compare(fast, slow, factor=3.0) == "unsure"  # 3.2x, but A's fastest round repeats only within 50%
@@ -167,6 +174,7 @@ class SyntheticClock:
         return self.now
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_precision_is_not_ruled_out_by_one_disturbed_step():
     """The issue's case: bf16 timed "9.5x slower than fp32" under load. One disturbed step must not do that."""
     results = time_precisions(
@@ -176,6 +184,7 @@ def test_a_precision_is_not_ruled_out_by_one_disturbed_step():
     assert results["bf16"].noise > 1.0  # the disturbance is reported as noise, not as speed
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_precision_far_slower_every_time_stops_early():
     results = time_precisions(
         uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=SyntheticClock(every_bf16=10.0),
@@ -325,7 +334,7 @@ def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
     real = time.thread_time
     monkeypatch.setattr(time, "thread_time", lambda: read.append(1) or real())
     report = plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=1))
-    assert report.timing["rounds"] >= POLICY.min_rounds and len(read) > 20
+    assert report.timing["rounds"] >= timing_policy().min_rounds and len(read) > 20
     read.clear()
     plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=2))
     assert not read
@@ -376,10 +385,9 @@ def test_threads_and_workers_are_cut_by_the_work_running_now(monkeypatch):
 
 
 def test_cli_no_cache_and_the_summary(run_cli, tmp_path, monkeypatch):
-    from tests.planning.test_planner import MODEL_FILE
 
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
-    (tmp_path / "model.py").write_text(MODEL_FILE)
+    (tmp_path / "model.py").write_text(CNN_MODEL_FILE)
     args = ("plan", tmp_path / "model.py", "--budget", "3MB", "--batch-size", "16", "--precisions", "fp32", "--out", tmp_path / "p.json")
     code, stdout, err = run_cli(*args, "--no-cache", "--threads", "1")
     assert code == 0, err

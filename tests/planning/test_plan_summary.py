@@ -83,7 +83,7 @@ def test_a_simulated_plan_lists_its_chosen_measured_peak():
     """Simulating, the chosen configuration's peak is the simulated meter's: in the alternatives too, as measured."""
     from autofit.planning.planner import make_plan
     from autofit.planning.request import PlanRequest
-    from tests.planning.test_planner import uneven_spec
+    from tests.helpers.planning import uneven_spec
 
     plan = make_plan(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, simulate=True, precisions=["fp32"]))
     chosen = [a for a in plan.alternatives if a["chosen"]]
@@ -104,7 +104,7 @@ def test_speeds_keep_three_significant_digits_and_a_language_model_says_tokens()
 
 
 def test_the_summary_says_how_much_memory_planning_held(run_cli, tmp_path):
-    from tests.conftest import EXAMPLES
+    from tests.helpers import EXAMPLES
 
     code, out, err = run_cli("plan", EXAMPLES / "digits_cnn.py", "--budget", "64MB", "--batch-size", "8", "--precisions", "fp32",
                              "--out", tmp_path / "plan.json")

@@ -20,41 +20,8 @@ from autofit.planning.request import PlanRequest
 from autofit.measure.probe import probe
 from autofit.planning.search.knapsack import FULL, SELECTIVE, _enumerate, _greedy, _options, _prefix_knapsack, cheapest_checkpoint, peak_of
 from autofit.spec import ModelSpec, default_optimizer
-from tests.models import transformer_module
-
-
-class Block(nn.Module):
-    def __init__(self, c_in: int, c_out: int) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
-        self.norm = nn.BatchNorm2d(c_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
-        return torch.relu(self.norm(self.conv(x)))
-
-
-class UnevenNet(nn.Module):
-    """Blocks of very different widths: checkpointing some saves far more than others."""
-
-    def __init__(self, widths=(8, 24, 4, 32, 6)) -> None:
-        super().__init__()
-        channels = [3, *widths]
-        self.blocks = nn.Sequential(*[Block(a, b) for a, b in zip(channels, channels[1:])])
-        self.head = nn.Linear(widths[-1], 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x).mean(dim=(2, 3)))
-
-
-def uneven_spec() -> ModelSpec:
-    return ModelSpec(
-        source="tests:UnevenNet",
-        build_model=UnevenNet,
-        example_batch=lambda n: (torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))),
-        loss_fn=nn.functional.cross_entropy,
-        build_optimizer=default_optimizer,
-        input_shape=(3, 12, 12),
-    )
+from tests.helpers.planning import CNN_MODEL_FILE, UnevenNet, uneven_spec
+from tests.helpers.models import transformer_module
 
 
 def small_transformer_spec() -> ModelSpec:
@@ -150,7 +117,7 @@ def test_generous_budget_is_plain_training():
 def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
     out = tmp_path / "plan.json"
     model = str(tmp_path / "model.py")
-    (tmp_path / "model.py").write_text(MODEL_FILE)
+    (tmp_path / "model.py").write_text(CNN_MODEL_FILE)
     code, stdout, err = run_cli("plan", model, "--budget", "3MB", "--batch-size", "16", "--precisions", "fp32,bf16", "--out", out, "--json", "-q")
     assert code == 0, err
     printed = json.loads(stdout)
@@ -185,7 +152,7 @@ def test_cli_writes_every_field_and_probe_agrees(run_cli, tmp_path):
 
 
 def test_cli_summary(run_cli, tmp_path):
-    (tmp_path / "model.py").write_text(MODEL_FILE)
+    (tmp_path / "model.py").write_text(CNN_MODEL_FILE)
     code, stdout, err = run_cli("plan", tmp_path / "model.py", "--budget", "3MB", "--batch-size", "16", "--precisions", "fp32", "--out", tmp_path / "p.json")
     assert code == 0, err
     for text in ("chosen", "peak", "safety margin", "of 2.86 MiB", "samples/s measured", "unconstrained configuration", "Pareto front", "memory probes"):
@@ -427,41 +394,6 @@ def test_memory_model_matches_the_meter(name):
         assert abs(predicted - exact.peak_bytes) <= 0.001 * exact.peak_bytes, (m, chosen)
 
 
-MODEL_FILE = '''
-import torch
-from torch import nn
-
-INPUT_SHAPE = (3, 12, 12)
-
-
-class Block(nn.Module):
-    def __init__(self, c_in, c_out):
-        super().__init__()
-        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
-
-    def forward(self, x):
-        return torch.relu(self.conv(x))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(Block(3, 16), Block(16, 32), Block(32, 8))
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x):
-        return self.head(self.blocks(x).mean(dim=(2, 3)))
-
-
-def build_model():
-    return Net()
-
-
-def example_batch(n):
-    return torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))
-'''
-
-
 CHAIN_MODEL_FILE = '''
 import torch
 from torch import nn
@@ -585,7 +517,7 @@ def test_selective_blocks_are_in_the_configuration_key_and_the_timed_steps():
 @pytest.mark.gpu
 def test_cuda_plans_fit_the_card_when_measured_again():
     """On a real GPU: plain needs, then a budget below them; each plan re-probed on the card fits."""
-    from tests.models import resnet_spec
+    from tests.helpers.models import resnet_spec
 
     spec = resnet_spec()
     generous = make_plan(spec, PlanRequest(budget="90%", batch_size=256, device="cuda"))

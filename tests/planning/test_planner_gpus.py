@@ -22,7 +22,7 @@ from autofit.planning.planner import make_plan, plan_with_report
 from autofit.planning.request import PlanRequest
 from autofit.planning.ranks import gradient_bytes
 from autofit.spec import load_spec
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 GLOBAL_BATCH_SIZE, GPUS = 8, 2
 
@@ -317,7 +317,7 @@ def test_a_half_precision_ranks_estimate_is_traced_over_bf16_weights(tmp_path):
     weights keeps the residual stream fp32: the estimate's activations come from bf16 autocast over bf16 weights
     (bf16-master's traces). A Llama-shaped model on 4 simulated GPUs: the estimate is at or above the simulated rank,
     within 20% (it was 25% high from the fp32-weight traces; a 70B Llama on 64 GPUs 46%, now 8.5%: bench/RESULTS.md)."""
-    from tests.tiny_lm import tiny_lm_dir
+    from tests.helpers.tiny_lm import tiny_lm_dir
 
     spec = load_spec(f"hf:{tiny_lm_dir(tmp_path / 'lm', tokenizer=False, weights=False, hidden=2048, layers=4)}", task="causal-lm", seq_len=128)
     request = dict(batch_size=8, precisions=("bf16",), simulate=True, device="cuda", device_memory="24GiB", cache=False)

@@ -23,7 +23,7 @@ from autofit.planning.request import PlanRequest
 from autofit.planning.verify.compiled import KEPT
 from autofit.spec import load_spec
 from autofit.step import train_step
-from tests.conftest import EXAMPLES
+from tests.helpers import EXAMPLES
 
 
 class Net(nn.Module):

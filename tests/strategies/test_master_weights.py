@@ -14,7 +14,7 @@ from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.step import train_step
-from tests.models import layout_specs
+from tests.helpers.models import layout_specs
 
 
 def batches(steps: int = 4):

@@ -17,7 +17,7 @@ from strategies import (
     PrecisionConfig,
     checkpoint_candidates,
 )
-from tests.models import transformer_module
+from tests.helpers.models import transformer_module
 
 
 class GradRecorder(torch.optim.SGD):
@@ -212,7 +212,7 @@ def test_checkpointing_turns_off_a_kv_cache():
 def test_selective_checkpointing_recomputes_an_output_changed_in_place(one_thread, build, precision):
     """A kept convolution output that ReLU(inplace=True) or ``+=`` then overwrites, inside the block or after it:
     its convolution runs again in backward, and 3 AdamW steps give plain training's weights."""
-    from tests import models
+    from tests.helpers import models
 
     torch.manual_seed(0)
     model = getattr(models, build)()
@@ -237,7 +237,7 @@ def test_an_output_changed_in_place_counts_as_recomputed():
     """The speed model's share of a block that selective checkpointing recomputes: both convolutions of an
     InplaceBlock are overwritten in place, so all of it; without the in-place ops they are kept."""
     from autofit.planning.speed.estimated import selective_shares
-    from tests import models
+    from tests.helpers import models
 
     def shares(model):
         applied = apply_config(model, TrainingConfig(global_batch_size=2, micro_batch_size=2), device="cpu")

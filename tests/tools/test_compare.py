@@ -9,7 +9,7 @@ from matplotlib.image import imread
 from autofit.tools.compare import SLOW_FACTOR, compare, configurations, format_table, to_markdown
 from autofit.errors import UserError
 from autofit.spec import load_spec
-from tests.tools.test_evaluate import write_image_folder
+from tests.helpers.regions import write_image_folder
 
 TINY_CNN = '''
 import torch

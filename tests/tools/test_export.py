@@ -9,7 +9,7 @@ import torch
 from autofit.errors import UserError
 from autofit.tools.export import ExportConfig, export_weights, prune_global_l1, quantize_int8
 from autofit.spec import load_spec
-from tests.tools.test_evaluate import REGION_CLASSES, write_checkpoint, write_image_folder, write_model_file
+from tests.helpers.regions import REGION_CLASSES, write_checkpoint, write_image_folder, write_model_file
 
 # Most parameters sit in Linear layers, as in classifier heads: int8 shows in the file size.
 MLP_MODEL = '''

@@ -14,7 +14,7 @@ from autofit.training.data import datasets_data, epoch_order, image_folder_data,
 from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
 from autofit.spec import load_spec, model_fingerprint
-from tests.conftest import EXAMPLES, ROOT
+from tests.helpers import EXAMPLES, ROOT
 
 MODEL_FILE = '''
 import torch

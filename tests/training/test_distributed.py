@@ -1,6 +1,6 @@
 """Distributed training: the rank split's mathematics here, real 2-process gloo runs under torchrun.
 
-The 2-process runs (tests/dist_worker.py) start twice per session: once for
+The 2-process runs (tests/helpers/dist_worker.py) start twice per session: once for
 every training scenario and a DCP save, once to resume from that save.
 """
 import json
@@ -23,8 +23,8 @@ from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.spec import ModelSpec
 from strategies import BatchSplitConfig
-from tests import dist_worker
-from tests.conftest import ROOT
+from tests.helpers import dist_worker
+from tests.helpers import ROOT
 
 WORLD_SIZE = 2
 needs_gloo = pytest.mark.skipif(
@@ -58,7 +58,7 @@ def _torchrun(tmp_path, name: str, scenarios: list[dict]) -> dict:
     scenarios_path.write_text(json.dumps(scenarios))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
-        str(ROOT / "tests" / "dist_worker.py"), str(scenarios_path), str(out_path),
+        str(ROOT / "tests" / "helpers" / "dist_worker.py"), str(scenarios_path), str(out_path),
     ]
     # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack, so a failure says where.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}

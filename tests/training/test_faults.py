@@ -19,84 +19,14 @@ import pytest
 import torch
 from torch import nn
 
-from autofit.config import TrainingConfig
 from autofit.errors import UserError
-from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
-from autofit.spec import model_fingerprint
+from autofit.plan_file import DeviceInfo
 from autofit.training.stops import TrainingInterrupted
 from autofit.training.rundir import LOCK_FILE, hold_run_directory
 from autofit.training.weights import load_checkpoint
-from tests.conftest import ROOT
-from tests.training.test_loop import assert_same_weights, fresh_model, make_plan, run
-
-MODEL_FILE = '''
-import os
-import signal
-
-import torch
-from torch import nn
-
-INPUT_SHAPE = (1, 8, 8)
-
-
-def build_model():
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
-
-
-def example_batch(batch_size):
-    return torch.rand(batch_size, 1, 8, 8), torch.randint(0, 2, (batch_size,))
-
-
-_calls = 0
-
-
-def loss_fn(output, target):
-    """Cross-entropy; AUTOFIT_TEST_SIGNAL="SIGTERM:5" sends that signal to this process in the 5th call ("RAISE:5"
-    raises a ValueError there, as a user's loss with a bug does)."""
-    global _calls
-    _calls += 1
-    name, _, at = os.environ.get("AUTOFIT_TEST_SIGNAL", ":").partition(":")
-    if name == "RAISE" and _calls == int(at):
-        raise ValueError("the labels are not what this loss expects")
-    if name and _calls == int(at):
-        os.kill(os.getpid(), getattr(signal, name))
-    return nn.functional.cross_entropy(output, target)
-'''
-
-
-def write_images(folder: Path, *, per_class: int, seed: int) -> None:
-    from PIL import Image
-
-    generator = torch.Generator().manual_seed(seed)
-    for label in ("a", "b"):
-        (folder / label).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            pixels = (torch.rand(8, 8, generator=generator) * 255).to(torch.uint8).numpy()
-            Image.fromarray(pixels, mode="L").save(folder / label / f"{i}.png")
-
-
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """A model file, an image folder (24 train / 8 val images: 3 steps of 8 per epoch) and a plan for them."""
-    root = tmp_path_factory.mktemp("project")
-    model_file = root / "tiny.py"
-    model_file.write_text(MODEL_FILE)
-    write_images(root / "data" / "train", per_class=12, seed=0)
-    write_images(root / "data" / "val", per_class=4, seed=1)
-    from autofit.spec import load_spec
-
-    network = load_spec(str(model_file)).build_model()
-    plan = Plan(
-        model=ModelInfo(source=str(model_file), fingerprint=model_fingerprint(network), input_shape=[1, 8, 8], num_classes=2),
-        device=DeviceInfo(type="cpu"), budget_bytes=10**8, config=TrainingConfig(global_batch_size=8, micro_batch_size=4, precision="fp32", checkpoint=[]),
-    )
-    save_plan(plan, root / "plan.json")
-    return root
-
-
-def train_args(project: Path, log_dir: Path, *extra: str) -> list[str]:
-    return ["train", "--plan", project / "plan.json", "--data", project / "data", "--log-dir", log_dir, "--workers", "0", *extra]
-
+from tests.helpers import ROOT
+from tests.helpers.images import MODEL_FILE, train_args, write_images
+from tests.helpers.training import assert_same_weights, fresh_model, make_plan, run
 
 def cli_subprocess(*args, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
@@ -405,7 +335,7 @@ def test_resume_refuses_settings_and_plans_that_differ(tmp_path, project, run_cl
 def test_fit_resumes_with_the_saved_plan_and_settings(tmp_path):
     """fit(resume=True) needs no plan and no settings again: the run's own come from last.pt."""
     import autofit
-    from tests.training.test_loop import optimizer
+    from tests.helpers.training import optimizer
 
     data = make_data()
     whole = fresh_model()
@@ -461,7 +391,7 @@ def test_a_resumed_run_keeps_going_to_its_own_max_steps(tmp_path, project, run_c
 
 # --- out of memory anywhere in a step ----------------------------------------------------------
 
-from tests.training.test_loop import FEATURES, Block, make_data  # noqa: E402
+from tests.helpers.training import FEATURES, Block, make_data  # noqa: E402
 
 
 class AllocationFails:

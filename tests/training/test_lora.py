@@ -7,7 +7,7 @@ import torch
 from autofit.adapters import parse_lora
 from autofit.errors import UserError
 from autofit.training.weights import load_checkpoint
-from tests.tiny_lm import corpus_lines
+from tests.helpers.tiny_lm import corpus_lines
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -90,7 +90,7 @@ def test_fit_with_lora_trains_the_adapters_over_the_frozen_model(tmp_path):
 
 
 def test_merge_without_adapters_is_one_line_before_training(run_cli, tmp_path):
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     code, _, err = run_cli("train", "--plan", ROOT / "tests" / "plan_files" / "cpu_measured.json", "--merge",
                            "--log-dir", tmp_path / "run")
@@ -129,7 +129,7 @@ def test_qlora_plans_below_the_lora_floor_and_trains_text_as_the_dense_base_does
     import re
 
     from autofit.plan_file import load_plan
-    from tests.tiny_lm import tiny_lm_dir
+    from tests.helpers.tiny_lm import tiny_lm_dir
 
     model = tiny_lm_dir(tmp_path / "lm", hidden=128, layers=4)
     corpus = tmp_path / "corpus.jsonl"

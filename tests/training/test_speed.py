@@ -11,7 +11,7 @@ from autofit.training.loop import TrainSettings
 from autofit.training.run import run_training
 from autofit.training.speed import StepSpeed
 from autofit.training.threads import default_workers, threads_for
-from tests.training.test_loop import CLASSES, fresh_model, make_data, make_plan, optimizer
+from tests.helpers.training import fresh_model, make_data, make_plan, optimizer
 
 
 @pytest.fixture(autouse=True)

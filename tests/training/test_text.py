@@ -6,7 +6,7 @@ import torch
 
 from autofit.errors import UserError
 from autofit.model_io import Loss, count_labels
-from tests.tiny_lm import corpus_lines
+from tests.helpers.tiny_lm import corpus_lines
 
 pytest.importorskip("transformers")
 
@@ -124,7 +124,7 @@ def test_bad_text_is_one_line(tiny_lm, tmp_path, run_cli, content, message):
 
 
 def test_a_model_without_tokenizer_is_one_line(tmp_path, run_cli):
-    from tests.tiny_lm import tiny_lm_dir
+    from tests.helpers.tiny_lm import tiny_lm_dir
 
     model_dir = tiny_lm_dir(tmp_path / "bare", tokenizer=False)
     corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": line} for line in corpus_lines(20)])

@@ -20,7 +20,7 @@ from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
 from autofit.training.weights import load_checkpoint
 from strategies import BatchSplit, BatchSplitConfig, Precision, PrecisionConfig
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),

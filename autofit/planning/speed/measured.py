@@ -23,7 +23,7 @@ from autofit.measure.boundaries import block_boundaries
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import as_loss, call_model
 from autofit.planning.costs import SpeedCosts
-from autofit.planning.policy import POLICY
+from autofit.planning.policy import POLICY, timing_policy
 from autofit.planning.speed.estimated import one_micro_batch, roofline_rates, selective_shares
 from autofit.planning.speed.timing import Samples, compare, interleaved_rounds, noise_of
 from autofit.spec import ModelSpec
@@ -37,7 +37,7 @@ def time_precisions(
     precisions: list[str],
     sizes: list[int],
     device: str,
-    time_limit_s: float = POLICY.precision_timing_limit_s,
+    time_limit_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, SpeedCosts]:
     """Time forward, backward, each block and the optimizer step on the device.
@@ -46,7 +46,7 @@ def time_precisions(
     the model). Sizes are timed smallest first, after one warm-up each
     (kernels and allocator are set up per shape); at each size the precisions
     still timed take turns in interleaved rounds (``timing``), at least
-    ``POLICY.min_rounds`` of them, and the fastest round of each counts. A precision
+    the timing policy's ``min_rounds`` of them, and the fastest round of each counts. A precision
     more than ``POLICY.slow_precision_ratio`` times slower than the fastest stops there,
     but only once the noise of both cannot explain the ratio (rounds continue
     while it could), and follows the fastest one's curve scaled: it costs
@@ -56,11 +56,13 @@ def time_precisions(
     extrapolated. The verification probes time whatever is chosen for real.
 
     Args:
+        time_limit_s: seconds a precision's timing may take (default: the timing policy's).
         clock: seconds now (tests pass a noisy one).
 
     Returns:
         Precision -> its speeds; ``SpeedCosts.noise`` is the largest spread of its timings.
     """
+    time_limit_s = timing_policy().precision_timing_limit_s if time_limit_s is None else time_limit_s
     device_ = torch.device(device)
     torch.manual_seed(0)
     model = spec.build_model().to(device_)
@@ -142,7 +144,7 @@ def time_precisions(
             if timed[name]:
                 # The next size costs about its share of the last one's time, per round and warm-up.
                 last = timed[name][-1]
-                projected = (POLICY.min_rounds + 1) * fastest[name, last][1] * size / last
+                projected = (timing_policy().min_rounds + 1) * fastest[name, last][1] * size / last
                 if spent[name] + projected > time_limit_s:
                     notes[name] = f"timed up to micro-batch {last} (the next size would pass {time_limit_s:.0f} s); larger sizes extrapolated"
                     continue
@@ -219,7 +221,7 @@ def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec:
     inputs, targets = spec.example_batch(size)
     best = math.inf
     device = next(model.parameters()).device
-    for attempt in range(POLICY.optimizer_step_timings):
+    for attempt in range(timing_policy().optimizer_step_timings):
         one_step(precision, inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -5,7 +5,7 @@ several rounds is the estimate of a configuration's time, and how well that
 fastest round repeats (the second fastest over the fastest) is the noise of
 the estimate. Rounds interleave the configurations, so that a burst of other
 work slows one round of each rather than every round of one. A comparison
-whose ratio lies within the noise is timed again, up to ``POLICY.max_rounds``; one
+whose ratio lies within the noise is timed again, up to the timing policy's ``max_rounds``; one
 that stays there is a tie, reported with the noise, and won by the simpler
 configuration.
 
@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from autofit.planning.policy import POLICY
+from autofit.planning.policy import POLICY, timing_policy
 
 
 def tie_cap(tie: float) -> float:
@@ -73,8 +73,8 @@ def interleaved_rounds(
     *,
     settled: Callable[[dict[Hashable, Samples]], bool],
     samples: dict[Hashable, Samples] | None = None,
-    min_rounds: int = POLICY.min_rounds,
-    max_rounds: int = POLICY.max_rounds,
+    min_rounds: int | None = None,
+    max_rounds: int | None = None,
     active: Callable[[dict[Hashable, Samples]], Sequence[Hashable]] | None = None,
 ) -> dict[Hashable, Samples]:
     """Time every key once per round, in a rotating order, until ``settled`` or ``max_rounds``.
@@ -83,13 +83,15 @@ def interleaved_rounds(
         measure: key -> a callable returning the seconds of one more measurement.
         settled: whether the samples so far decide what the caller needs.
         samples: samples to extend (e.g. from a first round at a smaller size).
-        min_rounds, max_rounds: bounds on the rounds each key gets.
+        min_rounds, max_rounds: bounds on the rounds each key gets (default: the timing policy's).
         active: which keys still need timing after a round (default all);
             a key out of the race is timed no more.
 
     Returns:
         The samples by key.
     """
+    min_rounds = timing_policy().min_rounds if min_rounds is None else min_rounds
+    max_rounds = timing_policy().max_rounds if max_rounds is None else max_rounds
     samples = samples if samples is not None else {}
     for key in measure:
         samples.setdefault(key, Samples())
@@ -141,8 +143,8 @@ class Race:
         return min(self.within_noise(samples), key=self.simplicity)
 
     def running(self, samples: dict[Hashable, Samples]) -> list[Hashable]:
-        """Contenders still worth timing (all of them until each has ``POLICY.min_rounds`` rounds)."""
-        if any(len(samples[k].seconds) < POLICY.min_rounds for k in self.contenders):
+        """Contenders still worth timing (all of them until each has the timing policy's ``min_rounds``)."""
+        if any(len(samples[k].seconds) < timing_policy().min_rounds for k in self.contenders):
             return list(self.contenders)
         standing, chosen = self.standing(samples), self.chosen(samples)
         return [
@@ -156,13 +158,14 @@ class Race:
         return all(standing[k] != "unsure" for k in self.running(samples))
 
     def done(self, samples: dict[Hashable, Samples], *, may_go_on: bool = True) -> bool:
-        """``settled``, or ``POLICY.max_rounds`` rounds timed and not ``noisy`` (a noisy race goes on to
-        ``POLICY.max_noisy_rounds`` where ``may_go_on``: the caller's time allows it)."""
+        """``settled``, or the timing policy's ``max_rounds`` timed and not ``noisy`` (a noisy race goes on to its
+        ``max_noisy_rounds`` where ``may_go_on``: the caller's time allows it)."""
         if self.settled(samples):
             return True
         running = self.running(samples)
-        rounds = min((len(samples[k].seconds) for k in running), default=POLICY.max_noisy_rounds)
-        return rounds >= POLICY.max_rounds and not (may_go_on and self.noisy(samples))
+        timing = timing_policy()
+        rounds = min((len(samples[k].seconds) for k in running), default=timing.max_noisy_rounds)
+        return rounds >= timing.max_rounds and not (may_go_on and self.noisy(samples))
 
     def noisy(self, samples: dict[Hashable, Samples]) -> bool:
         """Whether the contenders still timed repeat their fastest rounds worse than ``POLICY.max_tie_share`` (median spread)."""

@@ -26,7 +26,7 @@ from autofit.planning.context import PlanContext
 from autofit.units import format_bytes
 from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
-from autofit.planning.policy import POLICY
+from autofit.planning.policy import POLICY, timing_policy
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, nf4_weights
 from strategies.optimizer_state import held_weight_bytes
@@ -316,12 +316,12 @@ class Measurements:
     def race(self, contenders: list[TrainingConfig], *, reference: TrainingConfig | None = None) -> list[TrainingConfig]:
         """Time the contenders side by side; the fastest first, the simplest winning within the noise.
 
-        The contenders (and ``reference``, timed in the first ``POLICY.min_rounds`` rounds
+        The contenders (and ``reference``, timed in the timing policy's first ``min_rounds`` rounds
         for the speed ratio) take turns, one training step of the global batch
-        each per round, at least ``POLICY.min_rounds`` rounds after a warm-up (one when
+        each per round, at least ``min_rounds`` rounds after a warm-up (one when
         there is a single contender: nothing to decide), and more while a
         contender that could still win is within the noise of the leader, up
-        to ``POLICY.max_rounds`` (``timing.Race``). Timings of an earlier run are used
+        to ``max_rounds`` (``timing.Race``). Timings of an earlier run are used
         instead only when that run timed all of them and they decide.
 
         Returns:
@@ -338,7 +338,7 @@ class Measurements:
         leader = race.leader(samples)
         tied = race.within_noise(samples)
         chosen = race.chosen(samples)
-        # The chosen one was timed alone a few more times (``POLICY.promise_rounds``): the others' count the interleaved rounds.
+        # The chosen one was timed alone a few more times (the timing policy's ``promise_rounds``): the others' count the interleaved rounds.
         others = [len(samples[k].seconds) for k in configs if k != chosen]
         spreads = sorted(samples[k].spread for k in keys if len(samples[k].seconds) >= 2)
         self.timing = {
@@ -363,7 +363,7 @@ class Measurements:
         if len(sessions) != 1 or any(k not in self.timings for k in keys) or next(iter(sessions))[1] != self.context.threads:
             return None
         samples = {k: Samples(seconds=list(self.timings[k]["seconds"])) for k in keys}
-        required = POLICY.min_rounds if len(race.contenders) > 1 else 1
+        required = timing_policy().min_rounds if len(race.contenders) > 1 else 1
         if any(len(s.seconds) < required for k, s in samples.items() if k in race.contenders):
             return None
         return samples
@@ -389,29 +389,29 @@ class Measurements:
             return run
 
         def active(current: dict[str, Samples]) -> list[str]:
-            # The reference is only for the speed ratio: POLICY.min_rounds rounds beside the contenders.
-            reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < POLICY.min_rounds]
+            # The reference is only for the speed ratio: ``min_rounds`` rounds beside the contenders.
+            reference = [k for k in keys if k not in race.contenders and len(current[k].seconds) < timing_policy().min_rounds]
             return race.running(current) + reference
 
         started = time.perf_counter()
         before = started - self.context.started
 
         def settled(current: dict[str, Samples]) -> bool:
-            # Past POLICY.max_rounds only a noisy race goes on, while it has taken less than POLICY.noisy_race_time_share of the plan before it.
-            return race.done(current, may_go_on=time.perf_counter() - started < POLICY.noisy_race_time_share * before)
+            # Past ``max_rounds`` only a noisy race goes on, while it has taken less than ``noisy_race_time_share`` of the plan before it.
+            return race.done(current, may_go_on=time.perf_counter() - started < timing_policy().noisy_race_time_share * before)
 
         try:
             # One candidate has nothing to be compared with: one round gives its speed (and the ratio's).
-            rounds = POLICY.min_rounds if len(race.contenders) > 1 else 1
+            rounds = timing_policy().min_rounds if len(race.contenders) > 1 else 1
             samples = interleaved_rounds(
-                {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds, max_rounds=POLICY.max_noisy_rounds,
+                {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds, max_rounds=timing_policy().max_noisy_rounds,
             )
             # The chosen one's median round is what the plan promises: a few more rounds of it alone, deciding nothing.
             chosen = race.chosen(samples)
             once_more = measure(chosen)
             while (
-                len(samples[chosen].seconds) < POLICY.promise_rounds
-                and time.perf_counter() - started < POLICY.noisy_race_time_share * before
+                len(samples[chosen].seconds) < timing_policy().promise_rounds
+                and time.perf_counter() - started < timing_policy().noisy_race_time_share * before
             ):
                 samples[chosen].seconds.append(once_more())
         finally:

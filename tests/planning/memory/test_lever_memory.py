@@ -1,7 +1,7 @@
 """The memory model with the levers against the cpu meter: step in backward, host optimizer state, offload,
 8-bit optimizer state.
 
-The LM and the CNN of tests/models.py in fp32 and bf16, traced at 2 and 8
+The LM and the CNN of tests/helpers/models.py in fp32 and bf16, traced at 2 and 8
 samples (offload's extra trace included), each lever alone and mixed with
 each other and with checkpointing, in one micro-step and in several
 (3 + 3 + 2). On the CPU the meters count host state and offloaded storages
@@ -16,7 +16,9 @@ from autofit.measure.probe import probe
 from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 from autofit.planning.memory.levers import LeverChoice, add_eight_bit
 from autofit.planning.memory.optimizer import eight_bit_record
-from tests.planning.memory.test_memory_grid import grid_spec, quiet_process  # noqa: F401 (the module's fixture)
+from tests.helpers.planning import grid_spec
+
+pytestmark = pytest.mark.usefixtures("quiet_process")  # conftest's
 
 TOLERANCE = 0.002
 """Of the measured peak; the issue asks for 1%. Measured: the step in backward and host state within 0.03%,
@@ -199,7 +201,7 @@ def test_step_in_backward_counts_each_parameters_step():
     stepped in backward, beside the activations, the wide head's weight raises the peak (16.1 MB against 10.8 MB
     plain), and the model says so, so the search never takes it for a saving."""
     from autofit.spec import default_optimizer
-    from tests.models import conv_then_wide_spec
+    from tests.helpers.models import conv_then_wide_spec
 
     spec = dataclasses.replace(conv_then_wide_spec(), build_optimizer=default_optimizer)
     memory = memory_costs(spec, precision="fp32", low=2, high=8, device_type="cpu")

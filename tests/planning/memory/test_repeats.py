@@ -19,7 +19,7 @@ LAYERS = 16
 def deep_lm(tmp_path_factory):
     """A tiny Llama with ``LAYERS`` decoder layers (a run long enough to be traced short)."""
     from autofit.spec import load_spec
-    from tests.tiny_lm import tiny_lm_dir
+    from tests.helpers.tiny_lm import tiny_lm_dir
 
     path = tiny_lm_dir(tmp_path_factory.mktemp("deep-lm"), tokenizer=False, weights=False, layers=LAYERS)
     return simulation_spec(load_spec(f"hf:{path}", task="causal-lm", seq_len=8))

@@ -18,7 +18,7 @@ import pytest
 from autofit.planning.memory import workers as trace_pool
 from autofit.planning.memory.traces import trace_memory_sizes
 from autofit.planning.memory.workers import TracePool, trace_workers
-from tests.models import layout_specs
+from tests.helpers.models import layout_specs
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -27,7 +27,7 @@ FRESH_PROCESS = textwrap.dedent("""
     import autofit.planning.memory.traces as memory_model
     from autofit.planning.memory.traces import trace_memory_sizes
     from autofit.planning.memory.workers import TracePool
-    from tests.models import layout_specs
+    from tests.helpers.models import layout_specs
 
     here = []
     run_trace = memory_model.run_trace

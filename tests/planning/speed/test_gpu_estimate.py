@@ -6,7 +6,7 @@ from autofit.planning.speed.estimated import GPU_PEAKS, flop_speed_costs, gpu_fo
 from autofit.planning.planner import make_plan
 from autofit.planning.request import PlanRequest
 from autofit.spec import ModelSpec, default_optimizer, load_spec
-from tests.models import transformer_module
+from tests.helpers.models import transformer_module
 
 # bench/RESULTS.md, measured on one NVIDIA H200 at 3x224x224, global batch 128 in one micro-batch, no
 # checkpointing: "Planner on a GPU" (ResNet-18 fp16, two runs) and "Recipe table on a GPU" (ResNet-50).

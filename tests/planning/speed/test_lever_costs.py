@@ -20,7 +20,7 @@ from autofit.planning.speed.levers import (
 from autofit.planning.planner import plan_with_report
 from autofit.planning.request import PlanRequest
 from autofit.spec import load_spec
-from tests.planning.test_plan_levers import BLOCKS, MODEL_FILE
+from tests.helpers.planning import LM_BLOCKS, LM_MODEL_FILE, STEP_BUDGET
 
 GB = 1e9
 
@@ -100,7 +100,7 @@ def test_the_eight_bit_update_is_timed_against_the_models_optimizer(one_thread):
 def lm_costs(tmp_path_factory):
     """A small decoder LM's cost model, simulated for a GPU (no budget: nothing below the floor)."""
     path = tmp_path_factory.mktemp("lm") / "lm.py"
-    path.write_text(MODEL_FILE)
+    path.write_text(LM_MODEL_FILE)
     spec = load_spec(str(path))
     report = plan_with_report(spec, PlanRequest(budget="3GiB", batch_size=2, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB"))
     return spec, CostModel.from_dict(report.cost_model)
@@ -172,8 +172,7 @@ def test_a_step_in_backward_that_costs_more_than_recomputing_is_not_chosen(monke
     """ConvThenWide at the budget where the step in backward lets micro-batch 8 fit unchecked
     (tests/planning/test_plan_search_levers.py): priced at a second per parameter, it loses to recomputation or accumulation."""
     from autofit.measure.optimizer_speed import UpdateCost
-    from tests.models import conv_then_wide_spec
-    from tests.planning.test_plan_search_levers import STEP_BUDGET
+    from tests.helpers.models import conv_then_wide_spec
 
     monkeypatch.setattr(levers, "time_step_in_backward", lambda build, device: UpdateCost(per_tensor_seconds=1.0, per_element_seconds=0.0))
     plan = plan_with_report(
@@ -191,7 +190,7 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
     monkeypatch.setattr(levers, "time_host_update", lambda build: 1e-6)  # seconds per element
 
     def simulated_cuda(**chosen):
-        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=BLOCKS, optimizer_in_backward=True, **chosen)
+        config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=LM_BLOCKS, optimizer_in_backward=True, **chosen)
         return measure(spec, config, device="cuda", simulate=True, steps=2)
 
     in_backward, host = simulated_cuda(), simulated_cuda(optimizer_state="host")

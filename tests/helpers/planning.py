@@ -1,0 +1,105 @@
+"""Models and model files that several planning tests plan: shared here, never imported from a test module."""
+import dataclasses
+
+import torch
+from torch import nn
+
+from autofit.spec import ModelSpec, default_optimizer
+from tests.helpers.models import layout_specs
+
+
+class Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.norm = nn.BatchNorm2d(c_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        return torch.relu(self.norm(self.conv(x)))
+
+
+class UnevenNet(nn.Module):
+    """Blocks of very different widths: checkpointing some saves far more than others."""
+
+    def __init__(self, widths=(8, 24, 4, 32, 6)) -> None:
+        super().__init__()
+        channels = [3, *widths]
+        self.blocks = nn.Sequential(*[Block(a, b) for a, b in zip(channels, channels[1:])])
+        self.head = nn.Linear(widths[-1], 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean(dim=(2, 3)))
+
+
+def uneven_spec() -> ModelSpec:
+    return ModelSpec(
+        source="tests:UnevenNet",
+        build_model=UnevenNet,
+        example_batch=lambda n: (torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))),
+        loss_fn=nn.functional.cross_entropy,
+        build_optimizer=default_optimizer,
+        input_shape=(3, 12, 12),
+    )
+
+
+def grid_spec(layout: str):
+    spec = layout_specs()[layout]
+    return dataclasses.replace(spec, build_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True))
+
+
+CNN_MODEL_FILE = '''
+import torch
+from torch import nn
+
+INPUT_SHAPE = (3, 12, 12)
+
+
+class Block(nn.Module):
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(3, 16), Block(16, 32), Block(32, 8))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(dim=(2, 3)))
+
+
+def build_model():
+    return Net()
+
+
+def example_batch(n):
+    return torch.randn(n, 3, 12, 12), torch.randint(0, 10, (n,))
+'''
+
+
+# A small pre-norm decoder LM (3 blocks, about 43k parameters), trained one sequence per step:
+# the global batch is the micro-batch, so the floor configuration can step in backward.
+LM_MODEL_FILE = '''
+from torch.nn import functional as F
+from tests.helpers.models import PreNormLM, _tokens
+
+def build_model():
+    return PreNormLM()
+
+def example_batch(n):
+    return _tokens(n)
+
+def loss_fn(logits, targets):  # (B, T, V), (B, T)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+'''
+LM_BLOCKS = ["layers.0", "layers.1", "layers.2"]
+
+
+STEP_BUDGET = 10_300_000
+"""Bytes: above ConvThenWide's floor (9.0 MB), below its plain peak at micro-batch 8 (10.8 MB) and the peak with
+its first block checkpointed (10.3 MB); the step in backward brings micro-batch 8 down to 9.8 MB."""
