@@ -35,6 +35,7 @@ def test_the_docs_hold_python_blocks():
     assert len(BLOCKS) >= 8 and (ROOT / "docs").is_dir()
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize(("path", "line", "code"), BLOCKS)
 def test_python_block_runs_as_pasted(path, line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -66,3 +67,10 @@ def test_relative_links_point_at_files(path):
 
 def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_ci_runs_the_readme_s_test_command():
+    """CI runs what the README tells a developer to run, verbatim (one command)."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^## Tests\n\n```bash\n(.+)\n```", readme, re.MULTILINE).group(1)
+    assert (ROOT / ".ci" / "run").read_text().rstrip().splitlines()[-1] == command

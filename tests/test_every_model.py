@@ -18,6 +18,8 @@ from autofit.planning.memory.traces import simulation_spec
 from autofit.spec import load_spec
 from tests.helpers import EXAMPLES
 
+pytestmark = pytest.mark.slow  # every case plans, probes and trains a model: seconds to a minute each
+
 COMMON = '''
 import torch
 from torch import nn
@@ -47,7 +49,7 @@ def example_batch(n):
 '''
 
 RNN_LM = COMMON + '''
-VOCAB, LENGTH = 64, 24
+VOCAB, LENGTH = 64, 8
 
 
 class LM(nn.Module):

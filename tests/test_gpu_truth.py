@@ -14,6 +14,7 @@ from tests.helpers import ROOT
 MiB, GiB = 2**20, 2**30
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_the_dry_run_makes_every_section_and_no_row_fails(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(

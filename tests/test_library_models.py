@@ -121,6 +121,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize("make_spec", list(MODELS.values()), ids=list(MODELS))
 def test_the_simulated_meter_equals_the_cpu_meter(make_spec, one_thread):
     spec = make_spec()
@@ -227,7 +228,7 @@ def test_cli_probes_dict_inputs_of_hf_models(hf_dir, tmp_path, run_cli, one_thre
 
 
 @needs_transformers
-@pytest.mark.slow
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_plan_and_train_an_hf_dir_end_to_end(hf_dir, tmp_path, run_cli, one_thread):
     plan_path = tmp_path / "plan.json"
     code, out, err = run_cli("plan", f"hf:{hf_dir}", "--budget", "20MB", "--batch-size", "8", "--seq-len", "16",
@@ -245,7 +246,7 @@ def test_plan_and_train_an_hf_dir_end_to_end(hf_dir, tmp_path, run_cli, one_thre
 
 
 @needs_transformers
-@pytest.mark.slow
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_fit_an_hf_model_on_a_dataset_of_dicts(tmp_path, one_thread):
     import autofit
 
@@ -287,11 +288,12 @@ def test_a_missing_extra_is_one_line(monkeypatch, run_cli):
     assert code == 2 and "needs the transformers package" in err
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize("example, budget, extra", [
     pytest.param("hf_causal_lm.py", "20MB", (), marks=needs_transformers),
     pytest.param("timm_classifier.py", "20MB", (), marks=[needs_timm, _needs("sklearn")]),
 ])
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_examples_plan_and_train(example, budget, extra, tmp_path, run_cli, one_thread):
     plan_path = tmp_path / "plan.json"
     code, out, err = run_cli("plan", EXAMPLES / example, "--budget", budget, "--batch-size", "8", "--precisions", "fp32",

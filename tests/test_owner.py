@@ -39,6 +39,7 @@ def test_only_the_owner_constructs_strategies():
 @pytest.mark.parametrize(("example", "batch_size", "budget", "precisions"), [
     ("digits_cnn.py", 8, "64MB", "fp32,bf16"), ("tiny_transformer.py", 4, "200MB", "fp32"),
 ])
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_probe_of_a_plan_measures_the_planned_peak(run_cli, tmp_path, one_thread, example, batch_size, budget, precisions):
     out = tmp_path / "plan.json"
     code, _, err = run_cli(

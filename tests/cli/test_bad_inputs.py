@@ -202,6 +202,7 @@ def test_other_bad_inputs_are_one_line(files, project, read_only, tmp_path, run_
     assert sorted(p.name for p in (files / "run").iterdir()) == before
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize("row", ["probe-build_raises", "train-lr-nan", "plan-out-below-a-file", "val-build_not_a_module"])
 def test_a_few_rows_in_real_processes(files, project, tmp_path, row):  # noqa: F811
     args = {

@@ -156,6 +156,7 @@ def test_schedule_flags_set_the_rate_and_are_kept_on_resume(llama_dir, tmp_path,
     assert code == 2 and "schedule cosine differs from the run" in err, err
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_plan_summary_says_which_weights_training_starts_from_and_that_clipping_leaves_a_lever_out(llama_dir, tmp_path, run_cli):
     arguments = ("--seq-len", str(SEQ_LEN), "-n", "4", "-b", "200MB", "--simulate", "--no-cache", "-q", "--precisions", "fp32")
     code, out, err = run_cli("plan", f"hf:{llama_dir}", *arguments, "--max-grad-norm", "1", "-o", tmp_path / "plan.json")
@@ -168,6 +169,7 @@ def test_plan_summary_says_which_weights_training_starts_from_and_that_clipping_
     assert code == 0 and "weights     random init from config.json" in out, err
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_weights_dtype_config_keeps_a_bf16_config_s_weights_as_bf16_pure_and_is_one_line_where_it_cannot(llama_dir, tmp_path, run_cli):
     config = json.loads((llama_dir / "config.json").read_text())
     (llama_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))

@@ -280,6 +280,7 @@ def test_optimizer_in_backward_lowers_the_peak_by_about_the_gradients(one_thread
     assert 0.8 * gradient_bytes < plain.peak_bytes - in_backward.peak_bytes <= gradient_bytes
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.skipif(not HAS_TORCHAO, reason="optimizer state '8bit' needs torchao")
 def test_eight_bit_state_quarters_the_state_and_is_measured_alike(one_thread, tiny):
     plain = peak(tiny, micro_batch_size=2, checkpoint="all")
@@ -290,6 +291,7 @@ def test_eight_bit_state_quarters_the_state_and_is_measured_alike(one_thread, ti
     assert real.peak_bytes < plain.peak_bytes
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.skipif(not HAS_TORCHAO, reason="optimizer state '8bit' needs torchao")
 def test_eight_bit_state_is_simulated_on_first_use(one_thread, tiny, capsys):
     """torchao builds its quantization maps on first use, with .tolist(): never over fake tensors (no fallback to real ones)."""
@@ -301,6 +303,7 @@ def test_eight_bit_state_is_simulated_on_first_use(one_thread, tiny, capsys):
     assert simulated.meter == "simulated" and "cpu meter instead" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.skipif(not HAS_TORCHAO, reason="optimizer state '8bit' needs torchao")
 def test_eight_bit_adamw_follows_the_fp32_loss_curve(one_thread):
     """Lossy, so declared: 30 steps on one batch, the 8-bit loss stays within 1e-3 of fp32's (measured here: 4.8e-5 at most)."""

@@ -41,6 +41,7 @@ def test_breakdown_adds_up_and_names_the_parts():
     assert sum(result.breakdown.values()) == result.peak_bytes
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_checkpointing_and_smaller_micro_batches_lower_activations():
     spec = transformer_spec("sdpa")
     base = probe(spec, micro_batch_size=8, simulate=True, steps=2)

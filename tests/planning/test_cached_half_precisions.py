@@ -2,6 +2,7 @@
 well under its budget) cannot lend the floor of a tighter budget the checkpointed peak it never traced."""
 import dataclasses
 
+import pytest
 import torch
 
 from autofit.measure.probe import probe
@@ -9,6 +10,8 @@ from autofit.planning.planner import make_plan
 from autofit.planning.request import PlanRequest
 from autofit.spec import ModelSpec, default_optimizer
 from tests.helpers.models import BatchNormCNN
+
+pytestmark = pytest.mark.slow  # the whole module plans or trains real models (tens of seconds each)
 
 
 def cnn_spec() -> ModelSpec:

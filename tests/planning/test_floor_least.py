@@ -35,6 +35,7 @@ def _floor(request: PlanRequest):
     return error.value
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_floor_is_the_least_measured_when_the_prediction_orders_it_wrong(monkeypatch):
     request = PlanRequest(budget=1000, batch_size=4, precisions=("fp32",), simulate=True, cache=False)
     right = _floor(request)
@@ -57,6 +58,7 @@ def _wide_spec():
     )
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_floor_far_over_the_budget_is_measured_only_once_every_precision_is_traced(monkeypatch):
     request = dict(batch_size=4, precisions=("bf16", "bf16-master"), simulate=True, device="cuda", device_memory="24GiB", cache=False)
     floors = {}

@@ -34,6 +34,7 @@ def smallest_budget(peak_bytes: int) -> int:
     return Headroom(device_type="cpu", estimated=False, budget_bytes=1).smallest_budget(peak_bytes, persistent_bytes=0)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_budget_between_the_lever_floor_and_the_floor_steps_in_backward(run_cli, one_thread, lm, tmp_path):
     path, spec = lm
     floor, lever_floor = smallest_budget(floor_peak(spec)), smallest_budget(floor_peak(spec, optimizer_in_backward=True))
@@ -80,6 +81,7 @@ def test_micro_steps_leave_the_step_in_backward_out(one_thread, lm):
     assert any("needs one micro-batch per optimizer step, but micro-batch 1 of batch 2 makes 2" in line for line in lines)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backward(one_thread, lm):
     """A global batch of 2: the floor (micro-batch 1) takes two micro-batches, so the ladder has no step in backward;
     one micro-batch of 2 with it and every block checkpointed fits under the floor, and the search finds it
@@ -106,6 +108,7 @@ def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backwa
         make_plan(spec, PlanRequest(budget=lever_floor * 99 // 100, batch_size=2, precisions=["fp32"]))
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.skipif(not HAS_TORCHAO, reason="8-bit optimizer state needs torchao")
 def test_eight_bit_state_only_with_the_flag(one_thread, lm):
     _, spec = lm
@@ -121,6 +124,7 @@ def test_eight_bit_state_only_with_the_flag(one_thread, lm):
     assert any("changes the optimizer's arithmetic" in note for note in plan.notes)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_simulated_lever_plan_is_estimated_and_fits(lm):
     _, spec = lm
     floor, lever_floor = smallest_budget(floor_peak(spec)), smallest_budget(floor_peak(spec, optimizer_in_backward=True))
@@ -161,6 +165,7 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     assert candidates[1].name == "optimizer step in backward, activation offload of 2 block(s), optimizer state on the host"
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     """--simulate --device cuda below the step in backward's floor: the state goes to the host, measured by the simulated
     meter (the device peak without it, the host peak in the notes)."""
@@ -188,6 +193,7 @@ def test_a_simulated_gpu_plan_keeps_the_optimizer_state_on_the_host(lm):
     assert any("the search with the memory levers found" in note for note in plan.notes)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32_masters_on_the_host(lm):
     """Below what the state on the host needs, the weights go to bf16 on the device, their fp32 masters to the host:
     lossless (no --allow-lossy-optimizer), measured by the simulated meter."""
@@ -240,6 +246,7 @@ def loss_fn(logits, targets):
 '''
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_decoder_trains_below_its_parameters_gradients_and_adamw_state(run_cli, one_thread, tmp_path):
     """Issue #11's CPU target: real probes, a budget of 0.85x the fp32 parameters + gradients + AdamW state of a
     small decoder (1.7M parameters, one sequence a step): the optimizer step in backward frees the gradients, and
@@ -277,6 +284,7 @@ def test_an_optimizer_without_state_is_not_told_to_keep_less():
     assert _less_state(SimpleNamespace(), 0) == ""
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_host_memory_is_a_second_budget(run_cli, lm, tmp_path):
     """A simulated GPU plan that needs host state (or bf16 weights' masters) fits the host's memory or is refused in one
     line naming the host bytes it needs; the plan records both."""
@@ -310,6 +318,7 @@ def test_host_memory_is_for_a_gpu_plan(run_cli, lm, tmp_path):
     assert code == 2 and err.startswith("autofit: error: --host-memory: budget 'lots' is not a memory size")
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_host_speed_prices_the_host_update_of_a_gpu_plan(lm, run_cli, tmp_path):
     """--host-speed: the training machine's host update rate, in place of this CPU's timing, said in the notes."""
 

@@ -55,6 +55,7 @@ def model_file(tmp_path):
     ("simulated", ["--simulate", "--budget", "200KB"]),
     ("cpu", ["--precisions", "fp32", "--budget", "150KB"]),
 ])
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_cnn_with_in_place_relus_plans(run_cli, one_thread, model_file, tmp_path, meter, budget_args):
     """Budgets at which the planner traces and times selective checkpointing of the blocks (it raised there)."""
     out = tmp_path / "plan.json"

@@ -89,6 +89,7 @@ def test_nf4_weights_are_searched_only_when_allowed_and_add_to_every_other_choic
     assert not any(c.frozen_nf4 for c in LeverSearch(step_in_backward=True).choices("fp32", 8, 8))
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
     """The LM at micro-batch 8 on a simulated GPU, at a budget where dropping its blocks' activations is needed (with
     the default segments' allocator reserve, which the budget was sized for):
@@ -109,6 +110,7 @@ def test_simulated_gpu_plan_offloads_a_block_where_that_is_fastest():
     assert remeasured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_cpu_plans_never_offload():
     """On the CPU the host is the device: the search offers neither offload nor host state, even where dropping
     activations is needed (the LM at 1.25 MB checkpoints instead)."""
@@ -131,6 +133,7 @@ def test_configuration_keys_name_the_levers_and_keep_the_old_ones():
     assert levers.offload == ("b",) and levers.checkpoint == ("a",) and levers.optimizer_state == "host"
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_point_that_fits_as_plain_training_tries_no_lever(monkeypatch):
     """Levers only add time (the step in backward none): at a budget every point fits without checkpointing,
     the search never models one (the lever search costs most of a tight plan's search)."""
@@ -176,6 +179,7 @@ def test_offload_is_traced_only_where_a_point_could_win_with_it(monkeypatch):
     assert modelling.needs_offload(None, None, [fitting, bounded], within=1.0, usable_bytes=0) == ["fp32"]
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_the_bound_before_offload_is_traced_holds(monkeypatch):
     """Before the offloading runs are traced, the search bounds each point's speed with offload (its copies back
     at the least they cost, ``offload_floor_seconds``); every point the search then offloads is no faster than its
@@ -222,6 +226,7 @@ def eight_bit_plan(monkeypatch, *, per_element_seconds: float, allow_lossy_optim
     )
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_eight_bit_state_lets_the_whole_batch_fit_without_recomputation(monkeypatch):
     """Allowed, and its update cheaper than recomputing a block, 8-bit state is the plan: micro-batch 4 without
     checkpointing, predicted within 0.01% of the simulated meter, named lossy in the notes and the summary, and
@@ -246,12 +251,14 @@ def test_eight_bit_state_lets_the_whole_batch_fit_without_recomputation(monkeypa
     assert refused.config.optimizer_state == "device" and refused.config.checkpoint
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_eight_bit_state_is_chosen_only_where_it_is_fastest(monkeypatch):
     """Its measured time counts: an update slower than recomputing the first block loses to checkpointing, even allowed."""
     plan = eight_bit_plan(monkeypatch, per_element_seconds=1e-6, allow_lossy_optimizer=True).plan
     assert plan.config.optimizer_state == "device" and plan.config.checkpoint
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_eight_bit_state_is_not_tried_where_plain_training_fits(monkeypatch):
     """At a budget where every point fits as plain training, the search models no lever, 8-bit state included."""
     import autofit.planning.search.space as search

@@ -282,6 +282,7 @@ def test_no_cache_keeps_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_another_input_shape_is_another_cache_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
     plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"]))
@@ -290,6 +291,7 @@ def test_another_input_shape_is_another_cache_entry(tmp_path, monkeypatch):
     assert not plan_with_report(spec, PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"])).resumed
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_cache_that_cannot_be_used_is_only_a_note(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "file" / "cache"))
@@ -298,6 +300,7 @@ def test_a_cache_that_cannot_be_used_is_only_a_note(tmp_path, monkeypatch):
     assert report.study_problems and "--no-cache" in report.study_problems[0]
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize(("key", "damaged"), [("costs", "not the costs"), ("measurements", {"peaks": "not them"})])
 def test_a_damaged_cache_entry_is_measured_again_and_said(tmp_path, monkeypatch, key, damaged):
     """Damaged entries used to end in AttributeError ('str' object has no attribute 'get') or a TypeError."""
@@ -315,6 +318,7 @@ def test_a_damaged_cache_entry_is_measured_again_and_said(tmp_path, monkeypatch,
     assert any("could not be read: measuring again" in line for line in lines), lines
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
     """On the CPU with one intra-op thread steps are timed by that thread's CPU time (``PlanContext.clock``): the
     time other work holds it off a core is not the step's. The speed model's timings and the verification's read

@@ -1,6 +1,8 @@
 """The plan's alternatives and the summary: fitting is what was measured where it was measured; rejections are shown."""
 from types import SimpleNamespace
 
+import pytest
+
 from autofit.config import TrainingConfig
 from autofit.commands.plan import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
@@ -103,6 +105,7 @@ def test_speeds_keep_three_significant_digits_and_a_language_model_says_tokens()
     assert speed == "  speed       not measured (simulated), 0.0421 predicted (86.2 tokens/s at 2048 tokens a sample)"
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_the_summary_says_how_much_memory_planning_held(run_cli, tmp_path):
     from tests.helpers import EXAMPLES
 

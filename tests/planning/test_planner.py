@@ -86,6 +86,7 @@ def planned(floors):
     return plans
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("position", POSITIONS)
 def test_plans_fit_when_measured_again(name, position, planned):
@@ -171,6 +172,7 @@ def test_simulated_plan_is_marked_estimated(tmp_path):
     assert abs(again.peak_bytes - plan.measured.peak_bytes) <= 0.001 * again.peak_bytes
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_simulated_gpu_of_a_named_kind_has_its_memory_and_its_speeds():
     report = plan_with_report(uneven_spec(), PlanRequest(budget="50%", batch_size=16, device="cuda", simulate=True, device_kind="rtx-4090"))
     plan = report.plan
@@ -202,6 +204,7 @@ def test_simulated_gpu_plan_without_a_gpu(expandable, tmp_path):
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= plan.budget_bytes
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_all_precisions_are_measured_not_assumed():
     """fp16 on a CPU is slow; the planner finds out by timing it, and never picks it here."""
     report = plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=16))
@@ -217,6 +220,7 @@ def report_model(report):
     return CostModel.from_dict(report.cost_model)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_study_resumes(tmp_path):
     storage = f"sqlite:///{tmp_path / 'plans.db'}"
     first = plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"], study=storage))
@@ -372,6 +376,7 @@ def test_prefix_knapsack_scales_to_many_blocks():
         assert choice is None or choice.peak_bytes <= 400
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_memory_model_matches_the_meter(name):
     """The trace model against the exact simulated meter on random configurations."""

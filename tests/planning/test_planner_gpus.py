@@ -145,6 +145,7 @@ def test_a_generous_budget_on_two_gpus_uses_ddp_with_a_bucket_allowance(spec):
     assert "allowance" in plan.measured.multi_process.note and not plan.estimated
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_on_two_nodes_fsdp_shards_within_a_node_where_that_fits_else_over_every_gpu(run_cli, model_file, spec, floor, tmp_path):
     """--gpus 2 --nodes 2: at 0.6 of the one-process floor a rank holds a node's half of the state (HSDP: sharded over
     the node's 2 GPUs, replicated across the nodes), each node's torchrun command in the summary; at 0.45 only a
@@ -262,6 +263,7 @@ def test_a_two_gpu_plan_trains_under_torchrun(sharded, tmp_path):
     assert f"{GPUS} processes (fsdp)" in done.stdout
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_simulated_gpu_plan_on_several_gpus_leaves_the_one_process_precisions_out(run_cli, tmp_path):
     """bf16-master (and bf16-pure) train on one process: on --gpus N they are left out with a line, not an error."""
     out = tmp_path / "plan.json"
@@ -298,6 +300,7 @@ def example_batch(n):
 '''
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_the_fsdp_estimate_shards_the_optimizer_steps_temporaries(run_cli, tmp_path):
     """A model whose peak is its optimizer step (a CUDA foreach AdamW's fp32 copy of every parameter, and the whole
     gradients): a rank steps its shards, so the estimate is close to the simulated rank (#31; it was 74% over)."""
@@ -312,6 +315,7 @@ def test_the_fsdp_estimate_shards_the_optimizer_steps_temporaries(run_cli, tmp_p
     assert abs(chosen["predicted_peak_bytes"] / chosen["simulated_peak_bytes"] - 1) < 0.15
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_half_precision_ranks_estimate_is_traced_over_bf16_weights(tmp_path):
     """FSDP2 gathers the weights in bf16, so a rank's forward makes bf16 tensors where one process's autocast over fp32
     weights keeps the residual stream fp32: the estimate's activations come from bf16 autocast over bf16 weights

@@ -136,6 +136,7 @@ def train_dataset():
 '''
 
 
+@pytest.mark.slow  # a plan of a LoRA model, seconds to tens of seconds
 def test_qlora_below_the_floor_is_planned_only_with_allow_lossy_base(run_cli, tmp_path, monkeypatch, one_thread):
     """A LoRA base of 8 MiB in fp32, a budget of 5 MB: only NF4 weights fit. Without the flag the floor's line says
     what they would save; with it the plan holds them, re-measures within its budget and trains."""
@@ -190,6 +191,7 @@ def build_model():
 """The LoRA base of ``LORA_FILE`` over 64 tokens a sample: 26 MiB of activations at a batch of 8 beside the 8 MiB base."""
 
 
+@pytest.mark.slow  # a plan of a LoRA model, seconds to tens of seconds
 def test_nf4_is_searched_above_the_floor_and_the_memory_model_bounds_its_peak(run_cli, tmp_path, monkeypatch, one_thread):
     """At 32 MiB, above the lossless floor, the dense base fits a batch of 8 only with blocks checkpointed or the batch
     split (its plain peak is 35 MiB). With --allow-lossy-base the search holds the base in NF4 and does neither, where
@@ -224,6 +226,7 @@ def test_nf4_is_searched_above_the_floor_and_the_memory_model_bounds_its_peak(ru
     assert json.loads(stdout)["peak_bytes"] <= plan.budget_bytes - sum(plan.headroom.values())
 
 
+@pytest.mark.slow  # a plan of a LoRA model, seconds to tens of seconds
 def test_without_torchao_the_search_leaves_nf4_out_and_plans(run_cli, tmp_path, monkeypatch, capsys):
     """--allow-lossy-base where NF4 cannot run (torchao missing): the search says so and plans without it."""
     from autofit.planning.verify import below_floor

@@ -81,6 +81,7 @@ def test_rows_cover_each_technique():
     assert [c.loss_chunks for c in chunked] == [1, 1, 1, 1, 8]
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_cli):
     out_dir = tmp_path / "out"
     code, stdout, stderr = run_cli(
@@ -144,6 +145,7 @@ def test_without_data_there_are_no_training_columns(cnn_file):
     assert to_markdown(comparison).count("\n| ") == len(comparison.rows) + 1
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_plan_row_at_the_budget(cnn_file):
     pytest.importorskip("autofit.planning.planner")
     spec = load_spec(str(cnn_file))

@@ -221,6 +221,7 @@ def test_make_digits_writes_a_deterministic_stratified_split(tmp_path):
     assert (tmp_path / "a" / files["a"][-1]).read_bytes() == (tmp_path / "b" / files["b"][-1]).read_bytes()
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_ctrl_c_in_autofit_train_saves_and_exits_130_with_one_line(project):
     """The model file's loss sends the process a real SIGINT during step 3."""
     model_file = project["root"] / "model.py"

@@ -276,7 +276,7 @@ def test_sigterm_and_sighup_save_and_stop_as_ctrl_c_does(tmp_path, signal_number
     assert [r["step"] for r in step_records(tmp_path / "cut")] == list(range(1, 11))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_sigterm_to_autofit_train_exits_143_with_the_resume_command_and_resume_alone_continues(tmp_path, project, run_cli):
     """A real process: SIGTERM mid-epoch saves, exits 128+15, and `--log-dir DIR --resume` alone finishes the run."""
     settings = ("--epochs", "2", "--lr", "0.01", "--seed", "3")
@@ -353,6 +353,7 @@ def test_fit_resumes_with_the_saved_plan_and_settings(tmp_path):
         autofit.fit(fresh_model(), train_data=data.train, optimizer=optimizer, log_dir=tmp_path / "cut", resume=True, seed=5)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_an_error_in_the_user_s_code_is_one_line_naming_it_and_the_run_resumes(tmp_path, project):
     """A user's loss (or forward, or optimizer) that raised used to print a whole traceback, and no word on the run."""
     log_dir = tmp_path / "run"
@@ -671,7 +672,7 @@ def test_a_cuda_run_trains_under_the_cap(tmp_path):
 # --- kill -9, at random points, then --resume: as if never killed ------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_killed_with_sigkill_at_random_points_and_resumed_the_run_ends_as_if_never_killed(tmp_path, project, run_cli):
     """Three SIGKILLs at random losses (mid-step, or in validation), a resume after each: same weights, each step once.
 

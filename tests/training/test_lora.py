@@ -9,6 +9,8 @@ from autofit.errors import UserError
 from autofit.training.weights import load_checkpoint
 from tests.helpers.tiny_lm import corpus_lines
 
+pytestmark = pytest.mark.slow  # the whole module plans or trains real models (tens of seconds each)
+
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 

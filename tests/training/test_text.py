@@ -22,6 +22,7 @@ def _write_jsonl(path, records):
     return path
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_plan_then_train_on_jsonl_reports_falling_perplexity(tiny_lm, tmp_path, run_cli):
     corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": line} for line in corpus_lines(160)])
     plan = tmp_path / "plan.json"
@@ -114,6 +115,7 @@ def test_accumulation_2x2_equals_1x4_token_weighted(tiny_lm, tmp_path):
     ('{"body": "the cat"}\n', "no 'text' field"),
     ('{"text": "the cat"}\n', "fewer than one block"),
 ])
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_bad_text_is_one_line(tiny_lm, tmp_path, run_cli, content, message):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(content)
@@ -123,6 +125,7 @@ def test_bad_text_is_one_line(tiny_lm, tmp_path, run_cli, content, message):
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_model_without_tokenizer_is_one_line(tmp_path, run_cli):
     from tests.helpers.tiny_lm import tiny_lm_dir
 

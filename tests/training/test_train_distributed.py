@@ -22,10 +22,13 @@ from autofit.training.weights import load_checkpoint
 from strategies import BatchSplit, BatchSplitConfig, Precision, PrecisionConfig
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with the gloo backend is not available in this torch build",
-)
+pytestmark = [
+    pytest.mark.slow,  # the torchrun launches of `runs`: about two minutes
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="torch.distributed with the gloo backend is not available in this torch build",
+    ),
+]
 
 WORLD_SIZE, GLOBAL_BATCH_SIZE, EPOCHS = 2, 8, 2
 TRAIN_SAMPLES = 37  # 5 global batches a epoch, the last of 5 samples: 3 on rank 0, 2 on rank 1 (one weight-0 micro-batch)
@@ -200,7 +203,7 @@ def test_several_processes_give_the_single_process_loss_curve(runs, sharding):
     assert (root / sharding / "best.pt").is_file() and (root / sharding / "last_sharded" / ".metadata").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize(("resumed", "whole"), [("resumed", "whole"), ("hsdp_resumed", "hsdp")])
 def test_a_resumed_run_ends_as_an_uninterrupted_one(runs, resumed, whole):
     """Stopped after step 3, then new processes resume: losses, validation and exactly the weights as if never stopped.
@@ -214,7 +217,7 @@ def test_a_resumed_run_ends_as_an_uninterrupted_one(runs, resumed, whole):
     assert all(torch.equal(weights[name], again[name]) for name in weights)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_dropout_draws_differ_per_rank(runs):
     """The dropout runs' 2-process curve is not the plain model's: each rank draws its own masks."""
     root, _ = runs

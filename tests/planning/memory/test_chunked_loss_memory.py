@@ -15,6 +15,8 @@ from autofit.planning.memory.levers import LeverChoice
 from autofit.planning.memory.traces import add_chunk_deltas
 from autofit.spec import load_spec
 
+pytestmark = pytest.mark.slow  # the whole module plans or trains real models (tens of seconds each)
+
 transformers = pytest.importorskip("transformers")
 
 CHUNKS = 4

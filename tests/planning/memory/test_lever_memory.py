@@ -109,6 +109,7 @@ def offload_cases(blocks: list[str]) -> dict[str, dict]:
     }
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["lm", "cnn"])
 def test_gradient_levers_predicted_peak_is_the_measured_peak(layout, precision):
@@ -173,6 +174,7 @@ def test_levers_change_the_prediction_as_they_change_the_peak():
     assert peak(8, offload=every) < 0.7 * peak(8)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_offload_is_not_modelled_without_its_trace():
     """The planner traces offload for a GPU only: traces without it still model the gradient levers."""
     memory = memory_costs(grid_spec("lm"), precision="fp32", low=2, high=8, device_type="cpu")

@@ -61,6 +61,7 @@ def grid_memory_model(layout: str, precision: str) -> CostModel:
     return memory_model(grid_spec(layout), precision)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("layout", ["cnn", "lm", "vit", "unet"])
 def test_predicted_peak_is_the_measured_peak(layout, precision):

@@ -12,6 +12,8 @@ from autofit.planning.memory import repeats
 from autofit.planning.memory.repeats import Repeat, find_repeat
 from autofit.planning.memory.traces import add_chunk_deltas, add_offloaded, simulation_spec, trace_memory_sizes
 
+pytestmark = pytest.mark.slow  # the whole module plans or trains real models (tens of seconds each)
+
 LAYERS = 16
 
 

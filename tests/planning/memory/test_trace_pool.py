@@ -57,6 +57,7 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_fresh_process_traces_in_its_workers_and_gets_the_same_traces():
     env = dict(os.environ, AUTOFIT_TRACE_WORKERS="2", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
@@ -84,6 +85,7 @@ def test_no_pool_inside_a_torch_mode(monkeypatch):
     assert pool.workers == 0
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_workers_that_cannot_run_autograd_give_their_runs_back(monkeypatch):
     # A worker forked after this process ran a backward pass over fake tensors finds autograd refusing to run
     # (``_start_worker``); whether this process has is up to the tests before, so the workers are told here.
@@ -129,6 +131,7 @@ def lm_memory():
     return spec, floor, whole, plain
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_recomputations_added_later_equal_those_traced_at_once(monkeypatch, lm_memory):
     from autofit.planning.costs import complete_memory
 
@@ -186,6 +189,7 @@ def test_the_bound_before_recomputations_is_never_below_the_search_with_them(lm_
     assert bounded >= 6 and below_plain >= 3  # the bound is tighter than the plain speed it replaces
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypatch):
     import autofit.planning.memory.traces as memory_model
     from autofit.planning.planner import plan_with_report

@@ -106,6 +106,7 @@ def lm_costs(tmp_path_factory):
     return spec, CostModel.from_dict(report.cost_model)
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_lever_time_adds_each_lever_by_its_formula(lm_costs):
     _, model = lm_costs
     costs = model.precisions["fp32"]
@@ -181,6 +182,7 @@ def test_a_step_in_backward_that_costs_more_than_recomputing_is_not_chosen(monke
     assert not plan.config.optimizer_in_backward and plan.measured.peak_bytes <= STEP_BUDGET
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
 def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_costs, monkeypatch):
     """--simulate --device cuda with host state: predicted samples/s is G / (the chosen configuration's step + the host
     state's term), with the assumed link in the notes (below the floor: the floor configuration with the levers,
