@@ -9,12 +9,35 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    _heaviest_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+LONGEST_MODULES = [
+    "training/test_train_distributed.py", "test_every_model.py", "test_gpu_truth.py", "planning/test_planner_gpus.py",
+    "planning/memory/test_repeats.py", "planning/test_plan_levers.py", "planning/test_plan_search_levers.py",
+    "training/test_lora.py", "strategies/test_frozen_nf4.py", "training/test_faults.py", "strategies/test_compile.py",
+    "planning/memory/test_trace_pool.py", "planning/memory/test_memory_grid.py", "planning/test_planner.py",
+]
+"""The modules that took longest in the last durations table (bench/RESULTS.md, "Test suite"), longest first."""
+
+
+def _heaviest_modules_first(items) -> None:
+    """``LONGEST_MODULES`` first, then the rest in file order, each module's tests together and in order:
+    pytest-xdist's loadscope hands modules out in this order, so the long ones start early and the short ones fill
+    the cores at the end (in file order a module of a minute and a half was among the last ones left)."""
+    first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
+
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next((r for name, r in first.items() if path.endswith("tests/" + name)), len(first))
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(autouse=True, scope="session")
