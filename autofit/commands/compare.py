@@ -36,6 +36,7 @@ def compare(
     from autofit.device import device_info
     from autofit.atomic import check_writable
     from autofit.model_checks import check_model_runs
+    from autofit.progress import print_progress
     from autofit.units import parse_budget
 
     if device not in ("cpu", "cuda"):
@@ -55,7 +56,7 @@ def compare(
     try:
         comparison = run_compare(
             spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
-            train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=lambda line: print(f"  {line}", file=sys.stderr),
+            train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=print_progress,
             # Each finished row and round is written at once: an interrupted compare keeps them (--resume goes on).
             on_update=lambda so_far: save_comparison(so_far, out_dir, chart=False), resume=earlier, all_rows=all_rows,
         )

@@ -61,14 +61,16 @@ def plan(
     ),
     host_speed: float = typer.Option(
         None, "--host-speed",
-        help="Parameter elements per second the training machine's host updates with the optimizer (e.g. 2e9), for a GPU plan's host levers; default timed on this CPU.",
+        help="Parameter elements per second the training machine's host updates with the optimizer (e.g. 2e9), "
+        "for a GPU plan's host levers; default timed on this CPU.",
     ),
     allow_lossy_base: bool = typer.Option(
         False, "--allow-lossy-base",
         help="Frozen linear weights (a --lora base) may be held in 4-bit NF4 (torchao; QLoRA) below the floor; it rounds them.",
     ),
     max_grad_norm: float | None = typer.Option(
-        None, "--max-grad-norm", help="Training will clip the gradients' global norm to this (written in the plan); the step in backward, which cannot clip, is not searched.",
+        None, "--max-grad-norm",
+        help="Training will clip the gradients' global norm to this (written in the plan); the step in backward, which cannot clip, is not searched.",
     ),
     compile_: bool | None = typer.Option(
         None, "--compile/--no-compile",
@@ -86,8 +88,9 @@ def plan(
     from autofit.measure.meters import check_fits_this_machine, check_model_runs_simulated
     from autofit.model_checks import check_model_runs
     from autofit.plan_file import save_plan
-    from autofit.planning.planner import plan_with_report, print_progress
+    from autofit.planning.planner import plan_with_report
     from autofit.planning.request import PlanRequest
+    from autofit.progress import as_progress, print_progress
     from autofit.spec import weights_held
 
     started = time.perf_counter()
@@ -103,20 +106,25 @@ def plan(
     check_writable(out, option="--out")  # before the search, not after it
     if study is not None:
         _check_study(study)
-    spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
-    if simulate:  # built of fake tensors only: the machine that plans need not hold the model
-        check_model_runs_simulated(spec)
-    else:
-        check_fits_this_machine(spec, device=device)
-        check_model_runs(spec)
-    request = PlanRequest(
-        budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
-        host_memory=host_memory, host_speed=host_speed, study=study, expandable_segments=expandable_segments, weights_dtype=weights_dtype,
-        precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus, nodes=nodes,
-        allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads, max_grad_norm=max_grad_norm,
-        compile=compile_,
-    )
-    report = plan_with_report(spec, request, log=None if quiet else print_progress)
+    # One heartbeat from here to the plan: loading a large model and checking its first step can be long silences too.
+    progress = as_progress(None if quiet else print_progress, started_s=started)
+    with progress.beating():
+        with progress.doing("loading the model"):
+            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
+        with progress.doing("checking that the model trains (one step)"):
+            if simulate:  # built of fake tensors only: the machine that plans need not hold the model
+                check_model_runs_simulated(spec)
+            else:
+                check_fits_this_machine(spec, device=device)
+                check_model_runs(spec)
+        request = PlanRequest(
+            budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
+            host_memory=host_memory, host_speed=host_speed, study=study, expandable_segments=expandable_segments, weights_dtype=weights_dtype,
+            precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus, nodes=nodes,
+            allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads,
+            max_grad_norm=max_grad_norm, compile=compile_,
+        )
+        report = plan_with_report(spec, request, log=progress)
     path = save_plan(report.plan, out)
     if as_json:
         print_json(report.plan.to_dict())

@@ -1,6 +1,7 @@
 """`autofit probe`: measure one configuration, re-measure a plan, or list checkpoint candidates."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import typer
 from autofit.cli import app
 from autofit.commands.common import INPUT_SHAPE, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, print_json
 from autofit.errors import UserError
+from autofit.progress import Progress, as_progress, print_progress
 from autofit.units import format_bytes
 
 
@@ -37,6 +39,7 @@ def probe(
     steps: int = typer.Option(3, help="Optimizer steps; the first is a warm-up."),
     list_blocks: bool = typer.Option(False, "--list-blocks", help="List checkpoint candidates with their costs."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines (on stderr: a line when a step runs for 10 s)."),
     input_shape: str = INPUT_SHAPE,
     num_classes: int | None = NUM_CLASSES,
     task: str | None = TASK,
@@ -47,38 +50,52 @@ def probe(
     from autofit.measure.blocks import profile_blocks
     from autofit.device import check_device
     from autofit.measure.probe import probe as run_probe
-    from autofit.model_checks import check_model_runs
 
+    # A simulated probe of a large model can run for minutes: a line whenever none came for a while.
+    progress = as_progress(None if quiet else print_progress, started_s=time.perf_counter())
     if plan is not None:
-        _probe_plan(plan, model=model, steps=steps, as_json=as_json, configured={
-            "--micro-batch-size": micro_batch_size != 32, "--grad-accum-steps": grad_accum_steps != 1,
-            "--precision": precision != "fp32", "--checkpoint": checkpoint != "none", "--device": device != "cpu",
-            "--selective-checkpoint": selective_checkpoint != "none", "--offload": offload != "none",
-            "--optimizer-in-backward": optimizer_in_backward, "--optimizer-state": optimizer_state != "device",
-            "--loss-chunks": loss_chunks != 1, "--simulate": simulate, "--list-blocks": list_blocks,
-        })
+        with progress.beating():
+            _probe_plan(plan, model=model, steps=steps, as_json=as_json, progress=progress, configured={
+                "--micro-batch-size": micro_batch_size != 32, "--grad-accum-steps": grad_accum_steps != 1,
+                "--precision": precision != "fp32", "--checkpoint": checkpoint != "none", "--device": device != "cpu",
+                "--selective-checkpoint": selective_checkpoint != "none", "--offload": offload != "none",
+                "--optimizer-in-backward": optimizer_in_backward, "--optimizer-state": optimizer_state != "device",
+                "--loss-chunks": loss_chunks != 1, "--simulate": simulate, "--list-blocks": list_blocks,
+            })
         return
     if model is None:
         raise UserError("probe needs a MODEL (a model file or torchvision:NAME), or --plan plan.json to re-measure a plan")
     check_device(device, precision=precision, simulate=simulate)
     if micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {micro_batch_size} must be at least 1")
-    spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
-    if simulate:
-        from autofit.measure.meters import check_model_runs_simulated
-        from autofit.planning.memory.traces import simulation_spec
-
-        check_model_runs_simulated(spec)
-        # As the planner does: a model whose build the simulated meter cannot fake (ViT's) is copied from meta.
-        spec = simulation_spec(spec)
-    else:
-        from autofit.measure.meters import check_fits_this_machine
-
-        check_fits_this_machine(spec, device=device)
-        check_model_runs(spec)
-        _check_fits_machine(spec, micro_batch_size=micro_batch_size, device=device)
+    with progress.beating():
+        with progress.doing("loading the model"):
+            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+        with progress.doing("checking that the model trains (one step)"):
+            spec = _checked(spec, micro_batch_size=micro_batch_size, device=device, simulate=simulate)
+        if list_blocks:
+            with progress.doing("profiling each block"):
+                blocks = profile_blocks(spec, micro_batch_size=micro_batch_size, precision=precision, device=device, simulate=simulate)
+        else:
+            measuring = progress.doing(f"probing {precision} at micro-batch {micro_batch_size} x {grad_accum_steps}")
+            with measuring, _out_of_memory_as_one_line(f"-m {micro_batch_size}", device=device):
+                result = run_probe(
+                    spec,
+                    micro_batch_size=micro_batch_size,
+                    grad_accum_steps=grad_accum_steps,
+                    precision=precision,
+                    checkpoint=checkpoint,
+                    selective_checkpoint=selective_checkpoint,
+                    offload=offload,
+                    optimizer_in_backward=optimizer_in_backward,
+                    optimizer_state=optimizer_state,
+                    loss_chunks=loss_chunks,
+                    device=device,
+                    simulate=simulate,
+                    steps=steps,
+                    progress=progress,
+                )
     if list_blocks:
-        blocks = profile_blocks(spec, micro_batch_size=micro_batch_size, precision=precision, device=device, simulate=simulate)
         if as_json:
             print_json([b.to_dict() for b in blocks])
             return
@@ -87,29 +104,35 @@ def probe(
         for b in blocks:
             print(f"{b.name:<24} {format_bytes(b.saved_bytes):>18} {format_bytes(b.input_bytes):>12} {b.forward_share:>10.1%}")
         return
-    with _out_of_memory_as_one_line(f"-m {micro_batch_size}", device=device):
-        result = run_probe(
-            spec,
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
-            precision=precision,
-            checkpoint=checkpoint,
-            selective_checkpoint=selective_checkpoint,
-            offload=offload,
-            optimizer_in_backward=optimizer_in_backward,
-            optimizer_state=optimizer_state,
-            loss_chunks=loss_chunks,
-            device=device,
-            simulate=simulate,
-            steps=steps,
-        )
     if as_json:
         print_json(result.to_dict())
         return
     _print_result(spec.source, result)
 
 
-def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, configured: dict[str, bool]) -> None:
+def _checked(spec, *, micro_batch_size: int, device: str, simulate: bool):
+    """``spec`` checked to train once, as the probe will measure it (simulated: over fake tensors, the machine need
+    not hold it; else on the device, with a micro-batch whose inputs fit it)."""
+    from autofit.model_checks import check_model_runs
+
+    if simulate:
+        from autofit.measure.meters import check_model_runs_simulated
+        from autofit.planning.memory.traces import simulation_spec
+
+        check_model_runs_simulated(spec)
+        # As the planner does: a model whose build the simulated meter cannot fake (ViT's) is copied from meta.
+        return simulation_spec(spec)
+    from autofit.measure.meters import check_fits_this_machine
+
+    check_fits_this_machine(spec, device=device)
+    check_model_runs(spec)
+    _check_fits_machine(spec, micro_batch_size=micro_batch_size, device=device)
+    return spec
+
+
+def _probe_plan(
+    path: Path, *, model: str | None, steps: int, as_json: bool, configured: dict[str, bool], progress: Progress,
+) -> None:
     """Measure what a plan names, through the same strategy owner as training, and set it beside the plan's figures."""
     from autofit.measure.probe import probe_plan
     from autofit.model_checks import check_model_runs
@@ -129,8 +152,9 @@ def _probe_plan(path: Path, *, model: str | None, steps: int, as_json: bool, con
         spec = simulation_spec(spec)
     else:
         check_model_runs(spec)
-    with _out_of_memory_as_one_line(f"the plan's micro-batch {the_plan.config.micro_batch_size}", device=the_plan.device.type):
-        result = probe_plan(spec, the_plan, steps=steps)
+    measuring = progress.doing(f"probing the plan's configuration at micro-batch {the_plan.config.micro_batch_size}")
+    with measuring, _out_of_memory_as_one_line(f"the plan's micro-batch {the_plan.config.micro_batch_size}", device=the_plan.device.type):
+        result = probe_plan(spec, the_plan, steps=steps, progress=progress)
     planned = {
         "budget_bytes": the_plan.budget_bytes,
         "measured_peak_bytes": the_plan.measured.peak_bytes if the_plan.measured else None,

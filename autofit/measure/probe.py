@@ -20,6 +20,7 @@ from autofit.measure.meters import compiled_step_on_cpu, fall_back_from_simulati
 from autofit.measure.tracker import ACTIVATIONS
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.plan_file import Plan
+from autofit.progress import QUIET, Progress
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.step import train_step
 
@@ -70,6 +71,7 @@ def probe(
     simulate: bool = False,
     steps: int = 3,
     seed: int = 0,
+    progress: Progress = QUIET,
 ) -> ProbeResult:
     """Run ``steps`` optimizer steps of one configuration and measure them.
 
@@ -89,6 +91,7 @@ def probe(
         device: "cpu" or "cuda".
         simulate: measure over fake tensors (no arithmetic, no speed).
         steps: optimizer steps; the first is a warm-up and is not timed.
+        progress: hears which step runs, k of n (``autofit.progress``).
 
     Returns:
         The peak bytes with breakdown, and samples/s (None when simulated).
@@ -104,10 +107,10 @@ def probe(
         selective_checkpoint=selective_checkpoint, offload=offload,
         optimizer_in_backward=optimizer_in_backward, optimizer_state=optimizer_state, loss_chunks=loss_chunks,
     )
-    return measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed)
+    return measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed, progress=progress)
 
 
-def probe_plan(spec: ModelSpec, plan: Plan, *, steps: int = 3, seed: int = 0) -> ProbeResult:
+def probe_plan(spec: ModelSpec, plan: Plan, *, steps: int = 3, seed: int = 0, progress: Progress = QUIET) -> ProbeResult:
     """Re-measure exactly the configuration a plan names, on its device and with its meter.
 
     A plan for several processes is measured as the planner measured it: one
@@ -121,7 +124,7 @@ def probe_plan(spec: ModelSpec, plan: Plan, *, steps: int = 3, seed: int = 0) ->
         use_plan_allocator(plan, device=torch.device(plan.device.type))
     return measure(
         spec, plan.config.rank_share(), device=plan.device.type, simulate=plan.estimated, steps=steps, seed=seed,
-        fingerprint=plan.model.fingerprint,
+        fingerprint=plan.model.fingerprint, progress=progress,
     )
 
 
@@ -134,20 +137,23 @@ def measure(
     steps: int = 3,
     seed: int = 0,
     fingerprint: str | None = None,
+    progress: Progress = QUIET,
 ) -> ProbeResult:
     """Run ``steps`` optimizer steps of ``config``, applied by the one strategy owner, under the device's meter.
 
     Args:
         fingerprint: when given, the model must have it (a plan's model).
+        progress: hears which step runs, k of n.
     """
+    settings = dict(device=device, simulate=simulate, steps=steps, seed=seed, fingerprint=fingerprint, progress=progress)
     try:
-        return _measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed, fingerprint=fingerprint)
+        return _measure(spec, config, **settings)
     except FAKE_TENSOR_LIMITS as error:
         if not simulate or spec.simulation_fallback:
             raise
         # Fake tensors cannot run this model: one line says so, and the cpu meter measures it.
         spec = fall_back_from_simulation(spec, error)
-        return _measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed, fingerprint=fingerprint)
+        return _measure(spec, config, **settings)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as error:
@@ -164,7 +170,10 @@ def measure(
         ) from error
 
 
-def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: bool, steps: int, seed: int, fingerprint: str | None) -> ProbeResult:
+def _measure(
+    spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: bool, steps: int, seed: int, fingerprint: str | None,
+    progress: Progress,
+) -> ProbeResult:
     if steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
     check_device(device, precision=config.precision, simulate=simulate)
@@ -191,12 +200,13 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
         inputs, targets = example_batch(config.global_batch_size)
         step_seconds = []
         with meter.measure(applied.model, optimizer) as measurement:
-            for _ in range(steps):
-                start = time.perf_counter()
-                result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
-                if not simulate:
-                    result.loss.item()  # waits for the device
-                step_seconds.append(time.perf_counter() - start)
+            for number in range(1, steps + 1):
+                with progress.doing(f"{'simulated ' if simulate else ''}optimizer step", step=number, of=steps):
+                    start = time.perf_counter()
+                    result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
+                    if not simulate:
+                        result.loss.item()  # waits for the device
+                    step_seconds.append(time.perf_counter() - start)
         compiled_change = None
         if config.compile and meter.name == "cpu":  # the tracker ran the compiled model eagerly
             def step() -> None:
@@ -208,7 +218,8 @@ def _measure(spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: 
             step_seconds = [seconds]
     timed = step_seconds[1:] or step_seconds
     samples_per_s = None if simulate else config.global_batch_size * len(timed) / sum(timed)
-    del model, applied, optimizer, inputs, targets, result
+    # Rebound, not deleted (inner functions name them): the model and its state are freed before the release.
+    model = applied = optimizer = inputs = targets = result = None
     release_device_memory(device)
     return ProbeResult(
         peak_bytes=measurement.peak_bytes,

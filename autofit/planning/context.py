@@ -43,6 +43,7 @@ from autofit.planning.policy import POLICY
 from autofit.planning.speed.estimated import GPU_PEAKS, gpu_kind
 from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool
+from autofit.progress import QUIET, Progress, as_progress
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, checkpoint_candidates, precision_dtype
@@ -76,8 +77,8 @@ class PlanContext:
     study: Study
     meta_model: torch.nn.Module
     """The model on the meta device, built once for the run (its fingerprint, identity and the plan's model info)."""
-    user_log: Callable[[str], None] | None = None
-    """Receives the progress lines (``log``)."""
+    progress: Progress = QUIET
+    """Receives the progress lines (``log``) and what runs now (``progress.doing``), for its heartbeat."""
     started: float = field(default_factory=time.perf_counter)
     """``time.perf_counter()`` when the run started."""
     threads: int = 1
@@ -100,7 +101,8 @@ class PlanContext:
         The trace workers start here, before the check's backward pass (a process forked after one cannot
         run autograd); they are closed again when the check falls back to the cpu meter."""
         spec = simulation_spec(self.spec)
-        self.trace_pool.start(spec)
+        with self.progress.paused():  # a worker forked while the heartbeat writes could copy its half-written line
+            self.trace_pool.start(spec)
         checked = checked_for_simulation(spec, stand_in=self.stand_in(spec))
         if checked is not spec:
             self.trace_pool.close()
@@ -142,9 +144,8 @@ class PlanContext:
         return POLICY.busy_tie_share if self.threads_note else POLICY.tie_share
 
     def log(self, line: str) -> None:
-        """A progress line, stamped with the seconds since the run started."""
-        if self.user_log is not None:
-            self.user_log(f"[{time.perf_counter() - self.started:5.1f} s] {line}")
+        """A progress line (stamped by ``progress``: ``autofit.progress.as_progress``)."""
+        self.progress.say(line)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -160,7 +161,8 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     """Check a planning run's request (one process: ``request.gpus`` is for the pipeline) and fix what the run is about.
 
     Args:
-        log: receives the run's progress lines.
+        log: receives the run's progress lines: a ``Progress`` (the command's heartbeat), else a callable that
+            receives them stamped with the seconds since this call.
 
     Raises:
         UserError: an unknown device, a bad batch size or budget, no CUDA device
@@ -219,7 +221,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
         spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=request.num_classes,
         host_budget_bytes=host_budget, host_budget_note=host_note, host_speed=_host_speed(request.host_speed, device=device),
-        study=where, user_log=log, started=started, threads=count, threads_note=note, meta_model=meta_model,
+        study=where, progress=as_progress(log, started_s=started), started=started, threads=count, threads_note=note, meta_model=meta_model,
         compile=request.compile if request.compile is not None else device == "cuda" and not simulate,
     )
 

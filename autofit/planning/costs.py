@@ -21,6 +21,7 @@ from autofit.planning.memory.levers import LeverChoice, lever_peak_bytes
 from autofit.planning.memory.levers import trace_from_dict as lever_trace_from_dict
 from autofit.planning.memory.segments import Segment, peak_of
 from autofit.planning.memory.traces import MemoryTrace, add_offloaded, add_recomputes, trace_memory_sizes
+from autofit.progress import QUIET, Progress
 from autofit.spec import ModelSpec
 from strategies import BatchSplitConfig
 
@@ -347,7 +348,7 @@ def _trace_from_dict(data: dict) -> MemoryTrace:
 
 def memory_costs(
     spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None,
-    blocks: list[str] | None = None, pool=None, recompute: bool = True, offload: bool = False,
+    blocks: list[str] | None = None, pool=None, recompute: bool = True, offload: bool = False, progress: Progress = QUIET,
 ) -> MemoryCosts:
     """Trace one precision at the smallest and the largest micro-batch size (simulated: no arithmetic).
 
@@ -367,11 +368,12 @@ def memory_costs(
             are known, until ``complete_memory`` adds them.
         offload: also trace each size with every block offloaded (``memory.levers.add_offloaded``), so that the
             model predicts activation offload (a GPU lever: the planner asks for it for a GPU only).
+        progress: hears which run is awaited, k of n.
     """
     def with_offload(trace: MemoryTrace | None) -> MemoryTrace | None:
         if not offload or trace is None:
             return trace
-        return add_offloaded([trace], spec, precision=precision, device_type=device_type, pool=pool)[0]
+        return add_offloaded([trace], spec, precision=precision, device_type=device_type, pool=pool, progress=progress)[0]
 
     floor, low_trace = None, with_offload(low_trace)
     if low_trace is not None and not recompute:
@@ -379,21 +381,24 @@ def memory_costs(
     if high == low:
         low_trace = low_trace or with_offload(trace_memory_sizes(
             spec, sizes=[low], precision=precision, device_type=device_type, blocks=blocks, pool=pool, recompute=recompute,
+            progress=progress,
         )[0])
         return MemoryCosts(low=floor or low_trace, high=floor or low_trace)
     sizes = [high] + ([2] if low == 1 and high > 2 else []) + ([] if low_trace else [low])
     traced = trace_memory_sizes(
         spec, sizes=sizes, precision=precision, device_type=device_type, blocks=low_trace.blocks if low_trace else blocks, pool=pool,
-        recompute=recompute,
+        recompute=recompute, progress=progress,
     )
     if offload:
-        traced = add_offloaded(traced, spec, precision=precision, device_type=device_type, pool=pool)
+        traced = add_offloaded(traced, spec, precision=precision, device_type=device_type, pool=pool, progress=progress)
     traces = dict(zip(sizes, traced))
     memory = _assembled(low_trace or traces[low], traces.get(2) if low == 1 and high > 2 else None, traces[high])
     return replace(memory, floor=floor) if not memory.recomputed else memory
 
 
-def complete_memory(spec: ModelSpec, memory: MemoryCosts, *, precision: str, device_type: str, pool=None) -> MemoryCosts:
+def complete_memory(
+    spec: ModelSpec, memory: MemoryCosts, *, precision: str, device_type: str, pool=None, progress: Progress = QUIET,
+) -> MemoryCosts:
     """``memory`` with the recomputations its traces were made without (``memory_costs``' ``recompute``)."""
     if memory.recomputed:
         return memory
@@ -401,7 +406,9 @@ def complete_memory(spec: ModelSpec, memory: MemoryCosts, *, precision: str, dev
     if memory.floor is not None and memory.floor.micro_batch_size in own:
         # The whole trace the low one was cut from (``_plain_part``), selective left out where ``_assembled`` left it out.
         own[memory.floor.micro_batch_size] = memory.floor if memory.low.selective_drop_bytes else _without_selective(memory.floor)
-    done = dict(zip(own, add_recomputes(spec, list(own.values()), precision=precision, device_type=device_type, pool=pool)))
+    done = dict(zip(own, add_recomputes(
+        spec, list(own.values()), precision=precision, device_type=device_type, pool=pool, progress=progress,
+    )))
     high = done[memory.high.micro_batch_size]
     if memory.low.micro_batch_size == memory.high.micro_batch_size:
         return MemoryCosts(low=high, high=high)

@@ -167,9 +167,11 @@ def smallest_runnable(context: PlanContext) -> int:
     identical blocks has it cut short for them (``PlanContext.stand_in``).
     """
     errors = []
-    for size in micro_batch_sizes(context.global_batch_size, smallest=1)[::-1]:
+    sizes = micro_batch_sizes(context.global_batch_size, smallest=1)[::-1]
+    for number, size in enumerate(sizes, start=1):
         try:
-            _simulated_forward(context, size=size, precision=context.precisions[0], backward=True, stand_in=True)
+            with context.progress.doing(f"simulating a step at micro-batch {size}, the smallest it may train with", step=number, of=len(sizes)):
+                _simulated_forward(context, size=size, precision=context.precisions[0], backward=True, stand_in=True)
         except Exception as error:  # the user's model refused this batch size
             errors.append(f"micro-batch {size}: {type(error).__name__}: {error}")
             continue
@@ -190,7 +192,7 @@ def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
     context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} ({context.trace_meter})")
     trace = trace_memory_sizes(
         context.sim_spec, sizes=[costs.smallest], precision=precision, device_type=context.device, blocks=_traced_blocks(costs),
-        pool=context.trace_pool,
+        pool=context.trace_pool, progress=context.progress,
     )[0]
     _check_blocks(costs, trace.blocks)
     costs.low_only[precision] = _low_memory(trace)
@@ -215,6 +217,7 @@ def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute:
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
             low_trace=low.low if low else None, blocks=_traced_blocks(costs), pool=context.trace_pool, recompute=recompute,
+            progress=context.progress,
         )
         _check_blocks(costs, memory.low.blocks)
     costs.low_only.pop(precision, None)
@@ -240,7 +243,7 @@ def rank_compute_memory(context: PlanContext, costs: Costs) -> MemoryCosts | Non
     )
     return memory_costs(
         context.sim_spec, precision=MASTER_WEIGHTS, low=costs.smallest, high=G, device_type=context.device,
-        blocks=_traced_blocks(costs), pool=context.trace_pool,
+        blocks=_traced_blocks(costs), pool=context.trace_pool, progress=context.progress,
     )
 
 
@@ -255,7 +258,9 @@ def add_recomputations(context: PlanContext, costs: Costs, precision: str) -> No
         completed = costs.model.precisions[shared].memory
     else:
         context.log(f"memory: tracing {precision}'s recomputations (checkpointed blocks; simulated)")
-        completed = complete_memory(context.sim_spec, memory, precision=precision, device_type=context.device, pool=context.trace_pool)
+        completed = complete_memory(
+            context.sim_spec, memory, precision=precision, device_type=context.device, pool=context.trace_pool, progress=context.progress,
+        )
     for name, costs_of in costs.model.precisions.items():
         if costs_of.memory is memory or name == precision:
             costs_of.memory = completed
@@ -323,7 +328,10 @@ def trace_offload(context: PlanContext, costs: Costs, precision: str, *, usable_
     named = memory.named()
     sizes = sorted({trace.micro_batch_size for trace in named.values()})
     context.log(f"memory: tracing {precision} with every block offloaded at micro-batch {', '.join(map(str, sizes))} ({context.trace_meter})")
-    done = add_offloaded(list(named.values()), context.sim_spec, precision=precision, device_type=context.device, pool=context.trace_pool)
+    done = add_offloaded(
+        list(named.values()), context.sim_spec, precision=precision, device_type=context.device, pool=context.trace_pool,
+        progress=context.progress,
+    )
     memory.replace_traces(dict(zip(named, done)))
     costs.changed = True
 
@@ -337,7 +345,8 @@ def add_eight_bit_state(context: PlanContext, costs: Costs) -> None:
     record = next((t.levers.eight_bit for t in traces if t.levers is not None and t.levers.eight_bit is not None), None)
     if record is None:
         context.log(f"memory: 8-bit optimizer state's bytes, one 8-bit step per parameter shape ({context.trace_meter})")
-        record = eight_bit_record(context.sim_spec, device_type=context.device)
+        with context.progress.doing("stepping 8-bit optimizer state, one parameter shape after another"):
+            record = eight_bit_record(context.sim_spec, device_type=context.device)
     for memory in memories:
         if memory.replace_traces({name: add_eight_bit(t, record) for name, t in memory.named().items()}):
             costs.changed = True
@@ -358,7 +367,8 @@ def add_nf4_state(context: PlanContext, costs: Costs) -> None:
         dtype = nf4_weight_dtype(precision)
         if dtype not in records:
             context.log(f"memory: frozen weights in NF4 ({str(dtype).removeprefix('torch.')}), one product per weight shape ({context.trace_meter})")
-            records[dtype] = nf4_record(context.sim_spec, device_type=context.device, weight_dtype=dtype)
+            with context.progress.doing("multiplying by NF4 weights, one weight shape after another"):
+                records[dtype] = nf4_record(context.sim_spec, device_type=context.device, weight_dtype=dtype)
         if records[dtype] is not None and memory.replace_traces({name: add_nf4(t, records[dtype]) for name, t in memory.named().items()}):
             costs.changed = True
 
@@ -386,7 +396,7 @@ def add_loss_chunks(context: PlanContext, costs: Costs, *, chunks: int, usable_b
         )
         done = dict(zip(own, add_chunk_deltas(
             list(own.values()), context.sim_spec, precision=precision, device_type=context.device, chunks=chunks,
-            pool=context.trace_pool,
+            pool=context.trace_pool, progress=context.progress,
         )))
         high = done.get("high", named["high"])
         for name, trace in named.items():  # a trace scaled from the high one: scaled again, with its change
@@ -430,10 +440,11 @@ def same_autocast_bytes(context: PlanContext, first: str, second: str, *, size: 
     short (``PlanContext.stand_in``): the blocks cut make what the ones kept make.
     """
     try:
-        return (
-            _simulated_forward(context, size=size, precision=first, stand_in=True)
-            == _simulated_forward(context, size=size, precision=second, stand_in=True)
-        )
+        with context.progress.doing(f"comparing {first}'s and {second}'s tensors (two simulated forwards)"):
+            return (
+                _simulated_forward(context, size=size, precision=first, stand_in=True)
+                == _simulated_forward(context, size=size, precision=second, stand_in=True)
+            )
     except Exception:  # a model the comparison cannot run: trace both
         return False
 
@@ -537,16 +548,19 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
             settings = dict(
                 precisions=timed, sizes=sizes, device_type=context.device, device_name=context.info.name, pool=context.trace_pool,
             )
-            try:  # counted on the model with its run of identical blocks cut short
-                speeds = flop_speed_costs(context.sim_spec, repeat=context.repeat, **settings)
-            except Exception:
-                if context.repeat is None:
-                    raise
-                # A forward that counts on every block being there: counted on the whole model (its own error, if any).
-                speeds = flop_speed_costs(context.sim_spec, **settings)
+            with context.progress.doing(f"counting {', '.join(timed)}'s FLOPs (simulated forwards)"):
+                try:  # counted on the model with its run of identical blocks cut short
+                    speeds = flop_speed_costs(context.sim_spec, repeat=context.repeat, **settings)
+                except Exception:
+                    if context.repeat is None:
+                        raise
+                    # A forward that counts on every block being there: counted on the whole model (its own error, if any).
+                    speeds = flop_speed_costs(context.sim_spec, **settings)
         else:
             context.log(f"speed: timing {', '.join(timed)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")
-            speeds = time_precisions(context.spec, precisions=timed, sizes=sizes, device=context.device, clock=context.clock)
+            speeds = time_precisions(
+                context.spec, precisions=timed, sizes=sizes, device=context.device, clock=context.clock, progress=context.progress,
+            )
         costs.speeds.update(speeds)
     borrowed = {
         MASTER_WEIGHTS: "bf16's compute; the fp32 masters' update on the host and its copies are priced apart",

@@ -36,7 +36,6 @@ process with an allowance for DDP's buckets, FSDP2 (``ranks``) otherwise.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,6 +64,7 @@ from autofit.planning.verify.compiled import with_compile
 from autofit.planning.report import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
 from autofit.units import format_bytes
+from autofit.progress import Progress, as_progress
 
 
 def plan(
@@ -125,15 +125,27 @@ def plan_with_report(spec: ModelSpec, request: PlanRequest, *, log: Callable[[st
     On one process the search adds the memory levers, and below the floor they are tried (``levers``);
     8-bit optimizer state only with ``allow_lossy_optimizer``. They run on one
     process, so N > 1 plans do not use them.
+
+    ``log`` receives the progress lines, stamped with the seconds since this call, and while a step runs, a line
+    whenever none went out for ``autofit.progress.INTERVAL_S`` (a ``Progress`` is used as it is: a command's heartbeat).
     """
     gpus, nodes = request.gpus, request.nodes
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise UserError(f"--gpus {gpus!r} must be a whole number of GPUs, at least 1")
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
         raise UserError(f"--nodes {nodes!r} must be a whole number of machines, at least 1")
-    if gpus * nodes > 1:
-        return _with_clipping(_plan_ranks(spec, request, log=log), request.max_grad_norm)
-    context = plan_context(spec, request, log=log)
+    # One heartbeat for every context of the run (a command's own where it passes one): no step silent for long.
+    progress = as_progress(log, started_s=time.perf_counter())
+    with progress.beating():
+        if gpus * nodes > 1:
+            return _with_clipping(_plan_ranks(spec, request, progress=progress), request.max_grad_norm)
+        return _plan_alone(spec, request, progress=progress)
+
+
+def _plan_alone(spec: ModelSpec, request: PlanRequest, *, progress: Progress) -> PlanReport:
+    """One process: ``plan_with_report`` for ``gpus`` 1 on one node."""
+    with progress.doing("checking the device and the precisions, and how busy the cores are"):
+        context = plan_context(spec, request, log=progress)
     levers = Levers(
         allow_lossy_optimizer=request.allow_lossy_optimizer, allow_lossy_base=request.allow_lossy_base,
         max_grad_norm=request.max_grad_norm,
@@ -267,7 +279,8 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
         unconstrained=unconstrained, sampler=sampler, evaluations=len(evaluations), simulated_checks=measurements.simulated_checks,
         memory_probes=measurements.memory_probes, real_probes=measurements.real_probes, resumed=costs.resumed,
         seconds=time.perf_counter() - context.started, rejected=measurements.rejected, costs=costs.model,
-        speeds={p: asdict(s) for p, s in costs.speeds.items() if p in context.precisions}, phases=dict(context.phases), timing=measurements.timing, speed_noise=0.0 if context.simulate else speed_noise,
+        speeds={p: asdict(s) for p, s in costs.speeds.items() if p in context.precisions}, phases=dict(context.phases),
+        timing=measurements.timing, speed_noise=0.0 if context.simulate else speed_noise,
         threads_note=context.threads_note, study=context.study.storage or "", study_problems=list(context.study.problems),
     )
     context.log(f"planned in {report.seconds:.1f} s")
@@ -558,7 +571,7 @@ def _precision_notes(context: PlanContext, costs: Costs, evaluations: list[Evalu
     return notes
 
 
-def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], None] | None) -> PlanReport:
+def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, progress: Progress) -> PlanReport:
     """N > 1 processes: DDP when a rank's share fits as one process with the buckets' allowance, else FSDP2; on several
     nodes, FSDP2 within each node and replicated across them (HSDP) where that fits, else over every process."""
     started = time.perf_counter()
@@ -569,13 +582,16 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
     one_process = (MASTER_WEIGHTS, PURE_BF16)
     if request.weights_dtype == "config" and spec.config_dtype == "bf16":
-        raise UserError(f"--weights-dtype config keeps config.json's bf16 weights ({PURE_BF16}), which train on one process only; for {world_size} GPUs leave it out")
+        raise UserError(
+            f"--weights-dtype config keeps config.json's bf16 weights ({PURE_BF16}), which train on one process only; "
+            f"for {world_size} GPUs leave it out"
+        )
     asked = [p for p in (request.precisions or PRECISIONS) if p not in one_process]
     if not asked:
         raise UserError(f"--precisions {','.join(request.precisions)} train on one process only; for {world_size} GPUs allow bf16 or fp32")
     request = replace(request, precisions=tuple(asked))
     # One rank's share of the batch with the whole per-GPU budget (FSDP2 plans in it).
-    rank = plan_context(spec, replace(request, batch_size=share, gpus=1, nodes=1, study=None), log=log)
+    rank = plan_context(spec, replace(request, batch_size=share, gpus=1, nodes=1, study=None), log=progress)
 
     def say_why_left_out(context: PlanContext) -> None:
         for precision in one_process:
@@ -591,7 +607,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], N
     costs, contexts = None, [rank]
     try:
         if rank.budget_bytes > allowance:
-            ddp = plan_context(spec, replace(request, budget=rank.budget_bytes - allowance, batch_size=share, gpus=1, nodes=1), log=log)
+            ddp = plan_context(spec, replace(request, budget=rank.budget_bytes - allowance, batch_size=share, gpus=1, nodes=1), log=progress)
             say_why_left_out(ddp)
             contexts.append(ddp)
             costs = _memory(ddp)
@@ -633,7 +649,3 @@ def _plan_hsdp(rank: PlanContext, costs: Costs, *, per_node: int, nodes: int, ba
         return None
     return restate_for_hsdp(report, nodes=nodes, global_batch_size=batch_size)
 
-
-def print_progress(line: str) -> None:
-    """A log function for the CLI: progress on stderr, so --json keeps stdout clean."""
-    print(f"  {line}", file=sys.stderr, flush=True)

@@ -37,6 +37,7 @@ from autofit.measure.meters import release_device_memory
 from autofit.model_io import call_model, logits_of
 from autofit.planning.context import meta_model_of
 from autofit.planning.speed.timing import Samples
+from autofit.progress import Progress, as_progress
 from autofit.spec import ModelSpec
 from autofit.tools.evaluate import evaluate
 from strategies import DEFAULT_LOSS_CHUNKS, chunkable
@@ -205,7 +206,7 @@ def compare(
     probe_steps: int = 2,
     rounds: int = DEFAULT_ROUNDS,
     seed: int = 0,
-    progress: Callable[[str], None] = lambda message: None,
+    progress: Callable[[str], None] | None = None,
     on_update: Callable[[Comparison], None] = lambda comparison: None,
     resume: Comparison | None = None,
     all_rows: bool = False,
@@ -224,7 +225,8 @@ def compare(
         probe_steps: probe steps per configuration for its peak (the first is a warm-up).
         rounds: timing rounds; each times one step of the global batch of every row.
         seed: the same model initialisation and batch order for every row.
-        progress: called with a line as each row starts ("row k of N: name") and after each timing round.
+        progress: called with a line as each row starts ("row k of N: name") and after each timing round, and
+            (from a thread) whenever none came for ``autofit.progress.INTERVAL_S``: what is still running.
         on_update: called with the comparison so far after each row and each round (the command writes its files).
         all_rows: also the rows of an AMP precision that a first look finds far slower than fp32 (``_too_slow``).
         resume: an earlier, interrupted comparison of the same model and settings: its measured rows are kept, not
@@ -244,84 +246,90 @@ def compare(
         raise UserError(f"--steps {probe_steps} must be at least 2 (the first is a warm-up)")
     if rounds < 1:
         raise UserError(f"--rounds {rounds} must be at least 1")
-    comparison = Comparison(
-        model=spec.source, device=device, global_batch_size=global_batch_size, budget_bytes=budget_bytes,
-        data=None if data is None else str(data), train_steps=train_steps if data is not None else 0, rounds=rounds,
-    )
-    kept = _resumable(resume, comparison)
-    training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
-    if training is not None:
-        comparison.eval_data = training.eval_dir
-    amp = runnable_amp_precisions(device)
-    left_out = {} if all_rows else _too_slow(spec, amp, device=device, seed=seed)
-    for precision, ratio in left_out.items():
-        progress(f"{precision} AMP rows left out: a step at micro-batch 1 took {ratio:.1f}x fp32's here (--all-rows measures them)")
-    configs = configurations(
-        global_batch_size=global_batch_size, amp_precisions=[p for p in amp if p not in left_out], device=device,
-        loss_chunks=DEFAULT_LOSS_CHUNKS if chunkable(meta_model_of(spec)) is None else 1,
-    )
-    if budget_bytes is not None:
-        planned = next((row for name, row in kept.items() if name.startswith("autofit plan") and row.config), None)
-        if planned is not None:  # the plan an interrupted run made: the same row, not a second planning
-            configs.append(Contender(name=planned.name, config=TrainingConfig(**planned.config)))
-        elif "autofit plan" in kept:  # no plan fitted then: nor will it now
-            pass
-        else:
-            progress("planning at the budget")
-            try:
-                configs.append(plan_configuration(
-                    spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device,
-                    log=lambda line: progress(f"  plan: {line}"),
-                ))
-            except UserError as error:  # no plan fits: the other rows still stand
-                kept["autofit plan"] = Row(
-                    name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
-                    note=f"no plan: {error}", memory_done=True,
-                )
-    total = len(configs)
-    for number, contender in enumerate(configs, start=1):
-        config = contender.config
-        row = kept.get(contender.name)
-        if row is not None and row.memory_done:
-            progress(f"row {number} of {total}: {contender.name} (kept from the earlier run)")
-            comparison.rows.append(row)
-            continue
-        progress(f"row {number} of {total}: {contender.name}")
-        row = Row(
-            name=contender.name, precision=config.precision, checkpoint_blocks=0,
-            micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps, config=_config_dict(config),
+    progress = as_progress(progress)  # its lines, and a heartbeat between them
+    with progress.beating():
+        comparison = Comparison(
+            model=spec.source, device=device, global_batch_size=global_batch_size, budget_bytes=budget_bytes,
+            data=None if data is None else str(data), train_steps=train_steps if data is not None else 0, rounds=rounds,
         )
-        try:
-            result = measure(spec, config, device=device, steps=probe_steps, seed=seed)
-        except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
-            row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
-            release_device_memory(device)
-        else:
-            row.peak_bytes, row.checkpoint_blocks = result.peak_bytes, len(result.checkpoint)
-            row.activation_bytes = result.breakdown.get("activations")
-            if training is not None:
-                progress(f"  training {contender.name} for {train_steps} steps")
-                outcome = training.train_and_score(spec, config, device=device, seed=seed)
-                row.train_loss, row.eval_loss, row.eval_accuracy = outcome.train_loss, outcome.eval_loss, outcome.eval_accuracy
-                row.skipped_steps = outcome.skipped_steps
-                if outcome.skipped_steps:
-                    row.note = f"GradScaler skipped {outcome.skipped_steps} of {train_steps} steps (inf/nan gradients) while finding its scale"
-        row.memory_done = True
-        comparison.rows.append(row)
+        kept = _resumable(resume, comparison)
+        training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
+        if training is not None:
+            comparison.eval_data = training.eval_dir
+        amp = runnable_amp_precisions(device)
+        with progress.doing("timing a step of each precision at micro-batch 1 (a first look)"):
+            left_out = {} if all_rows else _too_slow(spec, amp, device=device, seed=seed)
+        for precision, ratio in left_out.items():
+            progress(f"{precision} AMP rows left out: a step at micro-batch 1 took {ratio:.1f}x fp32's here (--all-rows measures them)")
+        configs = configurations(
+            global_batch_size=global_batch_size, amp_precisions=[p for p in amp if p not in left_out], device=device,
+            loss_chunks=DEFAULT_LOSS_CHUNKS if chunkable(meta_model_of(spec)) is None else 1,
+        )
+        if budget_bytes is not None:
+            planned = next((row for name, row in kept.items() if name.startswith("autofit plan") and row.config), None)
+            if planned is not None:  # the plan an interrupted run made: the same row, not a second planning
+                configs.append(Contender(name=planned.name, config=TrainingConfig(**planned.config)))
+            elif "autofit plan" in kept:  # no plan fitted then: nor will it now
+                pass
+            else:
+                progress("planning at the budget")
+                try:
+                    with progress.paused():  # the plan's own heartbeat speaks for it
+                        configs.append(plan_configuration(
+                            spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device,
+                            log=lambda line: progress(f"  plan: {line}"),
+                        ))
+                except UserError as error:  # no plan fits: the other rows still stand
+                    kept["autofit plan"] = Row(
+                        name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
+                        note=f"no plan: {error}", memory_done=True,
+                    )
+        total = len(configs)
+        for number, contender in enumerate(configs, start=1):
+            config = contender.config
+            row = kept.get(contender.name)
+            if row is not None and row.memory_done:
+                progress(f"row {number} of {total}: {contender.name} (kept from the earlier run)")
+                comparison.rows.append(row)
+                continue
+            progress(f"row {number} of {total}: {contender.name}")
+            row = Row(
+                name=contender.name, precision=config.precision, checkpoint_blocks=0,
+                micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps, config=_config_dict(config),
+            )
+            try:
+                with progress.doing(f"row {number} of {total}, {contender.name}: measuring its peak"):
+                    result = measure(spec, config, device=device, steps=probe_steps, seed=seed, progress=progress)
+            except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
+                row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                release_device_memory(device)
+            else:
+                row.peak_bytes, row.checkpoint_blocks = result.peak_bytes, len(result.checkpoint)
+                row.activation_bytes = result.breakdown.get("activations")
+                if training is not None:
+                    progress(f"  training {contender.name} for {train_steps} steps")
+                    with progress.doing(f"row {number} of {total}, {contender.name}: training {train_steps} steps"):
+                        outcome = training.train_and_score(spec, config, device=device, seed=seed)
+                    row.train_loss, row.eval_loss, row.eval_accuracy = outcome.train_loss, outcome.eval_loss, outcome.eval_accuracy
+                    row.skipped_steps = outcome.skipped_steps
+                    if outcome.skipped_steps:
+                        row.note = f"GradScaler skipped {outcome.skipped_steps} of {train_steps} steps (inf/nan gradients) while finding its scale"
+            row.memory_done = True
+            comparison.rows.append(row)
+            _fill_ratios(comparison)
+            on_update(comparison)
+        if "autofit plan" in kept and not kept["autofit plan"].config:
+            comparison.rows.append(kept["autofit plan"])
+        for precision, ratio in left_out.items():
+            comparison.rows.append(Row(
+                name=f"{precision} AMP", precision=precision, checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
+                note=f"left out: a step at micro-batch 1 took {ratio:.1f}x fp32's on this device (--all-rows measures it)",
+                memory_done=True,
+            ))
+        _time_rows(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress, on_update=on_update)
         _fill_ratios(comparison)
         on_update(comparison)
-    if "autofit plan" in kept and not kept["autofit plan"].config:
-        comparison.rows.append(kept["autofit plan"])
-    for precision, ratio in left_out.items():
-        comparison.rows.append(Row(
-            name=f"{precision} AMP", precision=precision, checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
-            note=f"left out: a step at micro-batch 1 took {ratio:.1f}x fp32's on this device (--all-rows measures it)",
-            memory_done=True,
-        ))
-    _time_rows(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress, on_update=on_update)
-    _fill_ratios(comparison)
-    on_update(comparison)
-    return comparison
+        return comparison
 
 
 def _too_slow(spec: ModelSpec, precisions: list[str], *, device: str, seed: int) -> dict[str, float]:
@@ -371,7 +379,7 @@ def _resumable(resume: Comparison | None, comparison: Comparison) -> dict[str, R
 
 def _time_rows(
     spec: ModelSpec, comparison: Comparison, *, device: str, rounds: int, seed: int,
-    progress: Callable[[str], None], on_update: Callable[[Comparison], None],
+    progress: Progress, on_update: Callable[[Comparison], None],
 ) -> None:
     """Time one training step of the global batch of every measured row per round, in a rotating order.
 
@@ -404,15 +412,16 @@ def _time_rows(
                     break
                 progress(f"speed: round {round_ + 1} of {rounds}, one step of each of {len(running)} row(s)")
                 shift = round_ % len(running)
-                for row in running[shift:] + running[:shift]:  # rotate: no row is always first after a pause
-                    timer = timers.get(row.name) or StepTimer(spec, TrainingConfig(**row.config), device=device, seed=seed, clock=clock)
-                    try:
-                        row.seconds.append(timer.step_seconds())
-                    finally:
-                        if keep:
-                            timers[row.name] = timer
-                        else:
-                            timer.close()
+                for number, row in enumerate(running[shift:] + running[:shift], start=1):  # rotate: no row is always first after a pause
+                    with progress.doing(f"speed round {round_ + 1} of {rounds}, {row.name}", step=number, of=len(running)):
+                        timer = timers.get(row.name) or StepTimer(spec, TrainingConfig(**row.config), device=device, seed=seed, clock=clock)
+                        try:
+                            row.seconds.append(timer.step_seconds())
+                        finally:
+                            if keep:
+                                timers[row.name] = timer
+                            else:
+                                timer.close()
                 for row in running:
                     samples = Samples(seconds=row.seconds)
                     row.samples_per_s = comparison.global_batch_size / samples.best

@@ -49,6 +49,7 @@ from autofit.planning.memory.segments import (
     _LATER_MICRO, Segment, plain_segments, recompute_segments,
 )
 from autofit.planning.memory.workers import call
+from autofit.progress import QUIET, Progress
 from autofit.spec import ModelSpec
 from autofit.step import train_step
 from strategies import checkpoint_candidates, selective_saves
@@ -178,7 +179,7 @@ def trace_memory(
 
 def trace_memory_sizes(
     spec: ModelSpec, *, sizes: list[int], precision: str, device_type: str = "cpu", blocks: list[str] | None = None,
-    pool=None, recompute: bool = True,
+    pool=None, recompute: bool = True, progress: Progress = QUIET,
 ) -> list[MemoryTrace]:
     """``trace_memory`` at each size; with a started ``memory.workers.TracePool`` of ``spec``, its runs at once in its workers.
 
@@ -187,19 +188,25 @@ def trace_memory_sizes(
     run); then every plain run is handed out at once, and with ``recompute``
     the all-checkpointed and all-selective runs after them (``add_recomputes``,
     which adds them later otherwise). Without a pool the same runs go one after
-    another in this process.
+    another in this process. ``progress`` hears which run is awaited, k of n.
     """
     def start(size: int):
         return call(pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode="none", blocks=blocks)
 
+    def awaited(size: int, result):
+        with progress.doing(f"tracing {precision} at micro-batch {size}", step=len(plain) + 1, of=len(sizes)):
+            return result()
+
     plain: dict[int, object] = {}
     if blocks is None and pool is not None and pool.spec is spec:
-        blocks = traced_candidates(spec, micro_batch_size=sizes[0], device_type=device_type)  # a forward, not a run
+        with progress.doing(f"finding the checkpoint candidates (a forward at micro-batch {sizes[0]})"):
+            blocks = traced_candidates(spec, micro_batch_size=sizes[0], device_type=device_type)  # a forward, not a run
     if blocks is None:
-        first = start(sizes[0])()
+        first = awaited(sizes[0], start(sizes[0]))
         blocks, plain[sizes[0]] = first.names, first
     pending = {size: start(size) for size in sizes if size not in plain}
-    plain.update({size: result() for size, result in pending.items()})
+    for size, result in pending.items():
+        plain[size] = awaited(size, result)
     traces = []
     for size in sizes:
         raw = plain[size]
@@ -217,11 +224,18 @@ def trace_memory_sizes(
             recomputed=not blocks,
             levers=lever_trace(raw.levers, raw.marks, raw.peaks, spec=spec, device_type=device_type),
         ))
-    return add_recomputes(spec, traces, precision=precision, device_type=device_type, pool=pool) if recompute else traces
+    if not recompute:
+        return traces
+    return add_recomputes(spec, traces, precision=precision, device_type=device_type, pool=pool, progress=progress)
+
+
+_RECOMPUTED = {"full": "every block checkpointed", "selective": "every block selectively checkpointed"}
+"""A recomputing run's mode, as the progress lines say it."""
 
 
 def add_recomputes(
     spec: ModelSpec, traces: list[MemoryTrace], *, precision: str, device_type: str = "cpu", pool=None,
+    progress: Progress = QUIET,
 ) -> list[MemoryTrace]:
     """``traces`` (made without ``recompute``) with their all-checkpointed and all-selective runs' segments added:
     what ``trace_memory_sizes`` would have made. Traces already recomputed come back as they are."""
@@ -236,14 +250,17 @@ def add_recomputes(
                         device_type=device_type, mode=mode, blocks=trace.blocks,
                     )))
         pending.append(runs)
-    completed = []
+    completed, done, total = [], 0, sum(map(len, pending))
     for trace, runs in zip(traces, pending):
         if trace.recomputed:
             completed.append(trace)
             continue
         segments = list(trace.segments)
         for mode, drops, result in runs:
-            recomputed = result()
+            done += 1
+            what = f"tracing {precision} at micro-batch {trace.micro_batch_size} with {_RECOMPUTED[mode]}"
+            with progress.doing(what, step=done, of=total):
+                recomputed = result()
             segments += recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
         completed.append(replace(trace, segments=segments, recomputed=True))
     return completed
@@ -493,7 +510,9 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, build_model=build_model)
 
 
-def add_chunk_deltas(traces: list, spec, *, precision: str, device_type: str, chunks: int, pool=None) -> list:
+def add_chunk_deltas(
+    traces: list, spec, *, precision: str, device_type: str, chunks: int, pool=None, progress: Progress = QUIET,
+) -> list:
     """``traces`` (``MemoryTrace``) each with what the chunked output layer and loss change in its segments
     (``chunk_deltas``): its step traced again, plainly, with the loss in ``chunks`` chunks; one run per size, at
     once in ``pool``'s workers where it has them.
@@ -512,8 +531,10 @@ def add_chunk_deltas(traces: list, spec, *, precision: str, device_type: str, ch
         for t in wanted
     }
     done = {}
-    for trace in wanted:
-        raw = runs[trace.micro_batch_size]()
+    for number, trace in enumerate(wanted, start=1):
+        what = f"tracing {precision} at micro-batch {trace.micro_batch_size} with the loss in {chunks} chunks"
+        with progress.doing(what, step=number, of=len(wanted)):
+            raw = runs[trace.micro_batch_size]()
         chunked, _ = plain_segments(raw.marks, raw.peaks, raw.drop_bytes)
         plain = [s for s in trace.segments if s.recomputes is None]
         if [(s.dropped, s.phase) for s in chunked] != [(s.dropped, s.phase) for s in plain]:
@@ -524,7 +545,7 @@ def add_chunk_deltas(traces: list, spec, *, precision: str, device_type: str, ch
     return [done.get(id(t), t) for t in traces]
 
 
-def add_offloaded(traces: list, spec, *, precision: str, device_type: str, pool=None) -> list:
+def add_offloaded(traces: list, spec, *, precision: str, device_type: str, pool=None, progress: Progress = QUIET) -> list:
     """``traces`` (``MemoryTrace``) each with its step traced again with every block offloaded
     (``LeverTrace.offloaded``): one run per size, at once in ``pool``'s workers where it has them.
 
@@ -538,5 +559,9 @@ def add_offloaded(traces: list, spec, *, precision: str, device_type: str, pool=
         )
         for t in wanted
     }
-    chosen = {id(t) for t in wanted}
-    return [with_offloaded(t, runs[t.micro_batch_size]()) if id(t) in chosen else t for t in traces]
+    done = {}
+    for number, trace in enumerate(wanted, start=1):
+        what = f"tracing {precision} at micro-batch {trace.micro_batch_size} with every block offloaded"
+        with progress.doing(what, step=number, of=len(wanted)):
+            done[id(trace)] = with_offloaded(trace, runs[trace.micro_batch_size]())
+    return [done.get(id(t), t) for t in traces]

@@ -26,6 +26,7 @@ from autofit.planning.costs import SpeedCosts
 from autofit.planning.policy import POLICY, timing_policy
 from autofit.planning.speed.estimated import one_micro_batch, roofline_rates, selective_shares
 from autofit.planning.speed.timing import Samples, compare, interleaved_rounds, noise_of
+from autofit.progress import QUIET, Progress
 from autofit.spec import ModelSpec
 from autofit.step import to_device, train_step
 from strategies import BatchSplitConfig, checkpoint_candidates
@@ -39,6 +40,7 @@ def time_precisions(
     device: str,
     time_limit_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    progress: Progress = QUIET,
 ) -> dict[str, SpeedCosts]:
     """Time forward, backward, each block and the optimizer step on the device.
 
@@ -58,6 +60,7 @@ def time_precisions(
     Args:
         time_limit_s: seconds a precision's timing may take (default: the timing policy's).
         clock: seconds now (tests pass a noisy one).
+        progress: hears which size is timed, k of n, and which round.
 
     Returns:
         Precision -> its speeds; ``SpeedCosts.noise`` is the largest spread of its timings.
@@ -136,7 +139,7 @@ def time_precisions(
             return best[1]
         return run
 
-    for size in sizes:
+    for number, size in enumerate(sizes, start=1):
         running = []
         for name in precisions:
             if name in notes:
@@ -152,13 +155,6 @@ def time_precisions(
         if not running:
             break
         batches[size] = spec.example_batch(size)
-        for name in running:
-            started = clock()
-            one_step(applied[name], *batches[size])  # warm-up: kernels and allocator are set up per shape
-            optimizer.zero_grad(set_to_none=True)
-            warm_up = clock() - started
-            spent[name] += warm_up
-            repeats[name, size] = min(max(math.ceil(POLICY.shortest_measurement_s / max(warm_up, 1e-6)), 1), POLICY.max_repeats_per_measurement)
         keys = [(name, size) for name in running]
 
         def verdicts(current: dict) -> dict[str, str]:
@@ -168,9 +164,19 @@ def time_precisions(
                 for name in running if name != reference
             }
 
-        interleaved_rounds(
-            {key: measure(*key) for key in keys}, samples=samples, settled=lambda current: "unsure" not in verdicts(current).values()
-        )
+        with progress.doing(f"timing {', '.join(running)} at micro-batch {size}", step=number, of=len(sizes)):
+            for name in running:
+                with progress.doing(f"a warm-up step of {name}"):
+                    started = clock()
+                    one_step(applied[name], *batches[size])  # warm-up: kernels and allocator are set up per shape
+                    optimizer.zero_grad(set_to_none=True)
+                    warm_up = clock() - started
+                spent[name] += warm_up
+                repeats[name, size] = min(max(math.ceil(POLICY.shortest_measurement_s / max(warm_up, 1e-6)), 1), POLICY.max_repeats_per_measurement)
+            interleaved_rounds(
+                {key: measure(*key) for key in keys}, samples=samples, settled=lambda current: "unsure" not in verdicts(current).values(),
+                progress=progress,
+            )
         for name in running:
             timed[name].append(size)
         reference = min(running, key=lambda n: samples[n, size].best)
@@ -201,9 +207,8 @@ def time_precisions(
                 applied[name], inputs, blocks=blocks, flops_per_s=flops_per_s[name], bytes_per_s=bytes_per_s
             )
         model.zero_grad(set_to_none=True)
-    _measure_recompute(
-        model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, clock=clock
-    )
+    with progress.doing("timing steps with every block checkpointed beside plain ones"):
+        _measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, clock=clock)
     for name, reference in slow.items():
         # Untimed sizes follow the reference's shape, scaled by how this precision compared at its largest timed size.
         costs = results[name]
@@ -211,7 +216,7 @@ def time_precisions(
         scaled = _scaled_speed(results[reference], ratio, note=costs.note)
         scaled.optimizer_seconds, scaled.noise, scaled.selective_shares = costs.optimizer_seconds, costs.noise, costs.selective_shares
         results[name] = scaled
-    del model, optimizer, applied
+    model = optimizer = applied = None  # freed before the release (rebound: inner functions name them)
     release_device_memory(device)
     return results
 
@@ -291,7 +296,7 @@ def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step,
         if name not in timed:  # not timed at every size: keep a timed precision's factors
             costs.recompute_factor = results[timed[0]].recompute_factor
             costs.selective_factor = results[timed[0]].selective_factor
-    del applied, modes
+    applied = modes = None  # freed now (rebound: inner functions name them)
 
 
 def _scaled_speed(reference: SpeedCosts, ratio: float, *, note: str) -> SpeedCosts:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from autofit.planning.policy import POLICY, timing_policy
+from autofit.progress import QUIET, Progress
 
 
 def tie_cap(tie: float) -> float:
@@ -76,6 +77,7 @@ def interleaved_rounds(
     min_rounds: int | None = None,
     max_rounds: int | None = None,
     active: Callable[[dict[Hashable, Samples]], Sequence[Hashable]] | None = None,
+    progress: Progress = QUIET,
 ) -> dict[Hashable, Samples]:
     """Time every key once per round, in a rotating order, until ``settled`` or ``max_rounds``.
 
@@ -86,6 +88,7 @@ def interleaved_rounds(
         min_rounds, max_rounds: bounds on the rounds each key gets (default: the timing policy's).
         active: which keys still need timing after a round (default all);
             a key out of the race is timed no more.
+        progress: hears which round runs, and which of its measurements.
 
     Returns:
         The samples by key.
@@ -103,8 +106,9 @@ def interleaved_rounds(
         if all(len(samples[k].seconds) >= min_rounds for k in running) and settled(samples):
             break
         shift = round_ % len(running)
-        for key in running[shift:] + running[:shift]:  # rotate: no key is always first after a pause
-            samples[key].seconds.append(measure[key]())
+        for number, key in enumerate(running[shift:] + running[:shift], start=1):  # rotate: no key is always first after a pause
+            with progress.doing(f"round {round_ + 1} of at most {max_rounds}, measurement", step=number, of=len(running)):
+                samples[key].seconds.append(measure[key]())
     return samples
 
 

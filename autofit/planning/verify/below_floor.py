@@ -202,7 +202,10 @@ def lever_candidates(
         # backward: the masters step after it).
         master = replace(base, precision=MASTER_WEIGHTS, optimizer_in_backward=False)
         candidates.append(LeverCandidate(
-            name=", ".join([*[n for n in names if n != "optimizer step in backward"], *added[:-1], "bf16 weights with fp32 masters and optimizer state on the host"]),
+            name=", ".join([
+                *[n for n in names if n != "optimizer step in backward"], *added[:-1],
+                "bf16 weights with fp32 masters and optimizer state on the host",
+            ]),
             added="bf16 weights with fp32 masters on the host", config=master,
         ))
         names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
@@ -334,7 +337,11 @@ def _measure(context: PlanContext, measurements: Measurements, candidate: LeverC
     traced = min(G, 2 * m)
     spec = context.sim_spec if context.simulate else context.spec
     try:
-        result = measure(spec, replace(candidate.config, global_batch_size=traced), device=context.device, simulate=context.simulate, steps=2)
+        with context.progress.doing(f"measuring the floor configuration with {candidate.name}"):
+            result = measure(
+                spec, replace(candidate.config, global_batch_size=traced), device=context.device, simulate=context.simulate, steps=2,
+                progress=context.progress,
+            )
     except torch.OutOfMemoryError:
         release_device_memory(context.device)
         return _Measured(candidate=candidate, peak_bytes=None, breakdown={}, why="out of memory on the device")

@@ -216,7 +216,11 @@ class Measurements:
         if key not in self._exact:
             context, m = self.context, config.micro_batch_size
             traced = min(context.global_batch_size, 2 * m)
-            result = measure(context.sim_spec, replace(config, global_batch_size=traced), device=context.device, simulate=True, steps=2)
+            with context.progress.doing(f"measuring {_words(config)} (simulated meter)"):
+                result = measure(
+                    context.sim_spec, replace(config, global_batch_size=traced), device=context.device, simulate=True, steps=2,
+                    progress=context.progress,
+                )
             host = (context.global_batch_size - traced) * self.host_sample_bytes
             breakdown = dict(result.breakdown)
             breakdown["activations"] = breakdown.get("activations", 0) + host
@@ -230,7 +234,10 @@ class Measurements:
         context, m = self.context, config.micro_batch_size
         traced = min(context.global_batch_size, 2 * m)
         try:
-            result = measure(context.spec, replace(config, global_batch_size=traced), device=context.device, steps=2)
+            with context.progress.doing(f"measuring {_words(config)} ({context.device} meter)"):
+                result = measure(
+                    context.spec, replace(config, global_batch_size=traced), device=context.device, steps=2, progress=context.progress,
+                )
         except torch.OutOfMemoryError:
             release_device_memory(context.device)
             self.reject(config, "out of memory on the device")
@@ -373,6 +380,7 @@ class Measurements:
         timers: dict[str, StepTimer] = {}
         keys = list(configs)
         on_gpu = self.context.device == "cuda"
+        progress = self.context.progress
         allowance = POLICY.keep_timers_memory_share * self.context.info.total_bytes
 
         def measure(key: str):
@@ -403,17 +411,20 @@ class Measurements:
         try:
             # One candidate has nothing to be compared with: one round gives its speed (and the ratio's).
             rounds = timing_policy().min_rounds if len(race.contenders) > 1 else 1
-            samples = interleaved_rounds(
-                {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds, max_rounds=timing_policy().max_noisy_rounds,
-            )
+            with progress.doing(f"timing {len(keys)} configuration(s) side by side"):
+                samples = interleaved_rounds(
+                    {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds,
+                    max_rounds=timing_policy().max_noisy_rounds, progress=progress,
+                )
             # The chosen one's median round is what the plan promises: a few more rounds of it alone, deciding nothing.
             chosen = race.chosen(samples)
             once_more = measure(chosen)
-            while (
-                len(samples[chosen].seconds) < timing_policy().promise_rounds
-                and time.perf_counter() - started < timing_policy().noisy_race_time_share * before
-            ):
-                samples[chosen].seconds.append(once_more())
+            with progress.doing("timing the chosen configuration alone"):
+                while (
+                    len(samples[chosen].seconds) < timing_policy().promise_rounds
+                    and time.perf_counter() - started < timing_policy().noisy_race_time_share * before
+                ):
+                    samples[chosen].seconds.append(once_more())
         finally:
             for timer in timers.values():
                 timer.close()
@@ -493,4 +504,12 @@ def _readable(stored) -> bool:
     return (
         all(isinstance(table, dict) and all(isinstance(v, dict) for v in table.values()) for table in tables)
         and (resident is None or isinstance(resident, int))
+    )
+
+
+def _words(config: TrainingConfig) -> str:
+    """A configuration as the progress lines name what is measured: "bf16, micro-batch 4 x 2, 3 blocks checkpointed"."""
+    blocks = len(config.checkpoint) + len(config.selective_checkpoint)
+    return f"{config.precision}, micro-batch {config.micro_batch_size} x {config.grad_accum_steps}" + (
+        f", {blocks} block(s) checkpointed" if blocks else ""
     )
