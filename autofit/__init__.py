@@ -9,12 +9,15 @@ The Python API (each name is imported on first use):
 - ``autofit.apply_plan(model, plan)``: the plan's strategies for your own loop.
 - ``autofit.Loss(fn, count_items=...)``, ``autofit.count_labels(shift=...)``: what a loss
   averages over (tokens), so micro-batches are weighted exactly (``autofit.model_io``).
+
+A ``UserError`` from ``fit``, ``plan`` and ``apply_plan`` names the keywords their caller passes
+(``overwrite=True``), not the command line's flags (``autofit.keywords``).
 """
 from __future__ import annotations
 
 import importlib
 
-from autofit.version import __version__
+from autofit.version import __version__ as __version__  # re-exported
 
 _EXPORTS = {
     "probe": "autofit.measure.probe",
@@ -34,11 +37,21 @@ _EXPORTS = {
     "count_labels": "autofit.model_io",
 }
 
+_SPEAKS_PYTHON = ("fit", "plan", "apply_plan")
+"""Entry points shared with the command line's code, whose messages are written in its flags: offered here through
+``keywords.python_api`` (the functions themselves stay as the command line calls them)."""
+
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'autofit' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autofit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _SPEAKS_PYTHON:
+        from autofit.keywords import python_api
+
+        value = python_api(value)
+        globals()[name] = value  # one wrapper: autofit.fit is autofit.fit
+    return value
 
 
 __all__ = sorted(_EXPORTS)

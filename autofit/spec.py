@@ -292,7 +292,10 @@ def _torchvision_spec(source: str, input_shape: tuple[int, ...], num_classes: in
     name = source.split(":", 1)[1]
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
-        raise UserError(f"torchvision model {name!r} is unknown; try e.g. torchvision:resnet18 (classification models: {', '.join(sorted(available)[:8])}, ...)")
+        raise UserError(
+            f"torchvision model {name!r} is unknown; try e.g. torchvision:resnet18 "
+            f"(classification models: {', '.join(sorted(available)[:8])}, ...)"
+        )
     if num_classes < 2:
         raise UserError(f"--num-classes {num_classes} must be at least 2")
 

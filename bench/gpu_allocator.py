@@ -13,7 +13,8 @@ the reserved peak (the allocator's cache on top), what the process held in all
 peak (planning/memory/headroom.py).
 
     python bench/gpu_allocator.py --predict bench/gpu_inputs/allocator_predicted.json   # on any CPU (2.5 minutes on 2 cores)
-    timeout 300 python bench/gpu_allocator.py --measure bench/gpu_inputs/allocator_predicted.json --out results/allocator   # on a card (about 4 minutes on an H200)
+    # on a card (about 4 minutes on an H200):
+    timeout 300 python bench/gpu_allocator.py --measure bench/gpu_inputs/allocator_predicted.json --out results/allocator
     python bench/gpu_allocator.py --smoke --out /tmp/allocator                    # tiny cases, all on the CPU
 
 ``--measure`` writes ``allocator.json`` (every value) and ``allocator.md`` (the

@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import torch
-
 from autofit.errors import UserError
 from autofit.model_io import batch_size_of, sliced
 from strategies.base import Strategy

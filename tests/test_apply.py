@@ -117,8 +117,9 @@ def test_a_cuda_plan_sets_the_allocator_it_names():
         set_cuda_allocator_settings("expandable_segments:False")
 
 
-def test_the_exported_name_is_this_function():
+def test_the_exported_name_is_this_function_speaking_python():
+    """``autofit.apply_plan`` is this function, its errors naming keywords rather than flags (``autofit.keywords``)."""
     import autofit
     from autofit.apply import apply_plan as direct
 
-    assert autofit.apply_plan is direct
+    assert autofit.apply_plan.__wrapped__ is direct and autofit.apply_plan is autofit.apply_plan

@@ -106,5 +106,6 @@ def test_no_test_module_imports_another():
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            found += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.startswith("tests.") and (name.rpartition(".")[2].startswith("test_") or name == "tests.conftest")]
+            imported = [name for name in names if name.startswith("tests.")]
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in imported if n.rpartition(".")[2].startswith("test_") or n == "tests.conftest"]
     assert found == []

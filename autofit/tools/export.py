@@ -50,7 +50,10 @@ class ExportConfig:
         if self.format not in FORMATS:
             raise UserError(f"--format {self.format!r} is unknown; use torchscript or onnx")
         if self.format == "onnx" and self.quantize == "int8":
-            raise UserError("--quantize int8 cannot be exported to ONNX (dynamically quantized Linear layers have no ONNX export); use --format torchscript, or drop --quantize")
+            raise UserError(
+                "--quantize int8 cannot be exported to ONNX (dynamically quantized Linear layers have no ONNX export); "
+                "use --format torchscript, or drop --quantize"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -309,4 +312,7 @@ def _require_onnx() -> None:
         import onnx  # noqa: F401
         import onnxscript  # noqa: F401
     except ImportError as error:
-        raise UserError(f"--format onnx needs the {error.name} package, which is not installed; run `pip install onnx onnxscript`, or use --format torchscript") from error
+        raise UserError(
+            f"--format onnx needs the {error.name} package, which is not installed; run `pip install onnx onnxscript`, "
+            "or use --format torchscript"
+        ) from error

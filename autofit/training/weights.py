@@ -94,7 +94,10 @@ def model_from_checkpoint(checkpoint: dict, *, where: str = "weights") -> tuple[
     spec = spec_from_source_info(source)
     model = spec.build_model()
     if model_fingerprint(model) != checkpoint.get("fingerprint"):
-        raise UserError(f"{where} were saved from another model than {source['source']!r} builds now (parameter names or shapes differ); use the model file they were trained with")
+        raise UserError(
+            f"{where} were saved from another model than {source['source']!r} builds now (parameter names or shapes differ); "
+            "use the model file they were trained with"
+        )
     model.load_state_dict(dense_state(checkpoint["model_state"]))
     return model, spec
 
@@ -161,7 +164,10 @@ def state_dict_from(path: str | Path) -> dict[str, torch.Tensor]:
             raise UserError(f"--weights {str(path)!r} holds none of {', '.join(WEIGHT_FILES)}; give a weights file or a save_pretrained directory")
         path = found
     if not path.is_file():
-        raise UserError(f"--weights {str(path)!r} does not exist; give a state dict (.pt, .bin, .safetensors), an autofit last.pt/best.pt, or a save_pretrained directory")
+        raise UserError(
+            f"--weights {str(path)!r} does not exist; give a state dict (.pt, .bin, .safetensors), an autofit last.pt/best.pt, "
+            "or a save_pretrained directory"
+        )
     if path.name.endswith(".index.json"):
         import json
 
@@ -184,7 +190,10 @@ def _read_state_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as error:  # any unpickling failure means a corrupt or foreign file
-        raise UserError(f"--weights {str(path)!r} cannot be read by torch.load ({type(error).__name__}); give a state dict, a .safetensors file or an autofit checkpoint") from error
+        raise UserError(
+            f"--weights {str(path)!r} cannot be read by torch.load ({type(error).__name__}); give a state dict, "
+            "a .safetensors file or an autofit checkpoint"
+        ) from error
     if isinstance(loaded, dict) and loaded.get("format") == FORMAT:
         loaded = loaded.get("model_state")
     elif isinstance(loaded, dict) and not _is_state(loaded):

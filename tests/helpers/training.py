@@ -44,7 +44,10 @@ def make_data(samples: int = SAMPLES, *, val: bool = True) -> TrainData:
 def make_plan(model: nn.Module, *, global_batch_size=8, micro_batch_size=3, precision="fp32", checkpoint=("blocks.0", "blocks.1", "blocks.2")) -> Plan:
     return Plan(
         model=ModelInfo(source="tests/training/test_loop.py", fingerprint=model_fingerprint(model), input_shape=[1, 4, 4], num_classes=CLASSES),
-        device=DeviceInfo(type="cpu"), budget_bytes=10**8, config=TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint)),
+        device=DeviceInfo(type="cpu"), budget_bytes=10**8,
+        config=TrainingConfig(
+            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision, checkpoint=list(checkpoint),
+        ),
     )
 
 

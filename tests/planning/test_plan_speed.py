@@ -127,7 +127,9 @@ def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
     from autofit.planning.context import plan_context
 
     context = plan_context(
-        uneven_spec(), PlanRequest(budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False),
+        uneven_spec(), PlanRequest(
+            budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False,
+        ),
         log=None,
     )
     assert context.tie == POLICY.tie_share
@@ -214,7 +216,9 @@ def test_fp16_shares_bf16_traces_only_when_autocast_makes_the_same_tensors():
 
     def context(spec):
         return plan_context(
-            spec, PlanRequest(budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False),
+            spec, PlanRequest(
+            budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False,
+        ),
             log=None,
         )
 
@@ -329,7 +333,10 @@ def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
 
 
     one = plan_context(
-        uneven_spec(), PlanRequest(budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False, threads=1),
+        uneven_spec(), PlanRequest(
+            budget="1GB", batch_size=4, device="cpu", simulate=False, device_memory=None, study=None, precisions=None, num_classes=None, cache=False,
+            threads=1,
+        ),
         log=None,
     )
     assert one.clock is time.thread_time

@@ -64,7 +64,8 @@ def test_the_chosen_alternative_carries_its_measured_peak():
 
 def test_the_summary_marks_how_each_alternative_fits_and_lists_the_rejections():
     plan = Plan(
-        model=ModelInfo(source="model.py"), budget_bytes=300, config=TrainingConfig(global_batch_size=8, micro_batch_size=4, precision="bf16", checkpoint=["b0"]),
+        model=ModelInfo(source="model.py"), budget_bytes=300,
+        config=TrainingConfig(global_batch_size=8, micro_batch_size=4, precision="bf16", checkpoint=["b0"]),
         predicted=Predicted(peak_bytes=150, samples_per_s=15.0),
         measured=Measured(peak_bytes=140, samples_per_s=14.0, meter="cpu"), headroom={"safety_margin": 6}, alternatives=alternatives(),
     )

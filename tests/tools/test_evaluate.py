@@ -107,7 +107,8 @@ def test_cli_table_and_json(region_setup, run_cli):
 def test_cli_errors_are_one_line(region_setup, tmp_path, run_cli):
     weights, val = region_setup
     # weights of another model than the named model file builds
-    other = load_spec(str(write_model_file(tmp_path, REGION_MODEL.replace("nn.Linear(3, 3)", "nn.Linear(3, 4)").replace("torch.eye(3)", "torch.eye(4, 3)"), "other.py")))
+    four_logits = REGION_MODEL.replace("nn.Linear(3, 3)", "nn.Linear(3, 4)").replace("torch.eye(3)", "torch.eye(4, 3)")
+    other = load_spec(str(write_model_file(tmp_path, four_logits, "other.py")))
     foreign = write_checkpoint(tmp_path / "foreign.pt", tmp_path / "region_model.py", classes=REGION_CLASSES, model=other.build_model())
     (val / "bottom" / "9.png").write_text("not a picture")
     cases = [

@@ -94,7 +94,10 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path):
         (lambda root: __import__("shutil").rmtree(root / "train"), "has no train/ folder"),
         (lambda root: [p.unlink() for p in (root / "val" / "dark").iterdir()], "val/dark' holds no readable image"),
         (lambda root: (root / "train" / "extra").mkdir(), "different classes \\(only in train/: extra; only in val/: -\\)"),
-        (lambda root: (root / "train" / "dark" / "0.png").write_bytes(b"") or [p.write_bytes(b"x") for p in (root / "train" / "dark").iterdir()], "train/dark' holds no readable image"),
+        (
+            lambda root: (root / "train" / "dark" / "0.png").write_bytes(b"") or [p.write_bytes(b"x") for p in (root / "train" / "dark").iterdir()],
+            "train/dark' holds no readable image",
+        ),
     ],
 )
 def test_bad_folders_are_one_line_errors(tmp_path, damage, message):

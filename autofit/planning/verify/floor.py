@@ -233,7 +233,8 @@ def sharded_floor(
     spec: ModelSpec, *, breakdown: dict[str, int], precision: str, headroom: Headroom, micro_batch_size: int, global_batch_size: int,
     phases: tuple[int, int] | None = None,
 ) -> ShardedFloor:
-    """What 2 to ``global_batch_size`` GPUs (at most ``POLICY.floor_advice_max_gpus``) would make of a configuration whose one-process peak breaks down as ``breakdown``.
+    """What 2 to ``global_batch_size`` GPUs (at most ``POLICY.floor_advice_max_gpus``) would make of a configuration
+    whose one-process peak breaks down as ``breakdown``.
 
     Each GPU trains ceil(G / N) samples in micro-batches of ``micro_batch_size``;
     FSDP2 divides the parameters, gradients and optimizer state (each
