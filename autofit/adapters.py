@@ -23,6 +23,7 @@ any other model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from torch import nn
@@ -79,8 +80,12 @@ def parse_lora(text: str) -> LoraSettings:
     except ValueError:
         raise UserError(f"--lora {text!r}: r is a whole number, alpha and dropout numbers ({example})") from None
     targets = tuple(t for t in values.get("targets", []) if t)
-    if r < 1 or alpha <= 0 or not 0 <= dropout < 1 or ("targets" in values and not targets):
-        raise UserError(f"--lora {text!r}: r must be at least 1, alpha positive, dropout in [0, 1), targets not empty ({example})")
+    # float() reads "nan" and "inf" too; neither trains (a nan scale makes every output nan).
+    if r < 1 or not 0 < alpha < math.inf or not 0 <= dropout < 1 or ("targets" in values and not targets):
+        raise UserError(
+            f"--lora {text!r}: r must be at least 1, alpha a positive finite number, dropout in [0, 1), targets not "
+            f"empty ({example})"
+        )
     return LoraSettings(r=r, alpha=alpha, targets=targets, dropout=dropout)
 
 

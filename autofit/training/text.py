@@ -19,6 +19,9 @@ attention mask 0 and label -100 on the padding. Labels of -100 are neither
 in the loss nor counted by ``count_labels``, so accumulation stays exact.
 
 The validation split is the last ``val_fraction`` of the samples (at least one).
+Training samples that hold no token to learn (every completion empty or cut
+off at ``seq_len``, every text empty) are refused before the first step:
+their loss is 0 at every step and the weights learn nothing.
 """
 from __future__ import annotations
 
@@ -210,8 +213,9 @@ def text_datasets(
         vocab_size: the model's vocabulary; a tokenizer with more tokens is refused (its ids would not embed).
 
     Raises:
-        UserError: bad data (see ``read_documents``), too little of it, a bad ``val_fraction``, or a tokenizer
-            larger than the model's vocabulary.
+        UserError: bad data (see ``read_documents``), too little of it, a training split with no token to learn
+            (``target_count``: every completion empty or cut off, every text empty), a bad ``val_fraction``, or a
+            tokenizer larger than the model's vocabulary.
 
     Example:
         >>> train, val = text_datasets("corpus.jsonl", tokenizer=load_tokenizer("model"), seq_len=64)
@@ -223,7 +227,8 @@ def text_datasets(
         )
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction} must be from 0 up to (not including) 1, e.g. 0.05")
-    encoded = tokenize(read_documents(path), tokenizer)
+    documents = read_documents(path)
+    encoded = tokenize(documents, tokenizer)
     eos_id = tokenizer.eos_token_id
     if pack:
         samples = packed_blocks(encoded, seq_len=seq_len, eos_id=eos_id, source=str(path))
@@ -239,4 +244,36 @@ def text_datasets(
     kept = len(samples) - held
     train = samples.subset(slice(0, kept), description=f"{kept} {'packed blocks' if pack else 'padded samples'} of {seq_len} tokens")
     val = samples.subset(slice(kept, None), description=f"{held} held out") if held else None
+    if target_count(train.labels, eos_id=eos_id) == 0:  # its loss would be 0 (or nan) at every step, and nothing learned
+        raise UserError(_nothing_to_learn_line(path, documents, encoded, seq_len=seq_len, pack=pack))
     return train, val
+
+
+def target_count(labels: torch.Tensor, *, eos_id: int) -> int:
+    """The tokens of the text a causal LM learns to predict in (N, T) ``labels``.
+
+    Not counted: -100 (prompts, padding), each sample's first label (no token
+    precedes it), and EOS, which only marks where a document ends.
+    """
+    predicted = labels[:, 1:]  # (N, T - 1): the labels the shifted loss sees
+    return int(((predicted != IGNORE_INDEX) & (predicted != eos_id)).sum())
+
+
+def _nothing_to_learn_line(path: str | Path, documents: list[dict], encoded: list[tuple[list[int], list[int]]], *, seq_len: int, pack: bool) -> str:
+    """Why ``path`` gives no token to learn, and the way out."""
+    text_tokens = sum(label != IGNORE_INDEX for _, labels in encoded for label in labels)
+    if any("prompt" in document for document in documents):
+        if not text_tokens:
+            return f"{path}: no token to learn: every completion is empty (the loss is on the completion only); give each prompt its completion"
+        longest = max(labels.count(IGNORE_INDEX) for _, labels in encoded)
+        return (
+            f"{path}: no token to learn: every completion is empty or cut off by --seq-len {seq_len} (prompts of up to "
+            f"{longest} tokens); plan again with a --seq-len above {longest}, shorten the prompts"
+            + (", or leave out --no-pack (packed, no completion is cut off)" if not pack else "")
+        )
+    if not text_tokens:
+        return f"{path}: no token to learn: every text is empty; give documents with text"
+    return (
+        f"{path}: no token to learn: every text is a single token (a causal LM predicts each token from those before it); "
+        "give longer texts" + (", or leave out --no-pack" if not pack else "")
+    )

@@ -23,7 +23,8 @@ def test_lora_text_is_read_once_and_written_back_the_same():
     assert parse_lora(settings.text()) == settings
     assert parse_lora("r=16").alpha == 16  # alpha defaults to r
     for bad, said in [("alpha=8", "needs r"), ("r=0", "at least 1"), ("r=4,rank=2", "'rank' is not a LoRA setting"),
-                      ("r=4,r=8", "twice"), ("r=x", "whole number"), ("r=4,targets=", "targets not empty")]:
+                      ("r=4,r=8", "twice"), ("r=x", "whole number"), ("r=4,targets=", "targets not empty"),
+                      ("r=4,alpha=nan", "alpha a positive finite number"), ("r=4,alpha=inf", "alpha a positive finite number")]:
         with pytest.raises(UserError, match=said):
             parse_lora(bad)
 

@@ -186,3 +186,66 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(tiny_lm, tmp_path):
     corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": line} for line in corpus_lines(20)])
     with pytest.raises(UserError, match="tokenizer has 19 tokens but the model's vocabulary holds 8"):
         text_datasets(corpus, tokenizer=_tokenizer(tiny_lm), seq_len=16, vocab_size=8)
+
+
+def _hand_plan(tmp_path, model_dir, *, seq_len: int = 16) -> str:
+    """A plan for hf:model_dir written by hand (batch 4 in one micro-batch, fp32): nothing planned or measured."""
+    from autofit.config import TrainingConfig
+    from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
+    from autofit.spec import load_spec, model_fingerprint
+
+    source = f"hf:{model_dir}"
+    spec = load_spec(source, task="causal-lm", seq_len=seq_len)
+    plan = Plan(
+        model=ModelInfo(source=source, fingerprint=model_fingerprint(spec.build_model()), task="causal-lm", seq_len=seq_len),
+        device=DeviceInfo(type="cpu"), budget_bytes=10**9, config=TrainingConfig(global_batch_size=4, micro_batch_size=4),
+    )
+    return str(save_plan(plan, tmp_path / "plan.json"))
+
+
+LONG_PROMPT = "the cat sat on the mat and then slept the dog ran under the log and then slept quickly"
+"""19 tokens: longer than a --seq-len 16 sample, so a padded sample holds none of its completion."""
+
+
+@pytest.mark.parametrize("records, pack, said", [
+    ([{"prompt": LONG_PROMPT, "completion": "the mat"}] * 8, False,
+     "every completion is empty or cut off by --seq-len 16 (prompts of up to 19 tokens); plan again with a --seq-len above 19"),
+    ([{"prompt": "the cat sat", "completion": ""}] * 8, True, "every completion is empty"),
+    ([{"text": ""}] * 40, True, "every text is empty"),
+    ([{"text": ""}] * 8, False, "every text is empty"),
+], ids=["prompts-cut-off-padded", "completions-empty-packed", "texts-empty-packed", "texts-empty-padded"])
+def test_a_corpus_with_no_token_to_learn_is_refused_saying_why(tiny_lm, tmp_path, records, pack, said):
+    """Every label -100 (or only the EOS between documents): the loss would be 0 at each step and nothing learned."""
+    from autofit.training.text import text_datasets
+
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", records)
+    with pytest.raises(UserError, match="no token to learn") as error:
+        text_datasets(corpus, tokenizer=_tokenizer(tiny_lm), seq_len=16, pack=pack, val_fraction=0.0)
+    assert str(error.value).startswith(f"{corpus}: no token to learn: ") and said in str(error.value), error.value
+    # Packed, the same long prompts leave their completions whole: that corpus trains.
+    if records[0].get("completion"):
+        train, _ = text_datasets(corpus, tokenizer=_tokenizer(tiny_lm), seq_len=16, pack=True, val_fraction=0.0)
+        assert len(train) > 0
+
+
+def test_train_refuses_a_corpus_with_no_token_to_learn_before_its_first_step(tiny_lm, tmp_path, run_cli):
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"prompt": LONG_PROMPT, "completion": "the mat"}] * 8)
+    run = tmp_path / "run"
+    code, out, err = run_cli("train", "--plan", _hand_plan(tmp_path, tiny_lm), "--data", corpus, "--no-pack",
+                             "--workers", "0", "--log-dir", run, "--max-steps", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{corpus}: no token to learn: every completion is empty or cut off by --seq-len 16" in err
+    assert not run.exists() or not any(run.iterdir())
+
+
+def test_a_run_whose_weights_diverge_writes_no_hf_nor_best_pt(tiny_lm, tmp_path, run_cli):
+    """--lr 1e308: step 1's update leaves the weights inf/nan; the run ends in one line, exit 2, and hf/ and best.pt
+    are not written from them."""
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": line} for line in corpus_lines(20)])
+    run = tmp_path / "run"
+    code, out, err = run_cli("train", "--plan", _hand_plan(tmp_path, tiny_lm), "--data", corpus, "--workers", "0",
+                             "--log-dir", run, "--max-steps", "1", "--lr", "1e308")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "training diverged: the weights are no longer finite (step 1's update made them so)" in err
+    assert "try a --lr below 1e+308" in err
+    assert not any((run / name).exists() for name in ("hf", "best.pt", "last.pt"))
