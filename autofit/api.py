@@ -102,7 +102,8 @@ def fit(
             ``from_pretrained`` alone); the returned model keeps its adapters.
         device: "cpu" or "cuda", where to plan (and so train).
         input_shape: "CxHxW" images from a folder are resized to.
-        log_dir: where metrics, plan.json, last.pt and best.pt go; default runs/<time>.
+        log_dir: where metrics, run_plan.json, last.pt and best.pt go; default runs/<time>. One that holds a run
+            is refused (before planning) unless ``resume`` or ``overwrite``.
         resume: continue the run in ``log_dir`` from its last.pt, with its saved
             settings (``lr``, ``seed`` given again must equal them).
         overwrite: start a new run in a ``log_dir`` that holds one, deleting its
@@ -121,12 +122,13 @@ def fit(
         A ``FitResult``: ``.plan``, ``.history``, ``.best_path``.
 
     Raises:
-        UserError: a bad argument, data or plan; the message names it and the way out.
+        UserError: a bad argument, data or plan; the message names it (by its keyword here) and the way out.
 
     Example:
         >>> result = autofit.fit(model, budget="8GB", train_data=train, val_data=val, batch_size=256, epochs=10)
         >>> result.history[-1]["val_accuracy"], result.best_path
     """
+    from autofit.keywords import in_python
     from autofit.model_io import Loss
     from autofit.spec import default_optimizer
     from autofit.training.loop import TrainSettings
@@ -134,13 +136,25 @@ def fit(
 
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    folder = str(Path(train_data).resolve()) if isinstance(train_data, (str, Path)) else None
+    settings = TrainSettings(
+        epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
+        num_workers=num_workers, max_steps=max_steps, verbose=verbose, sources={"data": folder, "model": None},
+        schedule=schedule, warmup_steps=warmup_steps, spell=in_python,
+    )
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
-    if resume and plan is None and log_dir:
+    # The run's folder is checked first: its refusal would otherwise come after minutes of planning.
+    if resume and plan is None:
         from autofit.plan_file import plan_from_dict
         from autofit.training.resume import read_saved_run
 
-        plan = plan_from_dict(read_saved_run(Path(log_dir))["plan"], where=f"the plan saved in {Path(log_dir) / 'last.pt'}")
+        saved = read_saved_run(settings.log_dir)
+        plan = plan_from_dict(saved["plan"], where=f"the plan saved in {settings.log_dir / 'last.pt'}")
+    elif not resume and settings.log_dir is not None:
+        from autofit.training.rundir import check_fresh_start
+
+        check_fresh_start(settings.log_dir, overwrite=overwrite)
     weights_note = ""
     if init_from is not None and not resume:
         from autofit.training.weights import load_into, state_dict_from
@@ -157,12 +171,6 @@ def fit(
                      max_grad_norm=max_grad_norm, adapters=adapters)
     if merge and plan.config.world_size > 1:
         raise UserError("merge=True runs on one process; drop it, and merge the saved adapter with PEFT's merge_and_unload")
-    folder = str(Path(train_data).resolve()) if isinstance(train_data, (str, Path)) else None
-    settings = TrainSettings(
-        epochs=epochs, log_dir=log_dir or None, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
-        num_workers=num_workers, max_steps=max_steps, verbose=verbose, sources={"data": folder, "model": None},
-        schedule=schedule, warmup_steps=warmup_steps,
-    )
     result = run_training(
         model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
         input_shape=shape, loss_fn=Loss(loss_fn, count_items=count_items), build_optimizer=optimizer or default_optimizer,

@@ -12,7 +12,7 @@ import warnings
 
 import typer
 
-from autofit.errors import UserError
+from autofit.errors import UserError, one_line
 
 app = typer.Typer(
     add_completion=False,
@@ -117,7 +117,5 @@ def run() -> None:
 
 
 def _fail(message: str) -> None:
-    # One line, whatever the message carries (a library's error text may hold several).
-    line = "; ".join(part.strip() for part in message.splitlines() if part.strip())
-    print(f"autofit: error: {line}", file=sys.stderr)
+    print(f"autofit: error: {one_line(message)}", file=sys.stderr)
     sys.exit(2)

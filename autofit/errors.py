@@ -1,7 +1,8 @@
 """The one exception type a user can cause, and how to tell a failed allocation from other errors.
 
-The CLI prints a ``UserError`` as a single line and exits non-zero; anything
-else is a bug and keeps its traceback. An error raised in the user's own code
+The CLI prints a ``UserError`` as a single line and exits non-zero; the
+Python API raises it with the flags spelled as its keywords (``autofit.keywords``);
+anything else is a bug and keeps its traceback. An error raised in the user's own code
 (``user_frame`` finds where) becomes a ``UserError`` naming the file and line.
 """
 from __future__ import annotations
@@ -13,6 +14,11 @@ from functools import lru_cache
 
 class UserError(Exception):
     """A mistake in what the user asked for: the message names the bad value and the way out."""
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line, whatever it carries (a library's error text may hold several)."""
+    return "; ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 _ALLOCATION_FAILURES = (

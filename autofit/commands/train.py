@@ -49,8 +49,8 @@ def train(
         None, "--weights", help="Start from these weights: a state dict (.pt, .bin, .safetensors), an autofit last.pt/best.pt or a save_pretrained directory."
     ),
     from_config: bool = typer.Option(False, "--from-config", help="hf:DIR: random weights from config.json, not the pretrained weights in DIR."),
-    log_dir: Optional[Path] = typer.Option(
-        None, "--log-dir", help="Where metrics.jsonl, TensorBoard events, plan.json, last.pt and best.pt go; default runs/<date>-<time>."
+    log_dir: Optional[str] = typer.Option(  # a str: Path("") would be the current folder, not the mistake it is
+        None, "--log-dir", help="Where metrics.jsonl, TensorBoard events, run_plan.json, last.pt and best.pt go; default runs/<date>-<time>."
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --log-dir from its last.pt, with the settings it saved."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --log-dir that holds one; its files go once the new run has saved."),
@@ -97,15 +97,15 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     from autofit.training.stops import TrainingInterrupted
     from autofit.training.resume import check_same_plan, read_saved_run, resumed_value
     from autofit.training.run import run_training
+    from autofit.training.rundir import log_dir_path
     from autofit.training.weights import initial_model
     from autofit.training.hf_export import pretrained_dir
 
+    log_dir = log_dir_path(log_dir)
     data = Path(data).resolve() if data is not None else None
     model = str(Path(model).resolve()) if model is not None and not model.startswith("torchvision:") else model
     if resume:
         # The run's own plan and settings; what is given again must agree with them.
-        if log_dir is None:
-            raise UserError("--resume needs --log-dir runs/NAME: the folder of the run to continue")
         saved = read_saved_run(log_dir)
         the_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
         if plan is not None:

@@ -6,10 +6,11 @@ by ``autofit train``): ``{"kind": "step"|"epoch", "epoch", "step", "loss",
 epochs, ``"train_loss", "val_loss", "val_accuracy"``. Any key may be missing;
 a panel without data says so. Several runs are overlaid, one colour each.
 
-The run's plan.json, when present, adds the planned peak (the probe's measured
-bytes, the number the budget was compared with). On the CPU the training loop
-logs the process's resident set, which includes the interpreter, while the
-budget counts tensor bytes: the panel says so rather than suggest an overrun.
+The run's copy of its plan (run_plan.json), when present, adds the planned
+peak (the probe's measured bytes, the number the budget was compared with).
+On the CPU the training loop logs the process's resident set, which includes
+the interpreter, while the budget counts tensor bytes: the panel says so
+rather than suggest an overrun.
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autofit.errors import UserError
+from autofit.training.rundir import RUN_PLAN
 
 METRICS_FILE = "metrics.jsonl"
-PLAN_FILE = "plan.json"
+PLAN_FILES = (RUN_PLAN, "plan.json")
+"""Where a run keeps its plan: run_plan.json; plan.json in a run of an autofit that wrote it there."""
 MIB = 2**20
 
 
@@ -31,7 +34,7 @@ class Run:
     steps: list[dict] = field(default_factory=list)
     epochs: list[dict] = field(default_factory=list)
     plan: dict = field(default_factory=dict)
-    """The run's plan.json ({} when absent or unreadable)."""
+    """The run's plan (``PLAN_FILES``; {} when absent or unreadable)."""
 
     @property
     def device_type(self) -> str | None:
@@ -80,15 +83,16 @@ def find_runs(log_dir: str | Path) -> list[Run]:
         steps, epochs = read_metrics(path)
         if steps or epochs:
             name = path.parent.relative_to(root).as_posix()
-            runs.append(Run(name=name if name != "." else root.name or ".", steps=steps, epochs=epochs, plan=_read_plan(path.parent / PLAN_FILE)))
+            runs.append(Run(name=name if name != "." else root.name or ".", steps=steps, epochs=epochs, plan=_read_plan(path.parent)))
     if not runs:
         raise UserError(f"--log-dir {str(log_dir)!r} holds no {METRICS_FILE} with records; train first with `autofit train`")
     return runs
 
 
-def _read_plan(path: Path) -> dict:
+def _read_plan(run_dir: Path) -> dict:
+    path = next((run_dir / name for name in PLAN_FILES if (run_dir / name).exists()), None)
     try:
-        plan = json.loads(path.read_text())
+        plan = json.loads(path.read_text()) if path is not None else {}
     except (OSError, ValueError):
         return {}
     return plan if isinstance(plan, dict) else {}

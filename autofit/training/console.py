@@ -5,18 +5,21 @@ all. Ranks other than 0, and ``verbose=False``, get a console that shows nothing
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from autofit.apply import AppliedPlan
+from autofit.keywords import as_flags
 from autofit.plan_file import Plan
 from autofit.training.data import TrainData
 from autofit.units import format_bytes
 
 
 class RunConsole:
-    """The run's lines and its progress bar (use it as a context manager: the bar runs inside)."""
+    """The run's lines and its progress bar (use it as a context manager: the bar runs inside); ``spell`` words
+    the lines for whoever started the run (``TrainSettings.spell``)."""
 
-    def __init__(self, *, verbose: bool, budget_bytes: int) -> None:
+    def __init__(self, *, verbose: bool, budget_bytes: int, spell: Callable[[str], str] = as_flags) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -34,9 +37,10 @@ class RunConsole:
             disable=not (verbose and self._console.is_terminal),
         )
         self._bar = None
+        self._spell = spell
 
     def print(self, text: str) -> None:
-        self._console.print(text, markup=False, highlight=False)
+        self._console.print(self._spell(text), markup=False, highlight=False)
 
     def start_epoch(self, epoch: int, *, epochs: int, steps: int, done: int) -> None:
         """A bar for epoch ``epoch`` (counted from 1) of ``steps`` steps, ``done`` of them already (a resume)."""

@@ -8,14 +8,15 @@ global batch, redone exactly with half the micro-batch if it runs out of
 memory, then validation and checkpoints. Strategies live in ``apply_plan``;
 the loop never asks which precision or split it runs. What happens around a
 step lives beside it: ``rundir`` (the lock, never erasing a run), ``resume``
-(the run's own settings), ``state`` (position, history, the non-finite
-streak), ``recovery`` (out of memory), ``checkpoints`` (last.pt, best.pt),
-``runlog`` (metrics.jsonl, TensorBoard), ``console`` (lines and progress
-bar), ``gauges`` (memory, the budget watch) and ``validation``.
+(the run's own settings), ``state`` (position, history, the watch on
+non-finite losses and weights: none is ever saved), ``recovery`` (out of
+memory), ``checkpoints`` (last.pt, best.pt), ``runlog`` (metrics.jsonl,
+TensorBoard), ``console`` (lines and progress bar), ``gauges`` (memory, the
+budget watch) and ``validation``.
 
 Files in the log dir: ``metrics.jsonl`` (one JSON object per line, kind
 "step", "epoch", "oom", "unreadable" or "memory"), TensorBoard event files,
-``plan.json`` (the plan this run trains with, rewritten when it changes),
+``run_plan.json`` (the plan this run trains with, rewritten when it changes),
 ``last.pt`` (everything ``--resume`` needs, settings included), ``best.pt``
 (best validation accuracy so far) and ``.autofit.lock``. SIGINT, SIGTERM and
 SIGHUP stop the run after its step with last.pt saved (``TrainingInterrupted``).
@@ -42,6 +43,7 @@ from torch import nn
 
 from autofit.apply import AppliedPlan, apply_plan
 from autofit.errors import UserError, user_frame
+from autofit.keywords import as_flags
 from autofit.model_io import batch_size_of
 from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
@@ -55,10 +57,10 @@ from autofit.training.images import Unreadable
 from autofit.training.stops import StopRequest, disk_full_line, stop_on_signals, user_code_line
 from autofit.training.recovery import MicroBatchChange, StepUndo, step_with_recovery
 from autofit.training.resume import check_same_plan, resumed_value
-from autofit.training.rundir import discard_previous_run, hold_run_directory, restore_previous_run, start_fresh
+from autofit.training.rundir import discard_previous_run, hold_run_directory, log_dir_path, restore_previous_run, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
 from autofit.training.schedule import check_schedule, lr_schedule
-from autofit.training.state import NonFiniteStreak, RunState
+from autofit.training.state import NonFiniteWatch, RunState
 from autofit.training.validation import evaluate
 
 
@@ -78,7 +80,7 @@ class TrainSettings:
     epochs: int | None = None
     """Passes over the training data (in total, counting those before a resume). None: 1, or the run's own."""
     log_dir: Path | None = None
-    """metrics.jsonl, TensorBoard events, plan.json, last.pt and best.pt go here. None:
+    """metrics.jsonl, TensorBoard events, run_plan.json, last.pt and best.pt go here. None:
     runs/<date>-<time>, which ``autofit.training.run.run_training`` picks (``train`` needs a folder)."""
     lr: float | None = None
     """Peak learning rate; None keeps the optimizer's (or the run's own). It follows ``schedule`` over the run."""
@@ -109,9 +111,12 @@ class TrainSettings:
     sources: dict = field(default_factory=dict)
     """Where the front end read the data and the model: {"data": folder, "model": file}, absolute paths or
     None; saved in last.pt so that a resume finds them again."""
+    spell: Callable[[str], str] = as_flags
+    """How the lines the run prints name a setting: the command line's flags, or ``keywords.in_python`` for a
+    caller of ``autofit.fit`` (``num_workers``, not ``--workers``)."""
 
     def __post_init__(self) -> None:
-        self.log_dir = Path(self.log_dir) if self.log_dir is not None else None
+        self.log_dir = log_dir_path(self.log_dir)
         if self.epochs is not None and self.epochs < 1:
             raise UserError(f"--epochs {self.epochs} must be at least 1")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -222,7 +227,8 @@ def train(
     Raises:
         UserError: a plan for another model; a log dir that another run holds,
             or that holds a run (without resume or overwrite); settings or a plan
-            that differ from the resumed run's; repeated non-finite loss; out of
+            that differ from the resumed run's; repeated non-finite loss; weights
+            no longer finite at a save (nothing is saved from them); out of
             memory at a micro-batch of 1 or where a step cannot be redone
             exactly; a full disk (last.pt keeps the last save).
         TrainingInterrupted: SIGINT (Ctrl-C), SIGTERM or SIGHUP; last.pt was saved first.
@@ -300,7 +306,7 @@ def _train_run(
     gauge = memory_gauge(applied.device)
     log = open_run_log(log_dir, keep_until_step=state.position.global_step, keep_until_epoch=state.position.epoch, writes=writes_log)
     log.save_plan(plan)
-    console = RunConsole(verbose=settings.verbose and writes_log, budget_bytes=plan.budget_bytes)
+    console = RunConsole(verbose=settings.verbose and writes_log, budget_bytes=plan.budget_bytes, spell=settings.spell)
     console.print(header(plan, data, applied, memory_note=gauge.note, log_dir=log_dir))
     if log.skipped_lines:
         console.print(f"metrics.jsonl: skipped {log.skipped_lines} unreadable line(s) of the earlier run")
@@ -338,7 +344,10 @@ def _train_epochs(
     """
     model, global_batch_size = applied.model, plan.config.global_batch_size
     steps_per_epoch = math.ceil(len(data.train) / global_batch_size)
-    nonfinite = NonFiniteStreak(limit=settings.max_nonfinite_steps, precision=plan.config.precision)
+    nonfinite = NonFiniteWatch(
+        limit=settings.max_nonfinite_steps, precision=plan.config.precision,
+        peak_lr=float(optimizer.param_groups[0]["initial_lr"]),  # the schedule's peak (LambdaLR keeps it)
+    )
     undo = StepUndo(model, optimizer=optimizer, scaler=applied.scaler, device=applied.device)  # redoes a step after OOM
     for epoch in range(state.position.epoch, settings.epochs):
         position = state.position  # this epoch's: where it starts (mid-epoch on resume) and what it has done
@@ -358,7 +367,7 @@ def _train_epochs(
                 position.skip_batch()
                 continue
             batch_size = batch_size_of(inputs, targets)
-            with watch.measuring(model, optimizer):
+            with watch.measuring(model, optimizer), nonfinite.overflow(step=position.global_step + 1):
                 result, ooms = step_with_recovery(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo)
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
             lr = float(optimizer.param_groups[0]["lr"])
@@ -386,12 +395,12 @@ def _train_epochs(
             nonfinite.check(loss, epoch=epoch + 1, step=position.global_step)
             interrupted = any_rank(stop.is_set(), device=applied.device)  # every rank stops at the same step
             if interrupted:
-                _save_last(checkpoints, log, plan=plan, state=state)
+                _save_last(checkpoints, log, plan=plan, state=state, nonfinite=nonfinite, device=applied.device)
                 log.flush()
                 raise stop.interrupted(last_path=checkpoints.last_path, epoch=epoch + 1, step=position.global_step)
             if position.global_step == settings.max_steps:  # ends as an epoch does, mid-epoch: --resume continues it
                 # last.pt first: it keeps the RNG as the step left it (validation's loader draws a seed from it).
-                saved = _save_last(checkpoints, log, plan=plan, state=state)
+                saved = _save_last(checkpoints, log, plan=plan, state=state, nonfinite=nonfinite, device=applied.device)
                 record = _validated_record(
                     applied, "stop", data=data, loss_fn=loss_fn, optimizer=optimizer, plan=plan, position=position,
                     gauge=gauge, log=log, console=console, settings=settings, epoch=epoch,
@@ -407,7 +416,7 @@ def _train_epochs(
                 log.flush()
                 return False, plan
             if settings.save_every_steps and position.global_step % settings.save_every_steps == 0:
-                _save_last(checkpoints, log, plan=plan, state=state)
+                _save_last(checkpoints, log, plan=plan, state=state, nonfinite=nonfinite, device=applied.device)
                 speed.start()  # the pause for saving is not training time
 
         record = _validated_record(
@@ -417,7 +426,7 @@ def _train_epochs(
         log.epoch(record)
         console.print(epoch_line(record, epochs=settings.epochs))
         improved = state.end_epoch(record)  # into the history; the next epoch's position
-        saved = _save_last(checkpoints, log, plan=plan, state=state)
+        saved = _save_last(checkpoints, log, plan=plan, state=state, nonfinite=nonfinite, device=applied.device)
         if improved:
             checkpoints.save_best(saved, record=record)
         if any_rank(stop.is_set(), device=applied.device):  # a signal during validation
@@ -444,8 +453,17 @@ def _validated_record(
     }
 
 
-def _save_last(checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan: Plan, state: RunState) -> dict:
-    """Save last.pt once every record up to it is on disk (a run killed later loses no step it saved)."""
+def _save_last(
+    checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan: Plan, state: RunState, nonfinite: NonFiniteWatch,
+    device: torch.device,
+) -> dict:
+    """Save last.pt once every record up to it is on disk (a run killed later loses no step it saved).
+
+    Raises:
+        UserError: the weights are no longer finite: no file is written from them (``NonFiniteWatch.check_weights``).
+    """
+    # Every save of last.pt, best.pt (its weights are last.pt's) and hf/ (written after the last one) passes here.
+    nonfinite.check_weights(checkpoints.model, step=state.position.global_step, device=device)
     log.sync()
     saved = checkpoints.save_last(plan=plan, state=state)
     if is_rank0():
@@ -454,7 +472,7 @@ def _save_last(checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, *, plan:
 
 
 def _record_oom(oom: MicroBatchChange, *, plan: Plan, log: RunLog | SilentRunLog, console: RunConsole, epoch: int, step: int) -> Plan:
-    """The run's plan from now on, true to what it trains with (plan.json now, last.pt at its next save); says so."""
+    """The run's plan from now on, true to what it trains with (run_plan.json now, last.pt at its next save); says so."""
     plan = plan.changed(oom.config, event={**oom.record, "epoch": epoch, "step": step})
     log.save_plan(plan)
     log.write({"kind": "oom", "epoch": epoch, "step": step, **oom.record})

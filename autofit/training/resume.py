@@ -21,14 +21,16 @@ MUST_MATCH = ("lr", "seed", "data", "model", "schedule", "warmup_steps")
 """Settings that change what is trained: given again on resume, they must equal the run's."""
 
 
-def read_saved_run(log_dir: Path) -> dict:
+def read_saved_run(log_dir: Path | None) -> dict:
     """last.pt's ``plan``, ``settings`` and ``position`` (the weights are mapped, not read).
 
     Raises:
-        UserError: no last.pt, or one that holds no training state.
+        UserError: no log dir given, no last.pt, or one that holds no training state.
     """
     from autofit.training.weights import load_checkpoint
 
+    if log_dir is None:
+        raise UserError("--resume needs --log-dir: the folder of the run to continue, e.g. runs/NAME")
     last_path = log_dir / "last.pt"
     if not last_path.exists():
         raise UserError(f"--resume: {last_path} does not exist; give the --log-dir of a run that saved last.pt")
@@ -64,7 +66,7 @@ def check_same_plan(given: Plan, saved: Plan, *, where: Path) -> None:
     """Refuse to resume with a plan that trains differently from the one the run saved.
 
     The micro-batch may be the saved one or the one the run started with (a run
-    halves it after running out of memory; its plan.json and last.pt say so).
+    halves it after running out of memory; its run_plan.json and last.pt say so).
 
     Raises:
         UserError: naming the first fields that differ.

@@ -82,7 +82,7 @@ def run_training(
     if weights_note and settings.verbose and is_rank0():
         print(f"weights: {weights_note}", flush=True)
     # The threads the plan's speed was timed with (``training.threads``); PyTorch's setting is put back after.
-    say = print if settings.verbose and is_rank0() else lambda line: None
+    say = (lambda line: print(settings.spell(line))) if settings.verbose and is_rank0() else lambda line: None
     with plan_threads(plan, say=say) as threads:
         if settings.num_workers is None:
             workers, line = default_workers(plan.device.type, threads=threads, world_size=plan.config.world_size)

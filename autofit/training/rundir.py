@@ -13,6 +13,10 @@ refused unless asked to ``overwrite``, which moves those files aside to
 ``.previous/`` and deletes them only once the new run has saved its first
 checkpoint: a new run that fails before (a bad plan, a loss that raises, a
 signal, a kill) gives the folder back to the earlier run.
+
+The run's copy of its plan is ``run_plan.json`` (``RUN_PLAN``), not
+``plan.json``: a plan.json in the folder (``autofit plan``'s, perhaps another
+model's) is never replaced.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ LOCK_FILE = ".autofit.lock"
 
 RUN_FILES = ("last.pt", "best.pt", "last_sharded", "metrics.jsonl")
 """What a run writes that a new run must not lose (metrics.jsonl only when it holds a record)."""
+
+RUN_PLAN = "run_plan.json"
+"""The plan the run trains with (rewritten when it changes): not ``plan.json``, the name ``autofit plan`` writes."""
 
 PREVIOUS = ".previous"
 """Where ``--overwrite`` keeps the earlier run's files until the new run has saved its first checkpoint."""
@@ -174,26 +181,50 @@ def run_files(log_dir: Path) -> list[str]:
     return found
 
 
-def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
-    """Make sure a new run loses nothing: refuse a folder that holds a run, or with ``overwrite`` move that run's files
-    (and its plan.json, hf/ and TensorBoard events) aside to ``.previous/`` (``discard_previous_run`` deletes them once the
-    new run has saved; ``restore_previous_run`` puts them back if it never does).
+def log_dir_path(value: str | Path | None) -> Path | None:
+    """The folder ``--log-dir`` names (None: not given, runs/<date>-<time>).
+
+    Raises:
+        UserError: an empty name, which Path would take for the current folder.
+    """
+    if isinstance(value, str) and not value.strip():
+        raise UserError(f"--log-dir {value!r} names no folder; give one (e.g. runs/NAME), or leave it out for runs/<date>-<time>")
+    return Path(value) if value is not None else None
+
+
+def check_fresh_start(log_dir: Path, *, overwrite: bool) -> list[str]:
+    """Refuse a new run in a folder that holds one, unless asked to ``overwrite`` it (``fit`` asks before planning).
+
+    Returns:
+        The earlier run's files (``run_files``); none in a folder that holds no run.
 
     Raises:
         UserError: the folder holds an earlier run's files and ``overwrite`` is False.
     """
     found = run_files(log_dir)
-    if not found:
-        return
-    if not overwrite:
+    if found and not overwrite:
         resume = "continue it with --resume, " if "last.pt" in found else ""
         raise UserError(
             f"{log_dir} already holds a run ({', '.join(found)}); {resume}give another --log-dir, "
             "or --overwrite to delete its files and start again"
         )
+    return found
+
+
+def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
+    """Make sure a new run loses nothing: refuse a folder that holds a run, or with ``overwrite`` move that run's files
+    (and its run_plan.json, hf/ and TensorBoard events) aside to ``.previous/`` (``discard_previous_run`` deletes them
+    once the new run has saved; ``restore_previous_run`` puts them back if it never does).
+
+    Raises:
+        UserError: the folder holds an earlier run's files and ``overwrite`` is False.
+    """
+    found = check_fresh_start(log_dir, overwrite=overwrite)
+    if not found:
+        return
     aside = log_dir / PREVIOUS
     aside.mkdir()
-    extras = [log_dir / "plan.json", log_dir / "hf", *log_dir.glob("events.out.tfevents.*")]
+    extras = [log_dir / RUN_PLAN, log_dir / "hf", *log_dir.glob("events.out.tfevents.*")]
     for path in [*(log_dir / name for name in found), *(path for path in extras if path.exists())]:
         path.rename(aside / path.name)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from autofit.atomic import write_atomic
 from autofit.plan_file import Plan, save_plan
+from autofit.training.rundir import RUN_PLAN
 
 
 class RunLog:
@@ -82,8 +83,8 @@ class RunLog:
         self.metrics.write(json.dumps(record) + "\n")
 
     def save_plan(self, plan: Plan) -> None:
-        """plan.json: the plan this run trains with."""
-        save_plan(plan, self.log_dir / "plan.json")
+        """run_plan.json: the plan this run trains with (``rundir.RUN_PLAN``, never the folder's plan.json)."""
+        save_plan(plan, self.log_dir / RUN_PLAN)
 
     def sync(self) -> None:
         """Every record written so far is in metrics.jsonl on disk (flushed and fsynced) when this returns."""

@@ -162,10 +162,19 @@ def other_rows():
     yield "plan-study-fails", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--out", t / "plan.json", "--study", "sqlite:////nonexistent/folder/plans.db"], "--study 'sqlite:////nonexistent/folder/plans.db' cannot be opened", False
     yield "plan-study-not-a-database", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--out", t / "plan.json", "--study", f"sqlite:///{p / 'tiny.py'}"], "file is not a database", False
     yield "train-log-dir-is-a-file", lambda f, p, r, t: train_args(p, f / "a_file"), "is a file, not a folder", False
+    # An empty --log-dir was taken for the current folder.
+    yield "train-log-dir-empty", lambda f, p, r, t: train_args(p, ""), "--log-dir '' names no folder", False
+    yield "train-resume-log-dir-empty", lambda f, p, r, t: ["train", "--log-dir", "", "--resume"], "--log-dir '' names no folder", False
     yield "train-log-dir-read-only", lambda f, p, r, t: train_args(p, r), "cannot be written", True
     yield "train-log-dir-below-read-only", lambda f, p, r, t: train_args(p, r / "run"), "cannot be created", True
     yield "train-lr-inf", lambda f, p, r, t: [*train_args(p, t / "run"), "--lr", "inf"], "--lr inf must be a positive finite number", False
     yield "train-lr-nan", lambda f, p, r, t: [*train_args(p, t / "run"), "--lr", "nan"], "--lr nan must be a positive finite number", False
+    # nan and inf in any number a command reads (float() takes both): refused before anything runs.
+    yield "train-lora-alpha-nan", lambda f, p, r, t: [*train_args(p, t / "run"), "--lora", "r=8,alpha=nan"], "alpha a positive finite number", False
+    yield "plan-lora-alpha-inf", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--lora", "r=8,alpha=inf,targets=1", "--out", t / "plan.json"], "alpha a positive finite number", False
+    yield "train-max-grad-norm-nan", lambda f, p, r, t: [*train_args(p, t / "run"), "--max-grad-norm", "nan"], "--max-grad-norm nan must be a positive finite number", False
+    yield "plan-max-grad-norm-inf", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--max-grad-norm", "inf", "--out", t / "plan.json"], "--max-grad-norm inf must be a positive finite number", False
+    yield "plan-host-speed-nan", lambda f, p, r, t: ["plan", p / "tiny.py", "--budget", "50MB", "--batch-size", "8", "--host-speed", "nan", "--out", t / "plan.json"], "--host-speed nan must be a positive number", False
     yield "train-max-steps-0", lambda f, p, r, t: [*train_args(p, t / "run"), "--max-steps", "0"], "--max-steps 0 must be at least 1", False
     yield "train-max-steps-negative", lambda f, p, r, t: [*train_args(p, t / "run"), "--max-steps", "-3"], "--max-steps -3 must be at least 1", False
     yield "train-plan-negative-budget", lambda f, p, r, t: ["train", "--plan", f / "negative_budget.json", "--data", p / "data", "--log-dir", t / "run"], "field budget_bytes", False

@@ -133,7 +133,7 @@ def test_max_grad_norm_clips_in_training_and_is_refused_with_a_plan_that_steps_i
     code, out, err = run_cli("train", "--plan", plan, "--max-grad-norm", "0.5", "--max-steps", "1", "--log-dir", tmp_path / "clipped")
     assert code == 0, err
     assert "gradients clipped to norm 0.5" in out
-    assert json.loads((tmp_path / "clipped" / "plan.json").read_text())["max_grad_norm"] == 0.5
+    assert json.loads((tmp_path / "clipped" / "run_plan.json").read_text())["max_grad_norm"] == 0.5
     code, out, err = run_cli("train", "--log-dir", tmp_path / "clipped", "--resume", "--max-grad-norm", "1", "--max-steps", "2")
     assert code == 2 and "max_grad_norm 1.0 differs from the run" in err, err
     plan = _plan(tmp_path, f"hf:{llama_dir}", optimizer_in_backward=True)
@@ -198,7 +198,9 @@ def test_weights_dtype_config_keeps_a_bf16_config_s_weights_as_bf16_pure_and_is_
         "def build_model():\n    return torch.nn.Linear(4, 2)\n"
         "def example_batch(n):\n    return torch.randn(n, 4), torch.randint(0, 2, (n,))\n"
     )
-    code, out, err = run_cli("plan", str(model_file), "-n", "4", "-b", "200MB", "--no-cache", "-q", "--weights-dtype", "config", "-o", tmp_path / "refused.json")
+    code, out, err = run_cli(
+        "plan", str(model_file), "-n", "4", "-b", "200MB", "--no-cache", "-q", "--weights-dtype", "config", "-o", tmp_path / "refused.json",
+    )
     assert code == 2 and "names none; leave it out (fp32 weights)" in err, err
     assert not (tmp_path / "refused.json").exists()
 

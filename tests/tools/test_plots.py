@@ -83,7 +83,7 @@ def test_missing_keys_are_tolerated(tmp_path):
 
 def test_the_runs_plan_adds_the_planned_peak(two_runs, tmp_path):
     plan = {"device": {"type": "cpu"}, "budget_bytes": 64_000_000, "measured": {"peak_bytes": 50_000_000}}
-    (two_runs / "beta" / "plan.json").write_text(json.dumps(plan))
+    (two_runs / "beta" / "run_plan.json").write_text(json.dumps(plan))
     (two_runs / "alpha" / "plan.json").write_text("{not json")
     runs = {run.name: run for run in find_runs(two_runs)}
     assert runs["beta"].planned_peak_bytes == 50_000_000 and runs["beta"].device_type == "cpu"

@@ -159,7 +159,7 @@ def test_an_overwrite_that_fails_before_its_first_save_loses_nothing(tmp_path, p
     code, _, err = run_cli("train", "--plan", tmp_path / "bad.json", "--data", project / "data", "--log-dir", log_dir, "--overwrite")
     assert code == 2 and "no_such_block" in one_line(err), err
     after = {p.name: p.read_bytes() for p in log_dir.iterdir() if p.is_file() and p.name != LOCK_FILE}
-    assert after == before and {"last.pt", "metrics.jsonl", "plan.json"} <= set(after)
+    assert after == before and {"last.pt", "metrics.jsonl", "run_plan.json"} <= set(after)
     assert run_cli(*train_args(project, log_dir, "--resume", "--max-steps", "3"))[0] == 0  # the earlier run goes on
 
 
@@ -180,6 +180,25 @@ def test_an_overwrite_killed_around_its_first_save_is_settled_by_the_next_run(tm
     assert names == sorted([LOCK_FILE, "last.pt", "metrics.jsonl"])
     assert (log_dir / "last.pt").read_bytes() == (b"new" if saved else b"earlier")
     assert ('"new"' in (log_dir / "metrics.jsonl").read_text()) == saved
+
+
+def test_a_run_never_replaces_the_plan_json_in_its_folder(tmp_path, project, run_cli, monkeypatch):
+    """`train --plan ../plan.json --log-dir .` in a folder holding another model's plan.json replaced it with the
+    run's copy, and --overwrite then deleted it: the run's copy is run_plan.json, and --resume goes on with it."""
+    here = tmp_path / "other_project"
+    here.mkdir()
+    theirs = json.dumps({**json.loads((project / "plan.json").read_text()), "budget_bytes": 12345678})
+    (here / "plan.json").write_text(theirs)
+    monkeypatch.chdir(here)
+    for args in (
+        train_args(project, Path("."), "--max-steps", "1"),
+        ["train", "--log-dir", ".", "--resume", "--max-steps", "2"],
+        train_args(project, Path("."), "--max-steps", "1", "--overwrite"),
+    ):
+        code, _, err = run_cli(*args)
+        assert code == 0, err
+        assert (here / "plan.json").read_text() == theirs
+    assert json.loads((here / "run_plan.json").read_text())["budget_bytes"] == 10**8 and len(step_records(here)) == 1
 
 
 def test_a_best_pt_lost_to_a_kill_is_saved_again_on_resume(tmp_path, project, run_cli):

@@ -151,7 +151,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_global_batch(tmp_pat
     assert_same_weights(model.net, reference, exact=False)  # the global batch of 8 is kept
     assert (result.plan.config.micro_batch_size, result.plan.config.grad_accum_steps, result.plan.config.global_batch_size) == (2, 4, 8)
     assert [(h["previous_micro_batch_size"], h["micro_batch_size"]) for h in result.plan.history] == [(8, 4), (4, 2)]
-    saved_plan = load_plan(tmp_path / "plan.json")
+    saved_plan = load_plan(tmp_path / "run_plan.json")
     assert saved_plan.config.micro_batch_size == 2 and len(saved_plan.history) == 2
     assert load_checkpoint(tmp_path / "last.pt")["plan"]["micro_batch_size"] == 2
     ooms = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"oom"' in line]
@@ -190,7 +190,7 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path):
     model = fresh_model()
     with pytest.raises(UserError, match=r"your code raised RuntimeError: shape mismatch \(test_loop.py, line \d+, in broken\)") as error:
         run(model, make_plan(model), tmp_path, loss_fn=broken)
-    assert isinstance(error.value.__cause__, RuntimeError) and not load_plan(tmp_path / "plan.json").history  # no halving
+    assert isinstance(error.value.__cause__, RuntimeError) and not load_plan(tmp_path / "run_plan.json").history  # no halving
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -208,6 +208,28 @@ def test_repeated_non_finite_loss_stops_with_advice(tmp_path, precision):
     if precision == "fp16":  # the GradScaler skipped every step: the weights are untouched
         assert not any(line["stepped"] for line in lines)
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _nan_loss(output, target):
+    return nn.functional.cross_entropy(output, target) * float("nan")
+
+
+@pytest.mark.parametrize("settings, said", [
+    (dict(lr=1e308, max_steps=1), r"the weights are no longer finite \(step 1's update made them so\).*--lr below 1e\+308"),
+    (dict(lr=1e308, epochs=1), r"an update overflowed the weights at step \d"),  # PyTorch's "cannot be converted ... without overflow"
+    (dict(loss_fn=_nan_loss, epochs=1, data=make_data(24)), r"the weights are no longer finite \(the loss became non-finite at step 1\)"),
+], ids=["stop", "overflow", "epoch-end"])
+def test_weights_that_are_not_finite_are_never_saved_and_the_run_says_since_when(tmp_path, settings, said):
+    """A diverged run stops before its save, in one line: no last.pt or best.pt (nor hf/, written after them) holds
+    inf or nan weights. An epoch whose every loss was nan is logged as nan, not 0."""
+    model = fresh_model()
+    with pytest.raises(UserError, match="training diverged: " + said) as error:
+        run(model, make_plan(model), tmp_path, **settings)
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "last.pt").exists() and not (tmp_path / "best.pt").exists()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r["train_loss"] for r in records if r["kind"] == "epoch"]
+    assert len(epochs) == ("loss_fn" in settings) and all(math.isnan(loss) for loss in epochs)  # was 0.0
 
 
 def test_metrics_checkpoints_and_logs(tmp_path, monkeypatch):
@@ -240,7 +262,7 @@ def test_metrics_checkpoints_and_logs(tmp_path, monkeypatch):
     assert set(last["training"]) >= {"optimizer", "scaler", "scheduler", "rng", "position"}
     best_epoch = max(epochs, key=lambda r: r["val_accuracy"])
     assert best["training"]["epoch"] == best_epoch["epoch"]
-    assert load_plan(tmp_path / "plan.json").config.global_batch_size == 8
+    assert load_plan(tmp_path / "run_plan.json").config.global_batch_size == 8
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path):
@@ -336,7 +358,7 @@ def test_fit_without_a_plan_plans_then_trains(tmp_path):
     assert result.plan.config.global_batch_size == 8 and result.plan.budget_bytes == 64 * 10**6
     assert result.plan.model.fingerprint == model_fingerprint(model)
     assert len(result.history) == 1 and result.best_path.exists()
-    assert load_plan(tmp_path / "plan.json").config.global_batch_size == 8
+    assert load_plan(tmp_path / "run_plan.json").config.global_batch_size == 8
 
 
 @pytest.mark.parametrize("choices", [

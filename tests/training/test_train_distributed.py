@@ -199,7 +199,7 @@ def test_several_processes_give_the_single_process_loss_curve(runs, sharding):
     assert outputs[sharding].stdout.count("epoch 1/2: train loss") == 1
     ranks = "4 processes (hsdp) x micro-batch 2 x 1" if sharding == "hsdp" else f"2 processes ({sharding}) x micro-batch 2 x 2"
     assert ranks in outputs[sharding].stdout
-    assert json.loads((root / sharding / "plan.json").read_text())["sharding"] == sharding
+    assert json.loads((root / sharding / "run_plan.json").read_text())["sharding"] == sharding
     assert (root / sharding / "best.pt").is_file() and (root / sharding / "last_sharded" / ".metadata").is_file()
 
 
@@ -252,7 +252,8 @@ def test_out_of_memory_on_one_of_several_ranks_is_refused_with_advice():
     split = BatchSplit(BatchSplitConfig(global_batch_size=8, micro_batch_size=2))
     precision = Precision(PrecisionConfig(), device_type="cpu")
     applied = AppliedPlan(
-        config=TrainingConfig(global_batch_size=8, micro_batch_size=2, world_size=2, sharding="ddp"), model=torch.nn.Linear(2, 2), precision=precision, split=split, strategies=(precision, split),
+        config=TrainingConfig(global_batch_size=8, micro_batch_size=2, world_size=2, sharding="ddp"), model=torch.nn.Linear(2, 2),
+        precision=precision, split=split, strategies=(precision, split),
         device=torch.device("cpu"), env=DistributedEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu")),
     )
     with pytest.raises(UserError, match=r"out of memory on rank 1 of 2 at micro-batch 2.*lower --budget.*more --gpus") as error:
