@@ -143,6 +143,23 @@ class PlanContext:
         threads were cut, ``threads_note``), else ``POLICY.tie_share``."""
         return POLICY.busy_tie_share if self.threads_note else POLICY.tie_share
 
+    @property
+    def assumptions(self) -> str:
+        """What the plan takes the training machine to be, said before anything is traced: the device and its memory,
+        and for a GPU the host's memory and update rate, each with where it comes from."""
+        if self.device != "cuda":
+            return f"assuming the machine that trains is this one: {self.info.name}, {format_bytes(self.info.total_bytes)}"
+        rate = (
+            f"{self.host_speed:.3g} parameter elements/s (--host-speed)" if self.host_speed is not None
+            else "timed on this machine's CPU (give --host-speed for the training machine's)"
+        )
+        note = self.host_budget_note
+        host = f"{format_bytes(self.host_budget_bytes)}" + (f" ({note})" if note.startswith("--") else f", {note}")
+        return (
+            f"assuming {self.info.name}{'' if self.simulate else ' (here)'} with {format_bytes(self.info.total_bytes)}; "
+            f"host memory {host}; host update rate {rate}"
+        )
+
     def log(self, line: str) -> None:
         """A progress line (stamped by ``progress``: ``autofit.progress.as_progress``)."""
         self.progress.say(line)

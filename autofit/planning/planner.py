@@ -202,6 +202,7 @@ def _memory(context: PlanContext) -> Costs:
         f"planning {context.spec.source} for a batch of {context.global_batch_size} within "
         f"{format_bytes(context.budget_bytes)} on {context.device}"
     )
+    context.log(context.assumptions)
     with context.phase("memory"):
         return stored_or_new(context)
 

@@ -128,3 +128,19 @@ def test_the_summary_names_the_allocator_setting_the_reserve_is_for():
     )
     reserve = next(line for line in summary_lines(PlanReport(plan=plan)) if "allocator reserve" in line)
     assert reserve.endswith("512.00 MiB  (expandable segments, set by training)"), reserve
+
+
+def test_a_plan_states_what_it_assumes_of_the_training_machine_before_it_traces(run_cli, tmp_path):
+    """#47: the device, the host's memory and update rate, and where each comes from, before the first trace."""
+    from tests.helpers import EXAMPLES
+
+    code, _, err = run_cli(
+        "plan", EXAMPLES / "digits_cnn.py", "-b", "50%", "-n", "16", "--simulate", "--device", "cuda", "--device-kind", "RTX 3090",
+        "--host-memory", "64GiB", "--host-speed", "2e9", "--no-cache", "-o", tmp_path / "plan.json",
+    )
+    assert code == 0, err
+    lines = err.splitlines()
+    said = next(i for i, line in enumerate(lines) if "assuming" in line)
+    assert said < next(i for i, line in enumerate(lines) if "tracing" in line)
+    assert "assuming simulated RTX 3090 with 24.00 GiB; host memory 64.00 GiB (--host-memory);" in lines[said]
+    assert "host update rate 2e+09 parameter elements/s (--host-speed)" in lines[said]
