@@ -9,7 +9,7 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    _heaviest_modules_first(items)
+    _longest_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -28,7 +28,7 @@ LONGEST_MODULES = [
 """The modules that took longest in the last durations table (bench/RESULTS.md, "Test suite"), longest first."""
 
 
-def _heaviest_modules_first(items) -> None:
+def _longest_modules_first(items) -> None:
     """``LONGEST_MODULES`` first, then the rest in file order, each module's tests together and in order:
     pytest-xdist's loadscope hands modules out in this order, so the long ones start early and the short ones fill
     the cores at the end (in file order a module of a minute and a half was among the last ones left)."""
