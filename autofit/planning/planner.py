@@ -47,6 +47,7 @@ from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
 from autofit.config import step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
+from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
@@ -152,7 +153,7 @@ def _plan_alone(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
     )
     try:
         with _threads(context):
-            report = _plan_one_process(context, _memory(context), levers=levers)
+            report = _plan_one_process(context, _memory(context, levers=levers), levers=levers)
         # The wall time: a report made by the ladder below the floor is followed by the search with the levers.
         report.seconds = time.perf_counter() - context.started
         return _with_clipping(_with_trace_notes(report, [context]), request.max_grad_norm)
@@ -196,13 +197,20 @@ def _threads(context: PlanContext) -> Iterator[None]:
         yield
 
 
-def _memory(context: PlanContext) -> Costs:
-    """Step 1: the stored costs, or the smallest micro-batch the model trains with (nothing traced yet)."""
+def _memory(context: PlanContext, *, levers: Levers | None = None) -> Costs:
+    """Step 1: the stored costs, or the smallest micro-batch the model trains with (nothing traced yet).
+
+    Args:
+        levers: what the levers may change, where they run (one process): then a model state that neither the
+            device nor the host can hold is refused before the first trace (``check_state_fits``).
+    """
     context.log(
         f"planning {context.spec.source} for a batch of {context.global_batch_size} within "
         f"{format_bytes(context.budget_bytes)} on {context.device}"
     )
     context.log(context.assumptions)
+    if levers is not None:
+        check_state_fits(context, allow_lossy_optimizer=levers.allow_lossy_optimizer, allow_lossy_base=levers.allow_lossy_base)
     with context.phase("memory"):
         return stored_or_new(context)
 

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from autofit.config import TrainingConfig
+from autofit.errors import UserError
 from autofit.measure.probe import measure
 from autofit.plan_file import load_plan
 from autofit.planning.verify.floor import InfeasibleBudget
@@ -360,3 +361,28 @@ def test_bf16_weights_are_scored_within_the_headroom_of_the_bytes_they_keep(lm):
     assert headroom.fits(measurements.usable_bytes("bf16-master"), persistent_bytes=kept)
     assert not headroom.fits(measurements.usable_bytes("bf16"), persistent_bytes=kept)  # the fp32 bound's: too much
     assert measurements.usable_bytes("bf16") == measurements.usable_bytes()
+
+
+def test_state_that_fits_neither_device_nor_host_is_refused_before_tracing(run_cli, lm, tmp_path):
+    """Sizes alone decide it (``planning.bounds``): the weights and AdamW state need more than the budget, and stepping on
+    the host needs more than --host-memory, so the plan refuses before its first trace, naming the host bytes and the
+    flag; with the host memory it needs, the bound lets the plan go on."""
+    from autofit.planning.bounds import check_state_fits, state_sizes
+    from autofit.planning.context import plan_context
+    from autofit.planning.request import plan_request
+
+    path, spec = lm
+    request = dict(batch_size=1, device="cuda", simulate=True, device_memory="4GiB")
+    sizes = state_sizes(plan_context(spec, plan_request(budget="1GiB", **request)))
+    assert sizes.state_bytes == 2 * sizes.trained_bytes > 0  # AdamW: two fp32 moments per trained element
+    budget, host = sizes.device_bytes(pure_bf16=False, eight_bit=False) - 1, sizes.host_bytes - 1
+    code, out, err = run_cli(
+        "plan", path, "--budget", budget, "--host-memory", host, "--batch-size", "1", "--device", "cuda", "--simulate",
+        "--device-memory", "4GiB", "--no-cache", "--out", tmp_path / "plan.json",
+    )
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and "tracing" not in err, err
+    assert last.startswith("autofit: error: no configuration fits") and "of host memory at least" in last and "give --host-memory" in last
+    check_state_fits(plan_context(spec, plan_request(budget=budget, host_memory=host + 1, **request)), allow_lossy_optimizer=False, allow_lossy_base=False)
+    with pytest.raises(UserError, match="no configuration fits"):
+        check_state_fits(plan_context(spec, plan_request(budget=budget, host_memory=host, **request)), allow_lossy_optimizer=False, allow_lossy_base=False)
