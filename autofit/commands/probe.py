@@ -3,25 +3,30 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import INPUT_SHAPE, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, print_json
+from autofit.commands.common import INPUT_SHAPE, LORA, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, print_json
 from autofit.errors import UserError
 from autofit.progress import Progress, as_progress, print_progress
 from autofit.units import format_bytes
+from strategies.precision import PRECISIONS
 
 
 @app.command()
 def probe(
     model: str | None = typer.Argument(
-        None, help="A model file defining build_model() and example_batch(n), or torchvision:NAME (with --plan: the plan's by default)."
+        None, help="A model file defining build_model() and example_batch(n), torchvision:NAME, timm:NAME or hf:DIR (with --plan: the plan's by default)."
     ),
     micro_batch_size: int = typer.Option(32, "--micro-batch-size", "-m", help="Samples per forward/backward."),
     grad_accum_steps: int = typer.Option(1, "--grad-accum-steps", "-k", help="Micro-batches per optimizer step."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
+    precision: str = typer.Option(
+        "fp32", help=f"{', '.join(PRECISIONS)}: autocast (bf16, fp16), or the weights in bf16 with an fp32 master on the "
+        "host (bf16-master) or none (bf16-pure, lossy).",
+    ),
     checkpoint: str = typer.Option("none", help="all, none, or block names separated by commas."),
     selective_checkpoint: str = typer.Option(
         "none", "--selective-checkpoint", help="Blocks that keep matmul/conv/attention outputs and recompute the rest: all, none, or names."
@@ -34,8 +39,20 @@ def probe(
     loss_chunks: int = typer.Option(
         1, "--loss-chunks", help="A causal LM's output layer and loss in this many chunks, recomputed in backward (1: whole)."
     ),
+    nf4_base: bool = typer.Option(
+        False, "--nf4-base", help="Frozen linear weights (a --lora base) in 4-bit NF4 (torchao; QLoRA; lossy, what plan's --allow-lossy-base may choose).",
+    ),
+    compile_: bool = typer.Option(False, "--compile", help="torch.compile the model (measured on the device; not with --simulate)."),
+    max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Clip the gradients' global norm to this, as training will."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     simulate: bool = typer.Option(False, help="Measure over fake tensors: no arithmetic, no speed."),
+    device_kind: str | None = typer.Option(
+        None, "--device-kind",
+        help='The GPU that is not here (with --simulate --device cuda), e.g. "RTX 4090": whether the peak with the headroom a plan keeps fits its memory.',
+    ),
+    device_memory: str | None = typer.Option(
+        None, "--device-memory", help='That GPU\'s memory (with --simulate --device cuda), e.g. "24GiB" (default: --device-kind\'s).',
+    ),
     steps: int = typer.Option(3, help="Optimizer steps; the first is a warm-up."),
     list_blocks: bool = typer.Option(False, "--list-blocks", help="List checkpoint candidates with their costs."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -44,6 +61,7 @@ def probe(
     num_classes: int | None = NUM_CLASSES,
     task: str | None = TASK,
     seq_len: int | None = SEQ_LEN,
+    lora: str | None = LORA,
     plan: Path | None = typer.Option(None, "--plan", help="Re-measure exactly the configuration this plan.json names."),
 ) -> None:
     """Run a few real optimizer steps of ONE configuration; report peak bytes and samples/s."""
@@ -61,6 +79,8 @@ def probe(
                 "--selective-checkpoint": selective_checkpoint != "none", "--offload": offload != "none",
                 "--optimizer-in-backward": optimizer_in_backward, "--optimizer-state": optimizer_state != "device",
                 "--loss-chunks": loss_chunks != 1, "--simulate": simulate, "--list-blocks": list_blocks,
+                "--lora": lora is not None, "--nf4-base": nf4_base, "--compile": compile_, "--max-grad-norm": max_grad_norm is not None,
+                "--device-kind": device_kind is not None, "--device-memory": device_memory is not None,
             })
         return
     if model is None:
@@ -68,9 +88,12 @@ def probe(
     check_device(device, precision=precision, simulate=simulate)
     if micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {micro_batch_size} must be at least 1")
+    card = simulated_card(device_kind, device_memory, device=device, simulate=simulate)
+    if nf4_base and lora is None and not model.endswith(".py"):  # a model file may freeze its own weights
+        raise UserError(f"--nf4-base holds a frozen base in NF4, and {model} trains every weight; add --lora r=8 (or drop --nf4-base)")
     with progress.beating():
         with progress.doing("loading the model"):
-            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
+            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
         with progress.doing("checking that the model trains (one step)"):
             spec = _checked(spec, micro_batch_size=micro_batch_size, device=device, simulate=simulate)
         if list_blocks:
@@ -90,6 +113,9 @@ def probe(
                     optimizer_in_backward=optimizer_in_backward,
                     optimizer_state=optimizer_state,
                     loss_chunks=loss_chunks,
+                    frozen_nf4=nf4_base,
+                    compile=compile_,
+                    max_grad_norm=max_grad_norm,
                     device=device,
                     simulate=simulate,
                     steps=steps,
@@ -104,10 +130,67 @@ def probe(
         for b in blocks:
             print(f"{b.name:<24} {format_bytes(b.saved_bytes):>18} {format_bytes(b.input_bytes):>12} {b.forward_share:>10.1%}")
         return
+    fit = card.fit(result) if card is not None else None
     if as_json:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), **({"card": fit} if fit else {})})
         return
     _print_result(spec.source, result)
+    if fit:
+        print(card_line(fit))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimulatedCard:
+    """A GPU that is not here (``--device-kind``, ``--device-memory``): its memory, and the headroom a plan for it keeps."""
+
+    name: str
+    total_bytes: int
+
+    def fit(self, result) -> dict:
+        """Whether ``result``'s simulated peak, with the headroom a plan for this card keeps beyond it (context, allocator
+        reserve with expandable segments as a GPU plan's default, fragmentation, safety margin: ``Headroom``), fits
+        the card's memory."""
+        from autofit.planning.memory.headroom import Headroom, persistent_bytes
+
+        headroom = Headroom.estimated_cuda(self.total_bytes, expandable_segments=True)
+        causes = headroom.for_peak(result.peak_bytes, persistent_bytes=persistent_bytes(result.breakdown))
+        needed = result.peak_bytes + sum(causes.values())
+        return {"name": self.name, "total_bytes": self.total_bytes, "headroom": causes, "needed_bytes": needed, "fits": needed <= self.total_bytes}
+
+
+def simulated_card(kind: str | None, memory: str | None, *, device: str, simulate: bool) -> SimulatedCard | None:
+    """``--device-kind`` / ``--device-memory``'s GPU, as ``plan`` reads them; None when neither is given.
+
+    Raises:
+        UserError: given without ``--simulate --device cuda``, a GPU the table does not hold, or a bad memory size.
+    """
+    if kind is None and memory is None:
+        return None
+    flag = "--device-kind" if kind is not None else "--device-memory"
+    if device != "cuda" or not simulate:
+        raise UserError(f"{flag} describes a GPU that is not here: use it with --simulate --device cuda (a device here is measured as it is)")
+    from autofit.planning.speed.estimated import GPU_PEAKS, gpu_kind
+    from autofit.units import parse_budget
+
+    name = gpu_kind(kind) if kind is not None else None
+    if memory is None:
+        return SimulatedCard(name=f"simulated {name}", total_bytes=GPU_PEAKS[name].memory_gib * 2**30)
+    try:
+        total = parse_budget(memory)
+    except UserError as error:
+        raise UserError(f"--device-memory: {error}") from None
+    return SimulatedCard(name=f"simulated {name or 'GPU'}", total_bytes=total)
+
+
+def card_line(fit: dict) -> str:
+    """The card's line under a probe's breakdown: the peak with a plan's headroom against its memory."""
+    causes = ", ".join(f"{cause.replace('_', ' ')} {format_bytes(value)}" for cause, value in fit["headroom"].items())
+    spare = fit["total_bytes"] - fit["needed_bytes"]
+    verdict = f"fits, {format_bytes(spare)} spare" if fit["fits"] else f"does not fit, {format_bytes(-spare)} short"
+    return (
+        f"  card   {fit['name']}, {format_bytes(fit['total_bytes'])}: with a plan's headroom ({causes}) it needs "
+        f"{format_bytes(fit['needed_bytes'])}: {verdict}"
+    )
 
 
 def _checked(spec, *, micro_batch_size: int, device: str, simulate: bool):
@@ -206,6 +289,8 @@ def _print_result(source: str, result) -> None:
     levers += ["optimizer step in backward"] if result.optimizer_in_backward else []
     levers += [f"optimizer state {result.optimizer_state}"] if result.optimizer_state != "device" else []
     levers += [f"output layer and loss in {result.loss_chunks} chunks"] if result.loss_chunks != 1 else []
+    levers += ["frozen weights in NF4 (lossy)"] if result.frozen_nf4 else []
+    levers += [f"gradients clipped to norm {result.max_grad_norm:g}"] if result.max_grad_norm is not None else []
     if result.compiled_change_bytes is not None:
         change = result.compiled_change_bytes
         levers += [f"torch.compile (the eager count {'+' if change >= 0 else '-'} {format_bytes(abs(change))}, the CPU allocator's difference)"]

@@ -23,6 +23,7 @@ from autofit.plan_file import Plan
 from autofit.progress import QUIET, Progress
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.step import train_step
+from strategies.frozen_nf4 import NF4_BLOCK_ELEMENTS, is_nf4
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +44,9 @@ class ProbeResult:
     optimizer_in_backward: bool = False
     optimizer_state: str = "device"
     loss_chunks: int = 1
+    frozen_nf4: bool = False
+    """The frozen linear weights (a LoRA base) held in 4-bit NF4 (QLoRA)."""
+    max_grad_norm: float | None = None
     host_peak_bytes: int = 0
     """Peak bytes kept in host memory (offloaded activations, host optimizer state); not in peak_bytes."""
     step_seconds: list[float] = field(default_factory=list)
@@ -67,6 +71,9 @@ def probe(
     optimizer_in_backward: bool = False,
     optimizer_state: str = "device",
     loss_chunks: int = 1,
+    frozen_nf4: bool = False,
+    compile: bool = False,
+    max_grad_norm: float | None = None,
     device: str = "cpu",
     simulate: bool = False,
     steps: int = 3,
@@ -81,13 +88,16 @@ def probe(
         grad_accum_steps: micro-batches per optimizer step (ignored when
             global_batch_size is given).
         global_batch_size: samples per optimizer step; defaults to m * k.
-        precision: "fp32", "bf16" or "fp16".
+        precision: one of ``strategies.precision.PRECISIONS`` (fp32, bf16, fp16, bf16-master, bf16-pure).
         checkpoint: "all", "none", "a,b" or a list of block names.
         selective_checkpoint: blocks checkpointed selectively (same forms).
         offload: blocks whose saved activations go to host memory (same forms).
         optimizer_in_backward: step each parameter as its gradient is ready.
         optimizer_state: "device", "host" or "8bit".
         loss_chunks: a causal LM's output layer and loss in this many chunks (1: not chunked).
+        frozen_nf4: hold the frozen linear weights (LoRA's base, ``load_spec(..., lora=...)``) in NF4 (QLoRA).
+        compile: ``torch.compile`` the model (not with ``simulate``: nothing runs to compile).
+        max_grad_norm: clip the step's gradients to this global norm (None: no clipping).
         device: "cpu" or "cuda".
         simulate: measure over fake tensors (no arithmetic, no speed).
         steps: optimizer steps; the first is a warm-up and is not timed.
@@ -106,6 +116,7 @@ def probe(
         micro_batch_size=micro_batch_size, precision=precision, checkpoint=checkpoint,
         selective_checkpoint=selective_checkpoint, offload=offload,
         optimizer_in_backward=optimizer_in_backward, optimizer_state=optimizer_state, loss_chunks=loss_chunks,
+        frozen_nf4=frozen_nf4, compile=compile, max_grad_norm=max_grad_norm,
     )
     return measure(spec, config, device=device, simulate=simulate, steps=steps, seed=seed, progress=progress)
 
@@ -176,6 +187,8 @@ def _measure(
 ) -> ProbeResult:
     if steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
+    if config.compile and simulate:
+        raise UserError("--compile is measured on the device, and --simulate runs nothing there; drop one of them")
     check_device(device, precision=config.precision, simulate=simulate)
     steady_host_allocations()  # its steps timed as training runs them
     meter = make_meter(device_type=device, simulate=simulate, spec=spec)
@@ -191,6 +204,12 @@ def _measure(
         # A small first loss scale: the probe must step like steady training does, not
         # spend its few steps skipping while GradScaler searches down from 2^16.
         applied = apply_config(model, config, device=meter.device, use_scaler=not simulate, init_scale=1.0)
+        if config.frozen_nf4 and not any(is_nf4(p) for p in applied.model.parameters()):
+            raise UserError(
+                f"--nf4-base holds frozen linear weights in NF4, and {spec.source} has none NF4 can take (frozen, a "
+                f"multiple of {NF4_BLOCK_ELEMENTS} elements, not the output layer); add --lora r=8 (its base is frozen), "
+                "or drop --nf4-base"
+            )
         blocks = checkpointed_blocks(applied.model)
         selective, offloaded = selectively_checkpointed_blocks(applied.model), offloaded_blocks(applied.model)
         optimizer = applied.build_optimizer(spec.build_optimizer)
@@ -238,6 +257,8 @@ def _measure(
         optimizer_in_backward=config.optimizer_in_backward,
         optimizer_state=config.optimizer_state,
         loss_chunks=config.loss_chunks,
+        frozen_nf4=config.frozen_nf4,
+        max_grad_norm=config.max_grad_norm,
         host_peak_bytes=measurement.host_peak_bytes,
         compile=config.compile,
         compiled_change_bytes=compiled_change,
