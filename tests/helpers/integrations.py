@@ -34,11 +34,51 @@ def logged_losses(trainer) -> list[float]:
 
 
 def small_cnn() -> torch.nn.Module:
-    """A CNN of two blocks (``features.0``, ``features.1``) for 1x8x8 images in 2 classes."""
+    """A CNN of two blocks (``features.0``, ``features.1``) for 3x8x8 images (an image folder of greyscale PNGs, read as RGB) in 2 classes."""
     from torch import nn
 
     torch.manual_seed(0)
     block = lambda c_in, c_out: nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))  # noqa: E731
     return nn.Sequential(
-        nn.Sequential(block(1, 8), block(8, 16)), nn.Flatten(), nn.Linear(16 * 2 * 2, 2),
+        nn.Sequential(block(3, 8), block(8, 16)), nn.Flatten(), nn.Linear(16 * 2 * 2, 2),
     )
+
+
+def image_loader(root: Path, *, batch_size: int):
+    """A tiny image folder (4 greyscale 8x8 PNGs per class, ``tests/helpers/images.py``) in a DataLoader, in file order."""
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    from tests.helpers.images import write_images
+
+    if not root.exists():
+        write_images(root, per_class=4, seed=0)
+    return DataLoader(datasets.ImageFolder(root, transform=transforms.ToTensor()), batch_size=batch_size, shuffle=False)
+
+
+def classifier(**optimizer_options):
+    """A LightningModule over ``small_cnn`` (its ``model``) that records each micro-batch's loss in ``losses``."""
+    import lightning
+
+    class Classifier(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = small_cnn()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_index):
+            images, labels = batch
+            loss = torch.nn.functional.cross_entropy(self.model(images), labels)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, **optimizer_options)
+
+    return Classifier()
+
+
+LIGHTNING_QUIET = dict(
+    accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+"""lightning.Trainer arguments every test shares: one CPU process, nothing logged, saved or printed."""
