@@ -106,10 +106,25 @@ def refusal(plan: Plan) -> str | None:
     return None
 
 
-def _contradictions(args: TrainingArguments, wanted: dict) -> dict:
-    """The values ``args`` must take for the plan; one line for a value the user chose that contradicts it."""
-    changes = {}
+def _contradictions(args: TrainingArguments, wanted: dict, *, global_batch_size: int) -> dict:
+    """The values ``args`` must take for the plan; one line for a value the user chose that contradicts it.
+
+    The batch split is the plan's to choose: arguments whose per-device batch × accumulation is the plan's global
+    batch (the run ``autofit plan --from-trainer-args`` planned) take the plan's split; another global batch is refused.
+    """
+    micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    chosen = (micro, steps) != (_DEFAULTS["per_device_train_batch_size"], _DEFAULTS["gradient_accumulation_steps"])
+    if chosen and micro * steps != global_batch_size:
+        raise UserError(
+            f"TrainingArguments per_device_train_batch_size={micro} x gradient_accumulation_steps={steps} is a global "
+            f"batch of {micro * steps}, the plan's is {global_batch_size}; leave both out (AutofitTrainer sets "
+            f"{wanted['per_device_train_batch_size']} x {wanted['gradient_accumulation_steps']}) or re-plan for your run "
+            "(`autofit plan --from-trainer-args`)"
+        )
+    changes = {name: wanted[name] for name in ("per_device_train_batch_size", "gradient_accumulation_steps") if getattr(args, name) != wanted[name]}
     for name, value in wanted.items():
+        if name in changes or name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            continue
         given = getattr(args, name)
         if given == value:
             continue
@@ -186,7 +201,7 @@ class AutofitTrainer(Trainer):
             raise UserError("AutofitTrainer needs model=: the plan is applied to it (model_init= re-creates it unplanned)")
         wanted = trainer_arguments(plan)
         args = args if args is not None else TrainingArguments(output_dir="trainer_output")
-        changes = _contradictions(args, wanted)
+        changes = _contradictions(args, wanted, global_batch_size=plan.config.global_batch_size)
         if changes:
             args = dataclasses.replace(args, **changes)  # __post_init__ again: bf16/fp16 decide mixed_precision there
         if plan.model.lora and not callable(getattr(model, "get_base_model", None)):

@@ -24,8 +24,8 @@ def text(tiny_lm):
 
 
 def _args(tmp_path, **values) -> TrainingArguments:
-    values = {"max_steps": 2, "logging_steps": 1, "seed": 0, "learning_rate": 1e-2, "train_sampling_strategy": "sequential", **values}
-    return TrainingArguments(tmp_path, **TRAINER_QUIET, **values)
+    values = {"max_steps": 2, "logging_steps": 1, "seed": 0, "learning_rate": 1e-2, "train_sampling_strategy": "sequential", **TRAINER_QUIET, **values}
+    return TrainingArguments(tmp_path, **values)
 
 
 def test_a_lossless_plan_trains_the_plain_trainers_losses(tiny_lm, text, tmp_path):
@@ -68,10 +68,16 @@ def test_a_trainer_step_peaks_within_the_plans_budget(tiny_lm, text, tmp_path):
 
 def test_arguments_that_contradict_the_plan_are_one_line(tiny_lm, tmp_path):
     plan = Plan(budget_bytes=2**30, config=LOSSLESS)
-    line = r"^TrainingArguments gradient_accumulation_steps=4 contradicts the plan's gradient_accumulation_steps=2; leave"
+    line = r"^TrainingArguments per_device_train_batch_size=8 x gradient_accumulation_steps=4 is a global batch of 32, the plan's is 4; leave"
     with pytest.raises(UserError, match=line) as error:
         AutofitTrainer(model=torch.nn.Linear(2, 2), args=_args(tmp_path, gradient_accumulation_steps=4), plan=plan)
     assert "\n" not in str(error.value)
+    with pytest.raises(UserError, match="^TrainingArguments bf16=True contradicts the plan's bf16=False; leave bf16 out"):
+        AutofitTrainer(model=torch.nn.Linear(2, 2), args=_args(tmp_path, bf16=True), plan=plan)
+    # The same global batch, split otherwise (the run `autofit plan --from-trainer-args` planned): the plan's split.
+    plan = Plan(budget_bytes=2**30, config=TrainingConfig(global_batch_size=4, micro_batch_size=2))
+    trainer = AutofitTrainer(model=torch.nn.Linear(2, 2), args=_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=4), plan=plan)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (2, 2)
     # Values the plan sets are left at their defaults, or agree with it.
     assert trainer_arguments(plan) == {
         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "bf16": False, "fp16": False,
