@@ -180,7 +180,7 @@ class AutofitTrainer(Trainer):
 
     Raises:
         UserError: one line, before anything trains: the plan cannot train under a Trainer (``refusal``), an argument
-            contradicts it, the model is not the plan's, a plan with adapters got a model without them, or an
+            contradicts it or trains on another device, the model is not the plan's, a plan with adapters got a model without them, or an
             ``optimizers=`` optimizer for a plan whose levers shape the optimizer.
 
     Attributes:
@@ -204,6 +204,12 @@ class AutofitTrainer(Trainer):
         changes = _contradictions(args, wanted, global_batch_size=plan.config.global_batch_size)
         if changes:
             args = dataclasses.replace(args, **changes)  # __post_init__ again: bf16/fp16 decide mixed_precision there
+        if args.device.type != plan.device.type:
+            way_out = "pass use_cpu=True" if plan.device.type == "cpu" else f"train where {plan.device.type} is"
+            raise UserError(
+                f"the plan is for {plan.device.type} and the Trainer trains on {args.device.type}; {way_out}, or re-plan "
+                f"with --device {args.device.type}"
+            )
         if plan.model.lora and not callable(getattr(model, "get_base_model", None)):
             raise UserError(
                 f"the plan trains LoRA adapters ({plan.model.lora}) but the model has none; pass "

@@ -10,7 +10,7 @@ from autofit.apply import checkpointed_blocks  # noqa: E402
 from autofit.config import TrainingConfig  # noqa: E402
 from autofit.errors import UserError  # noqa: E402
 from autofit.integrations.transformers import AutofitTrainer, trainer_arguments  # noqa: E402
-from autofit.plan_file import ModelInfo, Plan  # noqa: E402
+from autofit.plan_file import DeviceInfo, ModelInfo, Plan  # noqa: E402
 from tests.helpers.integrations import TRAINER_QUIET, logged_losses, padded_text  # noqa: E402
 
 LOSSLESS = TrainingConfig(global_batch_size=4, micro_batch_size=2, checkpoint=("all",), loss_chunks=2, optimizer_state="host")
@@ -74,6 +74,9 @@ def test_arguments_that_contradict_the_plan_are_one_line(tiny_lm, tmp_path):
     assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="^TrainingArguments bf16=True contradicts the plan's bf16=False; leave bf16 out"):
         AutofitTrainer(model=torch.nn.Linear(2, 2), args=_args(tmp_path, bf16=True), plan=plan)
+    on_a_gpu = Plan(budget_bytes=2**30, device=DeviceInfo(type="cuda"), config=LOSSLESS)
+    with pytest.raises(UserError, match="^the plan is for cuda and the Trainer trains on cpu; train where cuda is, or re-plan with --device cpu"):
+        AutofitTrainer(model=torch.nn.Linear(2, 2), args=_args(tmp_path), plan=on_a_gpu)
     # The same global batch, split otherwise (the run `autofit plan --from-trainer-args` planned): the plan's split.
     plan = Plan(budget_bytes=2**30, config=TrainingConfig(global_batch_size=4, micro_batch_size=2))
     trainer = AutofitTrainer(model=torch.nn.Linear(2, 2), args=_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=4), plan=plan)
