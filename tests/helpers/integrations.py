@@ -12,8 +12,9 @@ a quarter of a second faster per step."""
 
 
 def padded_text(tiny_lm: Path, *, count: int = 8, seq_len: int = 16) -> list[dict]:
-    """``count`` samples of the tiny LM's corpus, padded to ``seq_len`` (a different amount each: the loss averages over
-    tokens, so micro-batches weigh differently), as the dicts a Trainer's default collator stacks."""
+    """``count`` samples of the tiny LM's corpus, cut to different lengths and padded to ``seq_len`` (the loss averages
+    over tokens, so micro-batches weigh differently from their sample counts), as the dicts a Trainer's default
+    collator stacks."""
     from transformers import AutoTokenizer
 
     from tests.helpers.tiny_lm import corpus_lines
@@ -21,7 +22,7 @@ def padded_text(tiny_lm: Path, *, count: int = 8, seq_len: int = 16) -> list[dic
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     samples = []
     for i, line in enumerate(corpus_lines(count)):
-        words = line.split()[: seq_len - 3 * (i % 3)]
+        words = line.split()[: 9 - 2 * (i % 4)]  # 9, 7, 5, 3 words: micro-batches of 2 hold 16 and 8 tokens
         encoded = tokenizer(" ".join(words), padding="max_length", max_length=seq_len, truncation=True, return_tensors="pt")
         input_ids, attention_mask = encoded["input_ids"][0], encoded["attention_mask"][0]
         samples.append({"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids.masked_fill(attention_mask == 0, -100)})
