@@ -73,3 +73,17 @@ def test_a_plan_lightning_cannot_host_is_refused_when_made():
     config = TrainingConfig(global_batch_size=4, micro_batch_size=2, precision="bf16-master")
     with pytest.raises(UserError, match="^precision bf16-master keeps bf16 weights that Lightning's precision plugins do not know"):
         AutofitCallback(Plan(budget_bytes=2**30, config=config))
+
+
+def test_the_step_in_backward_trains_plain_lightnings_steps(images):
+    plain = classifier()
+    lightning.Trainer(max_steps=2, **LIGHTNING_QUIET).fit(plain, image_loader(images, batch_size=2))
+    planned = classifier()
+    plan = Plan(budget_bytes=2**30, config=TrainingConfig(global_batch_size=2, micro_batch_size=2, optimizer_in_backward=True))
+    trainer = lightning.Trainer(max_steps=2, callbacks=[AutofitCallback(plan, module="model")], **LIGHTNING_QUIET)
+    trainer.fit(planned, image_loader(images, batch_size=2))
+    # Lightning's step runs the closure (forward and backward, which steps each parameter) inside optimizer.step.
+    assert type(trainer.optimizers[0]).__name__ == "OptimizerInBackward"
+    assert planned.losses == pytest.approx(plain.losses, abs=1e-6)
+    for a, b in zip(plain.parameters(), planned.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
