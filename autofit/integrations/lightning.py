@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -35,7 +37,10 @@ from autofit.apply import AppliedPlan, apply_plan
 from autofit.errors import UserError
 from autofit.keywords import python_api
 from autofit.plan_file import Plan, load_plan
+from autofit.training.threads import plan_threads
 from strategies import MASTER_WEIGHTS, PURE_BF16
+
+logger = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 """A plan's precision as Lightning's ``precision`` names it."""
@@ -121,6 +126,7 @@ class AutofitCallback(Callback):
             raise UserError(reason)
         self.module = module
         self.applied: AppliedPlan | None = None
+        self._threads = ExitStack()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self.applied is not None:
@@ -134,10 +140,15 @@ class AutofitCallback(Callback):
                 "(not configure_model), or name the attribute that holds it: AutofitCallback(plan, module=\"model\")"
             )
         self.applied = python_api(apply_plan)(model, self.plan)
+        # On the CPU, the intra-op threads the plan's speed was timed with, until teardown (as `autofit train` does).
+        self._threads.enter_context(plan_threads(self.plan, say=logger.info))
         if self.module is not None and self.applied.model is not model:
             setattr(pl_module, self.module, self.applied.model)
         if _shapes_optimizer(self.plan):
             pl_module.configure_optimizers = _rebuilt_through(self, pl_module.configure_optimizers)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._threads.close()  # PyTorch's thread setting back
 
     def _check_trainer(self, trainer: Trainer) -> None:
         config = self.plan.config

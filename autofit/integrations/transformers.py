@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -37,7 +38,10 @@ from autofit.errors import UserError
 from autofit.keywords import python_api
 from autofit.model_io import IGNORE_INDEX, zero_loss
 from autofit.plan_file import Plan, load_plan
+from autofit.training.threads import plan_threads
 from strategies import MASTER_WEIGHTS, PURE_BF16
+
+logger = logging.getLogger(__name__)
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
 """A ``TrainingArguments`` value equal to its default was not chosen: the plan's replaces it."""
@@ -229,6 +233,12 @@ class AutofitTrainer(Trainer):
         # The model is never told the step's items (``num_items_in_batch``): it returns its micro-batch's mean, which
         # ``compute_loss`` weights. (A forward autofit replaced, the chunked loss, has no such argument.)
         self.model_accepts_loss_kwargs = False
+
+    def train(self, *args, **kwargs):
+        """The Trainer's ``train``, on the CPU with the intra-op threads the plan's speed was timed with (as
+        ``autofit train`` does: on a busy machine more threads train several times slower)."""
+        with plan_threads(self.plan, say=logger.info):
+            return super().train(*args, **kwargs)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer (``args.optim``, its learning rate and weight-decay groups), built through the plan."""
