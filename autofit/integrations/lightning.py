@@ -112,7 +112,7 @@ class AutofitCallback(Callback):
         UserError: one line, before anything trains: Lightning cannot train the plan (``refusal``); the Trainer's
             ``precision``, ``accumulate_grad_batches`` or ``gradient_clip_val`` contradicts it; the training DataLoader's
             batch size is not the plan's micro-batch; the model is not the plan's; or the plan shapes the optimizer and
-            ``configure_optimizers`` returns more than one optimizer (see ``build_optimizer``).
+            ``configure_optimizers`` returns more than its one optimizer (schedulers too: see ``build_optimizer``).
 
     Attributes:
         plan: the plan.

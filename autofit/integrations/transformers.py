@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
 """A ``TrainingArguments`` value equal to its default was not chosen: the plan's replaces it."""
+BATCH_SPLIT = ("per_device_train_batch_size", "gradient_accumulation_steps")
+"""The arguments that split a step's batch: the plan's to choose, checked together (their product)."""
 
 
 def as_plan(plan: Plan | str | Path) -> Plan:
@@ -116,8 +118,8 @@ def _contradictions(args: TrainingArguments, wanted: dict, *, global_batch_size:
     The batch split is the plan's to choose: arguments whose per-device batch × accumulation is the plan's global
     batch (the run ``autofit plan --from-trainer-args`` planned) take the plan's split; another global batch is refused.
     """
-    micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    chosen = (micro, steps) != (_DEFAULTS["per_device_train_batch_size"], _DEFAULTS["gradient_accumulation_steps"])
+    micro, steps = (getattr(args, name) for name in BATCH_SPLIT)
+    chosen = (micro, steps) != tuple(_DEFAULTS[name] for name in BATCH_SPLIT)
     if chosen and micro * steps != global_batch_size:
         raise UserError(
             f"TrainingArguments per_device_train_batch_size={micro} x gradient_accumulation_steps={steps} is a global "
@@ -125,12 +127,10 @@ def _contradictions(args: TrainingArguments, wanted: dict, *, global_batch_size:
             f"{wanted['per_device_train_batch_size']} x {wanted['gradient_accumulation_steps']}) or re-plan for your run "
             "(`autofit plan --from-trainer-args`)"
         )
-    changes = {name: wanted[name] for name in ("per_device_train_batch_size", "gradient_accumulation_steps") if getattr(args, name) != wanted[name]}
+    changes = {name: wanted[name] for name in BATCH_SPLIT if getattr(args, name) != wanted[name]}
     for name, value in wanted.items():
-        if name in changes or name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            continue
         given = getattr(args, name)
-        if given == value:
+        if name in BATCH_SPLIT or given == value:
             continue
         if given != _DEFAULTS[name]:
             raise UserError(
@@ -219,11 +219,12 @@ class AutofitTrainer(Trainer):
                 f"the plan trains LoRA adapters ({plan.model.lora}) but the model has none; pass "
                 f"peft.get_peft_model(model, config), or autofit.adapters.lora_model(model, parse_lora({plan.model.lora!r}))"
             )
-        levers = plan.config.updates_on_host or plan.config.optimizer_state != "device" or plan.config.optimizer_in_backward \
-            or plan.config.precision == PURE_BF16
-        if levers and kwargs.get("optimizers", (None, None))[0] is not None:
+        config = plan.config
+        shapes_optimizer = config.updates_on_host or config.optimizer_state != "device" or config.optimizer_in_backward \
+            or config.precision == PURE_BF16
+        if shapes_optimizer and kwargs.get("optimizers", (None, None))[0] is not None:
             raise UserError(
-                f"the plan shapes the optimizer ({plan.config.levers() or plan.config.precision}), so it cannot use one built "
+                f"the plan shapes the optimizer ({config.levers() or config.precision}), so it cannot use one built "
                 "before: leave optimizers= out (args.optim and its settings choose the kind) or re-plan without those levers"
             )
         self.plan = plan
