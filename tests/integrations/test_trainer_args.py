@@ -46,3 +46,10 @@ def test_the_global_batch_counts_every_process_and_lightnings_accumulation(tmp_p
     args.write_text(json.dumps({"optim": "adafactor"}))
     with pytest.raises(UserError, match="optim 'adafactor' is not one a plan knows the memory of"):
         read_trainer_args(args, world_size=1)
+
+
+def test_without_a_batch_size_or_trainer_args_plan_is_one_line(run_cli, tmp_path):
+    code, _, err = run_cli("plan", tmp_path / "mlp.py", "--budget", "1MB")
+    assert code == 2 and err.count("\n") == 1 and "--batch-size is missing: give the global batch" in err
+    code, _, err = run_cli("plan", tmp_path / "mlp.py", "--budget", "1MB", "--from-trainer-args", tmp_path / "args.json")
+    assert code == 2 and err.count("\n") == 1 and "args.json' does not exist; give a TrainingArguments JSON or a Lightning config" in err
