@@ -19,7 +19,14 @@ from autofit.units import format_bytes, format_rate
 def plan(
     model: str = MODEL_ARG,
     budget: str = typer.Option(..., "--budget", "-b", help='Memory budget: "16GB", "16GiB", "512MiB", "90%" of the device, or bytes.'),
-    batch_size: int = typer.Option(..., "--batch-size", "-n", help="Global batch: samples per optimizer step (every plan keeps it)."),
+    batch_size: int = typer.Option(
+        None, "--batch-size", "-n", help="Global batch: samples per optimizer step (every plan keeps it); required unless --from-trainer-args.",
+    ),
+    from_trainer_args: Path = typer.Option(
+        None, "--from-trainer-args",
+        help="A transformers TrainingArguments JSON or a Lightning config: plan the run it describes (its global batch over "
+        "--gpus x --nodes, precision, optimizer, clipping; docs/integrations.md).",
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     simulate: bool = typer.Option(False, help="Plan with the simulated meter and FLOP-based speeds; the plan is marked estimated."),
     device_memory: str = typer.Option(None, "--device-memory", help='Total memory of a device that is not here (with --simulate), e.g. "24GiB".'),
@@ -96,6 +103,17 @@ def plan(
     started = time.perf_counter()
     if device not in DEVICES:
         raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+    run = None
+    if from_trainer_args is not None:
+        from autofit.integrations.trainer_args import plan_options, read_trainer_args
+
+        run = read_trainer_args(from_trainer_args, world_size=gpus * nodes)
+        given = None if precisions is None else [p.strip() for p in precisions.split(",") if p.strip()]
+        options = plan_options(run, batch_size=batch_size, precisions=given, max_grad_norm=max_grad_norm)
+        batch_size, precisions, max_grad_norm = options["batch_size"], ",".join(options["precisions"]), options["max_grad_norm"]
+        allow_lossy_optimizer = allow_lossy_optimizer or options["allow_lossy_optimizer"]
+    if batch_size is None:
+        raise UserError("--batch-size is missing: give the global batch (samples per optimizer step), or --from-trainer-args FILE")
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     if device_memory is not None and not simulate and device == "cuda":
@@ -111,6 +129,10 @@ def plan(
     with progress.beating():
         with progress.doing("loading the model"):
             spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
+            if run is not None:
+                from autofit.integrations.trainer_args import with_optimizer
+
+                spec = with_optimizer(spec, run)
         with progress.doing("checking that the model trains (one step)"):
             if simulate:  # built of fake tensors only: the machine that plans need not hold the model
                 check_model_runs_simulated(spec)
@@ -130,6 +152,8 @@ def plan(
         print_json(report.plan.to_dict())
         return
     lines = summary_lines(report, path=path)
+    if run is not None:
+        lines.insert(1, f"  run         {run.source}")
     before = time.perf_counter() - started - report.seconds
     if before >= 1.0:  # building the model and checking one step of it come before the plan's own clock
         at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
