@@ -73,6 +73,7 @@ from strategies import (
     PrecisionConfig,
     Sharding,
     ShardingConfig,
+    stepped_parameters,
     StepInBackward,
     Strategy,
     check_one_mode_per_block,
@@ -161,7 +162,7 @@ class AppliedPlan:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer step, the gradients clipped first (unscaled, for fp16) when the plan clips; False when
         fp16's GradScaler skipped it (inf/nan gradients)."""
-        return self.precision.optimizer_step(optimizer, before_step=lambda: self.clipping.clip(self.model))
+        return self.precision.optimizer_step(optimizer, before_step=lambda: self.clipping.clip(stepped_parameters(optimizer)))
 
     def micro_batches(self, inputs, targets, *, count=None) -> Iterator[tuple[object, object, float]]:
         """Yield (inputs, targets, loss_weight) per micro-batch of this process: ``world_size`` times its share of the

@@ -27,7 +27,7 @@ from strategies.checkpointing import (
 )
 from strategies.offload import ActivationOffload, OffloadConfig
 from strategies.optimizer_in_backward import OptimizerInBackward, OptimizerInBackwardConfig, StepInBackward
-from strategies.optimizer_state import OPTIMIZER_STATES, HostOptimizer, OptimizerState, OptimizerStateConfig
+from strategies.optimizer_state import OPTIMIZER_STATES, HostOptimizer, OptimizerState, OptimizerStateConfig, stepped_parameters
 from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, Precision, PrecisionConfig, precision_dtype
 from strategies.sharding import SHARDINGS, Sharding, ShardingConfig, unwrap_model
 
@@ -47,6 +47,7 @@ __all__ = [
     "GradientClipping",
     "Checkpointing",
     "HostOptimizer",
+    "stepped_parameters",
     "MASTER_WEIGHTS",
     "PURE_BF16",
     "OPTIMIZER_STATES",

@@ -1,10 +1,10 @@
 """Gradient clipping: the global norm of a step's gradients clipped before the optimizer steps."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from strategies.base import Strategy
 
@@ -26,11 +26,13 @@ class GradientClipping(Strategy):
     def __init__(self, config: ClippingConfig) -> None:
         self.config = config
 
-    def clip(self, model: nn.Module) -> None:
-        """Scale ``model``'s gradients so that their global norm is at most ``max_grad_norm`` (nothing when off)."""
+    def clip(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Scale the gradients of ``parameters`` (those the optimizer steps from: ``stepped_parameters``, which for
+        host state are the host copies, not the model's) so that their global norm is at most ``max_grad_norm``
+        (nothing when off)."""
         if self.config.max_grad_norm is None:
             return
-        parameters = [p for p in model.parameters() if p.grad is not None]
+        parameters = [p for p in parameters if p.grad is not None]
         # The same two calls clip_grad_norm_ makes, with the norm of sharded gradients made whole in between.
         total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type=2.0)
         if hasattr(total_norm, "full_tensor"):  # a DTensor: each rank holds a partial norm

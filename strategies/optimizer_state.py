@@ -182,14 +182,23 @@ class HostOptimizer(torch.optim.Optimizer):
         return move
 
     @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise UserError("optimizer state on the host does not take a closure in step()")
+    def gather_gradients(self) -> list[torch.Tensor]:
+        """The host copies, each holding the step's gradient once every copy has landed: what the step updates
+        from, so what clipping (or anything else that reads the gradients before the step) must act on."""
         with host_allocation():
             for param, copy, buffer in zip(self.params, self.copies, self.grad_buffers):
                 if param.grad is not None:  # set by hand, not by backward (whose hook moved it already)
                     copy.grad = buffer.copy_(param.grad, non_blocking=True)
-            _wait_for_copies(self.params)  # the gradients are on the host
+                    param.grad = None  # moved, as the hook moves it: a second gather keeps what was done to the copy
+        _wait_for_copies(self.params)  # the gradients are on the host
+        return self.copies
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise UserError("optimizer state on the host does not take a closure in step()")
+        self.gather_gradients()
+        with host_allocation():
             self.inner.step()  # its state and temporaries are host memory
         for param, copy in zip(self.params, self.copies):
             if copy.grad is not None:
@@ -223,6 +232,14 @@ class HostOptimizer(torch.optim.Optimizer):
                     copy.copy_(master)
                     param.copy_(copy)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+
+def stepped_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors whose gradients ``optimizer.step()`` updates from, those gradients in place: a ``HostOptimizer``'s
+    host copies (the device's gradients have left for them), else the optimizer's own parameters."""
+    if isinstance(optimizer, HostOptimizer):
+        return optimizer.gather_gradients()
+    return [param for group in optimizer.param_groups for param in group["params"]]
 
 
 def held_weight_bytes(model: nn.Module, *, cast: bool, nf4: Collection[nn.Parameter] = ()) -> int:

@@ -14,6 +14,7 @@ from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.probe import probe
 from autofit.step import train_step
+from strategies import stepped_parameters
 from tests.helpers.models import layout_specs
 
 
@@ -128,3 +129,28 @@ def test_simulated_for_a_gpu_the_host_update_steps_one_parameter_at_a_time():
     on_cpu = probe(spec, micro_batch_size=4, precision="bf16-master", steps=2, simulate=True)
     for_cuda = probe(spec, micro_batch_size=4, precision="bf16-master", steps=2, simulate=True, device="cuda")
     assert for_cuda.host_peak_bytes < 1.1 * on_cpu.host_peak_bytes  # each of its small tensors rounded to 512 bytes (1.23x stepping all at once)
+
+
+@pytest.mark.parametrize("state", [{"optimizer_state": "host"}, {"precision": "bf16-master"}])
+def test_clipping_acts_on_the_gradients_the_host_steps_from(state):
+    """Host state and bf16 masters move each gradient to the host as backward makes it: clipping must scale those
+    (``stepped_parameters``), or it clips nothing and the step is the unclipped one."""
+
+    def built() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return layout_specs()["cnn"].build_model()
+
+    def stepped(config: TrainingConfig) -> list[torch.Tensor]:
+        """The fp32 values the optimizer updated (the host's copies or masters; the parameters on the device)."""
+        applied = apply_config(built(), config, device="cpu")
+        optimizer = applied.build_optimizer(lambda params: torch.optim.SGD(params, lr=1.0))
+        train_step(applied, *batches(1)[0], loss_fn=F.cross_entropy, optimizer=optimizer)
+        return [p.detach().clone() for p in stepped_parameters(optimizer)]
+
+    start = [p.detach() for p in built().parameters()]
+    common = dict(global_batch_size=8, micro_batch_size=8, max_grad_norm=1e-3)
+    on_host, on_device = stepped(TrainingConfig(**common, **state)), stepped(TrainingConfig(**common))
+    moved = torch.cat([(after - before).flatten() for after, before in zip(on_host, start)]).norm()
+    assert moved < 1.01e-3, f"the host step moved the weights by {moved:.3g}: the gradients were not clipped"
+    for after, expected in zip(on_host, on_device):  # the same clipped SGD step (bf16 weights' gradients round it)
+        torch.testing.assert_close(after, expected, atol=1e-4 if "precision" in state else 1e-7, rtol=0)
