@@ -10,6 +10,7 @@ from autofit.planning.costs import memory_costs
 from autofit.planning.planner import InfeasibleBudget, make_plan
 from autofit.planning.request import PlanRequest
 from autofit.spec import ModelSpec, default_optimizer
+from tests.helpers.models import GroupedExperts
 
 
 class Stack(nn.Module):
@@ -115,3 +116,36 @@ def test_an_example_batch_of_views_is_counted_as_the_cpu_meter_counts_it(one_thr
     )
     real = probe(spec, micro_batch_size=2, global_batch_size=8, steps=1).peak_bytes
     assert probe(simulation_spec(spec), micro_batch_size=2, global_batch_size=8, steps=1, simulate=True).peak_bytes == real
+
+
+def experts_spec() -> ModelSpec:
+    return ModelSpec(
+        source="experts", build_model=GroupedExperts, example_batch=lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,))),
+        loss_fn=Loss(nn.functional.cross_entropy), build_optimizer=default_optimizer,
+    )
+
+
+def test_an_op_only_its_fake_kernel_refuses_falls_back_to_the_cpu_meter_quietly(one_thread, capfd):
+    result = probe(experts_spec(), micro_batch_size=4, simulate=True, steps=1)
+    err = capfd.readouterr().err
+    assert result.meter == "cpu" and result.peak_bytes == probe(experts_spec(), micro_batch_size=4, steps=1).peak_bytes
+    assert err.count("\n") == 1 and "aten._grouped_mm" in err and "cpu meter" in err, err
+    assert "Traceback" not in err  # torch's fake-tensor log, one traceback per call, stays off the screen
+
+
+def test_an_op_only_its_fake_kernel_refuses_is_one_line_for_a_card_that_is_not_here(capfd):
+    from autofit.errors import UserError
+
+    with pytest.raises(UserError, match=r"cannot run aten\._grouped_mm\.default .*\(without --simulate\)"):
+        checked_for_simulation(experts_spec(), for_device="cuda")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_model_file_only_fake_tensors_cannot_check_is_checked_for_real(tmp_path, run_cli):
+    path = tmp_path / "experts.py"
+    path.write_text(
+        "import torch\nfrom tests.helpers.models import GroupedExperts as build_model\n\n\n"
+        "def example_batch(n):\n    return torch.randn(n, 16), torch.randint(0, 4, (n,))\n"
+    )
+    code, out, err = run_cli("probe", path, "--simulate", "--micro-batch-size", "4", "--steps", "1")
+    assert code == 0 and "meter cpu" in out and err.count("simulated meter cannot run") == 1, err
