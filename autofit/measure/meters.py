@@ -376,8 +376,7 @@ def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None, st
 def fails_only_on_fake_tensors(spec) -> bool:
     """Whether one real training step of ``example_batch(2)`` runs on this machine's CPU, where a simulated one
     failed: the failure is then fake tensors' alone. A model this machine cannot hold is not tried (False)."""
-    needs = _real_training_bytes(spec)
-    if needs is not None and needs > host_memory_bytes(available=True):
+    if not trains_here(spec):
         return False
     try:
         with without_dispatch_modes():
@@ -444,8 +443,7 @@ def check_model_runs_simulated(spec) -> None:
             build=meter.build_model, environment=meter.environment,
         )
     except UserError as error:
-        needs = _real_training_bytes(spec)
-        if not isinstance(error.__cause__, FAKE_TENSOR_LIMITS) and needs is not None and needs > host_memory_bytes(available=True):
+        if not isinstance(error.__cause__, FAKE_TENSOR_LIMITS) and not trains_here(spec):
             raise  # too large to check for real: the fake check's word stands
         # Values fake tensors lack, or an op whose fake kernel is narrower than the real one (grouped_mm's takes
         # only bf16): a real check says whether the model takes its batch, and the meters fall back if it does.
@@ -520,6 +518,13 @@ def check_fits_this_machine(spec, *, device: str) -> None:
             f"{spec.source} is too big for this machine: it would need at least {format_bytes(needs)} to {what}, and "
             f"{format_bytes(available)} is available; plan it with --simulate (--device cuda --device-memory for the GPU that trains)"
         )
+
+
+def trains_here(spec) -> bool:
+    """Whether this machine's free memory holds ``spec``'s model training for real (``_real_training_bytes``; a model
+    that cannot be built on the meta device is taken to: it was built for real already)."""
+    needs = _real_training_bytes(spec)
+    return needs is None or needs <= host_memory_bytes(available=True)
 
 
 def _real_training_bytes(spec) -> int | None:

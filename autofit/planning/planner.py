@@ -51,6 +51,7 @@ from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
+from autofit.planning.coupling import kept_together
 from autofit.planning.modelling import (
     Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
     save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
@@ -152,9 +153,13 @@ def _plan_alone(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
     )
     try:
         with _threads(context):
-            report = _plan_one_process(context, _memory(context), levers=levers)
+            costs = _memory(context)
+            coupling = kept_together(context, costs)  # a loss that couples a batch's samples: fewer micro-batch sizes
+            report = _plan_one_process(context, costs, levers=levers)
         # The wall time: a report made by the ladder below the floor is followed by the search with the levers.
         report.seconds = time.perf_counter() - context.started
+        if coupling is not None:
+            report.plan = replace(report.plan, notes=[*report.plan.notes, coupling.why])
         return _with_clipping(_with_trace_notes(report, [context]), request.max_grad_norm)
     finally:
         context.trace_pool.close()
