@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autofit._torch_private import without_dispatch_modes
+from autofit.errors import UserError
 from autofit.model_io import as_loss, call_model
 from autofit.spec import ModelSpec
 from strategies.batch_split import BatchSplit, BatchSplitConfig
@@ -39,6 +40,8 @@ class Coupling:
     smallest_micro_batch: int
     why: str
     """One line for the plan's notes."""
+    reason: str
+    """What couples the samples, as ``why`` says it after its colon (for other lines to say)."""
 
 
 def batch_coupling(spec: ModelSpec, *, global_batch_size: int, smallest: int, fits_here: bool) -> Coupling | None:
@@ -56,10 +59,8 @@ def batch_coupling(spec: ModelSpec, *, global_batch_size: int, smallest: int, fi
         if declared <= smallest or G <= smallest:
             return None
         size = min(declared, G)
-        return Coupling(
-            smallest_micro_batch=size,
-            why=f"micro-batches hold at least {size} samples: the model file declares MIN_MICRO_BATCH = {declared} (its loss couples the samples of a forward)",
-        )
+        reason = f"the model file declares MIN_MICRO_BATCH = {declared} (its loss couples the samples of a forward)"
+        return Coupling(smallest_micro_batch=size, why=f"micro-batches hold at least {size} samples: {reason}", reason=reason)
     size = min(G, max(CHECK_SAMPLES, 2 * smallest))
     half = math.ceil(size / 2)
     if G <= smallest or half < smallest or not fits_here:
@@ -73,14 +74,14 @@ def batch_coupling(spec: ModelSpec, *, global_batch_size: int, smallest: int, fi
     grad_apart = math.sqrt(apart_squared) / max(math.sqrt(sum(float(g.square().sum()) for g in whole_grad)), 1e-12)
     if loss_apart <= LOSS_TOLERANCE and grad_apart <= GRADIENT_TOLERANCE:
         return None
+    reason = (
+        f"its loss couples the samples of a forward (in-batch negatives, a batch statistic): on example_batch({size}) "
+        f"the whole batch's loss is {whole_loss:.4g}, over micro-batches of {half} {split_loss:.4g}, the gradient "
+        f"{grad_apart:.0%} apart"
+    )
     return Coupling(
-        smallest_micro_batch=G,
-        why=(
-            f"micro-batches hold the whole batch of {G}: its loss couples the samples of a forward (in-batch negatives, "
-            f"a batch statistic): on example_batch({size}) the whole batch's loss is {whole_loss:.4g}, over micro-batches of "
-            f"{half} {split_loss:.4g}, the gradient {grad_apart:.0%} apart; a model file may allow smaller ones with "
-            "MIN_MICRO_BATCH = N"
-        ),
+        smallest_micro_batch=G, reason=reason,
+        why=f"micro-batches hold the whole batch of {G}: {reason}; a model file may allow smaller ones with MIN_MICRO_BATCH = N",
     )
 
 
@@ -131,14 +132,32 @@ def kept_together(context, costs) -> Coupling | None:
 
     G = context.global_batch_size
     stored = context.study.load("coupling")  # kept with the costs: the same model, batch and loss need no new check
-    if isinstance(stored, dict) and isinstance(stored.get("smallest_micro_batch"), int):
+    if isinstance(stored, dict) and isinstance(stored.get("smallest_micro_batch"), int) and "reason" in stored:
         coupling = Coupling(**stored) if stored["smallest_micro_batch"] else None
     else:
         with context.progress.doing("checking that the loss splits over micro-batches (the example batch whole and halved)"):
             coupling = batch_coupling(context.spec, global_batch_size=G, smallest=costs.smallest, fits_here=trains_here(context.spec))
-        context.study.save("coupling", asdict(coupling) if coupling else {"smallest_micro_batch": 0, "why": ""})
+        context.study.save("coupling", asdict(coupling) if coupling else {"smallest_micro_batch": 0, "why": "", "reason": ""})
     if coupling is None:
         return None
     costs.micro_batch_sizes = micro_batch_sizes(G, smallest=max(costs.smallest, coupling.smallest_micro_batch))
     context.log(coupling.why)
     return coupling
+
+
+def check_rank_share(spec: ModelSpec, *, global_batch_size: int, share: int, world_size: int) -> None:
+    """Refuse to spread a batch whose loss couples its samples over ``world_size`` processes (each forward would see
+    ``share`` samples of it, and DDP and FSDP2 average the ranks' gradients as they average micro-batches').
+
+    Raises:
+        UserError: the loss couples more samples than a rank's share holds.
+    """
+    from autofit.measure.meters import trains_here
+
+    coupling = batch_coupling(spec, global_batch_size=global_batch_size, smallest=1, fits_here=trains_here(spec))
+    if coupling is not None and coupling.smallest_micro_batch > share:
+        raise UserError(
+            f"{world_size} GPUs would each take {share} of the {global_batch_size} samples in one forward, but "
+            f"{coupling.reason}; plan for one GPU (--gpus 1), or declare "
+            f"MIN_MICRO_BATCH = {share} or less in the model file if groups of {share} samples will do"
+        )

@@ -1,6 +1,7 @@
 """A loss that couples the samples of a batch (in-batch negatives) is found by a check, and its batch is not split."""
 import dataclasses
 
+import pytest
 import torch
 
 from autofit.apply import apply_config
@@ -47,3 +48,10 @@ def test_a_contrastive_model_plans_the_whole_batch_and_its_step_is_the_full_batc
     train_step(applied, (queries, keys), None, loss_fn=in_batch_loss, optimizer=optimizer)
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.seen, theirs.grad)
+
+
+def test_a_batch_that_couples_its_samples_is_not_spread_over_gpus():
+    from autofit.errors import UserError
+
+    with pytest.raises(UserError, match=r"2 GPUs would each take 4 of the 8 samples.*couples the samples.*--gpus 1"):
+        make_plan(two_towers_spec(), PlanRequest(budget="1GB", batch_size=8, device="cuda", simulate=True, gpus=2))
