@@ -51,6 +51,7 @@ from autofit.training.checkpoints import RunCheckpoints, load_resume_state
 from autofit.training.speed import StepSpeed
 from autofit.training.console import RunConsole, epoch_line, final_line, header, oom_line
 from autofit.training.data import TrainData, epoch_order, make_loader
+from autofit.training.first_batch import check_data_batches
 from autofit.distributed import any_rank, is_rank0, mean_across_ranks
 from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
 from autofit.training.images import Unreadable
@@ -280,6 +281,7 @@ def _train_run(
             start_fresh(log_dir, overwrite=settings.overwrite)
         saved, settings = None, settings.for_new_run()
     applied = apply_plan(model, plan)
+    check_data_batches(applied, data, loss_fn=loss_fn)  # before step 1: data the model cannot take is one line
     optimizer = applied.build_optimizer(build_optimizer)
     if settings.lr:
         for group in optimizer.param_groups:
