@@ -159,7 +159,8 @@ def _plan_alone(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
         # The wall time: a report made by the ladder below the floor is followed by the search with the levers.
         report.seconds = time.perf_counter() - context.started
         if coupling is not None:
-            report.plan = replace(report.plan, notes=[*report.plan.notes, coupling.why])
+            model = replace(report.plan.model, min_micro_batch_size=coupling.smallest_micro_batch)
+            report.plan = replace(report.plan, model=model, notes=[*report.plan.notes, coupling.why])
         return _with_clipping(_with_trace_notes(report, [context]), request.max_grad_norm)
     finally:
         context.trace_pool.close()

@@ -370,7 +370,10 @@ def _train_epochs(
                 continue
             batch_size = batch_size_of(inputs, targets)
             with watch.measuring(model, optimizer), nonfinite.overflow(step=position.global_step + 1):
-                result, ooms = step_with_recovery(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo)
+                result, ooms = step_with_recovery(
+                    applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo,
+                    smallest_micro_batch=plan.model.min_micro_batch_size or 1,
+                )
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
             lr = float(optimizer.param_groups[0]["lr"])
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule

@@ -33,7 +33,7 @@ def test_a_contrastive_model_plans_the_whole_batch_and_its_step_is_the_full_batc
     spec = two_towers_spec()
     lines = []
     plan = make_plan(spec, PlanRequest(budget="60KB", batch_size=8, device="cpu", simulate=True, precisions=["fp32"]), log=lines.append)
-    assert plan.config.micro_batch_size == 8 and plan.config.grad_accum_steps == 1
+    assert plan.config.micro_batch_size == 8 and plan.config.grad_accum_steps == 1 and plan.model.min_micro_batch_size == 8
     assert sum("couples the samples" in note for note in plan.notes) == 1, plan.notes
     torch.manual_seed(0)
     (queries, keys), _ = spec.example_batch(8)
@@ -55,3 +55,20 @@ def test_a_batch_that_couples_its_samples_is_not_spread_over_gpus():
 
     with pytest.raises(UserError, match=r"2 GPUs would each take 4 of the 8 samples.*couples the samples.*--gpus 1"):
         make_plan(two_towers_spec(), PlanRequest(budget="1GB", batch_size=8, device="cuda", simulate=True, gpus=2))
+
+
+def test_training_never_halves_a_coupled_micro_batch_after_running_out_of_memory(tmp_path):
+    from autofit.errors import UserError
+    from tests.helpers.training import TinyNet, make_plan as plan_for, run
+
+    class OutOfMemoryAbove2(TinyNet):
+        def forward(self, x):
+            if x.shape[0] > 2:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate a micro-batch of {x.shape[0]}")
+            return super().forward(x)
+
+    model = OutOfMemoryAbove2()
+    plan = plan_for(model, micro_batch_size=4, checkpoint=())
+    plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, min_micro_batch_size=4))
+    with pytest.raises(UserError, match=r"out of memory at micro-batch 4 .*couples the samples.*at least 4"):
+        run(model, plan, tmp_path / "run", max_steps=1)
