@@ -149,3 +149,12 @@ def test_a_model_file_only_fake_tensors_cannot_check_is_checked_for_real(tmp_pat
     )
     code, out, err = run_cli("probe", path, "--simulate", "--micro-batch-size", "4", "--steps", "1")
     assert code == 0 and "meter cpu" in out and err.count("simulated meter cannot run") == 1, err
+
+
+def test_a_plan_for_a_card_names_the_op_its_fake_kernel_refuses(capfd):
+    from autofit.errors import UserError
+
+    request = PlanRequest(budget="10MB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False)
+    with pytest.raises(UserError, match=r"^the simulated meter cannot run aten\._grouped_mm\.default"):
+        make_plan(experts_spec(), request)
+    assert "Traceback" not in capfd.readouterr().err
