@@ -38,6 +38,10 @@ def check_data_batches(applied: AppliedPlan, data: TrainData, *, loss_fn: Callab
         UserError: the samples do not collate, the batch is not ``(inputs, targets)``, or the model or the loss
             fails on it: naming the samples' structure and the hook that fixes it.
     """
+    if applied.config.sharding not in ("none", "ddp"):
+        # FSDP2 leaves the root's parameters gathered after a forward no backward follows, and the optimizer, built
+        # next, would hold those; the ranks take the same data a one-process run of it checks.
+        return
     for name, dataset in (("training", data.train), ("validation", data.val)):
         if dataset is not None:
             _check_one(applied, dataset, name=name, collate=data.collate, loss_fn=as_loss(loss_fn), source=data.source)
