@@ -527,6 +527,12 @@ def trains_here(spec) -> bool:
     return needs is None or needs <= host_memory_bytes(available=True)
 
 
+def meta_parameter_count(spec) -> int | None:
+    """Parameters of ``spec``'s model, built on the meta device (no memory); None where it cannot be built there."""
+    params = _meta_parameters(spec)
+    return None if params is None else sum(p.numel() for p in params)
+
+
 def _real_training_bytes(spec) -> int | None:
     """About what training ``spec``'s model for real takes at least: 16 bytes per parameter (fp32 weights, gradients
     and AdamW's two moments); None where its model cannot be built on the meta device."""

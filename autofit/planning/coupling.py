@@ -31,6 +31,9 @@ LOSS_TOLERANCE = 1e-4
 order differ by about 1e-7)."""
 GRADIENT_TOLERANCE = 1e-3
 """The same for the gradient's norm of the difference, relative to the whole batch's gradient norm."""
+CHECKED_PARAMETERS = 200_000_000
+"""Models up to this many parameters are checked: a real step of a larger one (a 1B language model planned with
+``--simulate``) takes minutes on a CPU. Larger ones declare ``MIN_MICRO_BATCH`` where their loss couples a batch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +130,6 @@ def kept_together(context, costs) -> Coupling | None:
     Returns:
         The coupling, for the plan's note; None where micro-batches of every size train the same gradient.
     """
-    from autofit.measure.meters import trains_here
     from autofit.planning.modelling import micro_batch_sizes
 
     G = context.global_batch_size
@@ -136,7 +138,7 @@ def kept_together(context, costs) -> Coupling | None:
         coupling = Coupling(**stored) if stored["smallest_micro_batch"] else None
     else:
         with context.progress.doing("checking that the loss splits over micro-batches (the example batch whole and halved)"):
-            coupling = batch_coupling(context.spec, global_batch_size=G, smallest=costs.smallest, fits_here=trains_here(context.spec))
+            coupling = batch_coupling(context.spec, global_batch_size=G, smallest=costs.smallest, fits_here=checkable(context.spec))
         context.study.save("coupling", asdict(coupling) if coupling else {"smallest_micro_batch": 0, "why": "", "reason": ""})
     if coupling is None:
         return None
@@ -152,12 +154,19 @@ def check_rank_share(spec: ModelSpec, *, global_batch_size: int, share: int, wor
     Raises:
         UserError: the loss couples more samples than a rank's share holds.
     """
-    from autofit.measure.meters import trains_here
-
-    coupling = batch_coupling(spec, global_batch_size=global_batch_size, smallest=1, fits_here=trains_here(spec))
+    coupling = batch_coupling(spec, global_batch_size=global_batch_size, smallest=1, fits_here=checkable(spec))
     if coupling is not None and coupling.smallest_micro_batch > share:
         raise UserError(
             f"{world_size} GPUs would each take {share} of the {global_batch_size} samples in one forward, but "
             f"{coupling.reason}; plan for one GPU (--gpus 1), or declare "
             f"MIN_MICRO_BATCH = {share} or less in the model file if groups of {share} samples will do"
         )
+
+
+def checkable(spec: ModelSpec) -> bool:
+    """Whether ``batch_coupling`` may step ``spec``'s model for real here: this machine holds it training, and it has
+    at most ``CHECKED_PARAMETERS`` parameters (a model object from Python, not buildable on meta, is checked)."""
+    from autofit.measure.meters import meta_parameter_count, trains_here
+
+    count = meta_parameter_count(spec)
+    return trains_here(spec) and (count is None or count <= CHECKED_PARAMETERS)
