@@ -33,7 +33,6 @@ __all__ = [
     "TorchDispatchMode",
     "call_when_backward_ends",
     "copy_tensors",
-    "fake_kernel_failures_quiet",
     "fake_mode_active",
     "fake_mode_for",
     "failed_fake_kernel",
@@ -44,6 +43,7 @@ __all__ = [
     "new_fake_mode",
     "op_flops",
     "optimizers_step_as_on_cuda",
+    "quiet_fake_kernel_failures",
     "register_list_type",
     "reset_grad_scaler_step",
     "RNN_LAYER",
@@ -219,12 +219,14 @@ def op_flops(op, args, kwargs, out) -> int:
 
 
 def new_fake_mode() -> FakeTensorMode:
-    """A fake-tensor mode that accepts real tensors (they are converted on use)."""
+    """A fake-tensor mode that accepts real tensors (they are converted on use); torch's log of a fake kernel that
+    raises is kept off the screen (``quiet_fake_kernel_failures``)."""
+    quiet_fake_kernel_failures()
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 _FAKE_KERNEL_ATTRIBUTE = "autofit_fake_kernel"
-"""The attribute ``fake_kernel_failures_quiet`` sets on an exception a fake kernel raised: the op's name."""
+"""The attribute ``quiet_fake_kernel_failures``'s filter sets on an exception a fake kernel raised: the op's name."""
 
 
 class _FakeKernelFailures(logging.Filter):
@@ -240,22 +242,21 @@ class _FakeKernelFailures(logging.Filter):
         return False
 
 
-@contextmanager
-def fake_kernel_failures_quiet() -> Iterator[None]:
-    """Inside, a fake kernel that raises (grouped_mm's takes only bf16 and fp16, its CPU kernel fp32 too) logs
-    nothing; ``failed_fake_kernel`` names its op from the exception."""
+def quiet_fake_kernel_failures() -> None:
+    """From now on, a fake kernel that raises (grouped_mm's takes only bf16 and fp16, its CPU kernel fp32 too) logs
+    nothing; ``failed_fake_kernel`` names its op from the exception, which propagates as before.
+
+    Installed by ``new_fake_mode``, so by every fake mode autofit makes, and kept: fake modes are entered in forked
+    trace workers and in FLOP counts as well, and the record dropped only repeats an exception that is raised anyway.
+    """
     logger = logging.getLogger("torch._subclasses.fake_tensor")
-    quiet = _FakeKernelFailures()
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
+    if not any(isinstance(f, _FakeKernelFailures) for f in logger.filters):
+        logger.addFilter(_FakeKernelFailures())
 
 
 def failed_fake_kernel(error: BaseException) -> str | None:
     """The op whose fake kernel raised ``error`` (or the error it caused), e.g. "aten._grouped_mm.default"; None
-    where no fake kernel raised it, or it was raised outside ``fake_kernel_failures_quiet``."""
+    where no fake kernel raised it (``quiet_fake_kernel_failures`` names it)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from autofit._torch_private import (
-    FAKE_TENSOR_LIMITS, cpu_allocation_peak, failed_fake_kernel, fake_kernel_failures_quiet, fake_mode_active, new_fake_mode,
+    FAKE_TENSOR_LIMITS, cpu_allocation_peak, failed_fake_kernel, fake_mode_active, new_fake_mode,
     optimizers_step_as_on_cuda, to_empty_quickly, tree_map, without_dispatch_modes,
 )
 from autofit.errors import UserError
@@ -126,7 +126,6 @@ class SimulatedMeter(TrackedMeter):
 
     def environment(self):
         stack = ExitStack()
-        stack.enter_context(fake_kernel_failures_quiet())  # a fake kernel that refuses says so in autofit's one line
         stack.enter_context(self._fake_mode)
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(masks_as_in_real_runs())  # transformers' masks as the real batch has them

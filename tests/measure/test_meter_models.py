@@ -158,3 +158,12 @@ def test_a_plan_for_a_card_names_the_op_its_fake_kernel_refuses(capfd):
     with pytest.raises(UserError, match=r"^the simulated meter cannot run aten\._grouped_mm\.default"):
         make_plan(experts_spec(), request)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_every_fake_mode_autofit_makes_keeps_torch_s_fake_kernel_log_quiet_and_names_the_op(caplog):
+    from autofit._torch_private import failed_fake_kernel, new_fake_mode
+
+    with new_fake_mode(), pytest.raises(RuntimeError) as raised:  # FLOP counts and block discovery use such modes too
+        nn.functional.grouped_mm(torch.randn(4, 16), torch.randn(2, 16, 16), offs=torch.tensor([2, 4], dtype=torch.int32))
+    assert failed_fake_kernel(raised.value) == "aten._grouped_mm.default"
+    assert not [record for record in caplog.records if "attempting to run meta" in record.getMessage()]
