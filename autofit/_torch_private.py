@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ __all__ = [
     "copy_tensors",
     "fake_mode_active",
     "fake_mode_for",
+    "failed_fake_kernel",
     "fake_process_group_store",
     "flop_counter",
     "grad_scaler_tensors",
@@ -41,6 +43,7 @@ __all__ = [
     "new_fake_mode",
     "op_flops",
     "optimizers_step_as_on_cuda",
+    "quiet_fake_kernel_failures",
     "register_list_type",
     "reset_grad_scaler_step",
     "RNN_LAYER",
@@ -216,8 +219,52 @@ def op_flops(op, args, kwargs, out) -> int:
 
 
 def new_fake_mode() -> FakeTensorMode:
-    """A fake-tensor mode that accepts real tensors (they are converted on use)."""
+    """A fake-tensor mode that accepts real tensors (they are converted on use); torch's log of a fake kernel that
+    raises is kept off the screen (``quiet_fake_kernel_failures``)."""
+    quiet_fake_kernel_failures()
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+_FAKE_KERNEL_ATTRIBUTE = "autofit_fake_kernel"
+"""The attribute ``quiet_fake_kernel_failures``'s filter sets on an exception a fake kernel raised: the op's name."""
+
+
+class _FakeKernelFailures(logging.Filter):
+    """Drops torch's "failed while attempting to run meta for OP" record (a traceback per call), naming OP on its
+    exception instead: the one line autofit prints says it, the user's screen gets no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("failed while attempting to run meta for"):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and record.args:
+            setattr(error, _FAKE_KERNEL_ATTRIBUTE, str(record.args[0]))
+        return False
+
+
+def quiet_fake_kernel_failures() -> None:
+    """From now on, a fake kernel that raises (grouped_mm's takes only bf16 and fp16, its CPU kernel fp32 too) logs
+    nothing; ``failed_fake_kernel`` names its op from the exception, which propagates as before.
+
+    Installed by ``new_fake_mode``, so by every fake mode autofit makes, and kept: fake modes are entered in forked
+    trace workers and in FLOP counts as well, and the record dropped only repeats an exception that is raised anyway.
+    """
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    if not any(isinstance(f, _FakeKernelFailures) for f in logger.filters):
+        logger.addFilter(_FakeKernelFailures())
+
+
+def failed_fake_kernel(error: BaseException) -> str | None:
+    """The op whose fake kernel raised ``error`` (or the error it caused), e.g. "aten._grouped_mm.default"; None
+    where no fake kernel raised it (``quiet_fake_kernel_failures`` names it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        op = getattr(error, _FAKE_KERNEL_ATTRIBUTE, None)
+        if op is not None:
+            return op
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def fake_mode_for(inputs) -> AbstractContextManager:

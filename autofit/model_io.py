@@ -307,6 +307,13 @@ class Loss:
         return value if weight == 1.0 else value * weight
 
 
+def _in_batch_matches(logits: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Whether ``logits`` score each sample against the batch's own samples (a (B, B) similarity matrix, an
+    in-batch contrastive model's) with labels 0..B-1 (sample i matches sample i): not classes."""
+    size = len(labels)
+    return tuple(logits.shape) == (size, size) and size > 1 and torch.equal(labels.cpu(), torch.arange(size))
+
+
 def _item_labels(targets) -> bool:
     """Whether ``targets`` are class labels per item (B, T) or (B, H, W): the default loss counts those items."""
     return isinstance(targets, torch.Tensor) and targets.ndim >= 2 and not targets.is_floating_point()
@@ -372,14 +379,16 @@ class Scores:
         logits, labels = logits_of(output), batch_labels(inputs, targets)
         classifies = (
             logits is not None and labels is not None and logits.ndim == 2 and labels.ndim == 1
-            and not labels.is_floating_point()
+            and not labels.is_floating_point() and not _in_batch_matches(logits, labels)
         )
         self.classified = self.classified and classifies
         if self.classified:
             self.correct += (logits.argmax(dim=1) == labels).sum().item() * counted
         self.samples += size * counted
-        self.language_model = self.language_model or (logits is None and _field(output, "loss") is not None) or (
-            logits is not None and logits.ndim == 3 and labels is not None and labels.ndim == 2
+        # Token labels (B, T) make a loss a language model's; a loss alone (CLIP's contrastive one) is not.
+        tokens = labels is not None and labels.ndim == 2 and not labels.is_floating_point()
+        self.language_model = self.language_model or tokens and (
+            (logits is None and _field(output, "loss") is not None) or (logits is not None and logits.ndim == 3)
         )
 
     def totals(self) -> list[float]:

@@ -61,6 +61,9 @@ class ModelInfo:
     """For an ``hf:`` text model: tokens per sample."""
     lora: str | None = None
     """LoRA adapters over the model (``autofit.adapters``), e.g. "r=16,alpha=32,targets=q_proj,v_proj"; None: none."""
+    min_micro_batch_size: int | None = None
+    """The fewest samples one forward may hold: its loss couples the samples of a batch (``planning.coupling``), so
+    training never halves the micro-batch below it after running out of memory; None: any."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,7 +199,9 @@ class Plan:
             "schema_version": self.schema_version,
             "created_by": dict(self.created_by),
             # Schema 1: an hf: model's task and sequence length are written when it has them.
-            "model": {k: v for k, v in asdict(self.model).items() if v is not None or k not in ("task", "seq_len", "lora")},
+            "model": {
+                k: v for k, v in asdict(self.model).items() if v is not None or k not in ("task", "seq_len", "lora", "min_micro_batch_size")
+            },
             "device": {key: value for key, value in asdict(self.device).items() if key != "allocator_settings" or value is not None},
             "budget_bytes": self.budget_bytes,
             "budget_kind": self.budget_kind,
@@ -427,6 +432,7 @@ _MODEL_FIELDS = {
     "task": _choice(("causal-lm", "sequence-classification", "image-classification")).or_null(),
     "seq_len": COUNT.or_null(),
     "lora": TEXT.or_null(),
+    "min_micro_batch_size": COUNT.or_null(),
 }
 _DEVICE_FIELDS = {
     "type": _choice(DEVICE_TYPES),

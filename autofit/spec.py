@@ -69,6 +69,9 @@ class ModelSpec:
     from (``--weights``) are loaded into before the adapters are added. None: no adapters."""
     collate: Callable[[list], tuple] | None = None
     """Dataset samples -> ``(inputs, targets)`` with per-sample lists marked (``model_io.per_sample``); None: stacked."""
+    min_micro_batch_size: int | None = None
+    """The fewest samples one forward may hold, as the model file declares it (``MIN_MICRO_BATCH``: a loss that
+    couples the samples of a batch, in groups of that size); None: checked instead (``planning.coupling``)."""
     simulation_fallback: str = ""
     """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
 
@@ -271,6 +274,12 @@ def _file_spec(source: str) -> ModelSpec:
     collate = getattr(module, "collate", None)
     if collate is not None and not callable(collate):
         raise UserError(f"model file {source!r}: collate must be a function samples -> (inputs, targets), e.g. ((images, targets), None)")
+    min_micro_batch = getattr(module, "MIN_MICRO_BATCH", None)
+    if min_micro_batch is not None and (not isinstance(min_micro_batch, int) or isinstance(min_micro_batch, bool) or min_micro_batch < 1):
+        raise UserError(
+            f"model file {source!r}: MIN_MICRO_BATCH = {min_micro_batch!r} must be a whole number of samples, at least 1 "
+            "(the fewest one forward of its loss may hold)"
+        )
     from autofit.model_checks import CheckedBuild, CheckedCollate, CheckedExampleBatch
 
     return ModelSpec(
@@ -283,6 +292,7 @@ def _file_spec(source: str) -> ModelSpec:
         train_dataset=getattr(module, "train_dataset", None),
         val_dataset=getattr(module, "val_dataset", None),
         input_shape=tuple(shape) if shape else None,
+        min_micro_batch_size=min_micro_batch,
     )
 
 

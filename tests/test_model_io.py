@@ -205,6 +205,15 @@ def test_scores_give_accuracy_for_classes_and_perplexity_for_tokens():
     assert tokens.perplexity == pytest.approx(torch.tensor(whole).exp().item(), rel=1e-6)
 
 
+def test_scores_of_in_batch_similarities_or_a_loss_alone_are_the_loss_only():
+    similarities = Scores(None)  # a two-tower model's (B, B) matrix, sample i matching sample i: not classes
+    similarities.add(torch.eye(4) * 3, (torch.zeros(4, 2), torch.zeros(4, 2)), torch.arange(4))
+    assert similarities.loss > 0 and similarities.accuracy is None and similarities.perplexity is None
+    contrastive = Scores(None)  # CLIP's output: its own loss and no token labels
+    contrastive.add({"loss": torch.tensor(2.1), "logits_per_image": torch.zeros(4, 4)}, {"input_ids": torch.zeros(4, 3)}, None)
+    assert contrastive.loss == pytest.approx(2.1) and contrastive.perplexity is None
+
+
 def test_token_weights_over_two_ranks_average_to_the_full_batch_gradient():
     """What DDP/FSDP do with each rank's gradient (the mean over ranks), done by hand: 8 = 4 + 4 on two ranks, 3 + 1 each."""
     from strategies import BatchSplit, BatchSplitConfig

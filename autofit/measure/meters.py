@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from autofit._torch_private import (
-    FAKE_TENSOR_LIMITS, cpu_allocation_peak, fake_mode_active, new_fake_mode, optimizers_step_as_on_cuda, to_empty_quickly,
-    tree_map, without_dispatch_modes,
+    FAKE_TENSOR_LIMITS, cpu_allocation_peak, failed_fake_kernel, fake_mode_active, new_fake_mode,
+    optimizers_step_as_on_cuda, to_empty_quickly, tree_map, without_dispatch_modes,
 )
 from autofit.errors import UserError
 from autofit.measure.hf_masks import masks_as_in_real_runs, note_example_batch
@@ -335,17 +335,23 @@ def simulated_meter(spec=None, *, for_device: str = "cpu") -> Meter:
     return SimulatedMeter(for_device=for_device)
 
 
-def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None, stand_in=None):
+def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None, stand_in=None, for_device: str = "cpu"):
     """``spec``, or a copy that measures with the cpu meter when fake tensors cannot run one training step of it.
 
     One simulated step of a micro-batch of 2 (2 optimizer micro-steps' worth of
     nothing: no arithmetic) finds out; a model whose forward reads values
     (``.item()``, a Python ``if`` on a tensor, ``nonzero``) cannot run on fake
-    tensors. Then one line (on stderr, or ``log``) says why and which meter is used.
-    Errors of the model itself (any other exception) are left for the real measurement to report.
+    tensors, nor one calling an op whose fake kernel is narrower than its real one (torch's ``grouped_mm`` fake
+    kernel takes only bf16 and fp16). Then one line (on stderr, or ``log``) says why and which meter is used.
+    Any other failure that one real step of the same batch does not repeat is fake tensors' too; errors of the
+    model itself are left for the real measurement to report.
 
     ``stand_in``: the same model with its identical blocks cut short (``memory.repeats.shortened``), stepped
     instead; where it fails, the whole model is stepped to say why.
+    ``for_device``: the device the simulation stands for (``fall_back_from_simulation``).
+
+    Raises:
+        UserError: ``fall_back_from_simulation``'s.
     """
     if spec.simulation_fallback:
         return spec
@@ -358,19 +364,50 @@ def checked_for_simulation(spec, *, log: Callable[[str], None] | None = None, st
             except Exception:  # fake tensors, or a forward that counts on every block: the whole model says which
                 _one_simulated_step(spec)
     except FAKE_TENSOR_LIMITS as error:
-        return fall_back_from_simulation(spec, error, log=log)
-    except Exception:  # the model's own problem, or a batch size it refuses: the measurements report it
-        return spec
+        return fall_back_from_simulation(spec, error, log=log, for_device=for_device)
+    except Exception as error:
+        if fails_only_on_fake_tensors(spec):
+            return fall_back_from_simulation(spec, error, log=log, for_device=for_device)
+        return spec  # the model's own problem, or a batch size it refuses: the measurements report it
     return spec
 
 
-def fall_back_from_simulation(spec, error: BaseException, *, log: Callable[[str], None] | None = None):
-    """A copy of ``spec`` that measures with the cpu meter, after one line saying why."""
+def fails_only_on_fake_tensors(spec) -> bool:
+    """Whether one real training step of ``example_batch(2)`` runs on this machine's CPU, where a simulated one
+    failed: the failure is then fake tensors' alone. A model this machine cannot hold is not tried (False)."""
+    if not trains_here(spec):
+        return False
+    try:
+        with without_dispatch_modes():
+            _one_step(spec, TrackedMeter())
+    except Exception:  # the model fails for real too: its own error, reported by whoever measures it
+        return False
+    return True
+
+
+def fall_back_from_simulation(
+    spec, error: BaseException, *, log: Callable[[str], None] | None = None, for_device: str = "cpu",
+):
+    """A copy of ``spec`` that measures with the cpu meter, after one line saying why.
+
+    Raises:
+        UserError: measuring for real would not fit this machine's memory; or an op's fake kernel refused
+            (``failed_fake_kernel``) for a plan for a card: the CPU's kernel, which ran, does not say what the card's does.
+    """
     import dataclasses
     import sys
 
     detail = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
     why = f"{type(error).__name__}{': ' + detail if detail else ''}"
+    op = None if isinstance(error, FAKE_TENSOR_LIMITS) else failed_fake_kernel(error)  # not a value fake tensors lack
+    if op is not None:
+        why = f"torch's fake kernel for {op} refuses what its CPU kernel runs: {why}"
+        if for_device != "cpu":
+            raise UserError(
+                f"the simulated meter cannot run {op} for {spec.source} ({type(error).__name__}: {detail}: torch's fake kernel "
+                f"refuses what its CPU kernel runs), and the cpu meter cannot stand in for {for_device}'s kernel; plan on the "
+                f"{for_device} machine itself (without --simulate), or for --device cpu"
+            ) from error
     needs, available = _real_training_bytes(spec), host_memory_bytes(available=True)
     if needs is not None and needs > available:
         raise UserError(
@@ -405,8 +442,10 @@ def check_model_runs_simulated(spec) -> None:
             build=meter.build_model, environment=meter.environment,
         )
     except UserError as error:
-        if not isinstance(error.__cause__, FAKE_TENSOR_LIMITS):
-            raise
+        if not isinstance(error.__cause__, FAKE_TENSOR_LIMITS) and not trains_here(spec):
+            raise  # too large to check for real: the fake check's word stands
+        # Values fake tensors lack, or an op whose fake kernel is narrower than the real one (grouped_mm's takes
+        # only bf16): a real check says whether the model takes its batch, and the meters fall back if it does.
         check_model_runs(spec)
 
 
@@ -480,6 +519,19 @@ def check_fits_this_machine(spec, *, device: str) -> None:
         )
 
 
+def trains_here(spec) -> bool:
+    """Whether this machine's free memory holds ``spec``'s model training for real (``_real_training_bytes``; a model
+    that cannot be built on the meta device is taken to: it was built for real already)."""
+    needs = _real_training_bytes(spec)
+    return needs is None or needs <= host_memory_bytes(available=True)
+
+
+def meta_parameter_count(spec) -> int | None:
+    """Parameters of ``spec``'s model, built on the meta device (no memory); None where it cannot be built there."""
+    params = _meta_parameters(spec)
+    return None if params is None else sum(p.numel() for p in params)
+
+
 def _real_training_bytes(spec) -> int | None:
     """About what training ``spec``'s model for real takes at least: 16 bytes per parameter (fp32 weights, gradients
     and AdamW's two moments); None where its model cannot be built on the meta device."""
@@ -498,12 +550,16 @@ def _meta_parameters(spec) -> list[nn.Parameter] | None:
 
 
 def _one_simulated_step(spec) -> None:
+    _one_step(spec, SimulatedMeter())
+
+
+def _one_step(spec, meter: Meter) -> None:
+    """One training step of ``example_batch(2)`` under ``meter`` (its tensors, fake or real; nothing measured)."""
     from autofit.apply import apply_config
     from autofit.config import TrainingConfig
     from autofit.measure.optimizer_state import stepping_at_once
     from autofit.step import train_step
 
-    meter = SimulatedMeter()
     with meter.environment():
         model = meter.build_model(spec.build_model)
         model.train()

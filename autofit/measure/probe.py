@@ -16,7 +16,9 @@ from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
 from autofit.device import check_device, steady_host_allocations
 from autofit.measure.kernels import precision_failure
-from autofit.measure.meters import compiled_step_on_cpu, fall_back_from_simulation, make_meter, noting_padding, release_device_memory
+from autofit.measure.meters import (
+    compiled_step_on_cpu, fails_only_on_fake_tensors, fall_back_from_simulation, make_meter, noting_padding, release_device_memory,
+)
 from autofit.measure.tracker import ACTIVATIONS
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.plan_file import Plan
@@ -163,11 +165,15 @@ def measure(
         if not simulate or spec.simulation_fallback:
             raise
         # Fake tensors cannot run this model: one line says so, and the cpu meter measures it.
-        spec = fall_back_from_simulation(spec, error)
+        spec = fall_back_from_simulation(spec, error, for_device=device)
         return _measure(spec, config, **settings)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as error:
+        if simulate and not spec.simulation_fallback and fails_only_on_fake_tensors(spec):
+            # An op whose fake kernel refuses what its real one runs (grouped_mm's in fp32): as above.
+            spec = fall_back_from_simulation(spec, error, for_device=device)
+            return _measure(spec, config, **settings)
         # An op with no kernel for the precision on this device (fp16 LSTM on a CPU): one line and the way out.
         if simulate or config.precision == "fp32":
             raise

@@ -103,7 +103,7 @@ class PlanContext:
         spec = simulation_spec(self.spec)
         with self.progress.paused():  # a worker forked while the heartbeat writes could copy its half-written line
             self.trace_pool.start(spec)
-        checked = checked_for_simulation(spec, stand_in=self.stand_in(spec))
+        checked = checked_for_simulation(spec, stand_in=self.stand_in(spec), for_device=self.device)
         if checked is not spec:
             self.trace_pool.close()
         return checked

@@ -166,6 +166,8 @@ def smallest_runnable(context: PlanContext) -> int:
     A simulated forward and backward per size (no arithmetic), smallest first; a model with a long run of
     identical blocks has it cut short for them (``PlanContext.stand_in``).
     """
+    # The meter first: where fake tensors cannot run the model, that is one line of its own, not a size refused.
+    context.sim_spec  # noqa: B018
     errors = []
     sizes = micro_batch_sizes(context.global_batch_size, smallest=1)[::-1]
     for number, size in enumerate(sizes, start=1):

@@ -52,6 +52,7 @@ from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
 from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
+from autofit.planning.coupling import check_rank_share, kept_together
 from autofit.planning.modelling import (
     Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
     save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
@@ -153,9 +154,14 @@ def _plan_alone(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
     )
     try:
         with _threads(context):
-            report = _plan_one_process(context, _memory(context, levers=levers), levers=levers)
+            costs = _memory(context, levers=levers)
+            coupling = kept_together(context, costs)  # a loss that couples a batch's samples: fewer micro-batch sizes
+            report = _plan_one_process(context, costs, levers=levers)
         # The wall time: a report made by the ladder below the floor is followed by the search with the levers.
         report.seconds = time.perf_counter() - context.started
+        if coupling is not None:
+            model = replace(report.plan.model, min_micro_batch_size=coupling.smallest_micro_batch)
+            report.plan = replace(report.plan, model=model, notes=[*report.plan.notes, coupling.why])
         return _with_clipping(_with_trace_notes(report, [context]), request.max_grad_norm)
     finally:
         context.trace_pool.close()
@@ -588,6 +594,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
     world_size, batch_size = request.gpus * nodes, request.batch_size
     check_ranks(batch_size=batch_size, world_size=world_size, nodes=nodes)
     share = math.ceil(batch_size / world_size)
+    check_rank_share(spec, global_batch_size=batch_size, share=share, world_size=world_size)
     # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
     one_process = (MASTER_WEIGHTS, PURE_BF16)
     if request.weights_dtype == "config" and spec.config_dtype == "bf16":
@@ -620,6 +627,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
             say_why_left_out(ddp)
             contexts.append(ddp)
             costs = _memory(ddp)
+            kept_together(ddp, costs)  # a declared MIN_MICRO_BATCH within a rank's share (check_rank_share)
             try:
                 with _threads(ddp):
                     report = _plan_one_process(ddp, costs)
@@ -634,7 +642,9 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
                 report.seconds = time.perf_counter() - started
                 return _with_trace_notes(report, contexts)
         with _threads(rank):
-            costs = costs or stored_or_new(rank)
+            if costs is None:
+                costs = stored_or_new(rank)
+                kept_together(rank, costs)
             hsdp = nodes > 1 and request.gpus > 1
             report = _plan_hsdp(rank, costs, per_node=request.gpus, nodes=nodes, batch_size=batch_size) if hsdp else None
             if report is None:

@@ -249,12 +249,28 @@ def collate_pairs(samples: list):
     A sample is ``(input, target)`` (each a tensor, tuple or dict of tensors), or
     a dict of tensors that holds its own labels (transformers' way): the batch is
     then ``(dict, None)`` and the model is called as ``model(**inputs)``. Other
-    samples are stacked as ``default_collate`` stacks them.
+    samples are stacked as ``default_collate`` stacks them. In dict samples, an entry that is ``True``, ``False``
+    or ``None`` in every sample (a keyword flag such as ``return_loss=True``) is passed as it is.
     """
+    constants = _constants(samples)
+    if constants:  # a flag for the model's forward (CLIP's return_loss=True) stays what it is, not a tensor of flags
+        samples = [{key: value for key, value in sample.items() if key not in constants} for sample in samples]
     batch = default_collate(samples)
     if isinstance(batch, Mapping):
-        return batch, None
+        return {**batch, **constants}, None
     return batch
+
+
+def _constants(samples: list) -> dict:
+    """The entries of dict samples that are a Python ``True``/``False``/``None`` in every sample alike: keyword
+    arguments of the model (transformers' ``return_loss``), passed as they are rather than collated into a tensor."""
+    if not samples or not all(isinstance(sample, Mapping) for sample in samples):
+        return {}
+    first = samples[0]
+    return {
+        key: value for key, value in first.items()
+        if (value is None or isinstance(value, bool)) and all(key in sample and sample[key] is value for sample in samples)
+    }
 
 
 def collate_readable(samples: list, *, collate: Callable[[list], tuple] = collate_pairs) -> tuple:

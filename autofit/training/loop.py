@@ -51,6 +51,7 @@ from autofit.training.checkpoints import RunCheckpoints, load_resume_state
 from autofit.training.speed import StepSpeed
 from autofit.training.console import RunConsole, epoch_line, final_line, header, oom_line
 from autofit.training.data import TrainData, epoch_order, make_loader
+from autofit.training.first_batch import check_data_batches
 from autofit.distributed import any_rank, is_rank0, mean_across_ranks
 from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
 from autofit.training.images import Unreadable
@@ -280,6 +281,7 @@ def _train_run(
             start_fresh(log_dir, overwrite=settings.overwrite)
         saved, settings = None, settings.for_new_run()
     applied = apply_plan(model, plan)
+    check_data_batches(applied, data, loss_fn=loss_fn)  # before step 1: data the model cannot take is one line
     optimizer = applied.build_optimizer(build_optimizer)
     if settings.lr:
         for group in optimizer.param_groups:
@@ -368,7 +370,10 @@ def _train_epochs(
                 continue
             batch_size = batch_size_of(inputs, targets)
             with watch.measuring(model, optimizer), nonfinite.overflow(step=position.global_step + 1):
-                result, ooms = step_with_recovery(applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo)
+                result, ooms = step_with_recovery(
+                    applied, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, undo=undo,
+                    smallest_micro_batch=plan.model.min_micro_batch_size or 1,
+                )
             loss = mean_across_ranks(result.loss).item()  # the global batch's mean loss; waits for the step
             lr = float(optimizer.param_groups[0]["lr"])
             if result.stepped:  # a step fp16's scaler skipped does not advance the schedule

@@ -142,14 +142,17 @@ class MicroBatchChange:
 
 
 def step_with_recovery(applied: AppliedPlan, inputs, targets, *, loss_fn, optimizer: torch.optim.Optimizer,
-                       undo: StepUndo) -> tuple[StepResult, list[MicroBatchChange]]:
+                       undo: StepUndo, smallest_micro_batch: int = 1) -> tuple[StepResult, list[MicroBatchChange]]:
     """One optimizer step over a global batch, redone exactly with half the micro-batch after an allocation fails.
+
+    ``smallest_micro_batch``: the fewest samples a forward may hold (the plan's ``model.min_micro_batch_size``: a loss
+    that couples a batch's samples); the micro-batch is never halved below it.
 
     Returns:
         The step's result, and each micro-batch change made.
 
     Raises:
-        UserError: out of memory at a micro-batch of 1, on several processes,
+        UserError: out of memory at a micro-batch of 1 (or of ``smallest_micro_batch``), on several processes,
             or after the optimizer step had updated the weights.
     """
     ooms = []
@@ -166,6 +169,12 @@ def step_with_recovery(applied: AppliedPlan, inputs, targets, *, loss_fn, optimi
         undo.undo(micro_batch_size=applied.micro_batch_size)
         release_device_memory(applied.device.type)
         previous = applied.micro_batch_size
+        if previous // 2 < smallest_micro_batch:
+            raise UserError(
+                f"out of memory at micro-batch {previous} ({message}), and the loss couples the samples of a forward: the "
+                f"plan holds at least {smallest_micro_batch} in each (its notes say why); re-plan with a lower --budget, "
+                "or free memory on the device"
+            )
         applied.halve_micro_batch()
         ooms.append(MicroBatchChange(config=applied.config, record={
             "event": "out_of_memory", "error": message, "previous_micro_batch_size": previous,

@@ -374,3 +374,19 @@ class TinyLSTM(nn.Module):
 
 def _sequences(n: int):
     return torch.randn(n, 12, 16), torch.randint(0, 10, (n,))
+
+
+class GroupedExperts(nn.Module):
+    """Two experts in one (2, 16, 16) weight, called by ``grouped_mm`` in fp32, as transformers' mixtures of experts
+    do: the CPU kernel runs it, torch's fake kernel takes only bf16 and fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.experts = nn.Parameter(torch.randn(2, 16, 16) * 0.1)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):  # (B, 16) -> (B, 4)
+        n = x.shape[0]
+        offsets = torch.tensor([n // 2, n], dtype=torch.int32)  # first half of the samples to expert 0, the rest to 1
+        return self.head(nn.functional.grouped_mm(self.inp(x), self.experts, offs=offsets))

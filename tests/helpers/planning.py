@@ -103,3 +103,34 @@ LM_BLOCKS = ["layers.0", "layers.1", "layers.2"]
 STEP_BUDGET = 10_300_000
 """Bytes: above ConvThenWide's floor (9.0 MB), below its plain peak at micro-batch 8 (10.8 MB) and the peak with
 its first block checkpointed (10.3 MB); the step in backward brings micro-batch 8 down to 9.8 MB."""
+
+
+class TwoTowers(nn.Module):
+    """A query and a key encoder scoring every query against every key of the batch, as CLIP does: its InfoNCE
+    loss (``in_batch_loss``) takes each sample's negatives from the other samples of the same forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 16))
+        self.keys = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # (B, 8), (B, 8) -> (B, B)
+        q = nn.functional.normalize(self.queries(queries), dim=-1)
+        k = nn.functional.normalize(self.keys(keys), dim=-1)
+        return q @ k.T / 0.1
+
+
+def in_batch_loss(similarities: torch.Tensor, targets) -> torch.Tensor:
+    """InfoNCE: sample i's key is the right one among the batch's keys."""
+    return nn.functional.cross_entropy(similarities, torch.arange(len(similarities)))
+
+
+def two_towers_spec() -> ModelSpec:
+    def example_batch(n: int):
+        queries = torch.randn(n, 8)
+        return (queries, queries + 0.1 * torch.randn(n, 8)), None
+
+    return ModelSpec(
+        source="tests:TwoTowers", build_model=TwoTowers, example_batch=example_batch, loss_fn=in_batch_loss,
+        build_optimizer=default_optimizer,
+    )

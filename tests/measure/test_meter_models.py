@@ -10,6 +10,7 @@ from autofit.planning.costs import memory_costs
 from autofit.planning.planner import InfeasibleBudget, make_plan
 from autofit.planning.request import PlanRequest
 from autofit.spec import ModelSpec, default_optimizer
+from tests.helpers.models import GroupedExperts
 
 
 class Stack(nn.Module):
@@ -115,3 +116,54 @@ def test_an_example_batch_of_views_is_counted_as_the_cpu_meter_counts_it(one_thr
     )
     real = probe(spec, micro_batch_size=2, global_batch_size=8, steps=1).peak_bytes
     assert probe(simulation_spec(spec), micro_batch_size=2, global_batch_size=8, steps=1, simulate=True).peak_bytes == real
+
+
+def experts_spec() -> ModelSpec:
+    return ModelSpec(
+        source="experts", build_model=GroupedExperts, example_batch=lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,))),
+        loss_fn=Loss(nn.functional.cross_entropy), build_optimizer=default_optimizer,
+    )
+
+
+def test_an_op_only_its_fake_kernel_refuses_falls_back_to_the_cpu_meter_quietly(one_thread, capfd):
+    result = probe(experts_spec(), micro_batch_size=4, simulate=True, steps=1)
+    err = capfd.readouterr().err
+    assert result.meter == "cpu" and result.peak_bytes == probe(experts_spec(), micro_batch_size=4, steps=1).peak_bytes
+    assert err.count("\n") == 1 and "aten._grouped_mm" in err and "cpu meter" in err, err
+    assert "Traceback" not in err  # torch's fake-tensor log, one traceback per call, stays off the screen
+
+
+def test_an_op_only_its_fake_kernel_refuses_is_one_line_for_a_card_that_is_not_here(capfd):
+    from autofit.errors import UserError
+
+    with pytest.raises(UserError, match=r"cannot run aten\._grouped_mm\.default .*\(without --simulate\)"):
+        checked_for_simulation(experts_spec(), for_device="cuda")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_model_file_only_fake_tensors_cannot_check_is_checked_for_real(tmp_path, run_cli):
+    path = tmp_path / "experts.py"
+    path.write_text(
+        "import torch\nfrom tests.helpers.models import GroupedExperts as build_model\n\n\n"
+        "def example_batch(n):\n    return torch.randn(n, 16), torch.randint(0, 4, (n,))\n"
+    )
+    code, out, err = run_cli("probe", path, "--simulate", "--micro-batch-size", "4", "--steps", "1")
+    assert code == 0 and "meter cpu" in out and err.count("simulated meter cannot run") == 1, err
+
+
+def test_a_plan_for_a_card_names_the_op_its_fake_kernel_refuses(capfd):
+    from autofit.errors import UserError
+
+    request = PlanRequest(budget="10MB", batch_size=8, device="cuda", simulate=True, device_memory="24GiB", cache=False)
+    with pytest.raises(UserError, match=r"^the simulated meter cannot run aten\._grouped_mm\.default"):
+        make_plan(experts_spec(), request)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_every_fake_mode_autofit_makes_keeps_torch_s_fake_kernel_log_quiet_and_names_the_op(caplog):
+    from autofit._torch_private import failed_fake_kernel, new_fake_mode
+
+    with new_fake_mode(), pytest.raises(RuntimeError) as raised:  # FLOP counts and block discovery use such modes too
+        nn.functional.grouped_mm(torch.randn(4, 16), torch.randn(2, 16, 16), offs=torch.tensor([2, 4], dtype=torch.int32))
+    assert failed_fake_kernel(raised.value) == "aten._grouped_mm.default"
+    assert not [record for record in caplog.records if "attempting to run meta" in record.getMessage()]

@@ -491,11 +491,12 @@ def net() -> NormNet:
 
 
 INJECTIONS = {
-    "forward": lambda model: setattr(model, "in_forward", AllocationFails(at=2)),  # the 2nd micro-batch's forward
+    # The data check before step 1 runs two forwards (a training and a validation batch): the 4th is the 2nd micro-batch's.
+    "forward": lambda model: setattr(model, "in_forward", AllocationFails(at=4)),  # the 2nd micro-batch's forward
     "backward": lambda model: setattr(model, "in_backward", AllocationFails(at=2)),
     "optimizer step": lambda model: setattr(FailingAdamW, "where", "before"),
     "cuBLAS": lambda model: setattr(model, "in_forward", AllocationFails(
-        at=2, error=lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))),
+        at=4, error=lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))),
     "cuDNN": lambda model: setattr(model, "in_backward", AllocationFails(
         at=1, error=lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))),
 }
