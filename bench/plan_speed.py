@@ -10,9 +10,11 @@ same model at another budget shows what the cache saves.
 Given several source trees (--trees), each case runs in every tree in turn,
 so that before/after figures come from side-by-side runs on the same load.
 
-With --load-test, the digits plan runs again while the bench keeps two busy
+With --load-test, the digits plan (or --load-case's) runs again while the bench keeps two busy
 processes running, and the chosen configurations and times are compared with
-the runs without them.
+the runs without them; a run past --timeout is killed and counted as a hang. The
+"lstm" case is #47's: a two-layer LSTM language model file (written to the scratch folder) at
+60% of its unconstrained peak, batch 8, on the CPU.
 
 With --llama, Llama-3-shaped 1B and 70B configs (config.json only, written
 here) are planned cold with the same flags (``LLAMA_FLAGS``: one simulated
@@ -22,6 +24,7 @@ share, its 'memory: tracing' lines, and 70B over 1B.
     python bench/plan_speed.py                                  # this tree
     python bench/plan_speed.py --trees /tmp/before,. --threads 1
     python bench/plan_speed.py --cases digits --load-test 5
+    python bench/plan_speed.py --no-main --load-test 10 --load-case lstm --timeout 300
     AUTOFIT_TRACE_WORKERS=2 python bench/plan_speed.py --llama --no-main --trees /tmp/before,.
 
 A plan starts its trace workers only where no other task is seen running
@@ -60,7 +63,8 @@ class Case:
     """MODEL and the options that describe it (input shape, classes)."""
     batch_size: int
     budgets: tuple[str, str]
-    """The first plan's budget and the second's (served by the cache); "floor"/"2floor" are found first."""
+    """The first plan's budget and the second's (served by the cache); "floor"/"2floor" are found first, "0.6peak"
+    from one probe of the whole batch."""
     simulate: bool = False
 
 
@@ -73,8 +77,36 @@ CASES = {
     "resnet50": Case(
         "resnet50", ["torchvision:resnet50", "--input-shape", "3x224x224", "--num-classes", "1000"], 64, ("6GiB", "4GiB"), simulate=True,
     ),
+    "lstm": Case("lstm", ["{scratch}/lstm_lm.py"], 8, ("0.6peak", "0.4peak")),
     "vit": Case("vit", ["torchvision:vit_b_16", "--input-shape", "3x224x224", "--num-classes", "1000"], 32, ("5GiB", "4GiB"), simulate=True),
 }
+LSTM_MODEL = '''"""A two-layer LSTM language model (#47's hang: real mkldnn RNN kernels beside forked trace workers)."""
+import torch
+from torch import nn
+
+VOCAB, T = 256, 512
+
+
+class LSTMLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, VOCAB)
+
+    def forward(self, tokens):  # (B, T)
+        hidden, _ = self.lstm(self.embed(tokens))
+        return self.head(hidden).transpose(1, 2)  # (B, VOCAB, T)
+
+
+def build_model():
+    return LSTMLM()
+
+
+def example_batch(n):
+    tokens = torch.randint(0, VOCAB, (n, T + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+'''
 PHASES = ("startup", "memory", "floor", "speed", "search", "verify", "write")
 
 LLAMA_SHAPES = {
@@ -113,20 +145,25 @@ class Run:
     error: str = ""
 
 
-def autofit(tree: Path, args: list[str], *, env: dict) -> tuple[float, float, subprocess.CompletedProcess]:
-    """Run `python -m autofit ARGS` with ``tree`` first on the path; (wall seconds, load at start, result)."""
+def autofit(tree: Path, args: list[str], *, env: dict, timeout_s: float | None = None) -> tuple[float, float, subprocess.CompletedProcess]:
+    """Run `python -m autofit ARGS` with ``tree`` first on the path; (wall seconds, load at start, result). A run
+    past ``timeout_s`` is killed and returned with exit code -9 and "hang" as its last line."""
     env = {**env, "PYTHONPATH": str(tree)}
     started_load, start = load(), time.perf_counter()
     # Run from the tree itself: `python -m` puts the working directory first on the path.
-    done = subprocess.run([sys.executable, "-m", "autofit", *args], cwd=tree, env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", "autofit", *args]
+    try:
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess(command, -9, "", f"hang: still running after {timeout_s:.0f} s, killed")
     return time.perf_counter() - start, started_load, done
 
 
-def plan(tree: Path, case: Case, budget: str, *, env: dict, out: Path) -> Run:
+def plan(tree: Path, case: Case, budget: str, *, env: dict, out: Path, timeout_s: float | None = None) -> Run:
     args = ["plan", *case.model, "--budget", budget, "--batch-size", str(case.batch_size), "--out", str(out)]
     if case.simulate:
         args += list(SIMULATED_GPU)
-    seconds, started_load, done = autofit(tree, args, env=env)
+    seconds, started_load, done = autofit(tree, args, env=env, timeout_s=timeout_s)
     run = Run(seconds=seconds, load=started_load)
     if done.returncode != 0:
         run.error = (done.stderr.strip().splitlines() or ["?"])[-1]
@@ -196,6 +233,24 @@ def floor_budget(case: Case, *, env: dict) -> int:
     return parse_budget(f"{float(value) + 0.01}{unit}")  # the message rounds to 0.01: stay above it
 
 
+def peak_budget(case: Case, share: float, *, env: dict) -> int:
+    """``share`` of the peak of one probe of the whole batch in one micro-batch (fp32, this tree)."""
+    args = ["probe", *case.model, "-m", str(case.batch_size), "--steps", "2", "--json", "-q"]
+    _, _, done = autofit(ROOT, args, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"no peak found for {case.key}: {done.stderr[-300:]}")
+    return int(json.loads(done.stdout)["peak_bytes"] * share)
+
+
+def resolved_budgets(case: Case, *, env: dict) -> list[str]:
+    """The case's budgets in bytes where they are named by the model's floor or peak."""
+    budgets = list(case.budgets)
+    if "floor" in budgets:
+        floor = floor_budget(case, env=env)
+        budgets = [str(floor) if b == "floor" else str(2 * floor) for b in budgets]
+    return [str(peak_budget(case, float(b[: -len("peak")]), env=env)) if b.endswith("peak") else b for b in budgets]
+
+
 def row(tree: str, case: Case, label: str, budget: str, run: Run, yardstick: Run | None) -> str:
     cells = [f"{run.phases.get(p, 0.0):.1f}" if p in run.phases else "-" for p in PHASES]
     ratio = f"{run.seconds / yardstick.seconds:.2f}" if yardstick and not yardstick.error and not run.error else "-"
@@ -213,6 +268,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every process (default: unset).")
     parser.add_argument("--load-test", type=int, default=0, help="Runs of the digits plan under two busy processes.")
+    parser.add_argument("--load-case", default="digits", help="The case the load test plans (its first budget).")
+    parser.add_argument("--timeout", type=float, default=None, help="Seconds after which a load-test plan counts as a hang.")
     parser.add_argument("--no-main", action="store_true", help="Only the load test and --llama.")
     parser.add_argument("--llama", action="store_true", help="Plan Llama-3-shaped 1B and 70B configs with the same flags.")
     args = parser.parse_args()
@@ -222,6 +279,9 @@ def main() -> None:
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     scratch = Path(tempfile.mkdtemp(prefix="plan-speed-"))
+    (scratch / "lstm_lm.py").write_text(LSTM_MODEL)
+    for key, case in CASES.items():
+        CASES[key] = Case(case.key, [a.format(scratch=scratch) for a in case.model], case.batch_size, case.budgets, case.simulate)
     print(f"# bench/plan_speed.py, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}")
     header = "| case | plan | budget | tree | wall s | load | " + " | ".join(PHASES) + " | probe s (load) | plan / probe | chosen | timing noise |"
     if not args.no_main:
@@ -229,10 +289,7 @@ def main() -> None:
         print("|" + "---|" * (header.count("|") - 1))
         for key in args.cases.split(","):
             case = CASES[key]
-            budgets = list(case.budgets)
-            if "floor" in budgets:
-                floor = floor_budget(case, env=env)
-                budgets = [str(floor) if b == "floor" else str(2 * floor) for b in budgets]
+            budgets = resolved_budgets(case, env=env)
             for tree in trees:
                 cache = scratch / f"cache-{key}-{labels[tree]}"
                 tree_env = {**env, "AUTOFIT_CACHE_DIR": str(cache)}
@@ -249,7 +306,10 @@ def main() -> None:
         llama(trees, labels, env=env, scratch=scratch)
     if args.load_test:
         for tree in trees:  # the last tree (this one) gets every run; others two, to show what they did
-            load_test(tree, runs=args.load_test if tree == trees[-1] else min(2, args.load_test), env=env, scratch=scratch)
+            load_test(
+                tree, CASES[args.load_case], runs=args.load_test if tree == trees[-1] else min(2, args.load_test), env=env,
+                scratch=scratch, timeout_s=args.timeout,
+            )
 
 
 _last_probe: dict[str, Run] = {}
@@ -283,17 +343,17 @@ def llama(trees: list[Path], labels: dict, *, env: dict, scratch: Path) -> None:
         print(f"\n{labels[tree]}: 70B / 1B wall time {walls['70B'] / walls['1B']:.2f}\n")
 
 
-def load_test(tree: Path, *, runs: int, env: dict, scratch: Path) -> None:
-    """The digits plan without and with two more busy processes: the same choice, and how much slower."""
-    case = CASES["digits"]
-    print(f"\n## digits plan under load ({tree})\n")
+def load_test(tree: Path, case: Case, *, runs: int, env: dict, scratch: Path, timeout_s: float | None = None) -> None:
+    """The case's plan without and with two more busy processes: the same choice, how much slower, and no hang."""
+    budget = resolved_budgets(case, env=env)[0]
+    print(f"\n## {case.key} plan under load ({tree}), budget {format_bytes(int(budget)) if budget.isdigit() else budget}\n")
     print("| run | extra busy processes | load | wall s | chosen | timing noise | threads note |")
     print("|---|---|---|---|---|---|---|")
 
     def once(label: str, extra: int, index: int) -> Run:
         out = scratch / f"load-{label}-{index}.json"
         run_env = {**env, "AUTOFIT_CACHE_DIR": str(scratch / f"load-cache-{label}-{index}")}  # a cold cache each time
-        run = plan(tree, case, case.budgets[0], env=run_env, out=out)
+        run = plan(tree, case, budget, env=run_env, out=out, timeout_s=timeout_s)
         print(
             f"| {index} | {extra} | {run.load:.1f} | {run.seconds:.1f} | {run.error or run.chosen} | {run.noise or '-'} | {run.threads or '-'} |",
             flush=True,
@@ -310,6 +370,8 @@ def load_test(tree: Path, *, runs: int, env: dict, scratch: Path) -> None:
         for process in busy:  # only the processes started here
             process.kill()
             process.wait()
+    hangs = sum(r.error.startswith("hang") for r in loaded)
+    print(f"\nunder load: {runs - sum(bool(r.error) for r in loaded)} of {runs} planned, {hangs} hung; longest {max(r.seconds for r in loaded):.1f} s")
     reference = quiet[0].chosen
     same = sum(r.chosen == reference for r in loaded)
     # The issue's other way to pass: the quiet choice within the noise a loaded run reports of its own choice.
