@@ -52,6 +52,7 @@ def fit(
     input_shape: str | None = None,
     log_dir: str | Path | None = None,
     resume: bool = False,
+    data_changed: bool = False,
     overwrite: bool = False,
     num_workers: int | None = None,
     seed: int | None = None,
@@ -106,6 +107,8 @@ def fit(
             is refused (before planning) unless ``resume`` or ``overwrite``.
         resume: continue the run in ``log_dir`` from its last.pt, with its saved
             settings (``lr``, ``seed`` given again must equal them).
+        data_changed: with ``resume``, train on although the image folder or the datasets' sizes changed since the
+            run began (without it, such a resume is refused).
         overwrite: start a new run in a ``log_dir`` that holds one, deleting its
             files once the new run has saved its first checkpoint (without it,
             such a start is refused).
@@ -140,7 +143,7 @@ def fit(
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
         num_workers=num_workers, max_steps=max_steps, verbose=verbose, sources={"data": folder, "model": None},
-        schedule=schedule, warmup_steps=warmup_steps, spell=in_python,
+        schedule=schedule, warmup_steps=warmup_steps, spell=in_python, merge=merge, data_changed=data_changed,
     )
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
@@ -174,7 +177,7 @@ def fit(
     result = run_training(
         model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
         input_shape=shape, loss_fn=Loss(loss_fn, count_items=count_items), build_optimizer=optimizer or default_optimizer,
-        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note, merge=merge,
+        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
     )
     return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
                      last_path=result.last_path, log_dir=result.log_dir)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from autofit.atomic import move_into
 from autofit.errors import UserError
 
 LOCK_FILE = ".autofit.lock"
@@ -43,6 +44,9 @@ RUN_PLAN = "run_plan.json"
 
 PREVIOUS = ".previous"
 """Where ``--overwrite`` keeps the earlier run's files until the new run has saved its first checkpoint."""
+
+HF_COMPLETE = ".complete"
+"""The mark ``hf_export`` leaves in a whole ``hf.partial/`` before it moves the files into ``hf/``."""
 
 _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")
 """``write_atomic``'s temporary names: ``.<name>.<8 hex digits>.tmp``."""
@@ -160,7 +164,9 @@ def remove_leftovers(log_dir: Path) -> list[str]:
     if previous.is_dir() and not sharded.exists():
         previous.rename(sharded)  # killed between moving the old save aside and moving the new one in
     if (log_dir / "hf.old").is_dir() and not (log_dir / "hf").exists():
-        (log_dir / "hf.old").rename(log_dir / "hf")  # killed between moving the old hf/ aside and the new one in
+        (log_dir / "hf.old").rename(log_dir / "hf")  # an earlier autofit killed between moving hf/ aside and the new one in
+    if (log_dir / "hf.partial" / HF_COMPLETE).is_file():  # killed while moving a whole save into hf/: finish it
+        move_into(log_dir / "hf.partial", log_dir / "hf", skip=(HF_COMPLETE,))
     for name in ("last_sharded.partial", "last_sharded.previous", "hf.partial", "hf.old"):
         if (log_dir / name).is_dir():
             shutil.rmtree(log_dir / name, ignore_errors=True)
