@@ -347,17 +347,20 @@ def spec_from_model(
     """
     import copy
 
-    from autofit.model_io import per_sample
 
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(example_batch):
         raise UserError("example_batch must be a function batch_size -> (inputs, targets)")
+    from autofit.model_checks import CheckedExampleBatch
+
     template = copy.deepcopy(model).cpu()
+    source = f"python:{type(model).__name__}"
     return ModelSpec(
-        source=f"python:{type(model).__name__}",
+        source=source,
         build_model=lambda: copy.deepcopy(template),
-        example_batch=example_batch if collate is None else lambda n: per_sample(example_batch(n)),
+        # Checked where it is called: plan(model, lambda n: "batch") is one line naming example_batch, not an unpacking error.
+        example_batch=CheckedExampleBatch(example_batch, source=source, per_sample=collate is not None, owner=""),
         loss_fn=Loss(loss_fn, count_items=count_items),
         build_optimizer=optimizer or default_optimizer,
         collate=collate,

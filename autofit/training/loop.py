@@ -122,6 +122,16 @@ class TrainSettings:
     caller of ``autofit.fit`` (``num_workers``, not ``--workers``)."""
 
     def __post_init__(self) -> None:
+        # Types first: a caller of fit() passes Python objects (lr="fast", log_dir=123), which would fail deep inside.
+        if self.log_dir is not None and not isinstance(self.log_dir, (str, Path)):
+            raise UserError(f"--log-dir {self.log_dir!r} is not a path ({type(self.log_dir).__name__}); give a folder's path, e.g. 'runs/NAME'")
+        for flag, value in (("--epochs", self.epochs), ("--seed", self.seed), ("--workers", self.num_workers),
+                            ("--save-every", self.save_every_steps), ("--max-steps", self.max_steps),
+                            ("--warmup-steps", self.warmup_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UserError(f"{flag} {value!r} is not a whole number ({type(value).__name__}); give one, e.g. 2")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))):
+            raise UserError(f"--lr {self.lr!r} is not a number ({type(self.lr).__name__}); give a positive finite number, e.g. 1e-3")
         self.log_dir = log_dir_path(self.log_dir)
         if self.epochs is not None and self.epochs < 1:
             raise UserError(f"--epochs {self.epochs} must be at least 1")
