@@ -136,13 +136,19 @@ def _datasets_rows(path: Path):
 
 @contextmanager
 def _quiet_datasets(datasets):
-    """datasets' progress bars ("Generating train split", "Loading dataset from disk") left out: the run prints its own
-    lines, and a bar above them would be noise; the setting is put back after."""
+    """datasets' progress bars ("Generating train split", "Loading dataset from disk") and its log ("Failed to read
+    schema ..." above the line a bad file gets) left out: the run prints its own lines; both are put back after."""
+    import logging
+
     bars = not datasets.are_progress_bars_disabled()
+    logger = logging.getLogger("datasets")
+    level = logger.level
     datasets.disable_progress_bars()
+    logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        logger.setLevel(level)
         if bars:
             datasets.enable_progress_bars()
 
