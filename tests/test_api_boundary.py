@@ -38,3 +38,18 @@ def test_fit_names_an_argument_of_the_wrong_type(tmp_path, keyword, value, said)
 def test_plan_names_an_example_batch_that_returns_no_pair():
     with pytest.raises(UserError, match=r"example_batch\(2\) returned str; return a pair \(inputs, targets\)"):
         autofit.plan(torch.nn.Linear(4, 2), lambda n: "batch", budget="1GB", batch_size=4)
+
+
+def test_fit_with_lora_keeps_torchao_s_pytree_notices_out_of_the_caller_s_log(monkeypatch, caplog):
+    """Importing torchao (PEFT does) logged a warning per enum through torch.utils._pytree above fit's lines."""
+    import logging
+
+    def noisy(model, settings):
+        logging.getLogger("torch.utils._pytree").warning("<enum 'KernelPreference'> is an Enum subclass ...")
+        return model
+
+    monkeypatch.setattr("autofit.adapters.lora_model", noisy)
+    with caplog.at_level(logging.WARNING), pytest.raises(UserError, match="needs batch_size"):  # after the adapters
+        autofit.fit(fresh_model(), train_data=make_data().train, lora="r=4", verbose=False)
+    assert not [record for record in caplog.records if record.name == "torch.utils._pytree"]
+    assert logging.getLogger("torch.utils._pytree").level == logging.NOTSET  # put back
