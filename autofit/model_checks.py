@@ -44,6 +44,26 @@ class CheckedBuild:
         return model
 
 
+class CheckedOptimizer:
+    """A model file's ``build_optimizer``: the optimizer it returns for the parameters, or a UserError naming what went
+    wrong (where it is first called: in ``probe``, ``plan`` or ``train``)."""
+
+    def __init__(self, build_optimizer: Callable, *, source: str) -> None:
+        self.build_optimizer, self.source = build_optimizer, source
+
+    def __call__(self, params):
+        try:
+            return self.build_optimizer(params)
+        except UserError:
+            raise
+        except SystemExit as error:
+            raise UserError(
+                f"model file {self.source!r}: build_optimizer(params) called sys.exit({error.code!r}); return the optimizer instead"
+            ) from None
+        except Exception as error:
+            raise UserError(f"model file {self.source!r}: build_optimizer(params) raised {_describe(error, self.source)}; fix it there") from error
+
+
 class CheckedExampleBatch:
     """A model file's ``example_batch``: ``(inputs, targets)`` of ``batch_size`` samples, or a UserError saying what is wrong.
 

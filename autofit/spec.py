@@ -271,7 +271,7 @@ def _file_spec(source: str) -> ModelSpec:
     collate = getattr(module, "collate", None)
     if collate is not None and not callable(collate):
         raise UserError(f"model file {source!r}: collate must be a function samples -> (inputs, targets), e.g. ((images, targets), None)")
-    from autofit.model_checks import CheckedBuild, CheckedCollate, CheckedExampleBatch
+    from autofit.model_checks import CheckedBuild, CheckedCollate, CheckedExampleBatch, CheckedOptimizer
 
     return ModelSpec(
         source=str(path),
@@ -279,7 +279,9 @@ def _file_spec(source: str) -> ModelSpec:
         example_batch=CheckedExampleBatch(module.example_batch, source=str(path), per_sample=collate is not None),
         collate=CheckedCollate(collate, owner=f"model file {str(path)!r}", source=str(path)) if collate is not None else None,
         loss_fn=Loss(getattr(module, "loss_fn", None), count_items=count_items),
-        build_optimizer=getattr(module, "build_optimizer", None) or default_optimizer,
+        build_optimizer=(
+            CheckedOptimizer(module.build_optimizer, source=str(path)) if getattr(module, "build_optimizer", None) else default_optimizer
+        ),
         train_dataset=getattr(module, "train_dataset", None),
         val_dataset=getattr(module, "val_dataset", None),
         input_shape=tuple(shape) if shape else None,
