@@ -49,7 +49,9 @@ def test_fit_with_lora_keeps_torchao_s_pytree_notices_out_of_the_caller_s_log(mo
         return model
 
     monkeypatch.setattr("autofit.adapters.lora_model", noisy)
+    pytree = logging.getLogger("torch.utils._pytree")
+    monkeypatch.setattr(pytree, "level", logging.NOTSET)  # as a script has it (the command line quiets it for good)
     with caplog.at_level(logging.WARNING), pytest.raises(UserError, match="needs batch_size"):  # after the adapters
         autofit.fit(fresh_model(), train_data=make_data().train, lora="r=4", verbose=False)
     assert not [record for record in caplog.records if record.name == "torch.utils._pytree"]
-    assert logging.getLogger("torch.utils._pytree").level == logging.NOTSET  # put back
+    assert pytree.level == logging.NOTSET  # put back

@@ -301,6 +301,7 @@ def _train_run(
     fingerprint = model_fingerprint(model)  # of the model as built: apply_plan may wrap it
     fingerprint_now = data_fingerprint(
         settings.sources.get("data"), samples={"train": len(data.train), "val": len(data.val) if data.val is not None else 0},
+        log_dir=log_dir,
     )
     if settings.resume:
         saved = load_resume_state(log_dir / "last.pt", model)

@@ -151,7 +151,7 @@ def finished_run(log_dir: Path | None, *, epochs: int | None) -> tuple[str, dict
     return line, saved
 
 
-def data_fingerprint(path: str | Path | None, *, samples: dict[str, int]) -> dict:
+def data_fingerprint(path: str | Path | None, *, samples: dict[str, int], log_dir: Path | None = None) -> dict:
     """What a run records of its data to tell, on resume, that it changed: the sample counts and, for data read from
     disk, the number of files, their total size and the newest modification time (metadata only: no file is read,
     so a folder of millions of images costs one ``stat`` each).
@@ -159,12 +159,13 @@ def data_fingerprint(path: str | Path | None, *, samples: dict[str, int]) -> dic
     Args:
         path: the file or folder the data came from; None for datasets given as objects.
         samples: {"train": n, "val": n}.
+        log_dir: the run's folder, left out where it lies inside the data's (its own saves are no change of data).
     """
     fingerprint: dict = {"samples": dict(samples)}
     if path is None or not Path(path).exists():
         return fingerprint
     files = size = newest = 0
-    for file in _data_files(Path(path)):
+    for file in _data_files(Path(path), skip=Path(log_dir).resolve() if log_dir is not None else None):
         try:
             stat = file.stat()
         except OSError:  # gone while walking: counted as absent
@@ -173,11 +174,13 @@ def data_fingerprint(path: str | Path | None, *, samples: dict[str, int]) -> dic
     return {**fingerprint, "files": files, "bytes": size, "mtime_ns": newest}
 
 
-def _data_files(path: Path):
+def _data_files(path: Path, *, skip: Path | None):
     if not path.is_dir():
         yield path
         return
-    for folder, _, names in os.walk(path):
+    for folder, subfolders, names in os.walk(path):
+        if skip is not None:
+            subfolders[:] = [name for name in subfolders if Path(folder, name).resolve() != skip]
         for name in names:
             yield Path(folder) / name
 

@@ -120,3 +120,15 @@ def test_a_full_disk_line_is_the_same_for_a_safetensors_write():
     safetensors = pytest.importorskip("safetensors")
     assert disk_full(safetensors.SafetensorError("I/O error: Disk quota exceeded (os error 122)"), "hf").errno == errno.EDQUOT
     assert disk_full(safetensors.SafetensorError("invalid header"), "hf") is None
+
+
+def test_the_data_fingerprint_leaves_out_a_run_folder_inside_the_data(tmp_path):
+    from autofit.training.resume import data_fingerprint
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "x.png").write_bytes(b"12")
+    before = data_fingerprint(tmp_path, samples={"train": 1, "val": 0}, log_dir=tmp_path / "runs" / "a")
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "last.pt").write_bytes(b"saved")
+    assert data_fingerprint(tmp_path, samples={"train": 1, "val": 0}, log_dir=tmp_path / "runs" / "a") == before
+    assert before["files"] == 1 and before["bytes"] == 2
