@@ -212,16 +212,10 @@ def classify(case: Case, folder: Path) -> tuple[str, str]:
         return ("one-line" if code == 130 and err.strip() == "autofit: interrupted" else "traceback"), last
     if code == 0:
         return ("success" if case.expect == "success" and case.check(folder, out, err) else "wrong success"), last
-    lines = [line for line in err.strip().splitlines() if not _library_notice(line)]
+    lines = err.strip().splitlines()
     if (code == 2 or case.python) and len(lines) == 1 and lines[0].startswith("autofit: error: "):
         return ("one-line" if case.expect == "one-line" else "wrong success"), last
     return "traceback", last
-
-
-def _library_notice(line: str) -> bool:
-    """torch's own log lines at import (torchao's pytree notices), printed before any autofit code runs in a script:
-    not autofit's to quiet, and not a failure of the case."""
-    return line.startswith("W") and "torch/utils/_pytree.py" in line
 
 
 def main() -> None:
