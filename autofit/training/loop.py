@@ -258,16 +258,9 @@ def train(
     if log_dir is None:
         raise ValueError("settings.log_dir is None: give a folder (autofit.training.run.run_training picks runs/<date>-<time>)")
     _check_classes(plan, data)
-    done = finished_run(log_dir, epochs=settings.epochs) if settings.resume else None
-    if done is not None:  # nothing to train, and nothing of the run's is written again
-        line, saved = done
-        if settings.verbose and is_rank0():
-            print(settings.spell(line), flush=True)
-        files = checkpoint_files(log_dir, world_size=plan.config.world_size)
-        return TrainResult(
-            plan=plan_from_dict(saved["plan"], where=f"the plan saved in {files.last_path}"), history=saved["history"],
-            best_path=files.best_path, last_path=files.last_path, log_dir=log_dir, finished=True, trained=False,
-        )
+    finished = finished_result(settings)
+    if finished is not None:
+        return finished
     with hold_run_directory(log_dir, holder=is_rank0()):
         try:
             try:
@@ -290,6 +283,23 @@ def train(
             if is_rank0():
                 restore_previous_run(log_dir)  # an --overwrite run that never saved gives the folder back
             raise
+
+
+def finished_result(settings: TrainSettings) -> TrainResult | None:
+    """For a resume of a run that has nothing left to do (``resume.finished_run``): its line printed, and its result
+    as last.pt records it (``trained`` False: nothing was trained or written). None for any other start."""
+    done = finished_run(settings.log_dir, epochs=settings.epochs) if settings.resume else None
+    if done is None:
+        return None
+    line, saved = done
+    if settings.verbose and is_rank0():
+        print(settings.spell(line), flush=True)
+    plan = plan_from_dict(saved["plan"], where=f"the plan saved in {settings.log_dir / 'last.pt'}")
+    files = checkpoint_files(settings.log_dir, world_size=plan.config.world_size)
+    return TrainResult(
+        plan=plan, history=saved["history"], best_path=files.best_path, last_path=files.last_path,
+        log_dir=settings.log_dir, finished=True, trained=False,
+    )
 
 
 def _train_run(

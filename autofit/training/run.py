@@ -22,7 +22,7 @@ from autofit.training.hf_export import save_for_transformers
 from autofit.training.resume import resumed_value
 from autofit.training.stops import disk_full_line
 from autofit.training.threads import default_workers, plan_threads
-from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, train
+from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, finished_result, train
 
 
 def run_training(
@@ -77,6 +77,9 @@ def run_training(
         "input_shape": "x".join(map(str, input_shape)) if input_shape else None,
         "num_classes": len(data.classes) if data.classes else plan.model.num_classes,
     }
+    finished = finished_result(settings)  # before the lines about threads and workers: nothing will train
+    if finished is not None:
+        return finished
     plan = with_clipping(plan, max_grad_norm, resume=settings.resume, where=settings.log_dir)
     if weights_note and settings.verbose and is_rank0():
         print(f"weights: {weights_note}", flush=True)

@@ -132,3 +132,20 @@ def test_the_data_fingerprint_leaves_out_a_run_folder_inside_the_data(tmp_path):
     (tmp_path / "runs" / "a" / "last.pt").write_bytes(b"saved")
     assert data_fingerprint(tmp_path, samples={"train": 1, "val": 0}, log_dir=tmp_path / "runs" / "a") == before
     assert before["files"] == 1 and before["bytes"] == 2
+
+
+def test_fit_resuming_a_finished_run_prints_its_one_line_and_returns_the_run_s_result(tmp_path, capsys):
+    import autofit
+    from tests.helpers.training import fresh_model, make_data, make_plan, optimizer
+
+    data, model = make_data(), fresh_model()
+    autofit.fit(model, train_data=data.train, val_data=data.val, plan=make_plan(model), optimizer=optimizer,
+                log_dir=tmp_path / "run", verbose=False)
+    before = _files(tmp_path / "run")
+    capsys.readouterr()
+    result = autofit.fit(fresh_model(), train_data=data.train, val_data=data.val, optimizer=optimizer, log_dir=tmp_path / "run",
+                         resume=True)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "is finished (1 epoch(s), 5 steps)" in out and "give epochs above 1" in out
+    assert len(result.history) == 1 and result.best_path == tmp_path / "run" / "best.pt"
+    assert _files(tmp_path / "run") == before
