@@ -149,3 +149,23 @@ def test_fit_resuming_a_finished_run_prints_its_one_line_and_returns_the_run_s_r
     assert out.count("\n") == 1 and "is finished (1 epoch(s), 5 steps)" in out and "give epochs above 1" in out
     assert len(result.history) == 1 and result.best_path == tmp_path / "run" / "best.pt"
     assert _files(tmp_path / "run") == before
+
+
+def test_overwrite_sets_aside_and_deletes_only_the_files_the_run_wrote_in_hf(tmp_path):
+    """--overwrite moved the whole hf/ aside and deleted it after the new run's first save, a model card with it."""
+    from autofit.training.rundir import discard_previous_run, restore_previous_run
+
+    hf = tmp_path / "hf"
+    (hf / "merged").mkdir(parents=True)
+    (hf / "README.md").write_text("my model card")
+    (hf / "config.json").write_text("{}")
+    (hf / "merged" / "model.safetensors").write_bytes(b"w")
+    (hf / ".autofit-files.json").write_text('["config.json", "merged/model.safetensors"]')
+    (tmp_path / "last.pt").write_bytes(b"earlier")
+    start_fresh(tmp_path, overwrite=True)
+    assert sorted(p.name for p in hf.iterdir()) == ["README.md"]
+    restore_previous_run(tmp_path)  # the new run failed before its first save
+    assert (hf / "config.json").is_file() and (hf / "merged" / "model.safetensors").is_file() and (hf / "README.md").is_file()
+    start_fresh(tmp_path, overwrite=True)
+    discard_previous_run(tmp_path)  # the new run saved
+    assert sorted(p.name for p in hf.iterdir()) == ["README.md"] and (hf / "README.md").read_text() == "my model card"
