@@ -110,7 +110,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     model = str(Path(model).resolve()) if model is not None and not model.startswith("torchvision:") else model
     if resume:
         # The run's own plan and settings; what is given again must agree with them.
-        done = finished_run(log_dir, epochs=epochs)
+        done = finished_run(log_dir, epochs=epochs, merge=merge)
         if done is not None:  # before the data is read: a finished run's data may be gone, and needs not be back
             print(done[0])
             raise typer.Exit(0)

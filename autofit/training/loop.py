@@ -288,7 +288,7 @@ def train(
 def finished_result(settings: TrainSettings) -> TrainResult | None:
     """For a resume of a run that has nothing left to do (``resume.finished_run``): its line printed, and its result
     as last.pt records it (``trained`` False: nothing was trained or written). None for any other start."""
-    done = finished_run(settings.log_dir, epochs=settings.epochs) if settings.resume else None
+    done = finished_run(settings.log_dir, epochs=settings.epochs, merge=settings.merge) if settings.resume else None
     if done is None:
         return None
     line, saved = done

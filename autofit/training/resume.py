@@ -115,7 +115,7 @@ def _same(given, recorded) -> bool:
 
 
 
-def finished_run(log_dir: Path | None, *, epochs: int | None) -> tuple[str, dict] | None:
+def finished_run(log_dir: Path | None, *, epochs: int | None, merge: bool | None = None) -> tuple[str, dict] | None:
     """The line for a resume of a run that has nothing left to do, with last.pt's state (``read_saved_run``); None
     while it has something: epochs to train, or a last act a kill cut short (best.pt not the best epoch's, an ``hf/``
     save under way), which the resume redoes.
@@ -124,6 +124,7 @@ def finished_run(log_dir: Path | None, *, epochs: int | None) -> tuple[str, dict
 
     Args:
         epochs: the epochs given now; None keeps the run's.
+        merge: ``--merge`` given now: a run that did not merge has that left to do (``hf/merged``).
 
     Raises:
         UserError: as ``read_saved_run``.
@@ -135,6 +136,8 @@ def finished_run(log_dir: Path | None, *, epochs: int | None) -> tuple[str, dict
     position, history = saved["position"], saved["history"]
     total = epochs or saved["settings"].get("epochs") or 1
     if position["epoch"] < total or position["step_in_epoch"] != 0 or not history or (log_dir / "hf.partial").exists():
+        return None
+    if merge and not saved["settings"].get("merge"):
         return None
     best = log_dir / "best.pt"
     try:

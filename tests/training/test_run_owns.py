@@ -43,6 +43,10 @@ def test_resuming_a_finished_run_says_so_in_one_line_and_rewrites_nothing(finish
     assert code == 0 and err == ""
     assert out.strip().splitlines() == [out.strip()] and "is finished (1 epoch(s), 3 steps)" in out and "--epochs above 1" in out
     assert _files(log_dir) == before
+    from autofit.training.resume import finished_run
+
+    assert finished_run(log_dir, epochs=None) is not None and finished_run(log_dir, epochs=2) is None
+    assert finished_run(log_dir, epochs=None, merge=True) is None  # --merge asked now: hf/merged is left to write
 
 
 def test_resume_after_an_overwrite_killed_before_its_first_save_continues_the_earlier_run(finished, tmp_path):
