@@ -1,3 +1,3 @@
-from autofit.cli import run
+from autofit.entry import run
 
 run()

@@ -1,7 +1,9 @@
 """``autofit.fit``: plan (unless a plan is given), then train with the shared loop."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +54,7 @@ def fit(
     input_shape: str | None = None,
     log_dir: str | Path | None = None,
     resume: bool = False,
+    data_changed: bool = False,
     overwrite: bool = False,
     num_workers: int | None = None,
     seed: int | None = None,
@@ -106,6 +109,8 @@ def fit(
             is refused (before planning) unless ``resume`` or ``overwrite``.
         resume: continue the run in ``log_dir`` from its last.pt, with its saved
             settings (``lr``, ``seed`` given again must equal them).
+        data_changed: with ``resume``, train on although the image folder or the datasets' sizes changed since the
+            run began (without it, such a resume is refused).
         overwrite: start a new run in a ``log_dir`` that holds one, deleting its
             files once the new run has saved its first checkpoint (without it,
             such a start is refused).
@@ -140,7 +145,7 @@ def fit(
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
         num_workers=num_workers, max_steps=max_steps, verbose=verbose, sources={"data": folder, "model": None},
-        schedule=schedule, warmup_steps=warmup_steps, spell=in_python,
+        schedule=schedule, warmup_steps=warmup_steps, spell=in_python, merge=merge, data_changed=data_changed,
     )
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
@@ -174,7 +179,7 @@ def fit(
     result = run_training(
         model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
         input_shape=shape, loss_fn=Loss(loss_fn, count_items=count_items), build_optimizer=optimizer or default_optimizer,
-        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note, merge=merge,
+        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
     )
     return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
                      last_path=result.last_path, log_dir=result.log_dir)
@@ -246,7 +251,21 @@ def _with_adapters(model: nn.Module, lora: str | None, *, plan: Plan | None) -> 
         settings = planned_lora(lora, plan.model.lora, flag="lora=", spell=lambda value: f"lora={value!r}")
     if settings is None:
         return model, None
-    return lora_model(model, settings), settings.text()
+    with _quiet_logger("torch.utils._pytree"):  # torchao, imported by PEFT: its enums "need no pytree registration"
+        return lora_model(model, settings), settings.text()
+
+
+@contextmanager
+def _quiet_logger(name: str):
+    """Only errors from logger ``name`` while the block runs (the command line quiets it for the whole process; a
+    caller of ``fit`` keeps its own logging after)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _examples_from(dataset, *, collate: Callable | None = None) -> Callable[[int], tuple]:

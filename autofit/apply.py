@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ from autofit.config import TrainingConfig
 from autofit.device import check_device
 from autofit.errors import UserError
 from autofit.model_checks import check_trainable
-from autofit.plan_file import Plan
+from autofit.plan_file import Plan, load_plan
 from autofit.spec import model_fingerprint, wants_names
 from autofit.distributed import DistributedEnv, init_distributed, launched_world_size
 from strategies import (
@@ -370,14 +371,14 @@ def offloaded_blocks(model: nn.Module) -> list[str]:
     return ActivationOffload.applied_blocks(model)
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | None = None) -> AppliedPlan:
+def apply_plan(model: nn.Module, plan: Plan | str | Path, *, device: str | torch.device | None = None) -> AppliedPlan:
     """Apply ``plan`` to ``model`` and return it with the step's hooks.
 
     Args:
         model: the model the plan was made for; rewritten in place (parameter
             names and the state_dict do not change). On several processes
             every rank passes its own copy; rank 0's weights are the ones trained.
-        plan: a ``Plan`` (``autofit.load_plan("plan.json")``).
+        plan: a ``Plan`` (``autofit.load_plan("plan.json")``), or the path of a plan.json.
         device: where to train; default the plan's device (on several
             processes: GPU ``LOCAL_RANK`` of that type, or the CPU).
 
@@ -395,6 +396,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
         >>> with applied.forward_context():
         ...     output = applied.model(inputs)
     """
+    plan = plan_argument(model, plan)
     expected = plan.model.fingerprint
     actual = model_fingerprint(model)
     if expected and expected != actual:
@@ -408,6 +410,26 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: str | torch.device | Non
     use_plan_allocator(plan, device=device)
     env = _join_processes(config.sharding_config(), device=device)
     return apply_config(model, config, device=env.device, env=env)
+
+
+def plan_argument(model, plan) -> Plan:
+    """``apply_plan``'s arguments checked: a module, and a ``Plan`` or the path of a plan.json (read, as ``fit``'s
+    ``plan=`` is).
+
+    Raises:
+        UserError: naming the argument, what it got and the way out.
+    """
+    if not isinstance(model, nn.Module):
+        raise UserError(f"apply_plan's model must be a torch.nn.Module, got {type(model).__name__}; pass the model the plan was made for")
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return load_plan(plan)
+    way = (
+        "make it a Plan first with autofit.plan_file.plan_from_dict" if isinstance(plan, dict)
+        else "pass autofit.load_plan('plan.json'), its path, or the Plan autofit.plan() returned"
+    )
+    raise UserError(f"apply_plan's plan must be a Plan or a plan.json path, got {type(plan).__name__}; {way}")
 
 
 def use_plan_allocator(plan: Plan, *, device: torch.device) -> None:

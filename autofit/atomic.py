@@ -103,3 +103,25 @@ def check_writable(path: str | Path, *, option: str) -> Path:
     except OSError as error:
         raise UserError(f"{option} {str(path)!r} cannot be written ({error.strerror}); choose a writable place") from error
     return path
+
+
+def move_into(source: str | Path, target: str | Path, *, skip: tuple[str, ...] = ()) -> None:
+    """Move every file under ``source`` to the same place under ``target``, each replacing (``os.replace``) only the
+    file of its own name: what else ``target`` holds (a file a user put there) stays. ``source`` is deleted after.
+
+    Args:
+        skip: names directly under ``source`` that are not moved (a marker of the writer's own).
+    """
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(source.iterdir()):
+        if entry.name in skip:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            move_into(entry, target / entry.name)
+        else:
+            os.replace(entry, target / entry.name)
+    for name in skip:
+        (source / name).unlink(missing_ok=True)
+    source.rmdir()
+    _fsync_folder(target)

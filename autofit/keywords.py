@@ -36,6 +36,7 @@ KEYWORDS = {
     "--weights": "init_from",
     "--lora": "lora",
     "--merge": "merge=True",
+    "--data-changed": "data_changed=True",
     "--input-shape": "input_shape",
     # autofit.plan's (PlanRequest's fields; fit takes budget, batch_size and device too)
     "--budget": "budget",

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autofit.errors import UserError
+from autofit.errors import UserError, one_line
 from autofit.model_io import Loss, count_labels
 
 HF_TASKS = {
@@ -124,7 +124,10 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
         config.use_cache = False  # training keeps no key/value cache (and checkpointed blocks recompute without one)
 
     def build_model() -> nn.Module:
-        return auto_class.from_config(config, dtype=torch.float32)  # fp32 weights whatever the config's dtype: the plan's precision is the declared choice
+        try:
+            return auto_class.from_config(config, dtype=torch.float32)  # fp32 weights whatever the config's dtype: the plan's precision is the declared choice
+        except ValueError as error:  # transformers checks the config as it builds (e.g. a width its heads do not divide)
+            raise UserError(f"{source}: transformers cannot build a model from config.json ({one_line(str(error))[:200]}); fix config.json") from error
 
     weights = pretrained_weights(source)
     if weights is not None:
@@ -194,7 +197,7 @@ def _check_hf_config(transformers, config, *, task: str, source: str) -> None:
     """What transformers would refuse only once the model runs, refused now in one line.
 
     Raises:
-        UserError: the model type has no head for ``task`` in transformers, the vocabulary is empty, or sequence
+        UserError: the model type has no head for ``task`` in transformers, a layer count below 1, the vocabulary is empty, or sequence
             classification has no pad token (transformers needs one for batches of more than one sequence).
     """
     if type(config) not in getattr(transformers, HF_TASKS[task])._model_mapping:
@@ -203,6 +206,11 @@ def _check_hf_config(transformers, config, *, task: str, source: str) -> None:
             f"{source}: transformers has no {task} model for model_type {config.model_type!r} ({HF_TASKS[task]}); "
             + (f"give --task {' or '.join(tasks)}" if tasks else "give a config of another model type")
         )
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        layers = getattr(config, name, None)
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+            # transformers builds a model of no layers from -1 or 0 without a word
+            raise UserError(f"{source}: config.json's {name} {layers!r} must be a whole number of at least 1 layer")
     vocab_size = getattr(config, "vocab_size", None)
     if task != "image-classification" and (not isinstance(vocab_size, int) or vocab_size < 2):
         raise UserError(f"{source}: config.json's vocab_size {vocab_size!r} must be a whole number of at least 2 tokens")

@@ -44,15 +44,38 @@ class CheckedBuild:
         return model
 
 
+class CheckedOptimizer:
+    """A model file's ``build_optimizer``: the optimizer it returns for the parameters, or a UserError naming what went
+    wrong (where it is first called: in ``probe``, ``plan`` or ``train``)."""
+
+    def __init__(self, build_optimizer: Callable, *, source: str) -> None:
+        self.build_optimizer, self.source = build_optimizer, source
+
+    def __call__(self, params):
+        try:
+            return self.build_optimizer(params)
+        except UserError:
+            raise
+        except SystemExit as error:
+            raise UserError(
+                f"model file {self.source!r}: build_optimizer(params) called sys.exit({error.code!r}); return the optimizer instead"
+            ) from None
+        except Exception as error:
+            raise UserError(f"model file {self.source!r}: build_optimizer(params) raised {_describe(error, self.source)}; fix it there") from error
+
+
 class CheckedExampleBatch:
     """A model file's ``example_batch``: ``(inputs, targets)`` of ``batch_size`` samples, or a UserError saying what is wrong.
 
     Args:
         per_sample: the file defines ``collate``: lists in its batches hold one entry per sample (``model_io.per_sample``).
+        owner: who gave it, for the messages; default "model file SOURCE" ("" for a caller of the Python API, whose
+            ``example_batch`` argument is named alone).
     """
 
-    def __init__(self, example_batch: Callable[[int], tuple], *, source: str, per_sample: bool = False) -> None:
+    def __init__(self, example_batch: Callable[[int], tuple], *, source: str, per_sample: bool = False, owner: str | None = None) -> None:
         self.example_batch, self.source, self.per_sample = example_batch, source, per_sample
+        self.owner = f"model file {source!r}: " if owner is None else owner
 
     def __call__(self, batch_size: int) -> tuple:
         try:
@@ -63,13 +86,13 @@ class CheckedExampleBatch:
             raise
         except SystemExit as error:
             raise UserError(
-                f"model file {self.source!r}: example_batch({batch_size}) called sys.exit({error.code!r}); return the batch instead"
+                f"{self.owner}example_batch({batch_size}) called sys.exit({error.code!r}); return the batch instead"
             ) from None
         except Exception as error:
             raise UserError(
-                f"model file {self.source!r}: example_batch({batch_size}) raised {_describe(error, self.source)}; fix it there"
+                f"{self.owner}example_batch({batch_size}) raised {_describe(error, self.source)}; fix it there"
             ) from error
-        check_batch(batch, batch_size=batch_size, where=f"model file {self.source!r}: example_batch({batch_size})")
+        check_batch(batch, batch_size=batch_size, where=f"{self.owner}example_batch({batch_size})")
         return batch
 
 

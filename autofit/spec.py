@@ -280,7 +280,7 @@ def _file_spec(source: str) -> ModelSpec:
             f"model file {source!r}: MIN_MICRO_BATCH = {min_micro_batch!r} must be a whole number of samples, at least 1 "
             "(the fewest one forward of its loss may hold)"
         )
-    from autofit.model_checks import CheckedBuild, CheckedCollate, CheckedExampleBatch
+    from autofit.model_checks import CheckedBuild, CheckedCollate, CheckedExampleBatch, CheckedOptimizer
 
     return ModelSpec(
         source=str(path),
@@ -288,7 +288,9 @@ def _file_spec(source: str) -> ModelSpec:
         example_batch=CheckedExampleBatch(module.example_batch, source=str(path), per_sample=collate is not None),
         collate=CheckedCollate(collate, owner=f"model file {str(path)!r}", source=str(path)) if collate is not None else None,
         loss_fn=Loss(getattr(module, "loss_fn", None), count_items=count_items),
-        build_optimizer=getattr(module, "build_optimizer", None) or default_optimizer,
+        build_optimizer=(
+            CheckedOptimizer(module.build_optimizer, source=str(path)) if getattr(module, "build_optimizer", None) else default_optimizer
+        ),
         train_dataset=getattr(module, "train_dataset", None),
         val_dataset=getattr(module, "val_dataset", None),
         input_shape=tuple(shape) if shape else None,
@@ -357,17 +359,20 @@ def spec_from_model(
     """
     import copy
 
-    from autofit.model_io import per_sample
 
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(example_batch):
         raise UserError("example_batch must be a function batch_size -> (inputs, targets)")
+    from autofit.model_checks import CheckedExampleBatch
+
     template = copy.deepcopy(model).cpu()
+    source = f"python:{type(model).__name__}"
     return ModelSpec(
-        source=f"python:{type(model).__name__}",
+        source=source,
         build_model=lambda: copy.deepcopy(template),
-        example_batch=example_batch if collate is None else lambda n: per_sample(example_batch(n)),
+        # Checked where it is called: plan(model, lambda n: "batch") is one line naming example_batch, not an unpacking error.
+        example_batch=CheckedExampleBatch(example_batch, source=source, per_sample=collate is not None, owner=""),
         loss_fn=Loss(loss_fn, count_items=count_items),
         build_optimizer=optimizer or default_optimizer,
         collate=collate,

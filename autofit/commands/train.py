@@ -70,7 +70,11 @@ def train(
         None, "--lora", help="LoRA adapters: the plan's own (`autofit plan --lora ...` records them); given here it must be the same.",
     ),
     merge: bool = typer.Option(
-        False, "--merge", help="Also save the LoRA adapters merged into the base: runs/NAME/hf/merged, loadable with from_pretrained alone.",
+        False, "--merge", help="Also save the LoRA adapters merged into the base: runs/NAME/hf/merged, loadable with "
+        "from_pretrained alone (a resumed run that merged merges again).",
+    ),
+    data_changed: bool = typer.Option(
+        False, "--data-changed", help="On --resume: train on although the data changed since the run began (without it, refused).",
     ),
 ) -> None:
     """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C, SIGTERM and SIGHUP save, --resume continues.
@@ -82,11 +86,11 @@ def train(
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
                workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, schedule=schedule,
                warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config,
-               pack=pack, val_fraction=val_fraction, lora=lora, merge=merge)
+               pack=pack, val_fraction=val_fraction, lora=lora, merge=merge, data_changed=data_changed)
 
 
 def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, resume, overwrite, model, workers, save_every,
-           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge) -> None:
+           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge, data_changed) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
@@ -95,7 +99,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     from autofit.distributed import check_launch, cleanup, end_rank, is_rank0
     from autofit.training.loop import TrainSettings
     from autofit.training.stops import TrainingInterrupted
-    from autofit.training.resume import check_same_plan, read_saved_run, resumed_value
+    from autofit.training.resume import check_same_plan, finished_run, read_saved_run, resumed_value
     from autofit.training.run import run_training
     from autofit.training.rundir import log_dir_path
     from autofit.training.weights import initial_model
@@ -106,6 +110,10 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     model = str(Path(model).resolve()) if model is not None and not model.startswith("torchvision:") else model
     if resume:
         # The run's own plan and settings; what is given again must agree with them.
+        done = finished_run(log_dir, epochs=epochs, merge=merge)
+        if done is not None:  # before the data is read: a finished run's data may be gone, and needs not be back
+            print(done[0])
+            raise typer.Exit(0)
         saved = read_saved_run(log_dir)
         the_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
         if plan is not None:
@@ -147,8 +155,8 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     shape = input_shape_from(planned_shape) if planned_shape else spec.input_shape
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed, num_workers=workers,
-        save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps,
-        sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
+        save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps, merge=merge,
+        data_changed=data_changed, sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
     )
     train_data = (
         cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack is not False, val_fraction=val_fraction)
@@ -167,7 +175,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
             network, plan=the_plan, data=train_data, source=spec.source, source_options=spec.source_options,
             input_shape=shape, loss_fn=spec.loss_fn,
             build_optimizer=spec.build_optimizer, settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
-            pretrained_dir=pretrained_dir(spec), merge=merge,
+            pretrained_dir=pretrained_dir(spec),
         )
     except TrainingInterrupted as stop:
         if is_rank0():

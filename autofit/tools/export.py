@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from autofit.atomic import write_atomic
 from autofit.errors import UserError
 from autofit.model_io import logits_of
 
@@ -147,7 +148,26 @@ def save_model(model: nn.Module, example, path: Path, *, file_format: str) -> Pa
     ``example`` is one batch of inputs: a tensor, a tuple (the file takes them
     positionally) or a dict (TorchScript only: the file takes its tensors
     positionally in the dict's order, ``labels`` left out). The file returns the logits.
+    A TorchScript file is written beside and renamed into place (``write_atomic``), so an earlier export is
+    never left half overwritten.
+
+    Raises:
+        UserError: the disk is full, whichever layer says it (torch's zip writer raises a RuntimeError of its own).
     """
+    try:
+        return _save_model(model, example, path, file_format=file_format)
+    except (OSError, RuntimeError) as error:
+        from autofit.training.weights import disk_full
+
+        full = disk_full(error, path)
+        if full is None:
+            raise
+        raise UserError(
+            f"the disk holding {path.parent} is full ({full.strerror}) writing {path.name}; free space, then export again"
+        ) from error
+
+
+def _save_model(model: nn.Module, example, path: Path, *, file_format: str) -> Path:
     model.eval()
     if file_format == "torchscript":
         keys: tuple[str, ...] = ()
@@ -158,7 +178,7 @@ def save_model(model: nn.Module, example, path: Path, *, file_format: str) -> Pa
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # torch.jit is deprecated upstream, still the asked-for format
             traced = torch.jit.trace(LogitsOnly(model, keys=keys), inputs, strict=False)
-            torch.jit.save(traced, str(path))
+            write_atomic(path, lambda file: torch.jit.save(traced, file))
         return path
     if not isinstance(example, torch.Tensor):
         raise UserError(

@@ -10,23 +10,32 @@ model saves its adapter (``PeftModel.save_pretrained``), which
 ``hf/merged/`` also holds the base with the adapters merged into it
 (``merged_state_dict``: PEFT's own delta of each adapted layer added to its
 weight, an NF4 base dequantized first), which ``from_pretrained`` loads
-alone. The trained model itself is left as it is. The folder is written
-beside as ``hf.partial/`` and renamed into place, so a crash leaves the old
-``hf/`` or the new one.
+alone. The trained model itself is left as it is.
+
+A run owns only the files it writes in ``hf/``: they are written beside as
+``hf.partial/``, marked complete (``rundir.HF_COMPLETE``), then each is moved over the
+file of its own name (``atomic.move_into``); anything else there (a model card
+a user wrote, ``merged/`` of an earlier save) stays. ``hf/`` lists the run's
+files (``rundir.HF_OWNED``): ``--overwrite`` sets aside and deletes only those. A crash before the mark
+leaves ``hf/`` as it was; after it, the next run in the folder finishes the move
+(``rundir.remove_leftovers``).
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from autofit.atomic import move_into
 from autofit.distributed import is_rank0
 from autofit.library_models import hf_dir, quiet_transformers
 from autofit.spec import ModelSpec
+from autofit.training.rundir import HF_COMPLETE, HF_OWNED
 from autofit.training.sharded_checkpoints import full_model_state_dict
-from autofit.training.weights import dense, dense_state
+from autofit.training.weights import dense, dense_state, disk_full
 from strategies import unwrap_model
 
 
@@ -76,7 +85,7 @@ def save_for_transformers(
         The folder, or None for a model without ``save_pretrained``.
 
     Raises:
-        OSError: a failed write (ENOSPC for a full disk); the old ``hf/`` is left as it was.
+        OSError: a failed write (ENOSPC for a full disk, whichever library said it); ``hf/`` is left as it was.
     """
     if not saves_pretrained(model):
         return None
@@ -99,16 +108,32 @@ def save_for_transformers(
                 tokenizer.save_pretrained(str(partial))
                 if merge and (partial / "merged").is_dir():
                     tokenizer.save_pretrained(str(partial / "merged"))
-    except BaseException:
+        _list_owned(partial, earlier=target / HF_OWNED)
+        (partial / HF_COMPLETE).touch()
+    except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
+        full = disk_full(error, partial) if isinstance(error, Exception) else None
+        if full is not None and full is not error:  # safetensors says ENOSPC as a SafetensorError, not an OSError
+            raise full from error
         raise
-    old = log_dir / "hf.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        target.rename(old)
-    partial.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    finish_save(partial, target)
     return target
+
+
+def _list_owned(partial: Path, *, earlier: Path) -> None:
+    """Write ``rundir.HF_OWNED`` into ``partial``: its files, and those an earlier save of the run listed."""
+    names = {str(path.relative_to(partial)) for path in partial.rglob("*") if path.is_file()}
+    if earlier.is_file():
+        try:
+            names |= {str(name) for name in json.loads(earlier.read_text(encoding="utf-8"))}
+        except (ValueError, UnicodeDecodeError):
+            pass  # unreadable: this save's files are still listed
+    (partial / HF_OWNED).write_text(json.dumps(sorted(names), indent=1), encoding="utf-8")
+
+
+def finish_save(partial: Path, target: Path) -> None:
+    """Move a complete ``hf.partial/`` into ``hf/``, file by file (see the module docstring)."""
+    move_into(partial, target, skip=(HF_COMPLETE,))
 
 
 def _tokenizer(folder: Path | None):

@@ -47,7 +47,7 @@ from autofit.keywords import as_flags
 from autofit.model_io import batch_size_of
 from autofit.plan_file import Plan, plan_from_dict
 from autofit.spec import model_fingerprint
-from autofit.training.checkpoints import RunCheckpoints, load_resume_state
+from autofit.training.checkpoints import RunCheckpoints, checkpoint_files, load_resume_state
 from autofit.training.speed import StepSpeed
 from autofit.training.console import RunConsole, epoch_line, final_line, header, oom_line
 from autofit.training.data import TrainData, epoch_order, make_loader
@@ -57,7 +57,7 @@ from autofit.training.gauges import BudgetWatch, MemoryGauge, memory_gauge
 from autofit.training.images import Unreadable
 from autofit.training.stops import StopRequest, disk_full_line, stop_on_signals, user_code_line
 from autofit.training.recovery import MicroBatchChange, StepUndo, step_with_recovery
-from autofit.training.resume import check_same_plan, resumed_value
+from autofit.training.resume import check_same_data, check_same_plan, data_fingerprint, finished_run, resumed_value
 from autofit.training.rundir import discard_previous_run, hold_run_directory, log_dir_path, restore_previous_run, start_fresh
 from autofit.training.runlog import RunLog, SilentRunLog, open_run_log
 from autofit.training.schedule import check_schedule, lr_schedule
@@ -109,6 +109,12 @@ class TrainSettings:
     """Stop after this many steps in a row whose loss is inf or nan."""
     verbose: bool = True
     """Show the progress bar and print a line per epoch."""
+    merge: bool | None = None
+    """LoRA adapters are also saved merged into the base (``hf/merged``) when the run ends. None: no, or the run's
+    own (a resumed run that merged merges again, so its hf/merged is never left behind its adapter)."""
+    data_changed: bool = False
+    """On resume: go on although the data is not what the run began with (``resume.check_same_data``); without it,
+    such a resume is refused."""
     sources: dict = field(default_factory=dict)
     """Where the front end read the data and the model: {"data": folder, "model": file}, absolute paths or
     None; saved in last.pt so that a resume finds them again."""
@@ -117,6 +123,16 @@ class TrainSettings:
     caller of ``autofit.fit`` (``num_workers``, not ``--workers``)."""
 
     def __post_init__(self) -> None:
+        # Types first: a caller of fit() passes Python objects (lr="fast", log_dir=123), which would fail deep inside.
+        if self.log_dir is not None and not isinstance(self.log_dir, (str, Path)):
+            raise UserError(f"--log-dir {self.log_dir!r} is not a path ({type(self.log_dir).__name__}); give a folder's path, e.g. 'runs/NAME'")
+        for flag, value in (("--epochs", self.epochs), ("--seed", self.seed), ("--workers", self.num_workers),
+                            ("--save-every", self.save_every_steps), ("--max-steps", self.max_steps),
+                            ("--warmup-steps", self.warmup_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UserError(f"{flag} {value!r} is not a whole number ({type(value).__name__}); give one, e.g. 2")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))):
+            raise UserError(f"--lr {self.lr!r} is not a number ({type(self.lr).__name__}); give a positive finite number, e.g. 1e-3")
         self.log_dir = log_dir_path(self.log_dir)
         if self.epochs is not None and self.epochs < 1:
             raise UserError(f"--epochs {self.epochs} must be at least 1")
@@ -138,7 +154,7 @@ class TrainSettings:
         """These settings with every default filled in."""
         return dataclasses.replace(
             self, epochs=self.epochs or 1, seed=self.seed or 0, save_every_steps=self.save_every_steps or 0,
-            schedule=self.schedule or "cosine", warmup_steps=self.warmup_steps or 0,
+            schedule=self.schedule or "cosine", warmup_steps=self.warmup_steps or 0, merge=bool(self.merge),
         )
 
     def for_resume(self, recorded: dict, *, global_step: int) -> TrainSettings:
@@ -171,6 +187,7 @@ class TrainSettings:
             save_every_steps=self.save_every_steps if self.save_every_steps is not None else recorded.get("save_every_steps", 0),
             max_steps=max_steps,
             sources=sources,
+            merge=bool(self.merge or recorded.get("merge")),
         )
 
     def record(self) -> dict:
@@ -178,7 +195,7 @@ class TrainSettings:
         return {
             "epochs": self.epochs, "lr": self.lr, "seed": self.seed, "save_every_steps": self.save_every_steps,
             "schedule": self.schedule, "warmup_steps": self.warmup_steps,
-            "max_steps": self.max_steps, "sources": dict(self.sources),
+            "max_steps": self.max_steps, "sources": dict(self.sources), "merge": self.merge,
         }
 
 
@@ -194,6 +211,10 @@ class TrainResult:
     log_dir: Path
     finished: bool
     """False when max_steps stopped the run before its last epoch ended."""
+    trained: bool = True
+    """False for a resume of a run that had finished already: nothing was trained or written."""
+    merge: bool = False
+    """hf/ gets the adapters merged into the base too (``TrainSettings.merge``, the run's own on resume)."""
 
 
 def train(
@@ -238,6 +259,9 @@ def train(
     if log_dir is None:
         raise ValueError("settings.log_dir is None: give a folder (autofit.training.run.run_training picks runs/<date>-<time>)")
     _check_classes(plan, data)
+    finished = finished_result(settings)
+    if finished is not None:
+        return finished
     with hold_run_directory(log_dir, holder=is_rank0()):
         try:
             try:
@@ -262,6 +286,23 @@ def train(
             raise
 
 
+def finished_result(settings: TrainSettings) -> TrainResult | None:
+    """For a resume of a run that has nothing left to do (``resume.finished_run``): its line printed, and its result
+    as last.pt records it (``trained`` False: nothing was trained or written). None for any other start."""
+    done = finished_run(settings.log_dir, epochs=settings.epochs, merge=settings.merge) if settings.resume else None
+    if done is None:
+        return None
+    line, saved = done
+    if settings.verbose and is_rank0():
+        print(settings.spell(line), flush=True)
+    plan = plan_from_dict(saved["plan"], where=f"the plan saved in {settings.log_dir / 'last.pt'}")
+    files = checkpoint_files(settings.log_dir, world_size=plan.config.world_size)
+    return TrainResult(
+        plan=plan, history=saved["history"], best_path=files.best_path, last_path=files.last_path,
+        log_dir=settings.log_dir, finished=True, trained=False,
+    )
+
+
 def _train_run(
     model: nn.Module, *, plan: Plan, data: TrainData, loss_fn: Callable, build_optimizer: Callable, model_source: dict,
     settings: TrainSettings,
@@ -269,17 +310,29 @@ def _train_run(
     """``train`` in its held log dir: start or resume, apply the plan, open the log, train the epochs."""
     log_dir = settings.log_dir
     fingerprint = model_fingerprint(model)  # of the model as built: apply_plan may wrap it
+    fingerprint_now = data_fingerprint(
+        settings.sources.get("data"), samples={"train": len(data.train), "val": len(data.val) if data.val is not None else 0},
+        log_dir=log_dir,
+    )
     if settings.resume:
         saved = load_resume_state(log_dir / "last.pt", model)
         position = saved["training"]["position"]
-        settings = settings.for_resume(saved.get("settings") or {}, global_step=position["global_step"])
         saved_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
+        settings = settings.for_resume(saved.get("settings") or {}, global_step=position["global_step"])
         check_same_plan(plan, saved_plan, where=log_dir)
         plan = saved_plan
+        changed = check_same_data(
+            settings.sources.get("data_fingerprint"), fingerprint_now, changed_ok=settings.data_changed, where=log_dir,
+            data=settings.sources.get("data"),
+        )
+        if changed is not None and settings.verbose and is_rank0():
+            print(settings.spell(changed), flush=True)
     else:
         if is_rank0():
             start_fresh(log_dir, overwrite=settings.overwrite)
         saved, settings = None, settings.for_new_run()
+    # The data as this run (from now on) trains on it: what a later resume compares with.
+    settings = dataclasses.replace(settings, sources={**settings.sources, "data_fingerprint": fingerprint_now})
     applied = apply_plan(model, plan)
     check_data_batches(applied, data, loss_fn=loss_fn)  # before step 1: data the model cannot take is one line
     optimizer = applied.build_optimizer(build_optimizer)
@@ -329,7 +382,7 @@ def _train_run(
         console.print(final_line(best, checkpoints.best_path_if_saved(), held_epoch=checkpoints.best_epoch()))
     return TrainResult(
         plan=plan, history=state.history, best_path=checkpoints.best_path_if_saved(), last_path=checkpoints.last_path,
-        log_dir=log_dir, finished=finished,
+        log_dir=log_dir, finished=finished, merge=settings.merge,
     )
 
 

@@ -22,7 +22,7 @@ from autofit.training.hf_export import save_for_transformers
 from autofit.training.resume import resumed_value
 from autofit.training.stops import disk_full_line
 from autofit.training.threads import default_workers, plan_threads
-from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, train
+from autofit.training.loop import TrainResult, TrainSettings, default_log_dir, finished_result, train
 
 
 def run_training(
@@ -38,7 +38,6 @@ def run_training(
     settings: TrainSettings,
     max_grad_norm: float | None = None,
     weights_note: str = "",
-    merge: bool = False,
     pretrained_dir: Path | None = None,
 ) -> TrainResult:
     """Train ``model`` with ``plan`` on ``data`` in the shared loop (``autofit.training.loop.train``).
@@ -53,11 +52,11 @@ def run_training(
         input_shape: (C, H, W) of one sample, saved with the weights; None when unknown.
         loss_fn: (output, target) -> mean loss.
         build_optimizer: params -> Optimizer.
-        settings: epochs, log dir, resume, ...; without a log dir, runs/<date>-<time>.
+        settings: epochs, log dir, resume, merge (LoRA adapters also saved merged into the base, ``hf/merged``;
+            ``hf_export.merged_state_dict``), ...; without a log dir, runs/<date>-<time>.
         max_grad_norm: clip the gradients' global norm to this (the plan's ``max_grad_norm`` from now on); None
             keeps the plan's. On resume it must equal the run's.
         weights_note: where the weights came from ("pretrained from DIR"), printed before training.
-        merge: LoRA adapters are also saved merged into the base (``hf/merged``; ``hf_export.merged_state_dict``).
         pretrained_dir: the ``hf:`` directory whose tokenizer ``hf/`` gets beside the weights.
 
     Returns:
@@ -78,6 +77,9 @@ def run_training(
         "input_shape": "x".join(map(str, input_shape)) if input_shape else None,
         "num_classes": len(data.classes) if data.classes else plan.model.num_classes,
     }
+    finished = finished_result(settings)  # before the lines about threads and workers: nothing will train
+    if finished is not None:
+        return finished
     plan = with_clipping(plan, max_grad_norm, resume=settings.resume, where=settings.log_dir)
     if weights_note and settings.verbose and is_rank0():
         print(f"weights: {weights_note}", flush=True)
@@ -92,15 +94,17 @@ def run_training(
             model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
             settings=settings,
         )
+    if not result.trained:  # a finished run resumed: its hf/ stays as it is
+        return result
     try:
-        saved = save_for_transformers(model, log_dir=result.log_dir, tokenizer_dir=pretrained_dir, merge=merge)
+        saved = save_for_transformers(model, log_dir=result.log_dir, tokenizer_dir=pretrained_dir, merge=result.merge)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise UserError(disk_full_line(error, result.log_dir)) from None
     if saved is not None and settings.verbose and is_rank0():
         print(f"saved for transformers: {saved} (from_pretrained loads it)", flush=True)
-        if merge:
+        if result.merge:
             print(f"saved merged: {saved / 'merged'} (the adapters merged into the base; from_pretrained loads it alone)", flush=True)
     return result
 

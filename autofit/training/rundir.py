@@ -21,6 +21,7 @@ model's) is never replaced.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from autofit.atomic import move_into
 from autofit.errors import UserError
 
 LOCK_FILE = ".autofit.lock"
@@ -43,6 +45,13 @@ RUN_PLAN = "run_plan.json"
 
 PREVIOUS = ".previous"
 """Where ``--overwrite`` keeps the earlier run's files until the new run has saved its first checkpoint."""
+
+HF_COMPLETE = ".complete"
+"""The mark ``hf_export`` leaves in a whole ``hf.partial/`` before it moves the files into ``hf/``."""
+
+HF_OWNED = ".autofit-files.json"
+"""In ``hf/``: the files the run wrote there (paths relative to ``hf/``), so that ``--overwrite`` sets aside and
+deletes only those; anything else in ``hf/`` (a model card) is the user's and stays."""
 
 _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")
 """``write_atomic``'s temporary names: ``.<name>.<8 hex digits>.tmp``."""
@@ -160,7 +169,9 @@ def remove_leftovers(log_dir: Path) -> list[str]:
     if previous.is_dir() and not sharded.exists():
         previous.rename(sharded)  # killed between moving the old save aside and moving the new one in
     if (log_dir / "hf.old").is_dir() and not (log_dir / "hf").exists():
-        (log_dir / "hf.old").rename(log_dir / "hf")  # killed between moving the old hf/ aside and the new one in
+        (log_dir / "hf.old").rename(log_dir / "hf")  # an earlier autofit killed between moving hf/ aside and the new one in
+    if (log_dir / "hf.partial" / HF_COMPLETE).is_file():  # killed while moving a whole save into hf/: finish it
+        move_into(log_dir / "hf.partial", log_dir / "hf", skip=(HF_COMPLETE,))
     for name in ("last_sharded.partial", "last_sharded.previous", "hf.partial", "hf.old"):
         if (log_dir / name).is_dir():
             shutil.rmtree(log_dir / name, ignore_errors=True)
@@ -213,7 +224,7 @@ def check_fresh_start(log_dir: Path, *, overwrite: bool) -> list[str]:
 
 def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
     """Make sure a new run loses nothing: refuse a folder that holds a run, or with ``overwrite`` move that run's files
-    (and its run_plan.json, hf/ and TensorBoard events) aside to ``.previous/`` (``discard_previous_run`` deletes them
+    (and its run_plan.json, its own files in hf/ and TensorBoard events) aside to ``.previous/`` (``discard_previous_run`` deletes them
     once the new run has saved; ``restore_previous_run`` puts them back if it never does).
 
     Raises:
@@ -224,9 +235,33 @@ def start_fresh(log_dir: Path, *, overwrite: bool) -> None:
         return
     aside = log_dir / PREVIOUS
     aside.mkdir()
-    extras = [log_dir / RUN_PLAN, log_dir / "hf", *log_dir.glob("events.out.tfevents.*")]
+    extras = [log_dir / RUN_PLAN, *log_dir.glob("events.out.tfevents.*")]
     for path in [*(log_dir / name for name in found), *(path for path in extras if path.exists())]:
         path.rename(aside / path.name)
+    _set_aside_hf(log_dir / "hf", aside / "hf")
+
+
+def _set_aside_hf(hf: Path, aside: Path) -> None:
+    """Move the earlier run's files in ``hf`` to ``aside``: those its ``HF_OWNED`` lists, or all of ``hf`` when it
+    lists none (a run from before the list); the user's own files stay where they are."""
+    owned = hf / HF_OWNED
+    if not owned.is_file():
+        if hf.exists():
+            hf.rename(aside)
+        return
+    try:
+        names = [str(name) for name in json.loads(owned.read_text(encoding="utf-8"))]
+    except (ValueError, UnicodeDecodeError):  # an unreadable list: keep every file, as the run's
+        hf.rename(aside)
+        return
+    for name in [*names, HF_OWNED]:
+        source = hf / name
+        if source.is_file() and hf.resolve() in source.resolve().parents:
+            (aside / name).parent.mkdir(parents=True, exist_ok=True)
+            source.rename(aside / name)
+    for folder in sorted((p for p in hf.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(folder.iterdir()):
+            folder.rmdir()  # emptied of the run's files
 
 
 def discard_previous_run(log_dir: Path) -> None:
@@ -247,6 +282,9 @@ def restore_previous_run(log_dir: Path) -> bool:
         events.unlink()
     for entry in aside.iterdir():
         target = log_dir / entry.name
+        if entry.name == "hf" and target.is_dir():  # the user's files stayed in hf/: the run's go back beside them
+            move_into(entry, target)
+            continue
         if target.is_dir():
             shutil.rmtree(target)
         elif target.exists():

@@ -26,11 +26,12 @@ their loss is 0 at every step and the weights learn nothing.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from autofit.errors import UserError
+from autofit.errors import UserError, one_line
 from autofit.model_io import IGNORE_INDEX
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -58,12 +59,16 @@ def read_documents(path: str | Path) -> list[dict]:
     if not path.exists():
         raise UserError(f"text data {str(path)!r} does not exist; give a .txt, .jsonl or .parquet file or a datasets folder")
     suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES and path.is_dir():
+        raise UserError(f"text data {str(path)!r} is a folder, not a {suffix} file; give the file itself, or a folder saved by datasets' save_to_disk")
+    if not path.is_file() and not path.is_dir():  # a pipe would block open() until a writer came, a device never end
+        raise UserError(f"text data {str(path)!r} is not a regular file (a pipe, socket or device); save the text to a file and give that")
     if suffix == ".txt":
-        text = path.read_text(encoding="utf-8")
+        text = _utf8_text(path)
         documents = [{"text": part.strip()} for part in text.split("\n\n") if part.strip()]
     elif suffix == ".jsonl":
         documents = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(_utf8_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -77,6 +82,21 @@ def read_documents(path: str | Path) -> list[dict]:
     if not documents:
         raise UserError(f"text data {str(path)!r} is empty; give at least one document")
     return documents
+
+
+def _utf8_text(path: Path) -> str:
+    """The file's text, read as UTF-8 with or without a byte-order mark (``utf-8-sig``).
+
+    Raises:
+        UserError: the file is not UTF-8 (naming where, and how to convert it).
+    """
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"text data {str(path)!r} is not UTF-8 (byte 0x{error.object[error.start]:02x} at offset {error.start}); "
+            f"convert it, e.g. `iconv -f latin1 -t utf-8 {path} > utf8{path.suffix}`, and give that file"
+        ) from None
 
 
 def _document(record, *, where: str) -> dict:
@@ -94,9 +114,17 @@ def _datasets_rows(path: Path):
     except ImportError:
         raise UserError(f"reading {str(path)!r} needs the datasets package; pip install 'autofit[text]' (or pip install datasets)") from None
     if path.suffix.lower() == ".parquet":
-        return datasets.Dataset.from_parquet(str(path))
+        try:
+            with _quiet_datasets(datasets):
+                return datasets.Dataset.from_parquet(str(path))
+        except Exception as error:  # pyarrow's ArrowInvalid, datasets' DatasetGenerationError around it: the file is bad
+            raise UserError(
+                f"{str(path)!r} cannot be read as parquet ({type(error).__name__}: {one_line(str(error))[:160]}); "
+                "is it truncated or another format? Write it again (e.g. DataFrame.to_parquet) or give a .jsonl"
+            ) from None
     try:
-        loaded = datasets.load_from_disk(str(path))
+        with _quiet_datasets(datasets):
+            loaded = datasets.load_from_disk(str(path))
     except Exception as error:  # not a datasets folder: the user's data to fix
         raise UserError(f"{str(path)!r} is not a folder saved by datasets' save_to_disk ({type(error).__name__}: {str(error)[:160]})") from None
     if isinstance(loaded, datasets.DatasetDict):
@@ -104,6 +132,25 @@ def _datasets_rows(path: Path):
             raise UserError(f"{str(path)!r} holds the splits {', '.join(loaded)} but no 'train'; save the split to train on as 'train'")
         loaded = loaded["train"]
     return loaded
+
+
+@contextmanager
+def _quiet_datasets(datasets):
+    """datasets' progress bars ("Generating train split", "Loading dataset from disk") and its log ("Failed to read
+    schema ..." above the line a bad file gets) left out: the run prints its own lines; both are put back after."""
+    import logging
+
+    bars = not datasets.are_progress_bars_disabled()
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    datasets.disable_progress_bars()
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -47,12 +47,16 @@ def disk_full(error: BaseException, path: str | Path) -> OSError | None:
     """The OSError ENOSPC (or EDQUOT) that ``error`` stands for, whichever layer raised it; None for any other error.
 
     torch.save's zip writer says it as a RuntimeError of its own; torch.distributed.checkpoint as a
-    CheckpointException holding each failed rank's error.
+    CheckpointException holding each failed rank's error; safetensors (``save_pretrained``) as a SafetensorError
+    carrying the OS's words.
     """
     if isinstance(error, OSError):
         return error if error.errno in (errno.ENOSPC, errno.EDQUOT) else None
     if isinstance(error, RuntimeError) and any(sign in str(error) for sign in _WRITER_FAILURES):
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        if type(error).__name__ == "SafetensorError" and os.strerror(code) in str(error):
+            return OSError(code, os.strerror(code), str(path))
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():

@@ -1,0 +1,23 @@
+"""The process's entry point (the ``autofit`` script, ``python -m autofit``), kept free of heavy imports.
+
+Importing the command line (typer, the commands, torch) takes seconds; a Ctrl-C in them arrives before
+``cli.main`` has its handler, and used to end in a KeyboardInterrupt traceback. Here it is the same line as
+anywhere else: ``autofit: interrupted``, exit 130.
+"""
+from __future__ import annotations
+
+import sys
+
+INTERRUPTED_EXIT = 130
+"""128 + SIGINT, what a shell reports for a process Ctrl-C ended."""
+
+
+def run() -> None:
+    """Import the command line and run it (``cli.run``); a Ctrl-C at any moment is one line and exit 130."""
+    try:
+        from autofit.cli import run as run_command_line
+
+        run_command_line()
+    except KeyboardInterrupt:
+        print("autofit: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
