@@ -50,6 +50,7 @@ class CheckedOptimizer:
 
     def __init__(self, build_optimizer: Callable, *, source: str) -> None:
         self.build_optimizer, self.source = build_optimizer, source
+        self.__wrapped__ = build_optimizer  # its signature says whether it takes named_parameters (``spec.wants_names``)
 
     def __call__(self, params):
         try:

@@ -137,6 +137,20 @@ def test_build_optimizer_may_take_named_parameters(optimizer_state):
     assert isinstance(applied.build_optimizer(lambda params: torch.optim.SGD(params, lr=1.0)), torch.optim.Optimizer)
 
 
+def test_a_model_files_named_parameters_builder_still_gets_names(tmp_path):
+    """The model file's builder is wrapped to turn its errors into one line; the wrapper keeps its signature."""
+    from autofit.spec import load_spec, wants_names
+
+    path = tmp_path / "named.py"
+    path.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(2, 2)\n"
+        "def example_batch(n):\n    return torch.randn(n, 2), torch.randint(0, 2, (n,))\n"
+        "def build_optimizer(named_parameters):\n    return torch.optim.SGD([p for _, p in named_parameters], lr=0.1)\n"
+    )
+    assert wants_names(load_spec(str(path)).build_optimizer)
+
+
 def test_fp16_clips_the_unscaled_gradients_as_pytorch_recommends():
     """GradScaler's recipe: unscale_, clip_grad_norm_, step, update; the same weights, torch.equal."""
     ours, theirs = _model(), _model()
