@@ -42,7 +42,7 @@ from autofit.planning.request import PlanRequest
 from autofit.planning.policy import POLICY
 from autofit.planning.speed.estimated import GPU_PEAKS, gpu_kind
 from autofit.planning.search.space import Study
-from autofit.planning.memory.workers import TracePool
+from autofit.planning.memory.workers import TracePool, configured_trace_workers
 from autofit.progress import QUIET, Progress, as_progress
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
@@ -186,6 +186,7 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
             for ``device="cuda"`` without ``simulate``, or no precision left to search.
     """
     started = time.perf_counter()
+    configured_trace_workers()  # a bad AUTOFIT_TRACE_WORKERS is refused even where the cache leaves nothing to trace
     steady_host_allocations()  # steps timed as training will run them
     budget, batch_size, device, simulate = request.budget, request.batch_size, request.device, request.simulate
     device_memory, study, precisions, threads = request.device_memory, request.study, request.precisions, request.threads

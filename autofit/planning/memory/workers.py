@@ -65,16 +65,29 @@ def trace_workers() -> int:
     Workers on cores that other work holds only add the cost of each one's own start (measured on 2 cores at
     load 2: 27% more CPU time, the plan 8 s slower), so a busy machine traces in this process.
     """
+    wanted = configured_trace_workers()
     if _broken or "fork" not in multiprocessing.get_all_start_methods():
         return 0
-    wanted = os.environ.get(WORKERS_VARIABLE, "").strip()
-    if wanted:
-        if not wanted.isdigit():
-            raise UserError(f"{WORKERS_VARIABLE}={wanted!r} must be a whole number of trace workers (0 or 1: none); unset it to use the free cores")
-        return int(wanted)
+    if wanted is not None:
+        return wanted
     seen = other_work()
     others = seen[0] if seen is not None else 0.0
     return min(int(usable_cores() - others + 0.5), POLICY.max_trace_workers)
+
+
+def configured_trace_workers() -> int | None:
+    """``AUTOFIT_TRACE_WORKERS`` as a number of workers; None where it is not set. Every plan reads it first, so a bad
+    value is refused whether or not the plan then traces (a plan served by the cache traces nothing).
+
+    Raises:
+        UserError: the variable is set to something other than a whole number.
+    """
+    wanted = os.environ.get(WORKERS_VARIABLE, "").strip()
+    if not wanted:
+        return None
+    if not wanted.isdigit():
+        raise UserError(f"{WORKERS_VARIABLE}={wanted!r} must be a whole number of trace workers (0 or 1: none); unset it to use the free cores")
+    return int(wanted)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -181,3 +181,15 @@ def test_a_plan_with_a_blocked_worker_finishes_with_the_same_plan_and_one_note()
     assert len(result["notes"]) == 1 and len(result["summary"]) == 1, result
     assert "passed its deadline" in result["notes"][0] and "went on in this process" in result["notes"][0]
     assert result["alone"] == []
+
+
+def test_a_bad_worker_count_is_refused_before_anything_is_traced_or_read_from_the_cache(monkeypatch):
+    """AUTOFIT_TRACE_WORKERS=abc: one line from the plan's first step, also where the cache would leave nothing to
+    trace (it was once read only when a pool started, and its error then read as "the model fails to train")."""
+    from autofit.errors import UserError
+    from autofit.planning.context import plan_context
+    from autofit.planning.request import plan_request
+
+    monkeypatch.setenv(trace_pool.WORKERS_VARIABLE, "abc")
+    with pytest.raises(UserError, match="AUTOFIT_TRACE_WORKERS='abc' must be a whole number"):
+        plan_context(layout_specs()["cnn"], plan_request(budget="1GB", batch_size=2))
