@@ -128,6 +128,18 @@ def _no_layers(folder: Path) -> None:
     (folder / "lm" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": -1}))
 
 
+def _other_input_shape(folder: Path) -> None:
+    plan = json.loads((folder / "plan.json").read_text())
+    plan["model"]["input_shape"] = [1, 16, 16]
+    (folder / "plan.json").write_text(json.dumps(plan))
+
+
+def _cached_plan(folder: Path) -> None:
+    done = _run(["plan", str(folder / "tiny.py"), "--budget", "1GB", "--batch-size", "4", "--out", str(folder / "first.json")], cwd=folder,
+                timeout_s=300, env={"AUTOFIT_CACHE_DIR": "cache"})  # relative: the case folder, where the case runs too
+    assert done[0] == 0, done[2]
+
+
 _API = "import autofit, torch\nfrom tests.helpers.training import fresh_model, make_data, make_plan\nm = fresh_model()\n"
 """What the API cases start from: the training tests' tiny classifier, its data and plan."""
 
@@ -171,6 +183,14 @@ CASES = [
          args=lambda f: [_API + "autofit.fit(m, train_data=make_data().train, plan=make_plan(m), log_dir=123)"]),
     Case(name="api: plan(model, lambda n: 'batch')", python=True,
          args=lambda f: [_API + "autofit.plan(m, lambda n: 'batch', budget='1GB', batch_size=4)"]),
+    Case(name="api: fit with labels beyond the model's outputs", python=True,
+         args=lambda f: [_API + "d = make_data().train\nd.tensors[1][:] = 7\nautofit.fit(m, train_data=d, plan=make_plan(m), log_dir='r')"]),
+    Case(name="api: fit with a validation set of the wrong width", python=True,
+         args=lambda f: [_API + "v = torch.utils.data.TensorDataset(torch.randn(8, 1, 5, 5), torch.zeros(8, dtype=torch.long))\n"
+                                "autofit.fit(m, train_data=make_data().train, val_data=v, plan=make_plan(m), log_dir='r')"]),
+    Case(name="plan.json whose input shape is not the model's", prepare=_other_input_shape, args=lambda f: _train(f, "--epochs", "1")),
+    Case(name="AUTOFIT_TRACE_WORKERS=abc, plan from the cache", prepare=_cached_plan, env={"AUTOFIT_TRACE_WORKERS": "abc", "AUTOFIT_CACHE_DIR": "cache"},
+         args=lambda f: ["plan", str(f / "tiny.py"), "--budget", "1GB", "--batch-size", "4", "--out", str(f / "again.json")]),
     Case(name="Ctrl-C while importing", args=lambda f: ["plan", "--help"], signal_after_s=0.8, expect="interrupted"),
 ]
 """The cases: the image project's (``tests/helpers/images.py``), and text ones ("text: ...") over a tiny hf: LM."""
