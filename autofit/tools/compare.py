@@ -23,6 +23,7 @@ so. Speeds within the noise of fp32's are marked as such.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -36,6 +37,7 @@ from autofit.device import check_device
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import call_model, logits_of
 from autofit.planning.context import meta_model_of
+from autofit.planning.context import intra_op_threads
 from autofit.planning.policy import POLICY
 from autofit.planning.speed.measured import StepTimer
 from autofit.planning.speed.timing import Samples
@@ -265,9 +267,13 @@ def compare(
         training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
         if training is not None:
             comparison.eval_data = training.eval_dir
-        # The pieces in order: which rows, each measured (and timed once) as it comes, then the further rounds.
-        contenders, notes = _contenders(spec, comparison, kept, device=device, seed=seed, all_rows=all_rows, progress=progress)
-        with _Timing(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress) as timing:
+        # The pieces in order: which rows, each measured (and timed once) as it comes, then the further rounds; all
+        # with the threads the timing decided on (on a busy CPU fewer: every step, the first look's too, goes faster).
+        timing = _Timing(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress)
+        with timing, intra_op_threads(timing.threads):
+            contenders, notes = _contenders(
+                spec, comparison, kept, device=device, seed=seed, all_rows=all_rows, clock=timing.clock, progress=progress,
+            )
             _measure_rows(
                 spec, comparison, contenders, kept, device=device, probe_steps=probe_steps, seed=seed, training=training,
                 timing=timing, progress=progress, on_update=on_update,
@@ -281,13 +287,14 @@ def compare(
 
 def _contenders(
     spec: ModelSpec, comparison: Comparison, kept: dict[str, Row], *, device: str, seed: int, all_rows: bool, progress: Progress,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[Contender], list[Row]]:
     """The rows to measure, and the rows that only say why they were not (a precision left out, no plan at the
     budget): the recipe's and the levers' rows, then autofit's plan at the budget (planned here, or the plan an
     interrupted run made)."""
     amp = runnable_amp_precisions(device)
     with progress.doing("timing a step of each precision at micro-batch 1 (a first look)"):
-        left_out = {} if all_rows else left_out_precisions(spec, amp, device=device, seed=seed)
+        left_out = {} if all_rows else left_out_precisions(spec, amp, device=device, seed=seed, clock=clock)
     if left_out:
         said = ", ".join(f"{p} AMP ({ratio:.1f}x {reference}'s)" for p, (ratio, reference) in left_out.items())
         progress(
@@ -375,7 +382,9 @@ def _measure_rows(
         on_update(comparison)
 
 
-def left_out_precisions(spec: ModelSpec, precisions: list[str], *, device: str, seed: int) -> dict[str, tuple[float, str]]:
+def left_out_precisions(
+    spec: ModelSpec, precisions: list[str], *, device: str, seed: int, clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, tuple[float, str]]:
     """The AMP precisions the planner's precision check would leave out, each with its ratio and the precision it
     is that much slower than: a training step at micro-batch 1 more than ``POLICY.slow_precision_ratio`` times the
     fastest precision's, by a margin the noise of both cannot explain (``autofit.planning.speed.timing.compare``).
@@ -392,7 +401,9 @@ def left_out_precisions(spec: ModelSpec, precisions: list[str], *, device: str, 
         return {}
     names = ["fp32", *precisions]
     timers = {
-        name: StepTimer(spec, TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=name), device=device, seed=seed)
+        name: StepTimer(
+            spec, TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=name), device=device, seed=seed, clock=clock,
+        )
         for name in names
     }
 
@@ -456,11 +467,18 @@ class _Timing:
     """
 
     def __init__(self, spec: ModelSpec, comparison: Comparison, *, device: str, rounds: int, seed: int, progress: Progress) -> None:
+        from autofit.planning.context import step_clock, timing_threads
+
         self.spec, self.comparison, self.device, self.rounds_wanted, self.seed = spec, comparison, device, rounds, seed
         self.progress = progress
         self.timers: dict[str, StepTimer] = {}
-        self._threads: int | None = None
-        self._clock: Callable[[], float] | None = None
+        self.threads, note = timing_threads(device)
+        """The intra-op threads every step is timed with (the planner's rule: fewer on a busy CPU)."""
+        self.clock = step_clock(device, self.threads)
+        """The planner's clock for those threads (a step's CPU time with one thread)."""
+        comparison.threads_note = note
+        if note:
+            progress(note)
 
     def __enter__(self) -> "_Timing":
         return self
@@ -470,27 +488,13 @@ class _Timing:
             timer.close()
         self.timers.clear()
 
-    def _settings(self) -> tuple[int, Callable[[], float]]:
-        """The threads and clock every timed step uses, decided once (with the planner's line on a busy machine)."""
-        from autofit.planning.context import step_clock, timing_threads
-
-        if self._threads is None:
-            self._threads, note = timing_threads(self.device)
-            self.comparison.threads_note = note
-            if note:
-                self.progress(note)
-            self._clock = step_clock(self.device, self._threads)
-        return self._threads, self._clock
-
     def _step_seconds(self, row: Row) -> float:
         """Seconds of one more training step of ``row``'s global batch (after a warm-up step the first time)."""
-        from autofit.planning.context import intra_op_threads
-
-        threads, clock = self._settings()
-        timer = self.timers.get(row.name) or StepTimer(self.spec, TrainingConfig(**row.config), device=self.device, seed=self.seed, clock=clock)
+        timer = self.timers.get(row.name) or StepTimer(
+            self.spec, TrainingConfig(**row.config), device=self.device, seed=self.seed, clock=self.clock,
+        )
         try:
-            with intra_op_threads(threads):
-                return timer.step_seconds()
+            return timer.step_seconds()
         finally:
             if self._keep(row):
                 self.timers[row.name] = timer
