@@ -27,6 +27,7 @@ def compare(
     all_rows: bool = typer.Option(False, "--all-rows", help="Also the AMP rows a first look finds far slower than fp32 (fp16 on a CPU)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the rows an interrupted compare wrote to --out-dir."),
     out_dir: str = typer.Option("runs/compare", "--out-dir", help="Where compare.md, compare.json and compare.png go."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines (the table and the files as without it)."),
     input_shape: str = INPUT_SHAPE,
     num_classes: int | None = NUM_CLASSES,
     task: str | None = TASK,
@@ -67,7 +68,7 @@ def compare(
         with _signals_stop():
             comparison = run_compare(
                 spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
-                train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=print_progress,
+                train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=None if quiet else print_progress,
                 on_update=keep, resume=earlier, all_rows=all_rows,
             )
     except KeyboardInterrupt as stop:

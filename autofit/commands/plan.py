@@ -66,7 +66,8 @@ def plan(
     ),
     allow_lossy_base: bool = typer.Option(
         False, "--allow-lossy-base",
-        help="Frozen linear weights (a --lora base) may be held in 4-bit NF4 (torchao; QLoRA) below the floor; it rounds them.",
+        help="Frozen linear weights (a --lora base) may be held in 4-bit NF4 (torchao; QLoRA) wherever that is the fastest "
+        "configuration that fits (below the floor too); lossy: it rounds them.",
     ),
     max_grad_norm: float | None = typer.Option(
         None, "--max-grad-norm",

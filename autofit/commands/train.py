@@ -72,6 +72,9 @@ def train(
     merge: bool = typer.Option(
         False, "--merge", help="Also save the LoRA adapters merged into the base: runs/NAME/hf/merged, loadable with from_pretrained alone.",
     ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No progress bar or lines (metrics.jsonl and TensorBoard still get every step; errors still show).",
+    ),
 ) -> None:
     """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C, SIGTERM and SIGHUP save, --resume continues.
 
@@ -82,11 +85,11 @@ def train(
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
                workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, schedule=schedule,
                warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config,
-               pack=pack, val_fraction=val_fraction, lora=lora, merge=merge)
+               pack=pack, val_fraction=val_fraction, lora=lora, merge=merge, quiet=quiet)
 
 
 def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, resume, overwrite, model, workers, save_every,
-           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge) -> None:
+           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge, quiet=False) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
@@ -147,7 +150,7 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     shape = input_shape_from(planned_shape) if planned_shape else spec.input_shape
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed, num_workers=workers,
-        save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps,
+        save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps, verbose=not quiet,
         sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
     )
     train_data = (

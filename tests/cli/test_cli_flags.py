@@ -46,3 +46,10 @@ def test_plan_and_compare_share_budget_and_batch_size_flags():
         flags = dict(options[command])
         assert flags["--budget"] == ["-b"], command
         assert flags["--batch-size"] == ["-n"], command
+
+
+def test_every_command_with_progress_lines_takes_quiet():
+    """The README: `-q` is quiet in every command; those that write progress lines or a progress bar take it."""
+    options = _flags_by_command()
+    for command in ("probe", "plan", "compare", "train"):
+        assert dict(options[command]).get("--quiet") == ["-q"], command
