@@ -40,7 +40,12 @@ def print_json(data) -> None:
 
 
 def breakdown_lines(breakdown: dict[str, int], peak_bytes: int) -> list[str]:
+    """What was alive at the peak, by kind, then the peak. A kind at 0 B says why: the breakdown is taken at the peak,
+    and a full fine-tune's gradients, say, are not alive then when the peak comes before backward makes them."""
     width = max((len(k) for k in breakdown), default=10)
-    lines = [f"  {name.replace('_', ' '):<{width}}  {format_bytes(value):>12}" for name, value in breakdown.items()]
-    lines.append(f"  {'peak':<{width}}  {format_bytes(peak_bytes):>12}")
+    lines = [
+        f"  {name.replace('_', ' '):<{width}}  {format_bytes(value):>12}" + ("  (none alive at the peak)" if value == 0 else "")
+        for name, value in breakdown.items()
+    ]
+    lines.append(f"  {'peak':<{width}}  {format_bytes(peak_bytes):>12}  (each line above: alive at that moment)")
     return lines

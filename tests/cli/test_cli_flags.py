@@ -53,3 +53,4 @@ def test_every_command_with_progress_lines_takes_quiet():
     options = _flags_by_command()
     for command in ("probe", "plan", "compare", "train"):
         assert dict(options[command]).get("--quiet") == ["-q"], command
+
