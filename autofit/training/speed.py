@@ -125,20 +125,21 @@ class StepSpeed:
         if speed is None:
             return []
         seq_len = plan.model.seq_len
-        unit, scale = ("tokens/s", seq_len) if seq_len else ("samples/s", 1)
+
+        def rate(samples_per_s: float) -> str:
+            """In the epoch lines' unit, samples/s; a text model's tokens/s beside it, as the plan's summary writes it."""
+            return f"{samples_per_s:.1f} samples/s" + (f" ({samples_per_s * seq_len:.1f} tokens/s)" if seq_len else "")
+
         counted = f"median of {len(self.samples)} step(s) {self.clock_words}"
         measured = plan.measured.samples_per_s if plan.measured is not None else None
         if not measured:
-            lines = [f"speed: training {speed * scale:.1f} {unit} ({counted}); the plan has no measured speed to compare with"]
+            lines = [f"speed: training {rate(speed)} ({counted}); the plan has no measured speed to compare with"]
         else:
             noise = plan.measured.noise
             tolerance = max(noise or 0.0, DEFAULT_TOLERANCE)
             ratio = speed / measured
             said = f"noise {noise:.0%}" if noise is not None else "no noise reported"
-            lines = [
-                f"speed: training {speed * scale:.1f} {unit} ({counted}), the plan measured {measured * scale:.1f} "
-                f"({said}): {ratio:.2f}x"
-            ]
+            lines = [f"speed: training {rate(speed)} ({counted}), the plan measured {rate(measured)} ({said}): {ratio:.2f}x"]
             if abs(ratio - 1.0) > tolerance:
                 way = "slower" if ratio < 1 else "faster"
                 lines.append(

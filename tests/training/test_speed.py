@@ -47,7 +47,7 @@ def test_training_uses_the_threads_the_plan_was_timed_with_and_says_so(tmp_path,
     assert set(seen) == {1}
     assert torch.get_num_threads() == 2  # PyTorch's setting is put back
     assert "threads: training with 1 intra-op thread(s), as the plan's speed was timed (PyTorch's default here: 2)" in out
-    assert "speed: training " in out and "the plan measured 100.0 (noise 4%)" in out
+    assert "speed: training " in out and "the plan measured 100.0 samples/s (noise 4%)" in out
 
 
 def test_data_workers_by_default_take_only_the_cores_the_steps_threads_leave(monkeypatch):
@@ -140,7 +140,7 @@ def test_the_speed_lines_compare_with_the_plan_and_warn_beyond_its_noise():
     lines = speed.lines(plan)
     assert lines == [
         "speed: training 100.0 samples/s (median of 5 step(s) by the wall clock, the wait for data included), the plan measured "
-        "100.0 (noise 5%): 1.00x"
+        "100.0 samples/s (noise 5%): 1.00x"
     ]
     slow = replace(plan, measured=_measured(noise=0.05, samples_per_s=200.0))
     assert speed.lines(slow)[1].startswith(
@@ -151,7 +151,9 @@ def test_the_speed_lines_compare_with_the_plan_and_warn_beyond_its_noise():
     near = replace(plan, measured=_measured(noise=0.01, samples_per_s=108.0))
     assert len(speed.lines(near)) == 1  # 7% slower: the loop's own work, no warning
     text = replace(plan, model=replace(plan.model, seq_len=8))
-    assert "training 800.0 tokens/s" in speed.lines(text)[0]
+    # in the epoch lines' unit, tokens/s beside it (the epochs said 465 samples/s, the last line 13215.7 tokens/s)
+    assert "training 100.0 samples/s (800.0 tokens/s)" in speed.lines(text)[0]
+    assert "the plan measured 100.0 samples/s (800.0 tokens/s)" in speed.lines(text)[0]
 
 
 def test_a_run_waiting_on_its_data_says_so():
@@ -189,7 +191,7 @@ def test_a_plan_timed_by_cpu_time_is_compared_by_cpu_time():
         assert speed.step_done(10) == pytest.approx(0.1)  # the step lines' and the bar's figure: the same clock
     assert speed.lines(plan) == [
         "speed: training 100.0 samples/s (median of 3 step(s) by the step's CPU time, as the plan timed it (one thread), "
-        "reading the batch included), the plan measured 100.0 (noise 5%): 1.00x"
+        "reading the batch included), the plan measured 100.0 samples/s (noise 5%): 1.00x"
     ]
     two_threads = replace(plan, measured=_measured(threads=2, noise=0.05))
     assert not StepSpeed.for_plan(two_threads).by_cpu
