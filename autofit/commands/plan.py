@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
+from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, in_panels, load_model_spec, print_json
 from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.errors import UserError
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
@@ -346,3 +346,17 @@ def _blocks(names: list[str]) -> str:
     if len(names) <= 4:
         return ", ".join(names)
     return f"{len(names)} blocks ({names[0]} .. {names[-1]})"
+
+
+in_panels(plan, {
+    "Arguments": ("model",),
+    "Model": ("input_shape", "num_classes", "task", "seq_len"),
+    "Budget and batch": ("budget", "batch_size", "device", "gpus", "nodes", "host_memory"),
+    "Search": (
+        "precisions", "allow_lossy_optimizer", "weights_dtype", "max_grad_norm", "compile_", "expandable_segments", "threads",
+        "study", "no_cache",
+    ),
+    "A device that is not here": ("simulate", "device_memory", "device_kind", "host_speed"),
+    "Fine-tuning": ("lora", "allow_lossy_base"),
+    "Output": ("out", "as_json", "quiet"),
+})
