@@ -317,8 +317,12 @@ def _timing_lines(report) -> list[str]:
                 "rank configurations this close differently)"
             )
         if timing.get("within_noise"):
+            # Named as what they are: the others tied with the chosen one (the list used to read as the choice).
             others = "; ".join(_config_text(key) for key in timing["within_noise"])
-            lines.append(f"              as fast within that noise: {others} (the simpler configuration is chosen)")
+            lines.append(
+                f"              as fast as the chosen {_config_text(report.plan.config.key())} within that noise: {others}; "
+                "a tie goes to the simpler configuration, the chosen one"
+            )
         # Beyond the tie (at most 5%) but within the noise reported: a quiet machine could rank these first.
         close = {
             key: behind for key, behind in timing.get("behind", {}).items()
