@@ -279,7 +279,7 @@ def plan_with_levers(
         )
         if fits and candidate.allowed(**flags):
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
-        measurements.reject(floor.config, f"with {candidate.name}: measured peak {format_bytes(measured.peak_bytes)} does not fit"
+        measurements.reject(floor.config, f"with {candidate.name}: {measurements.over_budget(measured.peak_bytes, measured.breakdown)}"
                             if not fits else f"with {candidate.name}: fits, but needs {candidate.flag}")
     raise BelowLeverFloor(
         below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, flags=flags,

@@ -155,6 +155,10 @@ class Measurements:
         """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
         return self.headroom.fits(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
 
+    def over_budget(self, peak_bytes: float, breakdown: dict[str, int]) -> str:
+        """Why a measured peak does not fit, as a sum: the peak, each cause of its headroom, what they need, the budget."""
+        return self.headroom.needed_text(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
+
     @property
     def model_is_exact(self) -> bool:
         """Whether the memory model stands for the meter with the last word (to within ``POLICY.model_slack_share``).
