@@ -260,7 +260,7 @@ def plan_with_levers(
         allow_lossy_base=allow_lossy_base,
     )
     flags = {"allow_lossy_optimizer": allow_lossy_optimizer, "allow_lossy_base": allow_lossy_base}
-    context.log(f"below the floor {format_bytes(floor.budget_bytes)}: the floor configuration with the memory levers")
+    context.log(f"below the floor without levers, {format_bytes(floor.budget_bytes)}: the floor configuration with the memory levers")
     for why in skipped:
         context.log(f"  left out: {why}")
     tried: list[_Measured] = []

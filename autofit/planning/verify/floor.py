@@ -87,7 +87,9 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
         phases=_phases(costs, config, state_bytes=persistent_bytes(breakdown)),
     )
-    context.log(f"floor: {format_bytes(floor.budget_bytes)} measured")
+    if measurements.floor_said != floor.budget_bytes:  # stated once: a second check finding the same floor says nothing
+        context.log(f"floor without levers: {format_bytes(floor.budget_bytes)} measured")
+        measurements.floor_said = floor.budget_bytes
     if context.budget_bytes < floor.budget_bytes:
         raise InfeasibleBudget(below_floor(context, floor, measurements), floor_bytes=floor.budget_bytes, breakdown=floor.breakdown, floor=floor)
     return floor

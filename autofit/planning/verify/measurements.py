@@ -73,6 +73,8 @@ class Measurements:
         """What the verification's timing saw: rounds, noise, and the configurations within it of the fastest."""
         self.learned: dict[str, float] = {}
         """Precision -> measured / predicted peak, where a probe showed the model optimistic (``scale``)."""
+        self.floor_said: int | None = None
+        """The floor the log last stated (``check_floor`` runs again as precisions are traced: the same floor once)."""
         self.predicted: dict[str, float] = {}
         """Configuration key -> the cost model's peak, for keeping timers within memory (set by ``verify``)."""
         self._exact: dict[str, tuple[int, dict, int]] = {}
