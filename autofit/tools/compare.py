@@ -11,15 +11,15 @@ With data, each configuration also trains ``train_steps`` optimizer steps from
 the same seed on the same batches, and the loss and accuracy it reached are
 reported: checkpointing must not change them, precision may.
 
-A row's memory (and training) is measured row by row, and each finished row
-is handed to ``on_update`` (the command writes its files then), so an
-interrupted compare keeps its rows and ``resume`` goes on from them. Speed is
-timed afterwards in interleaved rounds, as the planner times its candidates
-(``autofit.planning.speed.timing``): each round times one training step of
-every row, so a burst of other work slows one step of each rather than every
-step of one; the fastest round is a row's speed and how well it repeats its
-noise. On a busy machine the rounds use the planner's thread count and say
-so. Speeds within the noise of fp32's are marked as such.
+The run is in pieces: which rows (``_contenders``: the AMP precisions the planner's precision check would leave
+out are left out, ``left_out_precisions``), each measured in turn (``_measure_rows``), and timed (``_Timing``).
+A row's memory (and training) is measured row by row, its first training step timed as soon as it is, and each
+finished row is handed to ``on_update`` (the command writes its files then), so an interrupted compare keeps every
+finished row with its speed and ``resume`` goes on from them. The other rounds are timed afterwards, interleaved,
+as the planner times its candidates (``autofit.planning.speed.timing``): each round times one training step of
+every row, so a burst of other work slows one step of each rather than every step of one; the fastest round is a
+row's speed and how well it repeats its noise. On a busy machine every step (the first look's too) uses the
+planner's thread count and clock, and says so. Speeds within the noise of fp32's are marked as such.
 """
 from __future__ import annotations
 
