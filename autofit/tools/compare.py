@@ -400,12 +400,7 @@ def left_out_precisions(
     if not precisions:
         return {}
     names = ["fp32", *precisions]
-    timers = {
-        name: StepTimer(
-            spec, TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=name), device=device, seed=seed, clock=clock,
-        )
-        for name in names
-    }
+    timers: dict[str, StepTimer] = {}
 
     def verdicts(samples: dict) -> dict[str, str]:
         fastest = min(names, key=lambda name: samples[name].best)
@@ -415,10 +410,15 @@ def left_out_precisions(
         }
 
     try:
+        for name in names:
+            config = TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=name)
+            timers[name] = StepTimer(spec, config, device=device, seed=seed, clock=clock)
         samples = interleaved_rounds(
             {name: timer.step_seconds for name, timer in timers.items()},
             settled=lambda current: "unsure" not in verdicts(current).values(), min_rounds=2, max_rounds=FIRST_LOOK_ROUNDS,
         )
+    except (RuntimeError, ValueError):  # a model that cannot train one sample (BatchNorm over 1x1 maps): no first look,
+        return {}  # every row is measured, as with --all-rows
     finally:
         for timer in timers.values():
             timer.close()
