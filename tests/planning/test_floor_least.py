@@ -177,7 +177,7 @@ def test_the_floor_is_stated_once_when_a_second_check_finds_the_same(monkeypatch
 
     config = TrainingConfig(global_batch_size=4, micro_batch_size=1)
     monkeypatch.setattr(floor_module, "_options", lambda context, costs: [(100, config)])
-    monkeypatch.setattr(floor_module, "_phases", lambda costs, config, state_bytes: None)
+    monkeypatch.setattr(floor_module, "floor_phases", lambda costs, config, state_bytes: None)
     monkeypatch.setattr(floor_module, "_predicted_budget", lambda options, measurements: 1100)
     lines = []
     context = SimpleNamespace(log=lines.append, budget_bytes=10**6)
