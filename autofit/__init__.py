@@ -10,8 +10,9 @@ The Python API (each name is imported on first use):
 - ``autofit.Loss(fn, count_items=...)``, ``autofit.count_labels(shift=...)``: what a loss
   averages over (tokens), so micro-batches are weighted exactly (``autofit.model_io``).
 
-A ``UserError`` from ``fit``, ``plan`` and ``apply_plan`` names the keywords their caller passes
-(``overwrite=True``), not the command line's flags (``autofit.keywords``).
+A ``UserError`` from ``fit``, ``plan``, ``apply_plan`` (and the ``AppliedPlan`` it returns), ``probe`` and
+``load_plan`` names the keywords their caller passes (``overwrite=True``), not the command line's flags
+(``autofit.keywords``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ _EXPORTS = {
     "count_labels": "autofit.model_io",
 }
 
-_SPEAKS_PYTHON = ("fit", "plan", "apply_plan")
+_SPEAKS_PYTHON = ("fit", "plan", "apply_plan", "probe", "load_plan")
 """Entry points shared with the command line's code, whose messages are written in its flags: offered here through
 ``keywords.python_api`` (the functions themselves stay as the command line calls them)."""
 

@@ -46,6 +46,7 @@ from autofit._torch_private import set_cuda_allocator_settings
 from autofit.config import TrainingConfig
 from autofit.device import check_device
 from autofit.errors import UserError
+from autofit.keywords import as_flags
 from autofit.model_checks import check_trainable
 from autofit.plan_file import Plan, load_plan
 from autofit.spec import model_fingerprint, wants_names
@@ -107,6 +108,9 @@ class AppliedPlan:
     """Every strategy, in the order they were applied."""
     clipping: GradientClipping = field(default_factory=lambda: GradientClipping(ClippingConfig()))
     """Clips the step's gradients before the optimizer steps (nothing without ``config.max_grad_norm``)."""
+    spell: Callable[[str], str] = as_flags
+    """How its errors name settings: the command line's flags, or for a caller of ``autofit.apply_plan`` the Python
+    API's keywords (``autofit.keywords``)."""
 
     @property
     def module(self) -> nn.Module:
@@ -196,16 +200,16 @@ class AppliedPlan:
                 step's collectives, which one rank cannot leave or redo alone.
         """
         if self.env.world_size > 1:
-            raise UserError(
+            raise UserError(self.spell(
                 f"out of memory on rank {self.env.rank} of {self.env.world_size} at micro-batch {self.micro_batch_size} "
                 "(ranks step together: one cannot lower its micro-batch alone); re-plan with a lower --budget "
                 f"(what one GPU really has free) for --gpus {self.env.world_size}, or with more --gpus"
-            )
+            ))
         if self.micro_batch_size == 1:
-            raise UserError(
+            raise UserError(self.spell(
                 "out of memory with a micro-batch of 1 sample; re-plan with a lower --budget, "
                 "more checkpointed blocks or --precision bf16, or free memory on the device"
-            )
+            ))
         config = self.config.with_micro_batch(self.micro_batch_size // 2)
         split = _batch_split(config, env=self.env, sync=self.split.sync)
         self.strategies = tuple(split if strategy is self.split else strategy for strategy in self.strategies)

@@ -1,8 +1,9 @@
 """The Python API's words for the command line's flags: one table, and the boundary that uses it.
 
 Messages are written once, in the command line's words (``--overwrite``,
-``--log-dir 'runs/x'``). A caller of ``autofit.fit``, ``autofit.plan`` or
-``autofit.apply_plan`` (``python_api`` wraps them in ``autofit/__init__.py``)
+``--log-dir 'runs/x'``). A caller of ``autofit.fit``, ``autofit.plan``, ``autofit.apply_plan`` (and the
+``AppliedPlan`` it returns), ``autofit.probe`` or ``autofit.load_plan`` (``python_api`` wraps them in
+``autofit/__init__.py``)
 gets each flag spelled as the keyword it passes instead (``overwrite=True``,
 ``log_dir='runs/x'``): in the ``UserError`` it catches, in the one line a
 script it left uncaught ends with (``AUTOFIT_DEBUG=1`` keeps the traceback),
@@ -58,6 +59,13 @@ KEYWORDS = {
     "--threads": "threads",
     "--num-classes": "num_classes",
     "--compile": "compile=True",
+    # autofit.probe's (a configuration's fields, TrainingConfig's)
+    "--micro-batch-size": "micro_batch_size",
+    "--steps": "steps",
+    "--checkpoint": "checkpoint",
+    "--selective-checkpoint": "selective_checkpoint",
+    "--offload": "offload",
+    "--optimizer-in-backward": "optimizer_in_backward=True",
     # a plan's own fields (TrainingConfig), which errors about a plan given name
     "--precision": "precision",
     "--loss-chunks": "loss_chunks",
@@ -128,11 +136,14 @@ def python_api(function: Callable) -> Callable:
     @functools.wraps(function)
     def call(*args, **kwargs):
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
         except UserError as error:
             error.args = (in_python(str(error)),)  # the same error: its type, cause and traceback stay
             _end_scripts_with_one_line()
             raise
+        if callable(getattr(result, "spell", None)):  # what it returns words its own later errors so too (AppliedPlan)
+            result.spell = in_python
+        return result
 
     return call
 

@@ -230,3 +230,30 @@ def test_the_optimizer_steps_temporaries_are_sharded_like_its_state(model_file):
     assert unsplit.gpus is None and unsplit.activation_bytes == 1_000_000  # each GPU would hold the whole copy
     split = sharded_floor(load_spec(str(model_file)), breakdown=breakdown, phases=(20_000, 1_000_000), **options)
     assert split.gpus is not None and split.activation_bytes == 20_000
+
+
+@pytest.mark.slow  # two simulated plans, about 5 s each on a busy 2-core machine
+def test_the_gpus_advice_and_the_multi_gpu_refusal_are_one_estimate():
+    """#48: a 70B-shaped config refused on one card was told "--gpus 8 would need 38.17 GiB per GPU"; planned so, it
+    was refused with "454.58 GiB per GPU at the least": the refusal counted the optimizer step's fp32 copies as
+    unsharded activations. Both now price the floor configuration alike: the same budget, within rounding."""
+    import torch
+    from torch import nn
+
+    from autofit.planning import planner
+    from autofit.planning.request import PlanRequest
+    from autofit.planning.verify.floor import InfeasibleBudget
+    from autofit.spec import spec_from_model
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(2)), nn.Linear(256, 4))
+    spec = spec_from_model(model, lambda n: (torch.rand(n, 256), torch.randint(0, 4, (n,))))
+
+    def refusal(gpus: int) -> str:
+        with pytest.raises(InfeasibleBudget) as refused:
+            planner.make_plan(spec, PlanRequest(budget="700KB", batch_size=4, gpus=gpus, simulate=True, cache=False))
+        return str(refused.value)
+
+    advice = re.search(r"--gpus 4 would need a budget of ([\d.]+) MiB per GPU", refusal(1))
+    least = re.search(r"([\d.]+) MiB per GPU at the least, with --gpus 4", refusal(4))
+    assert advice and least
+    assert float(least.group(1)) == pytest.approx(float(advice.group(1)), rel=0.02)

@@ -56,6 +56,22 @@ def test_own_loop_example_trains_a_plan_written_by_hand(tmp_path, monkeypatch, c
     assert len(lines) == 2 and lines[-1].startswith("step 2: rank 0 of 1") and "4 micro-batch(es) of 2" in lines[-1]
 
 
+def test_make_tiny_llm_makes_what_finetune_md_starts_from(tmp_path, monkeypatch, capsys):
+    """docs/finetune.md begins with examples/make_tiny_llm.py: an hf:DIR folder and a text file, made offline."""
+    pytest.importorskip("transformers")
+    import autofit
+
+    model_dir, text = tmp_path / "models" / "tiny-llama", tmp_path / "corpus.txt"
+    monkeypatch.setattr(sys, "argv", ["make_tiny_llm.py", str(model_dir), str(text)])
+    runpy.run_path(str(EXAMPLES / "make_tiny_llm.py"), run_name="__main__")
+    assert capsys.readouterr().out.startswith(f"wrote {model_dir}")
+    spec = autofit.load_spec(f"hf:{model_dir}", task="causal-lm", seq_len=16)
+    inputs, _ = spec.example_batch(2)
+    assert inputs["input_ids"].shape == (2, 16)
+    assert spec.build_pretrained is not None  # the weights are there: train starts from them
+    assert text.read_text().count("\n\n") >= 50  # documents, one a paragraph
+
+
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_at_files(path):
     missing = [

@@ -76,3 +76,31 @@ def test_plan_and_apply_plan_name_keywords_too():
     plan = autofit.Plan(budget_bytes=2**30, config=autofit.TrainingConfig(global_batch_size=2, micro_batch_size=2, loss_chunks=8))
     with pytest.raises(UserError, match=r"^loss_chunks=8: .*; leave loss_chunks out$"):
         autofit.apply_plan(nn.Sequential(nn.Linear(4, 4)), plan)
+
+
+def test_probe_load_plan_and_an_applied_plan_speak_python(tmp_path):
+    """autofit.probe, autofit.load_plan and the AppliedPlan autofit.apply_plan returns answered in flags (--steps,
+    --loss-chunks, "re-plan with a lower --budget ... or --precision bf16"); a TrainingConfig they build too."""
+    import json
+
+    from autofit.plan_file import save_plan
+    from autofit.spec import spec_from_model
+
+    model = fresh_model()
+    spec = spec_from_model(model, lambda n: (torch.rand(n, 1, 4, 4), torch.randint(0, 3, (n,))))
+    for settings, said in (({"steps": 0}, "steps=0 must be at least 1"), ({"loss_chunks": 0}, "loss_chunks=0 must be")):
+        with pytest.raises(UserError) as refused:
+            autofit.probe(spec, micro_batch_size=2, **settings)
+        assert said in str(refused.value) and not FLAG.search(str(refused.value)), str(refused.value)
+    path = save_plan(make_plan(model), tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    data.update(precision="bf16-master", optimizer_state="host")  # a pair TrainingConfig refuses
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError) as refused:
+        autofit.load_plan(path)
+    assert "leave optimizer_state at device" in str(refused.value) and not FLAG.search(str(refused.value)), str(refused.value)
+    applied = autofit.apply_plan(model, make_plan(model, micro_batch_size=1, checkpoint=()))
+    with pytest.raises(UserError) as refused:
+        applied.halve_micro_batch()  # out of memory at one sample: re-plan
+    line = str(refused.value)
+    assert "a lower budget" in line and "precision='bf16'" in line and not FLAG.search(line), line

@@ -1,8 +1,11 @@
 """Options and output helpers shared by several commands."""
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import sys
+from collections.abc import Callable
 
 import typer
 
@@ -40,7 +43,38 @@ def print_json(data) -> None:
 
 
 def breakdown_lines(breakdown: dict[str, int], peak_bytes: int) -> list[str]:
+    """What was alive at the peak, by kind, then the peak. A kind at 0 B says why: the breakdown is taken at the peak,
+    and a full fine-tune's gradients, say, are not alive then when the peak comes before backward makes them."""
     width = max((len(k) for k in breakdown), default=10)
-    lines = [f"  {name.replace('_', ' '):<{width}}  {format_bytes(value):>12}" for name, value in breakdown.items()]
-    lines.append(f"  {'peak':<{width}}  {format_bytes(peak_bytes):>12}")
+    lines = [
+        f"  {name.replace('_', ' '):<{width}}  {format_bytes(value):>12}" + ("  (none alive at the peak)" if value == 0 else "")
+        for name, value in breakdown.items()
+    ]
+    lines.append(f"  {'peak':<{width}}  {format_bytes(peak_bytes):>12}  (each line above: alive at that moment)")
     return lines
+
+
+def in_panels(command: Callable, panels: dict[str, tuple[str, ...]]) -> None:
+    """Group ``command``'s arguments and options under ``--help`` into ``panels`` (typer's ``rich_help_panel``), in the
+    table's order, from one table beside the command: its own signature stays as it reads (typer reads the
+    ``__signature__`` this sets; a call passes every value by name). Each one gets its own copy, so that an option
+    shared by several commands (``INPUT_SHAPE``) keeps the other commands' help as it is.
+
+    Raises:
+        ValueError: a name in ``panels`` that is not a parameter of ``command``, or a parameter in no panel (a help
+            that would leave one option alone under "Options").
+    """
+    signature = inspect.signature(command)
+    panel_of = {name: panel for panel, members in panels.items() for name in members}
+    if set(panel_of) != set(signature.parameters):
+        raise ValueError(
+            f"{command.__name__}'s panels: unknown {sorted(set(panel_of) - set(signature.parameters))}, "
+            f"left out {sorted(set(signature.parameters) - set(panel_of))}"
+        )
+    parameters = []
+    for name in panel_of:  # the table's order: typer shows the panels in the order their first option comes
+        parameter = signature.parameters[name]
+        info = copy.copy(parameter.default)
+        info.rich_help_panel = panel_of[name]
+        parameters.append(parameter.replace(default=info))
+    command.__signature__ = signature.replace(parameters=parameters)

@@ -1,7 +1,10 @@
 """`autofit compare`: the before/after memory table for any model."""
 from __future__ import annotations
 
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -24,6 +27,7 @@ def compare(
     all_rows: bool = typer.Option(False, "--all-rows", help="Also the AMP rows a first look finds far slower than fp32 (fp16 on a CPU)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the rows an interrupted compare wrote to --out-dir."),
     out_dir: str = typer.Option("runs/compare", "--out-dir", help="Where compare.md, compare.json and compare.png go."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines (the table and the files as without it)."),
     input_shape: str = INPUT_SHAPE,
     num_classes: int | None = NUM_CLASSES,
     task: str | None = TASK,
@@ -32,7 +36,7 @@ def compare(
     """fp32, AMP, checkpointing every block, both, and autofit's plan: peak memory and speed (interleaved rounds, with
     their noise) side by side; rows are written as they finish, and --resume goes on after an interruption."""
     from autofit.tools.compare import compare as run_compare
-    from autofit.tools.compare import format_table, load_comparison, save_comparison
+    from autofit.tools.compare import Comparison, format_table, load_comparison, save_comparison
     from autofit.device import device_info
     from autofit.atomic import check_writable
     from autofit.model_checks import check_model_runs
@@ -53,22 +57,65 @@ def compare(
         raise UserError(f"--resume: {str(Path(out_dir) / 'compare.json')!r} does not exist; run without --resume first")
     spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len)
     check_model_runs(spec)
+    finished: list[Comparison] = []
+
+    def keep(so_far: Comparison) -> None:
+        # Each finished row (with its first timed step) and round is written at once: a stopped compare keeps them.
+        save_comparison(so_far, out_dir, chart=False)
+        finished[:] = [so_far]
+
     try:
-        comparison = run_compare(
-            spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
-            train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=print_progress,
-            # Each finished row and round is written at once: an interrupted compare keeps them (--resume goes on).
-            on_update=lambda so_far: save_comparison(so_far, out_dir, chart=False), resume=earlier, all_rows=all_rows,
-        )
-    except KeyboardInterrupt:
-        kept = Path(out_dir) / "compare.json"
-        print(
-            f"autofit: compare interrupted; the finished rows are in {kept}" if kept.is_file() else "autofit: compare interrupted before a row finished",
-            file=sys.stderr,
-        )
-        if kept.is_file():
-            print("continue with the same command and --resume", file=sys.stderr)
-        raise typer.Exit(130) from None
+        with _signals_stop():
+            comparison = run_compare(
+                spec, global_batch_size=batch_size, device=device, budget_bytes=budget_bytes, data=data,
+                train_steps=train_steps, probe_steps=steps, rounds=rounds, progress=None if quiet else print_progress,
+                on_update=keep, resume=earlier, all_rows=all_rows,
+            )
+    except KeyboardInterrupt as stop:
+        number = stop.signal_number if isinstance(stop, Stopped) else signal.SIGINT
+        print(f"autofit: {_stopped_line(finished[0] if finished else None, out_dir, signal.Signals(number).name)}", file=sys.stderr)
+        raise typer.Exit(128 + number) from None
     print(format_table(comparison))
     paths = save_comparison(comparison, out_dir)
     print(f"\nwrote {paths['markdown']}, {paths['json']}, {paths['png']}")
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (or Ctrl-C's SIGINT) stopped a compare: raised where it runs, so that it ends as Ctrl-C does."""
+
+    def __init__(self, signal_number: int) -> None:
+        super().__init__(signal.Signals(signal_number).name)
+        self.signal_number = signal_number
+
+
+@contextmanager
+def _signals_stop() -> Iterator[None]:
+    """Inside, SIGINT, SIGTERM and SIGHUP raise ``Stopped`` in the main thread (by default SIGTERM and SIGHUP end the
+    process at once, saying nothing); on the way out the handlers before are back, so a second signal while the
+    rows kept are reported ends the process as it would have."""
+    from autofit.training.stops import STOP_SIGNALS
+
+    def stop(signal_number, frame) -> None:
+        raise Stopped(signal_number)
+
+    previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _stopped_line(comparison, out_dir: str, signal_name: str) -> str:
+    """What a stopped compare kept: its finished rows, each with its peak and speed, and where; or that it kept none."""
+    rows = [] if comparison is None else [row for row in comparison.rows if row.memory_done and row.config]
+    if not rows:
+        return f"compare stopped by {signal_name} before a row finished; nothing was kept"
+    timed = sum(row.samples_per_s is not None for row in rows)
+    names = ", ".join(row.name for row in rows)
+    kept = f"{len(rows)} finished row{'s' if len(rows) != 1 else ''} ({names})"
+    speeds = "each with its peak and speed" if timed == len(rows) else f"{timed} with a speed"
+    return (
+        f"compare stopped by {signal_name}; kept {kept}, {speeds}, in {Path(out_dir) / 'compare.md'} and compare.json; "
+        "continue with the same command and --resume"
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
+from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, in_panels, load_model_spec, print_json
 from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.errors import UserError
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
@@ -73,7 +73,8 @@ def plan(
     ),
     allow_lossy_base: bool = typer.Option(
         False, "--allow-lossy-base",
-        help="Frozen linear weights (a --lora base) may be held in 4-bit NF4 (torchao; QLoRA) below the floor; it rounds them.",
+        help="Frozen linear weights (a --lora base) may be held in 4-bit NF4 (torchao; QLoRA) wherever that is the fastest "
+        "configuration that fits (below the floor too); lossy: it rounds them.",
     ),
     max_grad_norm: float | None = typer.Option(
         None, "--max-grad-norm",
@@ -340,8 +341,12 @@ def _timing_lines(report) -> list[str]:
                 "rank configurations this close differently)"
             )
         if timing.get("within_noise"):
+            # Named as what they are: the others tied with the chosen one (the list used to read as the choice).
             others = "; ".join(_config_text(key) for key in timing["within_noise"])
-            lines.append(f"              as fast within that noise: {others} (the simpler configuration is chosen)")
+            lines.append(
+                f"              as fast as the chosen {_config_text(report.plan.config.key())} within that noise: {others}; "
+                "a tie goes to the simpler configuration, the chosen one"
+            )
         # Beyond the tie (at most 5%) but within the noise reported: a quiet machine could rank these first.
         close = {
             key: behind for key, behind in timing.get("behind", {}).items()
@@ -369,3 +374,17 @@ def _blocks(names: list[str]) -> str:
     if len(names) <= 4:
         return ", ".join(names)
     return f"{len(names)} blocks ({names[0]} .. {names[-1]})"
+
+
+in_panels(plan, {
+    "Arguments": ("model",),
+    "Model": ("input_shape", "num_classes", "task", "seq_len"),
+    "Budget and batch": ("budget", "batch_size", "device", "gpus", "nodes", "host_memory"),
+    "Search": (
+        "precisions", "allow_lossy_optimizer", "weights_dtype", "max_grad_norm", "compile_", "expandable_segments", "threads",
+        "study", "no_cache",
+    ),
+    "A device that is not here": ("simulate", "device_memory", "device_kind", "host_speed"),
+    "Fine-tuning": ("lora", "allow_lossy_base"),
+    "Output": ("out", "as_json", "quiet"),
+})

@@ -19,7 +19,8 @@ from strategies.precision import PRECISIONS
 @app.command()
 def probe(
     model: str | None = typer.Argument(
-        None, help="A model file defining build_model() and example_batch(n), torchvision:NAME, timm:NAME or hf:DIR (with --plan: the plan's by default)."
+        None, help="A model file defining build_model() and example_batch(n), torchvision:NAME, timm:NAME or hf:DIR (a transformers "
+        "config); with --plan: the plan's by default."
     ),
     micro_batch_size: int = typer.Option(32, "--micro-batch-size", "-m", help="Samples per forward/backward."),
     grad_accum_steps: int = typer.Option(1, "--grad-accum-steps", "-k", help="Micro-batches per optimizer step."),
@@ -84,7 +85,7 @@ def probe(
             })
         return
     if model is None:
-        raise UserError("probe needs a MODEL (a model file or torchvision:NAME), or --plan plan.json to re-measure a plan")
+        raise UserError("probe needs a MODEL (a model file, torchvision:NAME, timm:NAME or hf:DIR), or --plan plan.json to re-measure a plan")
     check_device(device, precision=precision, simulate=simulate)
     if micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {micro_batch_size} must be at least 1")

@@ -76,6 +76,9 @@ def train(
     data_changed: bool = typer.Option(
         False, "--data-changed", help="On --resume: train on although the data changed since the run began (without it, refused).",
     ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No progress bar or lines (metrics.jsonl and TensorBoard still get every step; errors still show).",
+    ),
 ) -> None:
     """Train with a plan: live progress, metrics.jsonl + TensorBoard, last.pt/best.pt; Ctrl-C, SIGTERM and SIGHUP save, --resume continues.
 
@@ -86,11 +89,11 @@ def train(
         _train(plan=plan, data=data, epochs=epochs, lr=lr, log_dir=log_dir, resume=resume, overwrite=overwrite, model=model,
                workers=workers, save_every=save_every, max_steps=max_steps, seed=seed, schedule=schedule,
                warmup_steps=warmup_steps, max_grad_norm=max_grad_norm, weights=weights, from_config=from_config,
-               pack=pack, val_fraction=val_fraction, lora=lora, merge=merge, data_changed=data_changed)
+               pack=pack, val_fraction=val_fraction, lora=lora, merge=merge, data_changed=data_changed, quiet=quiet)
 
 
 def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, resume, overwrite, model, workers, save_every,
-           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge, data_changed) -> None:
+           max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge, data_changed, quiet=False) -> None:
     import torch
 
     from autofit.plan_file import load_plan, plan_from_dict
@@ -156,7 +159,8 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     settings = TrainSettings(
         epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed, num_workers=workers,
         save_every_steps=save_every, max_steps=max_steps, schedule=schedule, warmup_steps=warmup_steps, merge=merge,
-        data_changed=data_changed, sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
+        data_changed=data_changed, verbose=not quiet,
+        sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
     )
     train_data = (
         cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack is not False, val_fraction=val_fraction)

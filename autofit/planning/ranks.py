@@ -19,8 +19,8 @@ from autofit.errors import UserError
 from autofit.plan_file import Measured, MultiProcess, Plan, Predicted
 from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
-from autofit.planning.verify.floor import InfeasibleBudget, sharded_floor
-from autofit.planning.memory.headroom import Headroom
+from autofit.planning.verify.floor import InfeasibleBudget, floor_phases, sharded_floor
+from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.modelling import HALF_PRECISIONS, Costs, add_recomputations, add_speeds, rank_compute_memory, trace_full, weight_casts
 from autofit.planning.policy import POLICY
 from autofit.planning.memory.per_rank import estimate_fsdp_peak_bytes, fsdp_layout, simulate_fsdp_peak_bytes
@@ -142,9 +142,13 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
         context, candidates, headroom=headroom, resident_bytes=resident, memory_scale=costs.model.memory_scale, world_size=world_size
     )
     if chosen is None:
+        # The one-process floor's --gpus advice prices the floor configuration (every block checkpointed) with its
+        # forward/backward and step apart (the step's temporaries a 1/N share a rank); so does this refusal, or the
+        # two name budgets far apart for one question (the step's fp32 copies counted as unsharded activations).
+        checkpointed = replace(smallest, checkpoint=costs.model.names(frozenset(range(len(costs.model.blocks)))))
         raise _infeasible(
             context, single=single, smallest=smallest, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size,
-            nodes=nodes,
+            nodes=nodes, phases=floor_phases(costs, checkpointed, state_bytes=persistent_bytes(single)),
         )
     candidate, measurement = chosen
     config = candidate.config
@@ -372,11 +376,11 @@ def _fsdp_plan(
 
 def _infeasible(
     context: PlanContext, *, single: dict, smallest: TrainingConfig, headroom: Headroom, world_size: int, global_batch_size: int,
-    nodes: int = 1,
+    nodes: int = 1, phases: tuple[int, int] | None = None,
 ) -> InfeasibleBudget:
     sharded = sharded_floor(
         context.sim_spec, breakdown=single, precision=smallest.precision, headroom=headroom,
-        micro_batch_size=smallest.micro_batch_size, global_batch_size=global_batch_size,
+        micro_batch_size=smallest.micro_batch_size, global_batch_size=global_batch_size, phases=phases,
     )
     if sharded.gpus is not None and sharded.gpus > world_size and nodes > 1:
         advice = f"try --gpus {-(-sharded.gpus // nodes)} on each of the {nodes} nodes (estimated)"

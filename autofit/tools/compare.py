@@ -11,18 +11,19 @@ With data, each configuration also trains ``train_steps`` optimizer steps from
 the same seed on the same batches, and the loss and accuracy it reached are
 reported: checkpointing must not change them, precision may.
 
-A row's memory (and training) is measured row by row, and each finished row
-is handed to ``on_update`` (the command writes its files then), so an
-interrupted compare keeps its rows and ``resume`` goes on from them. Speed is
-timed afterwards in interleaved rounds, as the planner times its candidates
-(``autofit.planning.speed.timing``): each round times one training step of
-every row, so a burst of other work slows one step of each rather than every
-step of one; the fastest round is a row's speed and how well it repeats its
-noise. On a busy machine the rounds use the planner's thread count and say
-so. Speeds within the noise of fp32's are marked as such.
+The run is in pieces: which rows (``_contenders``: the AMP precisions the planner's precision check would leave
+out are left out, ``left_out_precisions``), each measured in turn (``_measure_rows``), and timed (``_Timing``).
+A row's memory (and training) is measured row by row, its first training step timed as soon as it is, and each
+finished row is handed to ``on_update`` (the command writes its files then), so an interrupted compare keeps every
+finished row with its speed and ``resume`` goes on from them. The other rounds are timed afterwards, interleaved,
+as the planner times its candidates (``autofit.planning.speed.timing``): each round times one training step of
+every row, so a burst of other work slows one step of each rather than every step of one; the fastest round is a
+row's speed and how well it repeats its noise. On a busy machine every step (the first look's too) uses the
+planner's thread count and clock, and says so. Speeds within the noise of fp32's are marked as such.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -36,6 +37,9 @@ from autofit.device import check_device
 from autofit.measure.meters import release_device_memory
 from autofit.model_io import call_model, logits_of
 from autofit.planning.context import meta_model_of
+from autofit.planning.context import intra_op_threads
+from autofit.planning.policy import POLICY
+from autofit.planning.speed.measured import StepTimer
 from autofit.planning.speed.timing import Samples
 from autofit.progress import Progress, as_progress
 from autofit.spec import ModelSpec
@@ -166,12 +170,19 @@ def configurations(
 
 def plan_configuration(
     spec: ModelSpec, *, budget_bytes: int, global_batch_size: int, device: str, log: Callable[[str], None] | None = None,
+    left_out: list[str] | None = None,
 ) -> Contender:
-    """autofit's own choice at the budget, from the planner."""
+    """autofit's own choice at the budget, from the planner; ``left_out``: precisions a first look already found far
+    slower than the fastest, which the planner would time only to find the same (and so cannot choose)."""
+    from autofit.planning.context import usable_precisions
     from autofit.planning.planner import make_plan
     from autofit.planning.request import PlanRequest
 
-    config = make_plan(spec, PlanRequest(budget=budget_bytes, batch_size=global_batch_size, device=device), log=log).config
+    precisions = None
+    if left_out:
+        precisions = tuple(p for p in usable_precisions(device, simulate=False, wanted=None)[0] if p not in left_out) or None
+    request = PlanRequest(budget=budget_bytes, batch_size=global_batch_size, device=device, precisions=precisions)
+    config = make_plan(spec, request, log=log).config
     blocks = config.checkpoint
     checkpointed = f" + checkpoint {len(blocks)} block{'s' if len(blocks) != 1 else ''}" if blocks else ""
     levers = [
@@ -190,9 +201,8 @@ DEFAULT_ROUNDS = 3
 SLOW_FACTOR = 3.0
 """A row this many times slower than fp32 in the first round is timed once (fp16 autocast on a CPU): more rounds
 would not change what it shows, and would take most of the run."""
-LEFT_OUT_FACTOR = 10.0
-"""An AMP precision whose step at micro-batch 1 takes this many times fp32's is left out (fp16 on a CPU: 30-40x);
-far enough from 1 that noise does not decide it."""
+FIRST_LOOK_ROUNDS = 4
+"""Rounds at most of the first look at the AMP precisions: it stops as soon as the noise cannot change a verdict."""
 
 
 def compare(
@@ -211,7 +221,8 @@ def compare(
     resume: Comparison | None = None,
     all_rows: bool = False,
 ) -> Comparison:
-    """Measure every configuration on ``spec`` and, with data, train each for ``train_steps``; then time them in rounds.
+    """Measure every configuration on ``spec`` and, with data, train each for ``train_steps``; time each as it is
+    measured, then in interleaved rounds.
 
     Args:
         spec: the model.
@@ -223,12 +234,14 @@ def compare(
             directly); requires ``train_steps`` >= 1.
         train_steps: optimizer steps each configuration trains on ``data``.
         probe_steps: probe steps per configuration for its peak (the first is a warm-up).
-        rounds: timing rounds; each times one step of the global batch of every row.
+        rounds: timing rounds; the first times a row as soon as its peak is measured (so a finished row has its
+            speed), each later one times one step of the global batch of every row.
         seed: the same model initialisation and batch order for every row.
         progress: called with a line as each row starts ("row k of N: name") and after each timing round, and
             (from a thread) whenever none came for ``autofit.progress.INTERVAL_S``: what is still running.
         on_update: called with the comparison so far after each row and each round (the command writes its files).
-        all_rows: also the rows of an AMP precision that a first look finds far slower than fp32 (``_too_slow``).
+        all_rows: also the rows of an AMP precision that the planner's precision check would leave out
+            (``left_out_precisions``: far slower than the fastest precision, fp16 on a CPU).
         resume: an earlier, interrupted comparison of the same model and settings: its measured rows are kept, not
             measured again. Its speeds are kept only when all its rounds were done (timings of different runs are
             never compared: the load on the machine differs between them).
@@ -236,8 +249,6 @@ def compare(
     Raises:
         UserError: a bad setting, a missing data folder, data the model cannot take, or a ``resume`` of other settings.
     """
-    from autofit.measure.probe import measure
-
     if global_batch_size < 1:
         raise UserError(f"--batch-size {global_batch_size} must be at least 1")
     if data is not None and train_steps < 1:
@@ -256,98 +267,166 @@ def compare(
         training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
         if training is not None:
             comparison.eval_data = training.eval_dir
-        amp = runnable_amp_precisions(device)
-        with progress.doing("timing a step of each precision at micro-batch 1 (a first look)"):
-            left_out = {} if all_rows else _too_slow(spec, amp, device=device, seed=seed)
-        for precision, ratio in left_out.items():
-            progress(f"{precision} AMP rows left out: a step at micro-batch 1 took {ratio:.1f}x fp32's here (--all-rows measures them)")
-        configs = configurations(
-            global_batch_size=global_batch_size, amp_precisions=[p for p in amp if p not in left_out], device=device,
-            loss_chunks=DEFAULT_LOSS_CHUNKS if chunkable(meta_model_of(spec)) is None else 1,
-        )
-        if budget_bytes is not None:
-            planned = next((row for name, row in kept.items() if name.startswith("autofit plan") and row.config), None)
-            if planned is not None:  # the plan an interrupted run made: the same row, not a second planning
-                configs.append(Contender(name=planned.name, config=TrainingConfig(**planned.config)))
-            elif "autofit plan" in kept:  # no plan fitted then: nor will it now
-                pass
-            else:
-                progress("planning at the budget")
-                try:
-                    with progress.paused():  # the plan's own heartbeat speaks for it
-                        configs.append(plan_configuration(
-                            spec, budget_bytes=budget_bytes, global_batch_size=global_batch_size, device=device,
-                            log=lambda line: progress(f"  plan: {line}"),
-                        ))
-                except UserError as error:  # no plan fits: the other rows still stand
-                    kept["autofit plan"] = Row(
-                        name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
-                        note=f"no plan: {error}", memory_done=True,
-                    )
-        total = len(configs)
-        for number, contender in enumerate(configs, start=1):
-            config = contender.config
-            row = kept.get(contender.name)
-            if row is not None and row.memory_done:
-                progress(f"row {number} of {total}: {contender.name} (kept from the earlier run)")
-                comparison.rows.append(row)
-                continue
-            progress(f"row {number} of {total}: {contender.name}")
-            row = Row(
-                name=contender.name, precision=config.precision, checkpoint_blocks=0,
-                micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps, config=_config_dict(config),
+        # The pieces in order: which rows, each measured (and timed once) as it comes, then the further rounds; all
+        # with the threads the timing decided on (on a busy CPU fewer: every step, the first look's too, goes faster).
+        timing = _Timing(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress)
+        with timing, intra_op_threads(timing.threads):
+            contenders, notes = _contenders(
+                spec, comparison, kept, device=device, seed=seed, all_rows=all_rows, clock=timing.clock, progress=progress,
             )
-            try:
-                with progress.doing(f"row {number} of {total}, {contender.name}: measuring its peak"):
-                    result = measure(spec, config, device=device, steps=probe_steps, seed=seed, progress=progress)
-            except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
-                row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
-                release_device_memory(device)
-            else:
-                row.peak_bytes, row.checkpoint_blocks = result.peak_bytes, len(result.checkpoint)
-                row.activation_bytes = result.breakdown.get("activations")
-                if training is not None:
-                    progress(f"  training {contender.name} for {train_steps} steps")
-                    with progress.doing(f"row {number} of {total}, {contender.name}: training {train_steps} steps"):
-                        outcome = training.train_and_score(spec, config, device=device, seed=seed)
-                    row.train_loss, row.eval_loss, row.eval_accuracy = outcome.train_loss, outcome.eval_loss, outcome.eval_accuracy
-                    row.skipped_steps = outcome.skipped_steps
-                    if outcome.skipped_steps:
-                        row.note = f"GradScaler skipped {outcome.skipped_steps} of {train_steps} steps (inf/nan gradients) while finding its scale"
-            row.memory_done = True
-            comparison.rows.append(row)
-            _fill_ratios(comparison)
-            on_update(comparison)
-        if "autofit plan" in kept and not kept["autofit plan"].config:
-            comparison.rows.append(kept["autofit plan"])
-        for precision, ratio in left_out.items():
-            comparison.rows.append(Row(
-                name=f"{precision} AMP", precision=precision, checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
-                note=f"left out: a step at micro-batch 1 took {ratio:.1f}x fp32's on this device (--all-rows measures it)",
-                memory_done=True,
-            ))
-        _time_rows(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress, on_update=on_update)
+            _measure_rows(
+                spec, comparison, contenders, kept, device=device, probe_steps=probe_steps, seed=seed, training=training,
+                timing=timing, progress=progress, on_update=on_update,
+            )
+            comparison.rows += notes
+            timing.rounds(on_update=on_update)
         _fill_ratios(comparison)
         on_update(comparison)
         return comparison
 
 
-def _too_slow(spec: ModelSpec, precisions: list[str], *, device: str, seed: int) -> dict[str, float]:
-    """AMP precisions whose training step at micro-batch 1 takes more than ``LEFT_OUT_FACTOR`` times fp32's (fp16 autocast
-    on a CPU: 40 times and more), each with its ratio. Their rows would take most of a compare's time to show what this
-    first look shows already; the fastest of two timed steps each, after a warm-up."""
+def _contenders(
+    spec: ModelSpec, comparison: Comparison, kept: dict[str, Row], *, device: str, seed: int, all_rows: bool, progress: Progress,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[Contender], list[Row]]:
+    """The rows to measure, and the rows that only say why they were not (a precision left out, no plan at the
+    budget): the recipe's and the levers' rows, then autofit's plan at the budget (planned here, or the plan an
+    interrupted run made)."""
+    amp = runnable_amp_precisions(device)
+    with progress.doing("timing a step of each precision at micro-batch 1 (a first look)"):
+        left_out = {} if all_rows else left_out_precisions(spec, amp, device=device, seed=seed, clock=clock)
+    if left_out:
+        said = ", ".join(f"{p} AMP ({ratio:.1f}x {reference}'s)" for p, (ratio, reference) in left_out.items())
+        progress(
+            f"left out, as the planner's precision check leaves out a precision over {POLICY.slow_precision_ratio:g}x the "
+            f"fastest: {said} at micro-batch 1 (--all-rows keeps them)"
+        )
+    notes = [
+        Row(
+            name=f"{precision} AMP", precision=precision, checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
+            note=f"left out: a step at micro-batch 1 took {ratio:.1f}x {reference}'s on this device (--all-rows measures it)",
+            memory_done=True,
+        )
+        for precision, (ratio, reference) in left_out.items()
+    ]
+    contenders = configurations(
+        global_batch_size=comparison.global_batch_size, amp_precisions=[p for p in amp if p not in left_out], device=device,
+        loss_chunks=DEFAULT_LOSS_CHUNKS if chunkable(meta_model_of(spec)) is None else 1,
+    )
+    if comparison.budget_bytes is None:
+        return contenders, notes
+    planned = next((row for name, row in kept.items() if name.startswith("autofit plan") and row.config), None)
+    if planned is not None:  # the plan an interrupted run made: the same row, not a second planning
+        return [*contenders, Contender(name=planned.name, config=TrainingConfig(**planned.config))], notes
+    if "autofit plan" in kept:  # no plan fitted then: nor will it now
+        return contenders, [*notes, kept["autofit plan"]]
+    progress("planning at the budget")
+    try:
+        with progress.paused():  # the plan's own heartbeat speaks for it
+            contenders.append(plan_configuration(
+                spec, budget_bytes=comparison.budget_bytes, global_batch_size=comparison.global_batch_size, device=device,
+                log=lambda line: progress(f"  plan: {line}"), left_out=list(left_out),
+            ))
+    except UserError as error:  # no plan fits: the other rows still stand
+        notes.append(Row(
+            name="autofit plan", precision="-", checkpoint_blocks=0, micro_batch_size=0, grad_accum_steps=0,
+            note=f"no plan: {error}", memory_done=True,
+        ))
+    return contenders, notes
+
+
+def _measure_rows(
+    spec: ModelSpec, comparison: Comparison, contenders: list[Contender], kept: dict[str, Row], *, device: str,
+    probe_steps: int, seed: int, training: "_TrainingData | None", timing: "_Timing", progress: Progress,
+    on_update: Callable[[Comparison], None],
+) -> None:
+    """Each row in turn: its peak, with data its training, and its first timed step; handed to ``on_update`` when
+    done, so that a compare stopped part way keeps every finished row with its speed."""
+    from autofit.measure.probe import measure
+
+    total = len(contenders)
+    for number, contender in enumerate(contenders, start=1):
+        config = contender.config
+        row = kept.get(contender.name)
+        if row is not None and row.memory_done:
+            progress(f"row {number} of {total}: {contender.name} (kept from the earlier run)")
+            comparison.rows.append(row)
+            continue
+        progress(f"row {number} of {total}: {contender.name}")
+        row = Row(
+            name=contender.name, precision=config.precision, checkpoint_blocks=0,
+            micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps, config=_config_dict(config),
+        )
+        try:
+            with progress.doing(f"row {number} of {total}, {contender.name}: measuring its peak"):
+                result = measure(spec, config, device=device, steps=probe_steps, seed=seed, progress=progress)
+        except RuntimeError as error:  # out of memory, or an op this precision lacks on this device
+            row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            release_device_memory(device)
+        else:
+            row.peak_bytes, row.checkpoint_blocks = result.peak_bytes, len(result.checkpoint)
+            row.activation_bytes = result.breakdown.get("activations")
+            if training is not None:
+                progress(f"  training {contender.name} for {comparison.train_steps} steps")
+                with progress.doing(f"row {number} of {total}, {contender.name}: training {comparison.train_steps} steps"):
+                    outcome = training.train_and_score(spec, config, device=device, seed=seed)
+                row.train_loss, row.eval_loss, row.eval_accuracy = outcome.train_loss, outcome.eval_loss, outcome.eval_accuracy
+                row.skipped_steps = outcome.skipped_steps
+                if outcome.skipped_steps:
+                    row.note = f"GradScaler skipped {outcome.skipped_steps} of {comparison.train_steps} steps (inf/nan gradients) while finding its scale"
+            with progress.doing(f"row {number} of {total}, {contender.name}: timing a step"):
+                timing.time_once(row)
+        row.memory_done = True
+        comparison.rows.append(row)
+        _fill_ratios(comparison)
+        on_update(comparison)
+
+
+def left_out_precisions(
+    spec: ModelSpec, precisions: list[str], *, device: str, seed: int, clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, tuple[float, str]]:
+    """The AMP precisions the planner's precision check would leave out, each with its ratio and the precision it
+    is that much slower than: a training step at micro-batch 1 more than ``POLICY.slow_precision_ratio`` times the
+    fastest precision's, by a margin the noise of both cannot explain (``autofit.planning.speed.timing.compare``).
+    fp16 autocast on a CPU, 20-60x: its rows would take most of a compare's time to show what this look shows.
+
+    fp32 and the precisions are timed in interleaved rounds after a warm-up each, until no verdict is unsure or
+    ``FIRST_LOOK_ROUNDS`` rounds were timed; a precision still unsure then is kept (measured, as the planner would).
+    """
     from autofit.planning.speed.measured import StepTimer
+    from autofit.planning.speed.timing import compare as slower_than
+    from autofit.planning.speed.timing import interleaved_rounds
 
     if not precisions:
         return {}
-    seconds = {}
-    for precision in ["fp32", *precisions]:
-        timer = StepTimer(spec, TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=precision), device=device, seed=seed)
-        try:
-            seconds[precision] = min(timer.step_seconds() for _ in range(2))
-        finally:
+    names = ["fp32", *precisions]
+    timers: dict[str, StepTimer] = {}
+
+    def verdicts(samples: dict) -> dict[str, str]:
+        fastest = min(names, key=lambda name: samples[name].best)
+        return {
+            name: slower_than(samples[fastest], samples[name], factor=POLICY.slow_precision_ratio)
+            for name in precisions if name != fastest
+        }
+
+    try:
+        for name in names:
+            config = TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=name)
+            timers[name] = StepTimer(spec, config, device=device, seed=seed, clock=clock)
+        samples = interleaved_rounds(
+            {name: timer.step_seconds for name, timer in timers.items()},
+            settled=lambda current: "unsure" not in verdicts(current).values(), min_rounds=2, max_rounds=FIRST_LOOK_ROUNDS,
+        )
+    except (RuntimeError, ValueError):  # a model that cannot train one sample (BatchNorm over 1x1 maps): no first look,
+        return {}  # every row is measured, as with --all-rows
+    finally:
+        for timer in timers.values():
             timer.close()
-    return {p: seconds[p] / seconds["fp32"] for p in precisions if seconds[p] > LEFT_OUT_FACTOR * seconds["fp32"]}
+    fastest = min(names, key=lambda name: samples[name].best)
+    return {
+        name: (samples[name].best / samples[fastest].best, fastest)
+        for name, verdict in verdicts(samples).items() if verdict == "yes"
+    }
 
 
 def _config_dict(config: TrainingConfig) -> dict:
@@ -377,60 +456,88 @@ def _resumable(resume: Comparison | None, comparison: Comparison) -> dict[str, R
     return kept
 
 
-def _time_rows(
-    spec: ModelSpec, comparison: Comparison, *, device: str, rounds: int, seed: int,
-    progress: Progress, on_update: Callable[[Comparison], None],
-) -> None:
-    """Time one training step of the global batch of every measured row per round, in a rotating order.
+class _Timing:
+    """The speed of every measured row: one step timed as the row is measured (``time_once``), then ``rounds``
+    more in a rotating order, as the planner times its candidates: a burst of other work slows one step of each
+    rather than every step of one; the fastest round is a row's speed and how well it repeats its noise.
 
-    On a busy CPU the rounds use the planner's thread count (``timing_threads``) and its clock, and the comparison
-    keeps the planner's line. A row far slower than fp32 after the first round (``SLOW_FACTOR``) is timed once.
+    On a busy CPU the steps use the planner's thread count (``timing_threads``) and its clock, and the comparison
+    keeps the planner's line. A row far slower than fp32 after its first round (``SLOW_FACTOR``) is timed once.
+    Each row's model stays built between its rounds where the CPU has room for all of them (half its memory).
     """
-    from autofit.planning.context import intra_op_threads, step_clock, timing_threads
-    from autofit.planning.speed.measured import StepTimer
 
-    rows = [row for row in comparison.rows if row.config and row.peak_bytes is not None]
-    if not rows or all(len(row.seconds) >= rounds for row in rows):
-        return
-    threads, note = timing_threads(device)
-    comparison.threads_note = note
-    if note:
-        progress(note)
-    clock = step_clock(device, threads)
-    kept_bytes = sum(row.peak_bytes for row in rows)
-    keep = device == "cpu" and kept_bytes < 0.5 * (_device_total_bytes(device) or 0)
-    timers: dict[str, StepTimer] = {}
-    try:
-        with intra_op_threads(threads):
-            for round_ in range(rounds):
-                base = next((r for r in rows if r.name == "fp32" and r.seconds), None)
-                running = [
-                    r for r in rows
-                    if len(r.seconds) <= round_ and not (round_ > 0 and base is not None and r is not base and min(r.seconds) > SLOW_FACTOR * min(base.seconds))
-                ]
-                if not running:
-                    break
-                progress(f"speed: round {round_ + 1} of {rounds}, one step of each of {len(running)} row(s)")
-                shift = round_ % len(running)
-                for number, row in enumerate(running[shift:] + running[:shift], start=1):  # rotate: no row is always first after a pause
-                    with progress.doing(f"speed round {round_ + 1} of {rounds}, {row.name}", step=number, of=len(running)):
-                        timer = timers.get(row.name) or StepTimer(spec, TrainingConfig(**row.config), device=device, seed=seed, clock=clock)
-                        try:
-                            row.seconds.append(timer.step_seconds())
-                        finally:
-                            if keep:
-                                timers[row.name] = timer
-                            else:
-                                timer.close()
-                for row in running:
-                    samples = Samples(seconds=row.seconds)
-                    row.samples_per_s = comparison.global_batch_size / samples.best
-                    row.noise = samples.spread if len(row.seconds) >= 2 else None
-                _fill_ratios(comparison)
-                on_update(comparison)
-    finally:
-        for timer in timers.values():
+    def __init__(self, spec: ModelSpec, comparison: Comparison, *, device: str, rounds: int, seed: int, progress: Progress) -> None:
+        from autofit.planning.context import step_clock, timing_threads
+
+        self.spec, self.comparison, self.device, self.rounds_wanted, self.seed = spec, comparison, device, rounds, seed
+        self.progress = progress
+        self.timers: dict[str, StepTimer] = {}
+        self.threads, note = timing_threads(device)
+        """The intra-op threads every step is timed with (the planner's rule: fewer on a busy CPU)."""
+        self.clock = step_clock(device, self.threads)
+        """The planner's clock for those threads (a step's CPU time with one thread)."""
+        comparison.threads_note = note
+        if note:
+            progress(note)
+
+    def __enter__(self) -> "_Timing":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for timer in self.timers.values():
             timer.close()
+        self.timers.clear()
+
+    def _step_seconds(self, row: Row) -> float:
+        """Seconds of one more training step of ``row``'s global batch (after a warm-up step the first time)."""
+        timer = self.timers.get(row.name) or StepTimer(
+            self.spec, TrainingConfig(**row.config), device=self.device, seed=self.seed, clock=self.clock,
+        )
+        try:
+            return timer.step_seconds()
+        finally:
+            if self._keep(row):
+                self.timers[row.name] = timer
+            else:
+                self.timers.pop(row.name, None)
+                timer.close()
+
+    def _keep(self, row: Row) -> bool:
+        if self.device != "cpu":
+            return False
+        held = sum(r.peak_bytes for r in self.comparison.rows if r.name in self.timers and r.peak_bytes) + (row.peak_bytes or 0)
+        return held < 0.5 * (_device_total_bytes(self.device) or 0)
+
+    def _record(self, row: Row, seconds: float) -> None:
+        row.seconds.append(seconds)
+        row.samples_per_s = self.comparison.global_batch_size / Samples(seconds=row.seconds).best
+        row.noise = Samples(seconds=row.seconds).spread if len(row.seconds) >= 2 else None
+
+    def time_once(self, row: Row) -> None:
+        """The first round of a row just measured: its speed from one step."""
+        if row.config and row.peak_bytes is not None and not row.seconds:
+            self._record(row, self._step_seconds(row))
+
+    def rounds(self, *, on_update: Callable[[Comparison], None]) -> None:
+        """The rounds after each row's first, each one step of every measured row (kept rows of an earlier run
+        that lost their speeds get their first here)."""
+        rows = [row for row in self.comparison.rows if row.config and row.peak_bytes is not None]
+        for round_ in range(self.rounds_wanted):
+            base = next((r for r in rows if r.name == "fp32" and r.seconds), None)
+            running = [
+                r for r in rows
+                if len(r.seconds) <= round_
+                and not (round_ > 0 and base is not None and r is not base and min(r.seconds) > SLOW_FACTOR * min(base.seconds))
+            ]
+            if not running:
+                continue
+            self.progress(f"speed: round {round_ + 1} of {self.rounds_wanted}, one step of each of {len(running)} row(s)")
+            shift = round_ % len(running)
+            for number, row in enumerate(running[shift:] + running[:shift], start=1):  # rotate: no row is always first after a pause
+                with self.progress.doing(f"speed round {round_ + 1} of {self.rounds_wanted}, {row.name}", step=number, of=len(running)):
+                    self._record(row, self._step_seconds(row))
+            _fill_ratios(self.comparison)
+            on_update(self.comparison)
 
 
 def _device_total_bytes(device: str) -> int | None:

@@ -9,8 +9,9 @@ a panel without data says so. Several runs are overlaid, one colour each.
 The run's copy of its plan (run_plan.json), when present, adds the planned
 peak (the probe's measured bytes, the number the budget was compared with).
 On the CPU the training loop logs the process's resident set, which includes
-the interpreter, while the budget counts tensor bytes: the panel says so
-rather than suggest an overrun.
+the interpreter, while the budget counts tensor bytes: the panel draws the
+tensor bytes the run counted (``tensor_peak_bytes``) against the budget, the
+resident set beside them, each labelled, rather than suggest an overrun.
 """
 from __future__ import annotations
 
@@ -111,12 +112,31 @@ def _series(records: list[dict], y_key: str, *, x_keys=("step", "epoch"), scale:
     return xs, ys
 
 
+def memory_curves(run: Run) -> list[tuple[str, str, dict]]:
+    """The memory panel's curves of ``run``: (metrics key, label, line style), the quantity the budget bounds first.
+
+    On a GPU the gauge's peak is the device's, which the budget bounds. On the CPU the budget bounds tensor bytes
+    (what the planner's tracker counts): the run counts them on a step now and then (``tensor_peak_bytes``, the
+    last counted step's), drawn solid beside the process's resident set (peak and now), which counts the
+    interpreter too and is labelled so, thin: a resident set far above a small budget is not an overrun.
+    """
+    on_cpu = run.device_type == "cpu" or (run.device_type is None and any("tensor_peak_bytes" in r for r in run.steps))
+    if not on_cpu:
+        return [("peak_bytes", "peak", {}), ("memory_bytes", "in use", {"alpha": 0.5, "linestyle": ":"})]
+    return [
+        ("tensor_peak_bytes", "tensor bytes at the peak (what the budget bounds)", {"linewidth": 2}),
+        ("peak_bytes", "resident set, peak (interpreter included)", {"alpha": 0.5, "linewidth": 1}),
+        ("memory_bytes", "resident set, now", {"alpha": 0.35, "linestyle": ":"}),
+    ]
+
+
 def plot_runs(runs: list[Run], out: str | Path, *, title: str | None = None) -> Path:
     """Draw the curves of ``runs`` into a PNG at ``out``.
 
     Panels: loss (steps, and train/validation loss per epoch), validation
-    accuracy, learning rate, samples/s, and memory (peak bytes per step
-    against the budget, dashed). The x axis is the optimizer step.
+    accuracy, learning rate, samples/s, and memory (``memory_curves``: the
+    quantity the budget bounds, labelled, against the budget, dashed). The x
+    axis is the optimizer step.
 
     Returns:
         The path written.
@@ -150,8 +170,8 @@ def plot_runs(runs: list[Run], out: str | Path, *, title: str | None = None) -> 
         draw(acc_ax, _series(run.epochs, "val_accuracy"), colour=colour, label=name, marker="o")
         draw(lr_ax, _series(run.steps or run.epochs, "lr"), colour=colour, label=name)
         draw(speed_ax, _series(run.steps, "samples_per_s"), colour=colour, label=name)
-        draw(memory_ax, _series(run.steps, "peak_bytes", scale=MIB), colour=colour, label=f"{name} peak")
-        draw(memory_ax, _series(run.steps, "memory_bytes", scale=MIB), colour=colour, label=f"{name} in use", alpha=0.5, linestyle=":")
+        for key, label, style in memory_curves(run):
+            draw(memory_ax, _series(run.steps, key, scale=MIB), colour=colour, label=f"{name} {label}", **style)
         budgets = [r["budget_bytes"] for r in run.steps + run.epochs if isinstance(r.get("budget_bytes"), (int, float)) and r["budget_bytes"] > 0]
         if budgets:
             memory_ax.axhline(budgets[-1] / MIB, color=colour, linestyle="--", linewidth=1.5, label=f"{name} budget")
@@ -162,7 +182,7 @@ def plot_runs(runs: list[Run], out: str | Path, *, title: str | None = None) -> 
 
     memory_heading = "memory against the budget"
     if any(run.device_type == "cpu" for run in runs):
-        memory_heading += "\n(cpu: curves = process resident set; dashed lines = tensor bytes)"
+        memory_heading += "\n(cpu: the budget bounds tensor bytes; the resident set counts the interpreter too)"
     for ax, heading, y_label in (
         (loss_ax, "loss", "loss"),
         (acc_ax, "validation accuracy", "accuracy"),

@@ -368,7 +368,8 @@ def _train_run(
     if saved is not None:
         console.print(f"resuming from {checkpoints.last_path}: epoch {state.position.epoch + 1}, after step {state.position.global_step}")
 
-    speed = StepSpeed()
+    speed = StepSpeed.for_plan(plan)  # one clock for every figure the run prints (``training.speed``)
+    console.print(f"speed: every samples/s below is the median step {speed.clock_words} (each epoch's first step left out)")
     with log, console, BudgetWatch(plan, device=applied.device) as watch, stop_on_signals() as stop:
         finished, plan = _train_epochs(
             applied, data=data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler, plan=plan, state=state,
@@ -414,6 +415,7 @@ def _train_epochs(
         )
         console.start_epoch(epoch + 1, epochs=settings.epochs, steps=steps_per_epoch, done=position.step_in_epoch)
         speed.start(warm_up=True)
+        epoch_began = speed.counted  # the epoch's figure: the median of its own steps
         for inputs, targets, unreadable in speed.timed(loader):  # the wait for each batch measured
             for sample in unreadable:
                 position.skipped_images += 1
@@ -439,7 +441,7 @@ def _train_epochs(
             memory_bytes, peak_bytes = gauge.read()
             record = {
                 "kind": "step", "epoch": epoch + 1, "step": position.global_step, "loss": loss, "lr": lr,
-                "samples_per_s": batch_size / step_seconds, "memory_bytes": memory_bytes, "peak_bytes": peak_bytes,
+                "samples_per_s": batch_size / max(step_seconds, 1e-12), "memory_bytes": memory_bytes, "peak_bytes": peak_bytes,
                 "budget_bytes": plan.budget_bytes, "stepped": result.stepped,
                 # On the CPU the gauge is the process's resident set; the budget counts live tensors, as this does.
                 "tensor_peak_bytes": watch.tracked_peak_bytes,
@@ -462,6 +464,7 @@ def _train_epochs(
                 record = _validated_record(
                     applied, "stop", data=data, loss_fn=loss_fn, optimizer=optimizer, plan=plan, position=position,
                     gauge=gauge, log=log, console=console, settings=settings, epoch=epoch,
+                    samples_per_s=speed.samples_per_s(since=epoch_began),
                 )
                 log.write(record)
                 console.print(
@@ -479,7 +482,7 @@ def _train_epochs(
 
         record = _validated_record(
             applied, "epoch", data=data, loss_fn=loss_fn, optimizer=optimizer, plan=plan, position=position, gauge=gauge,
-            log=log, console=console, settings=settings, epoch=epoch,
+            log=log, console=console, settings=settings, epoch=epoch, samples_per_s=speed.samples_per_s(since=epoch_began),
         )
         log.epoch(record)
         console.print(epoch_line(record, epochs=settings.epochs))
@@ -495,15 +498,22 @@ def _train_epochs(
 def _validated_record(
     applied: AppliedPlan, kind: str, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, plan: Plan,
     position, gauge: MemoryGauge, log: RunLog | SilentRunLog, console: RunConsole, settings: TrainSettings, epoch: int,
+    samples_per_s: float | None,
 ) -> dict:
-    """Validation now, and the record of the epoch so far: an epoch's end ("epoch"), or --max-steps's stop ("stop")."""
+    """Validation now, and the record of the epoch so far: an epoch's end ("epoch"), or --max-steps's stop ("stop").
+
+    Args:
+        samples_per_s: the epoch's median step by the run's clock (``StepSpeed``); None where none of its steps was
+            counted (its one step warmed up): then its samples over its steps' seconds, by the same clock.
+    """
     val = evaluate(
         applied.model, data.val, loss_fn=loss_fn, applied=applied, num_workers=settings.num_workers, collate=data.collate,
         on_unreadable=lambda sample: _record_unreadable(sample, log=log, console=console, epoch=epoch + 1, step=position.global_step),
     )
     return {
         "kind": kind, "epoch": epoch + 1, "step": position.global_step, "loss": position.train_loss,
-        "lr": float(optimizer.param_groups[0]["lr"]), "samples_per_s": position.samples_per_s,
+        "lr": float(optimizer.param_groups[0]["lr"]),
+        "samples_per_s": samples_per_s if samples_per_s is not None else position.samples_per_s,
         "memory_bytes": gauge.now_bytes(), "peak_bytes": gauge.peak_bytes(), "budget_bytes": plan.budget_bytes,
         "train_loss": position.train_loss, "val_loss": val.loss, "val_accuracy": val.accuracy,
         "val_perplexity": val.perplexity,

@@ -6,12 +6,16 @@ first-call allocations), as the plan's timing leaves its warm-up out. The
 median step is the run's speed, as the plan's is its fastest round: a burst of
 other work then moves neither much.
 
-The comparison uses the plan's clock (``autofit.planning.context.step_clock``):
-a plan timed with one thread on a busy CPU timed its steps by their CPU time
-(the time the other work takes off the core is not the configuration's), so
-the run's steps are then compared by their CPU time too (the main thread's,
-from one step's end to the next: the batch it read included), and the wall
-clock's speed is shown beside it.
+One clock times every figure a run prints (the step lines' and the progress
+bar's, each epoch's, the last line's, metrics.jsonl's): the plan's
+(``autofit.planning.context.step_clock``). A plan timed with one thread on a
+busy CPU timed its steps by their CPU time (the time the other work takes off
+the core is not the configuration's), so the run's steps are then timed by
+the main thread's CPU time (from one step's end to the next: the batch it read
+included); otherwise by the wall clock, the wait for data included
+(``by_cpu``, ``clock_words``). An epoch's figure and the run's are the median
+step's samples/s of the same steps by that clock: a run of one epoch prints
+one figure twice.
 """
 from __future__ import annotations
 
@@ -33,8 +37,10 @@ class StepSpeed:
     """Times the steps of a run: ``start`` where timing (re)starts, the loader's batches through ``timed`` (or
     ``batch_ready`` when one arrived), ``step_done`` when its step ended."""
 
-    def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:
+    def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time, *, by_cpu: bool = False) -> None:
         self._clock, self._cpu_clock = clock, cpu_clock
+        self.by_cpu = by_cpu
+        """Every figure by the main thread's CPU time (the plan's clock: one thread on a busy CPU), else the wall clock."""
         self._mark = clock()
         self._cpu_mark = cpu_clock()
         self._ready = self._mark
@@ -47,6 +53,18 @@ class StepSpeed:
         """From the previous step's end to this one's: the wait, the step and the loop's own work."""
         self.cpu_seconds: list[float] = []
         """The main thread's CPU time from the previous step's end to this one's."""
+
+    @classmethod
+    def for_plan(cls, plan: Plan) -> "StepSpeed":
+        """Timing by the plan's clock: CPU time where it timed with one thread on the CPU (``step_clock``)."""
+        return cls(by_cpu=plan.device.type == "cpu" and plan.measured is not None and plan.measured.threads == 1)
+
+    @property
+    def clock_words(self) -> str:
+        """How every figure of the run was timed, for its lines."""
+        if self.by_cpu:
+            return "by the step's CPU time, as the plan timed it (one thread), reading the batch included"
+        return "by the wall clock, the wait for data included"
 
     def start(self, *, warm_up: bool = False) -> None:
         """Timing starts now (an epoch's start, ``warm_up``: its first step is not counted; or after a pause for saving)."""
@@ -71,10 +89,10 @@ class StepSpeed:
 
     def step_done(self, samples: int, *, counted: bool = True) -> float:
         """The step has ended: count it (unless it warms up, or not ``counted``: a step the budget watch tracked), and
-        return its wall seconds since the last mark (the previous step's end, or ``start``), the wait for its batch
-        included: the loop's per-step speed."""
+        return its seconds since the last mark (the previous step's end, or ``start``) by the run's clock, reading its
+        batch included: the loop's per-step speed."""
         now, cpu_now = self._clock(), self._cpu_clock()
-        seconds = now - self._mark
+        seconds = cpu_now - self._cpu_mark if self.by_cpu else now - self._mark
         if self._warm_up:
             self._warm_up = False
         elif counted:
@@ -87,17 +105,18 @@ class StepSpeed:
         self._mark, self._cpu_mark, self._requested = now, cpu_now, None
         return seconds
 
-    def samples_per_s(self) -> float | None:
-        """The median step's samples/s, the wait for its batch included; None before a step was counted."""
-        if not self.samples:
+    def samples_per_s(self, *, since: int = 0) -> float | None:
+        """The median step's samples/s by the run's clock, over the steps counted from the ``since``-th on (``counted``
+        before an epoch began: that epoch's); None before a step was counted there."""
+        seconds = (self.cpu_seconds if self.by_cpu else self.total_seconds)[since:]
+        if not seconds:
             return None
-        return statistics.median(n / max(t, 1e-12) for n, t in zip(self.samples, self.total_seconds))
+        return statistics.median(n / max(t, 1e-12) for n, t in zip(self.samples[since:], seconds))
 
-    def cpu_samples_per_s(self) -> float | None:
-        """The median step's samples/s by the main thread's CPU time; None before a step was counted."""
-        if not self.samples:
-            return None
-        return statistics.median(n / max(c, 1e-12) for n, c in zip(self.samples, self.cpu_seconds))
+    @property
+    def counted(self) -> int:
+        """Steps counted so far."""
+        return len(self.samples)
 
     def lines(self, plan: Plan) -> list[str]:
         """The summary: training's speed beside the plan's, a warning when they differ by more than the plan's noise,
@@ -106,28 +125,21 @@ class StepSpeed:
         if speed is None:
             return []
         seq_len = plan.model.seq_len
-        unit, scale = ("tokens/s", seq_len) if seq_len else ("samples/s", 1)
-        counted = f"median of {len(self.samples)} step(s), the wait for data included"
+
+        def rate(samples_per_s: float) -> str:
+            """In the epoch lines' unit, samples/s; a text model's tokens/s beside it, as the plan's summary writes it."""
+            return f"{samples_per_s:.1f} samples/s" + (f" ({samples_per_s * seq_len:.1f} tokens/s)" if seq_len else "")
+
+        counted = f"median of {len(self.samples)} step(s) {self.clock_words}"
         measured = plan.measured.samples_per_s if plan.measured is not None else None
-        # The plan's clock: CPU time where it timed with one thread on the CPU (``step_clock``).
-        by_cpu = plan.device.type == "cpu" and plan.measured is not None and plan.measured.threads == 1
-        if by_cpu:
-            wall, speed = speed, self.cpu_samples_per_s()
-            counted = (
-                f"by the step's CPU time, as the plan timed it; {wall * scale:.1f} by the wall clock; "
-                f"median of {len(self.samples)} step(s), reading the batch included"
-            )
         if not measured:
-            lines = [f"speed: training {speed * scale:.1f} {unit} ({counted}); the plan has no measured speed to compare with"]
+            lines = [f"speed: training {rate(speed)} ({counted}); the plan has no measured speed to compare with"]
         else:
             noise = plan.measured.noise
             tolerance = max(noise or 0.0, DEFAULT_TOLERANCE)
             ratio = speed / measured
             said = f"noise {noise:.0%}" if noise is not None else "no noise reported"
-            lines = [
-                f"speed: training {speed * scale:.1f} {unit} ({counted}), the plan measured {measured * scale:.1f} "
-                f"({said}): {ratio:.2f}x"
-            ]
+            lines = [f"speed: training {rate(speed)} ({counted}), the plan measured {rate(measured)} ({said}): {ratio:.2f}x"]
             if abs(ratio - 1.0) > tolerance:
                 way = "slower" if ratio < 1 else "faster"
                 lines.append(

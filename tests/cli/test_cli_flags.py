@@ -46,3 +46,25 @@ def test_plan_and_compare_share_budget_and_batch_size_flags():
         flags = dict(options[command])
         assert flags["--budget"] == ["-b"], command
         assert flags["--batch-size"] == ["-n"], command
+
+
+def test_every_command_with_progress_lines_takes_quiet():
+    """The README: `-q` is quiet in every command; those that write progress lines or a progress bar take it."""
+    options = _flags_by_command()
+    for command in ("probe", "plan", "compare", "train"):
+        assert dict(options[command]).get("--quiet") == ["-q"], command
+
+
+
+def test_plan_help_is_grouped_into_panels():
+    """`plan --help` was 28 options in one list: each is now in one of its panels, and an option plan shares with
+    other commands (--input-shape) is grouped in plan's help only."""
+    group = typer.main.get_command(app)
+    panels = {param.name: getattr(param, "rich_help_panel", None) for param in group.commands["plan"].params}
+    assert set(panels.values()) == {
+        "Arguments", "Model", "Budget and batch", "Search", "A device that is not here", "Fine-tuning", "Output",
+    }
+    assert (panels["budget"], panels["device_kind"], panels["lora"], panels["out"]) == (
+        "Budget and batch", "A device that is not here", "Fine-tuning", "Output",
+    )
+    assert {param.name: getattr(param, "rich_help_panel", None) for param in group.commands["probe"].params}["input_shape"] is None

@@ -162,3 +162,33 @@ def test_where_every_precision_s_weights_are_over_the_floor_traces_the_least_and
     assert error.value.floor_bytes == alone.value.floor_bytes
     assert not [line for line in lines if "tracing fp32" in line]
     assert [line for line in lines if "floor: fp32 not traced for it: its weights alone need a budget of" in line]
+
+
+def test_the_floor_is_stated_once_when_a_second_check_finds_the_same(monkeypatch):
+    """A budget just under the floor: the floor is checked, more precisions traced, checked again; the same floor was
+    printed twice ("floor: 203.27 MiB measured" after fp32's trace and again after bf16's). Now once, named as the floor
+    without levers."""
+    from types import SimpleNamespace
+
+    import autofit.planning.verify.floor as floor_module
+    from autofit.config import TrainingConfig
+    from autofit.planning.memory.headroom import Headroom
+    from autofit.planning.verify.measurements import Measurements
+
+    config = TrainingConfig(global_batch_size=4, micro_batch_size=1)
+    monkeypatch.setattr(floor_module, "_options", lambda context, costs: [(100, config)])
+    monkeypatch.setattr(floor_module, "floor_phases", lambda costs, config, state_bytes: None)
+    monkeypatch.setattr(floor_module, "_predicted_budget", lambda options, measurements: 1100)
+    lines = []
+    context = SimpleNamespace(log=lines.append, budget_bytes=10**6)
+    measurements = Measurements.__new__(Measurements)  # the parts check_floor reads, without a planning context
+    measurements.floor_said = None
+    headroom = Headroom(device_type="cpu", estimated=False, budget_bytes=10**6)
+    monkeypatch.setattr(Measurements, "headroom", property(lambda self: headroom))
+    monkeypatch.setattr(Measurements, "model_is_exact", property(lambda self: False))
+    monkeypatch.setattr(Measurements, "checked_peak", lambda self, config, fresh=False: (1000, {"parameters": 100}))
+    monkeypatch.setattr(Measurements, "has_peak", lambda self, config: True)
+    for _ in range(2):
+        floor_module.check_floor(context, None, measurements)
+    said = [line for line in lines if "floor" in line]
+    assert len(said) == 1 and said[0].startswith("floor without levers: ") and said[0].endswith(" measured"), said

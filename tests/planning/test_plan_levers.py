@@ -68,7 +68,11 @@ def test_below_the_lever_floor_the_error_names_each_lever_and_its_saving(one_thr
         make_plan(spec, PlanRequest(budget=int(0.85 * state_bytes), batch_size=1, precisions=["fp32"]))
     message = str(error.value)
     assert re.search(r"to lower it: optimizer step in backward \(-[\d.]+ KiB, measured; not enough\)", message), message
-    assert re.search(r"then --allow-lossy-optimizer for 8-bit AdamW state \(-[\d.]+ KiB in all, measured", message), message
+    added = re.search(r"then --allow-lossy-optimizer for 8-bit AdamW state \(([-+][\d.]+) KiB, -([\d.]+) KiB in all, measured", message)
+    assert added, message
+    # The parts add up to their total (they read "-20.16 MiB", then "-17.23 MiB in all").
+    first = float(re.search(r"optimizer step in backward \(-([\d.]+) KiB", message).group(1))
+    assert -first + float(added.group(1)) == pytest.approx(-float(added.group(2)), abs=0.02)
     assert "changes the optimizer's arithmetic" in message and "\n" not in message
 
 

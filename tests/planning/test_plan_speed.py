@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from autofit.config import TrainingConfig
+from autofit.plan_file import Plan
 from autofit.planning.context import cache_dir
 
 from autofit.planning.speed.measured import time_precisions
@@ -143,6 +145,16 @@ def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
     assert any("speeds within 10% count as a tie" in line for line in _timing_lines(Report()))
     Report.timing = {**Report.timing, "tie": POLICY.tie_share}
     assert not any("count as a tie" in line for line in _timing_lines(Report()))
+
+    # The tie note named the others as if chosen ("as fast within that noise: fp32, micro-batch 3, checkpoint none (the
+    # simpler configuration is chosen)"): it names the chosen one first, the others as tied with it.
+    Report.plan = Plan(budget_bytes=1, config=TrainingConfig(global_batch_size=4, micro_batch_size=4))
+    Report.timing = {**Report.timing, "within_noise": ["fp32:2:"]}
+    (tie,) = [line.strip() for line in _timing_lines(Report()) if "within that noise" in line]
+    assert tie == (
+        "as fast as the chosen fp32, micro-batch 4, checkpoint none within that noise: fp32, micro-batch 2, checkpoint none; "
+        "a tie goes to the simpler configuration, the chosen one"
+    )
 
 
 @pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)

@@ -1,5 +1,6 @@
 """`autofit compare`: the before/after table on a tiny CNN, its files, and equal numerics."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -256,3 +257,107 @@ def test_differences_within_the_noise_are_marked(cnn_file):
     assert [r.within_noise for r in comparison.rows] == [None, True, False]
     assert [_versus(r) for r in comparison.rows] == ["1.00x", "~0.95x", "0.50x"]
     assert "~0.95x" in format_table(comparison)
+
+
+def test_precisions_the_planner_would_leave_out_are_left_out(cnn_file, monkeypatch):
+    """The planner's rule (over 3x the fastest, beyond the noise), not a laxer one: fp16 at 5x is left out, bf16 at
+    2.5x kept, a precision whose noise could explain its ratio kept."""
+    import autofit.planning.speed.measured as measured
+    from autofit.tools.compare import left_out_precisions
+
+    seconds = {"fp32": [1.0, 1.0], "bf16": [2.5, 2.5], "fp16": [5.0, 5.0], "noisy": [1.0, 3.5]}
+
+    class FixedTimer:
+        def __init__(self, spec, config, **settings):
+            self.times = iter(seconds["noisy" if config.precision == "fp16" and noisy else config.precision] * 2)
+
+        def step_seconds(self):
+            return next(self.times)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(measured, "StepTimer", FixedTimer)
+    spec = load_spec(str(cnn_file))
+    noisy = False
+    assert left_out_precisions(spec, ["bf16", "fp16"], device="cpu", seed=0) == {"fp16": (5.0, "fp32")}
+    noisy = True  # fastest 3.5x fp32's, but its rounds differ by 3.5x: the noise could explain it
+    assert left_out_precisions(spec, ["bf16", "fp16"], device="cpu", seed=0) == {}
+
+
+def test_left_out_rows_are_said_in_one_line_and_the_plan_searches_without_them(cnn_file, monkeypatch):
+    import autofit.tools.compare as compare_module
+    from autofit.progress import as_progress
+    from autofit.tools.compare import Comparison, _contenders
+
+    monkeypatch.setattr(compare_module, "runnable_amp_precisions", lambda device: ["bf16", "fp16"])
+    monkeypatch.setattr(compare_module, "left_out_precisions", lambda spec, amp, **settings: {"fp16": (21.5, "fp32")})
+    asked = {}
+
+    def plan_row(spec, *, left_out, **settings):
+        asked["left_out"] = left_out
+        return compare_module.Contender(name="autofit plan: fp32", config=compare_module.TrainingConfig(global_batch_size=4, micro_batch_size=4))
+
+    monkeypatch.setattr(compare_module, "plan_configuration", plan_row)
+    lines = []
+    comparison = Comparison(model="m", device="cpu", global_batch_size=4, budget_bytes=10**9)
+    contenders, notes = _contenders(load_spec(str(cnn_file)), comparison, {}, device="cpu", seed=0, all_rows=False, progress=as_progress(lines.append))
+    assert not any("fp16" in c.name for c in contenders) and "bf16 AMP" in [c.name for c in contenders]
+    assert [row.name for row in notes] == ["fp16 AMP"] and "21.5x fp32's" in notes[0].note
+    said = [line for line in lines if "left out" in line]
+    assert said == [
+        "left out, as the planner's precision check leaves out a precision over 3x the fastest: fp16 AMP (21.5x fp32's) "
+        "at micro-batch 1 (--all-rows keeps them)"
+    ]
+    assert asked["left_out"] == ["fp16"]
+
+
+def test_sigterm_keeps_every_finished_row_with_its_speed(cnn_file, tmp_path, monkeypatch, run_cli):
+    """SIGTERM in the second row: the first is in compare.md with its speed, one line says so, exit 143."""
+    import signal
+
+    import autofit.measure.probe as probe
+    import autofit.tools.compare as compare_module
+
+    rows, real_measure, calls = compare_module.configurations, probe.measure, []
+    monkeypatch.setattr(compare_module, "configurations", lambda **settings: rows(**settings)[:2])
+
+    def stopped_in_the_second_row(spec, config, **settings):
+        calls.append(config)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_measure(spec, config, **settings)
+
+    def default_sigterm(signal_number, frame):  # what the default would do, without ending the test run
+        raise SystemExit("SIGTERM reached the default handler")
+
+    monkeypatch.setattr(probe, "measure", stopped_in_the_second_row)
+    previous = signal.signal(signal.SIGTERM, default_sigterm)
+    try:
+        out_dir = tmp_path / "out"
+        code, stdout, stderr = run_cli("compare", cnn_file, "-n", 4, "--all-rows", "--rounds", 2, "--out-dir", out_dir)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"autofit: compare stopped by SIGTERM; kept 1 finished row (fp32), each with its peak and speed, in "
+        f"{out_dir / 'compare.md'} and compare.json; continue with the same command and --resume"
+    )
+    markdown = (out_dir / "compare.md").read_text()
+    fp32 = next(line for line in markdown.splitlines() if line.startswith("| fp32 |")).split(" | ")
+    samples_per_s = fp32[[cell.strip() for cell in markdown.splitlines()[2].split("|")][1:].index("samples/s")]
+    assert float(samples_per_s) > 0
+    assert signal.getsignal(signal.SIGTERM) is previous or signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_a_model_that_cannot_train_one_sample_gets_every_row():
+    """BatchNorm over one value a channel refuses a batch of one (torchvision's ResNet-18 at 32x32): the first look at
+    micro-batch 1 raised a ValueError out of compare; now nothing is left out and every row is measured."""
+    from torch import nn
+
+    from autofit.spec import spec_from_model
+    from autofit.tools.compare import left_out_precisions
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    spec = spec_from_model(model, lambda n: (torch.rand(n, 4), torch.randint(0, 2, (n,))))
+    assert left_out_precisions(spec, ["bf16", "fp16"], device="cpu", seed=0) == {}

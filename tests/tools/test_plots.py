@@ -98,3 +98,24 @@ def test_bad_log_dirs_are_one_line_errors(tmp_path, run_cli):
         assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
     with pytest.raises(UserError, match="must end in .png"):
         plot_runs([], tmp_path / "x.jpg")
+
+
+def test_a_cpu_runs_memory_panel_draws_what_the_budget_bounds(tmp_path):
+    """The CPU budget bounds tensor bytes: the panel drew only the resident set (950 MiB against a 200 MiB budget
+    line); now the counted tensor bytes come first, labelled, the resident set labelled as such."""
+    from autofit.tools.plots import memory_curves
+
+    folder = write_run(tmp_path / "run")
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if record["kind"] == "step" and record["step"] >= 2:
+            record["tensor_peak_bytes"] = 25_000_000
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "run_plan.json").write_text(json.dumps({"device": {"type": "cpu"}}))
+    (run,) = find_runs(folder)
+    curves = memory_curves(run)
+    assert curves[0][:2] == ("tensor_peak_bytes", "tensor bytes at the peak (what the budget bounds)")
+    assert [label for _, label, _ in curves[1:]] == ["resident set, peak (interpreter included)", "resident set, now"]
+    gpu = find_runs(folder)[0]
+    gpu.plan = {"device": {"type": "cuda"}}
+    assert [key for key, _, _ in memory_curves(gpu)] == ["peak_bytes", "memory_bytes"]

@@ -171,6 +171,16 @@ def test_autofit_train_end_to_end(project, run_cli):
     assert "epoch 4/4" in out and "epoch 3/4" not in out
 
 
+def test_a_quiet_run_prints_nothing(project, run_cli):
+    """`train -q` (the README's promise): no lines, no bar; the run's files as without it."""
+    log_dir = project["root"] / "runs" / "quiet"
+    code, out, err = run_cli("train", "--plan", project["plan"], "--data", project["data"], "--epochs", "1", "--max-steps", "1",
+                             "--workers", "0", "--log-dir", log_dir, "-q")
+    assert code == 0, err
+    assert (out, err) == ("", "")
+    assert (log_dir / "metrics.jsonl").read_text().count("\n") >= 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

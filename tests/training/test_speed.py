@@ -47,7 +47,7 @@ def test_training_uses_the_threads_the_plan_was_timed_with_and_says_so(tmp_path,
     assert set(seen) == {1}
     assert torch.get_num_threads() == 2  # PyTorch's setting is put back
     assert "threads: training with 1 intra-op thread(s), as the plan's speed was timed (PyTorch's default here: 2)" in out
-    assert "speed: training " in out and "the plan measured 100.0 (noise 4%)" in out
+    assert "speed: training " in out and "the plan measured 100.0 samples/s (noise 4%)" in out
 
 
 def test_data_workers_by_default_take_only_the_cores_the_steps_threads_leave(monkeypatch):
@@ -138,7 +138,10 @@ def test_the_speed_lines_compare_with_the_plan_and_warn_beyond_its_noise():
     _steps(speed, clock, wait=0.0, step=0.1, count=5)  # 100 samples/s
     plan = replace(make_plan(fresh_model()), measured=_measured(noise=0.05))
     lines = speed.lines(plan)
-    assert lines == ["speed: training 100.0 samples/s (median of 5 step(s), the wait for data included), the plan measured 100.0 (noise 5%): 1.00x"]
+    assert lines == [
+        "speed: training 100.0 samples/s (median of 5 step(s) by the wall clock, the wait for data included), the plan measured "
+        "100.0 samples/s (noise 5%): 1.00x"
+    ]
     slow = replace(plan, measured=_measured(noise=0.05, samples_per_s=200.0))
     assert speed.lines(slow)[1].startswith(
         "warning: training ran slower than the plan measured, by more than the plan's noise and the loop's own work allow (50% > 10%)"
@@ -148,7 +151,9 @@ def test_the_speed_lines_compare_with_the_plan_and_warn_beyond_its_noise():
     near = replace(plan, measured=_measured(noise=0.01, samples_per_s=108.0))
     assert len(speed.lines(near)) == 1  # 7% slower: the loop's own work, no warning
     text = replace(plan, model=replace(plan.model, seq_len=8))
-    assert "training 800.0 tokens/s" in speed.lines(text)[0]
+    # in the epoch lines' unit, tokens/s beside it (the epochs said 465 samples/s, the last line 13215.7 tokens/s)
+    assert "training 100.0 samples/s (800.0 tokens/s)" in speed.lines(text)[0]
+    assert "the plan measured 100.0 samples/s (800.0 tokens/s)" in speed.lines(text)[0]
 
 
 def test_a_run_waiting_on_its_data_says_so():
@@ -173,23 +178,44 @@ def test_threads_and_noise_survive_the_plan_file_and_are_checked(tmp_path):
 
 
 def test_a_plan_timed_by_cpu_time_is_compared_by_cpu_time():
-    """One thread on a busy CPU: the plan timed its steps by their CPU time, so the run's steps are compared by theirs,
-    the wall clock's speed shown beside it."""
+    """One thread on a busy CPU: the plan timed its steps by their CPU time, so the run times its steps by theirs, every
+    figure alike (one clock, said once: no wall-clock figure beside it to contradict it)."""
     clock, cpu = FakeClock(), FakeClock()
-    speed = StepSpeed(clock, cpu)
+    plan = replace(make_plan(fresh_model()), measured=_measured(threads=1, noise=0.05))
+    speed = StepSpeed(clock, cpu, by_cpu=StepSpeed.for_plan(plan).by_cpu)
     speed.start(warm_up=True)
     for _ in range(4):  # the other work holds the core half the time: 0.2 s of wall clock, 0.1 s of CPU
         speed.batch_ready()
         clock.now += 0.2
         cpu.now += 0.1
-        speed.step_done(10)
-    plan = replace(make_plan(fresh_model()), measured=_measured(threads=1, noise=0.05))
+        assert speed.step_done(10) == pytest.approx(0.1)  # the step lines' and the bar's figure: the same clock
     assert speed.lines(plan) == [
-        "speed: training 100.0 samples/s (by the step's CPU time, as the plan timed it; 50.0 by the wall clock; "
-        "median of 3 step(s), reading the batch included), the plan measured 100.0 (noise 5%): 1.00x"
+        "speed: training 100.0 samples/s (median of 3 step(s) by the step's CPU time, as the plan timed it (one thread), "
+        "reading the batch included), the plan measured 100.0 samples/s (noise 5%): 1.00x"
     ]
     two_threads = replace(plan, measured=_measured(threads=2, noise=0.05))
-    assert speed.lines(two_threads)[0].startswith("speed: training 50.0 samples/s (median of 3 step(s)")
+    assert not StepSpeed.for_plan(two_threads).by_cpu
+
+
+def test_every_figure_of_a_run_is_one_speed(tmp_path, capsys):
+    """A run of one epoch: its epoch line, its metrics and its last line give the same samples/s (the median step by
+    the plan's clock), and one line says which clock."""
+    import json
+
+    model = fresh_model()
+    plan = replace(make_plan(model), measured=_measured(threads=1, noise=0.04))
+    run_training(
+        model, plan=plan, data=make_data(), source="tests/training/test_loop.py", input_shape=[1, 4, 4],
+        loss_fn=nn.functional.cross_entropy, build_optimizer=optimizer, settings=TrainSettings(log_dir=tmp_path / "run", epochs=1),
+    )
+    out = capsys.readouterr().out
+    assert "speed: every samples/s below is the median step by the step's CPU time, as the plan timed it (one thread)" in out
+    epoch = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"epoch"' in line
+                 and json.loads(line)["kind"] == "epoch")
+    final = float(out.split("speed: training ")[1].split(" samples/s")[0])
+    assert f"({epoch['samples_per_s']:.0f} samples/s)" in out
+    assert final == pytest.approx(epoch["samples_per_s"], abs=0.05)
+    assert "by the wall clock" not in out
 
 
 def test_the_wait_is_the_loaders_not_the_loops_own_work():

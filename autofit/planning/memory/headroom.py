@@ -162,3 +162,13 @@ class Headroom:
     def fits(self, peak_bytes: float, *, persistent_bytes: float) -> bool:
         """Whether the peak and its headroom fit the budget."""
         return peak_bytes + sum(self.for_peak(peak_bytes, persistent_bytes=persistent_bytes).values()) <= self.budget_bytes
+
+    def needed_text(self, peak_bytes: float, *, persistent_bytes: float, what: str = "measured peak") -> str:
+        """The sum a peak that does not fit needs, against the budget: "measured peak 196.11 MiB + safety margin
+        10.00 MiB = 206.11 MiB needed, over the budget 200.00 MiB" (a peak under the budget alone read as if it fit)."""
+        from autofit.units import format_bytes
+
+        causes = {cause: size for cause, size in self.for_peak(peak_bytes, persistent_bytes=persistent_bytes).items() if size}
+        terms = [f"{what} {format_bytes(peak_bytes)}", *(f"{cause.replace('_', ' ')} {format_bytes(size)}" for cause, size in causes.items())]
+        needed = peak_bytes + sum(causes.values())
+        return f"{' + '.join(terms)} = {format_bytes(needed)} needed, over the budget {format_bytes(self.budget_bytes)}"

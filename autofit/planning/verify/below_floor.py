@@ -260,7 +260,7 @@ def plan_with_levers(
         allow_lossy_base=allow_lossy_base,
     )
     flags = {"allow_lossy_optimizer": allow_lossy_optimizer, "allow_lossy_base": allow_lossy_base}
-    context.log(f"below the floor {format_bytes(floor.budget_bytes)}: the floor configuration with the memory levers")
+    context.log(f"below the floor without levers, {format_bytes(floor.budget_bytes)}: the floor configuration with the memory levers")
     for why in skipped:
         context.log(f"  left out: {why}")
     tried: list[_Measured] = []
@@ -279,7 +279,7 @@ def plan_with_levers(
         )
         if fits and candidate.allowed(**flags):
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
-        measurements.reject(floor.config, f"with {candidate.name}: measured peak {format_bytes(measured.peak_bytes)} does not fit"
+        measurements.reject(floor.config, f"with {candidate.name}: {measurements.over_budget(measured.peak_bytes, measured.breakdown)}"
                             if not fits else f"with {candidate.name}: fits, but needs {candidate.flag}")
     raise BelowLeverFloor(
         below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, flags=flags,
@@ -302,15 +302,23 @@ def _against_floor(peak: int, floor_peak: int) -> str:
 def _savings(tried: list[_Measured], *, floor_peak: int, flags: dict[str, bool], fits, host_fits=None) -> str:
     """"optimizer step in backward (-3.09 MiB, measured; not enough), ": each measured lever with what it saves.
 
-    The candidates add to each other, so from the second on the saving is "in all".
+    The candidates add to each other, so from the second on a part says what its lever changed from the part before
+    and the saving in all: the parts add up to their total ("-20.16 MiB", then "+2.93 MiB, -17.23 MiB in all"; a lever
+    can cost a little where it is added to the others).
     """
     parts = []
+    before = None
+    """The peak of the part before (None: this is the first)."""
     for measured in tried:
         if measured.peak_bytes is None or measured.peak_bytes >= floor_peak:
             continue  # not measured, or it lowers nothing here (8-bit state of tiny tensors can cost more)
         candidate = measured.candidate
-        in_all = " in all" if parts else ""
-        saving = f"-{format_bytes(floor_peak - measured.peak_bytes)}{in_all}, measured"
+        if before is None:
+            saving = f"-{format_bytes(floor_peak - measured.peak_bytes)}, measured"
+        else:
+            step = measured.peak_bytes - before
+            saving = f"{'+' if step > 0 else '-'}{format_bytes(abs(step))}, -{format_bytes(floor_peak - measured.peak_bytes)} in all, measured"
+        before = measured.peak_bytes
         if candidate.lossy or candidate.lossy_base:
             flag = "" if candidate.allowed(**flags) else f"{candidate.flag} for "
             would = "; it would fit" if fits(measured.peak_bytes, measured.breakdown) else "; not enough"

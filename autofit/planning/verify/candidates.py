@@ -97,11 +97,11 @@ def verify(
         order = measurements.race([c.config for c in candidates], reference=timed_reference)
     by_key = {c.config.key(): c for c in candidates}
     for config in order:
-        peak, _ = measurements.checked_peak(config, fresh=True)
+        peak, breakdown = measurements.checked_peak(config, fresh=True)
         if measurements.fits(config):
             return {**by_key[config.key()].result(), **measurements.result(config)}
         excess = measurements.host_excess(measurements.host_peak(config))
-        measurements.reject(config, excess or f"measured peak {format_bytes(peak)} + headroom does not fit")
+        measurements.reject(config, excess or measurements.over_budget(peak, breakdown))
     # Every guess missed: the floor fits by construction.
     floor = _candidate(model, floor_config, levers)
     measurements.checked_peak(floor_config, fresh=True)
@@ -216,7 +216,7 @@ def _fitting_checkpoint_set(
             raw = _predicted_peak(model, config) / model.memory_scale
         if _decided(model, config, measurements) and config.key() not in measurements.peaks:
             return _candidate(model, config, levers)
-        peak, _ = measurements.checked_peak(config)
+        peak, breakdown = measurements.checked_peak(config)
         if context.device == "cuda" and not context.simulate and raw > 0:
             # The simulated bytes miss the allocator's rounding and cache: learn by how much.
             model.memory_scale = max(model.memory_scale, peak / raw)
@@ -228,7 +228,7 @@ def _fitting_checkpoint_set(
         if excess is not None:  # checkpointing keeps no less on the host: this point does not fit
             measurements.reject(config, excess)
             return None
-        measurements.reject(config, f"measured peak {format_bytes(peak)} does not fit")
+        measurements.reject(config, measurements.over_budget(peak, breakdown))
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
         limit = min(limit, raw, measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision)) - 1
         choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)

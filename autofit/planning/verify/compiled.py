@@ -56,12 +56,12 @@ def _measured(context: PlanContext, chosen: dict, compiled: TrainingConfig, meas
     started = time.perf_counter()
     context.log("compile: measuring the chosen configuration under torch.compile (its first steps compile)")
     try:
-        peak, _ = measurements.checked_peak(compiled, fresh=True)
+        peak, breakdown = measurements.checked_peak(compiled, fresh=True)
     except compile_failures() as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return chosen, f"torch.compile left off: the model did not compile ({type(error).__name__}: {first[:200]})", True
     if not measurements.fits(compiled):
-        measurements.reject(compiled, f"compiled: measured peak {format_bytes(peak)} + headroom does not fit")
+        measurements.reject(compiled, f"compiled: {measurements.over_budget(peak, breakdown)}")
         return chosen, (
             f"torch.compile left off: compiled, the peak is {format_bytes(peak)}, which with its headroom does not fit "
             f"(uncompiled {format_bytes(chosen['measured_peak_bytes'])}); measured in {time.perf_counter() - started:.0f} s"

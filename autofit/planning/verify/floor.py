@@ -85,9 +85,11 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
     floor = Floor(
         config=config, budget_bytes=budgets[config.key()],
         breakdown={**breakdown, **{f"headroom ({k.replace('_', ' ')})": v for k, v in causes.items()}},
-        phases=_phases(costs, config, state_bytes=persistent_bytes(breakdown)),
+        phases=floor_phases(costs, config, state_bytes=persistent_bytes(breakdown)),
     )
-    context.log(f"floor: {format_bytes(floor.budget_bytes)} measured")
+    if measurements.floor_said != floor.budget_bytes:  # stated once: a second check finding the same floor says nothing
+        context.log(f"floor without levers: {format_bytes(floor.budget_bytes)} measured")
+        measurements.floor_said = floor.budget_bytes
     if context.budget_bytes < floor.budget_bytes:
         raise InfeasibleBudget(below_floor(context, floor, measurements), floor_bytes=floor.budget_bytes, breakdown=floor.breakdown, floor=floor)
     return floor
@@ -123,7 +125,7 @@ def _predicted_budget(options: list[tuple[float, TrainingConfig]], measurements:
     return measurements.headroom.smallest_budget(options[0][0], persistent_bytes=measurements.resident_bytes)
 
 
-def _phases(costs: Costs, config: TrainingConfig, *, state_bytes: int) -> tuple[int, int] | None:
+def floor_phases(costs: Costs, config: TrainingConfig, *, state_bytes: int) -> tuple[int, int] | None:
     """(forward and backward's peak, the optimizer step's peak), each less ``state_bytes``, of ``config`` by the memory
     model; None where its traces do not say."""
     model = costs.model

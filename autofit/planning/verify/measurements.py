@@ -73,6 +73,8 @@ class Measurements:
         """What the verification's timing saw: rounds, noise, and the configurations within it of the fastest."""
         self.learned: dict[str, float] = {}
         """Precision -> measured / predicted peak, where a probe showed the model optimistic (``scale``)."""
+        self.floor_said: int | None = None
+        """The floor the log last stated (``check_floor`` runs again as precisions are traced: the same floor once)."""
         self.predicted: dict[str, float] = {}
         """Configuration key -> the cost model's peak, for keeping timers within memory (set by ``verify``)."""
         self._exact: dict[str, tuple[int, dict, int]] = {}
@@ -154,6 +156,10 @@ class Measurements:
     def fits_peak(self, peak_bytes: float, breakdown: dict[str, int]) -> bool:
         """Whether a measured peak and its headroom fit the budget (the breakdown says what of it is persistent)."""
         return self.headroom.fits(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
+
+    def over_budget(self, peak_bytes: float, breakdown: dict[str, int]) -> str:
+        """Why a measured peak does not fit, as a sum: the peak, each cause of its headroom, what they need, the budget."""
+        return self.headroom.needed_text(peak_bytes, persistent_bytes=persistent_bytes(breakdown))
 
     @property
     def model_is_exact(self) -> bool:

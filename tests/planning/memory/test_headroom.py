@@ -126,3 +126,19 @@ def test_usable_bytes_and_smallest_budget_agree_with_fits(device, is_estimated, 
     # (it steps up by a millionth while it searches)
     below = Headroom(device_type=device, estimated=is_estimated, budget_bytes=budget - 1 - budget // 10**6, context_bytes=POLICY.estimated_cuda_context_bytes)
     assert at.fits(peak, persistent_bytes=persistent) and not below.fits(peak, persistent_bytes=persistent)
+
+
+def test_a_peak_that_does_not_fit_says_the_sum_against_the_budget():
+    """"measured peak 196.11 MiB does not fit" a 200 MiB budget read as a contradiction: the line is now the sum."""
+    MiB = 2**20
+    cpu = Headroom(device_type="cpu", estimated=False, budget_bytes=200 * MiB)
+    peak = int(196.11 * MiB)
+    assert not cpu.fits(peak, persistent_bytes=0)
+    margin = POLICY.safety_margin_share * 200 * MiB
+    assert cpu.needed_text(peak, persistent_bytes=0) == (
+        f"measured peak 196.11 MiB + safety margin {margin / MiB:.2f} MiB = {(peak + margin) / MiB:.2f} MiB needed, "
+        "over the budget 200.00 MiB"
+    )
+    gpu = Headroom.estimated_cuda(22 * GiB).needed_text(21 * GiB, persistent_bytes=10 * GiB)
+    assert gpu.startswith("measured peak 21.00 GiB + context ") and " + allocator reserve " in gpu and " + fragmentation " in gpu
+    assert gpu.endswith("needed, over the budget 22.00 GiB")
