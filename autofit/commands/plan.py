@@ -282,7 +282,7 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
     if report.phases:
         split = ", ".join(f"{name} {seconds:.1f}" for name, seconds in report.phases.items() if seconds >= 0.05)
         lines.append(f"    time by step (s): {split}")
-    if report.study:
+    if report.study and not report.study_problems:
         lines.append(f"    costs and measurements kept in {report.study}")
     for problem in report.study_problems:
         lines.append(f"    note: {problem}")

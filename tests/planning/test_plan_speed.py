@@ -529,3 +529,17 @@ def test_precisions_sharing_traces_share_them_again_when_loaded_from_the_cache()
     assert loaded["fp16"].memory is loaded["bf16"].memory
     unshared = _from_store({**costs.to_store(), "shared": {}}).model.precisions
     assert unshared["fp16"].memory is not unshared["bf16"].memory
+
+
+def test_a_file_that_is_not_a_database_is_one_note_of_one_line(tmp_path):
+    """SQLAlchemy's message runs over three lines (the SQL, a link) and each load and save meets it again: the plan
+    says it once, in one line."""
+    from autofit.planning.search.space import Study
+
+    (tmp_path / "plans.db").write_text("garbage")
+    study = Study(storage=f"sqlite:///{tmp_path / 'plans.db'}", prefix="p:", name="p:budget1", strict=False, keep_trials=False)
+    assert study.load("costs") is None
+    study.save("costs", {"a": 1})
+    assert study.load("measurements") is None
+    assert len(study.problems) == 1 and "\n" not in study.problems[0], study.problems
+    assert "DatabaseError" in study.problems[0] and study.problems[0].endswith("--no-cache skips it")

@@ -497,8 +497,10 @@ class Study:
             return None
 
     def _failed(self, error: Exception) -> None:
+        # SQLAlchemy's messages run over several lines (the SQL, a link): the first says what went wrong.
+        why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
         if self.strict:
-            raise UserError(
-                f"--study {self.storage!r} cannot be opened ({type(error).__name__}: {error}); use e.g. sqlite:///plans.db"
-            ) from error
-        self.problems.append(f"the cache {self.storage} was not used ({type(error).__name__}: {error}); --no-cache skips it")
+            raise UserError(f"--study {self.storage!r} cannot be opened ({why}); use e.g. sqlite:///plans.db") from error
+        problem = f"the cache {self.storage} was not used ({why}); --no-cache skips it"
+        if problem not in self.problems:  # each store and load meets the same unusable file
+            self.problems.append(problem)
