@@ -379,7 +379,7 @@ def _blocks(names: list[str]) -> str:
 in_panels(plan, {
     "Arguments": ("model",),
     "Model": ("input_shape", "num_classes", "task", "seq_len"),
-    "Budget and batch": ("budget", "batch_size", "device", "gpus", "nodes", "host_memory"),
+    "Budget and batch": ("budget", "batch_size", "from_trainer_args", "device", "gpus", "nodes", "host_memory"),
     "Search": (
         "precisions", "allow_lossy_optimizer", "weights_dtype", "max_grad_norm", "compile_", "expandable_segments", "threads",
         "study", "no_cache",

@@ -162,6 +162,11 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
         data_changed=data_changed, verbose=not quiet,
         sources={"data": str(data) if data is not None else None, "model": model, "pack": pack, "val_fraction": val_fraction},
     )
+    if data is None and (val_fraction is not None or pack is not None):
+        flag = "--val-fraction" if val_fraction is not None else ("--pack" if pack else "--no-pack")
+        raise UserError(
+            f"{flag} shapes text given with --data, and this run takes the model file's own datasets; drop {flag}, or give --data"
+        )
     train_data = (
         cli_data(data, spec=spec, input_shape=shape, seq_len=the_plan.model.seq_len, pack=pack is not False, val_fraction=val_fraction)
         if data is not None else model_file_data(spec)

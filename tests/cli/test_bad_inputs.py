@@ -180,6 +180,8 @@ def other_rows():
     yield "train-plan-negative-budget", lambda f, p, r, t: ["train", "--plan", f / "negative_budget.json", "--data", p / "data", "--log-dir", t / "run"], "field budget_bytes", False
     yield "train-plan-absurd-batch", lambda f, p, r, t: ["train", "--plan", f / "absurd_batch.json", "--data", p / "data", "--log-dir", t / "run"], "field global_batch_size", False
     yield "train-plan-micro-above-global", lambda f, p, r, t: ["train", "--plan", f / "micro_above_global.json", "--data", p / "data", "--log-dir", t / "run"], "micro_batch_size", False
+    # Text options with the model file's own datasets were ignored without a word.
+    yield "train-val-fraction-without-data", lambda f, p, r, t: ["train", "--plan", p / "plan.json", "--model", p / "tiny.py", "--log-dir", t / "run", "--val-fraction", "0.2"], "--val-fraction shapes text given with --data", False
     yield "train-data-link-loop", lambda f, p, r, t: ["train", "--plan", p / "plan.json", "--data", f / "loop_data", "--log-dir", t / "run"], "is a symbolic link to", False
     yield "val-data-link-loop", lambda f, p, r, t: ["val", "--weights", f / "good.pt", "--data", f / "loop_data" / "val"], "is a symbolic link to", False
     yield "plot-out-read-only", lambda f, p, r, t: ["plot", "--log-dir", f / "run", "--out", r / "curves.png"], "cannot be written", True
