@@ -169,7 +169,7 @@ def step_with_recovery(applied: AppliedPlan, inputs, targets, *, loss_fn, optimi
         undo.undo(micro_batch_size=applied.micro_batch_size)
         release_device_memory(applied.device.type)
         previous = applied.micro_batch_size
-        if previous // 2 < smallest_micro_batch:
+        if smallest_micro_batch > 1 and previous // 2 < smallest_micro_batch:  # at 1, halving says so itself
             raise UserError(
                 f"out of memory at micro-batch {previous} ({message}), and the loss couples the samples of a forward: the "
                 f"plan holds at least {smallest_micro_batch} in each (its notes say why); re-plan with a lower --budget, "
