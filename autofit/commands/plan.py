@@ -7,7 +7,10 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
+from autofit.config import DeviceChoice
+from autofit.commands.common import (
+    DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, one_of, print_json,
+)
 from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.errors import UserError
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
@@ -20,7 +23,7 @@ def plan(
     model: str = MODEL_ARG,
     budget: str = typer.Option(..., "--budget", "-b", help='Memory budget: "16GB", "16GiB", "512MiB", "90%" of the device, or bytes.'),
     batch_size: int = typer.Option(..., "--batch-size", "-n", help="Global batch: samples per optimizer step (every plan keeps it)."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = typer.Option("cpu", help=f"{one_of(DeviceChoice)}."),
     simulate: bool = typer.Option(False, help="Plan with the simulated meter and FLOP-based speeds; the plan is marked estimated."),
     device_memory: str = typer.Option(None, "--device-memory", help='Total memory of a device that is not here (with --simulate), e.g. "24GiB".'),
     device_kind: str = typer.Option(
@@ -95,7 +98,7 @@ def plan(
 
     started = time.perf_counter()
     if device not in DEVICES:
-        raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+        raise UserError(f"--device {device!r} is unknown; use {one_of(DeviceChoice)}")
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     if device_memory is not None and not simulate and device == "cuda":

@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import INPUT_SHAPE, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, print_json
+from autofit.commands.common import INPUT_SHAPE, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, one_of, print_json
+from autofit.config import DeviceChoice, OptimizerStateChoice, PrecisionChoice
 from autofit.errors import UserError
 from autofit.progress import Progress, as_progress, print_progress
 from autofit.units import format_bytes
@@ -21,7 +22,7 @@ def probe(
     ),
     micro_batch_size: int = typer.Option(32, "--micro-batch-size", "-m", help="Samples per forward/backward."),
     grad_accum_steps: int = typer.Option(1, "--grad-accum-steps", "-k", help="Micro-batches per optimizer step."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
+    precision: str = typer.Option("fp32", help=f"{one_of(PrecisionChoice)}."),
     checkpoint: str = typer.Option("none", help="all, none, or block names separated by commas."),
     selective_checkpoint: str = typer.Option(
         "none", "--selective-checkpoint", help="Blocks that keep matmul/conv/attention outputs and recompute the rest: all, none, or names."
@@ -30,11 +31,13 @@ def probe(
     optimizer_in_backward: bool = typer.Option(
         False, "--optimizer-in-backward", help="Step each parameter as soon as its gradient is ready (needs -k 1, not fp16)."
     ),
-    optimizer_state: str = typer.Option("device", "--optimizer-state", help="device, host (a GPU lever) or 8bit (torchao; lossy)."),
+    optimizer_state: str = typer.Option(
+        "device", "--optimizer-state", help=f"{one_of(OptimizerStateChoice)} (host: a GPU lever; 8bit: torchao, lossy).",
+    ),
     loss_chunks: int = typer.Option(
         1, "--loss-chunks", help="A causal LM's output layer and loss in this many chunks, recomputed in backward (1: whole)."
     ),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = typer.Option("cpu", help=f"{one_of(DeviceChoice)}."),
     simulate: bool = typer.Option(False, help="Measure over fake tensors: no arithmetic, no speed."),
     steps: int = typer.Option(3, help="Optimizer steps; the first is a warm-up."),
     list_blocks: bool = typer.Option(False, "--list-blocks", help="List checkpoint candidates with their costs."),
