@@ -207,15 +207,15 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         f"  speed       {text}, {format_rate(predicted.samples_per_s)} predicted"
         + (f" ({format_rate((speed or predicted.samples_per_s) * tokens)} tokens/s at {tokens} tokens a sample)" if tokens else "")
     )
-    if unconstrained:
-        reference = unconstrained.get("samples_per_s") or unconstrained["predicted_samples_per_s"]
+    if unconstrained is not None:
+        reference = unconstrained.samples_per_s or unconstrained.predicted_samples_per_s
         mine = speed or predicted.samples_per_s
-        kind = "measured" if unconstrained.get("samples_per_s") else "predicted"
-        peak = unconstrained.get("peak_bytes") or unconstrained["predicted_peak_bytes"]
-        peak_kind = "" if unconstrained.get("peak_measured", True) else " predicted"
+        kind = "measured" if unconstrained.samples_per_s else "predicted"
+        peak = unconstrained.peak_bytes or unconstrained.predicted_peak_bytes
+        peak_kind = "" if unconstrained.peak_measured else " predicted"
         lines.append(
-            f"              {mine / reference:.2f}x the unconstrained configuration ({unconstrained['precision']}, micro-batch "
-            f"{unconstrained['micro_batch_size']}, no checkpointing: {format_rate(reference)} samples/s {kind}, peak {format_bytes(peak)}{peak_kind})"
+            f"              {mine / reference:.2f}x the unconstrained configuration ({unconstrained.precision}, micro-batch "
+            f"{unconstrained.micro_batch_size}, no checkpointing: {format_rate(reference)} samples/s {kind}, peak {format_bytes(peak)}{peak_kind})"
         )
     for precision, why in report.excluded_precisions.items():
         lines.append(f"  left out    {precision}: {why}")
