@@ -1,12 +1,19 @@
-"""The search is a pure function of a cost model, the usable bytes and what is allowed: no model, no context."""
+"""The planning hand-off, one way: the search is a pure function of a cost model, the usable bytes and what is
+allowed (no model, no context); the verification returns what it learnt instead of changing the cost model."""
 import copy
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
+import pytest
+
+from autofit.config import TrainingConfig
 from autofit.planning.costs import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts
 from autofit.planning.memory.segments import Segment
 from autofit.planning.memory.traces import MemoryTrace
+from autofit.planning.records import Measurement
 from autofit.planning.search.space import Allowed, score_all
+from autofit.planning.verify.candidates import verify
 
 
 def trace(micro_batch_size: int) -> MemoryTrace:
@@ -64,3 +71,47 @@ def test_one_record_answers_another_batch():
     bigger = best(score_all(replace(model, global_batch_size=16), usable_bytes=10_000, allowed=ALLOWED))
     assert bigger.config.global_batch_size == 16 and bigger.config.grad_accum_steps == 2
     assert best(score_all(model, usable_bytes=10_000, allowed=ALLOWED)).config.grad_accum_steps == 1
+
+
+class GpuMeter:
+    """``Measurements`` as ``verify`` reads it, on a GPU whose allocator holds 1.5 times the 8 000 bytes the cost
+    model predicts for the whole batch in one micro-batch (the one candidate here): it fits, and the race keeps
+    the predicted order."""
+
+    slack, model_is_exact = 0.0, False
+
+    def __init__(self) -> None:
+        self.peaks, self.predicted = {}, {}
+
+    def usable_bytes(self, precision=None) -> float:
+        return 10_000.0
+
+    def scale(self, precision) -> float:
+        return 1.0
+
+    def checked_peak(self, config, fresh=False):
+        peak = 12_000
+        self.peaks[config.key()] = {"peak_bytes": peak, "breakdown": {}}
+        return peak, None
+
+    def fits(self, config) -> bool:
+        return True
+
+    def race(self, configs, reference=None):
+        return configs
+
+    def result(self, config) -> Measurement:
+        return Measurement(peak_bytes=self.peaks[config.key()]["peak_bytes"], samples_per_s=1.0, meter="cuda")
+
+
+def test_verify_returns_its_calibration_and_leaves_the_cost_model_alone():
+    model = hand_built()
+    evaluations = score_all(model, usable_bytes=10_000, allowed=ALLOWED)
+    context = SimpleNamespace(simulate=False, device="cuda", tie=0.02, log=lambda line: None)
+    chosen = verify(
+        context, model, evaluations, floor_config=TrainingConfig(global_batch_size=8, micro_batch_size=1), floor_bytes=0,
+        measurements=GpuMeter(),
+    )
+    assert chosen.config.micro_batch_size == 8 and chosen.measurement.meter == "cuda"
+    assert chosen.memory_scale == pytest.approx(1.5)  # learnt from the measured peaks, returned as a value
+    assert model.memory_scale == 1.0  # the planner folds it in; verify changed nothing it did not make
