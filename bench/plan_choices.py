@@ -4,6 +4,10 @@ A refactor of the planner must leave every row the same (issue #51's contract): 
 and diff the two outputs. Simulated (no timing noise) and without the cache, so a row depends on the code alone.
 
     AUTOFIT_TIMING=short python bench/plan_choices.py > before.txt
+    AUTOFIT_TIMING=short python bench/plan_choices.py layout_unet 0.35   # one model, one budget share
+
+On the CPU a simulated plan's speeds rest on a matmul rate measured as it runs (``speed.estimated.roofline_rates``),
+so a point within a few percent of another can swap with the machine's load: rerun a row that differs.
 """
 from __future__ import annotations
 
@@ -55,8 +59,10 @@ def describe(config) -> str:
     return " ".join(parts)
 
 
-def main() -> None:
+def main(names: list[str], only_share: float | None) -> None:
     for name, build, batch, shares, extra in CASES:
+        if names and name not in names:
+            continue
         spec = build()
         request = dict(batch_size=batch, simulate=True, cache=False, **extra)
         if extra.get("device") == "cuda":
@@ -66,6 +72,8 @@ def main() -> None:
         peak = free.plan.measured.peak_bytes
         print(f"{name:18s} free      {describe(free.plan.config)} peak={peak}", flush=True)
         for share in shares:
+            if only_share is not None and share != only_share:
+                continue
             budget = int(peak * share)
             try:
                 config = describe(plan_with_report(spec, PlanRequest(budget=budget, **request)).plan.config)
@@ -75,4 +83,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    shares = [float(a) for a in sys.argv[1:] if a.replace(".", "", 1).isdigit()]
+    main([a for a in sys.argv[1:] if not a.replace(".", "", 1).isdigit()], shares[0] if shares else None)
