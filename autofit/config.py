@@ -20,12 +20,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from autofit.errors import UserError
 from strategies.batch_split import BatchSplitConfig, micro_batch_count
-from strategies.optimizer_state import OptimizerStateConfig
-from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, PrecisionConfig
-from strategies.sharding import ShardingConfig
+from strategies.optimizer_state import OptimizerStateChoice, OptimizerStateConfig
+from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, PrecisionChoice, PrecisionConfig
+from strategies.sharding import ShardingChoice, ShardingConfig
+
+__all__ = [
+    "BLOCK_MODES", "DeviceChoice", "MAX_LOSS_CHUNKS", "OptimizerStateChoice", "PrecisionChoice", "ShardingChoice",
+    "TrainingConfig", "WeightsDtypeChoice", "block_names", "step_in_backward_refusal",
+]
+
+DeviceChoice = Literal["cpu", "cuda"]
+"""The device a plan is for (``--device``)."""
+WeightsDtypeChoice = Literal["fp32", "config"]
+"""The weights' dtype on the device (``--weights-dtype``): fp32 whatever the model's config names, or the config's."""
 
 MAX_LOSS_CHUNKS = 1024
 """The most chunks a loss may be cut into (more only adds per-chunk overhead)."""
@@ -42,8 +53,9 @@ class TrainingConfig:
     """Samples per optimizer step over all processes; a plan never changes it."""
     micro_batch_size: int
     """Samples per forward/backward in one process."""
-    precision: str = "fp32"
-    """"fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)."""
+    precision: PrecisionChoice = "fp32"
+    """"fp32", "bf16" (autocast), "fp16" (autocast + GradScaler), "bf16-master" (bf16 weights on the device, their fp32
+    master and the optimizer's state on the host) or "bf16-pure" (bf16 weights and state, stochastic rounding; lossy)."""
     checkpoint: tuple[str, ...] = ()
     """Block names whose whole forward recomputes in backward (("all",) for every candidate)."""
     selective_checkpoint: tuple[str, ...] = ()
@@ -54,11 +66,11 @@ class TrainingConfig:
     optimizer_in_backward: bool = False
     """Step each parameter as soon as backward has its gradient, so gradients never all exist at
     once. Needs one micro-batch per step, one process, and no fp16 (``step_in_backward_refusal``)."""
-    optimizer_state: str = "device"
+    optimizer_state: OptimizerStateChoice = "device"
     """Where the optimizer's state lives: "device", "host" (update on the host; a GPU lever: on the
     CPU its host tensors are counted apart as host bytes) or "8bit" (torchao's 8-bit AdamW; lossy,
     a declared choice)."""
-    sharding: str = "none"
+    sharding: ShardingChoice = "none"
     """"none", "ddp", "fsdp" or "hsdp" (``strategies.sharding``)."""
     world_size: int = 1
     """Processes training together."""

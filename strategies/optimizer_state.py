@@ -24,6 +24,7 @@ import logging
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -33,12 +34,14 @@ from autofit.errors import UserError
 from autofit.measure.host import host_allocation
 from strategies.base import OptimizerBuilder, Strategy
 
-OPTIMIZER_STATES = ("device", "host", "8bit")
+OptimizerStateChoice = Literal["device", "host", "8bit"]
+"""Where the optimizer's state lives: the closed set the plan file, ``TrainingConfig`` and the CLI share."""
+OPTIMIZER_STATES: tuple[OptimizerStateChoice, ...] = get_args(OptimizerStateChoice)
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerStateConfig:
-    optimizer_state: str = "device"
+    optimizer_state: OptimizerStateChoice = "device"
     """"device", "host" (state and update on the host) or "8bit" (torchao's 8-bit AdamW; lossy)."""
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ what bf16 cannot hold, on average exactly, so it is lossy and searched only with
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, get_args
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -20,11 +21,13 @@ import torch
 from autofit.errors import UserError
 from strategies.base import Strategy
 
-MASTER_WEIGHTS = "bf16-master"
+PrecisionChoice = Literal["fp32", "bf16", "fp16", "bf16-master", "bf16-pure"]
+"""A configuration's precision: the closed set the plan file, ``TrainingConfig`` and the CLI share."""
+MASTER_WEIGHTS: PrecisionChoice = "bf16-master"
 """bf16 weights on the device, their fp32 master copy and the optimizer's state on the host."""
-PURE_BF16 = "bf16-pure"
+PURE_BF16: PrecisionChoice = "bf16-pure"
 """bf16 weights and AdamW state on the device, updated with stochastic rounding (torchao): lossy, a declared choice."""
-PRECISIONS = ("fp32", "bf16", "fp16", MASTER_WEIGHTS, PURE_BF16)
+PRECISIONS: tuple[PrecisionChoice, ...] = get_args(PrecisionChoice)
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, MASTER_WEIGHTS: torch.bfloat16, PURE_BF16: torch.bfloat16}
 
 
@@ -37,7 +40,7 @@ def precision_dtype(precision: str) -> torch.dtype | None:
 
 @dataclass(kw_only=True, slots=True)
 class PrecisionConfig:
-    precision: str = "fp32"
+    precision: PrecisionChoice = "fp32"
     """One of "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler) or "bf16-master" (bf16 autocast over bf16
     weights, their fp32 master and the optimizer on the host)."""
 

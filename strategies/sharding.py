@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -20,7 +21,9 @@ from strategies.base import Strategy
 from strategies.checkpointing import checkpoint_candidates
 from strategies.precision import PRECISIONS, precision_dtype
 
-SHARDINGS = ("none", "ddp", "fsdp", "hsdp")
+ShardingChoice = Literal["none", "ddp", "fsdp", "hsdp"]
+"""How a plan spreads over processes: the closed set the plan file, ``TrainingConfig`` and the CLI share."""
+SHARDINGS: tuple[ShardingChoice, ...] = get_args(ShardingChoice)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,7 +32,7 @@ class ShardingConfig:
 
     world_size: int = 1
     """Processes (one per GPU) that train together."""
-    sharding: str = "none"
+    sharding: ShardingChoice = "none"
     """"none" (one process), "ddp" (every rank holds the whole model), "fsdp" (FSDP2: parameters,
     gradients and optimizer state divided over the ranks) or "hsdp" (FSDP2 within each node, replicated across nodes)."""
     nodes: int = 1

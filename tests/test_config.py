@@ -92,3 +92,24 @@ def test_the_accumulation_formula_and_the_step_in_backward_rule_are_written_once
             if division.search(line) or rule.search(line):
                 found.append(f"{path.relative_to(ROOT)}: {line.strip()}")
     assert found == ["strategies/batch_split.py: return max(1, -(-largest_share // micro_batch_size))"]
+
+
+def test_closed_choices_are_literal_types_the_checks_and_the_cli_share():
+    """precision, optimizer state and sharding are ``Literal`` types: their values are the ones each strategy
+    accepts, and the flags' help lists them from the same type (a value added there shows up everywhere)."""
+    from typing import get_args, get_type_hints
+
+    from autofit.commands.common import one_of
+    from autofit.config import OptimizerStateChoice, PrecisionChoice, ShardingChoice
+    from autofit.planning.request import PlanRequest
+    from strategies.optimizer_state import OPTIMIZER_STATES
+    from strategies.precision import PRECISIONS
+    from strategies.sharding import SHARDINGS
+
+    hints = get_type_hints(TrainingConfig)
+    assert (hints["precision"], hints["optimizer_state"], hints["sharding"]) == (PrecisionChoice, OptimizerStateChoice, ShardingChoice)
+    assert (get_args(PrecisionChoice), get_args(OptimizerStateChoice), get_args(ShardingChoice)) == (PRECISIONS, OPTIMIZER_STATES, SHARDINGS)
+    assert get_args(get_type_hints(PlanRequest)["device"]) == ("cpu", "cuda")
+    assert one_of(PrecisionChoice) == "fp32, bf16, fp16, bf16-master or bf16-pure"
+    with pytest.raises(UserError, match="choose one of fp32, bf16, fp16, bf16-master, bf16-pure"):
+        TrainingConfig(global_batch_size=8, micro_batch_size=8, precision="fp8")

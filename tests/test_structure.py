@@ -109,3 +109,15 @@ def test_no_test_module_imports_another():
             imported = [name for name in names if name.startswith("tests.")]
             found += [f"{path.relative_to(ROOT)}: {n}" for n in imported if n.rpartition(".")[2].startswith("test_") or n == "tests.conftest"]
     assert found == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A ``_name`` is its module's own: others go through its public names (torch's private API only through
+    ``autofit._torch_private``, whose own names are public)."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules and node.module != name:
+                found += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []

@@ -6,12 +6,21 @@ import inspect
 import json
 import sys
 from collections.abc import Callable
+from typing import get_args
 
 import typer
 
+from autofit.config import DeviceChoice
 from autofit.units import format_bytes
 
-DEVICES = ("cpu", "cuda")
+DEVICES: tuple[DeviceChoice, ...] = get_args(DeviceChoice)
+
+
+def one_of(choices) -> str:
+    """A closed choice's values as a help text gives them: "cpu or cuda", "device, host or 8bit" (``choices``: a
+    ``Literal`` alias of ``autofit.config``, so the flags say what the plan file and ``TrainingConfig`` accept)."""
+    values = get_args(choices)
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
 
 MODEL_ARG = typer.Argument(
     ..., help="A model file defining build_model() and example_batch(n), torchvision:NAME, timm:NAME or hf:DIR (a transformers config)."

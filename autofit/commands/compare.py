@@ -10,7 +10,8 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec
+from autofit.commands.common import DEVICES, INPUT_SHAPE, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, one_of
+from autofit.config import DeviceChoice
 from autofit.errors import UserError
 
 
@@ -21,7 +22,7 @@ def compare(
     budget: str = typer.Option(None, "--budget", "-b", help='Adds autofit\'s own plan at this budget, e.g. "64MB" or "16GiB".'),
     data: str = typer.Option(None, "--data", help="An image folder (train/ and val/ inside, or class folders) to train each row on."),
     train_steps: int = typer.Option(0, "--train-steps", help="Optimizer steps each row trains with --data."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = typer.Option("cpu", help=f"{one_of(DeviceChoice)}."),
     steps: int = typer.Option(2, help="Probe steps per row for its peak; the first is a warm-up."),
     rounds: int = typer.Option(3, "--rounds", help="Speed: timing rounds, each one step of every row (interleaved)."),
     all_rows: bool = typer.Option(False, "--all-rows", help="Also the AMP rows a first look finds far slower than fp32 (fp16 on a CPU)."),
@@ -43,8 +44,8 @@ def compare(
     from autofit.progress import print_progress
     from autofit.units import parse_budget
 
-    if device not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+    if device not in DEVICES:
+        raise UserError(f"--device {device!r} is unknown; use {one_of(DeviceChoice)}")
     info = device_info(device)  # one line when no GPU is visible
     budget_bytes = None if budget is None else parse_budget(budget, device_total_bytes=info.total_bytes)
     if data is not None and train_steps < 1:

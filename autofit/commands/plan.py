@@ -7,7 +7,10 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, in_panels, load_model_spec, print_json
+from autofit.config import DeviceChoice
+from autofit.commands.common import (
+    DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, in_panels, load_model_spec, one_of, print_json,
+)
 from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.errors import UserError
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
@@ -27,7 +30,7 @@ def plan(
         help="A transformers TrainingArguments JSON or a Lightning config: plan the run it describes (its global batch over "
         "--gpus x --nodes, precision, optimizer, clipping; docs/integrations.md).",
     ),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = typer.Option("cpu", help=f"{one_of(DeviceChoice)}."),
     simulate: bool = typer.Option(False, help="Plan with the simulated meter and FLOP-based speeds; the plan is marked estimated."),
     device_memory: str = typer.Option(None, "--device-memory", help='Total memory of a device that is not here (with --simulate), e.g. "24GiB".'),
     device_kind: str = typer.Option(
@@ -103,7 +106,7 @@ def plan(
 
     started = time.perf_counter()
     if device not in DEVICES:
-        raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+        raise UserError(f"--device {device!r} is unknown; use {one_of(DeviceChoice)}")
     run = None
     if from_trainer_args is not None:
         from autofit.integrations.trainer_args import plan_options, read_trainer_args
@@ -229,15 +232,15 @@ def summary_lines(report, *, path: Path | None = None) -> list[str]:
         f"  speed       {text}, {format_rate(predicted.samples_per_s)} predicted"
         + (f" ({format_rate((speed or predicted.samples_per_s) * tokens)} tokens/s at {tokens} tokens a sample)" if tokens else "")
     )
-    if unconstrained:
-        reference = unconstrained.get("samples_per_s") or unconstrained["predicted_samples_per_s"]
+    if unconstrained is not None:
+        reference = unconstrained.samples_per_s or unconstrained.predicted_samples_per_s
         mine = speed or predicted.samples_per_s
-        kind = "measured" if unconstrained.get("samples_per_s") else "predicted"
-        peak = unconstrained.get("peak_bytes") or unconstrained["predicted_peak_bytes"]
-        peak_kind = "" if unconstrained.get("peak_measured", True) else " predicted"
+        kind = "measured" if unconstrained.samples_per_s else "predicted"
+        peak = unconstrained.peak_bytes or unconstrained.predicted_peak_bytes
+        peak_kind = "" if unconstrained.peak_measured else " predicted"
         lines.append(
-            f"              {mine / reference:.2f}x the unconstrained configuration ({unconstrained['precision']}, micro-batch "
-            f"{unconstrained['micro_batch_size']}, no checkpointing: {format_rate(reference)} samples/s {kind}, peak {format_bytes(peak)}{peak_kind})"
+            f"              {mine / reference:.2f}x the unconstrained configuration ({unconstrained.precision}, micro-batch "
+            f"{unconstrained.micro_batch_size}, no checkpointing: {format_rate(reference)} samples/s {kind}, peak {format_bytes(peak)}{peak_kind})"
         )
     for precision, why in report.excluded_precisions.items():
         lines.append(f"  left out    {precision}: {why}")

@@ -9,11 +9,11 @@ from pathlib import Path
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import INPUT_SHAPE, LORA, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, print_json
+from autofit.commands.common import INPUT_SHAPE, LORA, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, breakdown_lines, one_of, print_json
+from autofit.config import DeviceChoice, OptimizerStateChoice, PrecisionChoice
 from autofit.errors import UserError
 from autofit.progress import Progress, as_progress, print_progress
 from autofit.units import format_bytes
-from strategies.precision import PRECISIONS
 
 
 @app.command()
@@ -25,7 +25,7 @@ def probe(
     micro_batch_size: int = typer.Option(32, "--micro-batch-size", "-m", help="Samples per forward/backward."),
     grad_accum_steps: int = typer.Option(1, "--grad-accum-steps", "-k", help="Micro-batches per optimizer step."),
     precision: str = typer.Option(
-        "fp32", help=f"{', '.join(PRECISIONS)}: autocast (bf16, fp16), or the weights in bf16 with an fp32 master on the "
+        "fp32", help=f"{one_of(PrecisionChoice)}: autocast (bf16, fp16), or the weights in bf16 with an fp32 master on the "
         "host (bf16-master) or none (bf16-pure, lossy).",
     ),
     checkpoint: str = typer.Option("none", help="all, none, or block names separated by commas."),
@@ -36,7 +36,9 @@ def probe(
     optimizer_in_backward: bool = typer.Option(
         False, "--optimizer-in-backward", help="Step each parameter as soon as its gradient is ready (needs -k 1, not fp16)."
     ),
-    optimizer_state: str = typer.Option("device", "--optimizer-state", help="device, host (a GPU lever) or 8bit (torchao; lossy)."),
+    optimizer_state: str = typer.Option(
+        "device", "--optimizer-state", help=f"{one_of(OptimizerStateChoice)} (host: a GPU lever; 8bit: torchao, lossy).",
+    ),
     loss_chunks: int = typer.Option(
         1, "--loss-chunks", help="A causal LM's output layer and loss in this many chunks, recomputed in backward (1: whole)."
     ),
@@ -45,7 +47,7 @@ def probe(
     ),
     compile_: bool = typer.Option(False, "--compile", help="torch.compile the model (measured on the device; not with --simulate)."),
     max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Clip the gradients' global norm to this, as training will."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = typer.Option("cpu", help=f"{one_of(DeviceChoice)}."),
     simulate: bool = typer.Option(False, help="Measure over fake tensors: no arithmetic, no speed."),
     device_kind: str | None = typer.Option(
         None, "--device-kind",

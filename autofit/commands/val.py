@@ -4,7 +4,8 @@ from __future__ import annotations
 import typer
 
 from autofit.cli import app
-from autofit.commands.common import print_json
+from autofit.commands.common import DEVICES, one_of, print_json
+from autofit.config import DeviceChoice
 from autofit.errors import UserError
 
 
@@ -15,15 +16,15 @@ def val(
         None, "--data", help="An image folder of class folders, e.g. data/digits/val; default the model file's val_dataset()."
     ),
     batch_size: int = typer.Option(256, "--batch-size", help="Samples per forward."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = typer.Option("cpu", help=f"{one_of(DeviceChoice)}."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Accuracy, macro and per-class precision/recall/F1, and the confusion matrix (without --data: loss, accuracy or perplexity)."""
     from autofit.tools.evaluate import format_evaluation, format_scores, validate_model_data, validate_weights
     from autofit.device import device_info
 
-    if device not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r} is unknown; use cpu or cuda")
+    if device not in DEVICES:
+        raise UserError(f"--device {device!r} is unknown; use {one_of(DeviceChoice)}")
     if device == "cuda":
         device_info("cuda")  # one line when no GPU is visible
     if data is None:  # the model file's own validation data: any input form, any output

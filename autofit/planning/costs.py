@@ -328,10 +328,10 @@ class CostModel:
             precisions[name] = PrecisionCosts(
                 precision=costs["precision"],
                 memory=MemoryCosts(
-                    low=_trace_from_dict(memory["low"]),
-                    high=_trace_from_dict(memory["high"]),
-                    middle=_trace_from_dict(middle) if middle else None,
-                    floor=_trace_from_dict(memory["floor"]) if memory.get("floor") else None,
+                    low=memory_trace_from_dict(memory["low"]),
+                    high=memory_trace_from_dict(memory["high"]),
+                    middle=memory_trace_from_dict(middle) if middle else None,
+                    floor=memory_trace_from_dict(memory["floor"]) if memory.get("floor") else None,
                 ),
                 speed=SpeedCosts(**costs["speed"]),
             )
@@ -339,7 +339,8 @@ class CostModel:
         return cls(precisions=precisions, **rest)
 
 
-def _trace_from_dict(data: dict) -> MemoryTrace:
+def memory_trace_from_dict(data: dict) -> MemoryTrace:
+    """A ``MemoryTrace`` from its ``to_dict`` (a study or the cache keeps it so)."""
     fields_ = dict(data)
     fields_["segments"] = [Segment(**s) for s in data["segments"]]
     fields_["levers"] = lever_trace_from_dict(data.get("levers"))

@@ -36,7 +36,9 @@ from autofit.errors import UserError
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
-from autofit.planning.costs import CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs, scaled_trace
+from autofit.planning.costs import (
+    CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs, memory_trace_from_dict, scaled_trace,
+)
 from autofit.planning.speed.estimated import flop_speed_costs
 from autofit.planning.memory.levers import add_eight_bit, add_nf4
 from autofit.planning.memory.nf4 import nf4_record, nf4_weight_dtype
@@ -138,12 +140,10 @@ def stored_or_new(context: PlanContext) -> Costs:
 
 
 def _from_store(stored: dict) -> Costs:
-    from autofit.planning.costs import _trace_from_dict
-
     costs = Costs(
         model=CostModel.from_dict(stored["cost_model"]), micro_batch_sizes=list(stored["micro_batch_sizes"]),
         speeds={p: SpeedCosts(**s) for p, s in stored["speeds"].items()},
-        low_only={p: _low_memory(_trace_from_dict(m["low"])) for p, m in stored["low_only"].items()},
+        low_only={p: _low_memory(memory_trace_from_dict(m["low"])) for p, m in stored["low_only"].items()},
         notes=dict(stored["notes"]), shared=dict(stored["shared"]), update_seconds=dict(stored.get("update_seconds", {})), resumed=True,
     )
     if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory.traces()):

@@ -51,7 +51,8 @@ from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
 from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
-from autofit.planning.verify.below_floor import BelowLeverFloor, Levers, lever_search, plan_with_levers, searched_lever_notes
+from autofit.planning.verify.below_floor import BelowLeverFloor, plan_with_levers, searched_lever_notes
+from autofit.planning.lever_timings import Levers, lever_search
 from autofit.planning.coupling import check_rank_share, kept_together
 from autofit.planning.modelling import (
     Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
@@ -271,6 +272,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             context, costs.model, evaluations, floor_config=floor.config, floor_bytes=floor.budget_bytes,
             measurements=measurements, reference=reference, levers=search,
         )
+        costs.model = replace(costs.model, memory_scale=chosen.memory_scale)  # what the measurements calibrated
     compile_note = None
     if context.compile and levers is not None:  # one process (several: the configuration refuses compile)
         with context.phase("compile"):
@@ -282,8 +284,8 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=unconstrained,
             usable_bytes=measurements.usable_by_precision(), verified=measurements.verified,
         )
-        if chosen["config"].levers() or chosen["config"].precision in (MASTER_WEIGHTS, PURE_BF16):
-            plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(costs.model, chosen["config"], search)])
+        if chosen.config.levers() or chosen.config.precision in (MASTER_WEIGHTS, PURE_BF16):
+            plan = replace(plan, notes=[*plan.notes, *searched_lever_notes(costs.model, chosen.config, search)])
         if compile_note:
             plan = replace(plan, notes=[*plan.notes, compile_note])
         context.study.save("measurements", measurements.to_store())
@@ -344,12 +346,13 @@ def _searched_below_floor(
             )
         except UserError:  # nothing the search found fits as measured: the ladder's plan (or the refusal) stands
             return None
-    if chosen["config"].key() == fallback.key():
+        costs.model = replace(costs.model, memory_scale=chosen.memory_scale)  # what the measurements calibrated
+    if chosen.config.key() == fallback.key():
         return None
     if plan is not None:
         speed, ladder_speed = (
-            (chosen["predicted_samples_per_s"], plan.predicted.samples_per_s) if context.simulate
-            else (chosen["measured_samples_per_s"], plan.measured.samples_per_s)
+            (chosen.candidate.predicted_samples_per_s, plan.predicted.samples_per_s) if context.simulate
+            else (chosen.measurement.samples_per_s, plan.measured.samples_per_s)
         )
         if not speed or not ladder_speed or speed <= ladder_speed:
             return None
@@ -361,13 +364,13 @@ def _searched_below_floor(
                  "micro-batches a step, and the step in backward needs one)")
     with context.phase("write"):
         plan = write_plan(
-            context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained={},
+            context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=None,
             usable_bytes=measurements.usable_by_precision(), verified=measurements.verified,
         )
         plan = replace(plan, notes=[
             *plan.notes,
             f"below the floor without levers ({format_bytes(below.floor_bytes)}): the search with the memory levers found {found}",
-            *(searched_lever_notes(costs.model, chosen["config"], search) if chosen["config"].levers() else []),
+            *(searched_lever_notes(costs.model, chosen.config, search) if chosen.config.levers() else []),
         ])
         context.study.save("measurements", measurements.to_store())
     return PlanReport(

@@ -14,10 +14,10 @@ import torch
 
 from autofit.version import __version__
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
-from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
 from autofit.planning.costs import CostModel
 from autofit.planning.search.space import Evaluation
+from autofit.planning.records import Unconstrained, Verified
 from autofit.spec import model_fingerprint
 from autofit.units import format_bytes
 
@@ -32,7 +32,7 @@ class PlanReport:
     excluded_precisions: dict[str, str] = field(default_factory=dict)
     """Precision -> why it was left out."""
     precision_notes: dict[str, str] = field(default_factory=dict)
-    unconstrained: dict = field(default_factory=dict)
+    unconstrained: Unconstrained | None = None
     """The fastest configuration with no budget, and its measured speed."""
     sampler: str = ""
     evaluations: int = 0
@@ -75,9 +75,9 @@ def write_plan(
     context: PlanContext,
     model: CostModel,
     *,
-    chosen: dict,
+    chosen: Verified,
     evaluations: list[Evaluation],
-    unconstrained: dict,
+    unconstrained: Unconstrained | None,
     usable_bytes: float | dict[str, float],
     verified: dict[str, dict],
 ) -> Plan:
@@ -88,33 +88,32 @@ def write_plan(
             for the alternatives that were not measured.
         verified: configuration key -> what was measured of it (``Measurements.verified``).
     """
-    config: TrainingConfig = chosen["config"]
+    config, measurement = chosen.config, chosen.measurement
     measured = Measured(
-        peak_bytes=int(chosen["measured_peak_bytes"]),
-        samples_per_s=chosen["measured_samples_per_s"],
-        meter=chosen["meter"],
-        breakdown=chosen.get("breakdown", {}),
+        peak_bytes=int(measurement.peak_bytes),
+        samples_per_s=measurement.samples_per_s,
+        meter=measurement.meter,
+        breakdown=measurement.breakdown,
         # What training needs to run as fast as this was timed (``autofit.training.threads``).
-        threads=context.threads if context.device == "cpu" and chosen["measured_samples_per_s"] else None,
-        noise=chosen.get("measured_noise"),
-        host_peak_bytes=chosen.get("host_peak_bytes") or None,
+        threads=context.threads if context.device == "cpu" and measurement.samples_per_s else None,
+        noise=measurement.noise,
+        host_peak_bytes=measurement.host_peak_bytes or None,
     )
-    measured.unconstrained = {
-        key: unconstrained.get(key)
-        for key in ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "peak_measured", "samples_per_s")
-    }
-    if unconstrained.get("samples_per_s") and chosen["measured_samples_per_s"]:
-        measured.relative_to_unconstrained = chosen["measured_samples_per_s"] / unconstrained["samples_per_s"]
+    measured.unconstrained = unconstrained.for_plan() if unconstrained is not None else dict.fromkeys(
+        ("precision", "micro_batch_size", "grad_accum_steps", "peak_bytes", "peak_measured", "samples_per_s")
+    )
+    if unconstrained is not None and unconstrained.samples_per_s and measurement.samples_per_s:
+        measured.relative_to_unconstrained = measurement.samples_per_s / unconstrained.samples_per_s
     return Plan(
         **plan_basics(context, output_shape=model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size),
         config=config,
         estimated=context.simulate,
         predicted=Predicted(
-            peak_bytes=int(chosen["predicted_peak_bytes"]),
-            samples_per_s=chosen["predicted_samples_per_s"],
+            peak_bytes=int(chosen.candidate.predicted_peak_bytes),
+            samples_per_s=chosen.candidate.predicted_samples_per_s,
         ),
         measured=measured,
-        headroom=chosen["headroom"],
+        headroom=measurement.headroom,
         alternatives=_alternatives(context, model, evaluations, chosen=chosen, usable_bytes=usable_bytes, verified=verified),
     )
 
@@ -137,7 +136,7 @@ def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_si
 
 
 def _alternatives(
-    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: dict, usable_bytes: float | dict[str, float],
+    context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: Verified, usable_bytes: float | dict[str, float],
     verified: dict
 ) -> list[dict]:
     """The Pareto front (less memory, more samples/s) of every configuration the search scored.
@@ -157,13 +156,13 @@ def _alternatives(
         if point[2] > best_speed:
             front.append(point)
             best_speed = point[2]
-    config: TrainingConfig = chosen["config"]
+    config = chosen.config
     if not any(p[0].key() == config.key() for p in front):
         # Chosen by measurement though the model ranked it lower: list it with the front.
-        front.append((config, chosen["predicted_peak_bytes"], chosen["predicted_samples_per_s"]))
+        front.append((config, chosen.candidate.predicted_peak_bytes, chosen.candidate.predicted_samples_per_s))
         front.sort(key=lambda p: (p[1], -p[2]))
     measured_chosen = {
-        "measured_peak_bytes": chosen["measured_peak_bytes"], "measured_samples_per_s": chosen["measured_samples_per_s"], "fits": True,
+        "measured_peak_bytes": chosen.measurement.peak_bytes, "measured_samples_per_s": chosen.measurement.samples_per_s, "fits": True,
     }
     chosen_key = config.key()
     alternatives = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autofit.config import DeviceChoice, PrecisionChoice, WeightsDtypeChoice
 from autofit.errors import UserError
 
 
@@ -26,7 +27,7 @@ class PlanRequest:
     """"16GB", "16GiB", "512MiB", "90%" (of the device) or bytes; per GPU when ``gpus`` > 1."""
     batch_size: int
     """The global batch (samples per optimizer step); every plan keeps it."""
-    device: str = "cpu"
+    device: DeviceChoice = "cpu"
     """"cpu" or "cuda"."""
     simulate: bool = False
     """Plan with the simulated meter and FLOP-based speeds (the plan is marked estimated)."""
@@ -38,7 +39,7 @@ class PlanRequest:
     host_memory: str | int | None = None
     """Host memory a GPU plan may spend (host state, bf16 weights' masters, offload): "128GiB" or bytes. None: the
     memory available on this machine now (simulating a GPU that is not here: this machine's, stated as assumed)."""
-    precisions: tuple[str, ...] | None = None
+    precisions: tuple[PrecisionChoice, ...] | None = None
     """The precisions to search; None: all the device runs."""
     gpus: int = 1
     """Processes (GPUs) to train on: DDP when the model fits unsharded, FSDP2 otherwise; on each node when ``nodes`` > 1."""
@@ -52,7 +53,7 @@ class PlanRequest:
     host_speed: float | None = None
     """Parameter elements per second the host of the machine that trains updates with the model's optimizer (its
     fp32 AdamW step on that CPU), for the host-state and bf16-master levers' time; None: timed on this machine's CPU."""
-    weights_dtype: str = "fp32"
+    weights_dtype: WeightsDtypeChoice = "fp32"
     """"fp32": fp32 weights on the device (bf16-master's bf16 copies aside), whatever the model's config names, the
     precision setting the arithmetic. "config": the dtype the config names (``ModelSpec.config_dtype``): bf16 there
     is precision bf16-pure alone, its stochastic rounding declared by this choice; fp32 (or none named) changes

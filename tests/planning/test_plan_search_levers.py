@@ -8,7 +8,7 @@ from autofit.config import TrainingConfig
 from autofit.measure.probe import probe, probe_plan
 from autofit.commands.plan import summary_lines
 from autofit.measure.optimizer_speed import UpdateCost
-from autofit.planning.verify import below_floor as levers
+from autofit.planning import lever_timings as levers
 from autofit.planning.speed.levers import UpdateTime
 from autofit.planning.planner import plan_with_report
 from autofit.planning.request import PlanRequest
@@ -32,7 +32,7 @@ def test_step_in_backward_lets_the_whole_batch_fit_above_the_floor(monkeypatch):
     call against FLOP-estimated steps of a few milliseconds, decides it either way by the load of the moment;
     tests/planning/speed/test_lever_costs.py prices it high and sees checkpointing chosen)."""
     from autofit.measure.optimizer_speed import UpdateCost
-    from autofit.planning.verify import below_floor as levers
+    from autofit.planning import lever_timings as levers
 
     monkeypatch.setattr(levers, "time_step_in_backward", lambda build, device: UpdateCost(per_tensor_seconds=1e-6, per_element_seconds=0.0))
     spec = conv_then_wide_spec()

@@ -8,6 +8,7 @@ from autofit.commands.plan import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.search.space import Evaluation
 from autofit.planning.report import PlanReport, _alternatives
+from autofit.planning.records import Candidate, Measurement, Verified
 
 CHOSEN = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=("b0",))
 
@@ -32,10 +33,10 @@ def alternatives() -> list[dict]:
         "fp32:2:": {"measured_peak_bytes": 110, "measured_samples_per_s": 9.0, "fits": True},
         "fp32:4:": {"measured_peak_bytes": 260, "measured_samples_per_s": None, "fits": False, "rejected": "measured peak 260 B does not fit"},
     }
-    chosen = {
-        "config": CHOSEN, "predicted_peak_bytes": 150, "predicted_samples_per_s": 15.0,
-        "measured_peak_bytes": 140, "measured_samples_per_s": 14.0,
-    }
+    chosen = Verified(
+        candidate=Candidate(config=CHOSEN, predicted_peak_bytes=150, predicted_samples_per_s=15.0),
+        measurement=Measurement(peak_bytes=140, samples_per_s=14.0, meter="cpu"),
+    )
     return _alternatives(
         SimpleNamespace(global_batch_size=8), SimpleNamespace(memory_scale=1.0), evaluations, chosen=chosen, usable_bytes=250, verified=verified,
     )

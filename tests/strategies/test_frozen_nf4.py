@@ -202,9 +202,9 @@ def test_nf4_is_searched_above_the_floor_and_the_memory_model_bounds_its_peak(ru
     import json
 
     from autofit.plan_file import load_plan
-    from autofit.planning.verify import below_floor
+    from autofit.planning import lever_timings
 
-    monkeypatch.setattr(below_floor, "time_nf4_dequantize", lambda device, dtype: 1e-15)
+    monkeypatch.setattr(lever_timings, "time_nf4_dequantize", lambda device, dtype: 1e-15)
     source, out = tmp_path / "lora_tokens.py", tmp_path / "plan.json"
     source.write_text(LORA_TOKENS_FILE)
     args = ["plan", source, "--lora", "r=4,alpha=8,targets=up,down", "--budget", "32MiB", "--batch-size", "8",
@@ -229,12 +229,12 @@ def test_nf4_is_searched_above_the_floor_and_the_memory_model_bounds_its_peak(ru
 @pytest.mark.slow  # a plan of a LoRA model, seconds to tens of seconds
 def test_without_torchao_the_search_leaves_nf4_out_and_plans(run_cli, tmp_path, monkeypatch, capsys):
     """--allow-lossy-base where NF4 cannot run (torchao missing): the search says so and plans without it."""
-    from autofit.planning.verify import below_floor
+    from autofit.planning import lever_timings
 
     def missing(*args, **kwargs):
         raise UserError("frozen weights in NF4 need torchao: pip install torchao (or 'autofit[hf]')")
 
-    monkeypatch.setattr(below_floor, "nf4_time", missing)
+    monkeypatch.setattr(lever_timings, "nf4_time", missing)
     source = tmp_path / "lora_tokens.py"
     source.write_text(LORA_TOKENS_FILE)
     code, _, err = run_cli("plan", source, "--lora", "r=4,alpha=8,targets=up,down", "--budget", "1GB", "--batch-size", "8",

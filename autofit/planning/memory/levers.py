@@ -69,8 +69,9 @@ import torch
 from autofit._torch_private import in_autograd_backward, tree_leaves
 from strategies.batch_split import BatchSplitConfig
 from strategies.checkpointing import selective_saves
-from autofit.planning.memory.optimizer import optimizer_bytes
-from autofit.planning.memory.segments import _FIRST_MICRO, _LATER_MICRO, labelled_segments
+from autofit.planning.memory.nf4 import Nf4Record
+from autofit.planning.memory.optimizer import EightBitRecord, optimizer_bytes
+from autofit.planning.memory.segments import FIRST_MICRO, LATER_MICRO, labelled_segments
 from strategies.offload import MIN_OFFLOAD_BYTES
 
 """The traced micro-steps (as in ``memory.traces``)."""
@@ -283,13 +284,12 @@ class LeverTrace:
     """The optimizer's state on the device (every trainable parameter's)."""
     step_temporaries: list[int] = field(default_factory=list)
     """Per parameter (``model.parameters()`` order): what stepping it alone holds beyond its state."""
-    eight_bit: dict | None = None
-    """torchao's 8-bit AdamW in place of the optimizer (``add_eight_bit``): {"state_bytes" (its state on the device),
-    "step_temporaries" (per parameter, what stepping it alone holds beyond its state)}. None when not made: 8-bit
-    state is then not modelled."""
-    nf4: dict | None = None
-    """Frozen weights in NF4 (``add_nf4``; ``memory.nf4.nf4_record`` for the trace's precision): {"saved_bytes",
-    "transient_bytes", ...}, the same in every segment. None when not made: NF4 is then not modelled."""
+    eight_bit: EightBitRecord | None = None
+    """torchao's 8-bit AdamW in place of the optimizer (``add_eight_bit``). None when not made: 8-bit state is then
+    not modelled."""
+    nf4: Nf4Record | None = None
+    """Frozen weights in NF4 (``add_nf4``; ``memory.nf4.nf4_record`` for the trace's precision), the same in every
+    segment. None when not made: NF4 is then not modelled."""
     offloaded: dict | None = None
     """The step traced again with every block offloaded (``add_offloaded``): per plain segment "peak_bytes",
     "without_gradients", "opening_without_gradients", "steps"; per item "freed_in" ([the segment position where
@@ -343,7 +343,7 @@ def lever_trace(recorder: LeverRecord | None, marks: list[tuple], peaks: list[in
         trace.afters.append(recorder.afters[position])
     # In the order the step made them (a trace expanded from shorter ones, ``memory.repeats``, lists them so too).
     for (micro, _), item in sorted(recorder.items.items(), key=lambda entry: (entry[0][0], entry[1]["ordinal"])):
-        if micro in (_FIRST_MICRO, _LATER_MICRO) and item["holders"]:
+        if micro in (FIRST_MICRO, LATER_MICRO) and item["holders"]:
             trace.items.append({
                 "micro": micro, "bytes": 0 if item["small"] else item["bytes"], "holders": sorted(item["holders"]),
                 "outside": item["outside"], "inputs_of": sorted(item["inputs_of"]), "policy": item["policy"],
@@ -373,14 +373,14 @@ def with_offloaded(trace, raw):
     return replace(trace, levers=replace(levers, offloaded=found))
 
 
-def add_eight_bit(trace, record: dict):
+def add_eight_bit(trace, record: EightBitRecord):
     """``trace`` (a ``MemoryTrace``) with 8-bit state's record (``LeverTrace.eight_bit``; ``eight_bit_record``)."""
     if trace is None or trace.levers is None or trace.levers.eight_bit == record:
         return trace
     return replace(trace, levers=replace(trace.levers, eight_bit=record))
 
 
-def add_nf4(trace, record: dict):
+def add_nf4(trace, record: Nf4Record):
     """``trace`` (a ``MemoryTrace``) with NF4's record for its precision (``LeverTrace.nf4``)."""
     if trace is None or trace.levers is None or trace.levers.nf4 == record:
         return trace
@@ -388,7 +388,13 @@ def add_nf4(trace, record: dict):
 
 
 def trace_from_dict(data: dict | None) -> LeverTrace | None:
-    return None if data is None else LeverTrace(**data)
+    """A ``LeverTrace`` from its ``to_dict`` (a study or the cache keeps it so), its records typed again."""
+    if data is None:
+        return None
+    eight_bit, nf4 = data.get("eight_bit"), data.get("nf4")
+    return LeverTrace(**{
+        **data, "eight_bit": None if eight_bit is None else EightBitRecord(**eight_bit), "nf4": None if nf4 is None else Nf4Record(**nf4),
+    })
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -473,8 +479,8 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     if choice.optimizer_state == "host":
         state = delta([r.state_bytes for r in records], m)
     elif eight_bit:
-        state = memory._interpolate([r.state_bytes - r.eight_bit["state_bytes"] for r in records], m, at_least=None)
-    temporaries = low.eight_bit["step_temporaries"] if eight_bit else low.step_temporaries
+        state = memory._interpolate([r.state_bytes - r.eight_bit.state_bytes for r in records], m, at_least=None)
+    temporaries = low.eight_bit.step_temporaries if eight_bit else low.step_temporaries
     stepping = choice.optimizer_in_backward and choice.optimizer_state in ("device", "8bit")
     chunk_deltas = memory.chunk_deltas() if choice.loss_chunks > 1 else None
     if choice.loss_chunks > 1 and chunk_deltas is None:
@@ -484,7 +490,7 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
     if choice.frozen_nf4:
         if any(r.nf4 is None for r in records):
             return None
-        nf4 = low.nf4["transient_bytes"] - low.nf4["saved_bytes"]
+        nf4 = low.nf4.transient_bytes - low.nf4.saved_bytes
     found = []
     for i, segment in enumerate(memory.low.segments):
         if not accumulating and segment.phase == "later":
@@ -565,7 +571,7 @@ def offload_drops(items: list[dict], num_blocks: int) -> list[float]:
     dropped, whatever the other blocks do (the knapsack's additive term; Python's and autocast's holds aside)."""
     drops = [0.0] * num_blocks
     for item in items:
-        if item["micro"] == _LATER_MICRO and not item["outside"] and len(item["holders"]) == 1:
+        if item["micro"] == LATER_MICRO and not item["outside"] and len(item["holders"]) == 1:
             drops[item["holders"][0]] += item["bytes"]
     return drops
 

@@ -20,6 +20,8 @@ run the model), one product per distinct weight shape.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,9 +35,23 @@ def nf4_weight_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision in (MASTER_WEIGHTS, PURE_BF16) else torch.float32
 
 
-def nf4_record(spec, *, device_type: str, weight_dtype: torch.dtype) -> dict | None:
-    """What NF4 changes in every segment of a step (``LeverTrace.nf4``): {"saved_bytes", "transient_bytes",
-    "weights" (how many), "elements" (theirs in all)}; None for a model without a weight NF4 would hold.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Nf4Record:
+    """What holding the frozen weights in NF4 changes in every segment of a step (``LeverTrace.nf4``)."""
+
+    saved_bytes: int
+    """What the weights in NF4 hold less than dense."""
+    transient_bytes: int
+    """The most one dequantized product holds beyond its weight, forward and backward."""
+    weights: int
+    """How many weights NF4 holds."""
+    elements: int
+    """Their elements in all."""
+
+
+def nf4_record(spec, *, device_type: str, weight_dtype: torch.dtype) -> Nf4Record | None:
+    """What NF4 changes in every segment of a step (``LeverTrace.nf4``); None for a model without a weight NF4 would
+    hold.
 
     Raises:
         UserError: torchao is missing.
@@ -63,7 +79,7 @@ def nf4_record(spec, *, device_type: str, weight_dtype: torch.dtype) -> dict | N
             elements += weight.numel()
     if not weights:
         return None
-    return {"saved_bytes": saved, "transient_bytes": max(transient, 0), "weights": len(weights), "elements": elements}
+    return Nf4Record(saved_bytes=saved, transient_bytes=max(transient, 0), weights=len(weights), elements=elements)
 
 
 def _product_bytes(weight: torch.Tensor, meter) -> int:

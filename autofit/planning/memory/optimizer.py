@@ -6,9 +6,21 @@ record (``eight_bit_record``) is made the same way with the optimizer made 8-bit
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from autofit.measure.tracker import StorageTracker
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EightBitRecord:
+    """What torchao's 8-bit AdamW holds on the device in place of the model's optimizer (``LeverTrace.eight_bit``)."""
+
+    state_bytes: int
+    """Its state, every trainable parameter's."""
+    step_temporaries: list[int]
+    """Per parameter (``model.parameters()`` order): what stepping it alone holds beyond its state."""
 
 
 _optimizer_bytes_made: dict = {"spec": None, "made": {}}
@@ -78,7 +90,7 @@ def _optimizer_bytes(spec, *, device_type: str, optimizer_state: str) -> tuple[i
     return state_bytes, temporaries
 
 
-def eight_bit_record(spec, *, device_type: str) -> dict:
+def eight_bit_record(spec, *, device_type: str) -> EightBitRecord:
     """What 8-bit optimizer state holds on the device (``LeverTrace.eight_bit``): it is the same at every micro-batch
     size and precision, so one record serves every trace of a plan.
 
@@ -86,4 +98,4 @@ def eight_bit_record(spec, *, device_type: str) -> dict:
         UserError: the spec's optimizer is not AdamW or Adam, or torchao is missing.
     """
     state_bytes, temporaries = optimizer_bytes(spec, device_type=device_type, optimizer_state="8bit")
-    return {"state_bytes": state_bytes, "step_temporaries": temporaries}
+    return EightBitRecord(state_bytes=state_bytes, step_temporaries=temporaries)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 # state made beforehand (as the probe makes it). The first micro-step is what a step
 # without accumulation looks like (optimizer state alive, no gradients yet); the second
 # is what every later micro-step of an accumulating step looks like (gradients alive).
-_FIRST_MICRO, _LATER_MICRO = 0, 1
+FIRST_MICRO, LATER_MICRO = 0, 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,16 +114,16 @@ def labelled_segments(marks: list[tuple], peaks: list[int], num_blocks: int):
         opener = marks[i - 1]
         if opener[0] == "micro":
             micro = opener[1]
-            phase = {_FIRST_MICRO: "first", _LATER_MICRO: "later"}.get(micro)
+            phase = {FIRST_MICRO: "first", LATER_MICRO: "later"}.get(micro)
         elif opener[0] == "optimizer":
-            phase = "optimizer" if micro == _LATER_MICRO else None
+            phase = "optimizer" if micro == LATER_MICRO else None
         elif opener[0] == "optimizer_end":
             phase = None
         if phase is None:
             continue
         # The stretch from the end of backward to where the next micro-step begins holds all
         # gradients and the next micro-batch's copy: it belongs to the accumulating regime.
-        segment_phase = "later" if marks[i] == ("micro", _LATER_MICRO) else phase
+        segment_phase = "later" if marks[i] == ("micro", LATER_MICRO) else phase
         active = []
         if phase != "optimizer":
             for block in range(num_blocks):

@@ -46,7 +46,7 @@ from autofit.measure.tracker import StorageTracker
 from autofit.planning.memory.levers import LeverRecord, LeverRecorder, LeverTrace, lever_trace, with_offloaded
 from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, expand, find_repeat, repeat_in, shortened
 from autofit.planning.memory.segments import (
-    _LATER_MICRO, Segment, plain_segments, recompute_segments,
+    LATER_MICRO, Segment, plain_segments, recompute_segments,
 )
 from autofit.planning.memory.workers import call
 from autofit.progress import QUIET, Progress
@@ -452,9 +452,9 @@ def _traced_run(
             hook.remove()
         tracker.watch = None
         # Both modes keep the block's inputs: those plain training frees by the block's backward count against them.
-        kept_inputs = [state.get(f"kept_inputs_{_LATER_MICRO}_{i}", 0) for i in range(len(names))]
-        drop_bytes = [state.get(f"dropped_{_LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
-        selective_drop_bytes = [state.get(f"selective_{_LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
+        kept_inputs = [state.get(f"kept_inputs_{LATER_MICRO}_{i}", 0) for i in range(len(names))]
+        drop_bytes = [state.get(f"dropped_{LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
+        selective_drop_bytes = [state.get(f"selective_{LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,

@@ -16,7 +16,9 @@ choice is then checked against the model's whole prediction.
 
 Precision x micro-batch size is the outer space, searched by Optuna: brute
 force when it is small, TPE when it is not, in a study that can live in a
-database and resume. ``score_space`` scores each point by the cost model.
+database and resume. ``score_point`` scores one point by the cost model, a pure function of it, the usable
+bytes and the levers allowed; ``score_all`` scores every point of an ``Allowed`` space with no Optuna (what a
+caller asking many budgets of one cost model wants); ``score_space`` lets Optuna pick the points and keeps them.
 """
 from __future__ import annotations
 
@@ -242,6 +244,92 @@ class Evaluation:
         return cls(config=config, **{k: v for k, v in data.items() if k not in names})
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Allowed:
+    """What a search may choose: the outer space and the memory levers (``score_all``, ``score_point``)."""
+
+    precisions: tuple[str, ...]
+    micro_batch_sizes: tuple[int, ...]
+    levers: LeverSearch | None = None
+    """The memory levers the search may add, with their time terms (None: none)."""
+    slack: float = POLICY.model_slack_share
+    """How far over the usable bytes a prediction still counts as a candidate (the model's pessimism)."""
+
+
+def score_all(model: CostModel, *, usable_bytes: float | dict[str, float], allowed: Allowed) -> list[Evaluation]:
+    """Every (precision, micro-batch) point of ``allowed`` scored by the cost model (``score_point``), in that order.
+
+    A pure function of its arguments: no context, clock, Optuna or I/O, and ``model`` is only read, so one cost
+    model answers many budgets (or, with ``dataclasses.replace(model, global_batch_size=...)``, many batches)
+    in milliseconds each. The planner drives the same scoring with Optuna (``score_space``) to keep a study.
+    """
+    return [
+        score_point(
+            model, precision, micro_batch_size, global_batch_size=model.global_batch_size, usable_bytes=usable_bytes,
+            levers=allowed.levers, slack=allowed.slack,
+        )
+        for precision in allowed.precisions for micro_batch_size in allowed.micro_batch_sizes
+    ]
+
+
+def score_point(
+    model: CostModel,
+    precision: str,
+    micro_batch_size: int,
+    *,
+    global_batch_size: int,
+    usable_bytes: float | dict[str, float],
+    levers: LeverSearch | None = None,
+    slack: float = POLICY.model_slack_share,
+) -> Evaluation:
+    """One point scored by the cost model: plain training's peak and speed, and the fastest checkpoint modes and
+    memory levers that fit (``cheapest_for``). Pure: ``model`` is only read.
+
+    Args:
+        usable_bytes: the largest peak the budget's headroom leaves (``Measurements.usable_bytes``), or that per precision.
+        levers: the memory levers the point may add (None: none); it keeps the fastest of its choices.
+        slack: how far over ``usable_bytes`` a prediction still counts as a candidate (the model's pessimism).
+    """
+    limit = (usable_bytes[precision] if isinstance(usable_bytes, dict) else usable_bytes) / model.memory_scale
+    plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
+    plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
+    result = Evaluation(
+        config=TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision),
+        plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
+    )
+    search = levers or LeverSearch()
+    memory = model.precisions[precision].memory
+    choices = search.choices(precision, micro_batch_size, global_batch_size) if memory.has_levers() else [LeverChoice()]
+    plain = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit * (1 + slack))
+    if plain is not None and not plain.blocks and not plain.selective:
+        # It fits as plain training: every lever adds time (the step in backward none), so none is tried.
+        choices = [LeverChoice()]
+        search = replace(search, offload=False)  # its time terms stay (bf16-master's host update)
+    for lever_choice in choices:
+        choice = cheapest_for(
+            model, precision, micro_batch_size, limit_bytes=limit * (1 + slack), levers=lever_choice, search=search,
+        )
+        if choice is None:
+            continue
+        speed, chosen = _samples_per_s(model, precision, micro_batch_size, choice, lever_choice, search, global_batch_size)
+        if result.fits and speed <= result.samples_per_s:
+            continue
+        result.fits = True
+        result.config = replace(
+            result.config, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
+            offload=model.names(choice.offload), optimizer_in_backward=chosen.optimizer_in_backward,
+            optimizer_state=chosen.optimizer_state, loss_chunks=chosen.loss_chunks, frozen_nf4=chosen.frozen_nf4,
+        )
+        result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
+        result.samples_per_s = speed
+    fits_plain = plain is not None and not plain.blocks and not plain.selective
+    if not fits_plain and (memory.with_checkpointing(micro_batch_size) is None or _offload_untraced(memory, search)):
+        result.bound_samples_per_s = _bound_samples_per_s(
+            model, precision, micro_batch_size, choices, search, limit_bytes=limit * (1 + slack),
+        )
+    return result
+
+
 def score_space(
     model: CostModel,
     *,
@@ -253,8 +341,7 @@ def score_space(
     slack: float = POLICY.model_slack_share,
     levers: LeverSearch | None = None,
 ) -> tuple[list[Evaluation], str]:
-    """Score every (precision, micro-batch) point by the cost model, each with its fastest checkpoint modes and
-    memory levers that fit.
+    """Score the (precision, micro-batch) points Optuna picks (``score_point``), kept in ``study``.
 
     Args:
         model: the cost model (memory and speed).
@@ -269,44 +356,10 @@ def score_space(
         ``search``'s evaluations and the sampler's name.
     """
     def evaluate(precision: str, micro_batch_size: int) -> Evaluation:
-        limit = (usable_bytes[precision] if isinstance(usable_bytes, dict) else usable_bytes) / model.memory_scale
-        plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
-        plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
-        result = Evaluation(
-            config=TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision),
-            plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
+        return score_point(
+            model, precision, micro_batch_size, global_batch_size=global_batch_size, usable_bytes=usable_bytes, levers=levers,
+            slack=slack,
         )
-        search = levers or LeverSearch()
-        memory = model.precisions[precision].memory
-        choices = search.choices(precision, micro_batch_size, global_batch_size) if memory.has_levers() else [LeverChoice()]
-        plain = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit * (1 + slack))
-        if plain is not None and not plain.blocks and not plain.selective:
-            # It fits as plain training: every lever adds time (the step in backward none), so none is tried.
-            choices = [LeverChoice()]
-            search = replace(search, offload=False)  # its time terms stay (bf16-master's host update)
-        for lever_choice in choices:
-            choice = cheapest_for(
-                model, precision, micro_batch_size, limit_bytes=limit * (1 + slack), levers=lever_choice, search=search,
-            )
-            if choice is None:
-                continue
-            speed, chosen = _samples_per_s(model, precision, micro_batch_size, choice, lever_choice, search, global_batch_size)
-            if result.fits and speed <= result.samples_per_s:
-                continue
-            result.fits = True
-            result.config = replace(
-                result.config, checkpoint=model.names(choice.blocks), selective_checkpoint=model.names(choice.selective),
-                offload=model.names(choice.offload), optimizer_in_backward=chosen.optimizer_in_backward,
-                optimizer_state=chosen.optimizer_state, loss_chunks=chosen.loss_chunks, frozen_nf4=chosen.frozen_nf4,
-            )
-            result.peak_bytes = model.peak_bytes(precision, micro_batch_size, choice.blocks, choice.selective, levers=chosen)
-            result.samples_per_s = speed
-        fits_plain = plain is not None and not plain.blocks and not plain.selective
-        if not fits_plain and (memory.with_checkpointing(micro_batch_size) is None or _offload_untraced(memory, search)):
-            result.bound_samples_per_s = _bound_samples_per_s(
-                model, precision, micro_batch_size, choices, search, limit_bytes=limit * (1 + slack),
-            )
-        return result
 
     if study is None:
         return search(evaluate, precisions=precisions, micro_batch_sizes=micro_batch_sizes, study_name="search", storage=None)

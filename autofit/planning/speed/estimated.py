@@ -98,7 +98,9 @@ def flop_speed_costs(
     return results
 
 
-def roofline_rates(device_type: str, device_name: str, *, cpu: tuple[float, float, float] | None = None) -> tuple[dict, float]:
+def roofline_rates(
+    device_type: str, device_name: str, *, cpu: tuple[float, float, float] | None = None,
+) -> tuple[dict[str, dict[str, float]], float]:
     """What ``selective_shares`` costs ops at: per precision, FLOP/s by operator family ("conv", "matmul"); and bytes/s.
 
     On a GPU, the table's throughput class of each family in each precision times the share training reaches

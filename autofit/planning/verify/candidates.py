@@ -13,7 +13,7 @@ the model only scales to), or within ``POLICY.decided_margin_share`` of the usab
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from autofit.errors import UserError
 from autofit.config import TrainingConfig
@@ -21,26 +21,12 @@ from autofit.planning.context import PlanContext
 from autofit.planning.costs import CostModel
 from autofit.planning.memory.levers import LeverChoice
 from autofit.planning.verify.measurements import Measurements
+from autofit.planning.records import Candidate, Unconstrained, Verified
 from autofit.planning.search.space import Evaluation, LeverSearch, cheapest_for
 from autofit.planning.speed.timing import tie_cap
 from autofit.planning.policy import POLICY
 from autofit.units import format_bytes
 from strategies import PRECISIONS
-
-
-@dataclass(kw_only=True, slots=True)
-class _Candidate:
-    """A configuration that fits (measured, or decided by the memory model), with what the cost model predicted."""
-
-    config: TrainingConfig
-    predicted_samples_per_s: float
-    predicted_peak_bytes: float
-
-    def result(self) -> dict:
-        return {
-            "config": self.config, "predicted_samples_per_s": self.predicted_samples_per_s,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-        }
 
 
 def verify(
@@ -53,7 +39,7 @@ def verify(
     measurements: Measurements,
     reference: TrainingConfig | None = None,
     levers: LeverSearch | None = None,
-) -> dict:
+) -> Verified:
     """The fastest configuration measured to fit, with its measurements (what ``write_plan`` reads).
 
     1. The best predicted candidates: each measured when the memory model does
@@ -67,10 +53,15 @@ def verify(
 
     ``levers``: the memory levers the search used (their time terms, and what a candidate may fall back on).
 
+    ``model`` is not changed: what the measurements teach it (on a GPU, the allocator's rounding as
+    ``memory_scale``) is learnt on this verification's own copy and returned in ``Verified.memory_scale``, for the
+    planner to fold into the cost model it goes on with.
+
     Raises:
         UserError: no configuration was measured to fit.
     """
     levers = levers or LeverSearch()
+    model = replace(model)  # this verification's copy: its helpers calibrate its memory_scale
     candidates = _candidates(context, model, evaluations, measurements, levers)
     if reference is not None and reference.key() not in {c.config.key() for c in candidates}:
         # Timed beside them anyway: where it fits it is a candidate too (the simplest, often the fastest).
@@ -99,7 +90,7 @@ def verify(
     for config in order:
         peak, breakdown = measurements.checked_peak(config, fresh=True)
         if measurements.fits(config):
-            return {**by_key[config.key()].result(), **measurements.result(config)}
+            return Verified(candidate=by_key[config.key()], measurement=measurements.result(config), memory_scale=model.memory_scale)
         excess = measurements.host_excess(measurements.host_peak(config))
         measurements.reject(config, excess or measurements.over_budget(peak, breakdown))
     # Every guess missed: the floor fits by construction.
@@ -115,12 +106,12 @@ def verify(
         )
     if not context.simulate:
         measurements.race([floor_config])
-    return {**floor.result(), **measurements.result(floor_config)}
+    return Verified(candidate=floor, measurement=measurements.result(floor_config), memory_scale=model.memory_scale)
 
 
 def _candidates(
     context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements, levers: LeverSearch,
-) -> list[_Candidate]:
+) -> list[Candidate]:
     """Up to ``POLICY.verify_top_candidates`` candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
     # Fastest predicted first; on a tie, fewer micro-steps, fewer checkpointed blocks, then the simpler precision
     # (bf16 before fp16, which needs a loss scaler) first.
@@ -131,7 +122,7 @@ def _candidates(
             len(e.config.checkpoint) + len(e.config.selective_checkpoint) + len(e.config.offload), PRECISIONS.index(e.config.precision),
         ),
     )
-    candidates: list[_Candidate] = []
+    candidates: list[Candidate] = []
     best_predicted = None
     # Simulating, the fastest predicted that fits wins: nothing is timed, so one candidate is enough.
     wanted = 1 if context.simulate else POLICY.verify_top_candidates
@@ -175,7 +166,7 @@ def _candidates(
 
 def _without_selective(
     context: PlanContext, model: CostModel, config: TrainingConfig, measurements: Measurements, levers: LeverSearch,
-) -> _Candidate | None:
+) -> Candidate | None:
     """The cheapest checkpoint set of this point without selective blocks (same levers), measured unless decided."""
     precision, size = config.precision, config.micro_batch_size
     limit = measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
@@ -198,7 +189,7 @@ def _decided(model: CostModel, config: TrainingConfig, measurements: Measurement
 
 def _fitting_checkpoint_set(
     context: PlanContext, model: CostModel, evaluation: Evaluation, measurements: Measurements, levers: LeverSearch,
-) -> _Candidate | None:
+) -> Candidate | None:
     """The search's checkpoint modes and levers for this point, measured unless decided; while they do not fit,
     modes the model predicts smaller (with the same step in backward and optimizer state)."""
     config = evaluation.config
@@ -218,7 +209,7 @@ def _fitting_checkpoint_set(
             return _candidate(model, config, levers)
         peak, breakdown = measurements.checked_peak(config)
         if context.device == "cuda" and not context.simulate and raw > 0:
-            # The simulated bytes miss the allocator's rounding and cache: learn by how much.
+            # The simulated bytes miss the allocator's rounding and cache: learn by how much (on ``verify``'s copy).
             model.memory_scale = max(model.memory_scale, peak / raw)
         elif not measurements.peaks[config.key()].get("oom"):
             measurements.learn(precision, measured=peak, predicted=raw * model.memory_scale)
@@ -265,12 +256,12 @@ def _predicted_peak(model: CostModel, config: TrainingConfig) -> float:
     return model.peak_bytes(config.precision, config.micro_batch_size, blocks, selective, levers=lever_choice(model, config))
 
 
-def _candidate(model: CostModel, config: TrainingConfig, levers: LeverSearch) -> _Candidate:
+def _candidate(model: CostModel, config: TrainingConfig, levers: LeverSearch) -> Candidate:
     blocks, selective = _indices(model, config)
     precision, size = config.precision, config.micro_batch_size
     seconds = model.step_seconds(precision, size, blocks, selective)
     seconds += levers.lever_seconds(model, precision, size, lever_choice(model, config), checkpoint=blocks)
-    return _Candidate(
+    return Candidate(
         config=config, predicted_samples_per_s=model.global_batch_size / seconds, predicted_peak_bytes=_predicted_peak(model, config),
     )
 
@@ -293,8 +284,8 @@ def timed_reference(context: PlanContext, evaluations: list[Evaluation]) -> Trai
 
 
 def measure_unconstrained(
-    context: PlanContext, evaluations: list[Evaluation], *, chosen: dict, measurements: Measurements
-) -> dict:
+    context: PlanContext, evaluations: list[Evaluation], *, chosen: Verified, measurements: Measurements
+) -> Unconstrained:
     """The fastest configuration with no budget (no checkpointing), for the speed ratio.
 
     Its speed was timed beside the candidates (``verify``'s ``reference``); its
@@ -302,17 +293,15 @@ def measure_unconstrained(
     (``peak_measured`` says which).
     """
     config, best = unconstrained_config(evaluations)
-    result = {
-        "precision": config.precision, "micro_batch_size": config.micro_batch_size,
-        "grad_accum_steps": config.grad_accum_steps, "checkpoint": [],
-        "predicted_peak_bytes": int(best.plain_peak_bytes), "predicted_samples_per_s": best.plain_samples_per_s,
-    }
     entry = measurements.peaks.get(config.key())
     measured_peak = entry is not None and not entry.get("oom")
-    result["peak_bytes"] = entry["peak_bytes"] if measured_peak else int(best.plain_peak_bytes)
-    result["peak_measured"] = measured_peak
-    if config.key() == chosen["config"].key():
-        result["samples_per_s"] = chosen["measured_samples_per_s"]
+    if config.key() == chosen.config.key():
+        samples_per_s = chosen.measurement.samples_per_s
     else:
-        result["samples_per_s"] = None if context.simulate else measurements.samples_per_s(config)
-    return result
+        samples_per_s = None if context.simulate else measurements.samples_per_s(config)
+    return Unconstrained(
+        precision=config.precision, micro_batch_size=config.micro_batch_size, grad_accum_steps=config.grad_accum_steps,
+        predicted_peak_bytes=int(best.plain_peak_bytes), predicted_samples_per_s=best.plain_samples_per_s,
+        peak_bytes=entry["peak_bytes"] if measured_peak else int(best.plain_peak_bytes), peak_measured=measured_peak,
+        samples_per_s=samples_per_s,
+    )

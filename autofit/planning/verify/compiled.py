@@ -20,39 +20,42 @@ from autofit._torch_private import compile_failures
 from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
 from autofit.planning.verify.measurements import Measurements
+from autofit.planning.records import Verified
 from autofit.units import format_bytes
 
 KEPT = "found by an earlier run of this plan, kept in the cost cache"
 """Said after a finding an earlier run made (``Measurements.compiled``)."""
 
 
-def with_compile(context: PlanContext, chosen: dict, measurements: Measurements) -> tuple[dict, str]:
+def with_compile(context: PlanContext, chosen: Verified, measurements: Measurements) -> tuple[Verified, str]:
     """The chosen configuration, compiled where that was measured to fit and to be faster; and a note saying what was found.
 
     Args:
-        chosen: ``verify``'s result (its "config" and measurements). Compiled, its speed ratio to the unconstrained
+        chosen: ``verify``'s result. Compiled, its speed ratio to the unconstrained
             configuration compares the compile race's median with the verification race's.
     """
-    config: TrainingConfig = chosen["config"]
+    config = chosen.config
     compiled = replace(config, compile=True)
     known = measurements.compiled.get(config.key())
     # An earlier run of this plan (same model, device, batch; another budget perhaps) found it: kept in the cost
     # cache, not compiled again; whether the compiled peak fits is this budget's question.
     if known is not None and known["on"] and measurements.has_peak(compiled) and measurements.samples_per_s(compiled):
         if measurements.fits(compiled):
-            return {**chosen, "config": compiled, **measurements.result(compiled)}, f"{known['note']} ({KEPT})"
+            return chosen.with_config(compiled, measurements.result(compiled)), f"{known['note']} ({KEPT})"
     elif known is not None and not known["on"]:
         return chosen, f"{known['note']} ({KEPT})"
     chosen, note, any_budget = _measured(context, chosen, compiled, measurements)
     if any_budget:
-        measurements.compiled[config.key()] = {"on": chosen["config"].compile, "note": note}
+        measurements.compiled[config.key()] = {"on": chosen.config.compile, "note": note}
     return chosen, note
 
 
-def _measured(context: PlanContext, chosen: dict, compiled: TrainingConfig, measurements: Measurements) -> tuple[dict, str, bool]:
+def _measured(
+    context: PlanContext, chosen: Verified, compiled: TrainingConfig, measurements: Measurements,
+) -> tuple[Verified, str, bool]:
     """``with_compile`` measured in this run; the last value says whether the finding holds under any budget (it is
     kept then): failing to compile, being slower or faster do, not fitting does not."""
-    config: TrainingConfig = chosen["config"]
+    config = chosen.config
     started = time.perf_counter()
     context.log("compile: measuring the chosen configuration under torch.compile (its first steps compile)")
     try:
@@ -64,7 +67,7 @@ def _measured(context: PlanContext, chosen: dict, compiled: TrainingConfig, meas
         measurements.reject(compiled, f"compiled: {measurements.over_budget(peak, breakdown)}")
         return chosen, (
             f"torch.compile left off: compiled, the peak is {format_bytes(peak)}, which with its headroom does not fit "
-            f"(uncompiled {format_bytes(chosen['measured_peak_bytes'])}); measured in {time.perf_counter() - started:.0f} s"
+            f"(uncompiled {format_bytes(chosen.measurement.peak_bytes)}); measured in {time.perf_counter() - started:.0f} s"
         ), False
     # This race times the chosen one again: its entry goes back to the verification's race after it, so that a plan
     # made again from the cost cache finds that race whole (and chooses as this run did).
@@ -75,11 +78,11 @@ def _measured(context: PlanContext, chosen: dict, compiled: TrainingConfig, meas
     if kept is not None:
         measurements.timings[config.key()] = kept
     speeds = f"{compiled_speed:.1f} samples/s compiled, {plain_speed:.1f} not (medians of the rounds)"
-    memory = f"peak {format_bytes(peak)} compiled, {format_bytes(chosen['measured_peak_bytes'])} not"
+    memory = f"peak {format_bytes(peak)} compiled, {format_bytes(chosen.measurement.peak_bytes)} not"
     if order[0].key() != compiled.key():
         measurements.timing = verification_timing  # the summary's timing lines: the race that chose
         return chosen, f"torch.compile left off: not faster beyond the noise ({speeds}; {memory}); compiling and measuring took {seconds:.0f} s", True
-    return {**chosen, "config": compiled, **measurements.result(compiled)}, (
+    return chosen.with_config(compiled, measurements.result(compiled)), (
         f"torch.compile on: measured to fit and to be faster ({speeds}; {memory}); compiling and measuring took "
         f"{seconds:.0f} s of this plan, and training compiles again at its first steps"
     ), True

@@ -28,6 +28,7 @@ from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY, timing_policy
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
+from autofit.planning.records import Measurement
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, nf4_weights
 from strategies.optimizer_state import held_weight_bytes
 
@@ -443,18 +444,18 @@ class Measurements:
         entry = self.peaks.get(config.key())
         return entry["peak_bytes"] if entry and not entry.get("oom") else self.predicted.get(config.key(), 0.0)
 
-    def result(self, config: TrainingConfig) -> dict:
+    def result(self, config: TrainingConfig) -> Measurement:
         """What was measured of a configuration, for the plan."""
         entry = self.peaks[config.key()]
         peak = entry["peak_bytes"]
-        return {
-            "measured_peak_bytes": peak, "measured_samples_per_s": None if self.context.simulate else self.samples_per_s(config),
-            "meter": "simulated" if self.context.simulate else self.context.device, "breakdown": dict(entry["breakdown"]),
-            "measured_noise": None if self.context.simulate else self.noise(config),
-            "context_bytes": entry.get("context_bytes", 0),
-            "host_peak_bytes": entry.get("host_peak_bytes", 0),
-            "headroom": self.headroom.for_peak(peak, persistent_bytes=persistent_bytes(entry["breakdown"])),
-        }
+        return Measurement(
+            peak_bytes=peak, samples_per_s=None if self.context.simulate else self.samples_per_s(config),
+            meter="simulated" if self.context.simulate else self.context.device, breakdown=dict(entry["breakdown"]),
+            noise=None if self.context.simulate else self.noise(config),
+            context_bytes=entry.get("context_bytes", 0),
+            host_peak_bytes=entry.get("host_peak_bytes", 0),
+            headroom=self.headroom.for_peak(peak, persistent_bytes=persistent_bytes(entry["breakdown"])),
+        )
 
     @property
     def verified(self) -> dict[str, dict]:

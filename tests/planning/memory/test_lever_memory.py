@@ -151,7 +151,7 @@ def test_eight_bit_state_frees_what_its_layout_says():
     step_bytes = 4 * len(params)  # torch's and torchao's step counter: a 0-d fp32 tensor per parameter
     per_moment = [n + 4 * (n // 256) + 4 * 256 for n in quantized]
     fp32_moments = 4 * sum(p.numel() for p in params) - 4 * sum(quantized)
-    assert record["state_bytes"] == 2 * (sum(per_moment) + fp32_moments) + step_bytes
+    assert record.state_bytes == 2 * (sum(per_moment) + fp32_moments) + step_bytes
     with pytest.raises(ValueError):
         lever_model("lm", "fp32").peak_bytes("fp32", 2, set(), frozenset(), levers=LeverChoice(optimizer_state="8bit"))
     plain = lever_model("lm", "fp32").peak_bytes("fp32", 8, set(), frozenset())

@@ -11,7 +11,7 @@ from autofit.measure.host_speed import HostLink, measure_host_link, time_host_up
 from autofit.measure.optimizer_speed import time_eight_bit_update, time_step_in_backward
 from autofit.measure.probe import measure
 from autofit.planning.speed import levers as lever_costs
-from autofit.planning.verify import below_floor as levers
+from autofit.planning import lever_timings as levers
 from autofit.planning.costs import CostModel
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.speed.levers import (
@@ -218,10 +218,10 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
 def test_below_the_floor_bf16_master_is_priced_with_its_host_update_and_link(lm_costs):
     """The ladder's configurations with bf16-master are priced as the search's are (it raised for want of the link)."""
     from autofit.planning.context import plan_context
-    from autofit.planning.verify.below_floor import _lever_time
+    from autofit.planning.lever_timings import lever_time_for
 
     spec, model = lm_costs
     context = plan_context(spec, PlanRequest(budget="3GiB", batch_size=2, device="cuda", simulate=True, device_memory="4GiB"))
     model = dataclasses.replace(model, precisions={**model.precisions, "bf16-master": model.precisions["fp32"]})
-    time = _lever_time(context, None, model, TrainingConfig(global_batch_size=2, micro_batch_size=2, precision="bf16-master"))
+    time = lever_time_for(context, None, model, TrainingConfig(global_batch_size=2, micro_batch_size=2, precision="bf16-master"))
     assert time.host_state_seconds > 0 and any("fp32 masters" in note for note in time.notes), time.notes
