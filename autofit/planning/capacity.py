@@ -150,27 +150,41 @@ def one_step(model: CostModel, *, batch_size: int, usable_bytes: dict[str, float
 def largest_one_step(
     model: CostModel, *, usable_bytes: dict[str, float], allowed: Allowed, smallest: int = 1,
 ) -> tuple[int, Evaluation | None]:
-    """The largest batch one micro-step holds within ``usable_bytes`` (doubling, then bisection: the peak grows with
-    the micro-batch), and the point that holds it; (0, None) where not even ``smallest`` fits."""
-    def fits(size: int) -> Evaluation | None:
-        return one_step(model, batch_size=size, usable_bytes=usable_bytes, allowed=allowed)
+    """The largest batch one micro-step holds within ``usable_bytes``, and the point that holds it; (0, None) where
+    not even ``smallest`` fits (the peak grows with the micro-batch: doubling, then bisection)."""
+    return _largest(lambda size: one_step(model, batch_size=size, usable_bytes=usable_bytes, allowed=allowed), smallest)
 
-    best = fits(smallest)
+
+def largest_global(
+    model: CostModel, *, usable_bytes: dict[str, float], allowed: Allowed, smallest: int = 1,
+) -> tuple[int, Evaluation | None]:
+    """The largest global batch the search fits within ``usable_bytes`` (any micro-batch and accumulation), and its
+    fastest point; ``LARGEST_BATCH_SEARCHED`` where the memory does not grow with the global batch (a GPU, whose host
+    holds it; on the CPU the batch waits in the same memory, so it is bounded)."""
+    return _largest(
+        lambda size: best_at(model, global_batch_size=size, usable_bytes=usable_bytes, allowed=allowed, smallest=smallest), smallest,
+    )
+
+
+def _largest(fitting, start: int) -> tuple[int, Evaluation | None]:
+    """The largest size from ``start`` up for which ``fitting(size)`` finds a point (doubling, then bisection: what fits
+    at one size fits at a smaller one), with that point; (0, None) where ``start`` does not fit."""
+    best = fitting(start)
     if best is None:
         return 0, None
-    low, high = smallest, None  # low fits; high (when known) does not
+    low, high = start, None  # low fits; high, once known, does not
     while high is None:
         trial = low * 2
         if trial > LARGEST_BATCH_SEARCHED:
             return low, best
-        found = fits(trial)
+        found = fitting(trial)
         if found is None:
             high = trial
         else:
             low, best = trial, found
     while high - low > 1:
         middle = (low + high) // 2
-        found = fits(middle)
+        found = fitting(middle)
         if found is None:
             high = middle
         else:
@@ -348,3 +362,53 @@ def card_speeds(context, record: CapacityRecord, kind: str) -> dict[str, SpeedCo
             speeds = flop_speed_costs(context.sim_spec, **settings)
     context.study.save(key, {p: asdict(s) for p, s in speeds.items()})
     return borrowed_speeds(speeds, precisions)
+
+
+REFERENCE_BATCH = 8
+"""``largest_batch``'s first traces are at this global batch (or at the smallest the model trains with)."""
+
+
+def largest_batch(spec, request, *, log=None) -> tuple[int, str]:
+    """The largest global batch ``request``'s budget trains (``plan --batch-size max``; ``request.batch_size`` is not
+    read), lossless, and the line the plan keeps about it.
+
+    Traced once at ``REFERENCE_BATCH`` and answered purely (``largest_global``), then traced again at that answer and
+    answered again, so that the answer never rests on a line drawn far from a traced batch. Where the memory does
+    not grow with the global batch (a GPU: accumulation trains any batch once a micro-batch fits), the answer is
+    the largest batch one micro-step holds (``largest_one_step``).
+
+    Raises:
+        UserError: not even the smallest batch the model trains with fits the budget.
+    """
+    from autofit.planning.context import plan_context
+    from autofit.planning.lever_timings import Levers
+
+    size, seen, note = REFERENCE_BATCH, set(), ""
+    while size not in seen:
+        seen.add(size)
+        context = plan_context(spec, replace(request, batch_size=size, gpus=1, nodes=1), log=log)
+        context.log(f"--batch-size max: the costs at a batch of {size}, searched for the largest batch within {format_bytes(context.budget_bytes)}")
+        try:
+            record = capacity_record(context, levers=Levers(max_grad_norm=request.max_grad_norm))
+        finally:
+            context.trace_pool.close()
+        usable = usable_for(record.headroom, record.resident_bytes, context.budget_bytes)
+        found, _ = largest_global(record.model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
+        note = (
+            f"--batch-size max: {{}} is the largest global batch the search fits within {format_bytes(context.budget_bytes)}, "
+            f"lossless (one sample more does not fit, predicted from traces at a batch of {size})"
+        )
+        if found * 2 > LARGEST_BATCH_SEARCHED:  # any batch trains by accumulating: the most one step holds bounds it
+            found, _ = largest_one_step(record.model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
+            note = (
+                f"--batch-size max: {{}} is the largest batch one micro-step holds within {format_bytes(context.budget_bytes)}, "
+                f"lossless (predicted from traces at a batch of {size}); with accumulation any larger global batch trains too, "
+                "its memory not growing with the batch here"
+            )
+        if found == 0:
+            raise UserError(
+                f"--batch-size max: not even a batch of {record.smallest} fits {format_bytes(context.budget_bytes)} with every "
+                "lossless lever; give a larger --budget, or a batch with --allow-lossy-optimizer"
+            )
+        size = found
+    return size, note.format(size)

@@ -69,3 +69,25 @@ def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_
     # From traces at 4 samples the line reaches the largest batch within a few samples of the one traced there.
     again, _ = largest_one_step(record.model, usable_bytes=usable, allowed=record.allowed)
     assert 0.99 * largest <= again <= largest
+
+
+def test_plan_batch_size_max_plans_the_largest_batch_and_one_more_is_refused(run_cli, tmp_path):
+    """On the CPU the global batch waits in the budget's memory: the largest batch is bounded, planned and verified."""
+    from tests.helpers.planning import CNN_MODEL_FILE
+
+    model = tmp_path / "model.py"
+    model.write_text(CNN_MODEL_FILE)
+    common = ["--budget", "2MiB", "--simulate", "--precisions", "fp32", "--json", "-q", "-o", tmp_path / "plan.json"]
+    code, out, err = run_cli("plan", model, "--batch-size", "max", *common)
+    assert code == 0, err
+    plan = json.loads(out)
+    largest = plan["global_batch_size"]
+    assert 8 < largest < 100_000 and any("--batch-size max" in note for note in plan["notes"])
+    assert plan["measured"]["peak_bytes"] + sum(plan["headroom"].values()) <= plan["budget_bytes"]  # verified
+    code, out, err = run_cli("plan", model, "--batch-size", str(largest + 1), *common)
+    assert code == 2 and "below the floor" in err and f"batch of {largest + 1}" in err
+
+
+def test_a_batch_size_that_is_no_number_is_one_line(run_cli, tmp_path):
+    code, out, err = run_cli("plan", tmp_path / "model.py", "--budget", "2MiB", "--batch-size", "many")
+    assert code == 2 and "'many'" in err and "max" in err
