@@ -72,7 +72,7 @@ def capacity(
             with progress.doing("searching every card"):
                 least = least_budget(
                     record.model, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                    allowed=record.allowed, smallest=record.smallest,
+                    allowed=record.allowed, smallest=record.smallest, start_bytes=largest,
                 )
                 rows = []
                 for card in cards:
@@ -92,7 +92,11 @@ def capacity(
             "cards": [row.to_dict(tokens_per_sample=tokens) for row in rows], "seconds": seconds,
         })
         return
-    print("\n".join(_table(spec.source, batch_size, tokens, least, record, rows, seconds)))
+    lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds)
+    if host_speed is None and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
+        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is timed on this machine's CPU; "
+                     "--host-speed gives the training machine's")
+    print("\n".join(lines))
 
 
 def _table(source: str, batch_size: int, tokens: int | None, least: int | None, record, rows, seconds: float) -> list[str]:

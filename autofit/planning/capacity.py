@@ -33,7 +33,7 @@ DEFAULT_CARDS = ("T4", "RTX 4090", "A100 40GB", "L40S", "H100")
 """Common cards of 16, 24, 40, 48 and 80 GB, each a row of ``GPU_PEAKS``."""
 
 BUDGET_RESOLUTION_BYTES = 8 * 2**20
-"""How close ``least_budget``'s bisection comes to the least budget (it answers the budget above it)."""
+"""How close ``least_budget``'s bisection comes to the least budget at least (it answers the budget above it)."""
 
 LARGEST_BATCH_SEARCHED = 2**20
 """``largest_one_step`` looks no further: a batch this large in one step is "at least" it."""
@@ -147,67 +147,113 @@ def one_step(model: CostModel, *, batch_size: int, usable_bytes: dict[str, float
     return max((e for e in found if e.fits), key=lambda e: e.samples_per_s, default=None)
 
 
+def point_fits(model: CostModel, precision: str, micro_batch_size: int, *, usable_bytes: dict[str, float], allowed: Allowed) -> bool:
+    """Whether ``score_point`` would find the point fitting, asked the short way: its lever choices one after another
+    (``search.space.cheapest_for``), stopping at the first that fits, without pricing any of them. The bisections ask
+    this hundreds of times; the fastest configuration is scored only at their answers."""
+    from autofit.planning.memory.levers import LeverChoice
+    from autofit.planning.search.space import LeverSearch, cheapest_for
+
+    limit = usable_bytes[precision] / model.memory_scale * (1 + allowed.slack)
+    search = allowed.levers or LeverSearch()
+    if cheapest_for(model, precision, micro_batch_size, limit_bytes=limit) is not None:
+        return True
+    memory = model.precisions[precision].memory
+    choices = search.choices(precision, micro_batch_size, model.global_batch_size) if memory.has_levers() else [LeverChoice()]
+    return any(
+        cheapest_for(model, precision, micro_batch_size, limit_bytes=limit, levers=choice, search=search) is not None
+        for choice in choices
+    )
+
+
+def _least_memory_first(allowed: Allowed) -> list[str]:
+    """The precisions, those that keep bf16 weights first: the likeliest to fit, so a fitting point is found soonest."""
+    return sorted(allowed.precisions, key=lambda p: p not in (MASTER_WEIGHTS, PURE_BF16))
+
+
 def largest_one_step(
     model: CostModel, *, usable_bytes: dict[str, float], allowed: Allowed, smallest: int = 1,
 ) -> tuple[int, Evaluation | None]:
-    """The largest batch one micro-step holds within ``usable_bytes``, and the point that holds it; (0, None) where
-    not even ``smallest`` fits (the peak grows with the micro-batch: doubling, then bisection)."""
-    return _largest(lambda size: one_step(model, batch_size=size, usable_bytes=usable_bytes, allowed=allowed), smallest)
+    """The largest batch one micro-step holds within ``usable_bytes``, and the fastest point that holds it; (0, None)
+    where not even ``smallest`` fits (the peak grows with the micro-batch: doubling, then bisection)."""
+    order = _least_memory_first(allowed)
+
+    def fits(size: int) -> bool:
+        at = replace(model, global_batch_size=size)
+        return any(point_fits(at, p, size, usable_bytes=usable_bytes, allowed=allowed) for p in order)
+
+    size = _largest(fits, smallest)
+    return size, one_step(model, batch_size=size, usable_bytes=usable_bytes, allowed=allowed) if size else None
 
 
 def largest_global(
     model: CostModel, *, usable_bytes: dict[str, float], allowed: Allowed, smallest: int = 1,
 ) -> tuple[int, Evaluation | None]:
     """The largest global batch the search fits within ``usable_bytes`` (any micro-batch and accumulation), and its
-    fastest point; ``LARGEST_BATCH_SEARCHED`` where the memory does not grow with the global batch (a GPU, whose host
-    holds it; on the CPU the batch waits in the same memory, so it is bounded)."""
-    return _largest(
-        lambda size: best_at(model, global_batch_size=size, usable_bytes=usable_bytes, allowed=allowed, smallest=smallest), smallest,
-    )
+    fastest point; about ``LARGEST_BATCH_SEARCHED`` where the memory does not grow with the global batch (a GPU, whose
+    host holds it; on the CPU the batch waits in the same memory, so it is bounded)."""
+    order = _least_memory_first(allowed)
+
+    def fits(size: int) -> bool:
+        at = replace(model, global_batch_size=size)
+        sizes = micro_batch_sizes(size, smallest=min(smallest, size))[::-1]  # the smallest first: the likeliest to fit
+        return any(point_fits(at, p, m, usable_bytes=usable_bytes, allowed=allowed) for m in sizes for p in order)
+
+    size = _largest(fits, smallest)
+    best = best_at(model, global_batch_size=size, usable_bytes=usable_bytes, allowed=allowed, smallest=smallest) if size else None
+    return size, best
 
 
-def _largest(fitting, start: int) -> tuple[int, Evaluation | None]:
-    """The largest size from ``start`` up for which ``fitting(size)`` finds a point (doubling, then bisection: what fits
-    at one size fits at a smaller one), with that point; (0, None) where ``start`` does not fit."""
-    best = fitting(start)
-    if best is None:
-        return 0, None
+def _largest(fits, start: int) -> int:
+    """The largest size from ``start`` up at which ``fits(size)`` (doubling, then bisection: what fits at one size fits
+    at a smaller one); 0 where ``start`` does not fit; the last doubling at most ``LARGEST_BATCH_SEARCHED``."""
+    if not fits(start):
+        return 0
     low, high = start, None  # low fits; high, once known, does not
     while high is None:
         trial = low * 2
         if trial > LARGEST_BATCH_SEARCHED:
-            return low, best
-        found = fitting(trial)
-        if found is None:
-            high = trial
+            return low
+        if fits(trial):
+            low = trial
         else:
-            low, best = trial, found
+            high = trial
     while high - low > 1:
         middle = (low + high) // 2
-        found = fitting(middle)
-        if found is None:
-            high = middle
+        if fits(middle):
+            low = middle
         else:
-            low, best = middle, found
-    return low, best
+            high = middle
+    return low
 
 
 def least_budget(
     model: CostModel, *, global_batch_size: int, headroom: Headroom, resident_bytes: dict[str, int], allowed: Allowed,
-    smallest: int = 1,
+    smallest: int = 1, start_bytes: int,
 ) -> int | None:
     """The least budget (card memory) at which the search finds a configuration for ``global_batch_size``: the floor
-    with every lever ``allowed``, within ``BUDGET_RESOLUTION_BYTES`` above it; None where none fits even with the
-    memory of the largest card in the table, ten times over."""
+    with every lever ``allowed``, within ``BUDGET_RESOLUTION_BYTES`` (or 0.2% of it) above it; None where none fits
+    even in 16 times ``start_bytes`` (the largest card asked about: the bisection starts there).
+
+    Only the smallest micro-batch and the whole batch in one are scored: with accumulation a smaller micro-batch
+    never needs more (fewer activations, the rest the same), and the whole batch in one step is where the step in
+    backward, which frees the gradients, is tried. An 8B model's least budget took 75 s with every size, loaded.
+    """
+    G = global_batch_size
+    at = replace(model, global_batch_size=G)
+    sizes, order = sorted({G, min(smallest, G)}), _least_memory_first(allowed)
+
     def fits(budget: int) -> bool:
         usable = usable_for(headroom, resident_bytes, budget)
-        return best_at(model, global_batch_size=global_batch_size, usable_bytes=usable, allowed=allowed, smallest=smallest) is not None
+        return any(point_fits(at, p, m, usable_bytes=usable, allowed=allowed) for m in sizes for p in order)
 
-    high = 10 * max(p.memory_gib for p in GPU_PEAKS.values()) * 2**30
-    if not fits(high):
-        return None
+    high = start_bytes
+    while not fits(high):
+        if high >= 16 * start_bytes:
+            return None
+        high *= 2
     low = 0  # fits(low) is False: no budget of 0 holds a model
-    while high - low > BUDGET_RESOLUTION_BYTES:
+    while high - low > max(BUDGET_RESOLUTION_BYTES, high // 500):
         middle = (low + high) // 2
         if fits(middle):
             high = middle
