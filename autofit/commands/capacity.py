@@ -128,7 +128,7 @@ def _table(source: str, batch_size: int, tokens: int | None, least: int | None, 
         "trains where one micro-batch fits (its memory does not grow with the batch on a GPU)"
     )
     lines.append(f"  peak: predicted, before the card's headroom (context, allocator reserve, fragmentation, {POLICY.safety_margin_share:.0%} margin)")
-    for precision, why in record.left_out.items():
-        lines.append(f"  left out    {precision}: {why}")
+    for what, why in record.left_out.items():
+        lines.append(f"  left out    {what}: {why}")
     lines.append(f"  answered in {seconds:.1f} s (precisions {', '.join(record.allowed.precisions)})")
     return lines

@@ -374,10 +374,42 @@ def capacity_record(context, *, levers) -> CapacityRecord:
         save(context, costs)
         resident = {p: measurements.resident_for(p) for p in PRECISIONS}
         context.study.save("measurements", measurements.to_store())
+        search, precisions = _within_host(context, measurements, search, traced, left_out)
     return CapacityRecord(
-        model=costs.model, allowed=Allowed(precisions=tuple(traced), micro_batch_sizes=tuple(costs.micro_batch_sizes), levers=search, slack=0.0),
+        model=costs.model, allowed=Allowed(precisions=tuple(precisions), micro_batch_sizes=tuple(costs.micro_batch_sizes), levers=search, slack=0.0),
         headroom=measurements.headroom, resident_bytes=resident, smallest=costs.smallest, left_out=left_out,
     )
+
+
+def _within_host(context, measurements, search, precisions: list[str], left_out: dict[str, str]):
+    """The levers and precisions whose host bytes the host can hold (``context.host_budget_bytes``), the others said in
+    ``left_out``: the planner measures each candidate's host bytes and refuses those over it (``Measurements.fits_host``);
+    the table, which probes nothing, leaves out what needs more than that at least.
+
+    bf16-master keeps the fp32 masters, their gradients and the optimizer state on the host: the fp32 parameters and
+    state counted on the device (``Measurements.resident_bytes``) plus a gradient per trainable parameter; host state
+    keeps the state there (those bytes less the weights'). Offloaded activations are not counted here (a plan is).
+    """
+    host = context.host_budget_bytes
+    if host is None or not measurements.resident_bytes:  # the CPU: the host is the device
+        return search, precisions
+    where = f"the host's {format_bytes(host)} ({context.host_budget_note})"
+    masters = measurements.resident_bytes + search.trainable_bytes
+    kept = list(precisions)
+    if MASTER_WEIGHTS in kept and masters > host:
+        kept.remove(MASTER_WEIGHTS)
+        left_out[MASTER_WEIGHTS] = (
+            f"its fp32 masters, gradients and optimizer state need {format_bytes(masters)} of host memory, more than {where}; "
+            "--host-memory gives the training machine's"
+        )
+    state = measurements.resident_bytes - measurements.weight_bytes("fp32")
+    if search.host_state and state > host:
+        search = replace(search, host_state=False)
+        left_out["host state"] = (
+            f"the optimizer state needs {format_bytes(state)} of host memory, more than {where}; --host-memory gives the "
+            "training machine's"
+        )
+    return search, kept
 
 
 def card_speeds(context, record: CapacityRecord, kind: str) -> dict[str, SpeedCosts]:

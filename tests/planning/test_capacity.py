@@ -12,6 +12,8 @@ CARD = "1400MiB"
 largest batch in one step is then a few hundred samples, quick to trace."""
 
 MODEL = ["--task", "causal-lm", "--seq-len", "32"]
+HOST = "64KiB"
+"""Less host memory than the tiny model's AdamW state: optimizer state on the host is left out, as the planner would."""
 
 
 def test_card_names_come_from_the_table_with_their_memory():
@@ -39,10 +41,12 @@ def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_
     from autofit.planning.request import PlanRequest
 
     code, out, err = run_cli(
-        "capacity", f"hf:{tiny_lm}", *MODEL, "--batch-size", "4", "--on", CARD, "--precisions", "fp32", "--json", "-q",
+        "capacity", f"hf:{tiny_lm}", *MODEL, "--batch-size", "4", "--on", CARD, "--precisions", "fp32", "--host-memory", HOST,
+        "--json", "-q",
     )
     assert code == 0, err
     answer = json.loads(out)
+    assert "more than the host's 64.00 KiB" in answer["left_out"]["host state"]  # the planner would refuse it there
     row, = answer["cards"]
     assert row["fits"] and answer["least_budget_bytes"] <= row["memory_bytes"]
     largest, config = row["largest_batch_one_step"], row["largest_batch_config"]
@@ -57,7 +61,8 @@ def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_
     room = Headroom.estimated_cuda(row["memory_bytes"], expandable_segments=True)
     assert room.fits(result.peak_bytes, persistent_bytes=persistent_bytes(result.breakdown))
     request = PlanRequest(
-        budget=CARD, batch_size=largest + 1, device="cuda", simulate=True, device_memory=CARD, precisions=("fp32",), cache=False,
+        budget=CARD, batch_size=largest + 1, device="cuda", simulate=True, device_memory=CARD, precisions=("fp32",), host_memory=HOST,
+        cache=False,
     )
     context = plan_context(spec, request)
     try:
