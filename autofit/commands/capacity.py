@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import typer
 
@@ -30,6 +31,9 @@ def capacity(
         None, "--host-speed", help="Parameter elements per second the training machine's host updates with the optimizer (default: timed here).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON on stdout (progress goes to stderr)."),
+    plot: Path = typer.Option(
+        None, "--plot", help="Also draw the predicted peak against the batch in one step, each card's usable memory a line (PNG).",
+    ),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither reuse nor keep costs in the cache ($AUTOFIT_CACHE_DIR, else ~/.cache/autofit)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
@@ -48,6 +52,10 @@ def capacity(
     from autofit.progress import as_progress, print_progress
 
     started = time.perf_counter()
+    if plot is not None:
+        from autofit.atomic import check_writable
+
+        check_writable(plot, option="--plot")  # before the traces, not after them
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     cards = parse_cards(on if on is not None else ",".join(DEFAULT_CARDS))
@@ -83,6 +91,8 @@ def capacity(
                     ))
         finally:
             context.trace_pool.close()
+    if plot is not None:
+        _plot(plot, spec.source, batch_size, record, rows)
     tokens = spec.source_options.get("seq_len") if spec.source_options.get("task", "causal-lm") != "image-classification" else None
     seconds = time.perf_counter() - started
     if as_json:
@@ -90,13 +100,31 @@ def capacity(
             "model": spec.source, "global_batch_size": batch_size, "seq_len": tokens, "estimated": True,
             "least_budget_bytes": least, "precisions": list(record.allowed.precisions), "left_out": record.left_out,
             "cards": [row.to_dict(tokens_per_sample=tokens) for row in rows], "seconds": seconds,
+            "plot": str(plot) if plot is not None else None,
         })
         return
     lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds)
     if host_speed is None and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
         lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is timed on this machine's CPU; "
                      "--host-speed gives the training machine's")
+    if plot is not None:
+        lines.append(f"  wrote {plot}: the predicted peak against the batch in one step, each card's usable memory a line")
     print("\n".join(lines))
+
+
+def _plot(out: Path, source: str, batch_size: int, record, rows) -> None:
+    """``--plot``: the peak lines from the batch of 1 to past every card's largest batch in one step."""
+    from autofit.planning.capacity import peak_curves
+    from autofit.tools.capacity_plot import plot_capacity
+
+    top = max([batch_size, *(row.largest_one_step for row in rows)])
+    sizes = sorted({max(1, round(1.25 * top * 2 ** (-i / 2))) for i in range(16)})
+    curves = peak_curves(record.model, batch_sizes=sizes, precisions=record.allowed.precisions)
+    cards = {
+        f"{row.card.name}: what its headroom leaves": min((row.usable_bytes[p] for p in record.allowed.precisions), default=row.card.memory_bytes)
+        for row in rows
+    }
+    plot_capacity(curves, sizes, cards, out, title=f"{source}: peak against the batch in one step")
 
 
 def _table(source: str, batch_size: int, tokens: int | None, least: int | None, record, rows, seconds: float) -> list[str]:

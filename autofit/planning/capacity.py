@@ -490,3 +490,17 @@ def largest_batch(spec, request, *, log=None) -> tuple[int, str]:
             )
         size = found
     return size, note.format(size)
+
+
+def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[str, ...]) -> dict[str, list[float]]:
+    """Predicted peaks (bytes, before headroom) of the whole batch in one micro-step at each of ``batch_sizes``, per
+    precision with no block checkpointed and with every block checkpointed (no other lever): the lines
+    ``--plot`` draws against the cards' memory. Pure."""
+    every = frozenset(range(len(model.blocks)))
+    curves = {}
+    for precision in precisions:
+        for label, blocks in (("no checkpointing", frozenset()), ("every block checkpointed", every)):
+            curves[f"{precision}, {label}"] = [
+                replace(model, global_batch_size=size).peak_bytes(precision, size, blocks) for size in batch_sizes
+            ]
+    return curves

@@ -30,7 +30,7 @@ def test_an_unknown_card_is_one_line(run_cli, tiny_lm):
     assert code == 2 and "GTX 480" in err and "H100" in err and "Traceback" not in err
 
 
-def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_from_its_own_traces(run_cli, tiny_lm):
+def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_from_its_own_traces(run_cli, tiny_lm, tmp_path):
     """The table's largest batch in one step, from traces at batch 4: its configuration probed exactly fits the card,
     and a record traced at one sample more (no extrapolation) holds that one in no single step either."""
     from autofit.commands.common import load_model_spec
@@ -42,10 +42,11 @@ def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_
 
     code, out, err = run_cli(
         "capacity", f"hf:{tiny_lm}", *MODEL, "--batch-size", "4", "--on", CARD, "--precisions", "fp32", "--host-memory", HOST,
-        "--json", "-q",
+        "--json", "-q", "--plot", tmp_path / "capacity.png",
     )
     assert code == 0, err
     answer = json.loads(out)
+    assert (tmp_path / "capacity.png").read_bytes().startswith(b"\x89PNG")
     assert "more than the host's 64.00 KiB" in answer["left_out"]["host state"]  # the planner would refuse it there
     row, = answer["cards"]
     assert row["fits"] and answer["least_budget_bytes"] <= row["memory_bytes"]
