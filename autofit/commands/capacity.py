@@ -152,8 +152,8 @@ def _table(source: str, batch_size: int, tokens: int | None, least: int | None, 
             f"{row.largest_one_step:>8}  {config_words(chosen.config) if chosen else '-'}"
         )
     lines.append(
-        "  one step: the largest batch one micro-step holds there (lossless); with accumulation any larger global batch "
-        "trains where one micro-batch fits (its memory does not grow with the batch on a GPU)"
+        "  one step: the largest batch one micro-step holds there (lossless); with accumulation larger global batches "
+        "train where one micro-batch fits (a step's memory grows with them by the inputs' copy only)"
     )
     lines.append(f"  peak: predicted, before the card's headroom (context, allocator reserve, fragmentation, {POLICY.safety_margin_share:.0%} margin)")
     for what, why in record.left_out.items():

@@ -7,9 +7,9 @@ lossless lever traced, since the least budget needs them all. Everything after t
 - ``least_budget``: the least card memory whose headroom leaves room for some configuration (the floor with every
   lossless lever), by bisection over the budget;
 - ``best_at``: the configuration the search chooses for a card's memory at a global batch, with its speed;
-- ``largest_one_step``: the largest batch one micro-step holds on a card. With accumulation the memory does not
-  grow with the global batch on a GPU (its host holds the batch), so any global batch trains once one micro-batch
-  fits; the most samples one step holds is the figure that bounds it.
+- ``largest_one_step``: the largest batch one micro-step holds on a card. With accumulation a step's memory grows
+  with the global batch by the inputs' copy only, so batches far larger train once one micro-batch fits; the most
+  samples one step holds is the figure that bounds the batch.
 
 A card's speeds come from the FLOP counts with its row of ``GPU_PEAKS`` (``card_speeds``, kept in the cache beside
 the costs); its memory's headroom is the estimated GPU's (``Headroom``), the one ``plan --simulate`` keeps.
@@ -451,9 +451,9 @@ def largest_batch(spec, request, *, log=None) -> tuple[int, str]:
     read), lossless, and the line the plan keeps about it.
 
     Traced once at ``REFERENCE_BATCH`` and answered purely (``largest_global``), then traced again at that answer and
-    answered again, so that the answer never rests on a line drawn far from a traced batch. Where the memory does
-    not grow with the global batch (a GPU: accumulation trains any batch once a micro-batch fits), the answer is
-    the largest batch one micro-step holds (``largest_one_step``).
+    answered again, so that the answer never rests on a line drawn far from a traced batch. On a GPU, where
+    accumulation trains batches far larger than one step holds (its memory grows by the inputs' copy alone), the
+    answer is the largest batch one micro-step holds (``largest_one_step``).
 
     Raises:
         UserError: not even the smallest batch the model trains with fits the budget.
@@ -471,17 +471,18 @@ def largest_batch(spec, request, *, log=None) -> tuple[int, str]:
         finally:
             context.trace_pool.close()
         usable = usable_for(record.headroom, record.resident_bytes, context.budget_bytes)
-        found, _ = largest_global(record.model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
-        note = (
-            f"--batch-size max: {{}} is the largest global batch the search fits within {format_bytes(context.budget_bytes)}, "
-            f"lossless (one sample more does not fit, predicted from traces at a batch of {size})"
-        )
-        if found * 2 > LARGEST_BATCH_SEARCHED:  # any batch trains by accumulating: the most one step holds bounds it
+        if context.device == "cuda":  # accumulation trains far larger batches: the most one step holds bounds it
             found, _ = largest_one_step(record.model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
             note = (
                 f"--batch-size max: {{}} is the largest batch one micro-step holds within {format_bytes(context.budget_bytes)}, "
-                f"lossless (predicted from traces at a batch of {size}); with accumulation any larger global batch trains too, "
-                "its memory not growing with the batch here"
+                f"lossless (predicted from traces at a batch of {size}); with accumulation larger global batches train too "
+                "(a step's memory grows with them by the inputs' copy only)"
+            )
+        else:  # the CPU: the global batch waits in the same memory, so it is bounded
+            found, _ = largest_global(record.model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
+            note = (
+                f"--batch-size max: {{}} is the largest global batch the search fits within {format_bytes(context.budget_bytes)}, "
+                f"lossless (one sample more does not fit, predicted from traces at a batch of {size})"
             )
         if found == 0:
             raise UserError(
