@@ -23,11 +23,19 @@ from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.planning.costs import CostModel, SpeedCosts
 from autofit.planning.memory.headroom import Headroom
-from autofit.planning.modelling import micro_batch_sizes
-from autofit.planning.search.space import Allowed, Evaluation, score_all, score_point
-from autofit.planning.speed.estimated import GPU_PEAKS, gpu_kind
+from autofit.planning.context import PlanContext, intra_op_threads, plan_context
+from autofit.planning.lever_timings import Levers, lever_search
+from autofit.planning.memory.levers import LeverChoice
+from autofit.planning.modelling import (
+    add_loss_chunks, add_recomputations, add_speeds, micro_batch_sizes, save, stored_or_new, timing_sizes, trace_full, trace_offload,
+)
+from autofit.planning.request import PlanRequest
+from autofit.planning.search.space import Allowed, Evaluation, LeverSearch, cheapest_for, score_all, score_point
+from autofit.planning.speed.estimated import GPU_PEAKS, flop_speed_costs, gpu_kind
+from autofit.planning.verify.measurements import Measurements
+from autofit.spec import ModelSpec
 from autofit.units import format_bytes, parse_budget
-from strategies import MASTER_WEIGHTS, PURE_BF16
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
 
 DEFAULT_CARDS = ("T4", "RTX 4090", "A100 40GB", "L40S", "H100")
 """Common cards of 16, 24, 40, 48 and 80 GB, each a row of ``GPU_PEAKS``."""
@@ -151,9 +159,6 @@ def point_fits(model: CostModel, precision: str, micro_batch_size: int, *, usabl
     """Whether ``score_point`` would find the point fitting, asked the short way: its lever choices one after another
     (``search.space.cheapest_for``), stopping at the first that fits, without pricing any of them. The bisections ask
     this hundreds of times; the fastest configuration is scored only at their answers."""
-    from autofit.planning.memory.levers import LeverChoice
-    from autofit.planning.search.space import LeverSearch, cheapest_for
-
     limit = usable_bytes[precision] / model.memory_scale * (1 + allowed.slack)
     search = allowed.levers or LeverSearch()
     if cheapest_for(model, precision, micro_batch_size, limit_bytes=limit) is not None:
@@ -330,7 +335,7 @@ class CapacityRecord:
     """Precision -> why it is not among the record's."""
 
 
-def capacity_record(context, *, levers) -> CapacityRecord:
+def capacity_record(context: PlanContext, *, levers: Levers) -> CapacityRecord:
     """Trace the model once for every card (``context``: a simulated GPU as large as the largest card), through the
     planner's own steps and cache: every precision whose weights the largest card can hold, in full with its
     recomputations, and, for the least budget, with the chunked loss's and offload's runs (``levers``: what the
@@ -340,14 +345,6 @@ def capacity_record(context, *, levers) -> CapacityRecord:
         context: ``context.plan_context`` of a simulated GPU (``--device cuda --simulate``).
         levers: ``lever_timings.Levers``.
     """
-    from autofit.planning.context import intra_op_threads
-    from autofit.planning.lever_timings import lever_search
-    from autofit.planning.modelling import (
-        add_loss_chunks, add_recomputations, add_speeds, save, stored_or_new, trace_full, trace_offload,
-    )
-    from autofit.planning.verify.measurements import Measurements
-    from strategies import PRECISIONS
-
     with intra_op_threads(context.threads):
         with context.phase("memory"):
             costs = stored_or_new(context)
@@ -381,7 +378,9 @@ def capacity_record(context, *, levers) -> CapacityRecord:
     )
 
 
-def _within_host(context, measurements, search, precisions: list[str], left_out: dict[str, str]):
+def _within_host(
+    context: PlanContext, measurements: Measurements, search: LeverSearch, precisions: list[str], left_out: dict[str, str],
+) -> tuple[LeverSearch, list[str]]:
     """The levers and precisions whose host bytes the host can hold (``context.host_budget_bytes``), the others said in
     ``left_out``: the planner measures each candidate's host bytes and refuses those over it (``Measurements.fits_host``);
     the table, which probes nothing, leaves out what needs more than that at least.
@@ -412,12 +411,9 @@ def _within_host(context, measurements, search, precisions: list[str], left_out:
     return search, kept
 
 
-def card_speeds(context, record: CapacityRecord, kind: str) -> dict[str, SpeedCosts]:
+def card_speeds(context: PlanContext, record: CapacityRecord, kind: str) -> dict[str, SpeedCosts]:
     """A card's speeds for the record's precisions, from the FLOP counts at its row of ``GPU_PEAKS`` (as
     ``plan --simulate --device-kind KIND`` estimates them), kept in the cost cache beside the record."""
-    from autofit.planning.modelling import timing_sizes
-    from autofit.planning.speed.estimated import flop_speed_costs
-
     key = f"capacity_speeds:{kind}"
     stored = context.study.load(key)
     precisions = list(record.model.precisions)
@@ -446,7 +442,7 @@ REFERENCE_BATCH = 8
 """``largest_batch``'s first traces are at this global batch (or at the smallest the model trains with)."""
 
 
-def largest_batch(spec, request, *, log=None) -> tuple[int, str]:
+def largest_batch(spec: ModelSpec, request: PlanRequest, *, log=None) -> tuple[int, str]:
     """The largest global batch ``request``'s budget trains (``plan --batch-size max``; ``request.batch_size`` is not
     read), lossless, and the line the plan keeps about it.
 
@@ -458,9 +454,6 @@ def largest_batch(spec, request, *, log=None) -> tuple[int, str]:
     Raises:
         UserError: not even the smallest batch the model trains with fits the budget.
     """
-    from autofit.planning.context import plan_context
-    from autofit.planning.lever_timings import Levers
-
     size, seen, note = REFERENCE_BATCH, set(), ""
     while size not in seen:
         seen.add(size)

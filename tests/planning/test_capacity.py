@@ -97,3 +97,5 @@ def test_plan_batch_size_max_plans_the_largest_batch_and_one_more_is_refused(run
 def test_a_batch_size_that_is_no_number_is_one_line(run_cli, tmp_path):
     code, out, err = run_cli("plan", tmp_path / "model.py", "--budget", "2MiB", "--batch-size", "many")
     assert code == 2 and "'many'" in err and "max" in err
+    code, out, err = run_cli("plan", tmp_path / "model.py", "--budget", "2MiB", "--batch-size", "max", "--gpus", "2")
+    assert code == 2 and "one process" in err and "--gpus 2" in err
