@@ -137,7 +137,8 @@ def _table(source: str, batch_size: int, tokens: int | None, least: int | None, 
         f"capacity of {source}: batch {batch_size}{per_sample}, lossless levers only "
         "[estimated: simulated meter, FLOP-based speed]",
         "  least memory " + (
-            f"{format_bytes(least)}: the floor with every lossless lever (checkpointing, offload, host state, step in backward, chunked loss)"
+            f"{format_bytes(least)}: the floor with every lossless lever the host allows (checkpointing, offload, host state, "
+            "step in backward, chunked loss)"
             if least is not None else "none: no card in the table holds this batch even with every lossless lever"
         ),
     ]

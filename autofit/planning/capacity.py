@@ -1,6 +1,6 @@
 """Capacity: which cards a model trains on, and how, answered from one cost record ("will it fit on my card?").
 
-``capacity_costs`` builds the record the way ``plan --simulate --device cuda`` does (``modelling.stored_or_new``, the
+``capacity_record`` builds the record the way ``plan --simulate --device cuda`` does (``modelling.stored_or_new``, the
 same cost cache, ``trace_full`` with its recomputations, the chunked loss's and offload's runs), once, with every
 lossless lever traced, since the least budget needs them all. Everything after that is pure (``search.space``):
 
@@ -44,7 +44,7 @@ BUDGET_RESOLUTION_BYTES = 8 * 2**20
 """How close ``least_budget``'s bisection comes to the least budget at least (it answers the budget above it)."""
 
 LARGEST_BATCH_SEARCHED = 2**20
-"""``largest_one_step`` looks no further: a batch this large in one step is "at least" it."""
+"""The largest-batch searches look no further: a batch this large is "at least" it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -332,7 +332,7 @@ class CapacityRecord:
     smallest: int
     """The smallest micro-batch the model trains with."""
     left_out: dict[str, str]
-    """Precision -> why it is not among the record's."""
+    """A precision or lever ("host state") -> why it is left out of every answer."""
 
 
 def capacity_record(context: PlanContext, *, levers: Levers) -> CapacityRecord:
