@@ -42,7 +42,7 @@ def _root(
     _options["debug"] = debug
 
 
-COMMAND_MODULES = ("probe", "plan", "train", "val", "plot", "compare", "export")
+COMMAND_MODULES = ("probe", "plan", "capacity", "train", "val", "plot", "compare", "export")
 """Modules under autofit/commands/ that register their command on ``app``."""
 
 for _name in COMMAND_MODULES:

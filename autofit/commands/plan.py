@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -22,8 +23,10 @@ from autofit.units import format_bytes, format_rate
 def plan(
     model: str = MODEL_ARG,
     budget: str = typer.Option(..., "--budget", "-b", help='Memory budget: "16GB", "16GiB", "512MiB", "90%" of the device, or bytes.'),
-    batch_size: int = typer.Option(
-        None, "--batch-size", "-n", help="Global batch: samples per optimizer step (every plan keeps it); required unless --from-trainer-args.",
+    batch_size: str = typer.Option(
+        None, "--batch-size", "-n",
+        help="Global batch: samples per optimizer step (every plan keeps it); max: the largest the budget trains (one process); "
+        "required unless --from-trainer-args.",
     ),
     from_trainer_args: Path = typer.Option(
         None, "--from-trainer-args",
@@ -108,18 +111,20 @@ def plan(
     if device not in DEVICES:
         raise UserError(f"--device {device!r} is unknown; use {one_of(DeviceChoice)}")
     run = None
+    if batch_size is None and from_trainer_args is None:
+        raise UserError("--batch-size is missing: give the global batch (samples per optimizer step), max, or --from-trainer-args FILE")
+    asked = batch_size
+    batch_size = None if asked is None else _batch_size(asked, gpus=gpus, nodes=nodes)  # None: max (or the trainer's)
     if from_trainer_args is not None:
         from autofit.integrations.trainer_args import plan_options, read_trainer_args
 
+        if asked is not None and batch_size is None:
+            raise UserError("--batch-size max and --from-trainer-args both choose the global batch; give one of them")
         run = read_trainer_args(from_trainer_args, world_size=gpus * nodes)
         given = None if precisions is None else [p.strip() for p in precisions.split(",") if p.strip()]
         options = plan_options(run, batch_size=batch_size, precisions=given, max_grad_norm=max_grad_norm)
         batch_size, precisions, max_grad_norm = options["batch_size"], ",".join(options["precisions"]), options["max_grad_norm"]
         allow_lossy_optimizer = allow_lossy_optimizer or options["allow_lossy_optimizer"]
-    if batch_size is None:
-        raise UserError("--batch-size is missing: give the global batch (samples per optimizer step), or --from-trainer-args FILE")
-    if batch_size < 1:
-        raise UserError(f"--batch-size {batch_size} must be at least 1")
     if device_memory is not None and not simulate and device == "cuda":
         raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
     wanted = None if precisions is None else [p.strip() for p in precisions.split(",") if p.strip()]
@@ -144,13 +149,21 @@ def plan(
                 check_fits_this_machine(spec, device=device)
                 check_model_runs(spec)
         request = PlanRequest(
-            budget=budget, batch_size=batch_size, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
+            budget=budget, batch_size=batch_size or 1, device=device, simulate=simulate, device_memory=device_memory, device_kind=device_kind,
             host_memory=host_memory, host_speed=host_speed, study=study, expandable_segments=expandable_segments, weights_dtype=weights_dtype,
             precisions=wanted, num_classes=spec.source_options.get("num_classes"), gpus=gpus, nodes=nodes,
             allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads,
             max_grad_norm=max_grad_norm, compile=compile_,
         )
+        if batch_size is None:
+            from autofit.planning.capacity import largest_batch
+
+            with progress.doing("finding the largest batch the budget trains"):
+                largest, note = largest_batch(spec, request, log=progress)
+            request = replace(request, batch_size=largest)
         report = plan_with_report(spec, request, log=progress)
+        if batch_size is None:
+            report.plan = replace(report.plan, notes=[*report.plan.notes, note])
     path = save_plan(report.plan, out)
     if as_json:
         print_json(report.plan.to_dict())
@@ -171,6 +184,25 @@ def plan(
         held = weights_held(spec, report.plan.config)
         lines.insert(2, f"  weights     {spec.weights_note}, {held} (what `autofit train` starts from{again})")
     print("\n".join(lines))
+
+
+def _batch_size(text: str, *, gpus: int, nodes: int) -> int | None:
+    """``--batch-size``: a whole number of samples, or None for max (the largest the budget trains).
+
+    Raises:
+        UserError: neither, below 1, or max for several processes.
+    """
+    if text.strip().lower() == "max":
+        if gpus * nodes > 1:
+            raise UserError(f"--batch-size max is planned on one process; for --gpus {gpus} give the global batch")
+        return None
+    try:
+        size = int(text)
+    except ValueError:
+        raise UserError(f"--batch-size {text!r} is not a whole number of samples; give e.g. 64, or max for the largest the budget trains") from None
+    if size < 1:
+        raise UserError(f"--batch-size {size} must be at least 1")
+    return size
 
 
 def _check_study(study: str) -> None:
