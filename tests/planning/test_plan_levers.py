@@ -310,6 +310,10 @@ def test_host_memory_is_a_second_budget(run_cli, lm, tmp_path):
     last = err.strip().splitlines()[-1]  # after the progress lines
     assert code == 2 and last.startswith("autofit: error: no configuration fits") and "Traceback" not in err, err
     assert "of host memory at least" in last and "give --host-memory" in last
+    # --precisions fp32 leaves bf16-master out: the ladder below the floor must not name it (it was a KeyError).
+    code, out, err = run_cli(*common, "--host-memory", "64GiB", "--precisions", "fp32")
+    assert "Traceback" not in err and code in (0, 2), err
+    assert code == 2 or json.loads((tmp_path / "plan.json").read_text())["precision"] == "fp32"
 
 
 def test_host_memory_is_for_a_gpu_plan(run_cli, lm, tmp_path):

@@ -179,15 +179,18 @@ def lever_candidates(
         added.append("optimizer state on the host")
         candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state="host")))
         # Then the weights on the device in bf16 too, their fp32 masters beside the state on the host (no step in
-        # backward: the masters step after it).
+        # backward: the masters step after it); not where --precisions leaves bf16-master out (its arithmetic is bf16).
         master = replace(base, precision=MASTER_WEIGHTS, optimizer_in_backward=False)
-        candidates.append(LeverCandidate(
-            name=", ".join([
-                *[n for n in names if n != "optimizer step in backward"], *added[:-1],
-                "bf16 weights with fp32 masters and optimizer state on the host",
-            ]),
-            added="bf16 weights with fp32 masters on the host", config=master,
-        ))
+        if MASTER_WEIGHTS not in context.precisions:
+            skipped.append(f"bf16 weights with fp32 masters on the host: --precisions leaves {MASTER_WEIGHTS} out")
+        else:
+            candidates.append(LeverCandidate(
+                name=", ".join([
+                    *[n for n in names if n != "optimizer step in backward"], *added[:-1],
+                    "bf16 weights with fp32 masters and optimizer state on the host",
+                ]),
+                added="bf16 weights with fp32 masters on the host", config=master,
+            ))
         names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
