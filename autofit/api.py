@@ -1,9 +1,7 @@
 """``autofit.fit``: plan (unless a plan is given), then train with the shared loop."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -251,21 +249,11 @@ def _with_adapters(model: nn.Module, lora: str | None, *, plan: Plan | None) -> 
         settings = planned_lora(lora, plan.model.lora, flag="lora=", spell=lambda value: f"lora={value!r}")
     if settings is None:
         return model, None
-    with _quiet_logger("torch.utils._pytree"):  # torchao, imported by PEFT: its enums "need no pytree registration"
+    from strategies.optimizer_state import quiet_torch_pytree
+
+    # torchao, imported by PEFT: its enums "need no pytree registration"; a caller of fit keeps its own logging after.
+    with quiet_torch_pytree():
         return lora_model(model, settings), settings.text()
-
-
-@contextmanager
-def _quiet_logger(name: str):
-    """Only errors from logger ``name`` while the block runs (the command line quiets it for the whole process; a
-    caller of ``fit`` keeps its own logging after)."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _examples_from(dataset, *, collate: Callable | None = None) -> Callable[[int], tuple]:

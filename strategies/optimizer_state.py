@@ -302,7 +302,7 @@ def eight_bit_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             "use optimizer state 'device' or 'host'"
         )
     try:
-        with _quiet_torch_pytree():  # torchao's import registers enums torch now warns about on stderr
+        with quiet_torch_pytree():  # torchao's import registers enums torch now warns about on stderr
             from torchao.optim import Adam8bit, AdamW8bit
     except ImportError as error:
         raise UserError(f"optimizer state '8bit' needs torchao ({error}); pip install torchao, or use 'device' or 'host'") from None
@@ -325,7 +325,7 @@ def stochastic_bf16_adamw(optimizer: torch.optim.Optimizer, *, eight_bit: bool =
             f"{type(optimizer).__name__}; use bf16 or bf16-master"
         )
     try:
-        with _quiet_torch_pytree():
+        with quiet_torch_pytree():
             from torchao.optim import AdamW8bit, _AdamW
     except ImportError as error:
         raise UserError(f"precision bf16-pure needs torchao ({error}); pip install torchao, or use bf16 or bf16-master") from None
@@ -364,7 +364,7 @@ def _make_quantization_maps() -> None:
 
 
 @contextmanager
-def _quiet_torch_pytree() -> Iterator[None]:
+def quiet_torch_pytree() -> Iterator[None]:
     """Silence ``torch.utils._pytree``'s deprecation warnings while a library registers its types.
 
     A warning on stderr would break every command's promise of one line per
