@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autofit._torch_private import without_dispatch_modes
+from autofit.apply import apply_config
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.model_io import as_loss, call_model
 from autofit.spec import ModelSpec
-from strategies.batch_split import BatchSplit, BatchSplitConfig
 
 CHECK_SAMPLES = 4
 """Samples of the example batch the check runs whole, then as two micro-batches of 2 (more where the model needs
@@ -103,9 +104,10 @@ def _whole_and_split(spec: ModelSpec, *, size: int, half: int):
             def step(micro_batch_size: int, *, seed: int) -> tuple[float, torch.Tensor]:
                 torch.manual_seed(seed)
                 model.zero_grad(set_to_none=True)
-                split = BatchSplit(BatchSplitConfig(global_batch_size=size, micro_batch_size=micro_batch_size))
+                # The split as training makes it, through the one owner (plain fp32: no other strategy is on).
+                applied = apply_config(model, TrainingConfig(global_batch_size=size, micro_batch_size=micro_batch_size), device="cpu")
                 total = 0.0
-                for micro_inputs, micro_targets, weight in split.micro_batches(inputs, targets, count=loss_fn.count):
+                for micro_inputs, micro_targets, weight in applied.micro_batches(inputs, targets, count=loss_fn.count):
                     loss = loss_fn.weighted(call_model(model, micro_inputs), micro_targets, weight=weight)
                     loss.backward()
                     total += loss.item()
