@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
+import signal
 import sys
 import traceback
 import warnings
@@ -82,6 +83,13 @@ def main() -> None:
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     command = typer.main.get_command(app)
+    interrupts = []
+
+    def interrupted(signum, frame) -> None:  # a command with handlers of its own (train, compare) replaces this one
+        interrupts.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, interrupted)
     try:
         code = command.main(standalone_mode=False)
     except UserError as error:
@@ -99,6 +107,8 @@ def main() -> None:
     except KeyboardInterrupt:
         print("autofit: interrupted", file=sys.stderr)
         sys.exit(130)
+    if code == 130 and interrupts:  # typer turns a KeyboardInterrupt into a silent exit code 130
+        print("autofit: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 
