@@ -150,7 +150,10 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
 
     _, spec = lm
     context = plan_context(
-        spec, PlanRequest(budget="1GiB", batch_size=1, device="cuda", simulate=True, device_memory="4GiB", study=None, precisions=["fp32"], num_classes=None),
+        spec, PlanRequest(
+            budget="1GiB", batch_size=1, device="cuda", simulate=True, device_memory="4GiB", study=None, precisions=["fp32", "bf16-master"],
+            num_classes=None,
+        ),
         log=None,
     )
     context = replace(context, simulate=simulate)  # the candidates only; nothing is measured here
@@ -168,6 +171,10 @@ def test_gpu_candidates_offload_the_blocks_not_checkpointed_then_host_state(lm, 
     assert candidates[-2].name == "optimizer step in backward, activation offload of 2 block(s), 8-bit AdamW state"
     assert any("--allow-lossy-optimizer" in why for why in skipped)
     assert candidates[1].name == "optimizer step in backward, activation offload of 2 block(s), optimizer state on the host"
+    # --precisions fp32 leaves bf16-master out: no bf16 masters below the floor either, and the plan says why.
+    candidates, skipped = lever_candidates(replace(context, precisions=["fp32"]), floor, blocks=LM_BLOCKS, allow_lossy_optimizer=False)
+    assert all(c.config.precision != "bf16-master" for c in candidates)
+    assert any("--precisions leaves bf16-master out" in why for why in skipped)
 
 
 @pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
