@@ -8,6 +8,7 @@ import importlib
 import logging
 import signal
 import sys
+import threading
 import traceback
 import warnings
 
@@ -89,7 +90,8 @@ def main() -> None:
         interrupts.append(signum)
         signal.default_int_handler(signum, frame)
 
-    signal.signal(signal.SIGINT, interrupted)
+    main_thread = threading.current_thread() is threading.main_thread()  # (tests call main() in their own process)
+    previous = signal.signal(signal.SIGINT, interrupted) if main_thread else None
     try:
         code = command.main(standalone_mode=False)
     except UserError as error:
@@ -107,6 +109,9 @@ def main() -> None:
     except KeyboardInterrupt:
         print("autofit: interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     if code == 130 and interrupts:  # typer turns a KeyboardInterrupt into a silent exit code 130
         print("autofit: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
