@@ -17,6 +17,7 @@ the costs); its memory's headroom is the estimated GPU's (``Headroom``), the one
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from autofit.config import TrainingConfig
@@ -223,13 +224,19 @@ def _largest(fits, start: int) -> int:
             low = trial
         else:
             high = trial
-    while high - low > 1:
+    return _bisect(fits, low, high)[0]
+
+
+def _bisect(below: Callable[[int], bool], low: int, high: int, *, within: Callable[[int], int] = lambda high: 1) -> tuple[int, int]:
+    """Narrow ``low`` < ``high`` to at most ``within(high)`` apart, ``below(middle)`` moving ``low`` up and its negation
+    ``high`` down (``below`` holds at ``low``, not at ``high``; neither is asked again)."""
+    while high - low > within(high):
         middle = (low + high) // 2
-        if fits(middle):
+        if below(middle):
             low = middle
         else:
             high = middle
-    return low
+    return low, high
 
 
 def least_budget(
@@ -257,14 +264,8 @@ def least_budget(
         if high >= 16 * start_bytes:
             return None
         high *= 2
-    low = 0  # fits(low) is False: no budget of 0 holds a model
-    while high - low > max(BUDGET_RESOLUTION_BYTES, high // 500):
-        middle = (low + high) // 2
-        if fits(middle):
-            high = middle
-        else:
-            low = middle
-    return high
+    # fits(0) is False: no budget of 0 holds a model.
+    return _bisect(lambda budget: not fits(budget), 0, high, within=lambda high: max(BUDGET_RESOLUTION_BYTES, high // 500))[1]
 
 
 def answer_card(
