@@ -9,25 +9,15 @@ import pytest
 from autofit.training.loop import TrainSettings
 from autofit.training.resume import read_saved_run
 from autofit.training.rundir import LOCK_FILE, start_fresh
+from tests.helpers import main_exit_code
 from tests.helpers.images import train_args
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, project):
     """A run of the tiny image project that trained its one epoch; copy it before changing it."""
-    import sys
-
-    from autofit.cli import main
-
     log_dir = tmp_path_factory.mktemp("finished") / "run"
-    argv = sys.argv
-    sys.argv = ["autofit", *map(str, train_args(project, log_dir, "--epochs", "1"))]
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            main()
-    finally:
-        sys.argv = argv
-    assert exit_.value.code == 0
+    assert main_exit_code(*train_args(project, log_dir, "--epochs", "1")) == 0
     return log_dir
 
 

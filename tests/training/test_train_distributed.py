@@ -20,7 +20,7 @@ from autofit.errors import UserError
 from autofit.plan_file import DeviceInfo, ModelInfo, Plan, save_plan
 from autofit.training.weights import load_checkpoint
 from strategies import BatchSplit, BatchSplitConfig, Precision, PrecisionConfig
-from tests.helpers import ROOT
+from tests.helpers import ROOT, main_exit_code
 
 pytestmark = [
     pytest.mark.slow,  # the torchrun launches of `runs`: about two minutes
@@ -125,16 +125,7 @@ def _torchrun(cwd, plan_path, log_dir, *extra: str, processes: int = WORLD_SIZE)
 
 def _one_process(plan_path, log_dir) -> None:
     """`autofit train` in this process (one interpreter start less than a subprocess)."""
-    from autofit.cli import main
-
-    argv = sys.argv
-    sys.argv = ["autofit", *_arguments(plan_path, log_dir)]
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            main()
-    finally:
-        sys.argv = argv
-    assert exit_.value.code == 0
+    assert main_exit_code(*_arguments(plan_path, log_dir)) == 0
 
 
 @pytest.fixture(scope="module")
