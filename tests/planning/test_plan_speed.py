@@ -125,7 +125,7 @@ def test_a_busy_machine_ties_speeds_within_its_wider_band():
 
 
 def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
-    from autofit.commands.plan import _timing_lines
+    from autofit.planning.summary import _timing_lines
     from autofit.planning.context import plan_context
 
     context = plan_context(

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from autofit.config import TrainingConfig
-from autofit.commands.plan import summary_lines
+from autofit.planning.summary import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.search.space import Evaluation
 from autofit.planning.report import PlanReport, _alternatives
