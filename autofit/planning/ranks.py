@@ -376,8 +376,8 @@ def _fsdp_plan(
 ) -> Plan:
     config = candidate.config
     rank_batch_size = context.global_batch_size
-    return Plan(
-        **plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size),
+    basics = plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size)
+    return basics.plan(
         config=config,
         estimated=True,
         predicted=Predicted(

@@ -8,7 +8,7 @@ from autofit.planning.summary import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.search.space import Evaluation
 from autofit.planning.report import PlanReport, _alternatives
-from autofit.planning.records import Candidate, Measurement, Verified
+from autofit.planning.records import Candidate, Measurement, Verified, VerifiedPoint
 
 CHOSEN = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=("b0",))
 
@@ -30,8 +30,8 @@ def alternatives() -> list[dict]:
         Evaluation(config=point("fp32", 8), plain_peak_bytes=400, plain_samples_per_s=30.0),
     ]
     verified = {
-        "fp32:2:": {"measured_peak_bytes": 110, "measured_samples_per_s": 9.0, "fits": True},
-        "fp32:4:": {"measured_peak_bytes": 260, "measured_samples_per_s": None, "fits": False, "rejected": "measured peak 260 B does not fit"},
+        "fp32:2:": VerifiedPoint(measured_peak_bytes=110, measured_samples_per_s=9.0, fits=True),
+        "fp32:4:": VerifiedPoint(measured_peak_bytes=260, fits=False, rejected="measured peak 260 B does not fit"),
     }
     chosen = Verified(
         candidate=Candidate(config=CHOSEN, predicted_peak_bytes=150, predicted_samples_per_s=15.0),
