@@ -243,6 +243,36 @@ def _higher(peaks: list[int] | None, levels: list[int]) -> list[int]:
     return levels if peaks is None else [max(a, b) for a, b in zip(peaks, levels)]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SavedStorage:
+    """A storage saved for backward in the forward (``LeverTrace.items``)."""
+
+    micro: int
+    """The traced micro-step it was saved in."""
+    bytes: float
+    """Its bytes (0 when a small saved tensor keeps it on the device)."""
+    holders: list[int]
+    """The blocks that saved it."""
+    outside: bool
+    """An op outside the blocks saved it."""
+    inputs_of: list[int]
+    """The holders it is an input of (a checkpoint keeps it)."""
+    policy: bool
+    """Made by an op selective checkpointing keeps."""
+    ordinal: list[int]
+    """[the micro-step it was made in, how many device storages that one made before it]: the same tensor in
+    another trace of the same step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SizedStorage(SavedStorage):
+    """A saved storage at one micro-batch size (``lever_segments``), with where the all-offloaded trace freed it."""
+
+    freed_in: list | None = None
+    """[the segment position where the all-offloaded trace freed it, whether before anything grew there]; None:
+    never, or offload not traced."""
+
+
 _structure_keys: dict[int, tuple[weakref.ref, str]] = {}
 """``LeverTrace.structure_key`` by the trace's id: a weak reference to it (the entry goes with it) and its key."""
 
@@ -274,12 +304,8 @@ class LeverTrace:
     """[peak, peak less gradients] past the segment's opening and before backward begins in it (None: nothing grew)."""
     afters: list[list[int] | None]
     """Where backward begins inside the segment: [peak, peak less gradients] after that; else None."""
-    items: list[dict]
-    """Storages saved for backward in the forward: {"micro", "bytes" (0 when a small saved tensor keeps it on
-    the device), "holders" (the blocks that saved it), "outside" (an op outside the blocks saved it),
-    "inputs_of" (the holders it is an input of: a checkpoint keeps it), "policy" (made by an op selective
-    checkpointing keeps), "ordinal" ([the micro-step it was made in, how many device storages that one made
-    before it]: the same tensor in another trace of the same step)}."""
+    items: list[SavedStorage]
+    """Storages saved for backward in the forward, in the order the step made them."""
     state_bytes: int = 0
     """The optimizer's state on the device (every trainable parameter's)."""
     step_temporaries: list[int] = field(default_factory=list)
@@ -300,7 +326,7 @@ class LeverTrace:
         return (
             self.position, self.micro, self.forward_of, self.backward_of, self.in_backward,
             [[step[0] for step in steps] for steps in self.steps], [r is None for r in self.rests], [a is None for a in self.afters],
-            [(i["micro"], i["holders"], i["outside"], i["inputs_of"], i["policy"]) for i in self.items],
+            [(i.micro, i.holders, i.outside, i.inputs_of, i.policy) for i in self.items],
             None if self.offloaded is None else [[step[0] for step in steps] for steps in self.offloaded["steps"]],
         )
 
@@ -344,11 +370,10 @@ def lever_trace(recorder: LeverRecord | None, marks: list[tuple], peaks: list[in
     # In the order the step made them (a trace expanded from shorter ones, ``memory.repeats``, lists them so too).
     for (micro, _), item in sorted(recorder.items.items(), key=lambda entry: (entry[0][0], entry[1]["ordinal"])):
         if micro in (FIRST_MICRO, LATER_MICRO) and item["holders"]:
-            trace.items.append({
-                "micro": micro, "bytes": 0 if item["small"] else item["bytes"], "holders": sorted(item["holders"]),
-                "outside": item["outside"], "inputs_of": sorted(item["inputs_of"]), "policy": item["policy"],
-                "ordinal": item["ordinal"],
-            })
+            trace.items.append(SavedStorage(
+                micro=micro, bytes=0 if item["small"] else item["bytes"], holders=sorted(item["holders"]),
+                outside=item["outside"], inputs_of=sorted(item["inputs_of"]), policy=item["policy"], ordinal=item["ordinal"],
+            ))
     trace.state_bytes, trace.step_temporaries = optimizer_bytes(spec, device_type=device_type)
     return trace
 
@@ -369,7 +394,7 @@ def with_offloaded(trace, raw):
     if positions != plain:
         return trace
     # The same tensors are made in the same order in both forwards: a saved storage is known by its ordinal.
-    found["freed_in"] = [recorder.freed_in.get(tuple(item["ordinal"])) for item in levers.items]
+    found["freed_in"] = [recorder.freed_in.get(tuple(item.ordinal)) for item in levers.items]
     return replace(trace, levers=replace(levers, offloaded=found))
 
 
@@ -394,6 +419,7 @@ def trace_from_dict(data: dict | None) -> LeverTrace | None:
     eight_bit, nf4 = data.get("eight_bit"), data.get("nf4")
     return LeverTrace(**{
         **data, "eight_bit": None if eight_bit is None else EightBitRecord(**eight_bit), "nf4": None if nf4 is None else Nf4Record(**nf4),
+        "items": [SavedStorage(**item) for item in data["items"]],
     })
 
 
@@ -610,30 +636,38 @@ class _LeverReader:
             for bytes_, stage in parts
         ]
 
-    def items(self, m: int) -> list[dict]:
+    def items(self, m: int) -> list[SizedStorage]:
         """The saved storages with their bytes at ``m`` (and, where offload was traced, where that trace freed each)."""
         records = self.records
-        items = [{**item, "bytes": self.delta([r.items[n]["bytes"] for r in records], m)} for n, item in enumerate(self.low.items)]
-        if self.low.offloaded is not None:
-            for n, item in enumerate(items):
-                # Where the traces disagree (a tensor offloaded at one size only, under MIN_OFFLOAD_BYTES at the other), the later.
-                freed_in = [r.offloaded["freed_in"][n] for r in records]
-                latest = None if None in freed_in else max(f[0] for f in freed_in)
-                item["freed_in"] = None if latest is None else [latest, all(f[1] for f in freed_in if f[0] == latest)]
-        return items
+        return [
+            SizedStorage(
+                micro=item.micro, bytes=self.delta([r.items[n].bytes for r in records], m), holders=item.holders, outside=item.outside,
+                inputs_of=item.inputs_of, policy=item.policy, ordinal=item.ordinal, freed_in=self.freed_in(n),
+            )
+            for n, item in enumerate(self.low.items)
+        ]
+
+    def freed_in(self, n: int) -> list | None:
+        """Where the all-offloaded traces freed the ``n``-th saved storage (None: never, or not traced)."""
+        if self.low.offloaded is None:
+            return None
+        # Where the traces disagree (a tensor offloaded at one size only, under MIN_OFFLOAD_BYTES at the other), the later.
+        freed_in = [r.offloaded["freed_in"][n] for r in self.records]
+        latest = None if None in freed_in else max(f[0] for f in freed_in)
+        return None if latest is None else [latest, all(f[1] for f in freed_in if f[0] == latest)]
 
 
-def offload_drops(items: list[dict], num_blocks: int) -> list[float]:
+def offload_drops(items: list[SavedStorage], num_blocks: int) -> list[float]:
     """Per block: the bytes of the storages it alone saved (``micro`` 1's), which offloading it frees where it is
     dropped, whatever the other blocks do (the knapsack's additive term; Python's and autocast's holds aside)."""
     drops = [0.0] * num_blocks
     for item in items:
-        if item["micro"] == LATER_MICRO and not item["outside"] and len(item["holders"]) == 1:
-            drops[item["holders"][0]] += item["bytes"]
+        if item.micro == LATER_MICRO and not item.outside and len(item.holders) == 1:
+            drops[item.holders[0]] += item.bytes
     return drops
 
 
-def offload_change(segment: LeverSegment, items: list[dict], offload, *, checkpoint=frozenset(), selective=frozenset()) -> float:
+def offload_change(segment: LeverSegment, items: list[SizedStorage], offload, *, checkpoint=frozenset(), selective=frozenset()) -> float:
     """Bytes offloading ``offload`` (block indices) frees in ``segment`` (negative where copies brought back for
     backward duplicate storages still held on the device).
 
@@ -651,28 +685,28 @@ def offload_change(segment: LeverSegment, items: list[dict], offload, *, checkpo
             if h in offload:
                 return False
             if h in checkpoint:
-                return h in item["inputs_of"]
+                return h in item.inputs_of
             if h in selective:
-                return h in item["inputs_of"] or item["policy"]
+                return h in item.inputs_of or item.policy
             return True
         return not segment.in_backward or h == segment.running  # still to run its forward, or running its backward
 
     freed = 0.0
     for item in items:
-        if item["micro"] != segment.micro:
+        if item.micro != segment.micro:
             continue
-        holders = item["holders"]
-        freed_in = item.get("freed_in")
+        holders = item.holders
+        freed_in = item.freed_in
         gone = freed_in is not None and (
             freed_in[0] < segment.position
             or (freed_in[0] == segment.position and (segment.stage == 2 or (segment.stage == 1 and freed_in[1])))
         )
-        if gone and dropped.intersection(holders, offload) and not item["outside"] and not any(holds(item, h) for h in holders):
-            freed += item["bytes"]
+        if gone and dropped.intersection(holders, offload) and not item.outside and not any(holds(item, h) for h in holders):
+            freed += item.bytes
         if segment.in_backward and segment.running in offload and segment.running in holders and (
-            item["outside"] or any(h != segment.running and holds(item, h) for h in holders)
+            item.outside or any(h != segment.running and holds(item, h) for h in holders)
         ):
-            freed -= item["bytes"]  # brought back while the original is still on the device
+            freed -= item.bytes  # brought back while the original is still on the device
     return freed
 
 
