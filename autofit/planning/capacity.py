@@ -499,3 +499,21 @@ def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[s
                 replace(model, global_batch_size=size).peak_bytes(precision, size, blocks) for size in batch_sizes
             ]
     return curves
+
+
+def answer_cards(context: PlanContext, record: CapacityRecord, cards: list[Card], *, global_batch_size: int) -> tuple[int | None, list[CardAnswer]]:
+    """The least budget the batch trains in, and each card's row (its speeds the card's where its kind is known),
+    all from ``record`` (``capacity_record``; the bisection for the least budget starts at the largest card)."""
+    least = least_budget(
+        record.model, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+        allowed=record.allowed, smallest=record.smallest, start_bytes=max(card.memory_bytes for card in cards),
+    )
+    rows = []
+    for card in cards:
+        card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
+        rows.append(answer_card(
+            card_model, card, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+            allowed=record.allowed, smallest=record.smallest,
+        ))
+    return least, rows
+
