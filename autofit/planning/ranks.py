@@ -389,10 +389,14 @@ def _infeasible(
     elif sharded.gpus is not None:
         advice = "try more --gpus"
     else:
-        advice = (
-            f"more GPUs would not help (each still holds the activations and FSDP2's gathered blocks: "
-            f"{format_bytes(sharded.budget_bytes)} per GPU at the least, with --gpus {sharded.best_gpus}, estimated)"
-        )
+        need = f"with --gpus {sharded.best_gpus} each needs {format_bytes(sharded.budget_bytes)} per GPU, estimated"
+        if sharded.limit_bytes <= context.budget_bytes:  # the batch, not the bytes, stops more GPUs from fitting
+            advice = f"a batch of {global_batch_size} is split between {sharded.best_gpus} GPUs at most ({need}; more samples a step could go to more GPUs)"
+        else:
+            advice = (
+                f"more GPUs would not help (each still holds the activations and FSDP2's gathered blocks: "
+                f"{format_bytes(sharded.limit_bytes)} per GPU with any number of GPUs; {need})"
+            )
     return InfeasibleBudget(
         f"budget {format_bytes(context.budget_bytes)} per GPU is too small for a batch of {global_batch_size} on {world_size} GPUs"
         f"{f' ({nodes} nodes)' if nodes > 1 else ''}: "
