@@ -391,7 +391,8 @@ def _budget(text: str) -> int:
 def test_the_gpus_advice_of_a_bf16_master_floor_plans_when_followed(wide):
     """#48: one process's floor is bf16-master (bf16 weights, the state on the host), which ranks cannot train in;
     its --gpus advice prices the ranks the multi-GPU planner makes (fp32 state sharded, bf16 compute), so followed at
-    the budget it names, it plans. Priced with the floor's own bytes it left out the state (1.52 GiB named, refused)."""
+    the budget it names, it plans, and the refusal below it names the same budget. Priced with the floor's own bytes,
+    it left out the state (1.52 GiB named, refused there)."""
     with pytest.raises(InfeasibleBudget, match="bf16-master") as refused:
         _plan_wide(wide, budget="1.5GiB", gpus=1)
     advice = re.search(r"--gpus (\d+) would need a budget of ([\d.]+ [MG]iB) per GPU", str(refused.value))
@@ -399,3 +400,7 @@ def test_the_gpus_advice_of_a_bf16_master_floor_plans_when_followed(wide):
     gpus, budget = int(advice.group(1)), _budget(advice.group(2))
     plan = _plan_wide(wide, budget=budget, gpus=gpus)
     assert plan.config.world_size == gpus and plan.config.sharding == "fsdp"
+    # Below it, the refusal on those GPUs names the advice's budget again: one estimate for one question.
+    with pytest.raises(InfeasibleBudget) as below:
+        _plan_wide(wide, budget="1.5GiB", gpus=gpus)
+    assert f"with --gpus {gpus} each needs {advice.group(2)} per GPU" in str(below.value), below.value
