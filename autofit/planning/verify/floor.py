@@ -193,8 +193,8 @@ def _gpus_advice(context: PlanContext, floor: Floor, *, breakdown: dict[str, int
     A floor in bf16-master or bf16-pure (bf16 weights: one process only) is priced as the ranks the multi-GPU planner
     would make: fp32 weights, gradients and optimizer state sharded (``bounds.rank_state``), computing in bf16 over
     bf16 gathered weights as this floor's forward and backward do (``plan_fsdp`` prices a half precision's rank from
-    the same traces); priced with its own bytes, the advice left out the state the ranks hold (a 70B's
-    "--gpus 8 would need 38.17 GiB per GPU" refused at 454.58 GiB when followed).
+    the same traces); priced with its own bytes, the advice left out the state the ranks hold, and followed, was
+    refused (bench/RESULTS.md, "#48: the --gpus advice of a bf16-master floor, followed").
     """
     G = context.global_batch_size
     if G < 2:
