@@ -19,7 +19,7 @@ from autofit.measure.probe import probe
 from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 from strategies import PRECISIONS, checkpoint_candidates
 from tests.helpers.planning import grid_spec
-from tests.helpers.models import BiasedLM, relu_chain_spec
+from tests.helpers.models import BiasedLM, SharedLayerLM, relu_chain_spec, shared_layer_spec
 
 pytestmark = pytest.mark.usefixtures("quiet_process")  # conftest's
 
@@ -136,6 +136,32 @@ def test_keyword_inputs_of_a_checkpointed_block_stay_alive():
             spec, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH, checkpoint=model.blocks[:1], steps=1,
         ).peak_bytes
         assert abs(predicted - measured) <= 0.0002 * measured  # counted as dropped, the bias made it 0.1% under
+
+
+@pytest.mark.slow  # probes
+def test_each_call_of_a_shared_layer_is_a_block_and_its_peak_is_the_measured_peak():
+    """ALBERT-style, one layer called 4 times: each call saves its own activations (the model counts them per
+    call), and checkpointing some calls, fully or selectively, lowers the peak as predicted."""
+    spec = shared_layer_spec()
+    model = memory_model(spec, "fp32")
+    calls = [f"layer#{k}" for k in range(SharedLayerLM.CALLS)]
+    assert [b for b in model.blocks if "#" in b] == calls
+    drops = model.precisions["fp32"].memory.high.drop_bytes
+    assert len({drops[model.blocks.index(c)] for c in calls}) == 1 and drops[model.blocks.index("layer#0")] > 0
+    # One probe per step shape (kept few: each probe is a real step): a call alone, and calls in each mode.
+    for micro_batch_size, full, selective in ((GLOBAL_BATCH, calls[1:2], []), (3, calls[::2], calls[3:])):
+        predicted = model.peak_bytes(
+            "fp32", micro_batch_size, {model.blocks.index(b) for b in full}, frozenset(model.blocks.index(b) for b in selective),
+        )
+        measured = probe(
+            spec, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH, checkpoint=full, selective_checkpoint=selective,
+            steps=1,
+        )
+        assert measured.checkpoint == full and measured.selective_checkpoint == selective
+        assert abs(predicted - measured.peak_bytes) <= TOLERANCE * measured.peak_bytes, (full, selective, predicted, measured.peak_bytes)
+    # Every call checkpointed: well under the plain peak (what a plan at half of it needs).
+    plain, every = (model.peak_bytes("fp32", GLOBAL_BATCH, chosen) for chosen in (set(), {model.blocks.index(c) for c in calls}))
+    assert every < 0.6 * plain
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
