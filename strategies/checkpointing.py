@@ -27,7 +27,9 @@ a block type (a U-Net's lone bottleneck). Blocks that hold blocks in a
 Sequential (ConvNeXt or Swin stages) give a choice of granularity: the stages,
 or the blocks inside them. Given example inputs, one forward over fake tensors
 (no arithmetic) drops the blocks it never calls and puts the rest in the order
-it calls them.
+it calls them; a module it calls several times (ALBERT's shared layer) gives a
+finer granularity still, one block per call (``module#k``, ``strategies.per_call``),
+each checkpointed at its own call only.
 """
 from __future__ import annotations
 
