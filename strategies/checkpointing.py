@@ -325,10 +325,18 @@ def resolve_blocks(model: nn.Module, spec: str | Sequence[str] | None, *, what: 
             "(or 'all' / 'none'; a layer called several times in a forward is named per call, LAYER#0, LAYER#1, ...: "
             "autofit probe --list-blocks lists them)"
         )
+    named: dict[str, str] = {}
+    """Module -> the name naming it: the whole module where it is named so, else one of its calls."""
     for name in names:
-        outer = next((other for other in names if _nest(name, other)), None)
+        module, call = split_call(name)
+        if call is None or module not in named:
+            named[module] = name
+    for name in names:
+        module, call = split_call(name)
+        # A call lies inside its whole module, and inside every module around that module.
+        outer = module if call is not None and named[module] == module else _enclosing(module, named)
         if outer is not None:
-            raise UserError(f"{what} blocks {outer} and {name} nest ({name} lies inside {outer}); name one of them")
+            raise UserError(f"{what} blocks {named[outer]} and {name} nest ({name} lies inside {named[outer]}); name one of them")
     return names
 
 
@@ -336,15 +344,6 @@ def _a_call_of_a_block(name: str, modules: dict[str, nn.Module]) -> bool:
     """Whether ``name`` is ``module#k`` for a module that may be called several times (``_may_be_shared``)."""
     module_name, call = split_call(name)
     return call is not None and module_name in modules and _may_be_shared(modules[module_name])
-
-
-def _nest(name: str, outer: str) -> bool:
-    """Whether block ``name`` runs inside block ``outer`` (a call of a module inside the module's every call too)."""
-    module, call = split_call(name)
-    outer_module, outer_call = split_call(outer)
-    if module == outer_module:
-        return call is not None and outer_call is None
-    return _within(module, outer_module)
 
 
 def _share_a_call(one: str, other: str) -> bool:
