@@ -9,10 +9,13 @@ module's forward pre-hook sets the count back to 0), so every micro-step,
 and an evaluation forward, numbers them the same way.
 
 A checkpoint's recomputation runs the module's original forward directly,
-not through ``module(...)``: it is never counted as a call.
+not through ``module(...)``: it is never counted as a call. A call outside
+any forward of the model (a loop that calls a submodule itself) has no
+number: it runs as it is, after one warning naming the module.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -59,8 +62,21 @@ class PerCallForward:
         self.role = role
         self.calls = 0
         """Calls of the module so far in the model's current forward."""
+        self.in_model_forward = False
+        self.warned = False
 
     def __call__(self, *args, **kwargs):
+        if not self.in_model_forward:
+            # Called outside the model's forward (a loop that calls a submodule itself): no call number to go by.
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"{self.module_name} ran outside a forward of the model its {self.role} plan was applied to: its "
+                    "calls are numbered from the start of that forward, so it runs as it is (apply the plan to the "
+                    "module the loop calls, e.g. AutofitCallback(plan, module=...))",
+                    stacklevel=2,
+                )
+            return self.forward(*args, **kwargs)
         call = self.calls
         self.calls += 1
         wrap = self.wraps.get(call)
@@ -72,9 +88,11 @@ class PerCallForward:
 
     def model_forward_begins(self, model, args) -> None:
         self.calls = 0
+        self.in_model_forward = True
 
     def model_forward_ends(self, model, args, output) -> None:
         """Refuse a named call the forward never made (a plan or ``--checkpoint`` for another model's call count)."""
+        self.in_model_forward = False
         missing = [call for call in self.wraps if call >= self.calls]
         if self.calls and missing:
             raise UserError(

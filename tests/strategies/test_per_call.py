@@ -86,3 +86,16 @@ def test_a_call_the_forward_never_makes_is_one_line_at_the_forward():
     model = Checkpointing(CheckpointConfig(blocks=["layer#4"])).apply(SharedLayerLM())
     with pytest.raises(UserError, match=r"checkpoint block layer#4: layer runs 4 time\(s\) in a forward \(layer#0 to #3\)"):
         model(tokens())
+
+
+def test_a_call_outside_the_models_forward_runs_as_it_is_after_one_warning():
+    """A loop that calls the layer itself (not through the model the plan was applied to) gives it no call number."""
+    model = Checkpointing(CheckpointConfig(blocks=["layer#0"])).apply(SharedLayerLM())
+    x = model.embed(tokens())
+    with pytest.warns(UserWarning, match="layer ran outside a forward of the model its checkpoint plan was applied to"):
+        model.layer(x)
+    model.layer(x)  # once
+    runs = []
+    model.layer.norm1.register_forward_pre_hook(lambda *_: runs.append(1))
+    model(tokens()).sum().backward()
+    assert len(runs) == 5  # inside the model's forward again: call 0 recomputes
