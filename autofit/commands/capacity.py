@@ -44,10 +44,12 @@ def capacity(
 ) -> None:
     """For each card: does the batch train there (lossless), the least memory it needs, the configuration the planner
     would choose and its estimated speed, and the largest batch one step holds, all from one simulated trace set."""
+    from dataclasses import replace
+
     from autofit.measure.meters import check_model_runs_simulated
     from autofit.planning.capacity import DEFAULT_CARDS, answer_card, capacity_record, card_speeds, least_budget, parse_cards, with_speeds
     from autofit.planning.context import plan_context
-    from autofit.planning.lever_timings import Levers
+    from autofit.planning.lever_timings import Levers, card_host_update
     from autofit.planning.request import PlanRequest
     from autofit.progress import as_progress, print_progress
 
@@ -85,9 +87,13 @@ def capacity(
                 rows = []
                 for card in cards:
                     card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
+                    # Each card's typical host updates the masters and host state (the record's: an A100's, for a card named by memory).
+                    allowed = record.allowed if card.kind is None else replace(
+                        record.allowed, levers=card_host_update(context, record.allowed.levers, card.kind),
+                    )
                     rows.append(answer_card(
                         card_model, card, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                        allowed=record.allowed, smallest=record.smallest,
+                        allowed=allowed, smallest=record.smallest,
                     ))
         finally:
             context.trace_pool.close()
@@ -105,8 +111,8 @@ def capacity(
         return
     lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds)
     if host_speed is None and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
-        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is timed on this machine's CPU; "
-                     "--host-speed gives the training machine's")
+        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is assumed at each card's typical "
+                     "host's rate (the device table, docs/planner.md), not timed here; --host-speed gives the training machine's")
     if plot is not None:
         lines.append(f"  wrote {plot}: the predicted peak against the batch in one step, each card's usable memory a line")
     print("\n".join(lines))

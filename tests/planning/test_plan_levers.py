@@ -14,7 +14,7 @@ from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.planner import make_plan
 from autofit.planning.request import PlanRequest
 from autofit.spec import load_spec
-from tests.helpers.planning import LM_BLOCKS, LM_MODEL_FILE
+from tests.helpers.planning import LM_BLOCKS, LM_MODEL_FILE, chosen_row, fastest_fitting_row
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
@@ -225,10 +225,18 @@ def test_below_host_state_a_simulated_gpu_plan_keeps_bf16_weights_and_their_fp32
 
     assert least(master) < least(host)
     budget = (least(host) + least(master)) // 2
-    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=1, device="cuda", simulate=True, device_memory="4GiB"))
+    host_speed = 1e6  # elements/s: a slow host, whose update outweighs the tiny model's step
+    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=1, device="cuda", simulate=True, device_memory="4GiB", host_speed=host_speed))
     assert plan.config.precision == "bf16-master" and plan.config.optimizer_state == "device", plan.notes
     assert plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
     assert any("fp32 masters" in note for note in plan.notes)
+    # One pricing for every row (#48): each bf16-master row carries the host update the chosen one does (the table
+    # listed plain bf16-master at bf16's speed beside the chosen row's), and the chosen row is the plan's prediction,
+    # the fastest fitting row of its own table.
+    elements = sum(p.numel() for p in spec.build_model().parameters())
+    assert all(row["predicted_samples_per_s"] <= host_speed / elements for row in plan.alternatives if row["precision"] == "bf16-master")
+    assert chosen_row(plan)["predicted_samples_per_s"] == plan.predicted.samples_per_s
+    assert chosen_row(plan) is fastest_fitting_row(plan)
 
 
 WIDE_LM_FILE = '''
@@ -351,6 +359,28 @@ def test_host_speed_prices_the_host_update_of_a_gpu_plan(lm, run_cli, tmp_path):
     assert f"in {elements / 1e6:.3g} s (at --host-speed 1e+06 elements/s" in note
     code, _, err = run_cli("plan", path, "--budget", "1GB", "--batch-size", "1", "--host-speed", "1e9", "--out", tmp_path / "p.json")
     assert code == 2 and "--host-speed 1e+09 is the host of a GPU plan (--device cuda)" in err
+
+
+def test_a_gpu_that_is_not_here_has_its_kinds_host_assumed_never_this_cpu(lm, monkeypatch):
+    """#48: without --host-speed, a simulated RTX 3090's host update is its kind's typical host's, from the device
+    table, stated as assumed with the flag named; this machine's CPU is not timed for it."""
+    from autofit.planning import lever_timings
+    from autofit.planning.context import plan_context
+    from autofit.planning.speed.estimated import GPU_PEAKS
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("the host update was timed on this machine for a GPU that is not here")
+
+    monkeypatch.setattr(lever_timings, "time_host_update", no_timing)
+    _, spec = lm
+    request = PlanRequest(budget="1GiB", batch_size=1, device="cuda", simulate=True, device_kind="RTX 3090", cache=False)
+    context = plan_context(spec, request, log=None)
+    rate = GPU_PEAKS["RTX 3090"].host_update_per_s
+    assert f"host update rate at {rate:g} elements/s, assumed for a typical RTX 3090 host" in context.assumptions
+    assert "--host-speed gives the training machine's" in context.assumptions
+    trainable = lever_timings.trainable_parameters(context)
+    update = lever_timings.host_update(context, trainable)
+    assert update.seconds == trainable.elements / rate and "assumed for a typical RTX 3090 host" in update.source
 
 
 def test_bf16_weights_are_scored_within_the_headroom_of_the_bytes_they_keep(lm):
