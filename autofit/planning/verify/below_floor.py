@@ -92,6 +92,9 @@ class LeverCandidate:
     """It changes the optimizer's arithmetic (8-bit state)."""
     lossy_base: bool = False
     """It rounds the frozen weights (NF4)."""
+    apart: bool = False
+    """Measured on its own: the candidates after it keep the floor's micro-batch and do not add to it (the step in
+    backward with the whole batch in one micro-batch, where the floor takes several)."""
 
     def allowed(self, *, allow_lossy_optimizer: bool, allow_lossy_base: bool) -> bool:
         """Whether the user's flags let the plan use it."""
@@ -148,9 +151,20 @@ def lever_candidates(
         precision=config.precision, global_batch_size=G, micro_batch_size=config.micro_batch_size, world_size=1,
         max_grad_norm=max_grad_norm,
     )
+    whole = step_in_backward_refusal(
+        precision=config.precision, global_batch_size=G, micro_batch_size=G, world_size=1, max_grad_norm=max_grad_norm,
+    )
     if refusal:
         skipped.append(f"optimizer step in backward: it {refusal.split(';')[0]}")
-    else:
+    if refusal and not whole:
+        # The floor's micro-steps rule it out, not the step: the whole batch in one micro-batch, every block as the
+        # floor checkpoints it, may need less than the floor (no gradient is ever whole), so the refusal's floor is the
+        # least the search can reach only with it measured too.
+        name = f"optimizer step in backward with the whole batch of {G} in one micro-batch"
+        candidates.append(LeverCandidate(
+            name=name, added=name, config=replace(base, micro_batch_size=G, optimizer_in_backward=True), apart=True,
+        ))
+    elif not refusal:
         base = replace(base, optimizer_in_backward=True)
         names.append("optimizer step in backward")
         candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
@@ -264,14 +278,19 @@ def plan_with_levers(
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
         measurements.reject(floor.config, f"with {candidate.name}: {measurements.over_budget(measured.peak_bytes, measured.breakdown)}"
                             if not fits else f"with {candidate.name}: fits, but needs {candidate.flag}")
+    lever_budgets = [
+        (m.candidate, measurements.headroom.smallest_budget(m.peak_bytes, persistent_bytes=persistent_bytes(m.breakdown)))
+        for m in tried if m.peak_bytes is not None and measurements.fits_host(m.host_peak_bytes)
+    ]
+    # The floor the error names is the least the levers the user allows reach, measured, where that is below the floor's.
+    least = min(((budget, c.name) for c, budget in lever_budgets if c.allowed(**flags)), default=None)
     raise BelowLeverFloor(
-        below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, flags=flags,
-                                                                  fits=measurements.fits_peak, host_fits=measurements.fits_host)),
-        below=below,
-        lever_budgets=[
-            (m.candidate, measurements.headroom.smallest_budget(m.peak_bytes, persistent_bytes=persistent_bytes(m.breakdown)))
-            for m in tried if m.peak_bytes is not None
-        ],
+        below_floor(
+            context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, flags=flags, fits=measurements.fits_peak,
+                                                          host_fits=measurements.fits_host),
+            lever_floor=least if least is not None and least[0] < floor.budget_bytes else None,
+        ),
+        below=below, lever_budgets=lever_budgets,
     )
 
 
@@ -301,7 +320,7 @@ def _savings(tried: list[_Measured], *, floor_peak: int, flags: dict[str, bool],
         else:
             step = measured.peak_bytes - before
             saving = f"{'+' if step > 0 else '-'}{format_bytes(abs(step))}, -{format_bytes(floor_peak - measured.peak_bytes)} in all, measured"
-        before = measured.peak_bytes
+        before = None if candidate.apart else measured.peak_bytes  # the next part adds to the floor configuration, not to it
         if candidate.lossy or candidate.lossy_base:
             flag = "" if candidate.allowed(**flags) else f"{candidate.flag} for "
             would = "; it would fit" if fits(measured.peak_bytes, measured.breakdown) else "; not enough"
