@@ -8,8 +8,9 @@ When the budget is below the floor (``check_floor``), the floor configuration
 (the smallest micro-batch, the floor's checkpointing and precision) is tried
 with the levers, cheapest first and each adding to the last:
 
-1. the optimizer step in backward (no change to the arithmetic; only where the
-   floor has one micro-batch per step, and not with fp16),
+1. the optimizer step in backward (no change to the arithmetic; not with fp16): where the floor has one
+   micro-batch per step, added to it; where it has several, the whole batch in one micro-batch with it, on its
+   own (``LeverCandidate.apart``: the levers after it keep the floor's micro-batch),
 2. on a GPU (simulated too: the simulated meter counts host tensors apart):
    activation offload of every block not checkpointed and the optimizer
    state on the host, whose gradients also leave the device in backward
