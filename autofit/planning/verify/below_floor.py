@@ -262,7 +262,17 @@ def plan_with_levers(
     for why in skipped:
         context.log(f"  left out: {why}")
     tried: list[_Measured] = []
+    resident = below.breakdown.get("parameters", 0) + below.breakdown.get("optimizer_state", 0)
     for candidate in candidates:
+        inputs = candidate.config.micro_batch_size * measurements.host_sample_bytes
+        if candidate.apart and resident + inputs >= floor_peak:
+            # The whole batch's inputs beside the weights and state already reach the floor: it cannot lower it, and a
+            # large batch would take long to measure (a batch of 10^9 would not end).
+            context.log(
+                f"  {candidate.name}: not measured: its inputs ({format_bytes(inputs)}) with the parameters and optimizer "
+                f"state ({format_bytes(resident)}) reach the floor's peak"
+            )
+            continue
         measured = _measure(context, measurements, candidate)
         tried.append(measured)
         if measured.peak_bytes is None:
