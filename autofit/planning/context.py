@@ -48,6 +48,9 @@ from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, checkpoint_candidates, precision_dtype
 
+HOST_SPEED_GIVEN = "at --host-speed"
+"""How ``PlanContext.host_speed_source`` begins where ``--host-speed`` gave the rate."""
+
 CACHE_FILE = "plans.db"
 """The cache's SQLite file in ``cache_dir()``."""
 
@@ -147,6 +150,11 @@ class PlanContext:
         """Speeds this close are a tie in this run: ``POLICY.busy_tie_share`` where other work kept the machine busy (the
         threads were cut, ``threads_note``), else ``POLICY.tie_share``."""
         return POLICY.busy_tie_share if self.threads_note else POLICY.tie_share
+
+    @property
+    def host_speed_given(self) -> bool:
+        """Whether ``host_speed`` is the training machine's as ``--host-speed`` gave it (else assumed, or None)."""
+        return self.host_speed_source.startswith(HOST_SPEED_GIVEN)
 
     @property
     def assumptions(self) -> str:
@@ -262,7 +270,7 @@ def _host_speed(host_speed: float | None, *, device: str, info: DeviceInfo) -> t
     if host_speed is not None and device != "cuda":
         raise UserError(f"--host-speed {host_speed:g} is the host of a GPU plan (--device cuda); on the CPU the host is the device")
     if host_speed is not None:
-        return host_speed, f"at --host-speed {host_speed:g} elements/s, the training machine's host as given, not measured"
+        return host_speed, f"{HOST_SPEED_GIVEN} {host_speed:g} elements/s, the training machine's host as given, not measured"
     if device != "cuda" or not info.name.startswith("simulated "):
         return None, ""
     peaks, known = gpu_peaks(info.name)

@@ -57,7 +57,7 @@ def host_update(context: PlanContext, trainable: Trainable) -> UpdateTime:
 def card_host_update(context: PlanContext, search: LeverSearch, kind: str) -> LeverSearch:
     """``search`` with its host update at a typical host of ``kind`` (a card of the device table, ``GPU_PEAKS``), for
     a table of cards that are not here (``autofit capacity``) where ``--host-speed`` names no training machine."""
-    if context.host_speed_source.startswith("at --host-speed"):
+    if context.host_speed_given:
         return search
     rate = GPU_PEAKS[kind].host_update_per_s
     return replace(

@@ -390,6 +390,15 @@ def test_a_gpu_that_is_not_here_has_its_kinds_host_assumed_never_this_cpu(lm, mo
     trainable = lever_timings.trainable_parameters(context)
     update = lever_timings.host_update(context, trainable)
     assert update.seconds == trainable.elements / rate and "assumed for a typical RTX 3090 host" in update.source
+    # autofit capacity prices each card's row with its own kind's host, unless --host-speed names the one that trains.
+    from dataclasses import replace
+
+    from autofit.planning.search.space import LeverSearch
+
+    t4 = lever_timings.card_host_update(context, LeverSearch(), "T4")
+    assert t4.host_update_seconds == trainable.elements / GPU_PEAKS["T4"].host_update_per_s and "typical T4 host" in t4.host_update_source
+    given = replace(context, host_speed=1e6, host_speed_source="at --host-speed 1e+06 elements/s, the training machine's host as given")
+    assert lever_timings.card_host_update(given, LeverSearch(), "T4") == LeverSearch()
 
 
 def test_bf16_weights_are_scored_within_the_headroom_of_the_bytes_they_keep(lm):
