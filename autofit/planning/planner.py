@@ -50,7 +50,7 @@ from autofit.plan_file import Plan
 from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
-from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
+from autofit.planning.verify.floor import ONE_PROCESS_PRECISIONS, InfeasibleBudget, check_floor, far_above_budget
 from autofit.planning.verify.below_floor import plan_with_levers, searched_lever_notes
 from autofit.planning.lever_timings import Levers, lever_search
 from autofit.planning.coupling import check_rank_share, kept_together
@@ -610,7 +610,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
     share = math.ceil(batch_size / world_size)
     check_rank_share(spec, global_batch_size=batch_size, share=share, world_size=world_size)
     # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
-    one_process = (MASTER_WEIGHTS, PURE_BF16)
+    one_process = ONE_PROCESS_PRECISIONS
     if request.weights_dtype == "config" and spec.config_dtype == "bf16":
         raise UserError(
             f"--weights-dtype config keeps config.json's bf16 weights ({PURE_BF16}), which train on one process only; "
