@@ -101,8 +101,8 @@ def _print_answers(spec, batch_size: int, least: int | None, record, rows, *, se
         return
     lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds)
     if not host_speed_given and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
-        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is timed on this machine's CPU; "
-                     "--host-speed gives the training machine's")
+        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is assumed at each card's typical "
+                     "host's rate (the device table, docs/planner.md), not timed here; --host-speed gives the training machine's")
     if plot is not None:
         lines.append(f"  wrote {plot}: the predicted peak against the batch in one step, each card's usable memory a line")
     print("\n".join(lines))

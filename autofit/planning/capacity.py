@@ -26,7 +26,7 @@ from autofit.planning.bounds import host_step_bytes
 from autofit.planning.costs import CostModel, SpeedCosts
 from autofit.planning.memory.headroom import Headroom
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
-from autofit.planning.lever_timings import Levers, lever_search
+from autofit.planning.lever_timings import Levers, card_host_update, lever_search
 from autofit.planning.memory.levers import LeverChoice
 from autofit.planning.modelling import (
     add_loss_chunks, add_recomputations, add_speeds, micro_batch_sizes, save, stored_or_new, timing_sizes, trace_full, trace_offload,
@@ -510,9 +510,13 @@ def answer_cards(context: PlanContext, record: CapacityRecord, cards: list[Card]
     rows = []
     for card in cards:
         card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
+        # Each card's typical host updates the masters and host state (the record's: an A100's, for a card named by memory).
+        allowed = record.allowed if card.kind is None else replace(
+            record.allowed, levers=card_host_update(context, record.allowed.levers, card.kind),
+        )
         rows.append(answer_card(
             card_model, card, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-            allowed=record.allowed, smallest=record.smallest,
+            allowed=allowed, smallest=record.smallest,
         ))
     return least, rows
 

@@ -294,9 +294,9 @@ def _below_floor(
     """Below the floor without levers: the floor configuration with the levers (the ladder), then the search with them.
 
     The ladder adds the levers to the floor configuration only; where that takes several micro-batches the step in
-    backward (one micro-batch per step) is not among them, yet a larger micro-batch with it may fit: where the
-    ladder finds nothing the search has the last word, before the levers the flags do not allow are measured for
-    the refusal's advice.
+    backward (one micro-batch per step) is tried only with the whole batch and the floor's checkpointing, yet a
+    larger micro-batch with it and fewer blocks checkpointed may fit too: where the ladder finds nothing the search
+    has the last word, before the levers the flags do not allow are measured for the refusal's advice.
     """
     found: list[PlanReport] = []
 

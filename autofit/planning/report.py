@@ -204,6 +204,8 @@ def _alternatives(
             "fits_budget": peak * model.memory_scale <= (usable_bytes[config.precision] if isinstance(usable_bytes, dict) else usable_bytes),
             "chosen": is_chosen,
         }
+        if is_chosen:  # the plan's own prediction (its levers priced as every row's are), not the point it came from
+            entry["predicted_samples_per_s"] = chosen.candidate.predicted_samples_per_s
         measured = measured_chosen if is_chosen else verified.get(key)
         if measured is not None:
             entry["fits_budget"] = measured.fits

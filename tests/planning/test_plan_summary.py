@@ -144,4 +144,4 @@ def test_a_plan_states_what_it_assumes_of_the_training_machine_before_it_traces(
     said = next(i for i, line in enumerate(lines) if "assuming" in line)
     assert said < next(i for i, line in enumerate(lines) if "tracing" in line)
     assert "assuming simulated RTX 3090 with 24.00 GiB; host memory 64.00 GiB (--host-memory);" in lines[said]
-    assert "host update rate 2e+09 parameter elements/s (--host-speed)" in lines[said]
+    assert "host update rate at --host-speed 2e+09 elements/s, the training machine's host as given" in lines[said]
