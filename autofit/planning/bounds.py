@@ -8,7 +8,7 @@ configuration can fit, whatever the activations do: the plan says so in seconds,
 Each side is counted as the planner's last check counts it, so that what that check would refuse for these bytes
 alone is refused here, before the traces: the host's bytes by the same meter, strategy owner and optimizer as a
 measured configuration's (``measure.probe.optimizer_step_measurement``: with its step's temporaries and the meter's
-rounding), the device's with the headroom a measured peak gets (``Measurements.headroom``). Only what sizes cannot
+rounding), the device's with the headroom a measured peak gets (``PlanContext.headroom``). Only what sizes cannot
 say (activations, gradients alive in backward) is left out.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit.measure.probe import optimizer_step_measurement
 from autofit.planning.context import PlanContext, meta_model_of
-from autofit.planning.verify.measurements import Measurements
 from autofit.spec import wants_names
 from autofit.units import format_bytes
 
@@ -125,7 +124,7 @@ def check_state_fits(context: PlanContext, *, allow_lossy_optimizer: bool, allow
         return
     device = sizes.device_bytes(pure_bf16=PURE_BF16 in context.precisions, eight_bit=allow_lossy_optimizer)
     # A simulated plan's headroom is fixed before anything runs; a real GPU's context is measured by its first probe.
-    headroom = Measurements(context, host_sample_bytes=0).headroom if context.simulate else None
+    headroom = context.headroom() if context.simulate else None
     if (device <= context.budget_bytes if headroom is None else headroom.fits(device, persistent_bytes=device)):
         return
     host = host_state_bytes(context)

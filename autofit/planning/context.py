@@ -36,6 +36,7 @@ from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
+from autofit.planning.memory.headroom import Headroom
 from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, find_repeat, shortened
 from autofit.planning.memory.traces import simulation_spec
 from autofit.planning.request import PlanRequest
@@ -171,6 +172,16 @@ class PlanContext:
         return (
             f"assuming {self.info.name}{'' if self.simulate else ' (here)'} with {format_bytes(self.info.total_bytes)}; "
             f"host memory {host}; host update rate {rate}"
+        )
+
+    def headroom(self, *, context_bytes: int | None = None) -> Headroom:
+        """The budget's headroom on this run's device: the CUDA context as ``context_bytes`` measured it, else as
+        assumed (``POLICY.estimated_cuda_context_bytes``; none on the CPU)."""
+        assumed = POLICY.estimated_cuda_context_bytes if self.device == "cuda" else 0
+        return Headroom(
+            device_type=self.device, estimated=self.simulate, budget_bytes=self.budget_bytes,
+            context_bytes=assumed if context_bytes is None else context_bytes,
+            expandable_segments=self.info.allocator_settings == EXPANDABLE_SEGMENTS,
         )
 
     def log(self, line: str) -> None:

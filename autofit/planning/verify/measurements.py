@@ -21,7 +21,6 @@ from autofit.config import TrainingConfig
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.probe import measure
-from autofit.plan_file import EXPANDABLE_SEGMENTS
 from autofit.planning.context import PlanContext
 from autofit.units import format_bytes
 from autofit.planning.speed.measured import StepTimer
@@ -90,13 +89,7 @@ class Measurements:
     @property
     def headroom(self) -> Headroom:
         """The budget's headroom as measured so far: on a real GPU the first probe replaces the assumed context."""
-        context = self.context
-        assumed = POLICY.estimated_cuda_context_bytes if context.device == "cuda" else 0
-        measured = self._measured_context_bytes
-        return Headroom(
-            device_type=context.device, estimated=context.simulate, budget_bytes=context.budget_bytes,
-            context_bytes=assumed if measured is None else measured, expandable_segments=context.info.allocator_settings == EXPANDABLE_SEGMENTS,
-        )
+        return self.context.headroom(context_bytes=self._measured_context_bytes)
 
     @property
     def resident_bytes(self) -> int:
