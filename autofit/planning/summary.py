@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from autofit.config import TrainingConfig
 from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS, Plan
 from autofit.planning.policy import POLICY
 from autofit.planning.report import PlanReport
 from autofit.units import format_bytes, format_rate
+from strategies import MASTER_WEIGHTS
 
 
 def summary_lines(report: PlanReport, *, path: Path | None = None) -> list[str]:
@@ -53,12 +55,25 @@ def _chosen_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _none_because(kind: str, config: TrainingConfig) -> str:
+    """Why a kind of the peak's breakdown holds 0 B (it is taken at the peak): "gradients 0 B" in a full fine-tune
+    reads as a mistake without it."""
+    if kind == "optimizer_state" and (config.optimizer_state == "host" or config.precision == MASTER_WEIGHTS):
+        return "on the host"
+    if kind == "gradients" and config.optimizer_in_backward:
+        return "each freed as its parameter steps in backward"
+    if kind == "gradients" and config.precision == MASTER_WEIGHTS:
+        return "moved to the host after each micro-batch"
+    return "none alive at the peak"
+
+
 def _memory_lines(plan: Plan) -> list[str]:
     """The peak, predicted and measured with its breakdown, the headroom by cause, and the total against the budget."""
     measured, predicted = plan.measured, plan.predicted
     lines = [f"  memory      {'predicted':>12} {f'measured ({measured.meter})':>20}"]
     for name, value in measured.breakdown.items():
-        lines.append(f"    {name.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}")
+        why = f"  ({_none_because(name, plan.config)})" if value == 0 else ""
+        lines.append(f"    {name.replace('_', ' '):<18}{'':>12} {format_bytes(value):>20}{why}")
     lines.append(f"    {'peak':<18}{format_bytes(predicted.peak_bytes):>12} {format_bytes(measured.peak_bytes):>20}")
     segments = {EXPANDABLE_SEGMENTS: "  (expandable segments, set by training)", DEFAULT_SEGMENTS: "  (default segments)"}
     for cause, value in plan.headroom.items():

@@ -145,3 +145,19 @@ def test_a_plan_states_what_it_assumes_of_the_training_machine_before_it_traces(
     assert said < next(i for i, line in enumerate(lines) if "tracing" in line)
     assert "assuming simulated RTX 3090 with 24.00 GiB; host memory 64.00 GiB (--host-memory);" in lines[said]
     assert "host update rate at --host-speed 2e+09 elements/s, the training machine's host as given" in lines[said]
+
+
+@pytest.mark.parametrize(("choices", "why"), [
+    ({}, "gradients 0 B (none alive at the peak)"),
+    ({"optimizer_in_backward": True}, "gradients 0 B (each freed as its parameter steps in backward)"),
+    ({"precision": "bf16-master"}, "optimizer state 0 B (on the host)"),
+])
+def test_a_kind_at_0_b_at_the_peak_says_why(choices, why):
+    """#48: "gradients 0 B" in a full fine-tune read as a mistake: the breakdown is taken at the peak, and says so."""
+    plan = Plan(
+        budget_bytes=300, config=TrainingConfig(global_batch_size=8, micro_batch_size=8, **choices),
+        predicted=Predicted(peak_bytes=150, samples_per_s=1.0),
+        measured=Measured(peak_bytes=140, meter="cpu", breakdown={"parameters": 100, "gradients": 0, "optimizer_state": 0}),
+    )
+    lines = [" ".join(line.split()) for line in summary_lines(PlanReport(plan=plan))]
+    assert why in lines, lines
