@@ -187,6 +187,9 @@ def time_precisions(
                 notes[name] = f"{ratio:.1f}x slower than {reference} at micro-batch {size}; timed up to there"
                 slow[name] = reference
     results: dict[str, SpeedCosts] = {}
+    # Every precision steps the same weights from gradients of their dtype, whichever autocast made them: the
+    # quickest precision's micro-steps make them for all (fp16 autocast's on a CPU take many times as long, #47).
+    quickest = applied[min(precisions, key=lambda n: fastest[n, sizes[0]][1])]
     for name in precisions:
         sizes_ = timed[name]
         results[name] = SpeedCosts(
@@ -194,7 +197,9 @@ def time_precisions(
             step_seconds=[fastest[name, s][1] for s in sizes_],
             forward_seconds=[fastest[name, s][0] for s in sizes_],
             block_seconds=[fastest[name, s][2] for s in sizes_],
-            optimizer_seconds=_optimizer_seconds(model, optimizer, applied[name], one_step, spec, sizes_[0], clock=clock),
+            optimizer_seconds=_optimizer_seconds(
+                model, optimizer, applied[name], one_step, spec, sizes_[0], clock=clock, gradients=quickest,
+            ),
             note=notes.get(name, ""),
             noise=noise_of([samples[name, s] for s in sizes_]),
         )
@@ -221,13 +226,16 @@ def time_precisions(
     return results
 
 
-def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int, *, clock) -> float:
-    """The optimizer step's time (its first call creates state: not timed)."""
+def _optimizer_seconds(
+    model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int, *, clock, gradients: AppliedPlan | None = None,
+) -> float:
+    """The optimizer step's time under ``precision`` (its first call creates state: not timed), after a micro-step
+    of ``gradients`` (default: ``precision``) makes the gradients it steps with."""
     inputs, targets = spec.example_batch(size)
     best = math.inf
     device = next(model.parameters()).device
     for attempt in range(timing_policy().optimizer_step_timings):
-        one_step(precision, inputs, targets)
+        one_step(gradients or precision, inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = clock()
