@@ -129,9 +129,10 @@ def probe(
             print_json([b.to_dict() for b in blocks])
             return
         share = "FLOP share" if simulate else "time share"
-        print(f"{'block':<24} {'saved activations':>18} {'input':>12} {share:>11}")
+        width = max([24, *(len(b.name) for b in blocks)])  # a shared layer's calls: "albert.encoder.albert_layer_groups.0#3"
+        print(f"{'block':<{width}} {'saved activations':>18} {'input':>12} {share:>11}")
         for b in blocks:
-            print(f"{b.name:<24} {format_bytes(b.saved_bytes):>18} {format_bytes(b.input_bytes):>12} {b.forward_share:>10.1%}")
+            print(f"{b.name:<{width}} {format_bytes(b.saved_bytes):>18} {format_bytes(b.input_bytes):>12} {b.forward_share:>10.1%}")
         return
     fit = card.fit(result) if card is not None else None
     if as_json:

@@ -4,6 +4,7 @@ its share of forward time. This is what checkpointing a block trades.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
@@ -17,6 +18,7 @@ from autofit.model_io import call_model
 from autofit.spec import ModelSpec
 from autofit.step import to_device
 from strategies import checkpoint_candidates
+from strategies.per_call import split_call
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,9 +111,12 @@ def profile_blocks(
         flops_by_module = counter.get_flop_counts()
         total_flops = sum(flops_by_module.get("Global", {}).values()) or 1
     profiles = []
+    calls = Counter(split_call(name)[0] for name in names)
     for name in names:
         stat = stats[name]
-        flops = _module_flops(flops_by_module, name)
+        module_name = split_call(name)[0]
+        # FLOPs are counted per module, over all its calls: a call's share is an equal one (the same layer, the same shapes).
+        flops = _module_flops(flops_by_module, module_name) // calls[module_name]
         profiles.append(
             BlockProfile(
                 name=name,

@@ -17,7 +17,8 @@ from autofit._torch_private import FAKE_TENSOR_LIMITS
 from autofit.device import check_device, steady_host_allocations
 from autofit.measure.kernels import precision_failure
 from autofit.measure.meters import (
-    compiled_step_on_cpu, fails_only_on_fake_tensors, fall_back_from_simulation, make_meter, noting_padding, release_device_memory,
+    Measurement, SimulatedMeter, compiled_step_on_cpu, fails_only_on_fake_tensors, fall_back_from_simulation, make_meter, noting_padding,
+    release_device_memory,
 )
 from autofit.measure.tracker import ACTIVATIONS
 from autofit.measure.optimizer_state import create_optimizer_state
@@ -185,6 +186,34 @@ def measure(
             f"precision {config.precision} cannot train this model on {device}: an op has no {config.precision} "
             f"kernel there ({why}); use --precision {others}"
         ) from error
+
+
+def optimizer_step_measurement(spec: ModelSpec, config: TrainingConfig, *, device: str) -> Measurement:
+    """``config``'s optimizer step alone, measured as ``measure`` measures a step on the simulated meter (the same
+    strategy owner, optimizer and tracker, each storage rounded as the meter rounds it), with no forward or
+    backward: the gradients are set as backward leaves them before it begins, and not counted.
+
+    Its ``host_peak_bytes``: for a host optimizer (host state, bf16-master) the parameters' fp32 copies, the
+    gradients' buffers, the optimizer's state and its step's temporaries (a one-parameter-at-a-time AdamW: two of the
+    largest parameter's). Its ``peak_bytes``: the parameters, the optimizer's state on the device and its step's
+    temporaries there (a foreach AdamW's fp32 copy of every parameter), by the breakdown's categories. What
+    activations add (offload) is in neither. Over fake tensors: no memory is taken and nothing computed, so a plan can
+    know these from sizes alone (``planning.bounds``).
+    """
+    meter = SimulatedMeter(for_device=device)  # fake tensors always: the cpu meter's fallback would allocate them
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        applied = apply_config(model, config, device=meter.device, use_scaler=False)
+        optimizer = applied.build_optimizer(spec.build_optimizer)
+        create_optimizer_state(applied.model, optimizer)
+        for param in applied.model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)  # what backward leaves (a host optimizer's hook would move it)
+        with meter.measure(applied.model, optimizer) as measurement:
+            applied.optimizer_step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+    return measurement
 
 
 def _measure(

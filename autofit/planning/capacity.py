@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 from autofit.config import TrainingConfig
 from autofit.errors import UserError
+from autofit.planning.bounds import host_step_bytes
 from autofit.planning.costs import CostModel, SpeedCosts
 from autofit.planning.memory.headroom import Headroom
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
@@ -384,30 +385,28 @@ def _within_host(
 ) -> tuple[LeverSearch, list[str]]:
     """The levers and precisions whose host bytes the host can hold (``context.host_budget_bytes``), the others said in
     ``left_out``: the planner measures each candidate's host bytes and refuses those over it (``Measurements.fits_host``);
-    the table, which probes nothing, leaves out what needs more than that at least.
-
-    bf16-master keeps the fp32 masters, their gradients and the optimizer state on the host: the fp32 parameters and
-    state counted on the device (``Measurements.resident_bytes``) plus a gradient per trainable parameter; host state
-    keeps the state there (those bytes less the weights'). Offloaded activations are not counted here (a plan is).
+    the table, which probes nothing, leaves out what needs more than that at least, counted as the planner counts it
+    (``bounds.host_step_bytes``: fp32 copies, gradients, optimizer state and the step's temporaries). Offloaded
+    activations are not counted here (a plan is).
     """
     host = context.host_budget_bytes
     if host is None or not measurements.resident_bytes:  # the CPU: the host is the device
         return search, precisions
     where = f"the host's {format_bytes(host)} ({context.host_budget_note})"
-    masters = measurements.resident_bytes + search.trainable_bytes
     kept = list(precisions)
-    if MASTER_WEIGHTS in kept and masters > host:
+    masters = host_step_bytes(context, MASTER_WEIGHTS) if MASTER_WEIGHTS in kept else None
+    if masters is not None and masters > host:
         kept.remove(MASTER_WEIGHTS)
         left_out[MASTER_WEIGHTS] = (
-            f"its fp32 masters, gradients and optimizer state need {format_bytes(masters)} of host memory, more than {where}; "
-            "--host-memory gives the training machine's"
+            f"its fp32 masters, gradients, optimizer state and step need {format_bytes(masters)} of host memory, more than "
+            f"{where}; --host-memory gives the training machine's"
         )
-    state = measurements.resident_bytes - measurements.weight_bytes("fp32")
-    if search.host_state and state > host:
+    state = host_step_bytes(context, "host state") if search.host_state else None
+    if state is not None and state > host:
         search = replace(search, host_state=False)
         left_out["host state"] = (
-            f"the optimizer state needs {format_bytes(state)} of host memory, more than {where}; --host-memory gives the "
-            "training machine's"
+            f"the fp32 copies, gradients, optimizer state and step need {format_bytes(state)} of host memory, more than "
+            f"{where}; --host-memory gives the training machine's"
         )
     return search, kept
 

@@ -50,8 +50,8 @@ from autofit.plan_file import Plan
 from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
-from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
-from autofit.planning.verify.below_floor import BelowLeverFloor, plan_with_levers, searched_lever_notes
+from autofit.planning.verify.floor import ONE_PROCESS_PRECISIONS, InfeasibleBudget, check_floor, far_above_budget
+from autofit.planning.verify.below_floor import plan_with_levers, searched_lever_notes
 from autofit.planning.lever_timings import Levers, lever_search
 from autofit.planning.coupling import check_rank_share, kept_together
 from autofit.planning.modelling import (
@@ -245,23 +245,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     except InfeasibleBudget as below:
         if levers is None:
             raise
-        with context.phase("levers"):
-            try:
-                ladder = plan_with_levers(
-                    context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
-                    max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base,
-                )
-            except BelowLeverFloor as refused:
-                # The ladder adds the levers to the floor configuration only; where that takes several micro-batches
-                # the step in backward (one micro-batch per step) is not among them, yet a larger micro-batch with it
-                # may fit: the search with the levers has the last word.
-                if not _lever_search_may_fit(context, measurements, below):
-                    raise
-                searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers)
-                if searched is None:
-                    raise refused
-                return searched
-        return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
+        return _below_floor(context, costs, measurements, below, levers=levers)
     with context.phase("speed"):
         add_speeds(context, costs)
         search = lever_search(context, costs, levers) if levers is not None else None
@@ -303,6 +287,33 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     )
     context.log(f"planned in {report.seconds:.1f} s")
     return report
+
+
+def _below_floor(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, levers: Levers,
+) -> PlanReport:
+    """Below the floor without levers: the floor configuration with the levers (the ladder), then the search with them.
+
+    The ladder adds the levers to the floor configuration only; where that takes several micro-batches the step in
+    backward (one micro-batch per step) is not among them, yet a larger micro-batch with it may fit: where the
+    ladder finds nothing the search has the last word, before the levers the flags do not allow are measured for
+    the refusal's advice.
+    """
+    found: list[PlanReport] = []
+
+    def searched() -> PlanReport | None:
+        if _lever_search_may_fit(context, measurements, below):
+            found.extend(filter(None, [_searched_below_floor(context, costs, measurements, below, None, levers=levers)]))
+        return found[0] if found else None
+
+    with context.phase("levers"):
+        ladder = plan_with_levers(
+            context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
+            max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base, then=searched,
+        )
+    if found:  # the search's plan, where the ladder found none
+        return ladder
+    return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
 
 
 def _lever_search_may_fit(context: PlanContext, measurements: Measurements, below: InfeasibleBudget) -> bool:
@@ -607,7 +618,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
     share = math.ceil(batch_size / world_size)
     check_rank_share(spec, global_batch_size=batch_size, share=share, world_size=world_size)
     # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
-    one_process = (MASTER_WEIGHTS, PURE_BF16)
+    one_process = ONE_PROCESS_PRECISIONS
     if request.weights_dtype == "config" and spec.config_dtype == "bf16":
         raise UserError(
             f"--weights-dtype config keeps config.json's bf16 weights ({PURE_BF16}), which train on one process only; "

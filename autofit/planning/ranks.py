@@ -19,7 +19,8 @@ from autofit.errors import UserError
 from autofit.plan_file import Measured, MultiProcess, Plan, Predicted
 from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
-from autofit.planning.verify.floor import InfeasibleBudget, floor_phases, sharded_floor
+from autofit.planning.bounds import rank_state
+from autofit.planning.verify.floor import RANK_HALF_PRECISIONS, InfeasibleBudget, floor_phases, sharded_floor
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.modelling import HALF_PRECISIONS, Costs, add_recomputations, add_speeds, rank_compute_memory, trace_full, weight_casts
 from autofit.planning.policy import POLICY
@@ -133,9 +134,10 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
     # A rank's share of the parameters and optimizer state: a lower bound of its persistent bytes at any peak (the
     # simulated breakdown counts FSDP2's gathered parameters as parameters too, which come and go).
     resident = measurements.resident_bytes // world_size
+    compute = rank_compute_memory(context, costs)
     candidates = _fsdp_candidates(
         context, costs, single=single, headroom=headroom, resident_bytes=resident, world_size=world_size, global_batch_size=global_batch_size,
-        compute=rank_compute_memory(context, costs),
+        compute=compute,
     )
     context.log(f"FSDP2: {sum(c.fits_estimate for c in candidates)} of {len(candidates)} per-rank configurations fit by the estimate; simulating")
     chosen, simulated, alternatives, rejected = _simulate_fastest(
@@ -145,10 +147,12 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
         # The one-process floor's --gpus advice prices the floor configuration (every block checkpointed) with its
         # forward/backward and step apart (the step's temporaries a 1/N share a rank); so does this refusal, or the
         # two name budgets far apart for one question (the step's fp32 copies counted as unsharded activations).
-        checkpointed = replace(smallest, checkpoint=costs.model.names(frozenset(range(len(costs.model.blocks)))))
+        every = frozenset(range(len(costs.model.blocks)))
+        checkpointed = replace(smallest, checkpoint=costs.model.names(every))
         raise _infeasible(
             context, single=single, smallest=smallest, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size,
             nodes=nodes, phases=floor_phases(costs, checkpointed, state_bytes=persistent_bytes(single)),
+            half=_half_rank_floor(context, costs, compute, smallest=smallest, every=every),
         )
     candidate, measurement = chosen
     config = candidate.config
@@ -374,12 +378,39 @@ def _fsdp_plan(
     )
 
 
+def _half_rank_floor(
+    context: PlanContext, costs: Costs, compute, *, smallest: TrainingConfig, every: frozenset[int],
+) -> tuple[str, dict[str, int], tuple[int, int]] | None:
+    """(half precision, breakdown, phases) of the least configuration (``smallest``'s micro-batch, every block
+    checkpointed) as the one-process floor's --gpus advice prices a half precision's rank (``floor._gpus_advice``):
+    the fp32 state and its step counted from sizes (``bounds.rank_state``), the forward and backward of bf16 autocast
+    over bf16 weights (``compute``, bf16-master's traces) above those weights. None without those traces."""
+    half = next((p for p in context.precisions if p in RANK_HALF_PRECISIONS), None)
+    rank = rank_state(context) if compute is not None and half is not None else None
+    if rank is None:
+        return None
+    try:
+        segments, drops = compute.at(smallest.micro_batch_size, global_batch_size=context.global_batch_size)
+    except (KeyError, ValueError):
+        return None
+    meta = context.meta_model
+    weights = held_weight_bytes(meta, cast=True) + sum(b.numel() * b.element_size() for b in meta.buffers())
+    activations = max(int(peak_of(apart_from_step(segments)[0], drops, every) * costs.model.memory_scale) - weights, 0)
+    return half, rank.breakdown, (activations, rank.step_bytes)
+
+
 def _infeasible(
     context: PlanContext, *, single: dict, smallest: TrainingConfig, headroom: Headroom, world_size: int, global_batch_size: int,
-    nodes: int = 1, phases: tuple[int, int] | None = None,
+    nodes: int = 1, phases: tuple[int, int] | None = None, half: tuple[str, dict[str, int], tuple[int, int]] | None = None,
 ) -> InfeasibleBudget:
+    """The refusal of a budget no FSDP2 configuration was simulated to fit, with how many GPUs would (``sharded_floor``):
+    priced as a half precision's rank where ``half`` says how (the one-process advice's estimate, so that advice and
+    refusal name one budget), else from ``single``'s breakdown and ``phases``."""
+    precision, breakdown = smallest.precision, single
+    if half is not None:
+        precision, breakdown, phases = half
     sharded = sharded_floor(
-        context.sim_spec, breakdown=single, precision=smallest.precision, headroom=headroom,
+        context.sim_spec, breakdown=breakdown, precision=precision, headroom=headroom,
         micro_batch_size=smallest.micro_batch_size, global_batch_size=global_batch_size, phases=phases,
     )
     if sharded.gpus is not None and sharded.gpus > world_size and nodes > 1:
@@ -389,10 +420,14 @@ def _infeasible(
     elif sharded.gpus is not None:
         advice = "try more --gpus"
     else:
-        advice = (
-            f"more GPUs would not help (each still holds the activations and FSDP2's gathered blocks: "
-            f"{format_bytes(sharded.budget_bytes)} per GPU at the least, with --gpus {sharded.best_gpus}, estimated)"
-        )
+        need = f"with --gpus {sharded.best_gpus} each needs {format_bytes(sharded.budget_bytes)} per GPU, estimated"
+        if sharded.limit_bytes <= context.budget_bytes:  # the batch, not the bytes, stops more GPUs from fitting
+            advice = f"a batch of {global_batch_size} is split between {sharded.best_gpus} GPUs at most ({need}; more samples a step could go to more GPUs)"
+        else:
+            advice = (
+                f"more GPUs would not help (each still holds the activations and FSDP2's gathered blocks: "
+                f"{format_bytes(sharded.limit_bytes)} per GPU with any number of GPUs; {need})"
+            )
     return InfeasibleBudget(
         f"budget {format_bytes(context.budget_bytes)} per GPU is too small for a batch of {global_batch_size} on {world_size} GPUs"
         f"{f' ({nodes} nodes)' if nodes > 1 else ''}: "

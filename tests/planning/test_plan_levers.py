@@ -382,15 +382,16 @@ def test_state_that_fits_neither_device_nor_host_is_refused_before_tracing(run_c
     """Sizes alone decide it (``planning.bounds``): the weights and AdamW state need more than the budget, and stepping on
     the host needs more than --host-memory, so the plan refuses before its first trace, naming the host bytes and the
     flag; with the host memory it needs, the bound lets the plan go on."""
-    from autofit.planning.bounds import check_state_fits, state_sizes
+    from autofit.planning.bounds import check_state_fits, host_state_bytes, state_sizes
     from autofit.planning.context import plan_context
     from autofit.planning.request import plan_request
 
     path, spec = lm
     request = dict(batch_size=1, device="cuda", simulate=True, device_memory="4GiB")
-    sizes = state_sizes(plan_context(spec, plan_request(budget="1GiB", **request)))
+    context = plan_context(spec, plan_request(budget="1GiB", **request))
+    sizes = state_sizes(context)
     assert sizes.state_bytes == 2 * sizes.trained_bytes > 0  # AdamW: two fp32 moments per trained element
-    budget, host = sizes.device_bytes(pure_bf16=False, eight_bit=False) - 1, sizes.host_bytes - 1
+    budget, host = sizes.device_bytes(pure_bf16=False, eight_bit=False) - 1, host_state_bytes(context) - 1
     code, out, err = run_cli(
         "plan", path, "--budget", budget, "--host-memory", host, "--batch-size", "1", "--device", "cuda", "--simulate",
         "--device-memory", "4GiB", "--no-cache", "--out", tmp_path / "plan.json",
@@ -401,3 +402,24 @@ def test_state_that_fits_neither_device_nor_host_is_refused_before_tracing(run_c
     check_state_fits(plan_context(spec, plan_request(budget=budget, host_memory=host + 1, **request)), allow_lossy_optimizer=False, allow_lossy_base=False)
     with pytest.raises(UserError, match="no configuration fits"):
         check_state_fits(plan_context(spec, plan_request(budget=budget, host_memory=host, **request)), allow_lossy_optimizer=False, allow_lossy_base=False)
+
+
+def test_the_bound_counts_the_bytes_the_last_check_counts(lm):
+    """#47: the size-only bound's host bytes are those the planner's measured configurations keep there (their step's
+    temporaries and the meter's rounding too, not only copies, gradients and state); and on the device the bound keeps
+    a measured peak's headroom: the weights and state with a byte to spare under the budget, but not its headroom, are
+    refused too."""
+    from autofit.planning.bounds import check_state_fits, host_state_bytes, state_sizes
+    from autofit.planning.context import plan_context
+    from autofit.planning.request import plan_request
+
+    _, spec = lm
+    request = dict(batch_size=1, device="cuda", simulate=True, device_memory="4GiB")
+    context = plan_context(spec, plan_request(budget="1GiB", **request))
+    sizes, host = state_sizes(context), host_state_bytes(context)
+    config = TrainingConfig(global_batch_size=2, micro_batch_size=1, checkpoint=LM_BLOCKS, optimizer_state="host")
+    assert measure(spec, config, device="cuda", simulate=True, steps=2).host_peak_bytes == host
+    assert host > 2 * sizes.trained_bytes + sizes.state_bytes  # copies, gradients and state were all the old bound had
+    budget = sizes.device_bytes(pure_bf16=False, eight_bit=False) + 1
+    with pytest.raises(UserError, match=r"safety margin .* needed, over the budget .* stepped on the host they need"):
+        check_state_fits(plan_context(spec, plan_request(budget=budget, host_memory=host - 1, **request)), allow_lossy_optimizer=False, allow_lossy_base=False)

@@ -33,6 +33,7 @@ saved, measured.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -228,9 +229,12 @@ def _add_nf4(context: PlanContext, candidates: list[LeverCandidate], skipped: li
 
 def plan_with_levers(
     context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, allow_lossy_optimizer: bool,
-    max_grad_norm: float | None = None, allow_lossy_base: bool = False,
+    max_grad_norm: float | None = None, allow_lossy_base: bool = False, then: Callable[[], PlanReport | None] | None = None,
 ) -> PlanReport:
     """The first lever candidate measured to fit, as the plan; the floor's error with the levers' savings otherwise.
+
+    The candidates the flags do not allow are measured last, only for the error's advice: where none allowed fits,
+    ``then`` (the search with the levers) runs first, and its plan, if it finds one, needs no advice.
 
     Raises:
         BelowLeverFloor: no candidate fits; the message names each lever and what it saved, measured, and the
@@ -247,7 +251,13 @@ def plan_with_levers(
     for why in skipped:
         context.log(f"  left out: {why}")
     tried: list[_Measured] = []
-    for candidate in candidates:
+    allowed = [c for c in candidates if c.allowed(**flags)]
+    for candidate in [*allowed, None, *(c for c in candidates if not c.allowed(**flags))]:
+        if candidate is None:
+            found = then() if then is not None else None
+            if found is not None:
+                return found
+            continue
         measured = _measure(context, measurements, candidate)
         tried.append(measured)
         if measured.peak_bytes is None:
