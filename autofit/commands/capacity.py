@@ -45,7 +45,7 @@ def capacity(
     """For each card: does the batch train there (lossless), the least memory it needs, the configuration the planner
     would choose and its estimated speed, and the largest batch one step holds, all from one simulated trace set."""
     from autofit.measure.meters import check_model_runs_simulated
-    from autofit.planning.capacity import DEFAULT_CARDS, answer_card, capacity_record, card_speeds, least_budget, parse_cards, with_speeds
+    from autofit.planning.capacity import DEFAULT_CARDS, answer_cards, capacity_record, parse_cards
     from autofit.planning.context import plan_context
     from autofit.planning.lever_timings import Levers
     from autofit.planning.request import PlanRequest
@@ -78,23 +78,19 @@ def capacity(
         try:
             record = capacity_record(context, levers=Levers())
             with progress.doing("searching every card"):
-                least = least_budget(
-                    record.model, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                    allowed=record.allowed, smallest=record.smallest, start_bytes=largest,
-                )
-                rows = []
-                for card in cards:
-                    card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
-                    rows.append(answer_card(
-                        card_model, card, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                        allowed=record.allowed, smallest=record.smallest,
-                    ))
+                least, rows = answer_cards(context, record, cards, global_batch_size=batch_size)
         finally:
             context.trace_pool.close()
     if plot is not None:
         _plot(plot, spec.source, batch_size, record, rows)
+    _print_answers(spec, batch_size, least, record, rows, seconds=time.perf_counter() - started, as_json=as_json, plot=plot,
+                   host_speed_given=host_speed is not None)
+
+
+def _print_answers(spec, batch_size: int, least: int | None, record, rows, *, seconds: float, as_json: bool, plot: Path | None,
+                   host_speed_given: bool) -> None:
+    """The rows as JSON, or as the table with what its speeds rest on and where the plot went."""
     tokens = spec.source_options.get("seq_len") if spec.source_options.get("task", "causal-lm") != "image-classification" else None
-    seconds = time.perf_counter() - started
     if as_json:
         print_json({
             "model": spec.source, "global_batch_size": batch_size, "seq_len": tokens, "estimated": True,
@@ -104,9 +100,9 @@ def capacity(
         })
         return
     lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds)
-    if host_speed is None and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
-        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is timed on this machine's CPU; "
-                     "--host-speed gives the training machine's")
+    if not host_speed_given and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
+        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is assumed at each card's typical "
+                     "host's rate (the device table, docs/planner.md), not timed here; --host-speed gives the training machine's")
     if plot is not None:
         lines.append(f"  wrote {plot}: the predicted peak against the batch in one step, each card's usable memory a line")
     print("\n".join(lines))

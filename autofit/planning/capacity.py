@@ -26,7 +26,7 @@ from autofit.planning.bounds import host_step_bytes
 from autofit.planning.costs import CostModel, SpeedCosts
 from autofit.planning.memory.headroom import Headroom
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
-from autofit.planning.lever_timings import Levers, lever_search
+from autofit.planning.lever_timings import Levers, card_host_update, lever_search
 from autofit.planning.memory.levers import LeverChoice
 from autofit.planning.modelling import (
     add_loss_chunks, add_recomputations, add_speeds, micro_batch_sizes, save, stored_or_new, timing_sizes, trace_full, trace_offload,
@@ -498,3 +498,25 @@ def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[s
                 replace(model, global_batch_size=size).peak_bytes(precision, size, blocks) for size in batch_sizes
             ]
     return curves
+
+
+def answer_cards(context: PlanContext, record: CapacityRecord, cards: list[Card], *, global_batch_size: int) -> tuple[int | None, list[CardAnswer]]:
+    """The least budget the batch trains in, and each card's row (its speeds the card's where its kind is known),
+    all from ``record`` (``capacity_record``; the bisection for the least budget starts at the largest card)."""
+    least = least_budget(
+        record.model, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+        allowed=record.allowed, smallest=record.smallest, start_bytes=max(card.memory_bytes for card in cards),
+    )
+    rows = []
+    for card in cards:
+        card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
+        # Each card's typical host updates the masters and host state (the record's: an A100's, for a card named by memory).
+        allowed = record.allowed if card.kind is None else replace(
+            record.allowed, levers=card_host_update(context, record.allowed.levers, card.kind),
+        )
+        rows.append(answer_card(
+            card_model, card, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+            allowed=allowed, smallest=record.smallest,
+        ))
+    return least, rows
+

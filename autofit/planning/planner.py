@@ -295,9 +295,9 @@ def _below_floor(
     """Below the floor without levers: the floor configuration with the levers (the ladder), then the search with them.
 
     The ladder adds the levers to the floor configuration only; where that takes several micro-batches the step in
-    backward (one micro-batch per step) is not among them, yet a larger micro-batch with it may fit: where the
-    ladder finds nothing the search has the last word, before the levers the flags do not allow are measured for
-    the refusal's advice.
+    backward (one micro-batch per step) is tried only with the whole batch and the floor's checkpointing, yet a
+    larger micro-batch with it and fewer blocks checkpointed may fit too: where the ladder finds nothing the search
+    has the last word, before the levers the flags do not allow are measured for the refusal's advice.
     """
     found: list[PlanReport] = []
 
@@ -478,80 +478,101 @@ def _search(
             f"memory: {', '.join(over)} not traced further: {_weights_words(over, measurements)}"
         )
         order = [p for p in order if p not in over]
-    usable = measurements.usable_bytes()
-    usable_for = measurements.usable_by_precision()  # what the search scores each precision by
-    lazy = measurements.model_is_exact
+    scores = _Scores(context, costs, measurements, levers=levers)
     within = _verify_within(context)
-    # Where real steps are timed, a checkpointed point's recomputations matter only if it could be a candidate.
-    candidates = None if context.simulate else POLICY.verify_top_candidates
-    evaluations: list[Evaluation] = []
-    sampler, scored_for = "", None
-
-    def scored() -> list[Evaluation]:
-        nonlocal sampler, scored_for
-        if levers is not None and levers.eight_bit is not None:
-            with context.phase("memory"):
-                add_eight_bit_state(context, costs)
-        if levers is not None and levers.loss_chunks > 1:
-            with context.phase("memory"):
-                add_loss_chunks(context, costs, chunks=levers.loss_chunks, usable_bytes=usable)
-        if levers is not None and levers.nf4 is not None:
-            with context.phase("memory"):
-                add_nf4_state(context, costs)
-        # What the scores depend on that tracing changes (a precision stored in the cache adds nothing).
-        key = [(p, costs.model.precisions[p].memory) for p in _traced(context, costs)]
-        key = [
-            (p, memory.recomputed, memory.has_chunks(), [t.levers.offloaded is not None for t in memory.traces() if t.levers])
-            for p, memory in key
-        ]
-        if key == scored_for:
-            return evaluations
-        scored_for = key
-        with context.phase("search"):
-            found, sampler = score_space(
-                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-                global_batch_size=context.global_batch_size, usable_bytes=usable_for, study=None, slack=measurements.slack,
-                levers=levers,
-            )
-        return found
-
     for index, precision in enumerate(order):
-        best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+        best = max((e.samples_per_s for e in scores.evaluations if e.fits), default=0.0)
         if precision not in costs.model.precisions and index > 0 and not worth_tracing(costs, precision, best_fitting=best, within=within):
             continue
         with context.phase("memory"):
-            trace_full(context, costs, precision, recompute=not lazy)
-        evaluations = scored()
-        while True:
-            # Recomputations first: the speed they make fit may leave offload nothing to win.
-            recomputations = needs_recomputations(
-                costs, evaluations, within=within, candidates=candidates, tie=tie_cap(context.tie),
-            )
-            offloads = []
-            if not recomputations and levers and levers.offload:
-                offloads = needs_offload(context, costs, evaluations, within=within, usable_bytes=usable)
-            if not offloads and not recomputations:
-                break
-            with context.phase("memory"):
-                for name in offloads:
-                    trace_offload(context, costs, name, usable_bytes=usable)
-                for name in recomputations:
-                    add_recomputations(context, costs, name)
-            evaluations = scored()
+            trace_full(context, costs, precision, recompute=not measurements.model_is_exact)
+        scores.update()
+        _trace_what_could_win(context, costs, scores, within=within, levers=levers)
+    evaluations, sampler = scores.evaluations, scores.sampler
     if context.study.search_storage is not None or not evaluations:
         with context.phase("search"):
             # The search kept where the user asked (--study): over every precision traced.
-            evaluations, sampler = score_space(
-                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-                global_batch_size=context.global_batch_size, usable_bytes=usable_for, study=context.study, slack=measurements.slack,
-                levers=levers,
-            )
+            evaluations, sampler = scores.score(study=context.study)
     skipped = [p for p in costs.untraced(context.precisions) if p not in over]
     context.log(
         f"search: {len(evaluations)} (precision, micro-batch) points by {sampler}, {sum(e.fits for e in evaluations)} fit the "
         f"model's budget" + (f"; {', '.join(skipped)} not traced (too slow to matter)" if skipped else "")
     )
     return evaluations, sampler
+
+
+class _Scores:
+    """The search's scores while tracing adds to the costs: scored again only when what they depend on changed."""
+
+    def __init__(self, context: PlanContext, costs: Costs, measurements: Measurements, *, levers: LeverSearch | None) -> None:
+        self.context, self.costs, self.measurements, self.levers = context, costs, measurements, levers
+        self.usable = measurements.usable_bytes()
+        self.usable_for = measurements.usable_by_precision()  # what the search scores each precision by
+        self.evaluations: list[Evaluation] = []
+        self.sampler = ""
+        self._scored_for: list | None = None
+
+    def update(self) -> list[Evaluation]:
+        """The levers' records the scores need, then the scores (again where tracing changed what they depend on)."""
+        self._add_lever_records()
+        key = self._depends_on()
+        if key != self._scored_for:
+            self._scored_for = key
+            with self.context.phase("search"):
+                self.evaluations, self.sampler = self.score(study=None)
+        return self.evaluations
+
+    def score(self, *, study) -> tuple[list[Evaluation], str]:
+        """Every (precision, micro-batch) point of the precisions traced (kept in ``study`` where given)."""
+        context, costs = self.context, self.costs
+        return score_space(
+            costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
+            global_batch_size=context.global_batch_size, usable_bytes=self.usable_for, study=study, slack=self.measurements.slack,
+            levers=self.levers,
+        )
+
+    def _add_lever_records(self) -> None:
+        context, costs, levers = self.context, self.costs, self.levers
+        if levers is not None and levers.eight_bit is not None:
+            with context.phase("memory"):
+                add_eight_bit_state(context, costs)
+        if levers is not None and levers.loss_chunks > 1:
+            with context.phase("memory"):
+                add_loss_chunks(context, costs, chunks=levers.loss_chunks, usable_bytes=self.usable)
+        if levers is not None and levers.nf4 is not None:
+            with context.phase("memory"):
+                add_nf4_state(context, costs)
+
+    def _depends_on(self) -> list:
+        """What the scores depend on that tracing changes (a precision stored in the cache adds nothing)."""
+        memories = [(p, self.costs.model.precisions[p].memory) for p in _traced(self.context, self.costs)]
+        return [
+            (p, memory.recomputed, memory.has_chunks(), [t.levers.offloaded is not None for t in memory.traces() if t.levers])
+            for p, memory in memories
+        ]
+
+
+def _trace_what_could_win(context: PlanContext, costs: Costs, scores: _Scores, *, within: float, levers: LeverSearch | None) -> None:
+    """Trace the recomputations, then the offloading runs, of the points whose speed could still reach the
+    verification, scoring again after each, until none is left."""
+    # Where real steps are timed, a checkpointed point's recomputations matter only if it could be a candidate.
+    candidates = None if context.simulate else POLICY.verify_top_candidates
+    while True:
+        # Recomputations first: the speed they make fit may leave offload nothing to win.
+        recomputations = needs_recomputations(
+            costs, scores.evaluations, within=within, candidates=candidates, tie=tie_cap(context.tie),
+        )
+        offloads = []
+        if not recomputations and levers and levers.offload:
+            offloads = needs_offload(context, costs, scores.evaluations, within=within, usable_bytes=scores.usable)
+        if not offloads and not recomputations:
+            return
+        with context.phase("memory"):
+            for name in offloads:
+                trace_offload(context, costs, name, usable_bytes=scores.usable)
+            for name in recomputations:
+                add_recomputations(context, costs, name)
+        scores.update()
 
 
 def _weights_over_budget(context: PlanContext, measurements: Measurements) -> dict[str, int]:

@@ -183,76 +183,100 @@ def _fsdp_candidates(
     but not always: simulated ranks of two small CNNs held 21% (8 GPUs) and 41% (64 GPUs) more than it; an 8B Llama
     on 8 GPUs 1.5% high, a 70B one on 64 8.5% high: bench/RESULTS.md).
     """
-    model = costs.model
-    state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
-    # Whole gradients, whatever the single process's peak held of them: its backward and its step hold them all.
-    state["gradients"] = max(state["gradients"], gradient_bytes(context.sim_spec))
-    with torch.device("meta"):
-        meta_model = context.sim_spec.build_model()
-    layout = fsdp_layout(meta_model, world_size=world_size)
-    compute_weights = held_weight_bytes(meta_model, cast=True) + sum(b.numel() * b.element_size() for b in meta_model.buffers())
-    usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
-    candidates = []
-    casts_of: dict[bool, tuple[list[int], int]] = {}
-
-    def casts_for(precision: str) -> tuple[list[int], int]:
-        # Autocast's copies are 2-byte ones under bf16 and fp16 alike (``weight_casts``): one fake forward for both.
-        half = precision in HALF_PRECISIONS
-        if half not in casts_of:
-            casts_of[half] = _casts_by_block(model.blocks, weight_casts(context, precision))
-        return casts_of[half]
-
-    for precision in context.precisions:
-        for size in costs.micro_batch_sizes:
-            steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=size)
-            estimate = estimate_fsdp_peak_bytes(
-                parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
-                optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=layout,
-                world_size=world_size, precision=precision, grad_accum_steps=steps,
-            )
-            memory = model.precisions[precision].memory
-            segments, drops = memory.at(size, global_batch_size=context.global_batch_size)
-            # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
-            # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
-            # is gathered. Forward and backward keep the one-process segments, with the state swapped: what of it
-            # they hold (``_without_state``) for the rank's sharded part and the buffers.
-            _, step_peak = apart_from_step(segments)
-            lighter = estimate.buffer_bytes - estimate.forward_buffer_bytes
-            if compute is not None and precision in HALF_PRECISIONS:
-                # Their segments hold bf16 weights and no gradient or state (those go to the host as they come).
-                rank_segments, drops = compute.at(size, global_batch_size=context.global_batch_size)
-                rank_segments = _before_backward_lighter(compute, rank_segments, size, global_batch_size=context.global_batch_size, lighter=lighter)
-                backward, held = apart_from_step(rank_segments)[0], compute_weights
-            else:
-                backward, held = _without_state(memory, size, global_batch_size=context.global_batch_size, segments=segments, state=state)
-                backward, drops = _without_casts(backward, drops, casts_for(precision))
-            swap = estimate.peak_bytes - held
-            step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
-            choice = (
-                cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
-                if step_bytes <= usable else None
-            )
-            every = frozenset(range(len(model.blocks)))
-            options = [(choice.blocks, True)] if choice is not None else []
-            if choice is None or choice.blocks != every:
-                # Every block too, among those the estimate says do not fit: the estimate is not always high, and
-                # where the simulation finds its choice too large, the least memory at this point may still fit.
-                options.append((every, False))
-            for blocks, fits_estimate in options:
-                config = TrainingConfig(
-                    global_batch_size=global_batch_size, micro_batch_size=size, precision=precision,
-                    checkpoint=model.names(blocks), world_size=world_size, sharding="fsdp",
-                )
-                candidates.append(_Candidate(
-                    samples_per_s=model.samples_per_s(precision, size, blocks), config=config,
-                    estimate_bytes=max(peak_of(backward, drops, blocks) * model.memory_scale + swap, step_bytes),
-                    fits_estimate=fits_estimate,
-                ))
+    shares = _RankShares(
+        context, costs, single=single, headroom=headroom, resident_bytes=resident_bytes, world_size=world_size,
+        global_batch_size=global_batch_size, compute=compute,
+    )
+    candidates = [c for precision in context.precisions for size in costs.micro_batch_sizes for c in shares.candidates(precision, size)]
     candidates.sort(key=lambda c: (
         not c.fits_estimate, -round(c.samples_per_s, 6) if c.fits_estimate else c.estimate_bytes,
         c.config.simplicity(),
     ))
     return candidates
+
+
+class _RankShares:
+    """One rank's share of every (precision, micro-batch) point: the FSDP2 estimate of its state and buffers, the
+    one-process segments with the state swapped for the rank's, and the cheapest checkpoint set that fits them."""
+
+    def __init__(
+        self, context: PlanContext, costs: Costs, *, single: dict, headroom: Headroom, resident_bytes: int, world_size: int,
+        global_batch_size: int, compute,
+    ) -> None:
+        self.context, self.model, self.compute = context, costs.model, compute
+        self.world_size, self.global_batch_size = world_size, global_batch_size
+        state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+        # Whole gradients, whatever the single process's peak held of them: its backward and its step hold them all.
+        state["gradients"] = max(state["gradients"], gradient_bytes(context.sim_spec))
+        self.state = state
+        with torch.device("meta"):
+            meta_model = context.sim_spec.build_model()
+        self.layout = fsdp_layout(meta_model, world_size=world_size)
+        self.compute_weights = held_weight_bytes(meta_model, cast=True) + sum(b.numel() * b.element_size() for b in meta_model.buffers())
+        self.usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / self.model.memory_scale
+        self._casts_of: dict[bool, tuple[list[int], int]] = {}
+
+    def casts_for(self, precision: str) -> tuple[list[int], int]:
+        # Autocast's copies are 2-byte ones under bf16 and fp16 alike (``weight_casts``): one fake forward for both.
+        half = precision in HALF_PRECISIONS
+        if half not in self._casts_of:
+            self._casts_of[half] = _casts_by_block(self.model.blocks, weight_casts(self.context, precision))
+        return self._casts_of[half]
+
+    def candidates(self, precision: str, size: int) -> list[_Candidate]:
+        """The point with its cheapest fitting checkpoint set (when the estimate finds one), and with every block."""
+        model, state, world_size = self.model, self.state, self.world_size
+        steps = micro_batch_count(self.global_batch_size, world_size=world_size, micro_batch_size=size)
+        estimate = estimate_fsdp_peak_bytes(
+            parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
+            optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=self.layout,
+            world_size=world_size, precision=precision, grad_accum_steps=steps,
+        )
+        memory = model.precisions[precision].memory
+        segments, drops = memory.at(size, global_batch_size=self.context.global_batch_size)
+        # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
+        # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
+        # is gathered. Forward and backward keep the one-process segments, with the state swapped: what of it
+        # they hold (``_without_state``) for the rank's sharded part and the buffers.
+        _, step_peak = apart_from_step(segments)
+        backward, drops, held = self.forward_and_backward(precision, size, memory, segments, drops, estimate=estimate)
+        swap = estimate.peak_bytes - held
+        step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
+        choice = (
+            cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=self.usable - swap)
+            if step_bytes <= self.usable else None
+        )
+        every = frozenset(range(len(model.blocks)))
+        options = [(choice.blocks, True)] if choice is not None else []
+        if choice is None or choice.blocks != every:
+            # Every block too, among those the estimate says do not fit: the estimate is not always high, and
+            # where the simulation finds its choice too large, the least memory at this point may still fit.
+            options.append((every, False))
+        return [
+            _Candidate(
+                samples_per_s=model.samples_per_s(precision, size, blocks),
+                config=TrainingConfig(
+                    global_batch_size=self.global_batch_size, micro_batch_size=size, precision=precision,
+                    checkpoint=model.names(blocks), world_size=world_size, sharding="fsdp",
+                ),
+                estimate_bytes=max(peak_of(backward, drops, blocks) * model.memory_scale + swap, step_bytes),
+                fits_estimate=fits_estimate,
+            )
+            for blocks, fits_estimate in options
+        ]
+
+    def forward_and_backward(self, precision: str, size: int, memory, segments, drops, *, estimate):
+        """(segments, drops, the weights they hold) of the rank's forward and backward, the state taken out."""
+        global_batch_size = self.context.global_batch_size
+        if self.compute is not None and precision in HALF_PRECISIONS:
+            # Their segments hold bf16 weights and no gradient or state (those go to the host as they come).
+            lighter = estimate.buffer_bytes - estimate.forward_buffer_bytes
+            rank_segments, drops = self.compute.at(size, global_batch_size=global_batch_size)
+            rank_segments = _before_backward_lighter(self.compute, rank_segments, size, global_batch_size=global_batch_size, lighter=lighter)
+            return apart_from_step(rank_segments)[0], drops, self.compute_weights
+        backward, held = _without_state(memory, size, global_batch_size=global_batch_size, segments=segments, state=self.state)
+        backward, drops = _without_casts(backward, drops, self.casts_for(precision))
+        return backward, drops, held
 
 
 def _before_backward_lighter(memory, segments: list[Segment], size: int, *, global_batch_size: int, lighter: float) -> list[Segment]:
@@ -356,8 +380,8 @@ def _fsdp_plan(
 ) -> Plan:
     config = candidate.config
     rank_batch_size = context.global_batch_size
-    return Plan(
-        **plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size),
+    basics = plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size)
+    return basics.plan(
         config=config,
         estimated=True,
         predicted=Predicted(

@@ -162,12 +162,17 @@ def floor_phases(costs: Costs, config: TrainingConfig, *, state_bytes: int) -> t
     return (max(int(peak * model.memory_scale) - state_bytes, 0), max(int(step * model.memory_scale) - state_bytes, 0))
 
 
-def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, *, levers: str = "") -> str:
+def below_floor(
+    context: PlanContext, floor: Floor, measurements: Measurements, *, levers: str = "", lever_floor: tuple[int, str] | None = None,
+) -> str:
     """The one-line error: the floor, its breakdown, and what would lower it.
 
     Args:
         levers: what the memory levers would save, measured ("optimizer step in
             backward (-3.1 MiB, measured), "), put first among the ways out.
+        lever_floor: the least budget the memory levers the user allows reach, measured, and which levers, where it
+            is below the floor configuration's: then it is the floor the line names (the least anything trains in),
+            the configuration without levers after it.
     """
     peak, breakdown = measurements.checked_peak(floor.config)  # measured by check_floor: reused
     headroom = measurements.headroom
@@ -178,9 +183,17 @@ def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, 
     state = breakdown.get("optimizer_state", 0)
     what = f"micro-batch {config.micro_batch_size}, {config.precision}, " + ("every block checkpointed" if config.checkpoint else "no checkpointing")
     gpus = _gpus_advice(context, floor, breakdown=breakdown, headroom=headroom)
+    without = f"{what}: {parts} + headroom {format_bytes(headroom_bytes)}"
+    if lever_floor is not None:
+        least, how = lever_floor
+        stated = (
+            f"{format_bytes(least)} for a batch of {context.global_batch_size} with {how}, measured (without levers "
+            f"{format_bytes(floor.budget_bytes)}: {without})"
+        )
+    else:
+        stated = f"{format_bytes(floor.budget_bytes)} for a batch of {context.global_batch_size} ({without})"
     return (
-        f"budget {format_bytes(context.budget_bytes)} is below the floor {format_bytes(floor.budget_bytes)} for a batch of "
-        f"{context.global_batch_size} ({what}: {parts} + headroom {format_bytes(headroom_bytes)}); "
+        f"budget {format_bytes(context.budget_bytes)} is below the floor {stated}; "
         f"to lower it: {_ways_out(levers + _less_state(context, state), gpus)}"
     )
 
