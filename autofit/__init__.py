@@ -5,7 +5,8 @@ The Python API (each name is imported on first use):
 - ``autofit.probe(spec, micro_batch_size=..., ...)``: measure one configuration.
 - ``autofit.plan(model, example_batch, budget="16GB", batch_size=256)``: search and verify a plan
   (the keywords are ``autofit.PlanRequest``'s fields).
-- ``autofit.fit(model, budget="16GB", train_data=..., ...)``: plan, then train.
+- ``autofit.fit(model, budget="16GB", train_data=..., ...)``: plan, then train (the keywords are
+  ``autofit.FitSettings``' fields; ``fit(model, settings)`` takes them as one record).
 - ``autofit.apply_plan(model, plan)``: the plan's strategies for your own loop.
 - ``autofit.Loss(fn, count_items=...)``, ``autofit.count_labels(shift=...)``: what a loss
   averages over (tokens), so micro-batches are weighted exactly (``autofit.model_io``).
@@ -17,6 +18,7 @@ A ``UserError`` from ``fit``, ``plan``, ``apply_plan`` (and the ``AppliedPlan`` 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from autofit.version import __version__ as __version__  # re-exported
 
@@ -33,10 +35,29 @@ _EXPORTS = {
     "plan": "autofit.planning.planner",
     "PlanRequest": "autofit.planning.request",
     "fit": "autofit.api",
+    "FitSettings": "autofit.fit_settings",
     "apply_plan": "autofit.apply",
     "Loss": "autofit.model_io",
     "count_labels": "autofit.model_io",
 }
+
+if TYPE_CHECKING:  # what an editor and a type checker see; at run time ``__getattr__`` imports each on first use
+    from autofit.api import fit as fit
+    from autofit.apply import apply_plan as apply_plan
+    from autofit.config import TrainingConfig as TrainingConfig
+    from autofit.errors import UserError as UserError
+    from autofit.fit_settings import FitSettings as FitSettings
+    from autofit.measure.probe import probe as probe
+    from autofit.model_io import Loss as Loss
+    from autofit.model_io import count_labels as count_labels
+    from autofit.plan_file import Plan as Plan
+    from autofit.plan_file import load_plan as load_plan
+    from autofit.plan_file import save_plan as save_plan
+    from autofit.planning.planner import plan as plan
+    from autofit.planning.request import PlanRequest as PlanRequest
+    from autofit.spec import load_spec as load_spec
+    from autofit.spec import spec_from_model as spec_from_model
+    from autofit.units import parse_budget as parse_budget
 
 _SPEAKS_PYTHON = ("fit", "plan", "apply_plan", "probe", "load_plan")
 """Entry points shared with the command line's code, whose messages are written in its flags: offered here through

@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autofit.errors import UserError
+from autofit.fit_settings import FitKeywords, FitSettings, fit_settings
 from autofit.plan_file import Plan, load_plan
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
     from autofit.training.data import TrainData
 
 
@@ -27,38 +30,7 @@ class FitResult:
     log_dir: Path
 
 
-def fit(
-    model: nn.Module,
-    *,
-    train_data,
-    val_data=None,
-    batch_size: int | None = None,
-    budget: str | int = "16GB",
-    epochs: int | None = None,
-    plan: Plan | str | Path | None = None,
-    example_batch: Callable[[int], tuple] | None = None,
-    loss_fn: Callable | None = None,
-    count_items: Callable | None = None,
-    optimizer: Callable | None = None,
-    collate: Callable | None = None,
-    lr: float | None = None,
-    schedule: str | None = None,
-    warmup_steps: int | None = None,
-    max_grad_norm: float | None = None,
-    init_from=None,
-    lora: str | None = None,
-    merge: bool = False,
-    device: str = "cpu",
-    input_shape: str | None = None,
-    log_dir: str | Path | None = None,
-    resume: bool = False,
-    data_changed: bool = False,
-    overwrite: bool = False,
-    num_workers: int | None = None,
-    seed: int | None = None,
-    max_steps: int | None = None,
-    verbose: bool = True,
-) -> FitResult:
+def fit(model: nn.Module, settings: FitSettings | None = None, **keywords: Unpack[FitKeywords]) -> FitResult:
     """Fit ``model``'s training into ``budget`` and train it.
 
     Without ``plan``, it plans first (``autofit.planning.planner.make_plan``): probes
@@ -67,55 +39,13 @@ def fit(
 
     Args:
         model: the model; trained in place.
-        train_data: a map-style dataset of (input, target) or of dicts holding
-            their labels (transformers' way: ``model(**batch)`` returns the loss), or an image folder
-            path holding train/<class>/* and val/<class>/* (then ``val_data``
-            is its val/ and ``input_shape`` or the plan gives the image size).
-        val_data: a dataset for validation after each epoch (best.pt follows
-            its accuracy); None validates nothing.
-        batch_size: samples per optimizer step (the global batch); needed to plan.
-        budget: memory budget, e.g. "16GB", "512MiB" (ignored with ``plan``).
-        epochs: passes over ``train_data`` in all; default 1, or on resume the run's own.
-        plan: a Plan or a plan.json path to train with instead of planning; on
-            resume the run's saved plan is used (a plan given must train as it does).
-        example_batch: batch_size -> (inputs, targets) for the planner's probes;
-            default: the first samples of ``train_data``.
-        loss_fn: (output, targets) -> loss, a mean or (loss_sum, item_count); default the
-            model's own ``output.loss``, else cross-entropy of the output's logits.
-        count_items: (inputs, targets) -> items the loss averages over (e.g.
-            ``autofit.model_io.count_labels(shift=True)`` for a causal LM's tokens);
-            micro-batches are weighted by them. Default: samples.
-        optimizer: params -> Optimizer; default AdamW(lr=1e-3).
-        collate: samples -> (inputs, targets) for samples that do not stack, whose lists hold one entry per sample
-            (torchvision detection: ``lambda s: (tuple(map(list, zip(*s))), None)``, the model called as
-            ``model(images, targets)`` and trained on the sum of its loss dict); ``example_batch``'s lists too.
-        lr: peak learning rate; default the optimizer's.
-        schedule: after the warm-up, "cosine" (default) or "linear" to a tenth of the peak, or "constant".
-        warmup_steps: optimizer steps of linear warm-up to the peak rate; default 0.
-        max_grad_norm: clip the gradients' global norm to this before each step (``clip_grad_norm_``); planning
-            then leaves out the optimizer step in backward, which cannot clip. Default: no clipping (or the plan's).
-        init_from: weights to start from: a state dict, or a path to one (.pt, .bin, .safetensors, an autofit
-            last.pt/best.pt, a save_pretrained directory); keys and shapes must match ``model``'s.
-        lora: LoRA adapters over ``model`` (PEFT), e.g. "r=16,alpha=32,targets=q_proj,v_proj": its weights (after
-            ``init_from``) are frozen and the adapters, added to it in place, train (``autofit.adapters``). A plan
-            made with adapters brings its own; one given here must be the same.
-        merge: with adapters, also save them merged into the base (``log_dir/hf/merged``, loadable with
-            ``from_pretrained`` alone); the returned model keeps its adapters.
-        device: "cpu" or "cuda", where to plan (and so train).
-        input_shape: "CxHxW" images from a folder are resized to.
-        log_dir: where metrics, run_plan.json, last.pt and best.pt go; default runs/<time>. One that holds a run
-            is refused (before planning) unless ``resume`` or ``overwrite``.
-        resume: continue the run in ``log_dir`` from its last.pt, with its saved
-            settings (``lr``, ``seed`` given again must equal them).
-        data_changed: with ``resume``, train on although the image folder or the datasets' sizes changed since the
-            run began (without it, such a resume is refused).
-        overwrite: start a new run in a ``log_dir`` that holds one, deleting its
-            files once the new run has saved its first checkpoint (without it,
-            such a start is refused).
-        num_workers: DataLoader worker processes; None: on the CPU the cores the step's threads leave free, on a GPU up to 4.
-        seed: fixes the data order and the RNG; default 0, or on resume the run's own.
-        max_steps: stop (after saving last.pt) after this many optimizer steps.
-        verbose: progress bar and a line per epoch.
+        settings: the other arguments as one ``autofit.FitSettings``, each field documented there.
+        keywords: ``FitSettings``' fields one by one, over ``settings``' own (or alone): ``train_data`` (needed),
+            ``val_data``, ``batch_size`` and ``budget`` (to plan), ``epochs``, ``plan`` (train with it instead of
+            planning), ``example_batch``, ``loss_fn``, ``count_items``, ``optimizer``, ``collate``, ``lr``,
+            ``schedule``, ``warmup_steps``, ``max_grad_norm``, ``init_from``, ``lora``, ``merge``, ``device``,
+            ``input_shape``, ``log_dir``, ``resume``, ``data_changed``, ``overwrite``, ``num_workers``, ``seed``,
+            ``max_steps``, ``verbose``.
 
     A plan for several processes trains when this is called in every process
     of ``torchrun --nproc-per-node N your_script.py``; the process group stays
@@ -125,93 +55,95 @@ def fit(
         A ``FitResult``: ``.plan``, ``.history``, ``.best_path``.
 
     Raises:
-        UserError: a bad argument, data or plan; the message names it (by its keyword here) and the way out.
+        UserError: a bad or unknown argument, data or plan; the message names it (by its keyword here) and the way out.
 
     Example:
         >>> result = autofit.fit(model, budget="8GB", train_data=train, val_data=val, batch_size=256, epochs=10)
         >>> result.history[-1]["val_accuracy"], result.best_path
     """
-    from autofit.keywords import in_python
     from autofit.model_io import Loss
     from autofit.spec import default_optimizer
-    from autofit.training.loop import TrainSettings
     from autofit.training.run import run_training
 
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    folder = str(Path(train_data).resolve()) if isinstance(train_data, (str, Path)) else None
-    settings = TrainSettings(
-        epochs=epochs, log_dir=log_dir, lr=lr, resume=resume, overwrite=overwrite, seed=seed,
-        num_workers=num_workers, max_steps=max_steps, verbose=verbose, sources={"data": folder, "model": None},
-        schedule=schedule, warmup_steps=warmup_steps, spell=in_python, merge=merge, data_changed=data_changed,
-    )
-    if isinstance(plan, (str, Path)):
-        plan = load_plan(plan)
+    asked = fit_settings(settings, keywords)
+    train = asked.train_settings()
     # The run's folder is checked first: its refusal would otherwise come after minutes of planning.
-    if resume and plan is None:
-        from autofit.plan_file import plan_from_dict
-        from autofit.training.resume import read_saved_run
-
-        saved = read_saved_run(settings.log_dir)
-        plan = plan_from_dict(saved["plan"], where=f"the plan saved in {settings.log_dir / 'last.pt'}")
-    elif not resume and settings.log_dir is not None:
-        from autofit.training.rundir import check_fresh_start
-
-        check_fresh_start(settings.log_dir, overwrite=overwrite)
-    weights_note = ""
-    if init_from is not None and not resume:
-        from autofit.training.weights import load_into, state_dict_from
-
-        where = "init_from" if isinstance(init_from, dict) else str(init_from)
-        load_into(model, init_from if isinstance(init_from, dict) else state_dict_from(init_from), where=where)
-        weights_note = f"from {where}"
-    model, adapters = _with_adapters(model, lora, plan=plan)
-    if merge and adapters is None:
+    plan = _given_plan(asked, log_dir=train.log_dir)
+    weights_note = _load_weights(model, asked.init_from) if not asked.resume else ""
+    model, adapters = _with_adapters(model, asked.lora, plan=plan)
+    if asked.merge and adapters is None:
         raise UserError("merge=True merges LoRA adapters into the base, and this run trains none; drop merge, or give lora=...")
-    data, shape = _read_data(train_data, val_data, input_shape=input_shape, plan=plan, collate=collate)
-    plan = _plan_for(model, plan, data=data, input_shape=shape, batch_size=batch_size, budget=budget, device=device,
-                     example_batch=example_batch, loss_fn=loss_fn, count_items=count_items, optimizer=optimizer,
-                     max_grad_norm=max_grad_norm, adapters=adapters)
-    if merge and plan.config.world_size > 1:
+    data, shape = _read_data(asked, plan=plan)
+    plan = _plan_for(model, plan, asked, data=data, input_shape=shape, adapters=adapters)
+    if asked.merge and plan.config.world_size > 1:
         raise UserError("merge=True runs on one process; drop it, and merge the saved adapter with PEFT's merge_and_unload")
     result = run_training(
-        model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}",
-        input_shape=shape, loss_fn=Loss(loss_fn, count_items=count_items), build_optimizer=optimizer or default_optimizer,
-        settings=settings, max_grad_norm=max_grad_norm, weights_note=weights_note,
+        model, plan=plan, data=data, source=plan.model.source or f"python:{type(model).__name__}", input_shape=shape,
+        loss_fn=Loss(asked.loss_fn, count_items=asked.count_items), build_optimizer=asked.optimizer or default_optimizer,
+        settings=train, max_grad_norm=asked.max_grad_norm, weights_note=weights_note,
     )
     return FitResult(plan=result.plan, history=result.history, best_path=result.best_path,
                      last_path=result.last_path, log_dir=result.log_dir)
 
 
-def _read_data(
-    train_data, val_data, *, input_shape: str | None, plan: Plan | None, collate: Callable | None = None,
-) -> tuple[TrainData, tuple[int, ...] | None]:
+def _given_plan(asked: FitSettings, *, log_dir: Path | None) -> Plan | None:
+    """The plan ``asked`` names (read if a path), or on resume the run's saved one; None to plan. A new run's
+    ``log_dir`` that holds a run is refused here, before minutes of planning."""
+    plan = load_plan(asked.plan) if isinstance(asked.plan, (str, Path)) else asked.plan
+    if asked.resume and plan is None:
+        from autofit.plan_file import plan_from_dict
+        from autofit.training.resume import read_saved_run
+
+        saved = read_saved_run(log_dir)
+        return plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
+    if not asked.resume and log_dir is not None:
+        from autofit.training.rundir import check_fresh_start
+
+        check_fresh_start(log_dir, overwrite=asked.overwrite)
+    return plan
+
+
+def _load_weights(model: nn.Module, init_from) -> str:
+    """Load ``init_from`` (a state dict or a path to one) into ``model``; the note the run records ("" without)."""
+    if init_from is None:
+        return ""
+    from autofit.training.weights import load_into, state_dict_from
+
+    where = "init_from" if isinstance(init_from, dict) else str(init_from)
+    load_into(model, init_from if isinstance(init_from, dict) else state_dict_from(init_from), where=where)
+    return f"from {where}"
+
+
+def _read_data(asked: FitSettings, *, plan: Plan | None) -> tuple[TrainData, tuple[int, ...] | None]:
     """The datasets (or the image folder ``train_data`` names), and the input shape saved with the weights."""
     from autofit.model_checks import CheckedCollate
     from autofit.training.data import datasets_data, image_folder_data, input_shape_from
 
+    train_data, input_shape = asked.train_data, asked.input_shape
     if isinstance(train_data, (str, Path)):
-        if val_data is not None:
+        if asked.val_data is not None:
             raise UserError(f"train_data is the image folder {str(train_data)!r}: its val/ is the validation data; drop val_data")
-        if collate is not None:
+        if asked.collate is not None:
             raise UserError(f"train_data is the image folder {str(train_data)!r}, whose images stack; drop collate")
         shape = input_shape_from(input_shape or (plan.model.input_shape if plan else None))
         return image_folder_data(train_data, input_shape=shape), shape
-    checked = CheckedCollate(collate, owner="fit()") if collate is not None else None
-    return datasets_data(train_data, val_data, collate=checked), (input_shape_from(input_shape) if input_shape else None)
+    checked = CheckedCollate(asked.collate, owner="fit()") if asked.collate is not None else None
+    return datasets_data(train_data, asked.val_data, collate=checked), (input_shape_from(input_shape) if input_shape else None)
 
 
 def _plan_for(
-    model: nn.Module, plan: Plan | None, *, data: TrainData, input_shape: tuple[int, ...] | None, batch_size: int | None,
-    budget, device: str, example_batch, loss_fn, count_items, optimizer, max_grad_norm: float | None = None,
+    model: nn.Module, plan: Plan | None, asked: FitSettings, *, data: TrainData, input_shape: tuple[int, ...] | None,
     adapters: str | None = None,
 ) -> Plan:
-    """``plan``, or without one a plan for ``batch_size`` samples per step under ``budget`` (probing ``model``).
+    """``plan``, or without one a plan for ``asked.batch_size`` samples per step under its ``budget`` (probing ``model``).
 
     The plan records the model's fingerprint and input shape when it has none.
     """
     from autofit.spec import model_fingerprint
 
+    batch_size = asked.batch_size
     if plan is None:
         if batch_size is None:
             raise UserError("fit() needs batch_size (samples per optimizer step) to plan, or a plan=")
@@ -220,10 +152,11 @@ def _plan_for(
         from autofit.spec import spec_from_model
 
         spec = spec_from_model(
-            model, example_batch or _examples_from(data.train, collate=data.collate), loss_fn=loss_fn,
-            count_items=count_items, optimizer=optimizer, collate=data.collate,
+            model, asked.example_batch or _examples_from(data.train, collate=data.collate), loss_fn=asked.loss_fn,
+            count_items=asked.count_items, optimizer=asked.optimizer, collate=data.collate,
         )
-        plan = make_plan(spec, PlanRequest(budget=budget, batch_size=batch_size, device=device, max_grad_norm=max_grad_norm))
+        request = PlanRequest(budget=asked.budget, batch_size=batch_size, device=asked.device, max_grad_norm=asked.max_grad_norm)
+        plan = make_plan(spec, request)
     elif batch_size is not None and batch_size != plan.config.global_batch_size:
         raise UserError(
             f"batch_size {batch_size} differs from the plan's global batch {plan.config.global_batch_size}; "

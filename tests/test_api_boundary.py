@@ -55,3 +55,39 @@ def test_fit_with_lora_keeps_torchao_s_pytree_notices_out_of_the_caller_s_log(mo
         autofit.fit(fresh_model(), train_data=make_data().train, lora="r=4", verbose=False)
     assert not [record for record in caplog.records if record.name == "torch.utils._pytree"]
     assert pytree.level == logging.NOTSET  # put back
+
+
+def test_fit_names_an_unknown_keyword_and_the_nearest_one_before_doing_anything(tmp_path):
+    model, data = fresh_model(), make_data()
+    with pytest.raises(UserError, match=r"fit\(\) takes no keyword 'bugdet'; did you mean budget\?"):
+        autofit.fit(model, train_data=data.train, plan=make_plan(model), log_dir=tmp_path / "run", bugdet="1MB")
+    with pytest.raises(UserError, match="fit\\(\\) needs train_data"):
+        autofit.fit(model, plan=make_plan(model), log_dir=tmp_path / "run")
+    with pytest.raises(UserError, match="second argument is an autofit.FitSettings, got TensorDataset"):
+        autofit.fit(model, data.train, log_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_fit_settings_check_their_fields_in_the_keywords_words():
+    data = make_data()
+    for options, said in [({"lr": "fast"}, "lr='fast' is not a number"), ({"resume": "yes"}, "resume='yes' must be True or False"),
+                          ({"loss_fn": "mse"}, "loss_fn='mse' is not callable"), ({"device": "gpu"}, "device='gpu' is not one of"),
+                          ({"batch_size": 0}, "batch_size=0 must be a whole number")]:
+        with pytest.raises(UserError, match=said):
+            autofit.FitSettings(train_data=data.train, **options)
+
+
+def test_fit_keywords_are_fit_settings_fields_and_override_the_settings(tmp_path):
+    """``FitKeywords`` (what an editor completes) and ``FitSettings`` (what is documented and checked) list the same
+    fields with the same types; a keyword given beside settings is the one used."""
+    import dataclasses
+
+    from autofit.fit_settings import FitKeywords
+
+    fields = {field.name: field.type for field in dataclasses.fields(autofit.FitSettings)}
+    keywords = {name: getattr(kind, "__forward_arg__", kind) for name, kind in FitKeywords.__annotations__.items()}
+    assert keywords == fields
+    model, data = fresh_model(), make_data()
+    settings = autofit.FitSettings(train_data=data.train, plan=make_plan(model), max_steps=1, verbose=False, log_dir=tmp_path / "a")
+    result = autofit.fit(model, settings, log_dir=tmp_path / "b")
+    assert result.log_dir == tmp_path / "b" and not (tmp_path / "a").exists()
