@@ -238,16 +238,21 @@ class SpeedCosts:
         return [_loglog(self.sizes, list(col), micro_batch_size) for col in columns]
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionCosts:
     precision: str
     memory: MemoryCosts
     speed: SpeedCosts
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CostModel:
-    """Predicted peak bytes and samples/s of any (precision, micro-batch, checkpoint set)."""
+    """Predicted peak bytes and samples/s of any (precision, micro-batch, checkpoint set).
+
+    Frozen: what tracing, timing or a verification learns is a new model (``with_precisions``,
+    ``dataclasses.replace``), which its owner keeps (the planner's ``modelling.Costs``); a search or a
+    verification handed one model reads that model throughout.
+    """
 
     blocks: list[str]
     global_batch_size: int
@@ -258,6 +263,10 @@ class CostModel:
     output_shape: list[int] = field(default_factory=list)
     memory_scale: float = 1.0
     """Measured/simulated peak ratio on a real GPU (the allocator's rounding and cache); 1 on the CPU."""
+
+    def with_precisions(self, changed: dict[str, PrecisionCosts]) -> CostModel:
+        """This model with ``changed`` precisions' costs added, or in place of their own."""
+        return replace(self, precisions={**self.precisions, **changed})
 
     def names(self, indices) -> tuple[str, ...]:
         """Block names of block indices, in the model's order (a configuration names its blocks)."""

@@ -58,6 +58,9 @@ class Costs:
 
     ``model.precisions`` holds the precisions traced in full; ``low_only``
     those traced at the smallest micro-batch only (enough for the floor).
+
+    The planner's one working record, mutable: tracing and timing fill it in as the plan needs them (``model`` is
+    frozen, each change a new one set here), and the search and verification read its ``model`` as it is then.
     """
 
     model: CostModel
@@ -148,10 +151,10 @@ def _from_store(stored: dict) -> Costs:
     )
     if any(t.levers is None for memory in costs.memory_for_floor().values() for t in memory.traces()):
         raise ValueError("traces stored before the memory levers were modelled")  # measured again
-    precisions = costs.model.precisions
     for precision, other in costs.shared.items():  # one set of traces again, as when traced: completed once for both
+        precisions = costs.model.precisions
         if precision in precisions and other in precisions:
-            precisions[precision].memory = precisions[other].memory
+            costs.model = costs.model.with_precisions({precision: replace(precisions[precision], memory=precisions[other].memory)})
     return costs
 
 
@@ -223,9 +226,8 @@ def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute:
         )
         _check_blocks(costs, memory.low.blocks)
     costs.low_only.pop(precision, None)
-    if not costs.model.output_shape:
-        costs.model.output_shape = memory.high.output_shape
-    costs.model.precisions[precision] = PrecisionCosts(precision=precision, memory=memory, speed=costs.speeds[precision])
+    model = costs.model if costs.model.output_shape else replace(costs.model, output_shape=memory.high.output_shape)
+    costs.model = model.with_precisions({precision: PrecisionCosts(precision=precision, memory=memory, speed=costs.speeds[precision])})
     costs.changed = True
 
 
@@ -263,9 +265,10 @@ def add_recomputations(context: PlanContext, costs: Costs, precision: str) -> No
         completed = complete_memory(
             context.sim_spec, memory, precision=precision, device_type=context.device, pool=context.trace_pool, progress=context.progress,
         )
-    for name, costs_of in costs.model.precisions.items():
-        if costs_of.memory is memory or name == precision:
-            costs_of.memory = completed
+    costs.model = costs.model.with_precisions({
+        name: replace(costs_of, memory=completed) for name, costs_of in costs.model.precisions.items()
+        if costs_of.memory is memory or name == precision
+    })
     costs.changed = True
 
 
@@ -426,7 +429,7 @@ def add_loss_chunks(context: PlanContext, costs: Costs, *, chunks: int, usable_b
 
 def _check_blocks(costs: Costs, traced_blocks: list[str]) -> None:
     if traced_blocks != costs.model.blocks:  # the model on meta and over fake tensors must agree
-        costs.model.blocks = list(traced_blocks)
+        costs.model = replace(costs.model, blocks=list(traced_blocks))
 
 
 def _shared_with(context: PlanContext, costs: Costs, precision: str, *, full: bool = False) -> str | None:
@@ -595,7 +598,7 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
             if speed.note:
                 costs.notes[precision] = speed.note
             if precision in costs.model.precisions:
-                costs.model.precisions[precision].speed = speed
+                costs.model = costs.model.with_precisions({precision: replace(costs.model.precisions[precision], speed=speed)})
     return {p: costs.notes[p] for p in context.precisions if p in costs.notes}
 
 

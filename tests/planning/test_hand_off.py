@@ -115,3 +115,18 @@ def test_verify_returns_its_calibration_and_leaves_the_cost_model_alone():
     assert chosen.config.micro_batch_size == 8 and chosen.measurement.meter == "cuda"
     assert chosen.memory_scale == pytest.approx(1.5)  # learnt from the measured peaks, returned as a value
     assert model.memory_scale == 1.0  # the planner folds it in; verify changed nothing it did not make
+
+
+def test_the_cost_model_is_frozen_and_changes_as_new_records():
+    """Tracing, timing and calibrating hand the planner a new record: one already handed on never changes."""
+    import dataclasses
+
+    model = hand_built()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model.memory_scale = 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model.precisions["fp32"].speed = None
+    faster = replace(model.precisions["fp32"].speed, optimizer_seconds=0.0)
+    changed = model.with_precisions({"fp32": replace(model.precisions["fp32"], speed=faster)})
+    assert model.precisions["fp32"].speed.optimizer_seconds == 0.1 and changed.precisions["fp32"].speed is faster
+    assert changed.step_seconds("fp32", 8, set()) < model.step_seconds("fp32", 8, set())

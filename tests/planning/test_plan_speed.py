@@ -552,8 +552,10 @@ def test_precisions_sharing_traces_share_them_again_when_loaded_from_the_cache()
     spec = uneven_spec()
     memory = memory_costs(spec, precision="bf16", low=1, high=4, device_type="cpu", recompute=False)
     speed = SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[0.5], block_seconds=[[0.1] * len(memory.low.blocks)], optimizer_seconds=0.1)
-    model = CostModel(blocks=list(memory.low.blocks), global_batch_size=4, device_type="cpu", estimated=False)
-    model.precisions = {p: PrecisionCosts(precision=p, memory=memory, speed=speed) for p in ("bf16", "fp16")}
+    model = CostModel(
+        blocks=list(memory.low.blocks), global_batch_size=4, device_type="cpu", estimated=False,
+        precisions={p: PrecisionCosts(precision=p, memory=memory, speed=speed) for p in ("bf16", "fp16")},
+    )
     costs = Costs(model=model, micro_batch_sizes=[4, 2, 1], speeds={"bf16": speed, "fp16": speed}, shared={"fp16": "bf16"})
     loaded = _from_store(costs.to_store()).model.precisions
     assert loaded["fp16"].memory is loaded["bf16"].memory

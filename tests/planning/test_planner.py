@@ -386,10 +386,10 @@ def test_memory_model_matches_the_meter(name):
     G = BATCH[name]
     memory = memory_costs(spec, precision="fp32", low=1, high=G, device_type="cpu")
     blocks = memory.low.blocks
-    model = CostModel(blocks=blocks, global_batch_size=G, device_type="cpu", estimated=False)
-    model.precisions["fp32"] = PrecisionCosts(
-        precision="fp32", memory=memory,
-        speed=SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[1.0], block_seconds=[[]], optimizer_seconds=0.0),
+    speed = SpeedCosts(sizes=[1], step_seconds=[1.0], forward_seconds=[1.0], block_seconds=[[]], optimizer_seconds=0.0)
+    model = CostModel(
+        blocks=blocks, global_batch_size=G, device_type="cpu", estimated=False,
+        precisions={"fp32": PrecisionCosts(precision="fp32", memory=memory, speed=speed)},
     )
     rng = random.Random(0)
     for m in (1, G // 4, G // 2, G):

@@ -53,21 +53,20 @@ def verify(
 
     ``levers``: the memory levers the search used (their time terms, and what a candidate may fall back on).
 
-    ``model`` is not changed: what the measurements teach it (on a GPU, the allocator's rounding as
-    ``memory_scale``) is learnt on this verification's own copy and returned in ``Verified.memory_scale``, for the
+    ``model`` is frozen: what the measurements teach it (on a GPU, the allocator's rounding as ``memory_scale``) is
+    a new model each helper returns to the next, and its scale is returned in ``Verified.memory_scale``, for the
     planner to fold into the cost model it goes on with.
 
     Raises:
         UserError: no configuration was measured to fit.
     """
     levers = levers or LeverSearch()
-    model = replace(model)  # this verification's copy: its helpers calibrate its memory_scale
-    candidates = _candidates(context, model, evaluations, measurements, levers)
+    candidates, model = _candidates(context, model, evaluations, measurements, levers)
     if reference is not None and reference.key() not in {c.config.key() for c in candidates}:
         # Timed beside them anyway: where it fits it is a candidate too (the simplest, often the fastest).
         plain = next((e for e in evaluations if e.plain_config.key() == reference.key()), None)
         if plain is not None and plain.fits and not plain.config.checkpoint and not plain.config.selective_checkpoint:
-            fitting = _fitting_checkpoint_set(context, model, plain, measurements, levers)
+            fitting, model = _fitting_checkpoint_set(context, model, plain, measurements, levers)
             config = fitting.config if fitting is not None else None
             if config is not None and not config.checkpoint and not config.selective_checkpoint and not config.levers():
                 candidates.append(fitting)
@@ -111,8 +110,9 @@ def verify(
 
 def _candidates(
     context: PlanContext, model: CostModel, evaluations: list[Evaluation], measurements: Measurements, levers: LeverSearch,
-) -> list[Candidate]:
-    """Up to ``POLICY.verify_top_candidates`` candidates that fit (measured, or decided by the model), fastest predicted first (one when simulating)."""
+) -> tuple[list[Candidate], CostModel]:
+    """Up to ``POLICY.verify_top_candidates`` candidates that fit (measured, or decided by the model), fastest predicted
+    first (one when simulating), and the model as their measurements calibrated it."""
     # Fastest predicted first; on a tie, fewer micro-steps, fewer checkpointed blocks, then the simpler precision
     # (bf16 before fp16, which needs a loss scaler) first.
     ranked = sorted(
@@ -131,7 +131,7 @@ def _candidates(
             break
         if best_predicted is not None and evaluation.samples_per_s < POLICY.verify_within_share * best_predicted:
             break
-        candidate = _fitting_checkpoint_set(context, model, evaluation, measurements, levers)
+        candidate, model = _fitting_checkpoint_set(context, model, evaluation, measurements, levers)
         if candidate is not None:
             candidates.append(candidate)
             best_predicted = best_predicted or candidate.predicted_samples_per_s
@@ -150,7 +150,7 @@ def _candidates(
         )
         keys = {(c.config.precision, c.config.micro_batch_size) for c in candidates}
         if simplest is not None and (simplest.config.precision, simplest.config.micro_batch_size) not in keys:
-            candidate = _fitting_checkpoint_set(context, model, simplest, measurements, levers)
+            candidate, model = _fitting_checkpoint_set(context, model, simplest, measurements, levers)
             if candidate is not None:
                 candidates.append(candidate)
         # Selective recomputation's price is an estimated share of each block's forward times a factor measured
@@ -158,25 +158,26 @@ def _candidates(
         # set without them too (on a loaded CPU, two selective blocks were chosen where one full block ran 1.25x faster).
         for candidate in list(candidates):
             if candidate.config.selective_checkpoint:
-                alternative = _without_selective(context, model, candidate.config, measurements, levers)
+                alternative, model = _without_selective(context, model, candidate.config, measurements, levers)
                 if alternative is not None and alternative.config.key() not in {c.config.key() for c in candidates}:
                     candidates.append(alternative)
-    return candidates
+    return candidates, model
 
 
 def _without_selective(
     context: PlanContext, model: CostModel, config: TrainingConfig, measurements: Measurements, levers: LeverSearch,
-) -> Candidate | None:
-    """The cheapest checkpoint set of this point without selective blocks (same levers), measured unless decided."""
+) -> tuple[Candidate | None, CostModel]:
+    """The cheapest checkpoint set of this point without selective blocks (same levers), measured unless decided; and
+    the model as its measurement calibrated it."""
     precision, size = config.precision, config.micro_batch_size
     limit = measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
     gradient_levers = replace(lever_choice(model, config), offload=frozenset())
     choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers, selective=False)
     if choice is None:
-        return None
+        return None, model
     evaluation = Evaluation(config=_config(model, config, choice, gradient_levers), fits=True)
-    candidate = _fitting_checkpoint_set(context, model, evaluation, measurements, levers)
-    return candidate if candidate is not None and not candidate.config.selective_checkpoint else None
+    candidate, model = _fitting_checkpoint_set(context, model, evaluation, measurements, levers)
+    return (candidate if candidate is not None and not candidate.config.selective_checkpoint else None), model
 
 
 def _decided(model: CostModel, config: TrainingConfig, measurements: Measurements) -> bool:
@@ -189,9 +190,10 @@ def _decided(model: CostModel, config: TrainingConfig, measurements: Measurement
 
 def _fitting_checkpoint_set(
     context: PlanContext, model: CostModel, evaluation: Evaluation, measurements: Measurements, levers: LeverSearch,
-) -> Candidate | None:
+) -> tuple[Candidate | None, CostModel]:
     """The search's checkpoint modes and levers for this point, measured unless decided; while they do not fit,
-    modes the model predicts smaller (with the same step in backward and optimizer state)."""
+    modes the model predicts smaller (with the same step in backward and optimizer state). With it, the model as
+    its measurements calibrated it (on a GPU, a larger ``memory_scale``)."""
     config = evaluation.config
     precision, size = config.precision, config.micro_batch_size
     # Limits below are in the model's own (unscaled) bytes.
@@ -202,31 +204,31 @@ def _fitting_checkpoint_set(
         if raw > limit:  # the scale learnt from an earlier measurement rules this set out
             choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
             if choice is None:
-                return None
+                return None, model
             config = _config(model, config, choice, gradient_levers)
             raw = _predicted_peak(model, config) / model.memory_scale
         if _decided(model, config, measurements) and config.key() not in measurements.peaks:
-            return _candidate(model, config, levers)
+            return _candidate(model, config, levers), model
         peak, breakdown = measurements.checked_peak(config)
         if context.device == "cuda" and not context.simulate and raw > 0:
-            # The simulated bytes miss the allocator's rounding and cache: learn by how much (on ``verify``'s copy).
-            model.memory_scale = max(model.memory_scale, peak / raw)
+            # The simulated bytes miss the allocator's rounding and cache: learn by how much (a new model).
+            model = replace(model, memory_scale=max(model.memory_scale, peak / raw))
         elif not measurements.peaks[config.key()].get("oom"):
             measurements.learn(precision, measured=peak, predicted=raw * model.memory_scale)
         if measurements.fits(config):
-            return _candidate(model, config, levers)
+            return _candidate(model, config, levers), model
         excess = measurements.host_excess(measurements.host_peak(config))
         if excess is not None:  # checkpointing keeps no less on the host: this point does not fit
             measurements.reject(config, excess)
-            return None
+            return None, model
         measurements.reject(config, measurements.over_budget(peak, breakdown))
         # The model was optimistic for this set: ask for a set it predicts smaller, and measure again.
         limit = min(limit, raw, measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision)) - 1
         choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
         if choice is None:
-            return None
+            return None, model
         config = _config(model, config, choice, gradient_levers)
-    return None
+    return None, model
 
 
 def _indices(model: CostModel, config: TrainingConfig) -> tuple[frozenset[int], frozenset[int]]:
