@@ -4,7 +4,7 @@ The Python API (each name is imported on first use):
 
 - ``autofit.probe(spec, micro_batch_size=..., ...)``: measure one configuration.
 - ``autofit.plan(model, example_batch, budget="16GB", batch_size=256)``: search and verify a plan
-  (the keywords are ``autofit.PlanRequest``'s fields).
+  (the keywords are ``autofit.PlanRequest``'s fields; ``plan(model, example_batch, request)`` takes one whole).
 - ``autofit.fit(model, budget="16GB", train_data=..., ...)``: plan, then train (the keywords are
   ``autofit.FitSettings``' fields; ``fit(model, settings)`` takes them as one record).
 - ``autofit.apply_plan(model, plan)``: the plan's strategies for your own loop.

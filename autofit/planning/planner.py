@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,7 +50,7 @@ from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
-from autofit.planning.request import PlanRequest, plan_request
+from autofit.planning.request import PlanKeywords, PlanRequest, plan_request
 from autofit.planning.verify.floor import ONE_PROCESS_PRECISIONS, InfeasibleBudget, check_floor, far_above_budget
 from autofit.planning.verify.below_floor import plan_with_levers, searched_lever_notes
 from autofit.planning.lever_timings import Levers, lever_search
@@ -70,14 +71,18 @@ from autofit.spec import ModelSpec, spec_from_model
 from autofit.units import format_bytes
 from autofit.progress import Progress, as_progress
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
+
 
 def plan(
     model: torch.nn.Module,
     example_batch: Callable[[int], tuple],
+    request: PlanRequest | None = None,
     *,
     loss_fn: Callable | None = None,
     optimizer: Callable | None = None,
-    **request,
+    **keywords: Unpack[PlanKeywords],
 ) -> Plan:
     """Find the fastest way to train ``model`` inside ``budget``, verified by real probes.
 
@@ -88,9 +93,10 @@ def plan(
         batch_size: the global batch (samples per optimizer step); every plan keeps it.
         loss_fn: (output, target) -> loss; default cross-entropy.
         optimizer: params -> Optimizer; default AdamW(lr=1e-3).
-        request: the fields of ``PlanRequest`` (``budget`` and ``batch_size`` at least; ``device``,
-            ``simulate``, ``device_memory``, ``precisions``, ``gpus``, ``allow_lossy_optimizer``, ``allow_lossy_base``,
-            ``study``, ``cache``, ``threads``), each documented there.
+        request: what to plan for, as one ``autofit.PlanRequest`` (each field documented there).
+        keywords: ``PlanRequest``'s fields one by one, over ``request``'s own (or alone: ``budget`` and ``batch_size``
+            at least; ``device``, ``simulate``, ``device_memory``, ``precisions``, ``gpus``, ``allow_lossy_optimizer``,
+            ``allow_lossy_base``, ``study``, ``cache``, ``threads``, ...).
 
     Returns:
         The Plan (``autofit.save_plan(plan, "plan.json")`` writes it).
@@ -103,7 +109,7 @@ def plan(
         ...                     budget="2GB", batch_size=256)
         >>> plan.config.micro_batch_size, plan.config.checkpoint, plan.config.precision
     """
-    asked = plan_request(**request)
+    asked = plan_request(request, **keywords)
     spec = spec_from_model(model, example_batch, loss_fn=loss_fn, optimizer=optimizer)
     return make_plan(spec, asked)
 

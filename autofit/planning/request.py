@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TypedDict
 
 from autofit.config import DeviceChoice, PrecisionChoice, WeightsDtypeChoice
 from autofit.errors import UserError
@@ -88,16 +89,50 @@ class PlanRequest:
             object.__setattr__(self, "precisions", tuple(self.precisions))
 
 
-def plan_request(**asks) -> PlanRequest:
-    """A ``PlanRequest`` of keyword arguments, as ``autofit.plan`` takes them.
+class PlanKeywords(TypedDict, total=False):
+    """``PlanRequest``'s fields as ``autofit.plan``'s keywords (``**keywords: Unpack[PlanKeywords]``), so that an editor
+    completes them and a type checker checks them; each is documented on ``PlanRequest`` (a test keeps the two the
+    same)."""
+
+    budget: str | int
+    batch_size: int
+    device: DeviceChoice
+    simulate: bool
+    device_memory: str | int | None
+    device_kind: str | None
+    host_memory: str | int | None
+    precisions: tuple[PrecisionChoice, ...] | None
+    gpus: int
+    nodes: int
+    expandable_segments: bool
+    host_speed: float | None
+    weights_dtype: WeightsDtypeChoice
+    allow_lossy_optimizer: bool
+    allow_lossy_base: bool
+    study: str | None
+    cache: bool
+    threads: int | None
+    num_classes: int | None
+    compile: bool | None
+    max_grad_norm: float | None
+
+
+def plan_request(request: PlanRequest | None = None, /, **asks) -> PlanRequest:
+    """``request`` with ``asks`` in place of its fields, or the ``PlanRequest`` of ``asks`` alone, as ``autofit.plan``
+    takes them.
 
     Raises:
-        UserError: a keyword that is not a request (the line names it and lists those that are).
+        UserError: ``request`` is not a PlanRequest, or a keyword is not a request (the line names it and lists those
+            that are), or without ``request``, ``budget`` or ``batch_size`` is missing.
     """
     known = [field.name for field in dataclasses.fields(PlanRequest)]
     unknown = sorted(set(asks) - set(known))
     if unknown:
         raise UserError(f"{unknown[0]!r} is not something a plan can be asked for; give any of {', '.join(known)}")
+    if request is not None:
+        if not isinstance(request, PlanRequest):
+            raise UserError(f"plan()'s request must be an autofit.PlanRequest, got {type(request).__name__}; or give its fields as keywords")
+        return dataclasses.replace(request, **asks)
     missing = [name for name in ("budget", "batch_size") if name not in asks]
     if missing:
         raise UserError(f"a plan needs {' and '.join(missing)}, e.g. budget=\"16GB\", batch_size=256")

@@ -27,3 +27,16 @@ def test_autofit_plan_refuses_what_is_not_a_request_in_one_line(asks, words):
         autofit.plan(model, lambda n: (torch.randn(n, 4), torch.randint(0, 2, (n,))), **asks)
     assert "\n" not in str(error.value)
     assert plan_request(budget="1MB", batch_size=8) == PlanRequest(budget="1MB", batch_size=8)
+
+
+def test_plan_keywords_are_the_request_s_fields_and_a_request_takes_them_over():
+    """``PlanKeywords`` (what an editor completes for ``autofit.plan``) lists ``PlanRequest``'s fields with their types;
+    a request given whole, with keywords beside it, is that request with those fields in place."""
+    from autofit.planning.request import PlanKeywords
+
+    fields = {field.name: field.type for field in dataclasses.fields(PlanRequest)}
+    assert {name: getattr(kind, "__forward_arg__", kind) for name, kind in PlanKeywords.__annotations__.items()} == fields
+    request = PlanRequest(budget="1MB", batch_size=8, simulate=True)
+    assert plan_request(request, budget="2MB") == dataclasses.replace(request, budget="2MB")
+    with pytest.raises(UserError, match="plan\\(\\)'s request must be an autofit.PlanRequest, got dict"):
+        autofit.plan(nn.Linear(4, 2), lambda n: (torch.randn(n, 4), torch.randint(0, 2, (n,))), {"budget": "1MB"})
