@@ -179,7 +179,7 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
             num_classes=num_classes)) for part in ("train", "val")}
     return dict(
         build_model=build_model, example_batch=example_batch, loss_fn=loss,
-        train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options, **loading,
+        train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options, context_length=longest, **loading,
     )
 
 

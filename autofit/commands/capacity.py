@@ -34,6 +34,19 @@ def capacity(
     plot: Path = typer.Option(
         None, "--plot", help="Also draw the predicted peak against the batch in one step, each card's usable memory a line (PNG).",
     ),
+    longest: bool = typer.Option(
+        False, "--longest",
+        help="Also the longest sequence the batch trains on each card (text models): traces at two more lengths, about "
+        "three times the cold answer's time.",
+    ),
+    allow_lossy_optimizer: bool = typer.Option(
+        False, "--allow-lossy-optimizer",
+        help="Also answer with 8-bit AdamW state and bf16-pure (lossy: they change the optimizer's arithmetic), in columns of their own.",
+    ),
+    allow_lossy_base: bool = typer.Option(
+        False, "--allow-lossy-base",
+        help="Also answer with the frozen linear weights of a --lora base in 4-bit NF4 (lossy: QLoRA), in columns of their own.",
+    ),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither reuse nor keep costs in the cache ($AUTOFIT_CACHE_DIR, else ~/.cache/autofit)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
@@ -43,9 +56,16 @@ def capacity(
     lora: str | None = LORA,
 ) -> None:
     """For each card: does the batch train there (lossless), the least memory it needs, the configuration the planner
-    would choose and its estimated speed, and the largest batch one step holds, all from one simulated trace set."""
+    would choose and its estimated speed, the largest batch one step holds (and with --longest the longest sequence),
+    all from one simulated trace set; the declared lossy choices allowed, the same answers with them beside."""
+    from dataclasses import replace
+
     from autofit.measure.meters import check_model_runs_simulated
-    from autofit.planning.capacity import DEFAULT_CARDS, answer_card, capacity_record, card_speeds, least_budget, parse_cards, with_speeds
+    from autofit.planning.capacity import (
+        DEFAULT_CARDS, answer_card, capacity_record, card_speeds, is_lossy, least_budget, length_records, longest_at, lossless,
+        lossy_answer, parse_cards, traced_record, with_speeds,
+    )
+    from autofit.planning.lengths import LengthsDiffer
     from autofit.planning.context import plan_context
     from autofit.planning.lever_timings import Levers
     from autofit.planning.request import PlanRequest
@@ -73,22 +93,50 @@ def capacity(
         request = PlanRequest(
             budget=largest, batch_size=batch_size, device="cuda", simulate=True, device_memory=largest, host_memory=host_memory,
             host_speed=host_speed, precisions=wanted, num_classes=spec.source_options.get("num_classes"), cache=not no_cache,
+            allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base,
         )
+        given = spec.source_options.get("seq_len")
+        if longest and given is None:
+            raise UserError(f"--longest: {model} takes no sequence (a text model's --task does); leave --longest out")
+        levers = Levers(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)
         context = plan_context(spec, request, log=progress)
         try:
-            record = capacity_record(context, levers=Levers())
+            record = capacity_record(context, levers=levers)
+            kept, lossy = lossless(record.allowed), is_lossy(record.allowed)
+            lengths, lengths_note = None, ""
+            if longest:
+                def trace(length: int):
+                    at = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=length, lora=lora)
+                    progress(f"--longest: the costs at {length} tokens a sequence")
+                    return traced_record(at, request, levers=levers, log=progress)[0]
+
+                lengths = length_records(record, given=given, context_length=spec.context_length, trace=trace)
             with progress.doing("searching every card"):
                 least = least_budget(
                     record.model, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                    allowed=record.allowed, smallest=record.smallest, start_bytes=largest,
+                    allowed=kept, smallest=record.smallest, start_bytes=largest,
                 )
+                least_lossy = least_budget(
+                    record.model, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+                    allowed=record.allowed, smallest=record.smallest, start_bytes=largest,
+                ) if lossy else None
                 rows = []
                 for card in cards:
                     card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
-                    rows.append(answer_card(
+                    row = answer_card(
                         card_model, card, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                        allowed=record.allowed, smallest=record.smallest,
-                    ))
+                        allowed=kept, smallest=record.smallest,
+                    )
+                    if lengths is not None:
+                        try:
+                            row = replace(row, longest=longest_at(lengths, global_batch_size=batch_size, budget_bytes=card.memory_bytes))
+                        except LengthsDiffer as error:  # said under the table; the other answers stand
+                            lengths, lengths_note = None, f"the step differs in structure between lengths ({error}): not modelled"
+                    if lossy:
+                        row = replace(row, lossy=lossy_answer(
+                            card_model, card, global_batch_size=batch_size, record=record, lengths=lengths,
+                        ))
+                    rows.append(row)
         finally:
             context.trace_pool.close()
     if plot is not None:
@@ -98,12 +146,19 @@ def capacity(
     if as_json:
         print_json({
             "model": spec.source, "global_batch_size": batch_size, "seq_len": tokens, "estimated": True,
-            "least_budget_bytes": least, "precisions": list(record.allowed.precisions), "left_out": record.left_out,
+            "least_budget_bytes": least, "precisions": list(kept.precisions), "left_out": record.left_out,
+            "lossy": _lossy_choices(record.allowed) if lossy else None, "least_budget_bytes_lossy": least_lossy,
+            "traced_seq_lens": lengths.lengths if lengths else None, "context_length": spec.context_length if longest else None,
+            "longest_note": lengths_note or None,
             "cards": [row.to_dict(tokens_per_sample=tokens) for row in rows], "seconds": seconds,
             "plot": str(plot) if plot is not None else None,
         })
         return
-    lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds)
+    lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds, lengths=lengths)
+    if lengths_note:
+        lines.insert(-1, f"  longest     {lengths_note}")
+    if lossy:
+        lines[-1:-1] = _lossy_table(_lossy_choices(record.allowed), least_lossy, rows, longest=lengths is not None)
     if host_speed is None and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
         lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is timed on this machine's CPU; "
                      "--host-speed gives the training machine's")
@@ -127,9 +182,9 @@ def _plot(out: Path, source: str, batch_size: int, record, rows) -> None:
     plot_capacity(curves, sizes, cards, out, title=f"{source}: peak against the batch in one step")
 
 
-def _table(source: str, batch_size: int, tokens: int | None, least: int | None, record, rows, seconds: float) -> list[str]:
-    """The readable answer: the least budget, then one row per card."""
-    from autofit.planning.capacity import config_words
+def _table(source: str, batch_size: int, tokens: int | None, least: int | None, record, rows, seconds: float, *, lengths) -> list[str]:
+    """The readable answer: the least budget, then one row per card (``lengths``: with the longest sequence)."""
+    from autofit.planning.capacity import config_words, lossless
     from autofit.planning.policy import POLICY
 
     per_sample = f" of {tokens} tokens" if tokens else ""
@@ -143,21 +198,69 @@ def _table(source: str, batch_size: int, tokens: int | None, least: int | None, 
         ),
     ]
     rate = "tokens/s" if tokens else "samples/s"
-    lines.append(f"  {'card':<16} {'memory':>10}  {'fits':<4} {'peak':>10} {rate:>10}  {'one step':>8}  chosen")
+    longest = f"  {'longest':>20}" if lengths is not None else ""
+    lines.append(f"  {'card':<16} {'memory':>10}  {'fits':<4} {'peak':>10} {rate:>10}  {'one step':>8}{longest}  chosen")
     for row in rows:
         chosen = row.chosen
         speed = chosen.samples_per_s * (tokens or 1) if chosen else None
+        longest = f"  {row.longest.words():>20}" if row.longest is not None else ""
         lines.append(
             f"  {row.card.name:<16} {format_bytes(row.card.memory_bytes):>10}  {'yes' if chosen else 'no':<4} "
             f"{format_bytes(chosen.peak_bytes) if chosen else '-':>10} {format_rate(speed) if chosen else '-':>10}  "
-            f"{row.largest_one_step:>8}  {config_words(chosen.config) if chosen else '-'}"
+            f"{row.largest_one_step:>8}{longest}  {config_words(chosen.config) if chosen else '-'}"
         )
     lines.append(
         "  one step: the largest batch one micro-step holds there (lossless); with accumulation larger global batches "
         "train where one micro-batch fits (a step's memory grows with them by the inputs' copy only)"
     )
+    if lengths is not None:
+        lines.append(_longest_line(batch_size, lengths))
     lines.append(f"  peak: predicted, before the card's headroom (context, allocator reserve, fragmentation, {POLICY.safety_margin_share:.0%} margin)")
     for what, why in record.left_out.items():
         lines.append(f"  left out    {what}: {why}")
-    lines.append(f"  answered in {seconds:.1f} s (precisions {', '.join(record.allowed.precisions)})")
+    lines.append(f"  answered in {seconds:.1f} s (precisions {', '.join(lossless(record.allowed).precisions)})")
+    return lines
+
+
+def _longest_line(batch_size: int, lengths) -> str:
+    """What the longest column means, and the lengths its answers are fitted through."""
+    from autofit.planning.lengths import SEQ_LEN_STEP
+
+    top = f", at most the model's context length {lengths.context_length}" if lengths.context_length else ""
+    return (
+        f"  longest: the longest sequence (a multiple of {SEQ_LEN_STEP} tokens{top}) a batch of {batch_size} trains there "
+        f"(lossless), each term fitted through traces at {', '.join(map(str, lengths.lengths))} tokens (quadratic in the "
+        "length); in brackets how far it lies from the nearest traced length"
+    )
+
+
+def _lossy_choices(allowed) -> list[str]:
+    """The declared lossy choices ``allowed`` holds (what ``capacity.lossless`` takes away), in words."""
+    from strategies import PURE_BF16
+
+    choices = []
+    if allowed.levers is not None and allowed.levers.eight_bit is not None:
+        choices.append("8-bit optimizer state")
+    if PURE_BF16 in allowed.precisions:
+        choices.append("bf16-pure")
+    if allowed.levers is not None and allowed.levers.nf4 is not None:
+        choices.append("frozen weights in NF4")
+    return choices
+
+
+def _lossy_table(choices: list[str], least: int | None, rows, *, longest: bool) -> list[str]:
+    """The answers with the declared lossy choices allowed: a table of their own under the lossless one."""
+    from autofit.planning.capacity import Longest
+
+    lines = [
+        f"  with the lossy choices allowed ({', '.join(choices)}), apart from the lossless answers above:",
+        "  least memory " + (format_bytes(least) if least is not None else "none: no card in the table holds this batch"),
+        f"  {'card':<16} {'fits':<4}  {'one step':>8}" + (f"  {'longest':>20}" if longest else ""),
+    ]
+    for row in rows:
+        answer = row.lossy
+        words = ""
+        if longest and answer.longest_seq_len is not None:
+            words = f"  {Longest(seq_len=answer.longest_seq_len, nearest_traced=answer.longest_seq_len_nearest_traced or 0).words():>20}"
+        lines.append(f"  {row.card.name:<16} {'yes' if answer.fits else 'no':<4}  {answer.largest_one_step:>8}" + words)
     return lines

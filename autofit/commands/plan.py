@@ -10,7 +10,7 @@ import typer
 from autofit.cli import app
 from autofit.config import DeviceChoice
 from autofit.commands.common import (
-    DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, in_panels, load_model_spec, one_of, print_json,
+    DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, TASK, in_panels, load_model_spec, one_of, print_json,
 )
 from autofit.distributed import NODE0_ADDRESS, torchrun_commands
 from autofit.errors import UserError
@@ -94,7 +94,11 @@ def plan(
     input_shape: str = INPUT_SHAPE,
     num_classes: int | None = NUM_CLASSES,
     task: str | None = TASK,
-    seq_len: int | None = SEQ_LEN,
+    seq_len: str | None = typer.Option(
+        None, "--seq-len",
+        help="hf: text tasks: tokens per example sequence (default 128, or the context length if shorter); max: the longest "
+        "the budget trains at --batch-size (one process).",
+    ),
     lora: str | None = LORA,
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
@@ -115,6 +119,8 @@ def plan(
         raise UserError("--batch-size is missing: give the global batch (samples per optimizer step), max, or --from-trainer-args FILE")
     asked = batch_size
     batch_size = None if asked is None else _batch_size(asked, gpus=gpus, nodes=nodes)  # None: max (or the trainer's)
+    longest = seq_len is not None and seq_len.strip().lower() == "max"
+    length = None if seq_len is None or longest else _seq_len(seq_len)
     if from_trainer_args is not None:
         from autofit.integrations.trainer_args import plan_options, read_trainer_args
 
@@ -125,6 +131,11 @@ def plan(
         options = plan_options(run, batch_size=batch_size, precisions=given, max_grad_norm=max_grad_norm)
         batch_size, precisions, max_grad_norm = options["batch_size"], ",".join(options["precisions"]), options["max_grad_norm"]
         allow_lossy_optimizer = allow_lossy_optimizer or options["allow_lossy_optimizer"]
+    if longest and (batch_size is None or gpus * nodes > 1):
+        raise UserError(
+            "--seq-len max is planned at a given global batch on one process; give --batch-size N"
+            + (" (not max) with it" if batch_size is None else "") + (f", and no --gpus {gpus}" if gpus * nodes > 1 else "")
+        )
     if device_memory is not None and not simulate and device == "cuda":
         raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
     wanted = None if precisions is None else [p.strip() for p in precisions.split(",") if p.strip()]
@@ -137,7 +148,7 @@ def plan(
     progress = as_progress(None if quiet else print_progress, started_s=started)
     with progress.beating():
         with progress.doing("loading the model"):
-            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
+            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=length, lora=lora)
             if run is not None:
                 from autofit.integrations.trainer_args import with_optimizer
 
@@ -161,8 +172,21 @@ def plan(
             with progress.doing("finding the largest batch the budget trains"):
                 largest, note = largest_batch(spec, request, log=progress)
             request = replace(request, batch_size=largest)
+        if longest:
+            from autofit.planning.capacity import longest_seq_len
+
+            def spec_at(tokens: int | None):
+                at = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=tokens, lora=lora)
+                if run is not None:
+                    from autofit.integrations.trainer_args import with_optimizer
+
+                    at = with_optimizer(at, run)
+                return at
+
+            with progress.doing("finding the longest sequence the budget trains"):
+                spec, note = longest_seq_len(spec_at, request, log=progress)
         report = plan_with_report(spec, request, log=progress)
-        if batch_size is None:
+        if batch_size is None or longest:
             report.plan = replace(report.plan, notes=[*report.plan.notes, note])
     path = save_plan(report.plan, out)
     if as_json:
@@ -203,6 +227,18 @@ def _batch_size(text: str, *, gpus: int, nodes: int) -> int | None:
     if size < 1:
         raise UserError(f"--batch-size {size} must be at least 1")
     return size
+
+
+def _seq_len(text: str) -> int:
+    """``--seq-len``: a whole number of tokens (max is read before).
+
+    Raises:
+        UserError: not a whole number.
+    """
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--seq-len {text!r} is not a whole number of tokens; give e.g. 2048, or max for the longest the budget trains") from None
 
 
 def _check_study(study: str) -> None:
