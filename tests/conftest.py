@@ -134,3 +134,14 @@ def tiny_lm(tmp_path_factory):
     from tests.helpers.tiny_lm import tiny_lm_dir
 
     return tiny_lm_dir(tmp_path_factory.mktemp("tiny-lm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_long(tmp_path_factory):
+    """``tiny_lm``'s model with a context of 65,536 tokens, its config alone (no weights, no tokenizer saved): a card's
+    longest sequence then lies far inside it. Read it, never write into it; skipped without transformers."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tests.helpers.tiny_lm import tiny_lm_dir
+
+    return tiny_lm_dir(tmp_path_factory.mktemp("tiny-lm-long"), tokenizer=False, weights=False, context=65536)
