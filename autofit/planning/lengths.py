@@ -105,7 +105,8 @@ class LengthRecords:
     given: int
     """The user's length: the record every answer takes its headroom, levers and precisions from."""
     context_length: int | None
-    _fitted: dict[int, object] = field(default_factory=dict, repr=False)
+    _fitted: dict[int, object] = field(default_factory=dict, init=False, repr=False)
+    """Length -> the record fitted there (``at``), until another length is traced."""
 
     @property
     def lengths(self) -> list[int]:
@@ -142,10 +143,9 @@ def longest_sequence(fits: Callable[[int], bool], *, context_length: int | None)
     top = (context_length or LONGEST_SEARCHED) // SEQ_LEN_STEP
     if top < 1 or not fits(SEQ_LEN_STEP):
         return 0
-    low, high = 1, top + 1  # low fits; high does not (past the context length)
     if fits(top * SEQ_LEN_STEP):
         return top * SEQ_LEN_STEP
-    high = top
+    low, high = 1, top  # low fits, high does not
     while high - low > 1:
         middle = (low + high) // 2
         if fits(middle * SEQ_LEN_STEP):
