@@ -588,7 +588,7 @@ def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: 
         allowed = record.allowed if lossy else lossless(record.allowed)
         return batch_fits(at, usable_bytes=usable, allowed=allowed, smallest=record.smallest)
 
-    found = longest_sequence(fits, context_length=lengths.context_length)
+    found = longest_sequence(fits, context_length=lengths.context_length, known=tuple(lengths.lengths))
     if not found:
         return Longest(seq_len=0, nearest_traced=0)
     record = lengths.at(found)

@@ -67,32 +67,45 @@ def fit_at(values: list, lengths: list[int], length: int):
 
 
 def _fit(values: list, weights: list[float]):
+    """``fit_at``'s walk: numbers fitted, containers walked (a list of numbers in one pass: the records hold long
+    ones), anything else the same in every value. An 8B model's record is a few million terms."""
     first = values[0]
-    if all(v is first for v in values) or all(type(v) is type(first) and v == first for v in values):
+    kind = type(first)
+    if kind is int or kind is float:
+        return _number(values, weights)
+    if all(v is first for v in values):
         return first
-    if any(type(v) is not type(first) for v in values):
-        raise LengthsDiffer(f"{type(first).__name__} against {', '.join(type(v).__name__ for v in values[1:])}")
-    if isinstance(first, bool):
-        raise LengthsDiffer(f"a flag differs: {values}")
-    if isinstance(first, (int, float)):
-        value = sum(w * v for w, v in zip(weights, values))
-        return round(value) if isinstance(first, int) else value
-    if isinstance(first, str):
-        return first
-    if isinstance(first, (list, tuple)):
+    if any(type(v) is not kind for v in values):
+        raise LengthsDiffer(f"{kind.__name__} against {', '.join(type(v).__name__ for v in values[1:])}")
+    if kind is list or kind is tuple:
         if any(len(v) != len(first) for v in values):
             raise LengthsDiffer(f"lists of {[len(v) for v in values]} items")
-        return type(first)(_fit(list(items), weights) for items in zip(*values))
-    if isinstance(first, dict):
+        if all(type(x) is int or type(x) is float for v in values for x in v):
+            return kind(_number(column, weights) for column in zip(*values))
+        return kind(_fit(list(items), weights) for items in zip(*values))
+    if kind is dict:
         if any(v.keys() != first.keys() for v in values):
             raise LengthsDiffer("dictionaries with other keys")
         return {key: _fit([v[key] for v in values], weights) for key in first}
     if dataclasses.is_dataclass(first):
-        changes = {
-            f.name: _fit([getattr(v, f.name) for v in values], weights) for f in dataclasses.fields(first) if f.init
-        }
+        changes = {f.name: _fit([getattr(v, f.name) for v in values], weights) for f in dataclasses.fields(first) if f.init}
         return replace(first, **changes)
-    raise LengthsDiffer(f"{type(first).__name__} values differ")
+    if kind is str:  # a note: the first length's
+        return first
+    if any(v != first for v in values):
+        raise LengthsDiffer(f"{kind.__name__} values differ: {values}")
+    return first
+
+
+def _number(values, weights: list[float]):
+    """One term fitted: unchanged where it is the same at every length; whole where it is whole at every length."""
+    first = values[0]
+    if any(type(v) is not int and type(v) is not float for v in values):
+        raise LengthsDiffer(f"a number against {', '.join(type(v).__name__ for v in values)}")
+    if all(v == first for v in values):
+        return first
+    value = sum(w * v for w, v in zip(weights, values))
+    return round(value) if all(type(v) is int for v in values) else value
 
 
 @dataclass(kw_only=True)
@@ -137,15 +150,28 @@ class LengthRecords:
         self._fitted.clear()
 
 
-def longest_sequence(fits: Callable[[int], bool], *, context_length: int | None) -> int:
+def longest_sequence(fits: Callable[[int], bool], *, context_length: int | None, known: tuple[int, ...] = ()) -> int:
     """The longest multiple of ``SEQ_LEN_STEP`` tokens, up to ``context_length``, at which ``fits(length)``
-    (what fits at one length fits at a shorter one): a bisection; 0 where not even ``SEQ_LEN_STEP`` tokens fit."""
+    (what fits at one length fits at a shorter one): a bisection; 0 where not even ``SEQ_LEN_STEP`` tokens fit.
+
+    Args:
+        known: lengths ``fits`` answers cheaply (the traced ones: no fit to make), asked first to narrow the bisection.
+    """
     top = (context_length or LONGEST_SEARCHED) // SEQ_LEN_STEP
-    if top < 1 or not fits(SEQ_LEN_STEP):
+    low, high = 0, top + 1  # in steps of SEQ_LEN_STEP: low fits (0: none asked fits), high does not
+    for step in sorted({k // SEQ_LEN_STEP for k in known if k % SEQ_LEN_STEP == 0 and 1 <= k // SEQ_LEN_STEP <= top}):
+        if not fits(step * SEQ_LEN_STEP):
+            high = step
+            break
+        low = step
+    if high == top + 1 and low < top:  # the context length first: where a card holds the model with room to spare
+        if fits(top * SEQ_LEN_STEP):
+            return top * SEQ_LEN_STEP
+        high = top
+    if low == 0 and high > 1 and fits(SEQ_LEN_STEP):
+        low = 1
+    if low == 0:
         return 0
-    if fits(top * SEQ_LEN_STEP):
-        return top * SEQ_LEN_STEP
-    low, high = 1, top  # low fits, high does not
     while high - low > 1:
         middle = (low + high) // 2
         if fits(middle * SEQ_LEN_STEP):
