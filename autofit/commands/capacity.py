@@ -203,7 +203,7 @@ def _table(source: str, batch_size: int, tokens: int | None, least: int | None, 
     for row in rows:
         chosen = row.chosen
         speed = chosen.samples_per_s * (tokens or 1) if chosen else None
-        longest = f"  {row.longest.words():>20}" if row.longest is not None else ""
+        longest = f"  {row.longest.words() if row.longest is not None else '-':>20}" if lengths is not None else ""
         lines.append(
             f"  {row.card.name:<16} {format_bytes(row.card.memory_bytes):>10}  {'yes' if chosen else 'no':<4} "
             f"{format_bytes(chosen.peak_bytes) if chosen else '-':>10} {format_rate(speed) if chosen else '-':>10}  "

@@ -198,7 +198,10 @@ def plan(
     before = time.perf_counter() - started - report.seconds
     if before >= 1.0:  # building the model and checking one step of it come before the plan's own clock
         at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
-        lines.insert(at, f"    before that, {before:.1f} s loading the model and checking that it trains ({time.perf_counter() - started:.1f} s in all)")
+        what = "loading the model and checking that it trains" + (", finding the largest batch" if batch_size is None else "") + (
+            ", finding the longest sequence" if longest else ""
+        )
+        lines.insert(at, f"    before that, {before:.1f} s {what} ({time.perf_counter() - started:.1f} s in all)")
     from autofit.device import peak_resident_bytes
 
     at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
