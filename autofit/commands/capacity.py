@@ -36,8 +36,8 @@ def capacity(
     ),
     longest: bool = typer.Option(
         False, "--longest",
-        help="Also the longest sequence the batch trains on each card (text models): traces at two more lengths, about "
-        "three times the cold answer's time.",
+        help="Also the longest sequence the batch trains on each card (text models): traces at two more lengths, and a "
+        "search of minutes for a large model (docs/capacity.md).",
     ),
     allow_lossy_optimizer: bool = typer.Option(
         False, "--allow-lossy-optimizer",
