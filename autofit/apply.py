@@ -229,6 +229,9 @@ def apply_config(
 ) -> AppliedPlan:
     """Build every strategy of ``config`` and apply them to ``model`` in the one fixed order.
 
+    Longer than the package's other functions on purpose: it reads top to bottom as one ordered story (build the
+    strategies, then apply them step by step, each with why it comes where it does), and split it would hide the order.
+
     Args:
         model: rewritten in place (parameter names and the state_dict do not change).
         config: the strategy choices.

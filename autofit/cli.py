@@ -15,6 +15,7 @@ import warnings
 import typer
 
 from autofit.errors import UserError, one_line
+from autofit.keywords import command_line
 
 app = typer.Typer(
     add_completion=False,
@@ -93,7 +94,8 @@ def main() -> None:
     main_thread = threading.current_thread() is threading.main_thread()  # (tests call main() in their own process)
     previous = signal.signal(signal.SIGINT, interrupted) if main_thread else None
     try:
-        code = command.main(standalone_mode=False)
+        with command_line():  # errors keep the flags their reader typed (``keywords.for_caller``)
+            code = command.main(standalone_mode=False)
     except UserError as error:
         if _options["debug"] and error.__cause__ is not None:
             traceback.print_exception(error.__cause__, file=sys.stderr)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from autofit.errors import UserError
+from autofit.keywords import for_caller
 from strategies.batch_split import BatchSplitConfig, micro_batch_count
 from strategies.optimizer_state import OptimizerStateChoice, OptimizerStateConfig
 from strategies.precision import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, PrecisionChoice, PrecisionConfig
@@ -91,6 +92,14 @@ class TrainingConfig:
     lever: it rules out the step in backward, which steps each parameter before the global norm is known."""
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except UserError as error:  # built in Python, the caller passed keywords: its error names them (``for_caller``)
+            error.args = (for_caller(str(error)),)
+            raise
+
+    def _check(self) -> None:
+        """Hold the block names as tuples and refuse impossible values, one line each (in the command line's flags)."""
         for mode in BLOCK_MODES:  # "all", "a,b" or a list, as flags and files give them: held as a tuple
             names = block_names(getattr(self, mode))
             if "" in names or len(set(names)) < len(names):

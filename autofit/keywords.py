@@ -7,7 +7,9 @@ Messages are written once, in the command line's words (``--overwrite``,
 gets each flag spelled as the keyword it passes instead (``overwrite=True``,
 ``log_dir='runs/x'``): in the ``UserError`` it catches, in the one line a
 script it left uncaught ends with (``AUTOFIT_DEBUG=1`` keeps the traceback),
-and in the lines ``fit`` prints while it trains (``TrainSettings.spell``).
+and in the lines ``fit`` prints while it trains (``TrainSettings.spell``). A ``TrainingConfig`` a caller builds
+itself is the API too: its errors name the keywords (``for_caller``) unless the command line runs it
+(``command_line``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import functools
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from autofit.errors import UserError, one_line
 
@@ -127,6 +131,27 @@ def _python_value(value: str) -> str:
     except ValueError:
         return repr(value)  # 16GB, bf16
     return value
+
+
+_COMMAND_LINE: ContextVar[bool] = ContextVar("autofit_command_line", default=False)
+"""Whether the command line runs what raises now (``command_line``): its readers typed flags."""
+
+
+@contextmanager
+def command_line() -> Iterator[None]:
+    """Run inside as the command line: ``for_caller`` keeps the flags (``cli.main`` runs each command in it)."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+def for_caller(line: str) -> str:
+    """``line`` in its reader's words: the flags where the command line runs (``command_line``), else the Python API's
+    keywords (``in_python``), for an error raised where no ``python_api`` boundary stands between it and its caller
+    (a ``TrainingConfig`` built in Python)."""
+    return line if _COMMAND_LINE.get() else in_python(line)
 
 
 def python_api(function: Callable) -> Callable:

@@ -122,13 +122,24 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
     _check_hf_config(transformers, config, task=task, source=source)
     if hasattr(config, "use_cache"):
         config.use_cache = False  # training keeps no key/value cache (and checkpointed blocks recompute without one)
+    built = dict(build_model=_hf_builder(auto_class, config, source=source), **_hf_loading(transformers, auto_class, config, source=source))
+    if task == "image-classification":
+        return {**_hf_image_parts(config, num_classes=num_classes), **built}
+    return {**_hf_text_parts(config, task=task, seq_len=seq_len, num_classes=num_classes), **built}
 
+
+def _hf_builder(auto_class, config, *, source: str):
     def build_model() -> nn.Module:
         try:
             return auto_class.from_config(config, dtype=torch.float32)  # fp32 weights whatever the config's dtype: the plan's precision is the declared choice
         except ValueError as error:  # transformers checks the config as it builds (e.g. a width its heads do not divide)
             raise UserError(f"{source}: transformers cannot build a model from config.json ({one_line(str(error))[:200]}); fix config.json") from error
 
+    return build_model
+
+
+def _hf_loading(transformers, auto_class, config, *, source: str) -> dict:
+    """The spec's fields about weights: how pretrained ones load (where the folder has them), and the config's dtype."""
     weights = pretrained_weights(source)
     if weights is not None:
         def build_pretrained() -> nn.Module:
@@ -138,26 +149,36 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
     else:
         loading = dict(weights_note=f"random init from {hf_config_file(source).name}")
     loading["config_dtype"] = _config_dtype(config)  # said with the plan's precision (``spec.weights_held``), never silently trained in
-    options: dict = {"task": task}
-    if task == "image-classification":
-        size = getattr(config, "image_size", 224)
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
-        shape = (getattr(config, "num_channels", 3), height, width)
+    return loading
 
-        def example_batch(batch_size: int):
-            return torch.randn(batch_size, *shape), torch.randint(0, num_classes, (batch_size,))
 
-        options["num_classes"] = num_classes
-        return dict(
-            build_model=build_model, example_batch=example_batch, loss_fn=Loss(None), input_shape=shape,
-            source_options=options, **loading,
-        )
+def _hf_image_parts(config, *, num_classes: int) -> dict:
+    """An image classifier's example batches and loss, at its config's image size."""
+    size = getattr(config, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    shape = (getattr(config, "num_channels", 3), height, width)
+
+    def example_batch(batch_size: int):
+        return torch.randn(batch_size, *shape), torch.randint(0, num_classes, (batch_size,))
+
+    return dict(
+        example_batch=example_batch, loss_fn=Loss(None), input_shape=shape,
+        source_options={"task": "image-classification", "num_classes": num_classes},
+    )
+
+
+def _hf_text_parts(config, *, task: str, seq_len: int | None, num_classes: int | None) -> dict:
+    """A language model's or text classifier's example batches, loss and synthetic data, at its sequence length.
+
+    Raises:
+        UserError: the sequence is shorter than 2 tokens or longer than the model's context.
+    """
     vocab_size = config.vocab_size
     longest = _context_length(config)
     seq_len = min(DEFAULT_SEQ_LEN, longest or DEFAULT_SEQ_LEN) if seq_len is None else seq_len  # 0 is refused below
     if seq_len < 2 or (longest and seq_len > longest):
         raise UserError(f"--seq-len {seq_len} must be between 2 and the model's context length {longest or 'unknown'}")
-    options["seq_len"] = seq_len
+    options: dict = {"task": task, "seq_len": seq_len}
     if task == "causal-lm":
         def example_batch(batch_size: int):
             return causal_lm_batch(torch.randint(0, vocab_size, (batch_size, seq_len))), None
@@ -178,8 +199,8 @@ def hf_parts(source: str, *, task: str | None, seq_len: int | None, num_classes:
             vocab_size=vocab_size, seq_len=seq_len, samples=SYNTHETIC_SAMPLES[part == "val"], seed=part == "val",
             num_classes=num_classes)) for part in ("train", "val")}
     return dict(
-        build_model=build_model, example_batch=example_batch, loss_fn=loss,
-        train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options, context_length=longest, **loading,
+        example_batch=example_batch, loss_fn=loss, train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options,
+        context_length=longest,
     )
 
 

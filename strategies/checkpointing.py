@@ -27,7 +27,9 @@ a block type (a U-Net's lone bottleneck). Blocks that hold blocks in a
 Sequential (ConvNeXt or Swin stages) give a choice of granularity: the stages,
 or the blocks inside them. Given example inputs, one forward over fake tensors
 (no arithmetic) drops the blocks it never calls and puts the rest in the order
-it calls them.
+it calls them; a module it calls several times (ALBERT's shared layer) gives a
+finer granularity still, one block per call (``module#k``, ``strategies.per_call``),
+each checkpointed at its own call only.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from autofit._torch_private import selective_checkpoint_contexts
 from autofit.errors import UserError
 from strategies.base import Strategy
+from strategies.per_call import Wrap, applied_calls, call_name, patch_calls, split_call
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,17 +101,75 @@ def checkpoint_granularities(model: nn.Module, *, example_inputs=None) -> list[l
         levels.append(finer)
     if example_inputs is None:
         return levels
-    calls = _forward_calls(model, example_inputs, sorted({n for level in levels for n in level}))
+    names = {n for level in levels for n in level}
+    calls = _forward_calls(model, example_inputs, sorted(names | {n for n, m in model.named_modules() if _may_be_shared(m)}))
     if calls is None:  # the forward cannot run over fake tensors: keep what the module tree says
         return levels
-    order, inside = calls
+    order = {name: sequence[0] for name, sequence in calls.sequence.items()}
+    inside = calls.inside
     called = []
     for level in levels:
         kept = [n for n in level if n in order and not any(outer in inside.get(n, ()) for outer in level)]
         kept.sort(key=order.__getitem__)
         if kept and kept not in called:
             called.append(kept)
+    per_call = _per_call_level(called[-1] if called else [], calls)
+    if per_call is not None and per_call not in called:
+        called.append(per_call)
     return called or [[]]
+
+
+def _may_be_shared(module: nn.Module) -> bool:
+    """Whether a module called several times in one forward is offered per call: a composite module holding
+    parameters (a shared layer), not a container (its children are the blocks) nor a leaf (a tied norm)."""
+    return (
+        any(True for _ in module.children()) and _holds_parameters(module)
+        and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+    )
+
+
+def _per_call_level(level: list[str], calls: _Calls) -> list[str] | None:
+    """``level`` with its modules that one forward calls several times named once per call (``module#k``).
+
+    A block of ``level`` called several times is split into its calls; a block called once that holds a
+    module called several times (ALBERT's backbone and its shared layer) is replaced by that module's calls,
+    where every one of them runs inside it; such a module outside every block is added by its calls, where
+    none runs inside a block. None when no module is called twice.
+    """
+    repeated = [name for name, sequence in calls.sequence.items() if len(sequence) >= 2]
+    if not repeated:
+        return None
+    split = [b for b in level if b in repeated]
+    shared = [
+        s for s in repeated
+        if s not in level and not any(_within(b, s) for b in level) and not any(_within(s, b) for b in split)
+    ]
+    shared = [s for s in shared if not any(_within(s, other) for other in shared)]  # the outermost ones
+
+    def each_call(name: str) -> list[tuple[str, int]]:
+        return [(name, k) for k in range(len(calls.sequence[name]))]
+
+    finer: list[tuple[str, int | None]] = []
+    for block in level:
+        inner = [s for s in shared if _within(s, block) and all(block in calls.stacks[s, k] for k in range(len(calls.sequence[s])))]
+        if block in split:
+            finer += each_call(block)
+        elif inner:
+            finer += [c for s in inner for c in each_call(s)]
+        else:
+            finer.append((block, None))
+    for s in shared:
+        if not any(_within(s, b) for b in level) and not any(b in calls.stacks[c] for c in each_call(s) for b in level):
+            finer += each_call(s)
+    if all(call is None for _, call in finer):
+        return None
+    finer.sort(key=lambda c: calls.sequence[c[0]][c[1] or 0])
+    return [name if call is None else call_name(name, call) for name, call in finer]
+
+
+def _within(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies inside module ``outer`` (not itself); "" is the model."""
+    return name != outer and (outer == "" or name.startswith(outer + "."))
 
 
 def _structural_blocks(model: nn.Module) -> dict[str, list[str]]:
@@ -168,21 +229,39 @@ def _enclosing(name: str, names) -> str | None:
     return None
 
 
-def _forward_calls(model: nn.Module, example_inputs, names: list[str]) -> tuple[dict[str, int], dict[str, set[str]]] | None:
-    """Run one forward over fake tensors; return each called block's first-call index and the blocks it ran inside.
+@dataclass(frozen=True, slots=True)
+class _Calls:
+    """What one forward called, of the modules it watched."""
+
+    sequence: dict[str, list[int]]
+    """Module -> the position of each of its calls among all the watched calls, in call order."""
+    inside: dict[str, set[str]]
+    """Module -> the watched modules running at any of its calls."""
+    stacks: dict[tuple[str, int], frozenset[str]]
+    """(module, call) -> the watched modules running at that call."""
+
+
+def _forward_calls(model: nn.Module, example_inputs, names: list[str]) -> _Calls | None:
+    """Run one forward over fake tensors; say which of the modules ``names`` it called, when, and inside which.
 
     None when the forward fails over fake tensors (a data-dependent branch).
     """
     from autofit._torch_private import fake_mode_for, tree_map
+    from autofit.model_io import call_model
 
     modules = dict(model.named_modules())
-    order: dict[str, int] = {}
+    sequence: dict[str, list[int]] = {}
     inside: dict[str, set[str]] = {}
+    stacks: dict[tuple[str, int], frozenset[str]] = {}
     stack: list[str] = []
+    made = [0]
 
     def pre_hook(name):
         def hook(module, args):
-            order.setdefault(name, len(order))
+            calls = sequence.setdefault(name, [])
+            stacks[name, len(calls)] = frozenset(stack)
+            calls.append(made[0])
+            made[0] += 1
             inside.setdefault(name, set()).update(stack)
             stack.append(name)
         return hook
@@ -199,7 +278,8 @@ def _forward_calls(model: nn.Module, example_inputs, names: list[str]) -> tuple[
     buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
     try:
         with fake_mode_for(example_inputs), torch.no_grad():
-            model(tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example_inputs))
+            # As the step calls it (a dict is keyword inputs: a Hugging Face model's input_ids, labels).
+            call_model(model, tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example_inputs))
     except Exception:  # the user's model: any failure means "no run-time information"
         return None
     finally:
@@ -208,14 +288,19 @@ def _forward_calls(model: nn.Module, example_inputs, names: list[str]) -> tuple[
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-    return order, inside
+    return _Calls(sequence=sequence, inside=inside, stacks=stacks)
 
 
 def resolve_blocks(model: nn.Module, spec: str | Sequence[str] | None, *, what: str = "checkpoint") -> list[str]:
     """Turn "all", "none", "a,b" or a list (["all"] too) into validated block names.
 
-    "all" is every block of the finest granularity; named blocks may come from
-    any granularity, as long as none lies inside another.
+    "all" is every block of the finest granularity the module tree shows; named
+    blocks may come from any granularity, as long as none lies inside another.
+    A call of a module that one forward calls several times is named
+    ``module#k`` (``strategies.per_call``): which calls there are, only a
+    forward says (``checkpoint_granularities`` with example inputs, as
+    ``autofit probe --list-blocks`` lists them); a call the forward never makes
+    is refused when it runs (``PerCallForward.model_forward_ends``).
 
     Args:
         what: the setting the names come from, for the error message.
@@ -231,34 +316,63 @@ def resolve_blocks(model: nn.Module, spec: str | Sequence[str] | None, *, what: 
     if names == ["all"]:
         return levels[-1]
     known = {name for level in levels for name in level}
-    unknown = [n for n in names if n not in known]
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in known and not _a_call_of_a_block(n, modules)]
     if unknown:
         coarser = "".join(f"; or coarser: {', '.join(level)}" for level in reversed(levels[:-1]))
         raise UserError(
             f"{what} block(s) {', '.join(unknown)} not found; candidates are: {', '.join(levels[-1])}{coarser} "
-            "(or 'all' / 'none')"
+            "(or 'all' / 'none'; a layer called several times in a forward is named per call, LAYER#0, LAYER#1, ...: "
+            "autofit probe --list-blocks lists them)"
         )
+    named: dict[str, str] = {}
+    """Module -> the name naming it: the whole module where it is named so, else one of its calls."""
     for name in names:
-        outer = _enclosing(name, names)
+        module, call = split_call(name)
+        if call is None or module not in named:
+            named[module] = name
+    for name in names:
+        module, call = split_call(name)
+        # A call lies inside its whole module, and inside every module around that module.
+        outer = module if call is not None and named[module] == module else _enclosing(module, named)
         if outer is not None:
-            raise UserError(f"{what} blocks {outer} and {name} nest ({name} lies inside {outer}); name one of them")
+            raise UserError(f"{what} blocks {named[outer]} and {name} nest ({name} lies inside {named[outer]}); name one of them")
     return names
+
+
+def _a_call_of_a_block(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``name`` is ``module#k`` for a module that may be called several times (``_may_be_shared``)."""
+    module_name, call = split_call(name)
+    return call is not None and module_name in modules and _may_be_shared(modules[module_name])
+
+
+def _share_a_call(one: str, other: str) -> bool:
+    """Whether two blocks run at a common call: the same module, and one names every call or both the same."""
+    module, call = split_call(one)
+    other_module, other_call = split_call(other)
+    return module == other_module and (call is None or other_call is None or call == other_call)
 
 
 def check_one_mode_per_block(modes: dict[str, list[str]]) -> None:
     """Refuse a block named in two exclusive modes, e.g. {"checkpoint": [...], "offload": [...]}.
 
+    A module named whole in one mode and by a call in another is refused too.
+
     Raises:
         UserError: one line naming the block and both modes.
     """
-    seen: dict[str, str] = {}
+    seen: dict[str, dict[str, str]] = {}
+    """Module -> its blocks named so far (whole, or a call) -> their mode."""
     for mode, names in modes.items():
         for name in names:
-            if name in seen and seen[name] != mode:
+            named = seen.setdefault(split_call(name)[0], {})
+            clash = next((other for other, other_mode in named.items() if other_mode != mode and _share_a_call(name, other)), None)
+            if clash is not None:
+                block = name if clash == name else f"{clash} / {name}"
                 raise UserError(
-                    f"block {name} is both in {seen[name]} and in {mode}; a block takes one of them, drop it from one"
+                    f"block {block} is both in {named[clash]} and in {mode}; a block takes one of them, drop it from one"
                 )
-            seen[name] = mode
+            named[name] = mode
 
 
 class Checkpointing(Strategy):
@@ -270,15 +384,15 @@ class Checkpointing(Strategy):
     @staticmethod
     def applied_blocks(model: nn.Module) -> list[str]:
         """Names of the blocks of ``model`` whose whole forward this strategy made recompute in backward."""
-        return [name for name, module in model.named_modules() if getattr(module, "_autofit_checkpointed", False)]
+        return _applied(model, flag="_autofit_checkpointed", wrap=_checkpointed_forward)
 
     @staticmethod
     def applied_selective_blocks(model: nn.Module) -> list[str]:
         """Names of the blocks of ``model`` this strategy checkpointed selectively."""
-        return [name for name, module in model.named_modules() if getattr(module, "_autofit_selective", False)]
+        return _applied(model, flag="_autofit_selective", wrap=_selectively_checkpointed_forward)
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Patch the forward of every configured block.
+        """Patch the forward of every configured block; a block named by a call (``module#k``) only at that call.
 
         Raises:
             UserError: an unknown block, or a block in both modes.
@@ -289,15 +403,33 @@ class Checkpointing(Strategy):
         if full or selective:
             _turn_off_kv_cache(model)
         modules = dict(model.named_modules())
+        per_call: dict[str, dict[int, Wrap]] = {}
         for names, patched, flag in ((full, _checkpointed_forward, "_autofit_checkpointed"),
                                      (selective, _selectively_checkpointed_forward, "_autofit_selective")):
             for name in names:
+                module_name, call = split_call(name)
+                if call is not None:
+                    per_call.setdefault(module_name, {})[call] = patched
+                    continue
                 module = modules[name]
                 if getattr(module, "_autofit_checkpointed", False) or getattr(module, "_autofit_selective", False):
                     continue
                 module.forward = functools.partial(patched, module.forward)
                 setattr(module, flag, True)
+        for module_name, wraps in per_call.items():
+            if not applied_calls(modules[module_name], role="checkpoint"):  # applied once (a warm-up applies again)
+                patch_calls(model, module_name, wraps, role="checkpoint")
         return model
+
+
+def _applied(model: nn.Module, *, flag: str, wrap: Wrap) -> list[str]:
+    """The blocks checkpointed one way: whole modules flagged ``flag``, and calls whose wrap is ``wrap``."""
+    names = []
+    for name, module in model.named_modules():
+        if getattr(module, flag, False):
+            names.append(name)
+        names += [call_name(name, call) for call, how in sorted(applied_calls(module, role="checkpoint").items()) if how is wrap]
+    return names
 
 
 def _turn_off_kv_cache(model: nn.Module) -> None:

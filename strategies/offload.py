@@ -34,6 +34,7 @@ from torch import nn
 from autofit.measure.host import host_allocation
 from strategies.base import Strategy
 from strategies.checkpointing import resolve_blocks
+from strategies.per_call import Wrap, applied_calls, call_name, patch_calls, split_call
 
 MIN_OFFLOAD_BYTES = 1024
 """Saved tensors smaller than this stay on the device."""
@@ -60,18 +61,31 @@ class ActivationOffload(Strategy):
 
     @staticmethod
     def applied_blocks(model: nn.Module) -> list[str]:
-        """Names of the blocks of ``model`` whose saved activations this strategy offloads."""
-        return [name for name, module in model.named_modules() if getattr(module, "_autofit_offloaded", False)]
+        """Names of the blocks of ``model`` whose saved activations this strategy offloads (``module#k``: one call)."""
+        names = []
+        for name, module in model.named_modules():
+            if getattr(module, "_autofit_offloaded", False):
+                names.append(name)
+            names += [call_name(name, call) for call in sorted(applied_calls(module, role="offload"))]
+        return names
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Raises: UserError for a name that is not a block candidate."""
         modules = dict(model.named_modules())
+        per_call: dict[str, dict[int, Wrap]] = {}
         for name in resolve_blocks(model, self.config.blocks, what="offload"):
+            module_name, call = split_call(name)
+            if call is not None:
+                per_call.setdefault(module_name, {})[call] = self._offloaded_forward
+                continue
             module = modules[name]
             if getattr(module, "_autofit_offloaded", False):
                 continue
             module.forward = functools.partial(self._offloaded_forward, module.forward)
             module._autofit_offloaded = True
+        for module_name, wraps in per_call.items():
+            if not applied_calls(modules[module_name], role="offload"):  # applied once
+                patch_calls(model, module_name, wraps, role="offload")
         return model
 
     def _offloaded_forward(self, forward, *args, **kwargs):

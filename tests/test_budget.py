@@ -254,6 +254,6 @@ def test_the_gpus_advice_and_the_multi_gpu_refusal_are_one_estimate():
         return str(refused.value)
 
     advice = re.search(r"--gpus 4 would need a budget of ([\d.]+) MiB per GPU", refusal(1))
-    least = re.search(r"([\d.]+) MiB per GPU at the least, with --gpus 4", refusal(4))
+    least = re.search(r"with --gpus 4 each needs ([\d.]+) MiB per GPU", refusal(4))
     assert advice and least
     assert float(least.group(1)) == pytest.approx(float(advice.group(1)), rel=0.02)

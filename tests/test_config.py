@@ -28,7 +28,7 @@ def test_block_names_are_held_as_tuples_whatever_the_spelling():
     assert hash(config) == hash(dataclasses.replace(config))  # frozen and hashable: a key of its own
 
 
-@pytest.mark.parametrize(("spec", "words"), [("", "--offload '' names a block with no name"), ("a,,b", "with no name"), ("a,a", "twice")])
+@pytest.mark.parametrize(("spec", "words"), [("", "offload='' names a block with no name"), ("a,,b", "with no name"), ("a,a", "twice")])
 def test_empty_and_repeated_block_names_are_one_line(spec, words):
     with pytest.raises(UserError, match=words) as error:
         TrainingConfig(global_batch_size=4, micro_batch_size=4, offload=spec)

@@ -121,3 +121,46 @@ def test_no_module_imports_a_private_name_of_another():
             if isinstance(node, ast.ImportFrom) and node.module in modules and node.module != name:
                 found += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
     assert found == []
+
+
+MAX_FUNCTION_LINES = 80
+ONE_ORDERED_STORY = {"autofit.apply.apply_config", "autofit.training.loop._train_epochs"}
+"""The two functions allowed to be longer: each reads top to bottom as one ordered story (the strategies applied in
+their order; the training loop), and their docstrings say so."""
+NOT_YET_SPLIT = {"autofit.api.fit": "its 28 documented keywords: shorter once fit takes a typed settings object (#51)"}
+"""Over the limit, and known: each entry says what shortens it. Only removals are welcome here."""
+
+
+def _function_lengths() -> dict[str, int]:
+    """Every function and method of autofit/ and strategies/ (not those nested in a function: they count within
+    it) -> its lines from its ``def`` to its last line."""
+    lengths = {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lengths[f"{prefix}.{child.name}"] = child.end_lineno - child.lineno + 1
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}.{child.name}")
+            else:
+                visit(child, prefix)
+
+    for name, path in _modules().items():
+        visit(ast.parse(path.read_text()), name)
+    return lengths
+
+
+def test_no_function_is_over_80_lines():
+    """A function a reader takes in at once; a longer one is split by meaning into named pieces (and typed records)."""
+    lengths = _function_lengths()
+    over = {name: n for name, n in lengths.items() if n > MAX_FUNCTION_LINES and name not in ONE_ORDERED_STORY | NOT_YET_SPLIT.keys()}
+    assert over == {}
+    assert {name for name in NOT_YET_SPLIT if lengths.get(name, 0) <= MAX_FUNCTION_LINES} == set()  # split: take it off the list
+
+
+def test_the_long_functions_say_why_they_stay_one_story():
+    for name in ONE_ORDERED_STORY:
+        module, _, function = name.rpartition(".")
+        tree = ast.parse(_modules()[module].read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+        assert "one ordered story" in " ".join((ast.get_docstring(node) or "").split()), name

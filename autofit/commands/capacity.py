@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import typer
@@ -10,6 +11,22 @@ from autofit.cli import app
 from autofit.commands.common import INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
 from autofit.units import format_bytes, format_rate
+
+
+# The options whose help runs over a line, named here so that the command's signature reads as its list of flags.
+LONGEST_OPTION = typer.Option(
+    False, "--longest",
+    help="Also the longest sequence the batch trains on each card (text models): traces at two more lengths, and a "
+    "search of minutes for a large model (docs/capacity.md).",
+)
+ALLOW_LOSSY_OPTIMIZER_OPTION = typer.Option(
+    False, "--allow-lossy-optimizer",
+    help="Also answer with 8-bit AdamW state and bf16-pure (lossy: they change the optimizer's arithmetic), in columns of their own.",
+)
+ALLOW_LOSSY_BASE_OPTION = typer.Option(
+    False, "--allow-lossy-base",
+    help="Also answer with the frozen linear weights of a --lora base in 4-bit NF4 (lossy: QLoRA), in columns of their own.",
+)
 
 
 @app.command()
@@ -34,19 +51,9 @@ def capacity(
     plot: Path = typer.Option(
         None, "--plot", help="Also draw the predicted peak against the batch in one step, each card's usable memory a line (PNG).",
     ),
-    longest: bool = typer.Option(
-        False, "--longest",
-        help="Also the longest sequence the batch trains on each card (text models): traces at two more lengths, and a "
-        "search of minutes for a large model (docs/capacity.md).",
-    ),
-    allow_lossy_optimizer: bool = typer.Option(
-        False, "--allow-lossy-optimizer",
-        help="Also answer with 8-bit AdamW state and bf16-pure (lossy: they change the optimizer's arithmetic), in columns of their own.",
-    ),
-    allow_lossy_base: bool = typer.Option(
-        False, "--allow-lossy-base",
-        help="Also answer with the frozen linear weights of a --lora base in 4-bit NF4 (lossy: QLoRA), in columns of their own.",
-    ),
+    longest: bool = LONGEST_OPTION,
+    allow_lossy_optimizer: bool = ALLOW_LOSSY_OPTIMIZER_OPTION,
+    allow_lossy_base: bool = ALLOW_LOSSY_BASE_OPTION,
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither reuse nor keep costs in the cache ($AUTOFIT_CACHE_DIR, else ~/.cache/autofit)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
@@ -55,17 +62,10 @@ def capacity(
     seq_len: int | None = SEQ_LEN,
     lora: str | None = LORA,
 ) -> None:
-    """For each card: does the batch train there (lossless), the least memory it needs, the configuration the planner
-    would choose and its estimated speed, the largest batch one step holds (and with --longest the longest sequence),
-    all from one simulated trace set; the declared lossy choices allowed, the same answers with them beside."""
-    from dataclasses import replace
-
+    """For each card: does the batch train there (lossless), the least memory it needs, the planner's configuration and
+    its estimated speed, the largest batch in one step (--longest: the longest sequence), from one simulated trace set."""
     from autofit.measure.meters import check_model_runs_simulated
-    from autofit.planning.capacity import (
-        DEFAULT_CARDS, answer_card, capacity_record, card_speeds, is_lossy, least_budget, length_records, longest_at, lossless,
-        lossy_answer, parse_cards, traced_record, with_speeds,
-    )
-    from autofit.planning.lengths import LengthsDiffer
+    from autofit.planning.capacity import DEFAULT_CARDS, answer_cards, capacity_record, parse_cards
     from autofit.planning.context import plan_context
     from autofit.planning.lever_timings import Levers
     from autofit.planning.request import PlanRequest
@@ -79,89 +79,89 @@ def capacity(
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     cards = parse_cards(on if on is not None else ",".join(DEFAULT_CARDS))
-    wanted = None if precisions is None else tuple(p.strip() for p in precisions.split(",") if p.strip())
-    if wanted == ():
-        raise UserError(f"--precisions {precisions!r} names no precision; give e.g. --precisions bf16,fp32, or leave it out for all")
+    wanted = _precisions(precisions)
     progress = as_progress(None if quiet else print_progress, started_s=started)
     with progress.beating():
+        spec_at = partial(load_model_spec, model, input_shape=input_shape, num_classes=num_classes, task=task, lora=lora)
         with progress.doing("loading the model"):
-            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
+            spec = spec_at(seq_len=seq_len)
         with progress.doing("checking that the model trains (one simulated step)"):
             check_model_runs_simulated(spec)
         largest = max(card.memory_bytes for card in cards)
         # One simulated GPU as large as the largest card: its traces (and the cache's) serve every card.
         request = PlanRequest(
-            budget=largest, batch_size=batch_size, device="cuda", simulate=True, device_memory=largest, host_memory=host_memory,
-            host_speed=host_speed, precisions=wanted, num_classes=spec.source_options.get("num_classes"), cache=not no_cache,
-            allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base,
+            budget=largest, batch_size=batch_size, device="cuda", simulate=True, device_memory=largest, host_memory=host_memory, host_speed=host_speed,
+            precisions=wanted, num_classes=spec.source_options.get("num_classes"), cache=not no_cache, allow_lossy_optimizer=allow_lossy_optimizer,
+            allow_lossy_base=allow_lossy_base,
         )
-        given = spec.source_options.get("seq_len")
-        if longest and given is None:
+        if longest and spec.source_options.get("seq_len") is None:
             raise UserError(f"--longest: {model} takes no sequence (a text model's --task does); leave --longest out")
         levers = Levers(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)
         context = plan_context(spec, request, log=progress)
         try:
             record = capacity_record(context, levers=levers)
-            kept, lossy = lossless(record.allowed), is_lossy(record.allowed)
-            lengths, lengths_note = None, ""
-            if longest:
-                def trace(length: int):
-                    at = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=length, lora=lora)
-                    progress(f"--longest: the costs at {length} tokens a sequence")
-                    return traced_record(at, request, levers=levers, log=progress)[0]
-
-                lengths = length_records(record, given=given, context_length=spec.context_length, trace=trace)
+            lengths = _traced_lengths(record, spec, request, levers=levers, progress=progress, spec_at=spec_at) if longest else None
             with progress.doing("searching every card"):
-                least = least_budget(
-                    record.model, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                    allowed=kept, smallest=record.smallest, start_bytes=largest,
-                )
-                least_lossy = least_budget(
-                    record.model, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                    allowed=record.allowed, smallest=record.smallest, start_bytes=largest,
-                ) if lossy else None
-                rows = []
-                for card in cards:
-                    card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
-                    row = answer_card(
-                        card_model, card, global_batch_size=batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-                        allowed=kept, smallest=record.smallest,
-                    )
-                    if lengths is not None:
-                        try:
-                            row = replace(row, longest=longest_at(lengths, global_batch_size=batch_size, budget_bytes=card.memory_bytes))
-                        except LengthsDiffer as error:  # said under the table; the other answers stand
-                            lengths, lengths_note = None, f"the step differs in structure between lengths ({error}): not modelled"
-                    if lossy:
-                        row = replace(row, lossy=lossy_answer(
-                            card_model, card, global_batch_size=batch_size, record=record, lengths=lengths,
-                        ))
-                    rows.append(row)
+                answers = answer_cards(context, record, cards, global_batch_size=batch_size, lengths=lengths)
         finally:
             context.trace_pool.close()
     if plot is not None:
-        _plot(plot, spec.source, batch_size, record, rows)
+        _plot(plot, spec.source, batch_size, record, answers.rows)
+    _print_answers(spec, batch_size, answers, record, lengths, seconds=time.perf_counter() - started, as_json=as_json, plot=plot,
+                   host_speed_given=host_speed is not None)
+
+
+def _precisions(text: str | None) -> tuple[str, ...] | None:
+    """``--precisions``: the names separated by commas (None: every precision).
+
+    Raises:
+        UserError: it names none.
+    """
+    wanted = None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
+    if wanted == ():
+        raise UserError(f"--precisions {text!r} names no precision; give e.g. --precisions bf16,fp32, or leave it out for all")
+    return wanted
+
+
+def _traced_lengths(record, spec, request, *, levers, progress, spec_at):
+    """``--longest``: the records at the given length (``record``) and the others the fit goes through, each traced
+    as the given one was (``spec_at(seq_len=...)``: the spec at a length)."""
+    from autofit.planning.capacity import length_records, traced_record
+
+    def trace(length: int):
+        progress(f"--longest: the costs at {length} tokens a sequence")
+        return traced_record(spec_at(seq_len=length), request, levers=levers, log=progress)[0]
+
+    return length_records(record, given=spec.source_options["seq_len"], context_length=spec.context_length, trace=trace)
+
+
+def _print_answers(spec, batch_size: int, answers, record, lengths, *, seconds: float, as_json: bool, plot: Path | None,
+                   host_speed_given: bool) -> None:
+    """The rows as JSON, or as the table with what its speeds rest on and where the plot went (``answers``:
+    ``capacity.answer_cards``'; ``lengths``: the traced lengths where --longest asked for them)."""
+    from autofit.planning.capacity import is_lossy, lossless
+
     tokens = spec.source_options.get("seq_len") if spec.source_options.get("task", "causal-lm") != "image-classification" else None
-    seconds = time.perf_counter() - started
+    lossy = is_lossy(record.allowed)
     if as_json:
         print_json({
             "model": spec.source, "global_batch_size": batch_size, "seq_len": tokens, "estimated": True,
-            "least_budget_bytes": least, "precisions": list(kept.precisions), "left_out": record.left_out,
-            "lossy": _lossy_choices(record.allowed) if lossy else None, "least_budget_bytes_lossy": least_lossy,
-            "traced_seq_lens": lengths.lengths if lengths else None, "context_length": spec.context_length if longest else None,
-            "longest_note": lengths_note or None,
-            "cards": [row.to_dict(tokens_per_sample=tokens) for row in rows], "seconds": seconds,
+            "least_budget_bytes": answers.least_bytes, "precisions": list(lossless(record.allowed).precisions), "left_out": record.left_out,
+            "lossy": _lossy_choices(record.allowed) if lossy else None, "least_budget_bytes_lossy": answers.least_lossy_bytes,
+            "traced_seq_lens": lengths.lengths if lengths else None, "context_length": spec.context_length if lengths else None,
+            "longest_note": answers.lengths_note or None,
+            "cards": [row.to_dict(tokens_per_sample=tokens) for row in answers.rows], "seconds": seconds,
             "plot": str(plot) if plot is not None else None,
         })
         return
-    lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds, lengths=lengths)
-    if lengths_note:
-        lines.insert(-1, f"  longest     {lengths_note}")
+    lines = _table(spec.source, batch_size, tokens, answers.least_bytes, record, answers.rows, seconds, lengths=lengths)
+    if answers.lengths_note:
+        lines.insert(-1, f"  longest     {answers.lengths_note}")
     if lossy:
-        lines[-1:-1] = _lossy_table(_lossy_choices(record.allowed), least_lossy, rows, longest=lengths is not None)
-    if host_speed is None and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
-        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is timed on this machine's CPU; "
-                     "--host-speed gives the training machine's")
+        lines[-1:-1] = _lossy_table(_lossy_choices(record.allowed), answers.least_lossy_bytes, answers.rows, longest=lengths is not None)
+    if not host_speed_given and any(row.chosen and row.chosen.config.updates_on_host for row in answers.rows):
+        lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is assumed at each card's typical "
+                     "host's rate (the device table, docs/planner.md), not timed here; --host-speed gives the training machine's")
     if plot is not None:
         lines.append(f"  wrote {plot}: the predicted peak against the batch in one step, each card's usable memory a line")
     print("\n".join(lines))

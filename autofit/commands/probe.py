@@ -16,46 +16,58 @@ from autofit.progress import Progress, as_progress, print_progress
 from autofit.units import format_bytes
 
 
+# The options whose help runs over a line, named here so that the command's signature reads as its list of flags.
+PROBE_MODEL_ARG = typer.Argument(
+    None, help="A model file defining build_model() and example_batch(n), torchvision:NAME, timm:NAME or hf:DIR (a transformers "
+    "config); with --plan: the plan's by default."
+)
+PRECISION_OPTION = typer.Option(
+    "fp32", help=f"{one_of(PrecisionChoice)}: autocast (bf16, fp16), or the weights in bf16 with an fp32 master on the "
+    "host (bf16-master) or none (bf16-pure, lossy).",
+)
+SELECTIVE_CHECKPOINT_OPTION = typer.Option(
+    "none", "--selective-checkpoint", help="Blocks that keep matmul/conv/attention outputs and recompute the rest: all, none, or names."
+)
+OPTIMIZER_IN_BACKWARD_OPTION = typer.Option(
+    False, "--optimizer-in-backward", help="Step each parameter as soon as its gradient is ready (needs -k 1, not fp16)."
+)
+OPTIMIZER_STATE_OPTION = typer.Option(
+    "device", "--optimizer-state", help=f"{one_of(OptimizerStateChoice)} (host: a GPU lever; 8bit: torchao, lossy).",
+)
+LOSS_CHUNKS_OPTION = typer.Option(
+    1, "--loss-chunks", help="A causal LM's output layer and loss in this many chunks, recomputed in backward (1: whole)."
+)
+NF4_BASE_OPTION = typer.Option(
+    False, "--nf4-base", help="Frozen linear weights (a --lora base) in 4-bit NF4 (torchao; QLoRA; lossy, what plan's --allow-lossy-base may choose).",
+)
+DEVICE_KIND_OPTION = typer.Option(
+    None, "--device-kind",
+    help='The GPU that is not here (with --simulate --device cuda), e.g. "RTX 4090": whether the peak with the headroom a plan keeps fits its memory.',
+)
+DEVICE_MEMORY_OPTION = typer.Option(
+    None, "--device-memory", help='That GPU\'s memory (with --simulate --device cuda), e.g. "24GiB" (default: --device-kind\'s).',
+)
+
+
 @app.command()
 def probe(
-    model: str | None = typer.Argument(
-        None, help="A model file defining build_model() and example_batch(n), torchvision:NAME, timm:NAME or hf:DIR (a transformers "
-        "config); with --plan: the plan's by default."
-    ),
+    model: str | None = PROBE_MODEL_ARG,
     micro_batch_size: int = typer.Option(32, "--micro-batch-size", "-m", help="Samples per forward/backward."),
     grad_accum_steps: int = typer.Option(1, "--grad-accum-steps", "-k", help="Micro-batches per optimizer step."),
-    precision: str = typer.Option(
-        "fp32", help=f"{one_of(PrecisionChoice)}: autocast (bf16, fp16), or the weights in bf16 with an fp32 master on the "
-        "host (bf16-master) or none (bf16-pure, lossy).",
-    ),
+    precision: str = PRECISION_OPTION,
     checkpoint: str = typer.Option("none", help="all, none, or block names separated by commas."),
-    selective_checkpoint: str = typer.Option(
-        "none", "--selective-checkpoint", help="Blocks that keep matmul/conv/attention outputs and recompute the rest: all, none, or names."
-    ),
+    selective_checkpoint: str = SELECTIVE_CHECKPOINT_OPTION,
     offload: str = typer.Option("none", "--offload", help="Blocks whose saved activations wait in host memory: all, none, or names."),
-    optimizer_in_backward: bool = typer.Option(
-        False, "--optimizer-in-backward", help="Step each parameter as soon as its gradient is ready (needs -k 1, not fp16)."
-    ),
-    optimizer_state: str = typer.Option(
-        "device", "--optimizer-state", help=f"{one_of(OptimizerStateChoice)} (host: a GPU lever; 8bit: torchao, lossy).",
-    ),
-    loss_chunks: int = typer.Option(
-        1, "--loss-chunks", help="A causal LM's output layer and loss in this many chunks, recomputed in backward (1: whole)."
-    ),
-    nf4_base: bool = typer.Option(
-        False, "--nf4-base", help="Frozen linear weights (a --lora base) in 4-bit NF4 (torchao; QLoRA; lossy, what plan's --allow-lossy-base may choose).",
-    ),
+    optimizer_in_backward: bool = OPTIMIZER_IN_BACKWARD_OPTION,
+    optimizer_state: str = OPTIMIZER_STATE_OPTION,
+    loss_chunks: int = LOSS_CHUNKS_OPTION,
+    nf4_base: bool = NF4_BASE_OPTION,
     compile_: bool = typer.Option(False, "--compile", help="torch.compile the model (measured on the device; not with --simulate)."),
     max_grad_norm: float | None = typer.Option(None, "--max-grad-norm", help="Clip the gradients' global norm to this, as training will."),
     device: str = typer.Option("cpu", help=f"{one_of(DeviceChoice)}."),
     simulate: bool = typer.Option(False, help="Measure over fake tensors: no arithmetic, no speed."),
-    device_kind: str | None = typer.Option(
-        None, "--device-kind",
-        help='The GPU that is not here (with --simulate --device cuda), e.g. "RTX 4090": whether the peak with the headroom a plan keeps fits its memory.',
-    ),
-    device_memory: str | None = typer.Option(
-        None, "--device-memory", help='That GPU\'s memory (with --simulate --device cuda), e.g. "24GiB" (default: --device-kind\'s).',
-    ),
+    device_kind: str | None = DEVICE_KIND_OPTION,
+    device_memory: str | None = DEVICE_MEMORY_OPTION,
     steps: int = typer.Option(3, help="Optimizer steps; the first is a warm-up."),
     list_blocks: bool = typer.Option(False, "--list-blocks", help="List checkpoint candidates with their costs."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -75,16 +87,18 @@ def probe(
     # A simulated probe of a large model can run for minutes: a line whenever none came for a while.
     progress = as_progress(None if quiet else print_progress, started_s=time.perf_counter())
     if plan is not None:
+        # Flags that name a configuration, which the plan names instead: each given one is refused.
+        configured = {
+            "--micro-batch-size": micro_batch_size != 32, "--grad-accum-steps": grad_accum_steps != 1,
+            "--precision": precision != "fp32", "--checkpoint": checkpoint != "none", "--device": device != "cpu",
+            "--selective-checkpoint": selective_checkpoint != "none", "--offload": offload != "none",
+            "--optimizer-in-backward": optimizer_in_backward, "--optimizer-state": optimizer_state != "device",
+            "--loss-chunks": loss_chunks != 1, "--simulate": simulate, "--list-blocks": list_blocks,
+            "--lora": lora is not None, "--nf4-base": nf4_base, "--compile": compile_, "--max-grad-norm": max_grad_norm is not None,
+            "--device-kind": device_kind is not None, "--device-memory": device_memory is not None,
+        }
         with progress.beating():
-            _probe_plan(plan, model=model, steps=steps, as_json=as_json, progress=progress, configured={
-                "--micro-batch-size": micro_batch_size != 32, "--grad-accum-steps": grad_accum_steps != 1,
-                "--precision": precision != "fp32", "--checkpoint": checkpoint != "none", "--device": device != "cpu",
-                "--selective-checkpoint": selective_checkpoint != "none", "--offload": offload != "none",
-                "--optimizer-in-backward": optimizer_in_backward, "--optimizer-state": optimizer_state != "device",
-                "--loss-chunks": loss_chunks != 1, "--simulate": simulate, "--list-blocks": list_blocks,
-                "--lora": lora is not None, "--nf4-base": nf4_base, "--compile": compile_, "--max-grad-norm": max_grad_norm is not None,
-                "--device-kind": device_kind is not None, "--device-memory": device_memory is not None,
-            })
+            _probe_plan(plan, model=model, steps=steps, as_json=as_json, progress=progress, configured=configured)
         return
     if model is None:
         raise UserError("probe needs a MODEL (a model file, torchvision:NAME, timm:NAME or hf:DIR), or --plan plan.json to re-measure a plan")
@@ -102,42 +116,38 @@ def probe(
         if list_blocks:
             with progress.doing("profiling each block"):
                 blocks = profile_blocks(spec, micro_batch_size=micro_batch_size, precision=precision, device=device, simulate=simulate)
-        else:
-            measuring = progress.doing(f"probing {precision} at micro-batch {micro_batch_size} x {grad_accum_steps}")
-            with measuring, _out_of_memory_as_one_line(f"-m {micro_batch_size}", device=device):
-                result = run_probe(
-                    spec,
-                    micro_batch_size=micro_batch_size,
-                    grad_accum_steps=grad_accum_steps,
-                    precision=precision,
-                    checkpoint=checkpoint,
-                    selective_checkpoint=selective_checkpoint,
-                    offload=offload,
-                    optimizer_in_backward=optimizer_in_backward,
-                    optimizer_state=optimizer_state,
-                    loss_chunks=loss_chunks,
-                    frozen_nf4=nf4_base,
-                    compile=compile_,
-                    max_grad_norm=max_grad_norm,
-                    device=device,
-                    simulate=simulate,
-                    steps=steps,
-                    progress=progress,
-                )
-    if list_blocks:
-        if as_json:
-            print_json([b.to_dict() for b in blocks])
+            _print_blocks(blocks, simulate=simulate, as_json=as_json)
             return
-        share = "FLOP share" if simulate else "time share"
-        print(f"{'block':<24} {'saved activations':>18} {'input':>12} {share:>11}")
-        for b in blocks:
-            print(f"{b.name:<24} {format_bytes(b.saved_bytes):>18} {format_bytes(b.input_bytes):>12} {b.forward_share:>10.1%}")
+        measuring = progress.doing(f"probing {precision} at micro-batch {micro_batch_size} x {grad_accum_steps}")
+        with measuring, _out_of_memory_as_one_line(f"-m {micro_batch_size}", device=device):
+            result = run_probe(
+                spec, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, precision=precision, checkpoint=checkpoint,
+                selective_checkpoint=selective_checkpoint, offload=offload, optimizer_in_backward=optimizer_in_backward,
+                optimizer_state=optimizer_state, loss_chunks=loss_chunks, frozen_nf4=nf4_base, compile=compile_,
+                max_grad_norm=max_grad_norm, device=device, simulate=simulate, steps=steps, progress=progress,
+            )
+    _print_probe(spec.source, result, card=card, as_json=as_json)
+
+
+def _print_blocks(blocks: list, *, simulate: bool, as_json: bool) -> None:
+    """``--list-blocks``: each checkpoint candidate's saved activations, input and share of the forward."""
+    if as_json:
+        print_json([b.to_dict() for b in blocks])
         return
+    share = "FLOP share" if simulate else "time share"
+    width = max([24, *(len(b.name) for b in blocks)])  # a shared layer's calls: "albert.encoder.albert_layer_groups.0#3"
+    print(f"{'block':<{width}} {'saved activations':>18} {'input':>12} {share:>11}")
+    for b in blocks:
+        print(f"{b.name:<{width}} {format_bytes(b.saved_bytes):>18} {format_bytes(b.input_bytes):>12} {b.forward_share:>10.1%}")
+
+
+def _print_probe(source: str, result, *, card: SimulatedCard | None, as_json: bool) -> None:
+    """One configuration's measurement, and with ``--device-kind`` whether it fits that card."""
     fit = card.fit(result) if card is not None else None
     if as_json:
         print_json({**result.to_dict(), **({"card": fit} if fit else {})})
         return
-    _print_result(spec.source, result)
+    _print_result(source, result)
     if fit:
         print(card_line(fit))
 

@@ -10,13 +10,17 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from autofit.cli import app
 from autofit.errors import UserError
+
+if TYPE_CHECKING:
+    from autofit.plan_file import Plan
 
 
 @app.command()
@@ -96,13 +100,11 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
            max_steps, seed, schedule, warmup_steps, max_grad_norm, weights, from_config, lora, merge, data_changed, quiet=False) -> None:
     import torch
 
-    from autofit.plan_file import load_plan, plan_from_dict
     from autofit.spec import spec_for_plan, weights_held
     from autofit.training.data import check_sample_shape, cli_data, input_shape_from, model_file_data
-    from autofit.distributed import check_launch, cleanup, end_rank, is_rank0
+    from autofit.distributed import cleanup, end_rank, is_rank0
     from autofit.training.loop import TrainSettings
     from autofit.training.stops import TrainingInterrupted
-    from autofit.training.resume import check_same_plan, finished_run, read_saved_run, resumed_value
     from autofit.training.run import run_training
     from autofit.training.rundir import log_dir_path
     from autofit.training.weights import initial_model
@@ -111,47 +113,11 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
     log_dir = log_dir_path(log_dir)
     data = Path(data).resolve() if data is not None else None
     model = str(Path(model).resolve()) if model is not None and not model.startswith("torchvision:") else model
-    if resume:
-        # The run's own plan and settings; what is given again must agree with them.
-        done = finished_run(log_dir, epochs=epochs, merge=merge)
-        if done is not None:  # before the data is read: a finished run's data may be gone, and needs not be back
-            print(done[0])
-            raise typer.Exit(0)
-        saved = read_saved_run(log_dir)
-        the_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
-        if plan is not None:
-            check_same_plan(load_plan(plan), the_plan, where=log_dir)
-        if "sources" in saved["settings"]:
-            recorded = saved["settings"]["sources"]
-            data = resumed_value("--data", data, recorded.get("data"), where=log_dir)
-            model = model or recorded.get("model")
-            # How text was cut and split is part of the data: a resume reads it as the run began.
-            if "pack" in recorded:
-                pack = resumed_value("--pack", pack, recorded["pack"], where=log_dir)
-            if "val_fraction" in recorded:
-                val_fraction = resumed_value("--val-fraction", val_fraction, recorded["val_fraction"], where=log_dir)
-        data = Path(data) if data is not None else None
-    elif plan is None:
-        raise UserError("--plan plan.json is needed to start a run (`autofit plan` writes one); to continue one, give --log-dir DIR --resume")
-    else:
-        the_plan = load_plan(plan)
-    # A plan for N processes: refuse any other number, naming the command that starts N.
-    check_launch(the_plan.config.sharding_config())
-    if lora is not None:
-        from autofit.adapters import planned_lora
-
-        planned_lora(lora, the_plan.model.lora, flag="--lora", spell=lambda value: f"--lora {value}")
-    if merge and the_plan.model.lora is None:
-        raise UserError("--merge merges LoRA adapters into the base, and this plan trains none; drop --merge, or plan with --lora")
-    if merge and the_plan.config.world_size > 1:
-        raise UserError(
-            "--merge runs on one process; drop it, and merge the saved adapter with PEFT's merge_and_unload after training"
-        )
+    start = _resumed_or_new(plan, log_dir=log_dir, resume=resume, epochs=epochs, merge=merge, data=data, model=model, pack=pack,
+                            val_fraction=val_fraction)
+    the_plan, data, model, pack, val_fraction = start.plan, start.data, start.model, start.pack, start.val_fraction
+    _check_starting_flags(the_plan, lora=lora, merge=merge, resume=resume, weights=weights, from_config=from_config)
     spec = spec_for_plan(the_plan.model, model_file=model)
-    if resume and (weights is not None or from_config):
-        raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")
-    if weights is not None and from_config:
-        raise UserError("--weights and --from-config both choose the starting weights; give one of them")
     if from_config and spec.build_pretrained is None and not spec.source.startswith("hf:"):
         raise UserError(f"--from-config is for an hf:DIR model holding weights; {spec.source} starts from its own initialisation already")
     planned_shape = the_plan.model.input_shape
@@ -188,17 +154,96 @@ def _train(*, plan: Path | None, data, pack, val_fraction, epochs, lr, log_dir, 
         )
     except TrainingInterrupted as stop:
         if is_rank0():
-            again = f"torchrun --nproc-per-node {the_plan.config.world_size} -m autofit" if the_plan.config.world_size > 1 else "autofit"
-            print(
-                f"autofit: stopped by {signal.Signals(stop.signal_number).name} at epoch {stop.epoch}, step {stop.step}; "
-                f"saved {stop.last_path}; continue with `{again} train --log-dir {stop.last_path.parent} --resume`",
-                file=sys.stderr,
-            )
+            _say_stopped(stop, world_size=the_plan.config.world_size)
         cleanup()
         end_rank(stop.exit_code)
         raise typer.Exit(stop.exit_code) from None
     cleanup()
     end_rank(0)
+
+
+@dataclass(frozen=True, slots=True)
+class _RunStart:
+    """What a run starts from: its plan, and the data, model file and text settings (a resumed run's own)."""
+
+    plan: Plan
+    data: Path | None
+    model: str | None
+    pack: bool | None
+    val_fraction: float | None
+
+
+def _resumed_or_new(plan: Path | None, *, log_dir: Path, resume: bool, epochs, merge: bool, data: Path | None, model: str | None,
+                    pack: bool | None, val_fraction: float | None) -> _RunStart:
+    """A resumed run's plan and sources, checked against what is given again; or the plan given for a new run.
+
+    Raises:
+        UserError: no plan for a new run, or a value given again that the run's differs from.
+        typer.Exit: the run has finished (said in one line).
+    """
+    from autofit.plan_file import load_plan, plan_from_dict
+    from autofit.training.resume import check_same_plan, finished_run, read_saved_run, resumed_value
+
+    if not resume:
+        if plan is None:
+            raise UserError("--plan plan.json is needed to start a run (`autofit plan` writes one); to continue one, give --log-dir DIR --resume")
+        return _RunStart(plan=load_plan(plan), data=data, model=model, pack=pack, val_fraction=val_fraction)
+    # The run's own plan and settings; what is given again must agree with them.
+    done = finished_run(log_dir, epochs=epochs, merge=merge)
+    if done is not None:  # before the data is read: a finished run's data may be gone, and needs not be back
+        print(done[0])
+        raise typer.Exit(0)
+    saved = read_saved_run(log_dir)
+    the_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
+    if plan is not None:
+        check_same_plan(load_plan(plan), the_plan, where=log_dir)
+    if "sources" in saved["settings"]:
+        recorded = saved["settings"]["sources"]
+        data = resumed_value("--data", data, recorded.get("data"), where=log_dir)
+        model = model or recorded.get("model")
+        # How text was cut and split is part of the data: a resume reads it as the run began.
+        if "pack" in recorded:
+            pack = resumed_value("--pack", pack, recorded["pack"], where=log_dir)
+        if "val_fraction" in recorded:
+            val_fraction = resumed_value("--val-fraction", val_fraction, recorded["val_fraction"], where=log_dir)
+    return _RunStart(plan=the_plan, data=Path(data) if data is not None else None, model=model, pack=pack, val_fraction=val_fraction)
+
+
+def _check_starting_flags(the_plan: Plan, *, lora, merge: bool, resume: bool, weights, from_config: bool) -> None:
+    """The flags about the processes, adapters and starting weights, against the plan and each other.
+
+    Raises:
+        UserError: the wrong number of processes, another LoRA than planned, --merge without adapters or on several
+            processes, or starting weights chosen twice or on resume.
+    """
+    from autofit.distributed import check_launch
+
+    # A plan for N processes: refuse any other number, naming the command that starts N.
+    check_launch(the_plan.config.sharding_config())
+    if lora is not None:
+        from autofit.adapters import planned_lora
+
+        planned_lora(lora, the_plan.model.lora, flag="--lora", spell=lambda value: f"--lora {value}")
+    if merge and the_plan.model.lora is None:
+        raise UserError("--merge merges LoRA adapters into the base, and this plan trains none; drop --merge, or plan with --lora")
+    if merge and the_plan.config.world_size > 1:
+        raise UserError(
+            "--merge runs on one process; drop it, and merge the saved adapter with PEFT's merge_and_unload after training"
+        )
+    if resume and (weights is not None or from_config):
+        raise UserError("--resume continues from the run's last.pt: drop --weights / --from-config (they choose where a new run starts)")
+    if weights is not None and from_config:
+        raise UserError("--weights and --from-config both choose the starting weights; give one of them")
+
+
+def _say_stopped(stop, *, world_size: int) -> None:
+    """A signal stopped the run: where it saved, and the command that continues it."""
+    again = f"torchrun --nproc-per-node {world_size} -m autofit" if world_size > 1 else "autofit"
+    print(
+        f"autofit: stopped by {signal.Signals(stop.signal_number).name} at epoch {stop.epoch}, step {stop.step}; "
+        f"saved {stop.last_path}; continue with `{again} train --log-dir {stop.last_path.parent} --resume`",
+        file=sys.stderr,
+    )
 
 
 @contextmanager

@@ -6,25 +6,27 @@ and samples per second of a configuration, on the device that will train.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autofit.apply import apply_config, checkpointed_blocks, offloaded_blocks, selectively_checkpointed_blocks, use_plan_allocator
+from autofit.apply import AppliedPlan, apply_config, checkpointed_blocks, offloaded_blocks, selectively_checkpointed_blocks, use_plan_allocator
 from autofit.config import TrainingConfig
 from autofit.errors import UserError
 from autofit._torch_private import FAKE_TENSOR_LIMITS
 from autofit.device import check_device, steady_host_allocations
 from autofit.measure.kernels import precision_failure
 from autofit.measure.meters import (
-    compiled_step_on_cpu, fails_only_on_fake_tensors, fall_back_from_simulation, make_meter, noting_padding, release_device_memory,
+    Measurement, SimulatedMeter, compiled_step_on_cpu, fails_only_on_fake_tensors, fall_back_from_simulation, make_meter, noting_padding,
+    release_device_memory,
 )
 from autofit.measure.tracker import ACTIVATIONS
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.plan_file import Plan
 from autofit.progress import QUIET, Progress
 from autofit.spec import ModelSpec, model_fingerprint
-from autofit.step import train_step
+from autofit.step import StepResult, train_step
 from strategies.frozen_nf4 import NF4_BLOCK_ELEMENTS, is_nf4
 
 
@@ -187,35 +189,50 @@ def measure(
         ) from error
 
 
+def optimizer_step_measurement(spec: ModelSpec, config: TrainingConfig, *, device: str) -> Measurement:
+    """``config``'s optimizer step alone, measured as ``measure`` measures a step on the simulated meter (the same
+    strategy owner, optimizer and tracker, each storage rounded as the meter rounds it), with no forward or
+    backward: the gradients are set as backward leaves them before it begins, and not counted.
+
+    Its ``host_peak_bytes``: for a host optimizer (host state, bf16-master) the parameters' fp32 copies, the
+    gradients' buffers, the optimizer's state and its step's temporaries (a one-parameter-at-a-time AdamW: two of the
+    largest parameter's). Its ``peak_bytes``: the parameters, the optimizer's state on the device and its step's
+    temporaries there (a foreach AdamW's fp32 copy of every parameter), by the breakdown's categories. What
+    activations add (offload) is in neither. Over fake tensors: no memory is taken and nothing computed, so a plan can
+    know these from sizes alone (``planning.bounds``).
+    """
+    meter = SimulatedMeter(for_device=device)  # fake tensors always: the cpu meter's fallback would allocate them
+    with meter.environment():
+        model = meter.build_model(spec.build_model)
+        model.train()
+        applied = apply_config(model, config, device=meter.device, use_scaler=False)
+        optimizer = applied.build_optimizer(spec.build_optimizer)
+        create_optimizer_state(applied.model, optimizer)
+        for param in applied.model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)  # what backward leaves (a host optimizer's hook would move it)
+        with meter.measure(applied.model, optimizer) as measurement:
+            applied.optimizer_step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+    return measurement
+
+
 def _measure(
     spec: ModelSpec, config: TrainingConfig, *, device: str, simulate: bool, steps: int, seed: int, fingerprint: str | None,
     progress: Progress,
 ) -> ProbeResult:
-    if steps < 1:
-        raise UserError(f"--steps {steps} must be at least 1")
-    if config.compile and simulate:
-        raise UserError("--compile is measured on the device, and --simulate runs nothing there; drop one of them")
-    check_device(device, precision=config.precision, simulate=simulate)
+    _check_request(config, device=device, simulate=simulate, steps=steps)
     steady_host_allocations()  # its steps timed as training runs them
     meter = make_meter(device_type=device, simulate=simulate, spec=spec)
     torch.manual_seed(seed)
     with meter.environment():
         model = meter.build_model(spec.build_model)
-        if fingerprint and model_fingerprint(model) != fingerprint:
-            raise UserError(
-                f"the plan was made for another model (fingerprint {fingerprint}, {spec.source}'s is "
-                f"{model_fingerprint(model)}); re-plan with `autofit plan` for this model"
-            )
+        _check_fingerprint(model, fingerprint, source=spec.source)
         model.train()
         # A small first loss scale: the probe must step like steady training does, not
         # spend its few steps skipping while GradScaler searches down from 2^16.
         applied = apply_config(model, config, device=meter.device, use_scaler=not simulate, init_scale=1.0)
-        if config.frozen_nf4 and not any(is_nf4(p) for p in applied.model.parameters()):
-            raise UserError(
-                f"--nf4-base holds frozen linear weights in NF4, and {spec.source} has none NF4 can take (frozen, a "
-                f"multiple of {NF4_BLOCK_ELEMENTS} elements, not the output layer); add --lora r=8 (its base is frozen), "
-                "or drop --nf4-base"
-            )
+        _check_nf4(applied, config, source=spec.source)
         blocks = checkpointed_blocks(applied.model)
         selective, offloaded = selectively_checkpointed_blocks(applied.model), offloaded_blocks(applied.model)
         optimizer = applied.build_optimizer(spec.build_optimizer)
@@ -223,28 +240,22 @@ def _measure(
         # The global batch lives on the host; train_step copies each micro-batch to the device.
         example_batch = noting_padding(spec.example_batch) if simulate else spec.example_batch
         inputs, targets = example_batch(config.global_batch_size)
-        step_seconds = []
+
+        def step() -> StepResult:
+            return train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
+
         with meter.measure(applied.model, optimizer) as measurement:
-            for number in range(1, steps + 1):
-                with progress.doing(f"{'simulated ' if simulate else ''}optimizer step", step=number, of=steps):
-                    start = time.perf_counter()
-                    result = train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
-                    if not simulate:
-                        result.loss.item()  # waits for the device
-                    step_seconds.append(time.perf_counter() - start)
+            step_seconds = _timed_steps(step, steps=steps, simulate=simulate, progress=progress)
         compiled_change = None
         if config.compile and meter.name == "cpu":  # the tracker ran the compiled model eagerly
-            def step() -> None:
-                train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer).loss.item()
-
-            compiled_change, seconds = compiled_step_on_cpu(step)
+            compiled_change, seconds = compiled_step_on_cpu(lambda: step().loss.item())
             measurement.peak_bytes += compiled_change
             measurement.breakdown[ACTIVATIONS] = measurement.breakdown.get(ACTIVATIONS, 0) + compiled_change
             step_seconds = [seconds]
     timed = step_seconds[1:] or step_seconds
     samples_per_s = None if simulate else config.global_batch_size * len(timed) / sum(timed)
     # Rebound, not deleted (inner functions name them): the model and its state are freed before the release.
-    model = applied = optimizer = inputs = targets = result = None
+    model = applied = optimizer = inputs = targets = None
     release_device_memory(device)
     return ProbeResult(
         peak_bytes=measurement.peak_bytes,
@@ -269,3 +280,42 @@ def _measure(
         compile=config.compile,
         compiled_change_bytes=compiled_change,
     )
+
+
+def _check_request(config: TrainingConfig, *, device: str, simulate: bool, steps: int) -> None:
+    """What a probe cannot be asked, before anything is built."""
+    if steps < 1:
+        raise UserError(f"--steps {steps} must be at least 1")
+    if config.compile and simulate:
+        raise UserError("--compile is measured on the device, and --simulate runs nothing there; drop one of them")
+    check_device(device, precision=config.precision, simulate=simulate)
+
+
+def _check_fingerprint(model: torch.nn.Module, fingerprint: str | None, *, source: str) -> None:
+    if fingerprint and model_fingerprint(model) != fingerprint:
+        raise UserError(
+            f"the plan was made for another model (fingerprint {fingerprint}, {source}'s is "
+            f"{model_fingerprint(model)}); re-plan with `autofit plan` for this model"
+        )
+
+
+def _check_nf4(applied: AppliedPlan, config: TrainingConfig, *, source: str) -> None:
+    if config.frozen_nf4 and not any(is_nf4(p) for p in applied.model.parameters()):
+        raise UserError(
+            f"--nf4-base holds frozen linear weights in NF4, and {source} has none NF4 can take (frozen, a "
+            f"multiple of {NF4_BLOCK_ELEMENTS} elements, not the output layer); add --lora r=8 (its base is frozen), "
+            "or drop --nf4-base"
+        )
+
+
+def _timed_steps(step: Callable[[], StepResult], *, steps: int, simulate: bool, progress: Progress) -> list[float]:
+    """Seconds of each of ``steps`` training steps (waiting for the device after each when it runs for real)."""
+    step_seconds = []
+    for number in range(1, steps + 1):
+        with progress.doing(f"{'simulated ' if simulate else ''}optimizer step", step=number, of=steps):
+            start = time.perf_counter()
+            result = step()
+            if not simulate:
+                result.loss.item()  # waits for the device
+            step_seconds.append(time.perf_counter() - start)
+    return step_seconds

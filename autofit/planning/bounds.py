@@ -4,16 +4,25 @@ A GPU plan keeps the model's state either on the device (its weights and optimiz
 stepped away in backward at best) or on the host (host optimizer state and bf16 masters: the trained weights'
 fp32 copies, their gradients and the optimizer's state, all on the host). Where neither place can hold it, no
 configuration can fit, whatever the activations do: the plan says so in seconds, not after its traces.
+
+Each side is counted as the planner's last check counts it, so that what that check would refuse for these bytes
+alone is refused here, before the traces: the host's bytes by the same meter, strategy owner and optimizer as a
+measured configuration's (``measure.probe.optimizer_step_measurement``: with its step's temporaries and the meter's
+rounding), the device's with the headroom a measured peak gets (``PlanContext.headroom``). Only what sizes cannot
+say (activations, gradients alive in backward) is left out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from strategies import PURE_BF16
+from strategies import MASTER_WEIGHTS, PURE_BF16
 from strategies.optimizer_state import held_weight_bytes
+from autofit.config import TrainingConfig
 from autofit.errors import UserError
+from autofit.measure.probe import optimizer_step_measurement
 from autofit.planning.context import PlanContext, meta_model_of
 from autofit.spec import wants_names
 from autofit.units import format_bytes
@@ -45,11 +54,6 @@ class StateSizes:
             least = min(least, self.cast_weight_bytes + int(self.state_bytes * min(share, BF16_STATE_SHARE)))
         return least
 
-    @property
-    def host_bytes(self) -> int:
-        """The least a configuration that steps on the host keeps there: fp32 copies, gradients and the state."""
-        return 2 * self.trained_bytes + self.state_bytes
-
 
 def state_sizes(context: PlanContext) -> StateSizes | None:
     """The model's ``StateSizes``, its optimizer stepped once over meta tensors; None where the optimizer cannot
@@ -74,6 +78,38 @@ def state_sizes(context: PlanContext) -> StateSizes | None:
     )
 
 
+HostStepper = Literal["host state", "bf16-master"]
+"""The configurations that step the optimizer on the host: optimizer state there, or bf16 weights with fp32 masters."""
+_STEPPING_ON_HOST: dict[HostStepper, TrainingConfig] = {
+    "host state": TrainingConfig(global_batch_size=1, micro_batch_size=1, optimizer_state="host"),
+    "bf16-master": TrainingConfig(global_batch_size=1, micro_batch_size=1, precision=MASTER_WEIGHTS),
+}
+
+
+def host_step_bytes(context: PlanContext, stepper: HostStepper) -> int | None:
+    """What a configuration that steps on the host (``stepper``) keeps there at the least, counted as the planner
+    counts a measured configuration's host bytes (``optimizer_step_measurement``: the fp32 copies, the gradients'
+    buffers, the optimizer's state and its step's temporaries, as the meter rounds them; activations left out); None
+    where the optimizer cannot step over fake tensors."""
+    try:
+        with context.progress.doing(f"counting what {stepper} keeps in host memory (simulated meter, no trace)"):
+            return optimizer_step_measurement(context.spec, _STEPPING_ON_HOST[stepper], device=context.device).host_peak_bytes
+    except Exception:  # a model file's optimizer may do anything a fake tensor cannot; the traces will say
+        return None
+
+
+def host_state_bytes(context: PlanContext) -> int | None:
+    """The least ``host_step_bytes`` of host state and, where searched, bf16-master; None where not known. With fp32
+    weights the two keep the same tensors there (host state's copies are fp32 like bf16-master's masters): one is
+    counted."""
+    fp32 = all(p.dtype == torch.float32 for p in context.meta_model.parameters() if p.requires_grad)
+    steppers: list[HostStepper] = ["host state"]
+    if MASTER_WEIGHTS in context.precisions and not fp32:
+        steppers.append("bf16-master")
+    counted = [host_step_bytes(context, stepper) for stepper in steppers]
+    return None if None in counted else min(counted)
+
+
 def check_state_fits(context: PlanContext, *, allow_lossy_optimizer: bool, allow_lossy_base: bool) -> None:
     """Refuse a GPU plan whose state fits neither the device nor the host (``StateSizes``), naming the bytes
     and the flags that change them.
@@ -87,13 +123,49 @@ def check_state_fits(context: PlanContext, *, allow_lossy_optimizer: bool, allow
     if sizes is None or not sizes.trained_bytes:
         return
     device = sizes.device_bytes(pure_bf16=PURE_BF16 in context.precisions, eight_bit=allow_lossy_optimizer)
-    if device <= context.budget_bytes or sizes.host_bytes <= context.host_budget_bytes:
+    # A simulated plan's headroom is fixed before anything runs; a real GPU's context is measured by its first probe.
+    headroom = context.headroom() if context.simulate else None
+    if (device <= context.budget_bytes if headroom is None else headroom.fits(device, persistent_bytes=device)):
         return
+    host = host_state_bytes(context)
+    if host is None or host <= context.host_budget_bytes:
+        return
+    on_device = (
+        f"the weights and optimizer state alone need {format_bytes(device)}, more than --budget {format_bytes(context.budget_bytes)}"
+        if headroom is None else headroom.needed_text(device, persistent_bytes=device, what="the weights and optimizer state alone")
+    )
     note = context.host_budget_note
     raise UserError(
-        f"no configuration fits: on the device the weights and optimizer state alone need {format_bytes(device)}, more than "
-        f"--budget {format_bytes(context.budget_bytes)}, and stepped on the host they need {format_bytes(sizes.host_bytes)} of "
-        f"host memory at least (fp32 copies, gradients and optimizer state), more than the host's "
-        f"{format_bytes(context.host_budget_bytes)} ({note if note.startswith('--') else note.split(' (')[0]}); give "
-        "--host-memory for the machine that trains, or train fewer parameters (--lora)"
+        f"no configuration fits: on the device {on_device}; stepped on the host they need {format_bytes(host)} of host "
+        "memory at least (fp32 copies, gradients, optimizer state and the step's temporaries), more than the host's "
+        f"{format_bytes(context.host_budget_bytes)} "
+        f"({note if note.startswith('--') else note.split(' (')[0]}); give --host-memory for the machine that trains, or "
+        "train fewer parameters (--lora)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankState:
+    """What a rank of several shards (FSDP2: fp32 weights, their gradients and the optimizer's state, on the device),
+    for the whole model, and its optimizer step's temporaries there: counted from sizes alone."""
+
+    breakdown: dict[str, int]
+    """"parameters" (with buffers), "gradients" and "optimizer_state", as a peak's breakdown names them."""
+    step_bytes: int
+    """The step's temporaries above them (a foreach AdamW's fp32 copy of every parameter), as the meter counts them."""
+
+
+def rank_state(context: PlanContext) -> RankState | None:
+    """The model's ``RankState``, its optimizer stepped once on the simulated meter as on the device (no trace); None
+    where the optimizer cannot step over fake tensors."""
+    try:
+        with context.progress.doing("counting what a rank's optimizer step holds (simulated meter, no trace)"):
+            step = optimizer_step_measurement(context.spec, TrainingConfig(global_batch_size=1, micro_batch_size=1), device=context.device)
+    except Exception:  # a model file's optimizer may do anything a fake tensor cannot; the traces will say
+        return None
+    trained = sum(p.numel() * p.element_size() for p in context.meta_model.parameters() if p.requires_grad)
+    parameters, state = step.breakdown.get("parameters", 0), step.breakdown.get("optimizer_state", 0)
+    return RankState(
+        breakdown={"parameters": parameters, "gradients": trained, "optimizer_state": state},
+        step_bytes=max(step.peak_bytes - parameters - state, 0),
     )

@@ -22,12 +22,13 @@ from dataclasses import asdict, dataclass, replace
 
 from autofit.config import TrainingConfig
 from autofit.errors import UserError
+from autofit.planning.bounds import host_step_bytes
 from autofit.planning.costs import CostModel, SpeedCosts
 from autofit.planning.memory.headroom import Headroom
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
-from autofit.planning.lever_timings import Levers, lever_search
+from autofit.planning.lever_timings import Levers, card_host_update, lever_search
 from autofit.planning.memory.levers import LeverChoice
-from autofit.planning.lengths import LengthRecords, longest_sequence, traced_lengths
+from autofit.planning.lengths import LengthRecords, LengthsDiffer, longest_sequence, traced_lengths
 from autofit.planning.modelling import (
     add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, micro_batch_sizes, save,
     stored_or_new, timing_sizes, trace_full, trace_offload,
@@ -450,30 +451,28 @@ def _within_host(
 ) -> tuple[LeverSearch, list[str]]:
     """The levers and precisions whose host bytes the host can hold (``context.host_budget_bytes``), the others said in
     ``left_out``: the planner measures each candidate's host bytes and refuses those over it (``Measurements.fits_host``);
-    the table, which probes nothing, leaves out what needs more than that at least.
-
-    bf16-master keeps the fp32 masters, their gradients and the optimizer state on the host: the fp32 parameters and
-    state counted on the device (``Measurements.resident_bytes``) plus a gradient per trainable parameter; host state
-    keeps the state there (those bytes less the weights'). Offloaded activations are not counted here (a plan is).
+    the table, which probes nothing, leaves out what needs more than that at least, counted as the planner counts it
+    (``bounds.host_step_bytes``: fp32 copies, gradients, optimizer state and the step's temporaries). Offloaded
+    activations are not counted here (a plan is).
     """
     host = context.host_budget_bytes
     if host is None or not measurements.resident_bytes:  # the CPU: the host is the device
         return search, precisions
     where = f"the host's {format_bytes(host)} ({context.host_budget_note})"
-    masters = measurements.resident_bytes + search.trainable_bytes
     kept = list(precisions)
-    if MASTER_WEIGHTS in kept and masters > host:
+    masters = host_step_bytes(context, MASTER_WEIGHTS) if MASTER_WEIGHTS in kept else None
+    if masters is not None and masters > host:
         kept.remove(MASTER_WEIGHTS)
         left_out[MASTER_WEIGHTS] = (
-            f"its fp32 masters, gradients and optimizer state need {format_bytes(masters)} of host memory, more than {where}; "
-            "--host-memory gives the training machine's"
+            f"its fp32 masters, gradients, optimizer state and step need {format_bytes(masters)} of host memory, more than "
+            f"{where}; --host-memory gives the training machine's"
         )
-    state = measurements.resident_bytes - measurements.weight_bytes("fp32")
-    if search.host_state and state > host:
+    state = host_step_bytes(context, "host state") if search.host_state else None
+    if state is not None and state > host:
         search = replace(search, host_state=False)
         left_out["host state"] = (
-            f"the optimizer state needs {format_bytes(state)} of host memory, more than {where}; --host-memory gives the "
-            "training machine's"
+            f"the fp32 copies, gradients, optimizer state and step need {format_bytes(state)} of host memory, more than "
+            f"{where}; --host-memory gives the training machine's"
         )
     return search, kept
 
@@ -684,3 +683,60 @@ def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[s
                 replace(model, global_batch_size=size).peak_bytes(precision, size, blocks) for size in batch_sizes
             ]
     return curves
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CapacityAnswers:
+    """The least budget and every card's row (lossless), and with the declared lossy choices allowed, the least
+    budget with them (each row's ``lossy``)."""
+
+    least_bytes: int | None
+    rows: list[CardAnswer]
+    least_lossy_bytes: int | None = None
+    """None: no lossy choice allowed (or none fits)."""
+    lengths_note: str = ""
+    """Why the longest column is missing where it was asked for ("" where it is not)."""
+
+
+def answer_cards(
+    context: PlanContext, record: CapacityRecord, cards: list[Card], *, global_batch_size: int, lengths: LengthRecords | None = None,
+) -> CapacityAnswers:
+    """The least budget the batch trains in, and each card's row (its speeds the card's where its kind is known),
+    all from ``record`` (``capacity_record``; the bisection for the least budget starts at the largest card): lossless,
+    and apart from that with the declared lossy choices ``record.allowed`` holds; with ``lengths``, each card's
+    longest sequence too."""
+    kept, lossy, note = lossless(record.allowed), is_lossy(record.allowed), ""
+
+    def least(allowed: Allowed) -> int | None:
+        return least_budget(
+            record.model, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+            allowed=allowed, smallest=record.smallest, start_bytes=max(card.memory_bytes for card in cards),
+        )
+
+    rows = []
+    for card in cards:
+        card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
+
+        def priced(allowed: Allowed, kind: str | None = card.kind) -> Allowed:
+            # Each card's typical host updates the masters and host state (the record's: an A100's, for a card named by memory).
+            return allowed if kind is None else replace(allowed, levers=card_host_update(context, allowed.levers, kind))
+
+        row = answer_card(
+            card_model, card, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+            allowed=priced(kept), smallest=record.smallest,
+        )
+        if lengths is not None:
+            try:
+                row = replace(row, longest=longest_at(lengths, global_batch_size=global_batch_size, budget_bytes=card.memory_bytes))
+            except LengthsDiffer as error:  # said under the table; the other answers stand
+                lengths, note = None, f"the step differs in structure between lengths ({error}): not modelled"
+        if lossy:
+            row = replace(row, lossy=lossy_answer(
+                card_model, card, global_batch_size=global_batch_size, record=replace(record, allowed=priced(record.allowed)),
+                lengths=lengths,
+            ))
+        rows.append(row)
+    return CapacityAnswers(
+        least_bytes=least(kept), rows=rows, least_lossy_bytes=least(record.allowed) if lossy else None, lengths_note=note,
+    )
+

@@ -36,17 +36,21 @@ from autofit.measure.kernels import precision_failures
 from autofit.measure.meters import checked_for_simulation
 from autofit.measure.other_work import other_work, usable_cores
 from autofit.plan_file import DEFAULT_SEGMENTS, EXPANDABLE_SEGMENTS
+from autofit.planning.memory.headroom import Headroom
 from autofit.planning.memory.repeats import SHORT_LENGTHS, Repeat, find_repeat, shortened
 from autofit.planning.memory.traces import simulation_spec
 from autofit.planning.request import PlanRequest
 from autofit.planning.policy import POLICY
-from autofit.planning.speed.estimated import GPU_PEAKS, gpu_kind
+from autofit.planning.speed.estimated import UNKNOWN_GPU_NAME, GPU_PEAKS, gpu_kind, gpu_peaks
 from autofit.planning.search.space import Study
 from autofit.planning.memory.workers import TracePool, configured_trace_workers
 from autofit.progress import QUIET, Progress, as_progress
 from autofit.spec import ModelSpec, model_fingerprint
 from autofit.units import format_bytes, parse_budget
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, checkpoint_candidates, precision_dtype
+
+HOST_SPEED_GIVEN = "at --host-speed"
+"""How ``PlanContext.host_speed_source`` begins where ``--host-speed`` gave the rate."""
 
 CACHE_FILE = "plans.db"
 """The cache's SQLite file in ``cache_dir()``."""
@@ -70,7 +74,12 @@ class PlanContext:
     """Host memory a GPU plan may spend (``--host-memory``, else this machine's); None on the CPU (the host is the device)."""
     host_budget_note: str
     host_speed: float | None
-    """``--host-speed``: parameter elements per second the training machine's host updates; None: timed here."""
+    """Parameter elements per second the training machine's host updates with the optimizer: ``--host-speed``, else
+    for a GPU that is not here its kind's typical host (``GpuPeaks.host_update_per_s``); None: timed on this CPU (the
+    device is here, so its host is this machine)."""
+    host_speed_source: str = ""
+    """``host_speed`` and where it comes from, as the notes say it ("at ... elements/s", given, or assumed with the
+    flag that gives the training machine's)."""
     excluded_precisions: dict[str, str]
     """Precision -> why it is not searched."""
     num_classes: int | None
@@ -144,20 +153,35 @@ class PlanContext:
         return POLICY.busy_tie_share if self.threads_note else POLICY.tie_share
 
     @property
+    def host_speed_given(self) -> bool:
+        """Whether ``host_speed`` is the training machine's as ``--host-speed`` gave it (else assumed, or None)."""
+        return self.host_speed_source.startswith(HOST_SPEED_GIVEN)
+
+    @property
     def assumptions(self) -> str:
         """What the plan takes the training machine to be, said before anything is traced: the device and its memory,
         and for a GPU the host's memory and update rate, each with where it comes from."""
         if self.device != "cuda":
             return f"assuming the machine that trains is this one: {self.info.name}, {format_bytes(self.info.total_bytes)}"
         rate = (
-            f"{self.host_speed:.3g} parameter elements/s (--host-speed)" if self.host_speed is not None
-            else "timed on this machine's CPU (give --host-speed for the training machine's)"
+            self.host_speed_source if self.host_speed is not None
+            else "timed on this machine's CPU, the GPU's host"
         )
         note = self.host_budget_note
         host = f"{format_bytes(self.host_budget_bytes)}" + (f" ({note})" if note.startswith("--") else f", {note}")
         return (
             f"assuming {self.info.name}{'' if self.simulate else ' (here)'} with {format_bytes(self.info.total_bytes)}; "
             f"host memory {host}; host update rate {rate}"
+        )
+
+    def headroom(self, *, context_bytes: int | None = None) -> Headroom:
+        """The budget's headroom on this run's device: the CUDA context as ``context_bytes`` measured it, else as
+        assumed (``POLICY.estimated_cuda_context_bytes``; none on the CPU)."""
+        assumed = POLICY.estimated_cuda_context_bytes if self.device == "cuda" else 0
+        return Headroom(
+            device_type=self.device, estimated=self.simulate, budget_bytes=self.budget_bytes,
+            context_bytes=assumed if context_bytes is None else context_bytes,
+            expandable_segments=self.info.allocator_settings == EXPANDABLE_SEGMENTS,
         )
 
     def log(self, line: str) -> None:
@@ -235,24 +259,37 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
     if request.compile and simulate:
         raise UserError("--compile is measured on the device, and --simulate runs nothing there; drop one of them")
     count, note = (threads, "") if threads is not None else timing_threads(device)
+    host_speed, host_speed_source = _host_speed(request.host_speed, device=device, info=info)
     return PlanContext(
         spec=spec, device=device, info=info, simulate=simulate, budget_bytes=budget_bytes,
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=request.num_classes,
-        host_budget_bytes=host_budget, host_budget_note=host_note, host_speed=_host_speed(request.host_speed, device=device),
+        host_budget_bytes=host_budget, host_budget_note=host_note, host_speed=host_speed,
+        host_speed_source=host_speed_source,
         study=where, progress=as_progress(log, started_s=started), started=started, threads=count, threads_note=note, meta_model=meta_model,
         compile=request.compile if request.compile is not None else device == "cuda" and not simulate,
     )
 
 
-def _host_speed(host_speed: float | None, *, device: str) -> float | None:
-    """``--host-speed``, for a GPU plan (on the CPU the host is the device: nothing is moved to it).
+def _host_speed(host_speed: float | None, *, device: str, info: DeviceInfo) -> tuple[float | None, str]:
+    """The host's update rate for a GPU plan, and where it comes from: ``--host-speed``; else, for a GPU that is not
+    here (simulated), its kind's typical host from the device table (``GpuPeaks.host_update_per_s``, an A100's for a
+    GPU the table does not name), stated as assumed: this machine's CPU is not that host; else None (timed here).
 
     Raises:
-        UserError: given for a CPU plan.
+        UserError: given for a CPU plan (on the CPU the host is the device: nothing is moved to it).
     """
     if host_speed is not None and device != "cuda":
         raise UserError(f"--host-speed {host_speed:g} is the host of a GPU plan (--device cuda); on the CPU the host is the device")
-    return host_speed
+    if host_speed is not None:
+        return host_speed, f"{HOST_SPEED_GIVEN} {host_speed:g} elements/s, the training machine's host as given, not measured"
+    if device != "cuda" or not info.name.startswith("simulated "):
+        return None, ""
+    peaks, known = gpu_peaks(info.name)
+    kind = info.name.removeprefix("simulated ") if known else f"{UNKNOWN_GPU_NAME} (the GPU is not in the table)"
+    return peaks.host_update_per_s, (
+        f"at {peaks.host_update_per_s:g} elements/s, assumed for a typical {kind} host (the device table, docs/planner.md), "
+        "not timed on this machine; --host-speed gives the training machine's"
+    )
 
 
 def _device_kind(kind: str | None, *, device: str, simulate: bool) -> str | None:

@@ -54,7 +54,7 @@ class MemoryCosts:
         last = BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size).last_size
         segments = [
             Segment(
-                peak_bytes=self._interpolate(
+                peak_bytes=self.interpolate(
                     [t.segments[i].peak_bytes + (deltas[n][i] if deltas else 0) for n, t in enumerate(self.traces())],
                     last if segment.phase == "optimizer" else micro_batch_size, global_batch_size=global_batch_size,
                 ),
@@ -63,7 +63,7 @@ class MemoryCosts:
             for i, segment in self._kept(accumulating=accumulating)
         ]
         drops = [  # negative where the checkpoint keeps an input that plain training frees: it adds bytes
-            self._interpolate([t.drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
+            self.interpolate([t.drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.drop_bytes))
         ]
         return segments, drops
@@ -87,7 +87,7 @@ class MemoryCosts:
         if not all(t.selective_drop_bytes for t in self.traces()):
             return None
         return [
-            self._interpolate([t.selective_drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
+            self.interpolate([t.selective_drop_bytes[b] for t in self.traces()], micro_batch_size, at_least=None)
             for b in range(len(self.low.selective_drop_bytes))
         ]
 
@@ -120,7 +120,7 @@ class MemoryCosts:
                 changed = True
         return changed
 
-    def _interpolate(
+    def interpolate(
         self, values: list[float], size: int, *, global_batch_size: int | None = None, at_least: float | None = 0.0
     ) -> float:
         """Bytes at ``size`` on the line through the two traces around it (``values`` holds each trace's).

@@ -69,7 +69,7 @@ def batch_coupling(spec: ModelSpec, *, global_batch_size: int, smallest: int, fi
     half = math.ceil(size / 2)
     if G <= smallest or half < smallest or not fits_here:
         return None
-    found = _whole_and_split(spec, size=size, half=half)
+    found = _checked(spec, size=size, half=half)
     if found is None:
         return None
     (whole_loss, whole_grad), (split_loss, split_grad) = found
@@ -87,6 +87,24 @@ def batch_coupling(spec: ModelSpec, *, global_batch_size: int, smallest: int, fi
         smallest_micro_batch=G, reason=reason,
         why=f"micro-batches hold the whole batch of {G}: {reason}; a model file may allow smaller ones with MIN_MICRO_BATCH = N",
     )
+
+
+_RECENT: list[tuple[ModelSpec, int, int, object]] = []
+"""The last few checks' results with the spec they ran on: a plan's one-process floor, its ranks and a second plan of
+the same spec (a refusal, then ``--gpus``) ask the same question, and each answer is a real step of the model. The
+spec itself is kept, so its ``id`` cannot be reused by another."""
+_RECENT_KEPT = 4
+
+
+def _checked(spec: ModelSpec, *, size: int, half: int):
+    """``_whole_and_split``, run once per spec and split in this process."""
+    for kept, kept_size, kept_half, found in _RECENT:
+        if kept is spec and (kept_size, kept_half) == (size, half):
+            return found
+    found = _whole_and_split(spec, size=size, half=half)
+    _RECENT.append((spec, size, half, found))
+    del _RECENT[:-_RECENT_KEPT]
+    return found
 
 
 def _whole_and_split(spec: ModelSpec, *, size: int, half: int):

@@ -10,7 +10,7 @@ the search's record, both of which import speed/.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +23,7 @@ from autofit.planning.context import PlanContext
 from autofit.planning.memory.nf4 import nf4_weight_dtype
 from autofit.planning.modelling import Costs
 from autofit.planning.search.space import LeverSearch
-from autofit.planning.speed.estimated import gpu_peaks
+from autofit.planning.speed.estimated import GPU_PEAKS, gpu_peaks
 from autofit.planning.speed.levers import LeverTime, UpdateTime, host_link, lever_time
 from strategies import DEFAULT_LOSS_CHUNKS, chunkable, nf4_weights
 from strategies.chunked_loss import causal_lm
@@ -43,14 +43,27 @@ class Levers:
 
 
 def host_update(context: PlanContext, trainable: Trainable) -> UpdateTime:
-    """The optimizer's update of every trainable parameter on the host: at ``--host-speed`` elements per second when
-    given (the machine that trains), else timed on this CPU (``time_host_update``)."""
+    """The optimizer's update of every trainable parameter on the host: at ``context.host_speed`` elements per second
+    where the plan has one (``--host-speed``, or for a GPU that is not here its kind's typical host, assumed), else
+    timed on this CPU, the host of the GPU here (``time_host_update``)."""
     if context.host_speed is not None:
         return UpdateTime(
             seconds=trainable.elements / context.host_speed,
-            source=f"at --host-speed {context.host_speed:g} elements/s, the training machine's host as given, not measured",
+            source=context.host_speed_source,
         )
     return UpdateTime(seconds=time_host_update(context.spec.build_optimizer) * trainable.elements, source="")
+
+
+def card_host_update(context: PlanContext, search: LeverSearch, kind: str) -> LeverSearch:
+    """``search`` with its host update at a typical host of ``kind`` (a card of the device table, ``GPU_PEAKS``), for
+    a table of cards that are not here (``autofit capacity``) where ``--host-speed`` names no training machine."""
+    if context.host_speed_given:
+        return search
+    rate = GPU_PEAKS[kind].host_update_per_s
+    return replace(
+        search, host_update_seconds=trainable_parameters(context).elements / rate,
+        host_update_source=f"at {rate:g} elements/s, assumed for a typical {kind} host (the device table, docs/planner.md)",
+    )
 
 
 def loss_chunking(context: PlanContext) -> tuple[int, float]:
@@ -101,7 +114,8 @@ def lever_search(context: PlanContext, costs: Costs, levers: Levers = Levers()) 
 
     The step in backward everywhere (the search tries it where a point allows it); on a GPU (simulated too)
     also offload per block and optimizer state on the host, with the host link's rates (measured on a GPU
-    here, else assumed) and the host's update timed on this CPU. 8-bit state only with
+    here, else assumed) and the host's update (``host_update``: timed on this CPU for a GPU here, else at the
+    given or assumed rate). 8-bit state only with
     ``allow_lossy_optimizer`` (it changes the arithmetic), its update timed on the device the plan is for; frozen
     weights in NF4 only with ``allow_lossy_base`` (it rounds them), for a model that has weights it takes, priced
     by their dequantization (``nf4_time``). With ``max_grad_norm`` (training clips gradients) the step in backward
@@ -217,7 +231,7 @@ def eight_bit_time(context: PlanContext, trainable: Trainable) -> UpdateTime | N
 
 def lever_time_for(context: PlanContext, costs: Costs, model, config: TrainingConfig) -> LeverTime:
     """What the chosen levers add to a step (``speed.levers``): the host link measured on a GPU here, else assumed;
-    the host update timed on this CPU, or from ``--host-speed``."""
+    the host update as ``host_update`` prices it, as the search's rows are."""
     link = host_link(context.device) if config.offload or config.updates_on_host else None
     trainable = trainable_parameters(context)
     update = host_update(context, trainable) if config.updates_on_host else UpdateTime(seconds=0.0, source="")

@@ -50,8 +50,8 @@ from autofit.plan_file import Plan
 from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanRequest, plan_request
-from autofit.planning.verify.floor import InfeasibleBudget, check_floor, far_above_budget
-from autofit.planning.verify.below_floor import BelowLeverFloor, plan_with_levers, searched_lever_notes
+from autofit.planning.verify.floor import ONE_PROCESS_PRECISIONS, InfeasibleBudget, check_floor, far_above_budget
+from autofit.planning.verify.below_floor import plan_with_levers, searched_lever_notes
 from autofit.planning.lever_timings import Levers, lever_search
 from autofit.planning.coupling import check_rank_share, kept_together
 from autofit.planning.modelling import (
@@ -244,23 +244,7 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     except InfeasibleBudget as below:
         if levers is None:
             raise
-        with context.phase("levers"):
-            try:
-                ladder = plan_with_levers(
-                    context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
-                    max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base,
-                )
-            except BelowLeverFloor as refused:
-                # The ladder adds the levers to the floor configuration only; where that takes several micro-batches
-                # the step in backward (one micro-batch per step) is not among them, yet a larger micro-batch with it
-                # may fit: the search with the levers has the last word.
-                if not _lever_search_may_fit(context, measurements, below):
-                    raise
-                searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers)
-                if searched is None:
-                    raise refused
-                return searched
-        return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
+        return _below_floor(context, costs, measurements, below, levers=levers)
     with context.phase("speed"):
         add_speeds(context, costs)
         search = lever_search(context, costs, levers) if levers is not None else None
@@ -302,6 +286,33 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     )
     context.log(f"planned in {report.seconds:.1f} s")
     return report
+
+
+def _below_floor(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, levers: Levers,
+) -> PlanReport:
+    """Below the floor without levers: the floor configuration with the levers (the ladder), then the search with them.
+
+    The ladder adds the levers to the floor configuration only; where that takes several micro-batches the step in
+    backward (one micro-batch per step) is tried only with the whole batch and the floor's checkpointing, yet a
+    larger micro-batch with it and fewer blocks checkpointed may fit too: where the ladder finds nothing the search
+    has the last word, before the levers the flags do not allow are measured for the refusal's advice.
+    """
+    found: list[PlanReport] = []
+
+    def searched() -> PlanReport | None:
+        if _lever_search_may_fit(context, measurements, below):
+            found.extend(filter(None, [_searched_below_floor(context, costs, measurements, below, None, levers=levers)]))
+        return found[0] if found else None
+
+    with context.phase("levers"):
+        ladder = plan_with_levers(
+            context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
+            max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base, then=searched,
+        )
+    if found:  # the search's plan, where the ladder found none
+        return ladder
+    return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
 
 
 def _lever_search_may_fit(context: PlanContext, measurements: Measurements, below: InfeasibleBudget) -> bool:
@@ -463,76 +474,97 @@ def _search(
             f"memory: {', '.join(over)} not traced further: {_weights_words(over, measurements)}"
         )
         order = [p for p in order if p not in over]
-    usable = measurements.usable_bytes()
-    usable_for = measurements.usable_by_precision()  # what the search scores each precision by
-    lazy = context.simulate
+    scores = _Scores(context, costs, measurements, levers=levers)
     within = _verify_within(context)
-    evaluations: list[Evaluation] = []
-    sampler, scored_for = "", None
-
-    def scored() -> list[Evaluation]:
-        nonlocal sampler, scored_for
-        if levers is not None and levers.eight_bit is not None:
-            with context.phase("memory"):
-                add_eight_bit_state(context, costs)
-        if levers is not None and levers.loss_chunks > 1:
-            with context.phase("memory"):
-                add_loss_chunks(context, costs, chunks=levers.loss_chunks, usable_bytes=usable)
-        if levers is not None and levers.nf4 is not None:
-            with context.phase("memory"):
-                add_nf4_state(context, costs)
-        # What the scores depend on that tracing changes (a precision stored in the cache adds nothing).
-        key = [(p, costs.model.precisions[p].memory) for p in _traced(context, costs)]
-        key = [
-            (p, memory.recomputed, memory.has_chunks(), [t.levers.offloaded is not None for t in memory.traces() if t.levers])
-            for p, memory in key
-        ]
-        if key == scored_for:
-            return evaluations
-        scored_for = key
-        with context.phase("search"):
-            found, sampler = score_space(
-                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-                global_batch_size=context.global_batch_size, usable_bytes=usable_for, study=None, slack=measurements.slack,
-                levers=levers,
-            )
-        return found
-
     for index, precision in enumerate(order):
-        best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+        best = max((e.samples_per_s for e in scores.evaluations if e.fits), default=0.0)
         if precision not in costs.model.precisions and index > 0 and not worth_tracing(costs, precision, best_fitting=best, within=within):
             continue
         with context.phase("memory"):
-            trace_full(context, costs, precision, recompute=not lazy)
-        evaluations = scored()
-        while True:
-            # Recomputations first: the speed they make fit may leave offload nothing to win.
-            recomputations = needs_recomputations(costs, evaluations, within=within)
-            offloads = []
-            if not recomputations and levers and levers.offload:
-                offloads = needs_offload(context, costs, evaluations, within=within, usable_bytes=usable)
-            if not offloads and not recomputations:
-                break
-            with context.phase("memory"):
-                for name in offloads:
-                    trace_offload(context, costs, name, usable_bytes=usable)
-                for name in recomputations:
-                    add_recomputations(context, costs, name)
-            evaluations = scored()
+            trace_full(context, costs, precision, recompute=not context.simulate)
+        scores.update()
+        _trace_what_could_win(context, costs, scores, within=within, levers=levers)
+    evaluations, sampler = scores.evaluations, scores.sampler
     if context.study.search_storage is not None or not evaluations:
         with context.phase("search"):
             # The search kept where the user asked (--study): over every precision traced.
-            evaluations, sampler = score_space(
-                costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
-                global_batch_size=context.global_batch_size, usable_bytes=usable_for, study=context.study, slack=measurements.slack,
-                levers=levers,
-            )
+            evaluations, sampler = scores.score(study=context.study)
     skipped = [p for p in costs.untraced(context.precisions) if p not in over]
     context.log(
         f"search: {len(evaluations)} (precision, micro-batch) points by {sampler}, {sum(e.fits for e in evaluations)} fit the "
         f"model's budget" + (f"; {', '.join(skipped)} not traced (too slow to matter)" if skipped else "")
     )
     return evaluations, sampler
+
+
+class _Scores:
+    """The search's scores while tracing adds to the costs: scored again only when what they depend on changed."""
+
+    def __init__(self, context: PlanContext, costs: Costs, measurements: Measurements, *, levers: LeverSearch | None) -> None:
+        self.context, self.costs, self.measurements, self.levers = context, costs, measurements, levers
+        self.usable = measurements.usable_bytes()
+        self.usable_for = measurements.usable_by_precision()  # what the search scores each precision by
+        self.evaluations: list[Evaluation] = []
+        self.sampler = ""
+        self._scored_for: list | None = None
+
+    def update(self) -> list[Evaluation]:
+        """The levers' records the scores need, then the scores (again where tracing changed what they depend on)."""
+        self._add_lever_records()
+        key = self._depends_on()
+        if key != self._scored_for:
+            self._scored_for = key
+            with self.context.phase("search"):
+                self.evaluations, self.sampler = self.score(study=None)
+        return self.evaluations
+
+    def score(self, *, study) -> tuple[list[Evaluation], str]:
+        """Every (precision, micro-batch) point of the precisions traced (kept in ``study`` where given)."""
+        context, costs = self.context, self.costs
+        return score_space(
+            costs.model, precisions=_traced(context, costs), micro_batch_sizes=costs.micro_batch_sizes,
+            global_batch_size=context.global_batch_size, usable_bytes=self.usable_for, study=study, slack=self.measurements.slack,
+            levers=self.levers,
+        )
+
+    def _add_lever_records(self) -> None:
+        context, costs, levers = self.context, self.costs, self.levers
+        if levers is not None and levers.eight_bit is not None:
+            with context.phase("memory"):
+                add_eight_bit_state(context, costs)
+        if levers is not None and levers.loss_chunks > 1:
+            with context.phase("memory"):
+                add_loss_chunks(context, costs, chunks=levers.loss_chunks, usable_bytes=self.usable)
+        if levers is not None and levers.nf4 is not None:
+            with context.phase("memory"):
+                add_nf4_state(context, costs)
+
+    def _depends_on(self) -> list:
+        """What the scores depend on that tracing changes (a precision stored in the cache adds nothing)."""
+        memories = [(p, self.costs.model.precisions[p].memory) for p in _traced(self.context, self.costs)]
+        return [
+            (p, memory.recomputed, memory.has_chunks(), [t.levers.offloaded is not None for t in memory.traces() if t.levers])
+            for p, memory in memories
+        ]
+
+
+def _trace_what_could_win(context: PlanContext, costs: Costs, scores: _Scores, *, within: float, levers: LeverSearch | None) -> None:
+    """Trace the recomputations, then the offloading runs, of the points whose speed could still reach the
+    verification, scoring again after each, until none is left."""
+    while True:
+        # Recomputations first: the speed they make fit may leave offload nothing to win.
+        recomputations = needs_recomputations(costs, scores.evaluations, within=within)
+        offloads = []
+        if not recomputations and levers and levers.offload:
+            offloads = needs_offload(context, costs, scores.evaluations, within=within, usable_bytes=scores.usable)
+        if not offloads and not recomputations:
+            return
+        with context.phase("memory"):
+            for name in offloads:
+                trace_offload(context, costs, name, usable_bytes=scores.usable)
+            for name in recomputations:
+                add_recomputations(context, costs, name)
+        scores.update()
 
 
 def _weights_over_budget(context: PlanContext, measurements: Measurements) -> dict[str, int]:
@@ -599,7 +631,7 @@ def _plan_ranks(spec: ModelSpec, request: PlanRequest, *, progress: Progress) ->
     share = math.ceil(batch_size / world_size)
     check_rank_share(spec, global_batch_size=batch_size, share=share, world_size=world_size)
     # bf16 weights (with their masters on the host, or pure) train on one process only: not a rank's precisions.
-    one_process = (MASTER_WEIGHTS, PURE_BF16)
+    one_process = ONE_PROCESS_PRECISIONS
     if request.weights_dtype == "config" and spec.config_dtype == "bf16":
         raise UserError(
             f"--weights-dtype config keeps config.json's bf16 weights ({PURE_BF16}), which train on one process only; "

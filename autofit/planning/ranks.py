@@ -19,7 +19,8 @@ from autofit.errors import UserError
 from autofit.plan_file import Measured, MultiProcess, Plan, Predicted
 from autofit.config import TrainingConfig
 from autofit.planning.context import PlanContext
-from autofit.planning.verify.floor import InfeasibleBudget, floor_phases, sharded_floor
+from autofit.planning.bounds import rank_state
+from autofit.planning.verify.floor import RANK_HALF_PRECISIONS, InfeasibleBudget, floor_phases, sharded_floor
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.modelling import HALF_PRECISIONS, Costs, add_recomputations, add_speeds, rank_compute_memory, trace_full, weight_casts
 from autofit.planning.policy import POLICY
@@ -133,9 +134,10 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
     # A rank's share of the parameters and optimizer state: a lower bound of its persistent bytes at any peak (the
     # simulated breakdown counts FSDP2's gathered parameters as parameters too, which come and go).
     resident = measurements.resident_bytes // world_size
+    compute = rank_compute_memory(context, costs)
     candidates = _fsdp_candidates(
         context, costs, single=single, headroom=headroom, resident_bytes=resident, world_size=world_size, global_batch_size=global_batch_size,
-        compute=rank_compute_memory(context, costs),
+        compute=compute,
     )
     context.log(f"FSDP2: {sum(c.fits_estimate for c in candidates)} of {len(candidates)} per-rank configurations fit by the estimate; simulating")
     chosen, simulated, alternatives, rejected = _simulate_fastest(
@@ -145,10 +147,12 @@ def plan_fsdp(context: PlanContext, costs: Costs, *, world_size: int, global_bat
         # The one-process floor's --gpus advice prices the floor configuration (every block checkpointed) with its
         # forward/backward and step apart (the step's temporaries a 1/N share a rank); so does this refusal, or the
         # two name budgets far apart for one question (the step's fp32 copies counted as unsharded activations).
-        checkpointed = replace(smallest, checkpoint=costs.model.names(frozenset(range(len(costs.model.blocks)))))
+        every = frozenset(range(len(costs.model.blocks)))
+        checkpointed = replace(smallest, checkpoint=costs.model.names(every))
         raise _infeasible(
             context, single=single, smallest=smallest, headroom=headroom, world_size=world_size, global_batch_size=global_batch_size,
             nodes=nodes, phases=floor_phases(costs, checkpointed, state_bytes=persistent_bytes(single)),
+            half=_half_rank_floor(context, costs, compute, smallest=smallest, every=every),
         )
     candidate, measurement = chosen
     config = candidate.config
@@ -179,76 +183,100 @@ def _fsdp_candidates(
     but not always: simulated ranks of two small CNNs held 21% (8 GPUs) and 41% (64 GPUs) more than it; an 8B Llama
     on 8 GPUs 1.5% high, a 70B one on 64 8.5% high: bench/RESULTS.md).
     """
-    model = costs.model
-    state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
-    # Whole gradients, whatever the single process's peak held of them: its backward and its step hold them all.
-    state["gradients"] = max(state["gradients"], gradient_bytes(context.sim_spec))
-    with torch.device("meta"):
-        meta_model = context.sim_spec.build_model()
-    layout = fsdp_layout(meta_model, world_size=world_size)
-    compute_weights = held_weight_bytes(meta_model, cast=True) + sum(b.numel() * b.element_size() for b in meta_model.buffers())
-    usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / model.memory_scale
-    candidates = []
-    casts_of: dict[bool, tuple[list[int], int]] = {}
-
-    def casts_for(precision: str) -> tuple[list[int], int]:
-        # Autocast's copies are 2-byte ones under bf16 and fp16 alike (``weight_casts``): one fake forward for both.
-        half = precision in HALF_PRECISIONS
-        if half not in casts_of:
-            casts_of[half] = _casts_by_block(model.blocks, weight_casts(context, precision))
-        return casts_of[half]
-
-    for precision in context.precisions:
-        for size in costs.micro_batch_sizes:
-            steps = micro_batch_count(global_batch_size, world_size=world_size, micro_batch_size=size)
-            estimate = estimate_fsdp_peak_bytes(
-                parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
-                optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=layout,
-                world_size=world_size, precision=precision, grad_accum_steps=steps,
-            )
-            memory = model.precisions[precision].memory
-            segments, drops = memory.at(size, global_batch_size=context.global_batch_size)
-            # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
-            # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
-            # is gathered. Forward and backward keep the one-process segments, with the state swapped: what of it
-            # they hold (``_without_state``) for the rank's sharded part and the buffers.
-            _, step_peak = apart_from_step(segments)
-            lighter = estimate.buffer_bytes - estimate.forward_buffer_bytes
-            if compute is not None and precision in HALF_PRECISIONS:
-                # Their segments hold bf16 weights and no gradient or state (those go to the host as they come).
-                rank_segments, drops = compute.at(size, global_batch_size=context.global_batch_size)
-                rank_segments = _before_backward_lighter(compute, rank_segments, size, global_batch_size=context.global_batch_size, lighter=lighter)
-                backward, held = apart_from_step(rank_segments)[0], compute_weights
-            else:
-                backward, held = _without_state(memory, size, global_batch_size=context.global_batch_size, segments=segments, state=state)
-                backward, drops = _without_casts(backward, drops, casts_for(precision))
-            swap = estimate.peak_bytes - held
-            step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
-            choice = (
-                cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=usable - swap)
-                if step_bytes <= usable else None
-            )
-            every = frozenset(range(len(model.blocks)))
-            options = [(choice.blocks, True)] if choice is not None else []
-            if choice is None or choice.blocks != every:
-                # Every block too, among those the estimate says do not fit: the estimate is not always high, and
-                # where the simulation finds its choice too large, the least memory at this point may still fit.
-                options.append((every, False))
-            for blocks, fits_estimate in options:
-                config = TrainingConfig(
-                    global_batch_size=global_batch_size, micro_batch_size=size, precision=precision,
-                    checkpoint=model.names(blocks), world_size=world_size, sharding="fsdp",
-                )
-                candidates.append(_Candidate(
-                    samples_per_s=model.samples_per_s(precision, size, blocks), config=config,
-                    estimate_bytes=max(peak_of(backward, drops, blocks) * model.memory_scale + swap, step_bytes),
-                    fits_estimate=fits_estimate,
-                ))
+    shares = _RankShares(
+        context, costs, single=single, headroom=headroom, resident_bytes=resident_bytes, world_size=world_size,
+        global_batch_size=global_batch_size, compute=compute,
+    )
+    candidates = [c for precision in context.precisions for size in costs.micro_batch_sizes for c in shares.candidates(precision, size)]
     candidates.sort(key=lambda c: (
         not c.fits_estimate, -round(c.samples_per_s, 6) if c.fits_estimate else c.estimate_bytes,
         c.config.simplicity(),
     ))
     return candidates
+
+
+class _RankShares:
+    """One rank's share of every (precision, micro-batch) point: the FSDP2 estimate of its state and buffers, the
+    one-process segments with the state swapped for the rank's, and the cheapest checkpoint set that fits them."""
+
+    def __init__(
+        self, context: PlanContext, costs: Costs, *, single: dict, headroom: Headroom, resident_bytes: int, world_size: int,
+        global_batch_size: int, compute,
+    ) -> None:
+        self.context, self.model, self.compute = context, costs.model, compute
+        self.world_size, self.global_batch_size = world_size, global_batch_size
+        state = {key: single.get(key, 0) for key in ("parameters", "gradients", "optimizer_state")}
+        # Whole gradients, whatever the single process's peak held of them: its backward and its step hold them all.
+        state["gradients"] = max(state["gradients"], gradient_bytes(context.sim_spec))
+        self.state = state
+        with torch.device("meta"):
+            meta_model = context.sim_spec.build_model()
+        self.layout = fsdp_layout(meta_model, world_size=world_size)
+        self.compute_weights = held_weight_bytes(meta_model, cast=True) + sum(b.numel() * b.element_size() for b in meta_model.buffers())
+        self.usable = headroom.usable_bytes(persistent_bytes=resident_bytes) / self.model.memory_scale
+        self._casts_of: dict[bool, tuple[list[int], int]] = {}
+
+    def casts_for(self, precision: str) -> tuple[list[int], int]:
+        # Autocast's copies are 2-byte ones under bf16 and fp16 alike (``weight_casts``): one fake forward for both.
+        half = precision in HALF_PRECISIONS
+        if half not in self._casts_of:
+            self._casts_of[half] = _casts_by_block(self.model.blocks, weight_casts(self.context, precision))
+        return self._casts_of[half]
+
+    def candidates(self, precision: str, size: int) -> list[_Candidate]:
+        """The point with its cheapest fitting checkpoint set (when the estimate finds one), and with every block."""
+        model, state, world_size = self.model, self.state, self.world_size
+        steps = micro_batch_count(self.global_batch_size, world_size=world_size, micro_batch_size=size)
+        estimate = estimate_fsdp_peak_bytes(
+            parameter_bytes=state["parameters"], gradient_bytes=state["gradients"],
+            optimizer_state_bytes=state["optimizer_state"], activation_bytes=0, layout=self.layout,
+            world_size=world_size, precision=precision, grad_accum_steps=steps,
+        )
+        memory = model.precisions[precision].memory
+        segments, drops = memory.at(size, global_batch_size=self.context.global_batch_size)
+        # The optimizer step runs apart: a rank updates its shards, so the one-process step's temporaries above
+        # the whole state (a foreach step's fp32 copy of every parameter) are a 1/N share there, and no block
+        # is gathered. Forward and backward keep the one-process segments, with the state swapped: what of it
+        # they hold (``_without_state``) for the rank's sharded part and the buffers.
+        _, step_peak = apart_from_step(segments)
+        backward, drops, held = self.forward_and_backward(precision, size, memory, segments, drops, estimate=estimate)
+        swap = estimate.peak_bytes - held
+        step_bytes = estimate.state_bytes + max(step_peak * model.memory_scale - sum(state.values()), 0) / world_size
+        choice = (
+            cheapest_checkpoint(backward, drops, model.recompute_seconds(precision, size), limit_bytes=self.usable - swap)
+            if step_bytes <= self.usable else None
+        )
+        every = frozenset(range(len(model.blocks)))
+        options = [(choice.blocks, True)] if choice is not None else []
+        if choice is None or choice.blocks != every:
+            # Every block too, among those the estimate says do not fit: the estimate is not always high, and
+            # where the simulation finds its choice too large, the least memory at this point may still fit.
+            options.append((every, False))
+        return [
+            _Candidate(
+                samples_per_s=model.samples_per_s(precision, size, blocks),
+                config=TrainingConfig(
+                    global_batch_size=self.global_batch_size, micro_batch_size=size, precision=precision,
+                    checkpoint=model.names(blocks), world_size=world_size, sharding="fsdp",
+                ),
+                estimate_bytes=max(peak_of(backward, drops, blocks) * model.memory_scale + swap, step_bytes),
+                fits_estimate=fits_estimate,
+            )
+            for blocks, fits_estimate in options
+        ]
+
+    def forward_and_backward(self, precision: str, size: int, memory, segments, drops, *, estimate):
+        """(segments, drops, the weights they hold) of the rank's forward and backward, the state taken out."""
+        global_batch_size = self.context.global_batch_size
+        if self.compute is not None and precision in HALF_PRECISIONS:
+            # Their segments hold bf16 weights and no gradient or state (those go to the host as they come).
+            lighter = estimate.buffer_bytes - estimate.forward_buffer_bytes
+            rank_segments, drops = self.compute.at(size, global_batch_size=global_batch_size)
+            rank_segments = _before_backward_lighter(self.compute, rank_segments, size, global_batch_size=global_batch_size, lighter=lighter)
+            return apart_from_step(rank_segments)[0], drops, self.compute_weights
+        backward, held = _without_state(memory, size, global_batch_size=global_batch_size, segments=segments, state=self.state)
+        backward, drops = _without_casts(backward, drops, self.casts_for(precision))
+        return backward, drops, held
 
 
 def _before_backward_lighter(memory, segments: list[Segment], size: int, *, global_batch_size: int, lighter: float) -> list[Segment]:
@@ -352,8 +380,8 @@ def _fsdp_plan(
 ) -> Plan:
     config = candidate.config
     rank_batch_size = context.global_batch_size
-    return Plan(
-        **plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size),
+    basics = plan_basics(context, output_shape=costs.model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=global_batch_size)
+    return basics.plan(
         config=config,
         estimated=True,
         predicted=Predicted(
@@ -374,12 +402,39 @@ def _fsdp_plan(
     )
 
 
+def _half_rank_floor(
+    context: PlanContext, costs: Costs, compute, *, smallest: TrainingConfig, every: frozenset[int],
+) -> tuple[str, dict[str, int], tuple[int, int]] | None:
+    """(half precision, breakdown, phases) of the least configuration (``smallest``'s micro-batch, every block
+    checkpointed) as the one-process floor's --gpus advice prices a half precision's rank (``floor._gpus_advice``):
+    the fp32 state and its step counted from sizes (``bounds.rank_state``), the forward and backward of bf16 autocast
+    over bf16 weights (``compute``, bf16-master's traces) above those weights. None without those traces."""
+    half = next((p for p in context.precisions if p in RANK_HALF_PRECISIONS), None)
+    rank = rank_state(context) if compute is not None and half is not None else None
+    if rank is None:
+        return None
+    try:
+        segments, drops = compute.at(smallest.micro_batch_size, global_batch_size=context.global_batch_size)
+    except (KeyError, ValueError):
+        return None
+    meta = context.meta_model
+    weights = held_weight_bytes(meta, cast=True) + sum(b.numel() * b.element_size() for b in meta.buffers())
+    activations = max(int(peak_of(apart_from_step(segments)[0], drops, every) * costs.model.memory_scale) - weights, 0)
+    return half, rank.breakdown, (activations, rank.step_bytes)
+
+
 def _infeasible(
     context: PlanContext, *, single: dict, smallest: TrainingConfig, headroom: Headroom, world_size: int, global_batch_size: int,
-    nodes: int = 1, phases: tuple[int, int] | None = None,
+    nodes: int = 1, phases: tuple[int, int] | None = None, half: tuple[str, dict[str, int], tuple[int, int]] | None = None,
 ) -> InfeasibleBudget:
+    """The refusal of a budget no FSDP2 configuration was simulated to fit, with how many GPUs would (``sharded_floor``):
+    priced as a half precision's rank where ``half`` says how (the one-process advice's estimate, so that advice and
+    refusal name one budget), else from ``single``'s breakdown and ``phases``."""
+    precision, breakdown = smallest.precision, single
+    if half is not None:
+        precision, breakdown, phases = half
     sharded = sharded_floor(
-        context.sim_spec, breakdown=single, precision=smallest.precision, headroom=headroom,
+        context.sim_spec, breakdown=breakdown, precision=precision, headroom=headroom,
         micro_batch_size=smallest.micro_batch_size, global_batch_size=global_batch_size, phases=phases,
     )
     if sharded.gpus is not None and sharded.gpus > world_size and nodes > 1:
@@ -389,10 +444,14 @@ def _infeasible(
     elif sharded.gpus is not None:
         advice = "try more --gpus"
     else:
-        advice = (
-            f"more GPUs would not help (each still holds the activations and FSDP2's gathered blocks: "
-            f"{format_bytes(sharded.budget_bytes)} per GPU at the least, with --gpus {sharded.best_gpus}, estimated)"
-        )
+        need = f"with --gpus {sharded.best_gpus} each needs {format_bytes(sharded.budget_bytes)} per GPU, estimated"
+        if sharded.limit_bytes <= context.budget_bytes:  # the batch, not the bytes, stops more GPUs from fitting
+            advice = f"a batch of {global_batch_size} is split between {sharded.best_gpus} GPUs at most ({need}; more samples a step could go to more GPUs)"
+        else:
+            advice = (
+                f"more GPUs would not help (each still holds the activations and FSDP2's gathered blocks: "
+                f"{format_bytes(sharded.limit_bytes)} per GPU with any number of GPUs; {need})"
+            )
     return InfeasibleBudget(
         f"budget {format_bytes(context.budget_bytes)} per GPU is too small for a batch of {global_batch_size} on {world_size} GPUs"
         f"{f' ({nodes} nodes)' if nodes > 1 else ''}: "

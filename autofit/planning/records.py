@@ -4,7 +4,8 @@
 what the plan's meter (and the race, where one ran) said of a configuration; ``Verified`` is the chosen one,
 with both, and the memory model's calibration learnt while measuring (``memory_scale``), which the planner folds
 into the next cost model: the verification changes nothing it did not make. ``Unconstrained`` is the fastest
-configuration with no budget, for the speed ratio.
+configuration with no budget, for the speed ratio. ``VerifiedPoint`` is what verification measured of any
+configuration, for the plan's alternatives.
 """
 from __future__ import annotations
 
@@ -81,3 +82,28 @@ class Unconstrained:
             "precision": self.precision, "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
             "peak_bytes": self.peak_bytes, "peak_measured": self.peak_measured, "samples_per_s": self.samples_per_s,
         }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifiedPoint:
+    """What verification measured of one configuration, for the plan's alternatives (``Measurements.verified``)."""
+
+    fits: bool
+    """The measured peak and its headroom fit the budget (False: out of memory on the device)."""
+    measured_peak_bytes: int | None = None
+    """None: its peak was not measured (out of memory on the device)."""
+    measured_samples_per_s: float | None = None
+    """None: never timed."""
+    rejected: str | None = None
+    """Why verification rejected it (None: it did not)."""
+
+    def alternative_fields(self) -> dict:
+        """The fields an alternative of the plan adds from it: the measured peak and speed where the peak was
+        measured, and why it was rejected where it was."""
+        fields: dict = {}
+        if self.measured_peak_bytes is not None:
+            fields |= {"measured_peak_bytes": self.measured_peak_bytes, "measured_samples_per_s": self.measured_samples_per_s}
+        if self.rejected is not None:
+            fields["rejected"] = self.rejected
+        return fields
+

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from autofit.version import __version__
-from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
+from autofit.plan_file import DeviceInfo, Measured, ModelInfo, Plan, Predicted
 from autofit.planning.context import PlanContext
 from autofit.planning.costs import CostModel
 from autofit.planning.search.space import Evaluation
-from autofit.planning.records import Unconstrained, Verified
+from autofit.planning.records import Unconstrained, Verified, VerifiedPoint
 from autofit.spec import model_fingerprint
 from autofit.units import format_bytes
 
@@ -79,7 +79,7 @@ def write_plan(
     evaluations: list[Evaluation],
     unconstrained: Unconstrained | None,
     usable_bytes: float | dict[str, float],
-    verified: dict[str, dict],
+    verified: dict[str, VerifiedPoint],
 ) -> Plan:
     """The plan of the verified choice (``verify``'s result) on one process.
 
@@ -104,8 +104,8 @@ def write_plan(
     )
     if unconstrained is not None and unconstrained.samples_per_s and measurement.samples_per_s:
         measured.relative_to_unconstrained = measurement.samples_per_s / unconstrained.samples_per_s
-    return Plan(
-        **plan_basics(context, output_shape=model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size),
+    basics = plan_basics(context, output_shape=model.output_shape, micro_batch_size=config.micro_batch_size, global_batch_size=config.global_batch_size)
+    return basics.plan(
         config=config,
         estimated=context.simulate,
         predicted=Predicted(
@@ -118,26 +118,47 @@ def write_plan(
     )
 
 
-def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_size: int, global_batch_size: int) -> dict:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanBasics:
     """The fields every plan starts with: who wrote it, the model, its notes, the device and the budget."""
+
+    created_by: dict[str, str]
+    model: ModelInfo
+    notes: list[str]
+    device: DeviceInfo
+    budget_bytes: int
+    budget_kind: str
+    """"cuda-process" or "cpu-tracked" (``plan_file.BUDGET_KINDS``)."""
+    host_budget_bytes: int | None
+
+    def plan(self, **decision) -> Plan:
+        """The plan of these fields and ``decision``'s (its configuration, what was predicted and measured, ...)."""
+        return Plan(
+            created_by=self.created_by, model=self.model, notes=self.notes, device=self.device, budget_bytes=self.budget_bytes,
+            budget_kind=self.budget_kind, host_budget_bytes=self.host_budget_bytes, **decision,
+        )
+
+
+def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_size: int, global_batch_size: int) -> PlanBasics:
+    """The fields every plan starts with (``PlanBasics``)."""
     model_info = _model_info(context, output_shape=output_shape)
     notes = batch_norm_notes(model_info, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
     if context.host_budget_note.startswith("assumed"):
         notes.append(f"host memory {format_bytes(context.host_budget_bytes)}: {context.host_budget_note}")
-    return {
-        "created_by": {"autofit": __version__, "torch": torch.__version__},
-        "model": model_info,
-        "notes": notes,
-        "device": context.info,
-        "budget_bytes": context.budget_bytes,
-        "budget_kind": "cuda-process" if context.device == "cuda" else "cpu-tracked",
-        "host_budget_bytes": context.host_budget_bytes,
-    }
+    return PlanBasics(
+        created_by={"autofit": __version__, "torch": torch.__version__},
+        model=model_info,
+        notes=notes,
+        device=context.info,
+        budget_bytes=context.budget_bytes,
+        budget_kind="cuda-process" if context.device == "cuda" else "cpu-tracked",
+        host_budget_bytes=context.host_budget_bytes,
+    )
 
 
 def _alternatives(
     context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: Verified, usable_bytes: float | dict[str, float],
-    verified: dict
+    verified: dict[str, VerifiedPoint],
 ) -> list[dict]:
     """The Pareto front (less memory, more samples/s) of every configuration the search scored.
 
@@ -161,9 +182,9 @@ def _alternatives(
         # Chosen by measurement though the model ranked it lower: list it with the front.
         front.append((config, chosen.candidate.predicted_peak_bytes, chosen.candidate.predicted_samples_per_s))
         front.sort(key=lambda p: (p[1], -p[2]))
-    measured_chosen = {
-        "measured_peak_bytes": chosen.measurement.peak_bytes, "measured_samples_per_s": chosen.measurement.samples_per_s, "fits": True,
-    }
+    measured_chosen = VerifiedPoint(
+        fits=True, measured_peak_bytes=chosen.measurement.peak_bytes, measured_samples_per_s=chosen.measurement.samples_per_s,
+    )
     chosen_key = config.key()
     alternatives = []
     for config, peak, speed in front:
@@ -183,17 +204,17 @@ def _alternatives(
             "fits_budget": peak * model.memory_scale <= (usable_bytes[config.precision] if isinstance(usable_bytes, dict) else usable_bytes),
             "chosen": is_chosen,
         }
+        if is_chosen:  # the plan's own prediction (its levers priced as every row's are), not the point it came from
+            entry["predicted_samples_per_s"] = chosen.candidate.predicted_samples_per_s
         measured = measured_chosen if is_chosen else verified.get(key)
-        if measured:
-            entry["fits_budget"] = measured["fits"]
-            for field_name in ("measured_peak_bytes", "measured_samples_per_s", "rejected"):
-                if field_name in measured:
-                    entry[field_name] = measured[field_name]
+        if measured is not None:
+            entry["fits_budget"] = measured.fits
+            entry |= measured.alternative_fields()
         alternatives.append(entry)
     return alternatives
 
 
-def _model_info(context: PlanContext, *, output_shape: list[int]) -> dict:
+def _model_info(context: PlanContext, *, output_shape: list[int]) -> ModelInfo:
     model = context.meta_model
     options = dict(context.spec.source_options)  # what else rebuilds it (hf: task, seq_len; torchvision, timm: num_classes)
     given = options.pop("num_classes", None)

@@ -238,8 +238,7 @@ def export_weights(
             whose package is not installed, or ``out`` naming the weights file.
     """
     from autofit.atomic import check_writable
-    from autofit.tools.evaluate import class_names, evaluate, input_shape_of, load_model_for_eval
-    from autofit.training.images import image_folder
+    from autofit.tools.evaluate import evaluate, load_model_for_eval
 
     if config.format == "onnx":
         _require_onnx()
@@ -249,14 +248,7 @@ def export_weights(
         raise UserError(f"--out {str(out)!r} is the weights file itself; choose another path")
     checkpoint, model, spec = load_model_for_eval(weights)
     check_writable(out, option="--out")
-    try:
-        shape = input_shape_of(checkpoint, spec)
-    except UserError:  # not an image model: its own example inputs (a tuple, a dict) give the file's input form
-        if data is not None:
-            raise
-        shape = None
-    dataset = image_folder(data, input_shape=shape, classes=class_names(checkpoint)) if data is not None else None
-    example = torch.zeros(2, *shape) if shape else spec.example_batch(2)[0]
+    example, dataset = _example_and_data(checkpoint, spec, data)
     notes: list[str] = []
 
     def accuracy(predict) -> float | None:
@@ -266,10 +258,7 @@ def export_weights(
 
     accuracy_before = accuracy(model)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".autofit-export-") as scratch:
-        baseline = save_model(model, example, Path(scratch) / ("baseline" + _SUFFIXES[config.format]), file_format=config.format)
-        size_before, gzip_before = baseline.stat().st_size, _gzip_size(baseline)
-
+    size_before, gzip_before = _baseline_sizes(model, example, scratch_in=out.parent, file_format=config.format)
     prunable_weights = sum(module.weight.numel() for module, _ in prunable(model))
     sparsity = prune_global_l1(model, config.prune_amount)
     if config.prune_amount > 0 and not prunable_weights:
@@ -300,6 +289,33 @@ def export_weights(
         accuracy_after=accuracy_after,
         notes=notes,
     )
+
+
+def _example_and_data(checkpoint: dict, spec, data: str | Path | None):
+    """(an example input for the exported file, the validation images or None).
+
+    Raises:
+        UserError: ``data`` given for a model that does not take images, or a folder that is not one.
+    """
+    from autofit.tools.evaluate import class_names, input_shape_of
+    from autofit.training.images import image_folder
+
+    try:
+        shape = input_shape_of(checkpoint, spec)
+    except UserError:  # not an image model: its own example inputs (a tuple, a dict) give the file's input form
+        if data is not None:
+            raise
+        shape = None
+    dataset = image_folder(data, input_shape=shape, classes=class_names(checkpoint)) if data is not None else None
+    example = torch.zeros(2, *shape) if shape else spec.example_batch(2)[0]
+    return example, dataset
+
+
+def _baseline_sizes(model: torch.nn.Module, example, *, scratch_in: Path, file_format: str) -> tuple[int, int]:
+    """Bytes of the model exported as it is, plain and gzipped (written in a scratch folder beside the output)."""
+    with tempfile.TemporaryDirectory(dir=scratch_in, prefix=".autofit-export-") as scratch:
+        baseline = save_model(model, example, Path(scratch) / ("baseline" + _SUFFIXES[file_format]), file_format=file_format)
+        return baseline.stat().st_size, _gzip_size(baseline)
 
 
 def format_report(report: ExportReport) -> str:

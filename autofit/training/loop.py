@@ -310,42 +310,12 @@ def _train_run(
     """``train`` in its held log dir: start or resume, apply the plan, open the log, train the epochs."""
     log_dir = settings.log_dir
     fingerprint = model_fingerprint(model)  # of the model as built: apply_plan may wrap it
-    fingerprint_now = data_fingerprint(
-        settings.sources.get("data"), samples={"train": len(data.train), "val": len(data.val) if data.val is not None else 0},
-        log_dir=log_dir,
-    )
-    if settings.resume:
-        saved = load_resume_state(log_dir / "last.pt", model)
-        position = saved["training"]["position"]
-        saved_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
-        settings = settings.for_resume(saved.get("settings") or {}, global_step=position["global_step"])
-        check_same_plan(plan, saved_plan, where=log_dir)
-        plan = saved_plan
-        changed = check_same_data(
-            settings.sources.get("data_fingerprint"), fingerprint_now, changed_ok=settings.data_changed, where=log_dir,
-            data=settings.sources.get("data"),
-        )
-        if changed is not None and settings.verbose and is_rank0():
-            print(settings.spell(changed), flush=True)
-    else:
-        if is_rank0():
-            start_fresh(log_dir, overwrite=settings.overwrite)
-        saved, settings = None, settings.for_new_run()
-    # The data as this run (from now on) trains on it: what a later resume compares with.
-    settings = dataclasses.replace(settings, sources={**settings.sources, "data_fingerprint": fingerprint_now})
+    start = _start_or_resume(model, plan, data=data, settings=settings)
+    plan, saved, settings = start.plan, start.saved, start.settings
     applied = apply_plan(model, plan)
     check_data_batches(applied, data, loss_fn=loss_fn)  # before step 1: data the model cannot take is one line
     optimizer = applied.build_optimizer(build_optimizer)
-    if settings.lr:
-        for group in optimizer.param_groups:
-            if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it as a tensor
-                group["lr"].fill_(settings.lr)
-            else:
-                group["lr"] = settings.lr
-    steps_per_epoch = math.ceil(len(data.train) / plan.config.global_batch_size)
-    scheduler = lr_schedule(
-        optimizer, kind=settings.schedule, warmup_steps=settings.warmup_steps, total_steps=steps_per_epoch * settings.epochs,
-    )
+    scheduler = _schedule(optimizer, settings, steps_per_epoch=math.ceil(len(data.train) / plan.config.global_batch_size))
     # Each rank draws its own dropout masks; rank 0 (the only one on one device) those of the seed.
     torch.manual_seed(settings.seed + applied.env.rank)
     checkpoints = RunCheckpoints(
@@ -387,12 +357,70 @@ def _train_run(
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RunStart:
+    """Where a run starts: its plan (a resumed run's own), its last.pt's state (None: a new run), its settings."""
+
+    plan: Plan
+    saved: dict | None
+    settings: TrainSettings
+
+
+def _start_or_resume(model: nn.Module, plan: Plan, *, data: TrainData, settings: TrainSettings) -> _RunStart:
+    """A resumed run's state, plan and settings, checked against what was asked; or a fresh log dir.
+
+    Raises:
+        UserError: the plan or the data differ from the run's (as ``check_same_plan`` and ``check_same_data``).
+    """
+    log_dir = settings.log_dir
+    fingerprint_now = data_fingerprint(
+        settings.sources.get("data"), samples={"train": len(data.train), "val": len(data.val) if data.val is not None else 0},
+        log_dir=log_dir,
+    )
+    if settings.resume:
+        saved = load_resume_state(log_dir / "last.pt", model)
+        position = saved["training"]["position"]
+        saved_plan = plan_from_dict(saved["plan"], where=f"the plan saved in {log_dir / 'last.pt'}")
+        settings = settings.for_resume(saved.get("settings") or {}, global_step=position["global_step"])
+        check_same_plan(plan, saved_plan, where=log_dir)
+        plan = saved_plan
+        changed = check_same_data(
+            settings.sources.get("data_fingerprint"), fingerprint_now, changed_ok=settings.data_changed, where=log_dir,
+            data=settings.sources.get("data"),
+        )
+        if changed is not None and settings.verbose and is_rank0():
+            print(settings.spell(changed), flush=True)
+    else:
+        if is_rank0():
+            start_fresh(log_dir, overwrite=settings.overwrite)
+        saved, settings = None, settings.for_new_run()
+    # The data as this run (from now on) trains on it: what a later resume compares with.
+    settings = dataclasses.replace(settings, sources={**settings.sources, "data_fingerprint": fingerprint_now})
+    return _RunStart(plan=plan, saved=saved, settings=settings)
+
+
+def _schedule(optimizer: torch.optim.Optimizer, settings: TrainSettings, *, steps_per_epoch: int):
+    """The learning rate ``settings`` ask for (``--lr`` over the optimizer's own), and its schedule over the run."""
+    if settings.lr:
+        for group in optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it as a tensor
+                group["lr"].fill_(settings.lr)
+            else:
+                group["lr"] = settings.lr
+    return lr_schedule(
+        optimizer, kind=settings.schedule, warmup_steps=settings.warmup_steps, total_steps=steps_per_epoch * settings.epochs,
+    )
+
+
 def _train_epochs(
     applied: AppliedPlan, *, data: TrainData, loss_fn: Callable, optimizer: torch.optim.Optimizer, scheduler, plan: Plan,
     state: RunState, checkpoints: RunCheckpoints, log: RunLog | SilentRunLog, console: RunConsole, gauge: MemoryGauge,
     watch: BudgetWatch, stop: StopRequest, settings: TrainSettings, speed: StepSpeed,
 ) -> tuple[bool, Plan]:
     """The epochs from ``state``'s position on: steps over global batches, then validation and last.pt (best.pt).
+
+    Longer than the package's other functions on purpose: it is the training loop, read top to bottom as one ordered
+    story (an epoch's loader, each step and what follows it, then the epoch's end), as nanoGPT's and torchtune's are.
 
     Returns:
         True when the last epoch ended, False when ``settings.max_steps`` stopped the run first; and the plan the

@@ -94,19 +94,27 @@ def run_training(
             model, plan=plan, data=data, loss_fn=loss_fn, build_optimizer=build_optimizer, model_source=model_source,
             settings=settings,
         )
-    if not result.trained:  # a finished run resumed: its hf/ stays as it is
-        return result
+    if result.trained:  # a finished run resumed: its hf/ stays as it is
+        _save_for_transformers(model, result, pretrained_dir=pretrained_dir, verbose=settings.verbose)
+    return result
+
+
+def _save_for_transformers(model: nn.Module, result: TrainResult, *, pretrained_dir: Path | None, verbose: bool) -> None:
+    """hf/ beside the weights (``hf_export``), where the model is a transformers one.
+
+    Raises:
+        UserError: the disk is full.
+    """
     try:
         saved = save_for_transformers(model, log_dir=result.log_dir, tokenizer_dir=pretrained_dir, merge=result.merge)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise UserError(disk_full_line(error, result.log_dir)) from None
-    if saved is not None and settings.verbose and is_rank0():
+    if saved is not None and verbose and is_rank0():
         print(f"saved for transformers: {saved} (from_pretrained loads it)", flush=True)
         if result.merge:
             print(f"saved merged: {saved / 'merged'} (the adapters merged into the base; from_pretrained loads it alone)", flush=True)
-    return result
 
 
 def with_clipping(plan: Plan, max_grad_norm: float | None, *, resume: bool, where) -> Plan:

@@ -136,6 +136,33 @@ class BiasedLM(PreNormLM):
         return self.head(self.norm(x))
 
 
+class SharedLayerLM(nn.Module):
+    """ALBERT-style: one pre-norm block called ``CALLS`` times in every forward, its weights shared across depth."""
+
+    VOCAB, SEQ_LEN, DIM, CALLS = PreNormLM.VOCAB, PreNormLM.SEQ_LEN, PreNormLM.DIM, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.VOCAB, self.DIM)
+        self.layer = PreNormBlock(self.DIM, 2, causal=True)
+        self.norm = nn.LayerNorm(self.DIM)
+        self.head = nn.Linear(self.DIM, self.VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        x = self.embed(tokens)
+        for _ in range(self.CALLS):
+            x = self.layer(x)
+        return self.head(self.norm(x))
+
+
+def shared_layer_spec() -> ModelSpec:
+    """``SharedLayerLM`` with AdamW's foreach kernels (as the memory grid's layouts, ``tests.helpers.planning.grid_spec``)."""
+    return ModelSpec(
+        source="tests:SharedLayerLM", build_model=SharedLayerLM, example_batch=_tokens, loss_fn=_token_loss,
+        build_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+    )
+
+
 class TinyViT(nn.Module):
     """ViT-style: patches, a class token, pre-norm blocks with LayerNorm in a Sequential."""
 

@@ -134,3 +134,14 @@ def two_towers_spec() -> ModelSpec:
         source="tests:TwoTowers", build_model=TwoTowers, example_batch=example_batch, loss_fn=in_batch_loss,
         build_optimizer=default_optimizer,
     )
+
+
+def chosen_row(plan) -> dict:
+    """The plan's own row of its alternatives table."""
+    return next(row for row in plan.alternatives if row["chosen"])
+
+
+def fastest_fitting_row(plan) -> dict:
+    """The row of a plan's alternatives table that its own numbers make the fastest that fits (the first on a tie)."""
+    fitting = [row for row in plan.alternatives if row["fits_budget"]]
+    return max(fitting, key=lambda row: row.get("measured_samples_per_s") or row["predicted_samples_per_s"])

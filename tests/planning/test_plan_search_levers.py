@@ -6,7 +6,7 @@ import torch
 
 from autofit.config import TrainingConfig
 from autofit.measure.probe import probe, probe_plan
-from autofit.commands.plan import summary_lines
+from autofit.planning.summary import summary_lines
 from autofit.measure.optimizer_speed import UpdateCost
 from autofit.planning import lever_timings as levers
 from autofit.planning.speed.levers import UpdateTime

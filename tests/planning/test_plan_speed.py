@@ -125,7 +125,7 @@ def test_a_busy_machine_ties_speeds_within_its_wider_band():
 
 
 def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
-    from autofit.commands.plan import _timing_lines
+    from autofit.planning.summary import _timing_lines
     from autofit.planning.context import plan_context
 
     context = plan_context(
@@ -490,7 +490,7 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
     twice as slow: priced against the old plain step, recompute looked far dearer than it is (and full and
     selective lost their order once clamped). The plain step timed beside them gives each its own price."""
     from autofit.planning.costs import SpeedCosts
-    from autofit.planning.speed.measured import _measure_recompute
+    from autofit.planning.speed.measured import StepParts, _measure_recompute
     from strategies import checkpoint_candidates
 
     spec = mixed_spec()
@@ -501,7 +501,7 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
     def one_step(applied, inputs, targets):
         flags = [(getattr(m, "_autofit_checkpointed", False), getattr(m, "_autofit_selective", False)) for m in applied.model.modules()]
         seconds = 1.25 if any(f for f, _ in flags) else 1.1 if any(s for _, s in flags) else 1.0
-        return None, 2.0 * seconds  # twice the load the speed model was timed under
+        return StepParts(0.0, 2.0 * seconds, [])  # twice the load the speed model was timed under
 
     results = {"fp32": SpeedCosts(
         sizes=[4], step_seconds=[1.0], forward_seconds=[0.4], block_seconds=[[0.1, 0.1, 0.05]], optimizer_seconds=0.0,

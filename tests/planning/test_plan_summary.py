@@ -4,11 +4,11 @@ from types import SimpleNamespace
 import pytest
 
 from autofit.config import TrainingConfig
-from autofit.commands.plan import summary_lines
+from autofit.planning.summary import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.search.space import Evaluation
 from autofit.planning.report import PlanReport, _alternatives
-from autofit.planning.records import Candidate, Measurement, Verified
+from autofit.planning.records import Candidate, Measurement, Verified, VerifiedPoint
 
 CHOSEN = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=("b0",))
 
@@ -30,8 +30,8 @@ def alternatives() -> list[dict]:
         Evaluation(config=point("fp32", 8), plain_peak_bytes=400, plain_samples_per_s=30.0),
     ]
     verified = {
-        "fp32:2:": {"measured_peak_bytes": 110, "measured_samples_per_s": 9.0, "fits": True},
-        "fp32:4:": {"measured_peak_bytes": 260, "measured_samples_per_s": None, "fits": False, "rejected": "measured peak 260 B does not fit"},
+        "fp32:2:": VerifiedPoint(measured_peak_bytes=110, measured_samples_per_s=9.0, fits=True),
+        "fp32:4:": VerifiedPoint(measured_peak_bytes=260, fits=False, rejected="measured peak 260 B does not fit"),
     }
     chosen = Verified(
         candidate=Candidate(config=CHOSEN, predicted_peak_bytes=150, predicted_samples_per_s=15.0),
@@ -144,4 +144,20 @@ def test_a_plan_states_what_it_assumes_of_the_training_machine_before_it_traces(
     said = next(i for i, line in enumerate(lines) if "assuming" in line)
     assert said < next(i for i, line in enumerate(lines) if "tracing" in line)
     assert "assuming simulated RTX 3090 with 24.00 GiB; host memory 64.00 GiB (--host-memory);" in lines[said]
-    assert "host update rate 2e+09 parameter elements/s (--host-speed)" in lines[said]
+    assert "host update rate at --host-speed 2e+09 elements/s, the training machine's host as given" in lines[said]
+
+
+@pytest.mark.parametrize(("choices", "why"), [
+    ({}, "gradients 0 B (none alive at the peak)"),
+    ({"optimizer_in_backward": True}, "gradients 0 B (each freed as its parameter steps in backward)"),
+    ({"precision": "bf16-master"}, "optimizer state 0 B (on the host)"),
+])
+def test_a_kind_at_0_b_at_the_peak_says_why(choices, why):
+    """#48: "gradients 0 B" in a full fine-tune read as a mistake: the breakdown is taken at the peak, and says so."""
+    plan = Plan(
+        budget_bytes=300, config=TrainingConfig(global_batch_size=8, micro_batch_size=8, **choices),
+        predicted=Predicted(peak_bytes=150, samples_per_s=1.0),
+        measured=Measured(peak_bytes=140, meter="cpu", breakdown={"parameters": 100, "gradients": 0, "optimizer_state": 0}),
+    )
+    lines = [" ".join(line.split()) for line in summary_lines(PlanReport(plan=plan))]
+    assert why in lines, lines

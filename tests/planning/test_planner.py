@@ -504,7 +504,7 @@ def test_measured_plan_with_selective_candidates_fits(chain_model, run_cli, tmp_
 
 
 def test_selective_blocks_are_in_the_configuration_key_and_the_timed_steps():
-    from autofit.commands.plan import _config_text
+    from autofit.planning.summary import config_text
     from autofit.config import TrainingConfig
 
     plain = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=["layers.0"])
@@ -513,9 +513,9 @@ def test_selective_blocks_are_in_the_configuration_key_and_the_timed_steps():
     )
     assert plain.key() == "bf16:4:layers.0"  # stored measurements keep their keys
     assert mixed.key() == "bf16:4:layers.0:layers.1,layers.2"
-    assert _config_text(plain.key()) == "bf16, micro-batch 4, checkpoint layers.0"
-    assert _config_text(mixed.key()) == "bf16, micro-batch 4, checkpoint layers.0, selective checkpoint layers.1, layers.2"
-    assert _config_text("fp32:2:") == "fp32, micro-batch 2, checkpoint none"
+    assert config_text(plain.key()) == "bf16, micro-batch 4, checkpoint layers.0"
+    assert config_text(mixed.key()) == "bf16, micro-batch 4, checkpoint layers.0, selective checkpoint layers.1, layers.2"
+    assert config_text("fp32:2:") == "fp32, micro-batch 2, checkpoint none"
     assert mixed.checkpoint == ("layers.0",) and mixed.selective_checkpoint == ("layers.1", "layers.2")
 
 

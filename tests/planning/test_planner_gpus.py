@@ -234,9 +234,13 @@ def test_bad_gpu_counts_are_one_line(spec):
 
 
 def test_a_budget_too_small_even_when_sharded_says_so(spec):
-    with pytest.raises(InfeasibleBudget, match=r"per GPU is too small for a batch of 8 on 2 GPUs") as error:
+    """Below what the activations and gathered blocks need on any number of GPUs, the refusal says more GPUs would not
+    help, and it is true (#48): twice the GPUs at the same budget are refused the same way."""
+    with pytest.raises(InfeasibleBudget, match=r"per GPU is too small for a batch of 8 on 2 GPUs.*more GPUs would not help") as error:
         _plan(spec, budget=200_000, gpus=GPUS)
     assert "\n" not in str(error.value)
+    with pytest.raises(InfeasibleBudget, match=r"per GPU is too small for a batch of 8 on 4 GPUs.*more GPUs would not help"):
+        _plan(spec, budget=200_000, gpus=2 * GPUS)
 
 
 @pytest.mark.slow  # a torchrun launch: 13 s of CPU, over 20 s on a busy machine
@@ -338,3 +342,65 @@ def test_the_gpus_a_one_process_refusal_names_plan_when_followed(spec, floor):
     gpus = int(re.search(r"or --gpus (\d+)", str(floor)).group(1))
     report = _plan(spec, budget=10**6, gpus=gpus)
     assert report.plan.config.world_size == gpus and report.plan.budget_bytes == 10**6
+
+
+WIDE_FILE = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4096, 4096)
+
+    def forward(self, x):  # (B, 4096)
+        return x + F.gelu(self.fc(x))
+
+
+def build_model():
+    return nn.Sequential(*(Block() for _ in range(8)), nn.Linear(4096, 4))
+
+
+def example_batch(n):
+    return torch.randn(n, 4096), torch.randint(0, 4, (n,))
+'''
+"""8 blocks of 4096 x 4096 in fp32: 0.5 GiB of weights, 2 GiB with their gradients and AdamW state, little activation;
+planned for a simulated 24 GiB GPU, whose headroom alone is about 1.3 GiB."""
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wide") / "wide.py"
+    path.write_text(WIDE_FILE)
+    return load_spec(str(path))
+
+
+def _plan_wide(spec, *, budget, gpus):
+    request = dict(batch_size=8, precisions=("bf16", "bf16-master"), simulate=True, device="cuda", device_memory="24GiB", cache=False)
+    return make_plan(spec, PlanRequest(budget=budget, gpus=gpus, **request))
+
+
+def _budget(text: str) -> int:
+    number, unit = text.split()
+    return round(float(number) * {"MiB": 2**20, "GiB": 2**30}[unit])
+
+
+@pytest.mark.slow  # plans on one simulated GPU, then on several: tens of seconds
+def test_the_gpus_advice_of_a_bf16_master_floor_plans_when_followed(wide):
+    """#48: one process's floor is bf16-master (bf16 weights, the state on the host), which ranks cannot train in;
+    its --gpus advice prices the ranks the multi-GPU planner makes (fp32 state sharded, bf16 compute), so followed at
+    the budget it names, it plans, and the refusal below it names the same budget. Priced with the floor's own bytes,
+    it left out the state (1.52 GiB named, refused there)."""
+    with pytest.raises(InfeasibleBudget, match="bf16-master") as refused:
+        _plan_wide(wide, budget="1.5GiB", gpus=1)
+    advice = re.search(r"--gpus (\d+) would need a budget of ([\d.]+ [MG]iB) per GPU", str(refused.value))
+    assert advice, refused.value
+    gpus, budget = int(advice.group(1)), _budget(advice.group(2))
+    plan = _plan_wide(wide, budget=budget, gpus=gpus)
+    assert plan.config.world_size == gpus and plan.config.sharding == "fsdp"
+    # Below it, the refusal on those GPUs names the advice's budget again: one estimate for one question.
+    with pytest.raises(InfeasibleBudget) as below:
+        _plan_wide(wide, budget="1.5GiB", gpus=gpus)
+    assert f"with --gpus {gpus} each needs {advice.group(2)} per GPU" in str(below.value), below.value

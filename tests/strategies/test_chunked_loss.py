@@ -88,9 +88,16 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_in_one_line():
 
 
 def test_loss_chunks_must_be_a_whole_number_from_one():
+    """Built in Python, the error names the keyword the caller passed (#48: it said --loss-chunks); the command line
+    keeps the flag (``keywords.command_line``)."""
+    from autofit.keywords import command_line
+
     for bad in (0, -2, 2.5, True):
-        with pytest.raises(UserError, match="--loss-chunks"):
+        with pytest.raises(UserError, match=rf"^loss_chunks={bad!r} must be a whole number") as error:
             TrainingConfig(global_batch_size=2, micro_batch_size=2, loss_chunks=bad)
+        assert "--" not in str(error.value)
+    with command_line(), pytest.raises(UserError, match=r"^--loss-chunks 0 must be a whole number"):
+        TrainingConfig(global_batch_size=2, micro_batch_size=2, loss_chunks=0)
     config = TrainingConfig(global_batch_size=2, micro_batch_size=2, loss_chunks=8)
     assert config.levers() == "loss-chunks=8" and "loss-chunks=8" in config.key()
 

@@ -48,7 +48,7 @@ def test_pure_bf16_holds_weights_and_state_in_bf16():
 
 
 def test_pure_bf16_needs_adamw_and_one_device():
-    with pytest.raises(UserError, match="leave --optimizer-state at device"):
+    with pytest.raises(UserError, match="leave optimizer_state at device"):
         TrainingConfig(global_batch_size=8, micro_batch_size=8, precision="bf16-pure", optimizer_state="host")
     model = layout_specs()["cnn"].build_model()
     applied = apply_config(model, TrainingConfig(global_batch_size=8, micro_batch_size=8, precision="bf16-pure"), device="cpu")

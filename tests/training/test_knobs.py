@@ -60,7 +60,7 @@ def test_clipping_rules_out_the_step_in_backward():
     )
     with pytest.raises(UserError, match=r"optimizer step in backward cannot clip gradients"):
         TrainingConfig(global_batch_size=8, micro_batch_size=8, optimizer_in_backward=True, max_grad_norm=1.0)
-    with pytest.raises(UserError, match=r"--max-grad-norm -1.0 must be a positive finite number"):
+    with pytest.raises(UserError, match=r"max_grad_norm=-1.0 must be a positive finite number"):
         TrainingConfig(global_batch_size=8, micro_batch_size=8, max_grad_norm=-1.0)
 
 

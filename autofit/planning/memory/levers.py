@@ -243,6 +243,36 @@ def _higher(peaks: list[int] | None, levels: list[int]) -> list[int]:
     return levels if peaks is None else [max(a, b) for a, b in zip(peaks, levels)]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SavedStorage:
+    """A storage saved for backward in the forward (``LeverTrace.items``)."""
+
+    micro: int
+    """The traced micro-step it was saved in."""
+    bytes: float
+    """Its bytes (0 when a small saved tensor keeps it on the device)."""
+    holders: list[int]
+    """The blocks that saved it."""
+    outside: bool
+    """An op outside the blocks saved it."""
+    inputs_of: list[int]
+    """The holders it is an input of (a checkpoint keeps it)."""
+    policy: bool
+    """Made by an op selective checkpointing keeps."""
+    ordinal: list[int]
+    """[the micro-step it was made in, how many device storages that one made before it]: the same tensor in
+    another trace of the same step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SizedStorage(SavedStorage):
+    """A saved storage at one micro-batch size (``lever_segments``), with where the all-offloaded trace freed it."""
+
+    freed_in: list | None = None
+    """[the segment position where the all-offloaded trace freed it, whether before anything grew there]; None:
+    never, or offload not traced."""
+
+
 _structure_keys: dict[int, tuple[weakref.ref, str]] = {}
 """``LeverTrace.structure_key`` by the trace's id: a weak reference to it (the entry goes with it) and its key."""
 
@@ -274,12 +304,8 @@ class LeverTrace:
     """[peak, peak less gradients] past the segment's opening and before backward begins in it (None: nothing grew)."""
     afters: list[list[int] | None]
     """Where backward begins inside the segment: [peak, peak less gradients] after that; else None."""
-    items: list[dict]
-    """Storages saved for backward in the forward: {"micro", "bytes" (0 when a small saved tensor keeps it on
-    the device), "holders" (the blocks that saved it), "outside" (an op outside the blocks saved it),
-    "inputs_of" (the holders it is an input of: a checkpoint keeps it), "policy" (made by an op selective
-    checkpointing keeps), "ordinal" ([the micro-step it was made in, how many device storages that one made
-    before it]: the same tensor in another trace of the same step)}."""
+    items: list[SavedStorage]
+    """Storages saved for backward in the forward, in the order the step made them."""
     state_bytes: int = 0
     """The optimizer's state on the device (every trainable parameter's)."""
     step_temporaries: list[int] = field(default_factory=list)
@@ -300,7 +326,7 @@ class LeverTrace:
         return (
             self.position, self.micro, self.forward_of, self.backward_of, self.in_backward,
             [[step[0] for step in steps] for steps in self.steps], [r is None for r in self.rests], [a is None for a in self.afters],
-            [(i["micro"], i["holders"], i["outside"], i["inputs_of"], i["policy"]) for i in self.items],
+            [(i.micro, i.holders, i.outside, i.inputs_of, i.policy) for i in self.items],
             None if self.offloaded is None else [[step[0] for step in steps] for steps in self.offloaded["steps"]],
         )
 
@@ -344,11 +370,10 @@ def lever_trace(recorder: LeverRecord | None, marks: list[tuple], peaks: list[in
     # In the order the step made them (a trace expanded from shorter ones, ``memory.repeats``, lists them so too).
     for (micro, _), item in sorted(recorder.items.items(), key=lambda entry: (entry[0][0], entry[1]["ordinal"])):
         if micro in (FIRST_MICRO, LATER_MICRO) and item["holders"]:
-            trace.items.append({
-                "micro": micro, "bytes": 0 if item["small"] else item["bytes"], "holders": sorted(item["holders"]),
-                "outside": item["outside"], "inputs_of": sorted(item["inputs_of"]), "policy": item["policy"],
-                "ordinal": item["ordinal"],
-            })
+            trace.items.append(SavedStorage(
+                micro=micro, bytes=0 if item["small"] else item["bytes"], holders=sorted(item["holders"]),
+                outside=item["outside"], inputs_of=sorted(item["inputs_of"]), policy=item["policy"], ordinal=item["ordinal"],
+            ))
     trace.state_bytes, trace.step_temporaries = optimizer_bytes(spec, device_type=device_type)
     return trace
 
@@ -369,7 +394,7 @@ def with_offloaded(trace, raw):
     if positions != plain:
         return trace
     # The same tensors are made in the same order in both forwards: a saved storage is known by its ordinal.
-    found["freed_in"] = [recorder.freed_in.get(tuple(item["ordinal"])) for item in levers.items]
+    found["freed_in"] = [recorder.freed_in.get(tuple(item.ordinal)) for item in levers.items]
     return replace(trace, levers=replace(levers, offloaded=found))
 
 
@@ -394,6 +419,7 @@ def trace_from_dict(data: dict | None) -> LeverTrace | None:
     eight_bit, nf4 = data.get("eight_bit"), data.get("nf4")
     return LeverTrace(**{
         **data, "eight_bit": None if eight_bit is None else EightBitRecord(**eight_bit), "nf4": None if nf4 is None else Nf4Record(**nf4),
+        "items": [SavedStorage(**item) for item in data["items"]],
     })
 
 
@@ -453,130 +479,195 @@ def lever_segments(memory, micro_batch_size: int, *, global_batch_size: int, cho
         (segments, items): ``LeverSegment`` list (checkpointing's and offload's drops not yet applied), and the
         saved storages with their bytes at this size.
     """
-    traces = memory.traces()
-    records = [t.levers for t in traces]
-    if any(r is None for r in records) or len({r.structure_key() for r in records}) > 1:
+    reader = _LeverReader(memory, global_batch_size=global_batch_size, choice=choice)
+    if reader.low is None or (choice.offload and reader.low.offloaded is None):
         return None
-    low = records[0]
-    if choice.offload and low.offloaded is None:
+    terms = reader.terms(micro_batch_size)
+    if terms is None:
         return None
-    count = len(low.micro)
-    G, m = global_batch_size, micro_batch_size
-    accumulating = m < G
-    last = BatchSplitConfig(global_batch_size=G, micro_batch_size=m).last_size  # the step follows the last micro-batch
-
-    def level(values: list[float], size: int) -> float:  # absolute bytes of a whole step
-        return memory._interpolate(values, size, global_batch_size=G, at_least=None)
-
-    def delta(values: list[float], size: int) -> float:
-        return memory._interpolate(values, size, at_least=0.0)
-
-    eight_bit = choice.optimizer_state == "8bit"
-    if eight_bit and any(r.eight_bit is None for r in records):
-        return None
-    # What the state frees in every segment: all of it on the host; 8-bit state keeps its codes, scales and maps.
-    state = 0.0
-    if choice.optimizer_state == "host":
-        state = delta([r.state_bytes for r in records], m)
-    elif eight_bit:
-        state = memory._interpolate([r.state_bytes - r.eight_bit.state_bytes for r in records], m, at_least=None)
-    temporaries = low.eight_bit.step_temporaries if eight_bit else low.step_temporaries
-    stepping = choice.optimizer_in_backward and choice.optimizer_state in ("device", "8bit")
-    chunk_deltas = memory.chunk_deltas() if choice.loss_chunks > 1 else None
-    if choice.loss_chunks > 1 and chunk_deltas is None:
-        return None
-    # NF4 frees the same bytes in every segment and holds one weight's dequantization at most (``memory.nf4``).
-    nf4 = 0.0
-    if choice.frozen_nf4:
-        if any(r.nf4 is None for r in records):
-            return None
-        nf4 = low.nf4.transient_bytes - low.nf4.saved_bytes
+    m, accumulating = micro_batch_size, micro_batch_size < global_batch_size
+    last = BatchSplitConfig(global_batch_size=global_batch_size, micro_batch_size=m).last_size  # the step follows the last micro-batch
     found = []
     for i, segment in enumerate(memory.low.segments):
         if not accumulating and segment.phase == "later":
             continue
         size = last if segment.phase == "optimizer" else m
-        common = dict(dropped=segment.dropped, phase=segment.phase, recomputes=segment.recomputes, selective=segment.selective)
-        if i >= count:  # a recomputation (checkpointing's traces): it runs in its block's backward
-            plain = next(
-                j for j in range(count) if low.backward_of[j] == segment.recomputes and memory.low.segments[j].phase == segment.phase
-            )
-            peak = level([t.segments[i].peak_bytes for t in traces], size)
-            if choice.frees_gradients:  # its trace has no gradient record: those alive when its block's backward begins
-                peak -= delta([r.opening_gradients[plain] for r in records], size)
-            found.append(LeverSegment(
-                peak_bytes=peak - state + nf4, micro=low.micro[plain], position=low.position[plain], running=segment.recomputes,
-                in_backward=True, **common,
-            ))
-            continue
-        running = low.backward_of[i] if low.backward_of[i] is not None else low.forward_of[i]
-        offloaded = running is not None and running in choice.offload
-
-        def values(name: str, i=i, offloaded=offloaded) -> list:
-            """Each trace's value of a segment: where an offloaded block runs, the all-offloaded trace's."""
-            if offloaded:
-                return [r.offloaded[name][i] for r in records]
-            if name == "peak_bytes":
-                return [t.segments[i].peak_bytes for t in traces]
-            return [getattr(r, name)[i] for r in records]
-
-        gradients = 1 if choice.frees_gradients else 0
-        if offloaded:  # one peak, its storages taken as at the segment's opening
-            name = "without_gradients" if choice.frees_gradients else "peak_bytes"
-            parts = [(level(values(name), size), 0)]
+        if i >= len(reader.low.micro):  # a recomputation (checkpointing's traces): it runs in its block's backward
+            found.append(reader.recomputation(i, segment, size, terms))
         else:
-            # The opening, what grew past it, and what grew after backward began: a block's input its caller drops
-            # once the block returns, and autocast's cache of casts, are gone from the second and the third.
-            opening = [r.opening_without_gradients[i] + (0 if choice.frees_gradients else r.opening_gradients[i]) for r in records]
-            parts = [(level(opening, size), 0)]
-            if segment.phase == "optimizer" and eight_bit and not choice.frees_gradients:
-                # torchao steps one parameter at a time: the opening, and the largest parameter's step on top of it.
-                parts.append((parts[0][0] + max(temporaries, default=0), 1))
-            elif segment.phase != "optimizer" or not choice.frees_gradients:  # with them, nothing grows in the step
-                for stage, name in ((1, "rests"), (2, "afters")):
-                    if getattr(low, name)[i] is not None:
-                        parts.append((level([getattr(r, name)[i][gradients] for r in records], size), stage))
-        if stepping and segment.phase != "optimizer":
-            steps = values("steps")
-            at_steps = max(
-                (level([s[n][1] for s in steps], size) + temporaries[param] for n, (param, _) in enumerate(steps[0])),
-                default=0.0,
+            found += reader.plain(i, segment, size, terms)
+    return found, reader.items(m)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LeverTerms:
+    """What the state, NF4 and chunked-loss levers change at one micro-batch size, the same in every segment."""
+
+    state_freed: float
+    """What the state frees in every segment: all of it on the host; 8-bit state keeps its codes, scales and maps."""
+    nf4_added: float
+    """NF4 frees the same bytes in every segment and holds one weight's dequantization at most (``memory.nf4``)."""
+    eight_bit: bool
+    temporaries: list[int]
+    """Per parameter: what its step alone holds beyond the state (the 8-bit step's with 8-bit state)."""
+    stepping: bool
+    """The optimizer steps in backward on the device."""
+    chunk_deltas: list[list[int]] | None
+    """Per trace, per segment: what the chunked loss changes (None: not chunked)."""
+
+
+class _LeverReader:
+    """One precision's traces' lever records, read at one size: each lever's change to a segment's bytes."""
+
+    def __init__(self, memory, *, global_batch_size: int, choice: LeverChoice) -> None:
+        self.memory, self.global_batch_size, self.choice = memory, global_batch_size, choice
+        self.traces = memory.traces()
+        self.records = [t.levers for t in self.traces]
+        usable = not any(r is None for r in self.records) and len({r.structure_key() for r in self.records}) == 1
+        self.low: LeverTrace | None = self.records[0] if usable else None
+
+    def level(self, values: list[float], size: int) -> float:
+        """Absolute bytes of a whole step."""
+        return self.memory.interpolate(values, size, global_batch_size=self.global_batch_size, at_least=None)
+
+    def delta(self, values: list[float], size: int) -> float:
+        return self.memory.interpolate(values, size, at_least=0.0)
+
+    def terms(self, m: int) -> _LeverTerms | None:
+        """The choice's size-wide terms; None where the traces hold no record of a lever it asks for."""
+        choice, records, low = self.choice, self.records, self.low
+        eight_bit = choice.optimizer_state == "8bit"
+        if eight_bit and any(r.eight_bit is None for r in records):
+            return None
+        state = 0.0
+        if choice.optimizer_state == "host":
+            state = self.delta([r.state_bytes for r in records], m)
+        elif eight_bit:
+            state = self.memory.interpolate([r.state_bytes - r.eight_bit.state_bytes for r in records], m, at_least=None)
+        chunk_deltas = self.memory.chunk_deltas() if choice.loss_chunks > 1 else None
+        if choice.loss_chunks > 1 and chunk_deltas is None:
+            return None
+        if choice.frozen_nf4 and any(r.nf4 is None for r in records):
+            return None
+        return _LeverTerms(
+            state_freed=state, nf4_added=low.nf4.transient_bytes - low.nf4.saved_bytes if choice.frozen_nf4 else 0.0,
+            eight_bit=eight_bit, temporaries=low.eight_bit.step_temporaries if eight_bit else low.step_temporaries,
+            stepping=choice.optimizer_in_backward and choice.optimizer_state in ("device", "8bit"), chunk_deltas=chunk_deltas,
+        )
+
+    def recomputation(self, i: int, segment, size: int, terms: _LeverTerms) -> LeverSegment:
+        """A block's recomputation, placed at its block's backward in the plain trace."""
+        low, count = self.low, len(self.low.micro)
+        plain = next(
+            j for j in range(count) if low.backward_of[j] == segment.recomputes and self.memory.low.segments[j].phase == segment.phase
+        )
+        peak = self.level([t.segments[i].peak_bytes for t in self.traces], size)
+        if self.choice.frees_gradients:  # its trace has no gradient record: those alive when its block's backward begins
+            peak -= self.delta([r.opening_gradients[plain] for r in self.records], size)
+        return LeverSegment(
+            peak_bytes=peak - terms.state_freed + terms.nf4_added, micro=low.micro[plain], position=low.position[plain],
+            running=segment.recomputes, in_backward=True, dropped=segment.dropped, phase=segment.phase,
+            recomputes=segment.recomputes, selective=segment.selective,
+        )
+
+    def plain(self, i: int, segment, size: int, terms: _LeverTerms) -> list[LeverSegment]:
+        """A plain segment, in up to three stages (``LeverSegment.stage``), with every lever applied but offload's drops."""
+        low = self.low
+        running = low.backward_of[i] if low.backward_of[i] is not None else low.forward_of[i]
+        offloaded = running is not None and running in self.choice.offload
+        parts = self.stages(i, segment, size, terms, offloaded=offloaded)
+        if terms.stepping and segment.phase != "optimizer":
+            parts = self.with_steps_in_backward(parts, i, size, terms, offloaded=offloaded)
+        if terms.chunk_deltas is not None:
+            parts = self.with_chunks(parts, i, size, terms)
+        return [
+            LeverSegment(
+                peak_bytes=bytes_ - terms.state_freed + terms.nf4_added, micro=low.micro[i], position=low.position[i], running=running,
+                in_backward=low.in_backward[i], stated_offloaded=offloaded, stage=stage, dropped=segment.dropped, phase=segment.phase,
+                recomputes=segment.recomputes, selective=segment.selective,
             )
-            bytes_, stage = parts[-1]
-            parts[-1] = (max(bytes_, at_steps), stage)
-        if chunk_deltas is not None:
-            # The chunked loss changes what grows in the segment (one chunk's logits), not its opening.
-            change = memory._interpolate([d[i] for d in chunk_deltas], size, at_least=None)
-            opening = parts[0][0]
-            parts = [
-                (bytes_ + change if len(parts) == 1 else bytes_ if stage == 0 else max(opening, bytes_ + change), stage)
-                for bytes_, stage in parts
-            ]
-        for bytes_, stage in parts:
-            found.append(LeverSegment(
-                peak_bytes=bytes_ - state + nf4, micro=low.micro[i], position=low.position[i], running=running,
-                in_backward=low.in_backward[i], stated_offloaded=offloaded, stage=stage, **common,
-            ))
-    items = [{**item, "bytes": delta([r.items[n]["bytes"] for r in records], m)} for n, item in enumerate(low.items)]
-    if low.offloaded is not None:
-        for n, item in enumerate(items):
-            # Where the traces disagree (a tensor offloaded at one size only, under MIN_OFFLOAD_BYTES at the other), the later.
-            freed_in = [r.offloaded["freed_in"][n] for r in records]
-            item["freed_in"] = None if None in freed_in else [max(f[0] for f in freed_in), all(f[1] for f in freed_in if f[0] == max(g[0] for g in freed_in))]
-    return found, items
+            for bytes_, stage in parts
+        ]
+
+    def values(self, name: str, i: int, *, offloaded: bool) -> list:
+        """Each trace's value of a segment: where an offloaded block runs, the all-offloaded trace's."""
+        if offloaded:
+            return [r.offloaded[name][i] for r in self.records]
+        if name == "peak_bytes":
+            return [t.segments[i].peak_bytes for t in self.traces]
+        return [getattr(r, name)[i] for r in self.records]
+
+    def stages(self, i: int, segment, size: int, terms: _LeverTerms, *, offloaded: bool) -> list[tuple[float, int]]:
+        """(bytes, stage) of the segment with the gradient and state levers."""
+        frees_gradients = self.choice.frees_gradients
+        if offloaded:  # one peak, its storages taken as at the segment's opening
+            name = "without_gradients" if frees_gradients else "peak_bytes"
+            return [(self.level(self.values(name, i, offloaded=True), size), 0)]
+        # The opening, what grew past it, and what grew after backward began: a block's input its caller drops
+        # once the block returns, and autocast's cache of casts, are gone from the second and the third.
+        opening = [r.opening_without_gradients[i] + (0 if frees_gradients else r.opening_gradients[i]) for r in self.records]
+        parts = [(self.level(opening, size), 0)]
+        if segment.phase == "optimizer" and terms.eight_bit and not frees_gradients:
+            # torchao steps one parameter at a time: the opening, and the largest parameter's step on top of it.
+            parts.append((parts[0][0] + max(terms.temporaries, default=0), 1))
+        elif segment.phase != "optimizer" or not frees_gradients:  # with them, nothing grows in the step
+            gradients = 1 if frees_gradients else 0
+            for stage, name in ((1, "rests"), (2, "afters")):
+                if getattr(self.low, name)[i] is not None:
+                    parts.append((self.level([getattr(r, name)[i][gradients] for r in self.records], size), stage))
+        return parts
+
+    def with_steps_in_backward(self, parts, i: int, size: int, terms: _LeverTerms, *, offloaded: bool) -> list[tuple[float, int]]:
+        """The last stage holds at least each parameter's level at its step in backward, plus that step's temporaries."""
+        steps = self.values("steps", i, offloaded=offloaded)
+        at_steps = max(
+            (self.level([s[n][1] for s in steps], size) + terms.temporaries[param] for n, (param, _) in enumerate(steps[0])),
+            default=0.0,
+        )
+        bytes_, stage = parts[-1]
+        return parts[:-1] + [(max(bytes_, at_steps), stage)]
+
+    def with_chunks(self, parts, i: int, size: int, terms: _LeverTerms) -> list[tuple[float, int]]:
+        """The chunked loss changes what grows in the segment (one chunk's logits), not its opening."""
+        change = self.memory.interpolate([d[i] for d in terms.chunk_deltas], size, at_least=None)
+        opening = parts[0][0]
+        return [
+            (bytes_ + change if len(parts) == 1 else bytes_ if stage == 0 else max(opening, bytes_ + change), stage)
+            for bytes_, stage in parts
+        ]
+
+    def items(self, m: int) -> list[SizedStorage]:
+        """The saved storages with their bytes at ``m`` (and, where offload was traced, where that trace freed each)."""
+        records = self.records
+        return [
+            SizedStorage(
+                micro=item.micro, bytes=self.delta([r.items[n].bytes for r in records], m), holders=item.holders, outside=item.outside,
+                inputs_of=item.inputs_of, policy=item.policy, ordinal=item.ordinal, freed_in=self.freed_in(n),
+            )
+            for n, item in enumerate(self.low.items)
+        ]
+
+    def freed_in(self, n: int) -> list | None:
+        """Where the all-offloaded traces freed the ``n``-th saved storage (None: never, or not traced)."""
+        if self.low.offloaded is None:
+            return None
+        # Where the traces disagree (a tensor offloaded at one size only, under MIN_OFFLOAD_BYTES at the other), the later.
+        freed_in = [r.offloaded["freed_in"][n] for r in self.records]
+        latest = None if None in freed_in else max(f[0] for f in freed_in)
+        return None if latest is None else [latest, all(f[1] for f in freed_in if f[0] == latest)]
 
 
-def offload_drops(items: list[dict], num_blocks: int) -> list[float]:
+def offload_drops(items: list[SavedStorage], num_blocks: int) -> list[float]:
     """Per block: the bytes of the storages it alone saved (``micro`` 1's), which offloading it frees where it is
     dropped, whatever the other blocks do (the knapsack's additive term; Python's and autocast's holds aside)."""
     drops = [0.0] * num_blocks
     for item in items:
-        if item["micro"] == LATER_MICRO and not item["outside"] and len(item["holders"]) == 1:
-            drops[item["holders"][0]] += item["bytes"]
+        if item.micro == LATER_MICRO and not item.outside and len(item.holders) == 1:
+            drops[item.holders[0]] += item.bytes
     return drops
 
 
-def offload_change(segment: LeverSegment, items: list[dict], offload, *, checkpoint=frozenset(), selective=frozenset()) -> float:
+def offload_change(segment: LeverSegment, items: list[SizedStorage], offload, *, checkpoint=frozenset(), selective=frozenset()) -> float:
     """Bytes offloading ``offload`` (block indices) frees in ``segment`` (negative where copies brought back for
     backward duplicate storages still held on the device).
 
@@ -594,28 +685,28 @@ def offload_change(segment: LeverSegment, items: list[dict], offload, *, checkpo
             if h in offload:
                 return False
             if h in checkpoint:
-                return h in item["inputs_of"]
+                return h in item.inputs_of
             if h in selective:
-                return h in item["inputs_of"] or item["policy"]
+                return h in item.inputs_of or item.policy
             return True
         return not segment.in_backward or h == segment.running  # still to run its forward, or running its backward
 
     freed = 0.0
     for item in items:
-        if item["micro"] != segment.micro:
+        if item.micro != segment.micro:
             continue
-        holders = item["holders"]
-        freed_in = item.get("freed_in")
+        holders = item.holders
+        freed_in = item.freed_in
         gone = freed_in is not None and (
             freed_in[0] < segment.position
             or (freed_in[0] == segment.position and (segment.stage == 2 or (segment.stage == 1 and freed_in[1])))
         )
-        if gone and dropped.intersection(holders, offload) and not item["outside"] and not any(holds(item, h) for h in holders):
-            freed += item["bytes"]
+        if gone and dropped.intersection(holders, offload) and not item.outside and not any(holds(item, h) for h in holders):
+            freed += item.bytes
         if segment.in_backward and segment.running in offload and segment.running in holders and (
-            item["outside"] or any(h != segment.running and holds(item, h) for h in holders)
+            item.outside or any(h != segment.running and holds(item, h) for h in holders)
         ):
-            freed -= item["bytes"]  # brought back while the original is still on the device
+            freed -= item.bytes  # brought back while the original is still on the device
     return freed
 
 

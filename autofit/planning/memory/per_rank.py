@@ -247,36 +247,11 @@ def simulate_fsdp_peak_bytes(
     dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))  # outside the fake mode: it reads real values
-        torch.manual_seed(0)
-        with new_fake_mode():
-            model = spec.build_model()
-            model.train()
-            global_batch_size = micro_batch_size * grad_accum_steps * world_size
-            config = TrainingConfig(
-                global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision,
-                checkpoint=list(checkpoint or []), sharding="fsdp", world_size=world_size,
-            )
-            env = DistributedEnv(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
-            applied = apply_config(
-                model, config, device="cpu", env=env, mesh=mesh, defer_gradient_sync=defer_gradient_sync, use_scaler=False,
-            )
-            model = applied.model
-            optimizer = applied.build_optimizer(spec.build_optimizer)
-            inputs, targets = spec.example_batch(global_batch_size)
-
-            def step() -> None:
-                train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
-
-            step()  # makes the optimizer state, as training's first step does
-            tracker = ShardAwareTracker()
-            tracker.track(model.parameters(), "parameters")
-            tracker.track(model.buffers(), "parameters")
-            tracker.track(_optimizer_tensors(optimizer), "optimizer_state")
-            with tracker:
-                for _ in range(steps - 1):
-                    step()
-            tracker.label(_optimizer_tensors(optimizer), "optimizer_state")
-            layout = fsdp_layout(model, world_size=world_size)
+        config = TrainingConfig(
+            global_batch_size=micro_batch_size * grad_accum_steps * world_size, micro_batch_size=micro_batch_size,
+            precision=precision, checkpoint=list(checkpoint or []), sharding="fsdp", world_size=world_size,
+        )
+        tracker, layout = _tracked_fsdp_steps(spec, config, mesh=mesh, steps=steps, defer_gradient_sync=defer_gradient_sync)
         # (Storages FSDP2 resizes count in the breakdown at their last size, not their size at the peak.)
         breakdown = tracker.breakdown_at_peak()
         peak_bytes = tracker.peak_bytes
@@ -286,6 +261,36 @@ def simulate_fsdp_peak_bytes(
         return Measurement(peak_bytes=peak_bytes, breakdown=breakdown)
     finally:
         dist.destroy_process_group()
+
+
+def _tracked_fsdp_steps(spec, config: TrainingConfig, *, mesh, steps: int, defer_gradient_sync: bool) -> tuple[ShardAwareTracker, FSDPLayout]:
+    """Rank 0's training steps under FSDP2 over fake tensors, tracked after the first (which makes the optimizer
+    state); the tracker, and the model's FSDP2 layout."""
+    torch.manual_seed(0)
+    with new_fake_mode():
+        model = spec.build_model()
+        model.train()
+        env = DistributedEnv(rank=0, world_size=config.world_size, local_rank=0, device=torch.device("cpu"))
+        applied = apply_config(
+            model, config, device="cpu", env=env, mesh=mesh, defer_gradient_sync=defer_gradient_sync, use_scaler=False,
+        )
+        model = applied.model
+        optimizer = applied.build_optimizer(spec.build_optimizer)
+        inputs, targets = spec.example_batch(config.global_batch_size)
+
+        def step() -> None:
+            train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer)
+
+        step()  # makes the optimizer state, as training's first step does
+        tracker = ShardAwareTracker()
+        tracker.track(model.parameters(), "parameters")
+        tracker.track(model.buffers(), "parameters")
+        tracker.track(_optimizer_tensors(optimizer), "optimizer_state")
+        with tracker:
+            for _ in range(steps - 1):
+                step()
+        tracker.label(_optimizer_tensors(optimizer), "optimizer_state")
+        return tracker, fsdp_layout(model, world_size=config.world_size)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

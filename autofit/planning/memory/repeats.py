@@ -388,6 +388,7 @@ class _Expansion:
             peaks=self.values(marks, short.peaks, longer.peaks),
             drop_bytes=self.values(blocks, short.drop_bytes, longer.drop_bytes),
             selective_drop_bytes=self.values(blocks, short.selective_drop_bytes, longer.selective_drop_bytes),
+            shared_call_bytes=self.values(blocks, short.shared_call_bytes, longer.shared_call_bytes),
             levers=levers,
         )
 

@@ -53,6 +53,7 @@ from autofit.progress import QUIET, Progress
 from autofit.spec import ModelSpec
 from autofit.step import train_step
 from strategies import checkpoint_candidates, selective_saves
+from strategies.per_call import split_call
 
 @dataclass(kw_only=True, slots=True)
 class MemoryTrace:
@@ -87,6 +88,10 @@ class MemoryTrace:
     where not modelled."""
     loss_chunks: int = 1
     """The chunks ``chunk_deltas`` were traced with."""
+    shared_call_bytes: list[int] = field(default_factory=list)
+    """Per block that is a call of a shared layer (``strategies.per_call``): what it saved that the layer's other
+    calls saved too (autocast's cached copies of its weights), left out of its drop (``_saved_by_other_calls``);
+    [] where no block is such a call."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -223,6 +228,7 @@ def trace_memory_sizes(
             selective_drop_bytes=raw.selective_drop_bytes if blocks and any(b > 0 for b in raw.selective_drop_bytes) else [],
             recomputed=not blocks,
             levers=lever_trace(raw.levers, raw.marks, raw.peaks, spec=spec, device_type=device_type),
+            shared_call_bytes=raw.shared_call_bytes if any(raw.shared_call_bytes) else [],
         ))
     if not recompute:
         return traces
@@ -261,7 +267,10 @@ def add_recomputes(
             what = f"tracing {precision} at micro-batch {trace.micro_batch_size} with {_RECOMPUTED[mode]}"
             with progress.doing(what, step=done, of=total):
                 recomputed = result()
-            segments += recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
+            recomputations = recompute_segments(recomputed.marks, recomputed.peaks, drops, selective=mode == "selective")
+            for segment in recomputations:
+                segment.peak_bytes += _shared_while_calls_wait(trace, segment.dropped)
+            segments += recomputations
         completed.append(replace(trace, segments=segments, recomputed=True))
     return completed
 
@@ -291,6 +300,7 @@ class _RawTrace:
     output_shape: list[int]
     selective_drop_bytes: list[int]
     levers: LeverRecord | None = None
+    shared_call_bytes: list[int] = field(default_factory=list)
 
 
 def run_trace(
@@ -341,7 +351,6 @@ def _traced_run(
             offload=names if mode == "offload" else [], loss_chunks=loss_chunks,
         )
         applied = apply_config(model, config, device=meter.device, use_scaler=False)
-        position = {name: index for index, name in enumerate(names)}
         optimizer = applied.build_optimizer(spec.build_optimizer)
         host_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor))
         tracker = _TimelineTracker(round_bytes=meter.round_bytes)
@@ -349,101 +358,22 @@ def _traced_run(
         tracker.track(model.buffers(), "parameters")
         tracker.levers.follow_gradients(list(model.parameters()))
         persistent = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
-        state = {"micro": -1, "active": [], "saved": {name: {} for name in names}, "output_shape": [], "loose": {}}
-        # Per block and micro-step: the outputs of the ops selective checkpointing would keep, as
-        # (weak reference to the storage, bytes); a storage freed by plain training is kept by it.
-        policy_kept: dict[str, dict[int, list]] = {name: {} for name in names}
-
-        def root_enter(name, args):
-            state["micro"] += 1
-            tracker.mark(("micro", state["micro"]))
-
-        def root_leave(name, args, kwargs, output):
-            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-            if tensors:
-                state["output_shape"] = list(tensors[0].shape)
-            micro = state["micro"]
-            for tensor in tensors:
-                if tensor.requires_grad:
-                    # Where this micro-step's backward ends: the first block's backward and
-                    # recomputation lie before it, the next micro-batch's copy after it.
-                    tensor.register_hook(lambda grad: call_when_backward_ends(lambda: tracker.mark(("bwd_end", micro))))
-                    break
-
-        def enter(name, args):
-            index = position[name]
-            state["active"].append(index)
-            tracker.mark(("fwd_start", index, state["micro"]))
-
-        def leave(name, args, kwargs, output):
-            index = position[name]
-            state["active"].pop()
-            micro = state["micro"]
-            tracker.mark(("fwd_end", index, micro))
-            # Keyword inputs too (a Hugging Face layer's position embeddings and mask): a
-            # checkpointed block keeps all its inputs until its backward.
-            inputs = {id(t.untyped_storage()): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-            kept = set(inputs) | {id(t.untyped_storage()) for t in outputs}
-            saved = state["saved"][names[index]].setdefault(micro, {})
-            dropped = sum(n for key, n in saved.items() if key not in kept)
-            state["dropped_" + str(micro) + "_" + str(index)] = dropped
-            # An input the block's own ops do not save (a block that starts with a matmul under autocast
-            # saves the input's cast, not the input) may die after the forward; kept by a checkpoint, it
-            # stays: what has died when the block's backward begins is what checkpointing adds.
-            state["loose"][micro, index] = [
-                (weakref.ref(t.untyped_storage()), tracker.counted_bytes(t))
-                for key, t in inputs.items() if key not in saved and key not in persistent
-            ]
-            # Selective checkpointing keeps the policy's outputs too (each storage once; one that died is no input or output).
-            also_kept: dict[int, int] = {}
-            for ref, nbytes in policy_kept[names[index]].get(micro, []):
-                storage = ref()
-                key = id(ref) if storage is None else id(storage)
-                if storage is None or key not in kept:
-                    also_kept[key] = nbytes
-            state["selective_" + str(micro) + "_" + str(index)] = dropped - sum(also_kept.values())
-            for tensor in outputs:
-                if tensor.requires_grad:
-                    tensor.register_hook(lambda grad, index=index, micro=micro: backward_starts(index, micro))
-                    break
-
-        def backward_starts(index, micro):
-            tracker.mark(("bwd_start", index, micro))
-            state["kept_inputs_" + str(micro) + "_" + str(index)] = sum(n for ref, n in state["loose"].pop((micro, index), []) if ref() is None)
-
-        def watch(op, outputs):
-            if state["active"] and selective_saves(op):
-                kept = policy_kept[names[state["active"][-1]]].setdefault(state["micro"], [])
-                for tensor in tree_leaves(outputs):
-                    if isinstance(tensor, torch.Tensor):
-                        kept.append((weakref.ref(tensor.untyped_storage()), tracker.counted_bytes(tensor)))
-
-        def pack(tensor):
-            tracker.levers.saved(tensor, block=state["active"][-1] if state["active"] else None, micro=state["micro"])
-            if state["active"]:
-                storage = tensor.untyped_storage()
-                key = id(storage)
-                if key not in persistent:
-                    saved = state["saved"][names[state["active"][-1]]].setdefault(state["micro"], {})
-                    saved[key] = tracker.counted_bytes(tensor)
-            return tensor
-
+        recorder = _BlockRecorder(tracker, names, persistent=persistent)
         # The checkpointed runs' blocks keep their own saved-tensor hooks: nothing to count there.
         plain = mode == "none"
-        saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if plain else nullcontext()
-        tracker.watch = watch if plain else None
+        saved_hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t) if plain else nullcontext()
+        tracker.watch = recorder.watch if plain else None
         step_hooks = []
         with (
-            block_boundaries(model, [""], enter=root_enter, leave=root_leave),  # the whole model: one micro-step
-            block_boundaries(model, names, enter=enter, leave=leave),
+            block_boundaries(model, [""], enter=recorder.micro_step_starts, leave=recorder.micro_step_ends),  # the whole model
+            block_boundaries(model, names, enter=recorder.block_starts, leave=recorder.block_ends),
             tracker,
             saved_hooks,
         ):
             # Before the first micro-step's mark: what the state's creation holds at its peak is in no segment.
             create_optimizer_state(model, optimizer, at_once=True)
-            step_hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", state["micro"]))))
-            step_hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", state["micro"]))))
+            step_hooks.append(optimizer.register_step_pre_hook(lambda *_: tracker.mark(("optimizer", recorder.micro))))
+            step_hooks.append(optimizer.register_step_post_hook(lambda *_: tracker.mark(("optimizer_end", recorder.micro))))
             # The recomputing runs are read only until backward ends (``_recompute_segments``): no step to trace
             # (the offloading run is read to its end: ``memory.levers.add_offloaded``).
             train_step(applied, inputs, targets, loss_fn=spec.loss_fn, optimizer=optimizer if mode in ("none", "offload") else _NoStep(optimizer))
@@ -451,15 +381,166 @@ def _traced_run(
         for hook in step_hooks:
             hook.remove()
         tracker.watch = None
-        # Both modes keep the block's inputs: those plain training frees by the block's backward count against them.
-        kept_inputs = [state.get(f"kept_inputs_{LATER_MICRO}_{i}", 0) for i in range(len(names))]
-        drop_bytes = [state.get(f"dropped_{LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
-        selective_drop_bytes = [state.get(f"selective_{LATER_MICRO}_{i}", 0) - kept_inputs[i] for i in range(len(names))]
+        drop_bytes, selective_drop_bytes, shared = recorder.drop_bytes(LATER_MICRO)
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
-        host_bytes=host_bytes, output_shape=state["output_shape"], selective_drop_bytes=selective_drop_bytes,
-        levers=tracker.levers.record(freed=mode == "offload"),
+        host_bytes=host_bytes, output_shape=recorder.output_shape, selective_drop_bytes=selective_drop_bytes,
+        levers=tracker.levers.record(freed=mode == "offload"), shared_call_bytes=shared,
     )
+
+
+class _BlockRecorder:
+    """A traced step's hooks: they mark where micro-steps and blocks start and end on the tracker's timeline, and
+    count, per block and micro-step, what its checkpoint would drop (fully or selectively) and the inputs that
+    plain training frees before the block's backward while a checkpoint keeps them."""
+
+    def __init__(self, tracker: _TimelineTracker, names: list[str], *, persistent: set[int]) -> None:
+        self.tracker, self.names, self.persistent = tracker, names, persistent
+        self.position = {name: index for index, name in enumerate(names)}
+        self.micro = -1
+        self.active: list[int] = []
+        """The blocks whose forward runs now, innermost last."""
+        self.output_shape: list[int] = []
+        self.saved: dict[str, dict[int, dict[int, int]]] = {name: {} for name in names}
+        """Block -> micro-step -> storage id -> bytes its forward saved for backward."""
+        self.policy_kept: dict[str, dict[int, list]] = {name: {} for name in names}
+        """Block -> micro-step -> the outputs of the ops selective checkpointing would keep, as (weak reference to
+        the storage, bytes); a storage freed by plain training is kept by it."""
+        self.loose: dict[tuple[int, int], list] = {}
+        """(micro-step, block index) -> inputs the block does not save, as (weak reference, bytes), until its backward."""
+        self.dropped: dict[tuple[int, int], int] = {}
+        """(micro-step, block index) -> bytes full checkpointing drops."""
+        self.selective_dropped: dict[tuple[int, int], int] = {}
+        """(micro-step, block index) -> bytes selective checkpointing drops."""
+        self.kept_inputs: dict[tuple[int, int], int] = {}
+        """(micro-step, block index) -> input bytes plain training has freed when the block's backward begins."""
+        self.dropped_keys: dict[tuple[int, int], dict[int, int]] = {}
+        """(micro-step, block index) -> storage id -> bytes of what full checkpointing drops."""
+
+    def micro_step_starts(self, name, args) -> None:
+        self.micro += 1
+        self.tracker.mark(("micro", self.micro))
+
+    def micro_step_ends(self, name, args, kwargs, output) -> None:
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        if tensors:
+            self.output_shape = list(tensors[0].shape)
+        micro = self.micro
+        for tensor in tensors:
+            if tensor.requires_grad:
+                # Where this micro-step's backward ends: the first block's backward and
+                # recomputation lie before it, the next micro-batch's copy after it.
+                tensor.register_hook(lambda grad: call_when_backward_ends(lambda: self.tracker.mark(("bwd_end", micro))))
+                break
+
+    def block_starts(self, name, args) -> None:
+        index = self.position[name]
+        self.active.append(index)
+        self.tracker.mark(("fwd_start", index, self.micro))
+
+    def block_ends(self, name, args, kwargs, output) -> None:
+        index = self.position[name]
+        self.active.pop()
+        micro = self.micro
+        self.tracker.mark(("fwd_end", index, micro))
+        # Keyword inputs too (a Hugging Face layer's position embeddings and mask): a
+        # checkpointed block keeps all its inputs until its backward.
+        inputs = {id(t.untyped_storage()): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        kept = set(inputs) | {id(t.untyped_storage()) for t in outputs}
+        saved = self.saved[name].setdefault(micro, {})
+        dropped = sum(n for key, n in saved.items() if key not in kept)
+        self.dropped[micro, index] = dropped
+        self.dropped_keys[micro, index] = {key: n for key, n in saved.items() if key not in kept}
+        # An input the block's own ops do not save (a block that starts with a matmul under autocast
+        # saves the input's cast, not the input) may die after the forward; kept by a checkpoint, it
+        # stays: what has died when the block's backward begins is what checkpointing adds.
+        self.loose[micro, index] = [
+            (weakref.ref(t.untyped_storage()), self.tracker.counted_bytes(t))
+            for key, t in inputs.items() if key not in saved and key not in self.persistent
+        ]
+        self.selective_dropped[micro, index] = dropped - self._policy_kept_bytes(name, micro, kept)
+        for tensor in outputs:
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, index=index, micro=micro: self.backward_starts(index, micro))
+                break
+
+    def _policy_kept_bytes(self, name: str, micro: int, kept: set[int]) -> int:
+        """Selective checkpointing keeps the policy's outputs too (each storage once; one that died is no input or output)."""
+        also_kept: dict[int, int] = {}
+        for ref, nbytes in self.policy_kept[name].get(micro, []):
+            storage = ref()
+            key = id(ref) if storage is None else id(storage)
+            if storage is None or key not in kept:
+                also_kept[key] = nbytes
+        return sum(also_kept.values())
+
+    def backward_starts(self, index: int, micro: int) -> None:
+        self.tracker.mark(("bwd_start", index, micro))
+        self.kept_inputs[micro, index] = sum(n for ref, n in self.loose.pop((micro, index), []) if ref() is None)
+
+    def watch(self, op, outputs) -> None:
+        if self.active and selective_saves(op):
+            kept = self.policy_kept[self.names[self.active[-1]]].setdefault(self.micro, [])
+            for tensor in tree_leaves(outputs):
+                if isinstance(tensor, torch.Tensor):
+                    kept.append((weakref.ref(tensor.untyped_storage()), self.tracker.counted_bytes(tensor)))
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.tracker.levers.saved(tensor, block=self.active[-1] if self.active else None, micro=self.micro)
+        if self.active:
+            key = id(tensor.untyped_storage())
+            if key not in self.persistent:
+                saved = self.saved[self.names[self.active[-1]]].setdefault(self.micro, {})
+                saved[key] = self.tracker.counted_bytes(tensor)
+        return tensor
+
+    def drop_bytes(self, micro: int) -> tuple[list[int], list[int], list[int]]:
+        """Per block at ``micro``: the bytes full and selective checkpointing drop, and what of them the other calls of
+        a shared layer saved too (``_saved_by_other_calls``), left out of both. Both modes keep the block's inputs:
+        those plain training frees by the block's backward count against them."""
+        count = len(self.names)
+        kept_inputs = [self.kept_inputs.get((micro, i), 0) for i in range(count)]
+        shared = _saved_by_other_calls(self.names, self.saved, self.dropped_keys, micro=micro)
+        full = [self.dropped.get((micro, i), 0) - kept_inputs[i] - shared[i] for i in range(count)]
+        selective = [self.selective_dropped.get((micro, i), 0) - kept_inputs[i] - shared[i] for i in range(count)]
+        return full, selective, shared
+
+
+def _saved_by_other_calls(names: list[str], saved: dict, dropped_keys: dict, *, micro: int) -> list[int]:
+    """Per block: the bytes it counted as dropped that another call of its module saved too (0 for a block that is
+    no module's call, ``strategies.per_call``).
+
+    The calls of a shared layer under autocast save the same cached low-precision copies of its weights: they
+    stay alive while any call that used the cache waits for its backward, so checkpointing one call frees none
+    of them (counted, one call of a 4-call layer in bf16 was predicted 2.9% under the meter). They are left out
+    of every call's drop: where every call is checkpointed nothing is cached, and the model is that much over.
+    """
+    calls: dict[str, list[int]] = {}
+    for index, name in enumerate(names):
+        module_name, call = split_call(name)
+        if call is not None:
+            calls.setdefault(module_name, []).append(index)
+    shared = [0] * len(names)
+    for indices in calls.values():
+        for index in indices:
+            others = [saved[names[other]].get(micro, {}) for other in indices if other != index]
+            shared[index] = sum(n for key, n in dropped_keys.get((micro, index), {}).items() if any(key in o for o in others))
+    return shared
+
+
+def _shared_while_calls_wait(trace: MemoryTrace, dropped: list[int]) -> int:
+    """What a shared layer's calls saved together (``MemoryTrace.shared_call_bytes``), once per layer with a call
+    among ``dropped``: a recomputation segment comes from the run with every call checkpointed, where autocast
+    caches nothing; with a call of the layer not checkpointed, the cached copies stay alive until its backward.
+    Where every such call is checkpointed too, this is that much over."""
+    if not trace.shared_call_bytes:
+        return 0
+    by_layer: dict[str, int] = {}
+    for index in dropped:
+        layer = split_call(trace.blocks[index])[0]
+        by_layer[layer] = max(by_layer.get(layer, 0), trace.shared_call_bytes[index])
+    return sum(by_layer.values())
 
 
 class _NoStep:

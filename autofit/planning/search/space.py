@@ -62,9 +62,9 @@ class LeverSearch:
     trainable_bytes: int = 0
     """Bytes of the parameters that train (their gradients are as many)."""
     host_update_seconds: float = 0.0
+    """The optimizer's update of every trainable parameter on the host's CPU (``lever_timings.host_update``)."""
     host_update_source: str = ""
-    """Where ``host_update_seconds`` came from (``--host-speed``); "": timed on this machine's CPU."""
-    """The optimizer's update of every trainable parameter on the host's CPU."""
+    """Where ``host_update_seconds`` came from (the given or assumed rate); "": timed on this machine's CPU."""
     step_in_backward_time: UpdateTime | None = None
     """What the step in backward adds to a step (``time_step_in_backward``; None: taken as nothing)."""
     loss_chunks: int = 1
@@ -291,13 +291,16 @@ def score_point(
         slack: how far over ``usable_bytes`` a prediction still counts as a candidate (the model's pessimism).
     """
     limit = (usable_bytes[precision] if isinstance(usable_bytes, dict) else usable_bytes) / model.memory_scale
+    search = levers or LeverSearch()
     plain_peak = model.peak_bytes(precision, micro_batch_size, frozenset())
-    plain_speed = model.samples_per_s(precision, micro_batch_size, frozenset())
+    # Priced as every other row is: bf16-master's plain training carries its host update and copies (``lever_seconds``).
+    plain_speed = global_batch_size / (
+        model.step_seconds(precision, micro_batch_size, frozenset()) + search.lever_seconds(model, precision, micro_batch_size, LeverChoice())
+    )
     result = Evaluation(
         config=TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, precision=precision),
         plain_peak_bytes=plain_peak, plain_samples_per_s=plain_speed,
     )
-    search = levers or LeverSearch()
     memory = model.precisions[precision].memory
     choices = search.choices(precision, micro_batch_size, global_batch_size) if memory.has_levers() else [LeverChoice()]
     plain = cheapest_for(model, precision, micro_batch_size, limit_bytes=limit * (1 + slack))

@@ -71,7 +71,7 @@ def flop_speed_costs(
             launch_s, bytes_per_s = GPU_LAUNCH_SECONDS, gpu.bandwidth * 0.5
             note = "estimated from FLOPs" + (
                 f" for the {device_name.removeprefix('simulated ')}" if known
-                else f" for an {_UNKNOWN_GPU_NAME}-class GPU ({device_name!r} is not in the table; --device-kind names one)"
+                else f" for an {UNKNOWN_GPU_NAME}-class GPU ({device_name!r} is not in the table; --device-kind names one)"
             )
         else:
             cpu_flops_per_s, launch_s, bytes_per_s = cpu
@@ -267,21 +267,25 @@ class GpuPeaks:
     """Memory bytes/s."""
     memory_gib: int = 0
     """The card's memory (the common model of it: an A100 is also sold with 40 GiB), the default of ``--device-kind``."""
+    host_update_per_s: float = 0.0
+    """Parameter elements per second a typical host of this card updates with AdamW (bf16-master's fp32 masters, host
+    state), assumed for a GPU that is not here unless ``--host-speed`` gives it: the host's practical memory bandwidth
+    over the bytes the update moves per element (docs/planner.md, "The host of a GPU that is not here")."""
 
 
 GPU_PEAKS = {
-    "H200": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=4.8e12, memory_gib=141),
-    "H100": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=3.35e12, memory_gib=80),
-    "A100": GpuPeaks(fp32=19.5e12, tf32=156e12, half=312e12, bandwidth=2.0e12, memory_gib=80),
-    "L40S": GpuPeaks(fp32=91.6e12, tf32=183e12, half=362e12, bandwidth=0.86e12, memory_gib=48),
-    "A10": GpuPeaks(fp32=31.2e12, tf32=62.5e12, half=125e12, bandwidth=0.6e12, memory_gib=24),
-    "L4": GpuPeaks(fp32=30.3e12, tf32=60e12, half=121e12, bandwidth=0.3e12, memory_gib=24),
-    "RTX 4090": GpuPeaks(fp32=82.6e12, tf32=82.6e12, half=165e12, bandwidth=1.0e12, memory_gib=24),
-    "RTX 3090": GpuPeaks(fp32=35.6e12, tf32=35.6e12, half=71e12, bandwidth=0.94e12, memory_gib=24),
-    "V100": GpuPeaks(fp32=15.7e12, tf32=15.7e12, half=125e12, bandwidth=0.9e12, memory_gib=32),
-    "T4": GpuPeaks(fp32=8.1e12, tf32=8.1e12, half=65e12, bandwidth=0.32e12, memory_gib=16),
+    "H200": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=4.8e12, memory_gib=141, host_update_per_s=2e9),
+    "H100": GpuPeaks(fp32=67e12, tf32=495e12, half=989e12, bandwidth=3.35e12, memory_gib=80, host_update_per_s=2e9),
+    "A100": GpuPeaks(fp32=19.5e12, tf32=156e12, half=312e12, bandwidth=2.0e12, memory_gib=80, host_update_per_s=1e9),
+    "L40S": GpuPeaks(fp32=91.6e12, tf32=183e12, half=362e12, bandwidth=0.86e12, memory_gib=48, host_update_per_s=1e9),
+    "A10": GpuPeaks(fp32=31.2e12, tf32=62.5e12, half=125e12, bandwidth=0.6e12, memory_gib=24, host_update_per_s=2.5e8),
+    "L4": GpuPeaks(fp32=30.3e12, tf32=60e12, half=121e12, bandwidth=0.3e12, memory_gib=24, host_update_per_s=2.5e8),
+    "RTX 4090": GpuPeaks(fp32=82.6e12, tf32=82.6e12, half=165e12, bandwidth=1.0e12, memory_gib=24, host_update_per_s=5e8),
+    "RTX 3090": GpuPeaks(fp32=35.6e12, tf32=35.6e12, half=71e12, bandwidth=0.94e12, memory_gib=24, host_update_per_s=4e8),
+    "V100": GpuPeaks(fp32=15.7e12, tf32=15.7e12, half=125e12, bandwidth=0.9e12, memory_gib=32, host_update_per_s=5e8),
+    "T4": GpuPeaks(fp32=8.1e12, tf32=8.1e12, half=65e12, bandwidth=0.32e12, memory_gib=16, host_update_per_s=2.5e8),
 }
-_UNKNOWN_GPU_NAME = "A100"
+UNKNOWN_GPU_NAME = "A100"
 """The table row assumed for a GPU that is not named in it (e.g. --simulate with no GPU here)."""
 
 # The share of a throughput class's peak that training reaches on a micro-step large enough to
@@ -316,7 +320,7 @@ def gpu_peaks(device_name: str) -> tuple[GpuPeaks, bool]:
     for key, peaks in GPU_PEAKS.items():
         if key in name:
             return peaks, True
-    return GPU_PEAKS[_UNKNOWN_GPU_NAME], False
+    return GPU_PEAKS[UNKNOWN_GPU_NAME], False
 
 
 def gpu_forward_seconds(flops: dict[str, float], *, gpu: GpuPeaks, precision: str) -> float:

@@ -176,81 +176,111 @@ def lever_time(
         nf4: one dequantization of every NF4 weight (needed with ``frozen_nf4``).
     """
     time = LeverTime()
-    master = config.precision == MASTER_WEIGHTS
     if config.loss_chunks > 1:
-        speed = model.precisions[config.precision].speed
-        time.chunked_loss_seconds = sum(
-            count * head_share * speed.forward_seconds_at(size) for size, count in model.micro_sizes(config.micro_batch_size)
-        )
-        time.notes.append(
-            f"the output layer and loss in {config.loss_chunks} chunks: {time.chunked_loss_seconds:+.3g} s per step "
-            f"predicted, the head's forward again in backward ({head_share:.0%} of the parameters, of the forward's time)"
-        )
+        _add_chunked_loss(time, config, model=model, head_share=head_share)
     if config.frozen_nf4:
-        if nf4 is None:
-            raise ValueError("frozen weights in NF4 need their dequantization's time (time_nf4_dequantize)")
-        micro_steps = sum(count for _, count in model.micro_sizes(config.micro_batch_size))
-        passes = micro_steps * (2 + len(config.checkpoint) / max(len(model.blocks), 1))
-        time.nf4_seconds = passes * nf4.seconds
-        time.notes.append(
-            f"frozen weights in NF4: {time.nf4_seconds:+.3g} s per step predicted for their dequantization, {passes:.3g} "
-            f"times a step (in each micro-batch's forward and backward{', and again where checkpointed blocks recompute' if config.checkpoint else ''}; "
-            f"{nf4.source})"
-        )
-    offloading = bool(config.offload)
-    on_host = config.updates_on_host
+        _add_nf4(time, config, model=model, nf4=nf4)
     if config.optimizer_state == "8bit":
         if eight_bit is None:
             raise ValueError("8-bit optimizer state needs its update's time (time_eight_bit_update)")
         time.eight_bit_seconds = eight_bit.seconds
         time.notes.append(f"8-bit optimizer state: {eight_bit.seconds:+.3g} s per step predicted for its update ({eight_bit.source})")
-    if config.optimizer_in_backward and not on_host:
-        if step_in_backward is None:
-            time.notes.append("the optimizer step in backward is taken to cost no time (the same updates, run inside backward)")
-        else:
-            time.step_in_backward_seconds = step_in_backward.seconds
-            time.notes.append(
-                f"the optimizer step in backward: {step_in_backward.seconds:+.3g} s per step predicted, the same updates "
-                f"one parameter at a time ({step_in_backward.source})"
-            )
-    if not (offloading or on_host):
+    if config.optimizer_in_backward and not config.updates_on_host:
+        _add_step_in_backward(time, step_in_backward)
+    if not (config.offload or config.updates_on_host):
         return time
     if link is None:
         raise ValueError("offload and host optimizer state need the host link's rates")
-    rates = (
-        f"{link.to_host_bytes_per_s / 1e9:.1f} GB/s down and {link.to_device_bytes_per_s / 1e9:.1f} GB/s up, {link.source}"
-    )
-    costs = model.precisions[config.precision]
-    if offloading:
-        blocks = [model.blocks.index(name) for name in config.offload]
-        total_bytes = 0.0
-        for size, count in model.micro_sizes(config.micro_batch_size):
-            _, drops = costs.memory.at(size, global_batch_size=model.global_batch_size)
-            offloaded = sum(drops[b] for b in blocks)
-            total_bytes += count * offloaded
-            time.offload_seconds += count * offload_seconds(
-                offloaded_bytes=offloaded, forward_seconds=costs.speed.forward_seconds_at(size), link=link,
-            )
-        time.notes.append(
-            f"activation offload moves about {format_bytes(total_bytes)} per step each way at {rates}: "
-            f"+{time.offload_seconds:.3g} s per step predicted (the copies down overlap the forward, the copies back do not)"
-        )
-    if on_host:
-        micro_steps = sum(count for _, count in model.micro_sizes(config.micro_batch_size))
-        moved = trainable_bytes // 2 if master else trainable_bytes  # bf16 gradients down and weights up
-        time.host_state_seconds = host_state_seconds(
-            gradient_bytes=micro_steps * moved, parameter_bytes=moved, update_seconds=host_update_seconds,
-            device_optimizer_seconds=costs.speed.optimizer_seconds, link=link,
-        )
-        gradients = f"the gradients ({format_bytes(moved)}" + (f", after each of {micro_steps} micro-batches)" if micro_steps > 1 else ")")
-        what = "bf16 weights with their fp32 masters and optimizer state on the host" if master else "optimizer state on the host"
-        source = host_update_source or f"timed on this machine's CPU with {torch.get_num_threads()} thread(s)"
-        time.notes.append(
-            f"{what} moves {gradients} down and the parameters "
-            f"up each step at {rates}, and updates on the host's CPU in {host_update_seconds:.3g} s ({source}) instead of the device's "
-            f"{costs.speed.optimizer_seconds:.3g} s: {time.host_state_seconds:+.3g} s per step predicted (nothing overlaps)"
+    if config.offload:
+        _add_offload(time, config, model=model, link=link)
+    if config.updates_on_host:
+        _add_host_state(
+            time, config, model=model, link=link, trainable_bytes=trainable_bytes, host_update_seconds=host_update_seconds,
+            host_update_source=host_update_source,
         )
     return time
+
+
+def _link_rates(link: HostLink) -> str:
+    return f"{link.to_host_bytes_per_s / 1e9:.1f} GB/s down and {link.to_device_bytes_per_s / 1e9:.1f} GB/s up, {link.source}"
+
+
+def _add_chunked_loss(time: LeverTime, config: TrainingConfig, *, model: CostModel, head_share: float) -> None:
+    """The head's forward again in backward, per micro-step."""
+    speed = model.precisions[config.precision].speed
+    time.chunked_loss_seconds = sum(
+        count * head_share * speed.forward_seconds_at(size) for size, count in model.micro_sizes(config.micro_batch_size)
+    )
+    time.notes.append(
+        f"the output layer and loss in {config.loss_chunks} chunks: {time.chunked_loss_seconds:+.3g} s per step "
+        f"predicted, the head's forward again in backward ({head_share:.0%} of the parameters, of the forward's time)"
+    )
+
+
+def _add_nf4(time: LeverTime, config: TrainingConfig, *, model: CostModel, nf4: UpdateTime | None) -> None:
+    """One dequantization of every NF4 weight per forward and backward, and per recomputation."""
+    if nf4 is None:
+        raise ValueError("frozen weights in NF4 need their dequantization's time (time_nf4_dequantize)")
+    micro_steps = sum(count for _, count in model.micro_sizes(config.micro_batch_size))
+    passes = micro_steps * (2 + len(config.checkpoint) / max(len(model.blocks), 1))
+    time.nf4_seconds = passes * nf4.seconds
+    time.notes.append(
+        f"frozen weights in NF4: {time.nf4_seconds:+.3g} s per step predicted for their dequantization, {passes:.3g} "
+        f"times a step (in each micro-batch's forward and backward{', and again where checkpointed blocks recompute' if config.checkpoint else ''}; "
+        f"{nf4.source})"
+    )
+
+
+def _add_step_in_backward(time: LeverTime, step_in_backward: UpdateTime | None) -> None:
+    if step_in_backward is None:
+        time.notes.append("the optimizer step in backward is taken to cost no time (the same updates, run inside backward)")
+        return
+    time.step_in_backward_seconds = step_in_backward.seconds
+    time.notes.append(
+        f"the optimizer step in backward: {step_in_backward.seconds:+.3g} s per step predicted, the same updates "
+        f"one parameter at a time ({step_in_backward.source})"
+    )
+
+
+def _add_offload(time: LeverTime, config: TrainingConfig, *, model: CostModel, link: HostLink) -> None:
+    """Each micro-step's offloaded bytes down (overlapping its forward) and back up."""
+    costs = model.precisions[config.precision]
+    blocks = [model.blocks.index(name) for name in config.offload]
+    total_bytes = 0.0
+    for size, count in model.micro_sizes(config.micro_batch_size):
+        _, drops = costs.memory.at(size, global_batch_size=model.global_batch_size)
+        offloaded = sum(drops[b] for b in blocks)
+        total_bytes += count * offloaded
+        time.offload_seconds += count * offload_seconds(
+            offloaded_bytes=offloaded, forward_seconds=costs.speed.forward_seconds_at(size), link=link,
+        )
+    time.notes.append(
+        f"activation offload moves about {format_bytes(total_bytes)} per step each way at {_link_rates(link)}: "
+        f"+{time.offload_seconds:.3g} s per step predicted (the copies down overlap the forward, the copies back do not)"
+    )
+
+
+def _add_host_state(
+    time: LeverTime, config: TrainingConfig, *, model: CostModel, link: HostLink, trainable_bytes: int, host_update_seconds: float,
+    host_update_source: str,
+) -> None:
+    """Gradients down, parameters up and the update on the host, in place of the device's update."""
+    master = config.precision == MASTER_WEIGHTS
+    costs = model.precisions[config.precision]
+    micro_steps = sum(count for _, count in model.micro_sizes(config.micro_batch_size))
+    moved = trainable_bytes // 2 if master else trainable_bytes  # bf16 gradients down and weights up
+    time.host_state_seconds = host_state_seconds(
+        gradient_bytes=micro_steps * moved, parameter_bytes=moved, update_seconds=host_update_seconds,
+        device_optimizer_seconds=costs.speed.optimizer_seconds, link=link,
+    )
+    gradients = f"the gradients ({format_bytes(moved)}" + (f", after each of {micro_steps} micro-batches)" if micro_steps > 1 else ")")
+    what = "bf16 weights with their fp32 masters and optimizer state on the host" if master else "optimizer state on the host"
+    source = host_update_source or f"timed on this machine's CPU with {torch.get_num_threads()} thread(s)"
+    time.notes.append(
+        f"{what} moves {gradients} down and the parameters "
+        f"up each step at {_link_rates(link)}, and updates on the host's CPU in {host_update_seconds:.3g} s ({source}) instead of the device's "
+        f"{costs.speed.optimizer_seconds:.3g} s: {time.host_state_seconds:+.3g} s per step predicted (nothing overlaps)"
+    )
 
 
 def offload_floor_seconds(model: CostModel, precision: str, micro_batch_size: int, *, link: HostLink) -> list[float]:

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -73,152 +73,229 @@ def time_precisions(
     sizes = sorted(set(sizes))
     # The memory model's blocks: those the forward calls (one fake forward finds them), in its order.
     blocks = checkpoint_candidates(model, example_inputs=spec.example_batch(sizes[0])[0])
-    optimizer = spec.build_optimizer(model.parameters())
-    block_times: dict[str, float] = {}
-    starts: dict[str, float] = {}
-
-    def sync() -> None:
-        if device_.type == "cuda":
-            torch.cuda.synchronize(device_)
-
-    def enter(name, args):
-        sync()
-        starts[name] = clock()
-
-    def leave(name, args, kwargs, output):
-        sync()
-        block_times[name] = block_times.get(name, 0.0) + clock() - starts[name]
-
-    timing_blocks = ExitStack()  # each block's forward timed until the timings are done
-    timing_blocks.enter_context(block_boundaries(model, blocks, enter=enter, leave=leave))
-
-    def one_step(applied: AppliedPlan, inputs, targets) -> tuple[float, float, list[float]]:
-        """One micro-batch's forward and backward: (forward s, forward + backward s, each block's forward s)."""
-        block_times.clear()
-        sync()
-        start = clock()
-        micro_inputs, micro_targets = to_device(inputs, device_), to_device(targets, device_)
-        with applied.forward_context():
-            loss = as_loss(spec.loss_fn).weighted(call_model(applied.model, micro_inputs), micro_targets, weight=1.0)
-        sync()
-        forward_done = clock()
-        applied.backward(loss)
-        sync()
-        done = clock()
-        return forward_done - start, done - start, [block_times.get(n, 0.0) for n in blocks]
-
-    # Only the precision's hooks act here: one_step times a single micro-batch.
-    applied = {
-        name: apply_config(model, one_micro_batch(sizes[-1], precision=name), device=device_, init_scale=1.0) for name in precisions
-    }
-    samples: dict[tuple[str, int], Samples] = {}
-    fastest: dict[tuple[str, int], tuple] = {}
-    """(precision, size) -> the parts of its fastest round."""
-    timed: dict[str, list[int]] = {name: [] for name in precisions}
-    notes: dict[str, str] = {}
-    slow: dict[str, str] = {}
-    """Precision -> the precision it was found far slower than."""
-    spent = dict.fromkeys(precisions, 0.0)
-    batches: dict[int, tuple] = {}
-
-    repeats: dict[tuple[str, int], int] = {}
-    """(precision, size) -> micro-steps per measurement: a step much shorter than a scheduler's slice is taken
-    several times, so that one preemption by other work cannot make it look many times slower."""
-
-    def measure(name: str, size: int) -> Callable[[], float]:
-        def run() -> float:
-            started = clock()
-            best = None
-            for _ in range(repeats[name, size]):
-                parts = one_step(applied[name], *batches[size])
-                optimizer.zero_grad(set_to_none=True)
-                best = parts if best is None or parts[1] < best[1] else best
-            spent[name] += clock() - started
-            if (name, size) not in fastest or best[1] < fastest[name, size][1]:
-                fastest[name, size] = best
-            return best[1]
-        return run
-
+    timer = _PrecisionTimer(
+        spec, model, precisions, blocks=blocks, largest=sizes[-1], device=device_, time_limit_s=time_limit_s, clock=clock,
+    )
     for number, size in enumerate(sizes, start=1):
-        running = []
-        for name in precisions:
-            if name in notes:
-                continue
-            if timed[name]:
-                # The next size costs about its share of the last one's time, per round and warm-up.
-                last = timed[name][-1]
-                projected = (timing_policy().min_rounds + 1) * fastest[name, last][1] * size / last
-                if spent[name] + projected > time_limit_s:
-                    notes[name] = f"timed up to micro-batch {last} (the next size would pass {time_limit_s:.0f} s); larger sizes extrapolated"
-                    continue
-            running.append(name)
-        if not running:
+        if not timer.time_size(size, progress=progress, number=number, of=len(sizes)):
             break
-        batches[size] = spec.example_batch(size)
-        keys = [(name, size) for name in running]
-
-        def verdicts(current: dict) -> dict[str, str]:
-            reference = min(running, key=lambda n: current[n, size].best)
-            return {
-                name: compare(current[reference, size], current[name, size], factor=POLICY.slow_precision_ratio)
-                for name in running if name != reference
-            }
-
-        with progress.doing(f"timing {', '.join(running)} at micro-batch {size}", step=number, of=len(sizes)):
-            for name in running:
-                with progress.doing(f"a warm-up step of {name}"):
-                    started = clock()
-                    one_step(applied[name], *batches[size])  # warm-up: kernels and allocator are set up per shape
-                    optimizer.zero_grad(set_to_none=True)
-                    warm_up = clock() - started
-                spent[name] += warm_up
-                repeats[name, size] = min(max(math.ceil(POLICY.shortest_measurement_s / max(warm_up, 1e-6)), 1), POLICY.max_repeats_per_measurement)
-            interleaved_rounds(
-                {key: measure(*key) for key in keys}, samples=samples, settled=lambda current: "unsure" not in verdicts(current).values(),
-                progress=progress,
-            )
-        for name in running:
-            timed[name].append(size)
-        reference = min(running, key=lambda n: samples[n, size].best)
-        for name, verdict in verdicts(samples).items():
-            # Only a ratio that the noise cannot explain stops a precision ("unsure" after the last round does not).
-            if verdict == "yes":
-                ratio = samples[name, size].best / samples[reference, size].best
-                notes[name] = f"{ratio:.1f}x slower than {reference} at micro-batch {size}; timed up to there"
-                slow[name] = reference
-    results: dict[str, SpeedCosts] = {}
-    for name in precisions:
-        sizes_ = timed[name]
-        results[name] = SpeedCosts(
-            sizes=list(sizes_),
-            step_seconds=[fastest[name, s][1] for s in sizes_],
-            forward_seconds=[fastest[name, s][0] for s in sizes_],
-            block_seconds=[fastest[name, s][2] for s in sizes_],
-            optimizer_seconds=_optimizer_seconds(model, optimizer, applied[name], one_step, spec, sizes_[0], clock=clock),
-            note=notes.get(name, ""),
-            noise=noise_of([samples[name, s] for s in sizes_]),
-        )
-    timing_blocks.close()
+    results = {name: timer.speed_costs(name) for name in precisions}
+    timer.steps.stop_block_timing()
     if blocks:
-        flops_per_s, bytes_per_s = roofline_rates(device_.type, torch.cuda.get_device_name(device_) if device_.type == "cuda" else "")
-        inputs = to_device(spec.example_batch(sizes[0])[0], device_)
-        for name in precisions:
-            results[name].selective_shares = selective_shares(
-                applied[name], inputs, blocks=blocks, flops_per_s=flops_per_s[name], bytes_per_s=bytes_per_s
-            )
+        _add_selective_shares(results, timer.applied(), spec, blocks=blocks, size=sizes[0], device=device_)
         model.zero_grad(set_to_none=True)
     with progress.doing("timing steps with every block checkpointed beside plain ones"):
-        _measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=one_step, clock=clock)
-    for name, reference in slow.items():
-        # Untimed sizes follow the reference's shape, scaled by how this precision compared at its largest timed size.
-        costs = results[name]
-        ratio = costs.step_seconds[-1] / results[reference].micro_step_seconds(costs.sizes[-1])
-        scaled = _scaled_speed(results[reference], ratio, note=costs.note)
-        scaled.optimizer_seconds, scaled.noise, scaled.selective_shares = costs.optimizer_seconds, costs.noise, costs.selective_shares
-        results[name] = scaled
-    model = optimizer = applied = None  # freed before the release (rebound: inner functions name them)
+        _measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=timer.steps.one_step, clock=clock)
+    for name, run in timer.runs.items():
+        if run.slower_than:
+            results[name] = _follow_reference(results[name], results[run.slower_than])
+    model = timer = None  # freed before the release
     release_device_memory(device)
     return results
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """One micro-batch's forward and backward, timed."""
+
+    forward_s: float
+    step_s: float
+    """Forward and backward."""
+    block_s: list[float]
+    """Each block's forward, in the blocks' order (empty once block timing stopped: zeros)."""
+
+
+class _StepClock:
+    """Times one micro-batch's forward and backward, and each block's forward inside it (hooks at its boundaries)."""
+
+    def __init__(self, model: torch.nn.Module, blocks: list[str], *, loss_fn, device: torch.device, clock: Callable[[], float]) -> None:
+        self.blocks, self.loss_fn, self.device, self.clock = blocks, loss_fn, device, clock
+        self._block_s: dict[str, float] = {}
+        self._starts: dict[str, float] = {}
+        self._hooks = ExitStack()  # each block's forward timed until the timings are done
+        self._hooks.enter_context(block_boundaries(model, blocks, enter=self._enter, leave=self._leave))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _enter(self, name, args) -> None:
+        self.sync()
+        self._starts[name] = self.clock()
+
+    def _leave(self, name, args, kwargs, output) -> None:
+        self.sync()
+        self._block_s[name] = self._block_s.get(name, 0.0) + self.clock() - self._starts[name]
+
+    def one_step(self, applied: AppliedPlan, inputs, targets) -> StepParts:
+        """One micro-batch's forward and backward."""
+        self._block_s.clear()
+        self.sync()
+        start = self.clock()
+        micro_inputs, micro_targets = to_device(inputs, self.device), to_device(targets, self.device)
+        with applied.forward_context():
+            loss = as_loss(self.loss_fn).weighted(call_model(applied.model, micro_inputs), micro_targets, weight=1.0)
+        self.sync()
+        forward_done = self.clock()
+        applied.backward(loss)
+        self.sync()
+        done = self.clock()
+        return StepParts(forward_done - start, done - start, [self._block_s.get(n, 0.0) for n in self.blocks])
+
+    def stop_block_timing(self) -> None:
+        self._hooks.close()
+
+
+@dataclass
+class _PrecisionRun:
+    """One precision's timing as it goes."""
+
+    applied: AppliedPlan
+    sizes: list[int] = field(default_factory=list)
+    """Micro-batch sizes timed, smallest first."""
+    spent_s: float = 0.0
+    fastest: dict[int, StepParts] = field(default_factory=dict)
+    """Size -> the parts of its fastest round."""
+    repeats: dict[int, int] = field(default_factory=dict)
+    """Size -> micro-steps per measurement: a step much shorter than a scheduler's slice is taken several times,
+    so that one preemption by other work cannot make it look many times slower."""
+    note: str = ""
+    """Why it stopped before the largest size ("" while it goes on)."""
+    slower_than: str = ""
+    """The precision it was found far slower than, whose curve it follows, scaled."""
+
+
+class _PrecisionTimer:
+    """The precisions' timings size by size: which still run, their warm-ups, their interleaved rounds, their verdicts."""
+
+    def __init__(self, spec: ModelSpec, model, precisions: list[str], *, blocks: list[str], largest: int, device: torch.device,
+                 time_limit_s: float, clock: Callable[[], float]) -> None:
+        self.spec, self.model, self.time_limit_s, self.clock = spec, model, time_limit_s, clock
+        self.optimizer = spec.build_optimizer(model.parameters())
+        self.steps = _StepClock(model, blocks, loss_fn=spec.loss_fn, device=device, clock=clock)
+        # Only the precision's hooks act here: one_step times a single micro-batch.
+        self.runs = {
+            name: _PrecisionRun(apply_config(model, one_micro_batch(largest, precision=name), device=device, init_scale=1.0))
+            for name in precisions
+        }
+        self.samples: dict[tuple[str, int], Samples] = {}
+        self.batches: dict[int, tuple] = {}
+
+    def applied(self) -> dict[str, AppliedPlan]:
+        return {name: run.applied for name, run in self.runs.items()}
+
+    def still_running(self, size: int) -> list[str]:
+        """The precisions timed at ``size``: not stopped, and whose next size fits in their time limit."""
+        running = []
+        for name, run in self.runs.items():
+            if run.note:
+                continue
+            if run.sizes:
+                # The next size costs about its share of the last one's time, per round and warm-up.
+                last = run.sizes[-1]
+                projected = (timing_policy().min_rounds + 1) * run.fastest[last].step_s * size / last
+                if run.spent_s + projected > self.time_limit_s:
+                    run.note = f"timed up to micro-batch {last} (the next size would pass {self.time_limit_s:.0f} s); larger sizes extrapolated"
+                    continue
+            running.append(name)
+        return running
+
+    def time_size(self, size: int, *, progress: Progress, number: int, of: int) -> bool:
+        """Time the precisions still running at ``size``; False when none is."""
+        running = self.still_running(size)
+        if not running:
+            return False
+        self.batches[size] = self.spec.example_batch(size)
+        with progress.doing(f"timing {', '.join(running)} at micro-batch {size}", step=number, of=of):
+            for name in running:
+                with progress.doing(f"a warm-up step of {name}"):
+                    self.warm_up(name, size)
+            interleaved_rounds(
+                {(name, size): self.measure(name, size) for name in running}, samples=self.samples,
+                settled=lambda current: "unsure" not in self.verdicts(current, running, size).values(), progress=progress,
+            )
+        for name in running:
+            self.runs[name].sizes.append(size)
+        self.stop_the_slow(running, size)
+        return True
+
+    def warm_up(self, name: str, size: int) -> None:
+        """One untimed step (kernels and allocator are set up per shape); its time sets the repeats per measurement."""
+        run = self.runs[name]
+        started = self.clock()
+        self.steps.one_step(run.applied, *self.batches[size])
+        self.optimizer.zero_grad(set_to_none=True)
+        warm_up = self.clock() - started
+        run.spent_s += warm_up
+        run.repeats[size] = min(max(math.ceil(POLICY.shortest_measurement_s / max(warm_up, 1e-6)), 1), POLICY.max_repeats_per_measurement)
+
+    def measure(self, name: str, size: int) -> Callable[[], float]:
+        """One measurement of ``name`` at ``size`` for the rounds: the fastest of its repeats, in seconds."""
+        run = self.runs[name]
+
+        def once() -> float:
+            started = self.clock()
+            best = None
+            for _ in range(run.repeats[size]):
+                parts = self.steps.one_step(run.applied, *self.batches[size])
+                self.optimizer.zero_grad(set_to_none=True)
+                best = parts if best is None or parts.step_s < best.step_s else best
+            run.spent_s += self.clock() - started
+            if size not in run.fastest or best.step_s < run.fastest[size].step_s:
+                run.fastest[size] = best
+            return best.step_s
+        return once
+
+    @staticmethod
+    def verdicts(samples: dict, running: list[str], size: int) -> dict[str, str]:
+        """Precision -> whether it is far slower than the fastest at ``size`` ("yes", "no", "unsure")."""
+        reference = min(running, key=lambda n: samples[n, size].best)
+        return {
+            name: compare(samples[reference, size], samples[name, size], factor=POLICY.slow_precision_ratio)
+            for name in running if name != reference
+        }
+
+    def stop_the_slow(self, running: list[str], size: int) -> None:
+        reference = min(running, key=lambda n: self.samples[n, size].best)
+        for name, verdict in self.verdicts(self.samples, running, size).items():
+            # Only a ratio that the noise cannot explain stops a precision ("unsure" after the last round does not).
+            if verdict == "yes":
+                ratio = self.samples[name, size].best / self.samples[reference, size].best
+                self.runs[name].note = f"{ratio:.1f}x slower than {reference} at micro-batch {size}; timed up to there"
+                self.runs[name].slower_than = reference
+
+    def speed_costs(self, name: str) -> SpeedCosts:
+        """``name``'s speeds at the sizes it was timed at, and its optimizer step's."""
+        run = self.runs[name]
+        return SpeedCosts(
+            sizes=list(run.sizes),
+            step_seconds=[run.fastest[s].step_s for s in run.sizes],
+            forward_seconds=[run.fastest[s].forward_s for s in run.sizes],
+            block_seconds=[run.fastest[s].block_s for s in run.sizes],
+            optimizer_seconds=_optimizer_seconds(
+                self.model, self.optimizer, run.applied, self.steps.one_step, self.spec, run.sizes[0], clock=self.clock,
+            ),
+            note=run.note,
+            noise=noise_of([self.samples[name, s] for s in run.sizes]),
+        )
+
+
+def _add_selective_shares(results: dict[str, SpeedCosts], applied: dict[str, AppliedPlan], spec: ModelSpec, *,
+                          blocks: list[str], size: int, device: torch.device) -> None:
+    """Each precision's share of each block's forward that selective recompute runs again, estimated from its operators."""
+    flops_per_s, bytes_per_s = roofline_rates(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    inputs = to_device(spec.example_batch(size)[0], device)
+    for name, costs in results.items():
+        costs.selective_shares = selective_shares(applied[name], inputs, blocks=blocks, flops_per_s=flops_per_s[name], bytes_per_s=bytes_per_s)
+
+
+def _follow_reference(costs: SpeedCosts, reference: SpeedCosts) -> SpeedCosts:
+    """A precision stopped as far slower: its untimed sizes follow the reference's shape, scaled by how it
+    compared at its largest timed size; what it measured itself (optimizer, noise, selective shares) stays."""
+    ratio = costs.step_seconds[-1] / reference.micro_step_seconds(costs.sizes[-1])
+    scaled = _scaled_speed(reference, ratio, note=costs.note)
+    scaled.optimizer_seconds, scaled.noise, scaled.selective_shares = costs.optimizer_seconds, costs.noise, costs.selective_shares
+    return scaled
 
 
 def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int, *, clock) -> float:
@@ -272,7 +349,7 @@ def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step,
     }
 
     def step(key) -> float:
-        seconds = one_step(applied[key], inputs, targets)[1]
+        seconds = one_step(applied[key], inputs, targets).step_s
         applied[key].model.zero_grad(set_to_none=True)
         return seconds
 

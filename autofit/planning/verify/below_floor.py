@@ -8,8 +8,9 @@ When the budget is below the floor (``check_floor``), the floor configuration
 (the smallest micro-batch, the floor's checkpointing and precision) is tried
 with the levers, cheapest first and each adding to the last:
 
-1. the optimizer step in backward (no change to the arithmetic; only where the
-   floor has one micro-batch per step, and not with fp16),
+1. the optimizer step in backward (no change to the arithmetic; not with fp16): where the floor has one
+   micro-batch per step, added to it; where it has several, the whole batch in one micro-batch with it, on its
+   own (``LeverCandidate.apart``: the levers after it keep the floor's micro-batch),
 2. on a GPU (simulated too: the simulated meter counts host tensors apart):
    activation offload of every block not checkpointed and the optimizer
    state on the host, whose gradients also leave the device in backward
@@ -33,6 +34,7 @@ saved, measured.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -92,6 +94,9 @@ class LeverCandidate:
     """It changes the optimizer's arithmetic (8-bit state)."""
     lossy_base: bool = False
     """It rounds the frozen weights (NF4)."""
+    apart: bool = False
+    """Measured on its own: the candidates after it keep the floor's micro-batch and do not add to it (the step in
+    backward with the whole batch in one micro-batch, where the floor takes several)."""
 
     def allowed(self, *, allow_lossy_optimizer: bool, allow_lossy_base: bool) -> bool:
         """Whether the user's flags let the plan use it."""
@@ -144,16 +149,7 @@ def lever_candidates(
         global_batch_size=G, micro_batch_size=config.micro_batch_size, precision=config.precision, checkpoint=config.checkpoint,
     )
     candidates, skipped, names = [], [], []
-    refusal = step_in_backward_refusal(
-        precision=config.precision, global_batch_size=G, micro_batch_size=config.micro_batch_size, world_size=1,
-        max_grad_norm=max_grad_norm,
-    )
-    if refusal:
-        skipped.append(f"optimizer step in backward: it {refusal.split(';')[0]}")
-    else:
-        base = replace(base, optimizer_in_backward=True)
-        names.append("optimizer step in backward")
-        candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
+    base = _add_step_in_backward(candidates, skipped, names, base=base, max_grad_norm=max_grad_norm)
     chunks, _ = loss_chunking(context)
     if chunks > 1:  # the same loss, a little recompute: before the levers that move bytes over the host link
         base = replace(base, loss_chunks=chunks)
@@ -169,29 +165,7 @@ def lever_candidates(
         _add_nf4(context, candidates, skipped, base=base, allow_lossy_base=allow_lossy_base)
         return candidates, skipped
     if context.device == "cuda":
-        # The checkpointed blocks keep only their inputs: offload is for the others.
-        others = [name for name in blocks if name not in config.checkpoint]
-        added = []
-        if others:
-            base = replace(base, offload=others)
-            added.append(f"activation offload of {len(others)} block(s)")
-        # Simulated too: the simulated meter counts the host optimizer's tensors as host bytes (``host_allocation``).
-        added.append("optimizer state on the host")
-        candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state="host")))
-        # Then the weights on the device in bf16 too, their fp32 masters beside the state on the host (no step in
-        # backward: the masters step after it); not where --precisions leaves bf16-master out (its arithmetic is bf16).
-        master = replace(base, precision=MASTER_WEIGHTS, optimizer_in_backward=False)
-        if MASTER_WEIGHTS not in context.precisions:
-            skipped.append(f"bf16 weights with fp32 masters on the host: --precisions leaves {MASTER_WEIGHTS} out")
-        else:
-            candidates.append(LeverCandidate(
-                name=", ".join([
-                    *[n for n in names if n != "optimizer step in backward"], *added[:-1],
-                    "bf16 weights with fp32 masters and optimizer state on the host",
-                ]),
-                added="bf16 weights with fp32 masters on the host", config=master,
-            ))
-        names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
+        base = _add_host_levers(context, candidates, skipped, names, base=base, blocks=blocks)
     else:
         skipped.append("activation offload and host optimizer state: GPU levers (--device cuda); on the CPU the host is the device")
     _add_nf4(context, candidates, skipped, base=candidates[-1].config if candidates else base, allow_lossy_base=allow_lossy_base)
@@ -212,6 +186,68 @@ def lever_candidates(
     return candidates, skipped
 
 
+def _add_step_in_backward(
+    candidates: list[LeverCandidate], skipped: list[str], names: list[str], *, base: TrainingConfig, max_grad_norm: float | None,
+) -> TrainingConfig:
+    """The step in backward's rung: on the floor's micro-steps where it can run there, else (a refusal for the
+    micro-steps only) with the whole batch in one micro-batch, apart from the ladder; the ladder's base after it."""
+    G = base.global_batch_size
+    refusal = step_in_backward_refusal(
+        precision=base.precision, global_batch_size=G, micro_batch_size=base.micro_batch_size, world_size=1,
+        max_grad_norm=max_grad_norm,
+    )
+    whole = step_in_backward_refusal(
+        precision=base.precision, global_batch_size=G, micro_batch_size=G, world_size=1, max_grad_norm=max_grad_norm,
+    )
+    if refusal:
+        skipped.append(f"optimizer step in backward: it {refusal.split(';')[0]}")
+    if refusal and not whole:
+        # The floor's micro-steps rule it out, not the step: the whole batch in one micro-batch, every block as the
+        # floor checkpoints it, may need less than the floor (no gradient is ever whole), so the refusal's floor is the
+        # least the search can reach only with it measured too.
+        name = f"optimizer step in backward with the whole batch of {G} in one micro-batch"
+        candidates.append(LeverCandidate(
+            name=name, added=name, config=replace(base, micro_batch_size=G, optimizer_in_backward=True), apart=True,
+        ))
+    elif not refusal:
+        base = replace(base, optimizer_in_backward=True)
+        names.append("optimizer step in backward")
+        candidates.append(LeverCandidate(name=", ".join(names), added=names[-1], config=base))
+    return base
+
+
+def _add_host_levers(
+    context: PlanContext, candidates: list[LeverCandidate], skipped: list[str], names: list[str], *, base: TrainingConfig,
+    blocks: list[str],
+) -> TrainingConfig:
+    """A GPU's rungs: offload of the blocks not checkpointed with the state on the host, then bf16 weights with fp32
+    masters on the host; the ladder's base after them (with the offload, its state on the device)."""
+    # The checkpointed blocks keep only their inputs: offload is for the others.
+    others = [name for name in blocks if name not in base.checkpoint]
+    added = []
+    if others:
+        base = replace(base, offload=others)
+        added.append(f"activation offload of {len(others)} block(s)")
+    # Simulated too: the simulated meter counts the host optimizer's tensors as host bytes (``host_allocation``).
+    added.append("optimizer state on the host")
+    candidates.append(LeverCandidate(name=", ".join([*names, *added]), added=" and ".join(added), config=replace(base, optimizer_state="host")))
+    # Then the weights on the device in bf16 too, their fp32 masters beside the state on the host (no step in
+    # backward: the masters step after it); not where --precisions leaves bf16-master out (its arithmetic is bf16).
+    master = replace(base, precision=MASTER_WEIGHTS, optimizer_in_backward=False)
+    if MASTER_WEIGHTS not in context.precisions:
+        skipped.append(f"bf16 weights with fp32 masters on the host: --precisions leaves {MASTER_WEIGHTS} out")
+    else:
+        candidates.append(LeverCandidate(
+            name=", ".join([
+                *[n for n in names if n != "optimizer step in backward"], *added[:-1],
+                "bf16 weights with fp32 masters and optimizer state on the host",
+            ]),
+            added="bf16 weights with fp32 masters on the host", config=master,
+        ))
+    names.extend(added[:1] if others else [])  # the 8-bit candidate keeps the offload, with its state on the device
+    return base
+
+
 def _add_nf4(context: PlanContext, candidates: list[LeverCandidate], skipped: list[str], *, base: TrainingConfig,
              allow_lossy_base: bool) -> None:
     """The candidate with the frozen linear weights in NF4 too (after the lossless ones it adds to), for a model that
@@ -228,9 +264,12 @@ def _add_nf4(context: PlanContext, candidates: list[LeverCandidate], skipped: li
 
 def plan_with_levers(
     context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, allow_lossy_optimizer: bool,
-    max_grad_norm: float | None = None, allow_lossy_base: bool = False,
+    max_grad_norm: float | None = None, allow_lossy_base: bool = False, then: Callable[[], PlanReport | None] | None = None,
 ) -> PlanReport:
     """The first lever candidate measured to fit, as the plan; the floor's error with the levers' savings otherwise.
+
+    The candidates the flags do not allow are measured last, only for the error's advice: where none allowed fits,
+    ``then`` (the search with the levers) runs first, and its plan, if it finds one, needs no advice.
 
     Raises:
         BelowLeverFloor: no candidate fits; the message names each lever and what it saved, measured, and the
@@ -247,7 +286,23 @@ def plan_with_levers(
     for why in skipped:
         context.log(f"  left out: {why}")
     tried: list[_Measured] = []
-    for candidate in candidates:
+    resident = below.breakdown.get("parameters", 0) + below.breakdown.get("optimizer_state", 0)
+    allowed = [c for c in candidates if c.allowed(**flags)]
+    for candidate in [*allowed, None, *(c for c in candidates if not c.allowed(**flags))]:
+        if candidate is None:
+            found = then() if then is not None else None
+            if found is not None:
+                return found
+            continue
+        inputs = candidate.config.micro_batch_size * measurements.host_sample_bytes
+        if candidate.apart and resident + inputs >= floor_peak:
+            # The whole batch's inputs beside the weights and state already reach the floor: it cannot lower it, and a
+            # large batch would take long to measure (a batch of 10^9 would not end).
+            context.log(
+                f"  {candidate.name}: not measured: its inputs ({format_bytes(inputs)}) with the parameters and optimizer "
+                f"state ({format_bytes(resident)}) reach the floor's peak"
+            )
+            continue
         measured = _measure(context, measurements, candidate)
         tried.append(measured)
         if measured.peak_bytes is None:
@@ -264,14 +319,19 @@ def plan_with_levers(
             return _report(context, costs, measurements, measured, floor=floor, floor_peak=floor_peak, tried=len(tried))
         measurements.reject(floor.config, f"with {candidate.name}: {measurements.over_budget(measured.peak_bytes, measured.breakdown)}"
                             if not fits else f"with {candidate.name}: fits, but needs {candidate.flag}")
+    lever_budgets = [
+        (m.candidate, measurements.headroom.smallest_budget(m.peak_bytes, persistent_bytes=persistent_bytes(m.breakdown)))
+        for m in tried if m.peak_bytes is not None and measurements.fits_host(m.host_peak_bytes)
+    ]
+    # The floor the error names is the least the levers the user allows reach, measured, where that is below the floor's.
+    least = min(((budget, c.name) for c, budget in lever_budgets if c.allowed(**flags)), default=None)
     raise BelowLeverFloor(
-        below_floor(context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, flags=flags,
-                                                                  fits=measurements.fits_peak, host_fits=measurements.fits_host)),
-        below=below,
-        lever_budgets=[
-            (m.candidate, measurements.headroom.smallest_budget(m.peak_bytes, persistent_bytes=persistent_bytes(m.breakdown)))
-            for m in tried if m.peak_bytes is not None
-        ],
+        below_floor(
+            context, floor, measurements, levers=_savings(tried, floor_peak=floor_peak, flags=flags, fits=measurements.fits_peak,
+                                                          host_fits=measurements.fits_host),
+            lever_floor=least if least is not None and least[0] < floor.budget_bytes else None,
+        ),
+        below=below, lever_budgets=lever_budgets,
     )
 
 
@@ -301,7 +361,7 @@ def _savings(tried: list[_Measured], *, floor_peak: int, flags: dict[str, bool],
         else:
             step = measured.peak_bytes - before
             saving = f"{'+' if step > 0 else '-'}{format_bytes(abs(step))}, -{format_bytes(floor_peak - measured.peak_bytes)} in all, measured"
-        before = measured.peak_bytes
+        before = None if candidate.apart else measured.peak_bytes  # the next part adds to the floor configuration, not to it
         if candidate.lossy or candidate.lossy_base:
             flag = "" if candidate.allowed(**flags) else f"{candidate.flag} for "
             would = "; it would fit" if fits(measured.peak_bytes, measured.breakdown) else "; not enough"

@@ -16,6 +16,7 @@ import torch
 from autofit.errors import UserError
 from autofit.measure.meters import frozen_note
 from autofit.config import TrainingConfig
+from autofit.planning.bounds import rank_state
 from autofit.planning.context import PlanContext
 from autofit.planning.memory.headroom import PERSISTENT, Headroom, persistent_bytes
 from autofit.planning.memory.segments import apart_from_step, peak_of
@@ -25,7 +26,12 @@ from autofit.planning.policy import POLICY
 from autofit.planning.verify.measurements import Measurements
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
-from strategies import micro_batch_count
+from strategies import MASTER_WEIGHTS, PURE_BF16, micro_batch_count
+
+ONE_PROCESS_PRECISIONS = (MASTER_WEIGHTS, PURE_BF16)
+"""bf16 weights (their masters on the host, or none): they train on one process only, not on several GPUs."""
+RANK_HALF_PRECISIONS = ("bf16", "fp16")
+"""The half precisions a rank of several trains in (autocast over its gathered weights in that dtype)."""
 
 
 class InfeasibleBudget(UserError):
@@ -143,12 +149,17 @@ def floor_phases(costs: Costs, config: TrainingConfig, *, state_bytes: int) -> t
     return (max(int(peak * model.memory_scale) - state_bytes, 0), max(int(step * model.memory_scale) - state_bytes, 0))
 
 
-def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, *, levers: str = "") -> str:
+def below_floor(
+    context: PlanContext, floor: Floor, measurements: Measurements, *, levers: str = "", lever_floor: tuple[int, str] | None = None,
+) -> str:
     """The one-line error: the floor, its breakdown, and what would lower it.
 
     Args:
         levers: what the memory levers would save, measured ("optimizer step in
             backward (-3.1 MiB, measured), "), put first among the ways out.
+        lever_floor: the least budget the memory levers the user allows reach, measured, and which levers, where it
+            is below the floor configuration's: then it is the floor the line names (the least anything trains in),
+            the configuration without levers after it.
     """
     peak, breakdown = measurements.checked_peak(floor.config)  # measured by check_floor: reused
     headroom = measurements.headroom
@@ -159,9 +170,17 @@ def below_floor(context: PlanContext, floor: Floor, measurements: Measurements, 
     state = breakdown.get("optimizer_state", 0)
     what = f"micro-batch {config.micro_batch_size}, {config.precision}, " + ("every block checkpointed" if config.checkpoint else "no checkpointing")
     gpus = _gpus_advice(context, floor, breakdown=breakdown, headroom=headroom)
+    without = f"{what}: {parts} + headroom {format_bytes(headroom_bytes)}"
+    if lever_floor is not None:
+        least, how = lever_floor
+        stated = (
+            f"{format_bytes(least)} for a batch of {context.global_batch_size} with {how}, measured (without levers "
+            f"{format_bytes(floor.budget_bytes)}: {without})"
+        )
+    else:
+        stated = f"{format_bytes(floor.budget_bytes)} for a batch of {context.global_batch_size} ({without})"
     return (
-        f"budget {format_bytes(context.budget_bytes)} is below the floor {format_bytes(floor.budget_bytes)} for a batch of "
-        f"{context.global_batch_size} ({what}: {parts} + headroom {format_bytes(headroom_bytes)}); "
+        f"budget {format_bytes(context.budget_bytes)} is below the floor {stated}; "
         f"to lower it: {_ways_out(levers + _less_state(context, state), gpus)}"
     )
 
@@ -182,28 +201,44 @@ def _less_state(context: PlanContext, state: int) -> str:
 
 
 def _gpus_advice(context: PlanContext, floor: Floor, *, breakdown: dict[str, int], headroom: Headroom) -> str:
-    """--gpus N where N GPUs would fit the floor configuration per rank (the conservative estimate), else why not and what would."""
+    """--gpus N where N GPUs would fit the floor configuration per rank (the conservative estimate), else why not and what would.
+
+    A floor in bf16-master or bf16-pure (bf16 weights: one process only) is priced as the ranks the multi-GPU planner
+    would make: fp32 weights, gradients and optimizer state sharded (``bounds.rank_state``), computing in bf16 over
+    bf16 gathered weights as this floor's forward and backward do (``plan_fsdp`` prices a half precision's rank from
+    the same traces); priced with its own bytes, the advice left out the state the ranks hold, and followed, was
+    refused (bench/RESULTS.md, "#48: the --gpus advice of a bf16-master floor, followed").
+    """
     G = context.global_batch_size
     if G < 2:
         return "(more GPUs would not help: a batch of 1 cannot be split between GPUs)"
+    general = "or more GPUs (--gpus N: FSDP2 shards parameters, gradients and optimizer state)"
+    precision, phases = floor.config.precision, floor.phases
+    if precision in ONE_PROCESS_PRECISIONS:
+        half = next((p for p in context.precisions if p in RANK_HALF_PRECISIONS), None)
+        rank = rank_state(context) if half is not None else None
+        if rank is None:  # no precision ranks train in that the floor's traces price, or no count of the state
+            return general
+        activations = phases[0] if phases is not None else sum(v for k, v in breakdown.items() if k not in PERSISTENT)
+        precision, breakdown, phases = half, rank.breakdown, (activations, rank.step_bytes)
     try:
         sharded = sharded_floor(
-            context.sim_spec, breakdown=breakdown, precision=floor.config.precision, headroom=headroom,
-            micro_batch_size=floor.config.micro_batch_size, global_batch_size=G, phases=floor.phases,
+            context.sim_spec, breakdown=breakdown, precision=precision, headroom=headroom,
+            micro_batch_size=floor.config.micro_batch_size, global_batch_size=G, phases=phases,
         )
     except Exception:  # a model that cannot be built on meta: no count, the advice stays general
-        return "or more GPUs (--gpus N: FSDP2 shards parameters, gradients and optimizer state)"
+        return general
     if sharded.gpus is not None:
         return f"or --gpus {sharded.gpus} (FSDP2 shards parameters, gradients and optimizer state; estimated)"
     holds = (
-        f"each GPU would still hold the activations, {format_bytes(sharded.activation_bytes)}, and with {sharded.best_gpus} GPUs "
-        f"FSDP2's gathered blocks, {format_bytes(sharded.buffer_bytes)}, and {format_bytes(sharded.state_bytes)} of state"
+        f"each GPU would still hold the activations, {format_bytes(sharded.activation_bytes)}, and FSDP2's gathered blocks, "
+        f"{format_bytes(sharded.buffer_bytes)}: {format_bytes(sharded.limit_bytes)} per GPU with any number of GPUs, estimated"
     )
+    need = f"--gpus {sharded.best_gpus} would need a budget of {format_bytes(sharded.budget_bytes)} per GPU, estimated"
+    if sharded.limit_bytes <= context.budget_bytes:  # the batch, not the bytes, stops more GPUs from fitting
+        return f"(more samples a step could be split between more GPUs; at a batch of {G}, {need})"
     if sharded.budget_bytes < floor.budget_bytes:
-        return (
-            f"(more GPUs would not help at this budget: {holds}; --gpus {sharded.best_gpus} would need a budget of "
-            f"{format_bytes(sharded.budget_bytes)} per GPU, estimated)"
-        )
+        return f"(more GPUs would not help at this budget: {holds}; {need})"
     return f"(more GPUs would not help: {holds}; the floor is the least budget)"
 
 
@@ -229,6 +264,9 @@ class ShardedFloor:
     """FSDP2's gathered parameters and unsharded gradients of one block, and the reduce-scatter input, at ``best_gpus``."""
     state_bytes: int
     """Parameters, gradients and optimizer state one GPU holds at ``best_gpus``."""
+    limit_bytes: int
+    """The least per-GPU budget with any number of GPUs: the activations and gathered blocks, their headroom, no state
+    (the estimate's limit as the state's share goes to nothing). A budget under it: more GPUs would not help."""
 
 
 def sharded_floor(
@@ -277,7 +315,9 @@ def sharded_floor(
     if best is None:
         raise ValueError(f"a batch of {global_batch_size} cannot be split between GPUs")
     world_size, budget, estimate = best
+    unsharded = estimate.activation_bytes + estimate.buffer_bytes
     return ShardedFloor(
         gpus=world_size if fits else None, best_gpus=world_size, budget_bytes=budget,
         activation_bytes=estimate.activation_bytes, buffer_bytes=estimate.buffer_bytes, state_bytes=estimate.state_bytes,
+        limit_bytes=headroom.smallest_budget(unsharded, persistent_bytes=0),
     )

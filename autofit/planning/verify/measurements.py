@@ -21,14 +21,13 @@ from autofit.config import TrainingConfig
 from autofit.measure.meters import release_device_memory, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.probe import measure
-from autofit.plan_file import EXPANDABLE_SEGMENTS
 from autofit.planning.context import PlanContext
 from autofit.units import format_bytes
 from autofit.planning.speed.measured import StepTimer
 from autofit.planning.memory.headroom import Headroom, persistent_bytes
 from autofit.planning.policy import POLICY, timing_policy
 from autofit.planning.speed.timing import Race, Samples, interleaved_rounds
-from autofit.planning.records import Measurement
+from autofit.planning.records import Measurement, VerifiedPoint
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, nf4_weights
 from strategies.optimizer_state import held_weight_bytes
 
@@ -90,13 +89,7 @@ class Measurements:
     @property
     def headroom(self) -> Headroom:
         """The budget's headroom as measured so far: on a real GPU the first probe replaces the assumed context."""
-        context = self.context
-        assumed = POLICY.estimated_cuda_context_bytes if context.device == "cuda" else 0
-        measured = self._measured_context_bytes
-        return Headroom(
-            device_type=context.device, estimated=context.simulate, budget_bytes=context.budget_bytes,
-            context_bytes=assumed if measured is None else measured, expandable_segments=context.info.allocator_settings == EXPANDABLE_SEGMENTS,
-        )
+        return self.context.headroom(context_bytes=self._measured_context_bytes)
 
     @property
     def resident_bytes(self) -> int:
@@ -458,27 +451,20 @@ class Measurements:
         )
 
     @property
-    def verified(self) -> dict[str, dict]:
-        """Configuration key -> what was measured, for the alternatives of the plan.
-
-        "fits" (the measured peak and its headroom fit the budget), "measured_peak_bytes" and
-        "measured_samples_per_s" (None if never timed) where its peak was measured, and
-        "rejected" (why) where verification rejected it.
-        """
+    def verified(self) -> dict[str, VerifiedPoint]:
+        """Configuration key -> what was measured of it, for the alternatives of the plan."""
         why: dict[str, str] = {}
         for rejection in self.rejected:
             why.setdefault(rejection["config"], rejection["why"])
         found = {}
         for key, entry in self.peaks.items():
             if entry.get("oom"):
-                found[key] = {"fits": False, "rejected": why.get(key, "out of memory on the device")}
+                found[key] = VerifiedPoint(fits=False, rejected=why.get(key, "out of memory on the device"))
                 continue
-            found[key] = {
-                "measured_peak_bytes": entry["peak_bytes"], "measured_samples_per_s": self._median_speed(key),
-                "fits": self.fits_peak(entry["peak_bytes"], entry["breakdown"]),
-            }
-            if key in why:
-                found[key]["rejected"] = why[key]
+            found[key] = VerifiedPoint(
+                fits=self.fits_peak(entry["peak_bytes"], entry["breakdown"]), measured_peak_bytes=entry["peak_bytes"],
+                measured_samples_per_s=self._median_speed(key), rejected=why.get(key),
+            )
         return found
 
     def to_store(self) -> dict:

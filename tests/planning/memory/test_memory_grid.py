@@ -19,7 +19,7 @@ from autofit.measure.probe import probe
 from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
 from strategies import PRECISIONS, checkpoint_candidates
 from tests.helpers.planning import grid_spec
-from tests.helpers.models import BiasedLM, relu_chain_spec
+from tests.helpers.models import BiasedLM, SharedLayerLM, relu_chain_spec, shared_layer_spec
 
 pytestmark = pytest.mark.usefixtures("quiet_process")  # conftest's
 
@@ -136,6 +136,39 @@ def test_keyword_inputs_of_a_checkpointed_block_stay_alive():
             spec, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH, checkpoint=model.blocks[:1], steps=1,
         ).peak_bytes
         assert abs(predicted - measured) <= 0.0002 * measured  # counted as dropped, the bias made it 0.1% under
+
+
+@pytest.mark.slow  # probes
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_each_call_of_a_shared_layer_is_a_block_and_its_peak_is_the_measured_peak(precision):
+    """ALBERT-style, one layer called 4 times: each call saves its own activations (the model counts them per
+    call), and checkpointing some calls, fully or selectively, lowers the peak as predicted. Under autocast the
+    calls share the cached copies of the layer's weights, which no call's checkpoint frees alone: the model is
+    never under the meter, and over it by at most those copies."""
+    spec = shared_layer_spec()
+    model = memory_model(spec, precision)
+    calls = [f"layer#{k}" for k in range(SharedLayerLM.CALLS)]
+    assert [b for b in model.blocks if "#" in b] == calls
+    trace = model.precisions[precision].memory.high
+    drops = [trace.drop_bytes[model.blocks.index(c)] for c in calls]
+    assert len(set(drops)) == 1 and drops[0] > 0
+    shared = max(trace.shared_call_bytes, default=0)
+    assert (shared > 0) == (precision == "bf16")
+    # One probe per step shape (kept few: each probe is a real step): a call alone, and calls in each mode.
+    for micro_batch_size, full, selective in ((GLOBAL_BATCH, calls[1:2], []), (3, calls[::2], calls[3:])):
+        predicted = model.peak_bytes(
+            precision, micro_batch_size, {model.blocks.index(b) for b in full}, frozenset(model.blocks.index(b) for b in selective),
+        )
+        measured = probe(
+            spec, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH, precision=precision, checkpoint=full,
+            selective_checkpoint=selective, steps=1,
+        )
+        assert measured.checkpoint == full and measured.selective_checkpoint == selective
+        over = predicted - measured.peak_bytes
+        assert 0 <= over <= shared + TOLERANCE * measured.peak_bytes, (full, selective, predicted, measured.peak_bytes)
+    # Every call checkpointed: well under the plain peak (what a plan at half of it needs).
+    plain, every = (model.peak_bytes(precision, GLOBAL_BATCH, chosen) for chosen in (set(), {model.blocks.index(c) for c in calls}))
+    assert every < 0.6 * plain
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -144,7 +144,7 @@ def test_a_worker_forked_after_multithreaded_kernels_runs_its_own():
 PLAN_WITH_A_BLOCKED_WORKER = textwrap.dedent("""
     import json, multiprocessing, os, threading
     import autofit.planning.memory.traces as memory_model
-    from autofit.commands.plan import summary_lines
+    from autofit.planning.summary import summary_lines
     from autofit.planning.memory import workers
     from autofit.planning.planner import plan_with_report
     from autofit.planning.request import PlanRequest

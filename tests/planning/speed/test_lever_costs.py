@@ -189,7 +189,6 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
     or what the search with them finds faster)."""
     spec, _ = lm_costs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(levers, "time_host_update", lambda build: 1e-6)  # seconds per element
 
     def simulated_cuda(**chosen):
         config = TrainingConfig(global_batch_size=1, micro_batch_size=1, checkpoint=LM_BLOCKS, optimizer_in_backward=True, **chosen)
@@ -201,7 +200,9 @@ def test_a_simulated_gpu_lever_plan_predicts_the_floor_speed_plus_the_levers(lm_
         return headroom.smallest_budget(measured.peak_bytes, persistent_bytes=persistent_bytes(measured.breakdown))
 
     budget = (least(host) + least(in_backward)) // 2
-    report = plan_with_report(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB"))
+    # The host that trains: 1e6 elements/s, 1e-6 s per element (a GPU that is not here is never timed on this CPU).
+    request = PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], device="cuda", simulate=True, device_memory="4GiB", host_speed=1e6)
+    report = plan_with_report(spec, request)
     plan, model = report.plan, CostModel.from_dict(report.cost_model)
     assert plan.config.optimizer_state == "host"
     with torch.device("meta"):
