@@ -9,7 +9,13 @@ lossless lever traced, since the least budget needs them all. Everything after t
 - ``best_at``: the configuration the search chooses for a card's memory at a global batch, with its speed;
 - ``largest_one_step``: the largest batch one micro-step holds on a card. With accumulation a step's memory grows
   with the global batch by the inputs' copy only, so batches far larger train once one micro-batch fits; the most
-  samples one step holds is the figure that bounds the batch.
+  samples one step holds is the figure that bounds the batch;
+- ``longest_at``: the longest sequence a global batch trains on a card, from records at a few traced lengths with
+  every term fitted through them (``lengths``); ``longest_seq_len`` (``plan --seq-len max``) traces again at its
+  answer until the answer is a traced length.
+
+The declared lossy choices (8-bit optimizer state, bf16-pure, an NF4 base) are traced where the user allows them and
+answered apart: ``lossless`` takes them out of the lossless answers, ``lossy_answer`` gives a card's with them.
 
 A card's speeds come from the FLOP counts with its row of ``GPU_PEAKS`` (``card_speeds``, kept in the cache beside
 the costs); its memory's headroom is the estimated GPU's (``Headroom``), the one ``plan --simulate`` keeps.
