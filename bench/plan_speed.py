@@ -79,7 +79,12 @@ CASES = {
     ),
     "lstm": Case("lstm", ["{scratch}/lstm_lm.py"], 8, ("0.6peak", "0.4peak")),
     "vit": Case("vit", ["torchvision:vit_b_16", "--input-shape", "3x224x224", "--num-classes", "1000"], 32, ("5GiB", "4GiB"), simulate=True),
+    # #47's loops and many small ops, each at about half its unconstrained peak (ResNet-18 at the issue's 200 MiB).
+    "resnet18-64": Case("resnet18-64", [str(ROOT / "bench/models47/resnet18_10.py")], 32, ("200MiB", "100MiB")),
+    "mamba": Case("mamba", [str(ROOT / "bench/models47/mamba_like.py")], 32, ("30MiB", "20MiB")),
+    "swin": Case("swin", [str(ROOT / "bench/models47/swin_like.py")], 32, ("45MiB", "30MiB")),
 }
+DEFAULT_CASES = ("digits", "transformer", "resnet18", "resnet50", "lstm", "vit")
 LSTM_MODEL = '''"""A two-layer LSTM language model (#47's hang: real mkldnn RNN kernels beside forked trace workers)."""
 import torch
 from torch import nn
@@ -137,6 +142,8 @@ def settle(*, below: float = 1.0, longest_s: float = 180.0) -> float:
 class Run:
     seconds: float
     load: float
+    cpu_seconds: float = 0.0
+    """User + system CPU seconds of the process and its children (trace workers)."""
     phases: dict[str, float] = field(default_factory=dict)
     chosen: str = ""
     plan: dict = field(default_factory=dict)
@@ -147,16 +154,28 @@ class Run:
 
 def autofit(tree: Path, args: list[str], *, env: dict, timeout_s: float | None = None) -> tuple[float, float, subprocess.CompletedProcess]:
     """Run `python -m autofit ARGS` with ``tree`` first on the path; (wall seconds, load at start, result). A run
-    past ``timeout_s`` is killed and returned with exit code -9 and "hang" as its last line."""
+    past ``timeout_s`` is killed and returned with exit code -9 and "hang" as its last line. The run's CPU seconds
+    (user + system, its workers included) are ``cpu_seconds(result)``."""
     env = {**env, "PYTHONPATH": str(tree)}
-    started_load, start = load(), time.perf_counter()
+    started_load, start, started_cpu = load(), time.perf_counter(), _children_cpu()
     # Run from the tree itself: `python -m` puts the working directory first on the path.
     command = [sys.executable, "-m", "autofit", *args]
     try:
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         done = subprocess.CompletedProcess(command, -9, "", f"hang: still running after {timeout_s:.0f} s, killed")
+    done.cpu_seconds = _children_cpu() - started_cpu
     return time.perf_counter() - start, started_load, done
+
+
+def _children_cpu() -> float:
+    """User + system seconds of every waited-for child so far (a run's own, as a difference: runs are one at a time)."""
+    used = os.times()
+    return used.children_user + used.children_system
+
+
+def cpu_seconds(done: subprocess.CompletedProcess) -> float:
+    return getattr(done, "cpu_seconds", 0.0)
 
 
 def plan(tree: Path, case: Case, budget: str, *, env: dict, out: Path, timeout_s: float | None = None) -> Run:
@@ -164,7 +183,7 @@ def plan(tree: Path, case: Case, budget: str, *, env: dict, out: Path, timeout_s
     if case.simulate:
         args += list(SIMULATED_GPU)
     seconds, started_load, done = autofit(tree, args, env=env, timeout_s=timeout_s)
-    run = Run(seconds=seconds, load=started_load)
+    run = Run(seconds=seconds, load=started_load, cpu_seconds=cpu_seconds(done))
     if done.returncode != 0:
         run.error = (done.stderr.strip().splitlines() or ["?"])[-1]
         return run
@@ -210,8 +229,12 @@ def phases(stdout: str, stderr: str, *, wall: float) -> dict[str, float]:
 
 
 def probe(tree: Path, case: Case, plan_dict: dict, *, env: dict) -> Run:
-    """One `autofit probe` of the plan's unconstrained configuration (the plan's meter, 3 steps)."""
+    """One `autofit probe` of the plan's unconstrained configuration (the plan's meter, 3 steps): the plan's own
+    where it has none apart (the chosen configuration is the fastest with no budget)."""
     u = plan_dict["measured"]["unconstrained"]
+    if u.get("precision") is None:
+        u = {"precision": plan_dict["precision"], "micro_batch_size": plan_dict["micro_batch_size"],
+             "grad_accum_steps": math.ceil(plan_dict["global_batch_size"] / plan_dict["micro_batch_size"])}
     args = [
         "probe", *case.model, "-m", str(u["micro_batch_size"]), "-k", str(u["grad_accum_steps"]), "--precision", u["precision"],
         "--steps", "3",
@@ -219,7 +242,9 @@ def probe(tree: Path, case: Case, plan_dict: dict, *, env: dict) -> Run:
     if case.simulate:
         args += ["--simulate", "--device", "cuda"]
     seconds, started_load, done = autofit(tree, args, env=env)
-    return Run(seconds=seconds, load=started_load, error="" if done.returncode == 0 else done.stderr.strip()[-200:])
+    return Run(
+        seconds=seconds, load=started_load, cpu_seconds=cpu_seconds(done), error="" if done.returncode == 0 else done.stderr.strip()[-200:],
+    )
 
 
 def floor_budget(case: Case, *, env: dict) -> int:
@@ -253,19 +278,22 @@ def resolved_budgets(case: Case, *, env: dict) -> list[str]:
 
 def row(tree: str, case: Case, label: str, budget: str, run: Run, yardstick: Run | None) -> str:
     cells = [f"{run.phases.get(p, 0.0):.1f}" if p in run.phases else "-" for p in PHASES]
-    ratio = f"{run.seconds / yardstick.seconds:.2f}" if yardstick and not yardstick.error and not run.error else "-"
-    probe_s = f"{yardstick.seconds:.1f} ({yardstick.load:.1f})" if yardstick else "-"
+    measured = yardstick and not yardstick.error and not run.error
+    ratio = f"{run.seconds / yardstick.seconds:.2f}" if measured else "-"
+    cpu_ratio = f"{run.cpu_seconds / yardstick.cpu_seconds:.2f}" if measured and yardstick.cpu_seconds else "-"
+    probe_s = f"{yardstick.seconds:.1f} / {yardstick.cpu_seconds:.1f} ({yardstick.load:.1f})" if yardstick else "-"
     what = run.error or run.chosen
     return (
-        f"| {case.key} | {label} | {budget} | {tree} | {run.seconds:.1f} | {run.load:.1f} | " + " | ".join(cells)
-        + f" | {probe_s} | {ratio} | {what} | {run.noise or '-'} |"
+        f"| {case.key} | {label} | {budget} | {tree} | {run.seconds:.1f} | {run.cpu_seconds:.1f} | {run.load:.1f} | " + " | ".join(cells)
+        + f" | {probe_s} | {ratio} | {cpu_ratio} | {what} | {run.noise or '-'} |"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trees", default=str(ROOT), help="Source trees to compare, separated by commas (e.g. a checkout of the branch point).")
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"Of {', '.join(CASES)}.")
+    parser.add_argument("--first-only", action="store_true", help="Each case's first plan only (not the second, from the cache).")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every process (default: unset).")
     parser.add_argument("--load-test", type=int, default=0, help="Runs of the digits plan under two busy processes.")
     parser.add_argument("--load-case", default="digits", help="The case the load test plans (its first budget).")
@@ -283,7 +311,10 @@ def main() -> None:
     for key, case in CASES.items():
         CASES[key] = Case(case.key, [a.format(scratch=scratch) for a in case.model], case.batch_size, case.budgets, case.simulate)
     print(f"# bench/plan_speed.py, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}")
-    header = "| case | plan | budget | tree | wall s | load | " + " | ".join(PHASES) + " | probe s (load) | plan / probe | chosen | timing noise |"
+    header = (
+        "| case | plan | budget | tree | wall s | cpu s | load | " + " | ".join(PHASES)
+        + " | probe wall / cpu s (load) | plan / probe (wall) | plan / probe (cpu) | chosen | timing noise |"
+    )
     if not args.no_main:
         print(header)
         print("|" + "---|" * (header.count("|") - 1))
@@ -293,7 +324,7 @@ def main() -> None:
             for tree in trees:
                 cache = scratch / f"cache-{key}-{labels[tree]}"
                 tree_env = {**env, "AUTOFIT_CACHE_DIR": str(cache)}
-                for label, budget in zip(("first", "second (cache)"), budgets):
+                for label, budget in zip(("first", "second (cache)")[: 1 if args.first_only else 2], budgets):
                     out = scratch / f"{key}-{labels[tree]}-{label[:5]}.json"
                     run = plan(tree, case, budget, env=tree_env, out=out)
                     # The yardstick runs from this tree: at the branch point `probe --simulate` failed for ViT.

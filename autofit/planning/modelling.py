@@ -269,7 +269,9 @@ def add_recomputations(context: PlanContext, costs: Costs, precision: str) -> No
     costs.changed = True
 
 
-def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> list[str]:
+def needs_recomputations(
+    costs: Costs, evaluations: list, *, within: float, candidates: int | None = None, tie: float = 0.0,
+) -> list[str]:
     """Precisions traced without recomputations where a point that does not fit as plain training could, if
     checkpointed, beat what it reaches without and come within ``within`` of the best that fits (nothing fits:
     every one where checkpointing could fit a point). Its speed with checkpointing is bounded by the search's
@@ -277,11 +279,25 @@ def needs_recomputations(costs: Costs, evaluations: list, *, within: float) -> l
 
     A point that fits only with a memory lever that costs time (8-bit state, host state, offload) counts too:
     checkpointing might cost less.
+
+    With ``candidates`` (the verification's count, ``POLICY.verify_top_candidates``), such a point counts only where
+    it could also be one of them: fewer than ``candidates`` points that fit are faster than its bound, or its bound is
+    within ``tie`` of the best (the verification also times the simplest point in a tie with the best). Else the
+    verification would time the same candidates with the recomputations traced or without.
     """
-    best = max((e.samples_per_s for e in evaluations if e.fits), default=0.0)
+    fitting = [e.samples_per_s for e in evaluations if e.fits]
+    best = max(fitting, default=0.0)
+
+    def could_be_timed(e) -> bool:
+        if candidates is None:
+            return True
+        bound = e.plain_samples_per_s if e.bound_samples_per_s is None else e.bound_samples_per_s
+        return sum(speed > bound for speed in fitting) < candidates or bound >= best * (1 - tie)
+
     return sorted({
         e.config.precision for e in evaluations
         if not costs.model.precisions[e.config.precision].memory.recomputed and _bound_could_win(e, best=best, within=within)
+        and could_be_timed(e)
     })
 
 

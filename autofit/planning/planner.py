@@ -63,6 +63,7 @@ from autofit.planning.search.space import Evaluation, LeverSearch, score_space
 from autofit.planning.verify.measurements import Measurements
 from autofit.planning.policy import POLICY
 from autofit.planning.verify.candidates import measure_unconstrained, timed_reference, verify
+from autofit.planning.speed.timing import tie_cap
 from autofit.planning.verify.compiled import with_compile
 from autofit.planning.report import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
@@ -458,14 +459,17 @@ def _search(
     """Trace precisions in full, fastest first, while one could still reach the verification; score them (with
     the memory levers of ``levers``).
 
-    A simulated plan traces a precision without its recomputations first: checkpointing only slows a point down,
-    so it is worth knowing only for points whose speed could still come near the best that fits without it
-    (``needs_recomputations``). On a GPU the offloading runs are traced on the same terms (``needs_offload``:
-    bounded as if the copies back held nothing and cost the least they can), after the recomputations, whose
-    speed may leave offload nothing to win.
-    A plan that times real steps traces them with the plain runs: its traces cost a fraction of its timing, and a
-    plan of the same model at a tighter budget, which needs them, then finds them in the cache (the digits plan at
-    16 MB after one at 64 MB: 1.7 s of its 8.3 s were the recomputing runs the first plan had left out).
+    Where the memory model has the last word (``Measurements.model_is_exact``: simulating, or on the CPU), a
+    precision is traced without its recomputations first: checkpointing only slows a point down, so it is worth
+    knowing only for points whose speed could still come near the best that fits without it and, where real steps
+    are timed, be among the candidates the verification times (``needs_recomputations``). On a GPU the offloading
+    runs are traced on the same terms (``needs_offload``: bounded as if the copies back held nothing and cost the
+    least they can), after the recomputations, whose speed may leave offload nothing to win.
+    A plan that times a real GPU's steps traces them with the plain runs: its verification may ask for a smaller
+    checkpoint set where the card's allocator holds more than the model says. On the CPU a model whose forward is
+    a Python loop of small ops traces slowly, and its recomputing runs were most of a plan that checkpointed
+    nothing (#47, bench/RESULTS.md), so they wait until a candidate could need them; a plan of the same model at
+    a tighter budget adds them to the plain runs it finds in the cache.
     """
     order = sorted(context.precisions, key=lambda p: -best_plain_samples_per_s(costs, p))
     over = _weights_over_budget(context, measurements)
@@ -481,7 +485,7 @@ def _search(
         if precision not in costs.model.precisions and index > 0 and not worth_tracing(costs, precision, best_fitting=best, within=within):
             continue
         with context.phase("memory"):
-            trace_full(context, costs, precision, recompute=not context.simulate)
+            trace_full(context, costs, precision, recompute=not measurements.model_is_exact)
         scores.update()
         _trace_what_could_win(context, costs, scores, within=within, levers=levers)
     evaluations, sampler = scores.evaluations, scores.sampler
@@ -551,9 +555,13 @@ class _Scores:
 def _trace_what_could_win(context: PlanContext, costs: Costs, scores: _Scores, *, within: float, levers: LeverSearch | None) -> None:
     """Trace the recomputations, then the offloading runs, of the points whose speed could still reach the
     verification, scoring again after each, until none is left."""
+    # Where real steps are timed, a checkpointed point's recomputations matter only if it could be a candidate.
+    candidates = None if context.simulate else POLICY.verify_top_candidates
     while True:
         # Recomputations first: the speed they make fit may leave offload nothing to win.
-        recomputations = needs_recomputations(costs, scores.evaluations, within=within)
+        recomputations = needs_recomputations(
+            costs, scores.evaluations, within=within, candidates=candidates, tie=tie_cap(context.tie),
+        )
         offloads = []
         if not recomputations and levers and levers.offload:
             offloads = needs_offload(context, costs, scores.evaluations, within=within, usable_bytes=scores.usable)

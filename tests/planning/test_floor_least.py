@@ -192,3 +192,32 @@ def test_the_floor_is_stated_once_when_a_second_check_finds_the_same(monkeypatch
         floor_module.check_floor(context, None, measurements)
     said = [line for line in lines if "floor" in line]
     assert len(said) == 1 and said[0].startswith("floor without levers: ") and said[0].endswith(" measured"), said
+
+
+def test_a_precision_sharing_anothers_traces_is_not_measured_again_for_the_floor(monkeypatch):
+    """#47: fp16 autocast makes bf16's tensors (it shares bf16's traces), so its floor configurations have bf16's
+    peaks; they were measured all the same (on the CPU, fp16's steps are many times bf16's)."""
+    from autofit.planning.verify.measurements import Measurements
+
+    measured = []
+    exact_peak = Measurements.exact_peak
+
+    def counted(self, config):
+        measured.append(config.precision)
+        return exact_peak(self, config)
+
+    class Checked(Exception):
+        """The floor's check is over: the plan goes no further (below it, the memory levers would be tried)."""
+
+    def check_only(context, costs, measurements):
+        try:
+            return check_floor(context, costs, measurements)
+        except InfeasibleBudget as below:
+            raise Checked(below) from None
+
+    monkeypatch.setattr(Measurements, "exact_peak", counted)
+    monkeypatch.setattr(planner, "check_floor", check_only)
+    with pytest.raises(Checked) as checked:
+        planner.make_plan(uneven_spec(), PlanRequest(budget=1000, batch_size=4, precisions=("fp16", "bf16"), simulate=True, cache=False))
+    assert "bf16" in measured and "fp16" not in measured
+    assert checked.value.args[0].floor.config.precision == "bf16"

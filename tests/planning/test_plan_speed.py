@@ -207,6 +207,36 @@ def test_a_precision_far_slower_every_time_stops_early():
     assert results["bf16"].step_seconds[0] > 3 * results["fp32"].step_seconds[0]
 
 
+@pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
+def test_the_optimizer_step_is_timed_after_the_quickest_precisions_micro_step():
+    """#47: each precision's optimizer timing made its gradients with its own micro-steps, fp16 autocast's on a CPU
+    many times fp32's, for the same fp32 weights and gradients; the quickest precision makes them for all."""
+    import dataclasses
+
+    after: list[str] = []  # per optimizer step: the autocast of the forward before it
+    last = {"autocast": "none"}
+
+    def build_model():
+        model = uneven_spec().build_model()
+
+        def note(module, args):
+            last["autocast"] = str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "none"
+
+        model.register_forward_pre_hook(note)
+        return model
+
+    class Noted(torch.optim.AdamW):
+        def step(self, closure=None):
+            after.append(last["autocast"])
+            return super().step(closure)
+
+    spec = dataclasses.replace(uneven_spec(), build_model=build_model, build_optimizer=lambda params: Noted(params, lr=1e-3))
+    results = time_precisions(spec, precisions=["fp32", "bf16"], sizes=[1], device="cpu", time_limit_s=1e12, clock=SyntheticClock(every_bf16=10.0))
+    assert results["bf16"].step_seconds[0] > 3 * results["fp32"].step_seconds[0]
+    assert after and set(after) == {"none"}, after  # bf16, the slow one here, made none of the gradients stepped
+    assert results["bf16"].optimizer_seconds > 0
+
+
 # -- traces shared only when checked ----------------------------------------------------------------
 class HalfSensitive(nn.Module):
     """Makes a larger tensor under fp16 autocast than under bf16: their traces must not be shared."""

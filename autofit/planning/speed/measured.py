@@ -264,6 +264,12 @@ class _PrecisionTimer:
                 self.runs[name].note = f"{ratio:.1f}x slower than {reference} at micro-batch {size}; timed up to there"
                 self.runs[name].slower_than = reference
 
+    def quickest(self) -> AppliedPlan:
+        """The precision quickest at the smallest size timed. Every precision steps the same weights from gradients of
+        their dtype, whichever autocast made them: its micro-steps make them for all optimizer timings (fp16
+        autocast's on a CPU take many times as long, #47)."""
+        return min(self.runs.values(), key=lambda run: run.fastest[run.sizes[0]].step_s).applied
+
     def speed_costs(self, name: str) -> SpeedCosts:
         """``name``'s speeds at the sizes it was timed at, and its optimizer step's."""
         run = self.runs[name]
@@ -274,6 +280,7 @@ class _PrecisionTimer:
             block_seconds=[run.fastest[s].block_s for s in run.sizes],
             optimizer_seconds=_optimizer_seconds(
                 self.model, self.optimizer, run.applied, self.steps.one_step, self.spec, run.sizes[0], clock=self.clock,
+                gradients=self.quickest(),
             ),
             note=run.note,
             noise=noise_of([self.samples[name, s] for s in run.sizes]),
@@ -298,13 +305,16 @@ def _follow_reference(costs: SpeedCosts, reference: SpeedCosts) -> SpeedCosts:
     return scaled
 
 
-def _optimizer_seconds(model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int, *, clock) -> float:
-    """The optimizer step's time (its first call creates state: not timed)."""
+def _optimizer_seconds(
+    model, optimizer, precision: AppliedPlan, one_step, spec: ModelSpec, size: int, *, clock, gradients: AppliedPlan | None = None,
+) -> float:
+    """The optimizer step's time under ``precision`` (its first call creates state: not timed), after a micro-step
+    of ``gradients`` (default: ``precision``) makes the gradients it steps with."""
     inputs, targets = spec.example_batch(size)
     best = math.inf
     device = next(model.parameters()).device
     for attempt in range(timing_policy().optimizer_step_timings):
-        one_step(precision, inputs, targets)
+        one_step(gradients or precision, inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = clock()

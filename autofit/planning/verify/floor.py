@@ -26,7 +26,7 @@ from autofit.planning.policy import POLICY
 from autofit.planning.verify.measurements import Measurements
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes
-from strategies import MASTER_WEIGHTS, PURE_BF16, micro_batch_count
+from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16, micro_batch_count
 
 ONE_PROCESS_PRECISIONS = (MASTER_WEIGHTS, PURE_BF16)
 """bf16 weights (their masters on the host, or none): they train on one process only, not on several GPUs."""
@@ -113,17 +113,30 @@ def far_above_budget(context: PlanContext, costs: Costs, measurements: Measureme
 
 
 def _options(context: PlanContext, costs: Costs) -> list[tuple[float, TrainingConfig]]:
-    """The floor's candidate configurations with their predicted peaks, least first."""
+    """The floor's candidate configurations with their predicted peaks, least first.
+
+    Two precisions that share their traces (``Costs.shared``: fp16's and bf16's autocast make the same tensors)
+    have the same peaks: the simpler one (first in ``PRECISIONS``) stands for both, since measuring the other would
+    only repeat the same bytes (fp16 autocast's steps on a CPU are many times bf16's, #47)."""
     model, smallest, G = costs.model, costs.smallest, context.global_batch_size
     blocks = frozenset(range(len(model.blocks)))
     options: list[tuple[float, TrainingConfig]] = []
-    for precision, memory in costs.memory_for_floor().items():
+    traced = costs.memory_for_floor()
+    for precision, memory in traced.items():
+        if _stood_for(costs, precision, traced):
+            continue
         for checkpoint in (blocks, frozenset()):
             peak = memory.peak_bytes(smallest, global_batch_size=G, checkpoint=checkpoint) * model.memory_scale
             config = TrainingConfig(global_batch_size=G, micro_batch_size=smallest, precision=precision, checkpoint=model.names(checkpoint))
             options.append((peak, config))
     options.sort(key=lambda option: option[0])
     return options
+
+
+def _stood_for(costs: Costs, precision: str, traced: dict) -> bool:
+    """Whether a ``traced`` precision that shares this one's traces comes before it in ``PRECISIONS``."""
+    partners = {b for a, b in costs.shared.items() if a == precision} | {a for a, b in costs.shared.items() if b == precision}
+    return any(p in traced and PRECISIONS.index(p) < PRECISIONS.index(precision) for p in partners)
 
 
 def _predicted_budget(options: list[tuple[float, TrainingConfig]], measurements: Measurements) -> int:

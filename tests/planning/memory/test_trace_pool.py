@@ -18,7 +18,10 @@ import pytest
 from autofit.planning.memory import workers as trace_pool
 from autofit.planning.memory.traces import trace_memory_sizes
 from autofit.planning.memory.workers import TracePool, trace_workers
+from autofit.planning.planner import plan_with_report
+from autofit.planning.request import PlanRequest
 from tests.helpers.models import layout_specs
+from tests.helpers.planning import uneven_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -215,6 +218,76 @@ def test_a_generous_budget_traces_no_recomputation_and_a_tight_one_does(monkeypa
     tight = plan_with_report(spec, PlanRequest(budget=int(0.8 * peak), batch_size=8, simulate=True, cache=False, precisions=["fp32"]))
     assert tight.plan.config.checkpoint or tight.plan.config.selective_checkpoint or tight.plan.config.micro_batch_size < 8
     assert {size for size, mode in runs if mode == "full"} >= {2, 8}
+
+
+def _counted_runs(monkeypatch) -> list[tuple[int, str]]:
+    """(micro-batch, mode) of every traced run from now on (no workers: each runs in this process)."""
+    import autofit.planning.memory.traces as memory_model
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "0")
+    runs = []
+    run_trace = memory_model.run_trace
+
+    def counted(spec, **kwargs):
+        runs.append((kwargs["micro_batch_size"], kwargs["mode"]))
+        return run_trace(spec, **kwargs)
+
+    monkeypatch.setattr(memory_model, "run_trace", counted)
+    return runs
+
+
+TIGHT_UNEVEN_BUDGET = 207 * 1024
+"""For UnevenNet at batch 4, fp32: over its floor (199.16 KiB: every block checkpointed at micro-batch 1) and under
+plain training at micro-batch 1 (215.70 KiB)."""
+
+
+def test_a_cpu_plan_that_fits_plainly_traces_no_recomputation(monkeypatch, one_thread):
+    """#47: a plan that times real CPU steps traced every recomputing run with the plain ones, though its plan
+    checkpointed nothing (for a model whose forward is a Python loop, most of the plan). Now, as when simulating,
+    only the floor's."""
+    runs = _counted_runs(monkeypatch)
+    report = plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, cache=False, precisions=["fp32"]))
+    assert report.plan.config.checkpoint == () and report.plan.config.selective_checkpoint == ()
+    assert {size for size, mode in runs if mode == "none"} == {1, 2, 4}
+    assert {size for size, mode in runs if mode != "none"} == {1}  # the floor's, at the smallest micro-batch
+
+
+def test_a_cpu_plan_that_needs_checkpointing_still_traces_it(monkeypatch, one_thread):
+    """Every point that fits is checkpointed (plain training at micro-batch 1 does not): the recomputations at the
+    sizes the search interpolates are traced, and the plan checkpoints, measured to fit."""
+    runs = _counted_runs(monkeypatch)
+    report = plan_with_report(uneven_spec(), PlanRequest(budget=TIGHT_UNEVEN_BUDGET, batch_size=4, cache=False, precisions=["fp32"]))
+    assert report.plan.config.checkpoint or report.plan.config.selective_checkpoint
+    assert report.plan.measured.peak_bytes + sum(report.plan.headroom.values()) <= TIGHT_UNEVEN_BUDGET
+    assert {size for size, mode in runs if mode == "full"} == {1, 2, 4}
+
+
+def test_recomputations_are_asked_for_only_where_the_verification_could_time_them():
+    """Timing real steps, a point that would need checkpointing counts only where it could be one of the
+    verification's candidates: fewer than that many points that fit are faster than its bound, or it is within a
+    tie of the best."""
+    from types import SimpleNamespace
+
+    from autofit.config import TrainingConfig
+    from autofit.planning.modelling import needs_recomputations
+    from autofit.planning.search.space import Evaluation
+
+    def point(precision: str, size: int, *, fits: float = 0.0, bound: float = 0.0) -> Evaluation:
+        config = TrainingConfig(global_batch_size=8, micro_batch_size=size, precision=precision)
+        return Evaluation(config=config, fits=bool(fits), samples_per_s=fits, plain_samples_per_s=max(fits, bound), bound_samples_per_s=bound or None)
+
+    costs = SimpleNamespace(model=SimpleNamespace(precisions={
+        "fp32": SimpleNamespace(memory=SimpleNamespace(recomputed=False)), "bf16": SimpleNamespace(memory=SimpleNamespace(recomputed=True)),
+    }))
+    fitting = [point("bf16", 4, fits=100.0), point("bf16", 2, fits=98.0), point("bf16", 1, fits=96.0)]
+    below_three = [*fitting, point("fp32", 8, bound=90.0)]
+    assert needs_recomputations(costs, below_three, within=0.75) == ["fp32"]  # simulating: within is all it asks
+    assert needs_recomputations(costs, below_three, within=0.75, candidates=3, tie=0.05) == []
+    assert needs_recomputations(costs, below_three, within=0.75, candidates=4, tie=0.05) == ["fp32"]
+    in_a_tie = [*fitting, point("fp32", 8, bound=95.5)]  # under three faster ones, but within 5% of the best
+    assert needs_recomputations(costs, in_a_tie, within=0.75, candidates=3, tie=0.05) == ["fp32"]
+    faster = [*fitting, point("fp32", 8, bound=97.0)]  # two are faster: it could be the third
+    assert needs_recomputations(costs, faster, within=0.75, candidates=3, tie=0.0) == ["fp32"]
 
 
 def test_a_bad_worker_count_is_one_line_naming_it(run_cli, monkeypatch):
