@@ -20,7 +20,8 @@ def pytest_collection_modifyitems(config, items):
 
 LONGEST_MODULES = [
     "training/test_train_distributed.py", "test_every_model.py", "test_gpu_truth.py", "planning/test_planner_gpus.py",
-    "planning/memory/test_repeats.py", "planning/test_plan_levers.py", "planning/test_capacity.py", "planning/test_capacity_lengths.py", "planning/test_plan_search_levers.py",
+    "planning/memory/test_repeats.py", "planning/test_plan_levers.py", "planning/test_capacity.py",
+    "planning/test_capacity_lengths.py", "planning/test_plan_search_levers.py",
     "training/test_lora.py", "strategies/test_frozen_nf4.py", "training/test_faults.py", "strategies/test_compile.py",
     "planning/memory/test_trace_pool.py", "planning/memory/test_trace_deadlines.py", "planning/memory/test_memory_grid.py",
     "planning/test_planner.py",
