@@ -200,6 +200,7 @@ def _hf_text_parts(config, *, task: str, seq_len: int | None, num_classes: int |
             num_classes=num_classes)) for part in ("train", "val")}
     return dict(
         example_batch=example_batch, loss_fn=loss, train_dataset=datasets["train"], val_dataset=datasets["val"], source_options=options,
+        context_length=longest,
     )
 
 

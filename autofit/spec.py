@@ -74,6 +74,8 @@ class ModelSpec:
     couples the samples of a batch, in groups of that size); None: checked instead (``planning.coupling``)."""
     simulation_fallback: str = ""
     """Why fake tensors cannot run this model ("" when they can); the cpu meter then measures instead of the simulated one."""
+    context_length: int | None = None
+    """The longest sequence a text model takes (hf: its config's position embeddings); None: unknown, or no text model."""
 
 
 def weights_held(spec: ModelSpec, config: TrainingConfig) -> str:

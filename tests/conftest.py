@@ -20,7 +20,8 @@ def pytest_collection_modifyitems(config, items):
 
 LONGEST_MODULES = [
     "training/test_train_distributed.py", "test_every_model.py", "test_gpu_truth.py", "planning/test_planner_gpus.py",
-    "planning/memory/test_repeats.py", "planning/test_plan_levers.py", "planning/test_capacity.py", "planning/test_plan_search_levers.py",
+    "planning/memory/test_repeats.py", "planning/test_plan_levers.py", "planning/test_capacity.py",
+    "planning/test_capacity_lengths.py", "planning/test_plan_search_levers.py",
     "training/test_lora.py", "strategies/test_frozen_nf4.py", "training/test_faults.py", "strategies/test_compile.py",
     "planning/memory/test_trace_pool.py", "planning/memory/test_trace_deadlines.py", "planning/memory/test_memory_grid.py",
     "planning/test_planner.py",
@@ -134,3 +135,14 @@ def tiny_lm(tmp_path_factory):
     from tests.helpers.tiny_lm import tiny_lm_dir
 
     return tiny_lm_dir(tmp_path_factory.mktemp("tiny-lm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_long(tmp_path_factory):
+    """``tiny_lm``'s model with a context of 65,536 tokens, its config alone (no weights, no tokenizer saved): a card's
+    longest sequence then lies far inside it. Read it, never write into it; skipped without transformers."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tests.helpers.tiny_lm import tiny_lm_dir
+
+    return tiny_lm_dir(tmp_path_factory.mktemp("tiny-lm-long"), tokenizer=False, weights=False, context=65536)

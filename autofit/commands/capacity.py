@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import typer
@@ -10,6 +11,22 @@ from autofit.cli import app
 from autofit.commands.common import INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, load_model_spec, print_json
 from autofit.errors import UserError
 from autofit.units import format_bytes, format_rate
+
+
+# The options whose help runs over a line, named here so that the command's signature reads as its list of flags.
+LONGEST_OPTION = typer.Option(
+    False, "--longest",
+    help="Also the longest sequence the batch trains on each card (text models): traces at two more lengths, and a "
+    "search of minutes for a large model (docs/capacity.md).",
+)
+ALLOW_LOSSY_OPTIMIZER_OPTION = typer.Option(
+    False, "--allow-lossy-optimizer",
+    help="Also answer with 8-bit AdamW state and bf16-pure (lossy: they change the optimizer's arithmetic), in columns of their own.",
+)
+ALLOW_LOSSY_BASE_OPTION = typer.Option(
+    False, "--allow-lossy-base",
+    help="Also answer with the frozen linear weights of a --lora base in 4-bit NF4 (lossy: QLoRA), in columns of their own.",
+)
 
 
 @app.command()
@@ -34,6 +51,9 @@ def capacity(
     plot: Path = typer.Option(
         None, "--plot", help="Also draw the predicted peak against the batch in one step, each card's usable memory a line (PNG).",
     ),
+    longest: bool = LONGEST_OPTION,
+    allow_lossy_optimizer: bool = ALLOW_LOSSY_OPTIMIZER_OPTION,
+    allow_lossy_base: bool = ALLOW_LOSSY_BASE_OPTION,
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither reuse nor keep costs in the cache ($AUTOFIT_CACHE_DIR, else ~/.cache/autofit)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     input_shape: str = INPUT_SHAPE,
@@ -42,8 +62,8 @@ def capacity(
     seq_len: int | None = SEQ_LEN,
     lora: str | None = LORA,
 ) -> None:
-    """For each card: does the batch train there (lossless), the least memory it needs, the configuration the planner
-    would choose and its estimated speed, and the largest batch one step holds, all from one simulated trace set."""
+    """For each card: does the batch train there (lossless), the least memory it needs, the planner's configuration and
+    its estimated speed, the largest batch in one step (--longest: the longest sequence), from one simulated trace set."""
     from autofit.measure.meters import check_model_runs_simulated
     from autofit.planning.capacity import DEFAULT_CARDS, answer_cards, capacity_record, parse_cards
     from autofit.planning.context import plan_context
@@ -59,48 +79,89 @@ def capacity(
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     cards = parse_cards(on if on is not None else ",".join(DEFAULT_CARDS))
-    wanted = None if precisions is None else tuple(p.strip() for p in precisions.split(",") if p.strip())
-    if wanted == ():
-        raise UserError(f"--precisions {precisions!r} names no precision; give e.g. --precisions bf16,fp32, or leave it out for all")
+    wanted = _precisions(precisions)
     progress = as_progress(None if quiet else print_progress, started_s=started)
     with progress.beating():
+        spec_at = partial(load_model_spec, model, input_shape=input_shape, num_classes=num_classes, task=task, lora=lora)
         with progress.doing("loading the model"):
-            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
+            spec = spec_at(seq_len=seq_len)
         with progress.doing("checking that the model trains (one simulated step)"):
             check_model_runs_simulated(spec)
         largest = max(card.memory_bytes for card in cards)
         # One simulated GPU as large as the largest card: its traces (and the cache's) serve every card.
+        # Traced at 2 samples at least: the largest batch follows the peak's line in the micro-batch, which traces at
+        # one size cannot draw (a batch of 1 answered the search's cap, 1048576); the rows are answered at batch_size.
         request = PlanRequest(
-            budget=largest, batch_size=batch_size, device="cuda", simulate=True, device_memory=largest, host_memory=host_memory,
-            host_speed=host_speed, precisions=wanted, num_classes=spec.source_options.get("num_classes"), cache=not no_cache,
+            budget=largest, batch_size=max(batch_size, 2), device="cuda", simulate=True, device_memory=largest, host_memory=host_memory, host_speed=host_speed,
+            precisions=wanted, num_classes=spec.source_options.get("num_classes"), cache=not no_cache, allow_lossy_optimizer=allow_lossy_optimizer,
+            allow_lossy_base=allow_lossy_base,
         )
+        if longest and spec.source_options.get("seq_len") is None:
+            raise UserError(f"--longest: {model} takes no sequence (a text model's --task does); leave --longest out")
+        levers = Levers(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)
         context = plan_context(spec, request, log=progress)
         try:
-            record = capacity_record(context, levers=Levers())
+            record = capacity_record(context, levers=levers)
+            lengths = _traced_lengths(record, spec, request, levers=levers, progress=progress, spec_at=spec_at) if longest else None
             with progress.doing("searching every card"):
-                least, rows = answer_cards(context, record, cards, global_batch_size=batch_size)
+                answers = answer_cards(context, record, cards, global_batch_size=batch_size, lengths=lengths)
         finally:
             context.trace_pool.close()
     if plot is not None:
-        _plot(plot, spec.source, batch_size, record, rows)
-    _print_answers(spec, batch_size, least, record, rows, seconds=time.perf_counter() - started, as_json=as_json, plot=plot,
+        _plot(plot, spec.source, batch_size, record, answers.rows)
+    _print_answers(spec, batch_size, answers, record, lengths, seconds=time.perf_counter() - started, as_json=as_json, plot=plot,
                    host_speed_given=host_speed is not None)
 
 
-def _print_answers(spec, batch_size: int, least: int | None, record, rows, *, seconds: float, as_json: bool, plot: Path | None,
+def _precisions(text: str | None) -> tuple[str, ...] | None:
+    """``--precisions``: the names separated by commas (None: every precision).
+
+    Raises:
+        UserError: it names none.
+    """
+    wanted = None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
+    if wanted == ():
+        raise UserError(f"--precisions {text!r} names no precision; give e.g. --precisions bf16,fp32, or leave it out for all")
+    return wanted
+
+
+def _traced_lengths(record, spec, request, *, levers, progress, spec_at):
+    """``--longest``: the records at the given length (``record``) and the others the fit goes through, each traced
+    as the given one was (``spec_at(seq_len=...)``: the spec at a length)."""
+    from autofit.planning.capacity import length_records, traced_record
+
+    def trace(length: int):
+        progress(f"--longest: the costs at {length} tokens a sequence")
+        return traced_record(spec_at(seq_len=length), request, levers=levers, log=progress)[0]
+
+    return length_records(record, given=spec.source_options["seq_len"], context_length=spec.context_length, trace=trace)
+
+
+def _print_answers(spec, batch_size: int, answers, record, lengths, *, seconds: float, as_json: bool, plot: Path | None,
                    host_speed_given: bool) -> None:
-    """The rows as JSON, or as the table with what its speeds rest on and where the plot went."""
+    """The rows as JSON, or as the table with what its speeds rest on and where the plot went (``answers``:
+    ``capacity.answer_cards``'; ``lengths``: the traced lengths where --longest asked for them)."""
+    from autofit.planning.capacity import is_lossy, lossless
+
     tokens = spec.source_options.get("seq_len") if spec.source_options.get("task", "causal-lm") != "image-classification" else None
+    lossy = is_lossy(record.allowed)
     if as_json:
         print_json({
             "model": spec.source, "global_batch_size": batch_size, "seq_len": tokens, "estimated": True,
-            "least_budget_bytes": least, "precisions": list(record.allowed.precisions), "left_out": record.left_out,
-            "cards": [row.to_dict(tokens_per_sample=tokens) for row in rows], "seconds": seconds,
+            "least_budget_bytes": answers.least_bytes, "precisions": list(lossless(record.allowed).precisions), "left_out": record.left_out,
+            "lossy": _lossy_choices(record.allowed) if lossy else None, "least_budget_bytes_lossy": answers.least_lossy_bytes,
+            "traced_seq_lens": lengths.lengths if lengths else None, "context_length": spec.context_length if lengths else None,
+            "longest_note": answers.lengths_note or None,
+            "cards": [row.to_dict(tokens_per_sample=tokens) for row in answers.rows], "seconds": seconds,
             "plot": str(plot) if plot is not None else None,
         })
         return
-    lines = _table(spec.source, batch_size, tokens, least, record, rows, seconds)
-    if not host_speed_given and any(row.chosen and row.chosen.config.updates_on_host for row in rows):
+    lines = _table(spec.source, batch_size, tokens, answers.least_bytes, record, answers.rows, seconds, lengths=lengths)
+    if answers.lengths_note:
+        lines.insert(-1, f"  longest     {answers.lengths_note}")
+    if lossy:
+        lines[-1:-1] = _lossy_table(_lossy_choices(record.allowed), answers.least_lossy_bytes, answers.rows, longest=lengths is not None)
+    if not host_speed_given and any(row.chosen and row.chosen.config.updates_on_host for row in answers.rows):
         lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is assumed at each card's typical "
                      "host's rate (the device table, docs/planner.md), not timed here; --host-speed gives the training machine's")
     if plot is not None:
@@ -123,9 +184,9 @@ def _plot(out: Path, source: str, batch_size: int, record, rows) -> None:
     plot_capacity(curves, sizes, cards, out, title=f"{source}: peak against the batch in one step")
 
 
-def _table(source: str, batch_size: int, tokens: int | None, least: int | None, record, rows, seconds: float) -> list[str]:
-    """The readable answer: the least budget, then one row per card."""
-    from autofit.planning.capacity import config_words
+def _table(source: str, batch_size: int, tokens: int | None, least: int | None, record, rows, seconds: float, *, lengths) -> list[str]:
+    """The readable answer: the least budget, then one row per card (``lengths``: with the longest sequence)."""
+    from autofit.planning.capacity import config_words, lossless
     from autofit.planning.policy import POLICY
 
     per_sample = f" of {tokens} tokens" if tokens else ""
@@ -139,21 +200,69 @@ def _table(source: str, batch_size: int, tokens: int | None, least: int | None, 
         ),
     ]
     rate = "tokens/s" if tokens else "samples/s"
-    lines.append(f"  {'card':<16} {'memory':>10}  {'fits':<4} {'peak':>10} {rate:>10}  {'one step':>8}  chosen")
+    longest = f"  {'longest':>20}" if lengths is not None else ""
+    lines.append(f"  {'card':<16} {'memory':>10}  {'fits':<4} {'peak':>10} {rate:>10}  {'one step':>8}{longest}  chosen")
     for row in rows:
         chosen = row.chosen
         speed = chosen.samples_per_s * (tokens or 1) if chosen else None
+        longest = f"  {row.longest.words() if row.longest is not None else '-':>20}" if lengths is not None else ""
         lines.append(
             f"  {row.card.name:<16} {format_bytes(row.card.memory_bytes):>10}  {'yes' if chosen else 'no':<4} "
             f"{format_bytes(chosen.peak_bytes) if chosen else '-':>10} {format_rate(speed) if chosen else '-':>10}  "
-            f"{row.largest_one_step:>8}  {config_words(chosen.config) if chosen else '-'}"
+            f"{row.largest_one_step:>8}{longest}  {config_words(chosen.config) if chosen else '-'}"
         )
     lines.append(
         "  one step: the largest batch one micro-step holds there (lossless); with accumulation larger global batches "
         "train where one micro-batch fits (a step's memory grows with them by the inputs' copy only)"
     )
+    if lengths is not None:
+        lines.append(_longest_line(batch_size, lengths))
     lines.append(f"  peak: predicted, before the card's headroom (context, allocator reserve, fragmentation, {POLICY.safety_margin_share:.0%} margin)")
     for what, why in record.left_out.items():
         lines.append(f"  left out    {what}: {why}")
-    lines.append(f"  answered in {seconds:.1f} s (precisions {', '.join(record.allowed.precisions)})")
+    lines.append(f"  answered in {seconds:.1f} s (precisions {', '.join(lossless(record.allowed).precisions)})")
+    return lines
+
+
+def _longest_line(batch_size: int, lengths) -> str:
+    """What the longest column means, and the lengths its answers are fitted through."""
+    from autofit.planning.lengths import SEQ_LEN_STEP
+
+    top = f", at most the model's context length {lengths.context_length}" if lengths.context_length else ""
+    return (
+        f"  longest: the longest sequence (a multiple of {SEQ_LEN_STEP} tokens{top}) a batch of {batch_size} trains there "
+        f"(lossless), each term fitted through traces at {', '.join(map(str, lengths.lengths))} tokens (quadratic in the "
+        "length); in brackets how far it lies from the nearest traced length"
+    )
+
+
+def _lossy_choices(allowed) -> list[str]:
+    """The declared lossy choices ``allowed`` holds (what ``capacity.lossless`` takes away), in words."""
+    from strategies import PURE_BF16
+
+    choices = []
+    if allowed.levers is not None and allowed.levers.eight_bit is not None:
+        choices.append("8-bit optimizer state")
+    if PURE_BF16 in allowed.precisions:
+        choices.append("bf16-pure")
+    if allowed.levers is not None and allowed.levers.nf4 is not None:
+        choices.append("frozen weights in NF4")
+    return choices
+
+
+def _lossy_table(choices: list[str], least: int | None, rows, *, longest: bool) -> list[str]:
+    """The answers with the declared lossy choices allowed: a table of their own under the lossless one."""
+    from autofit.planning.capacity import Longest
+
+    lines = [
+        f"  with the lossy choices allowed ({', '.join(choices)}), apart from the lossless answers above:",
+        "  least memory " + (format_bytes(least) if least is not None else "none: no card in the table holds this batch"),
+        f"  {'card':<16} {'fits':<4}  {'one step':>8}" + (f"  {'longest':>20}" if longest else ""),
+    ]
+    for row in rows:
+        answer = row.lossy
+        words = ""
+        if longest and answer.longest_seq_len is not None:
+            words = f"  {Longest(seq_len=answer.longest_seq_len, nearest_traced=answer.longest_seq_len_nearest_traced or 0).words():>20}"
+        lines.append(f"  {row.card.name:<16} {'yes' if answer.fits else 'no':<4}  {answer.largest_one_step:>8}" + words)
     return lines

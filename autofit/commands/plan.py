@@ -10,7 +10,7 @@ import typer
 from autofit.cli import app
 from autofit.config import DeviceChoice
 from autofit.commands.common import (
-    DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, SEQ_LEN, TASK, in_panels, load_model_spec, one_of, print_json,
+    DEVICES, INPUT_SHAPE, LORA, MODEL_ARG, NUM_CLASSES, TASK, in_panels, load_model_spec, one_of, print_json,
 )
 from autofit.errors import UserError
 from autofit.units import format_bytes
@@ -71,6 +71,11 @@ MAX_GRAD_NORM_OPTION = typer.Option(
     None, "--max-grad-norm",
     help="Training will clip the gradients' global norm to this (written in the plan); the step in backward, which cannot clip, is not searched.",
 )
+SEQ_LEN_OPTION = typer.Option(
+    None, "--seq-len",
+    help="hf: text tasks: tokens per example sequence (default 128, or the context length if shorter); max: the longest "
+    "the budget trains at --batch-size (one process).",
+)
 COMPILE_OPTION = typer.Option(
     None, "--compile/--no-compile",
     help="Also measure the chosen configuration under torch.compile, kept where it fits and is faster (default: on a GPU yes, on the CPU no).",
@@ -107,7 +112,7 @@ def plan(
     input_shape: str = INPUT_SHAPE,
     num_classes: int | None = NUM_CLASSES,
     task: str | None = TASK,
-    seq_len: int | None = SEQ_LEN,
+    seq_len: str | None = SEQ_LEN_OPTION,
     lora: str | None = LORA,
 ) -> None:
     """Search precision, micro-batch/accumulation and checkpointing for the fastest plan that fits BUDGET."""
@@ -127,6 +132,7 @@ def plan(
             from_trainer_args, world_size=gpus * nodes, batch_size=batch_size, precisions=precisions, max_grad_norm=max_grad_norm,
             allow_lossy_optimizer=allow_lossy_optimizer,
         )
+    longest, length = _seq_len(seq_len, batch_size=batch_size, gpus=gpus * nodes)
     if device_memory is not None and not simulate and device == "cuda":
         raise UserError("--device-memory describes a GPU that is not here; use it with --simulate")
     wanted = _precisions(precisions)
@@ -136,12 +142,9 @@ def plan(
     # One heartbeat from here to the plan: loading a large model and checking its first step can be long silences too.
     progress = as_progress(None if quiet else print_progress, started_s=started)
     with progress.beating():
+        spec_at = _spec_loader(model, input_shape=input_shape, num_classes=num_classes, task=task, lora=lora, run=run)
         with progress.doing("loading the model"):
-            spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=seq_len, lora=lora)
-            if run is not None:
-                from autofit.integrations.trainer_args import with_optimizer
-
-                spec = with_optimizer(spec, run)
+            spec = spec_at(length)
         with progress.doing("checking that the model trains (one step)"):
             _check_model(spec, device=device, simulate=simulate)
         request = PlanRequest(
@@ -151,12 +154,27 @@ def plan(
             allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base, cache=not no_cache, threads=threads,
             max_grad_norm=max_grad_norm, compile=compile_,
         )
-        report = _planned(spec, request, largest=batch_size is None, progress=progress)
+        report = _planned(spec, request, largest=batch_size is None, spec_at=spec_at if longest else None, progress=progress)
     path = save_plan(report.plan, out)
     if as_json:
         print_json(report.plan.to_dict())
         return
-    print("\n".join(_with_this_run(summary_lines(report, path=path), report, spec=spec, run=run, started=started)))
+    searched = ", finding the largest batch" if batch_size is None else ", finding the longest sequence" if longest else ""
+    print("\n".join(_with_this_run(summary_lines(report, path=path), report, spec=spec, run=run, started=started, searched=searched)))
+
+
+def _spec_loader(model: str, *, input_shape: str, num_classes: int | None, task: str | None, lora: str | None, run):
+    """The model's spec at a sequence length (None: its default), with the trainer's optimizer where ``run`` names one:
+    what the plan is made for, and what ``--seq-len max`` traces at other lengths."""
+    def spec_at(tokens: int | None):
+        spec = load_model_spec(model, input_shape=input_shape, num_classes=num_classes, task=task, seq_len=tokens, lora=lora)
+        if run is not None:
+            from autofit.integrations.trainer_args import with_optimizer
+
+            spec = with_optimizer(spec, run)
+        return spec
+
+    return spec_at
 
 
 def _with_trainer_args(path: Path, *, world_size: int, batch_size: int | None, precisions: str | None, max_grad_norm: float | None,
@@ -186,24 +204,31 @@ def _check_model(spec, *, device: str, simulate: bool) -> None:
         check_model_runs(spec)
 
 
-def _planned(spec, request, *, largest: bool, progress):
-    """The plan's report; with ``largest`` (``--batch-size max``), at the largest batch the budget trains, said in a note."""
+def _planned(spec, request, *, largest: bool, spec_at=None, progress):
+    """The plan's report; with ``largest`` (``--batch-size max``), at the largest batch the budget trains, and with
+    ``spec_at`` (``--seq-len max``: the spec at a sequence length, None its default) at the longest sequence; either
+    said in a note."""
+    from autofit.planning.capacity import largest_batch, longest_seq_len
     from autofit.planning.planner import plan_with_report
 
-    if not largest:
+    if largest:
+        with progress.doing("finding the largest batch the budget trains"):
+            batch, note = largest_batch(spec, request, log=progress)
+        request = replace(request, batch_size=batch)
+    elif spec_at is not None:
+        with progress.doing("finding the longest sequence the budget trains"):
+            spec, note = longest_seq_len(spec_at, request, log=progress)
+    else:
         return plan_with_report(spec, request, log=progress)
-    from autofit.planning.capacity import largest_batch
-
-    with progress.doing("finding the largest batch the budget trains"):
-        batch, note = largest_batch(spec, request, log=progress)
-    report = plan_with_report(spec, replace(request, batch_size=batch), log=progress)
+    report = plan_with_report(spec, request, log=progress)
     report.plan = replace(report.plan, notes=[*report.plan.notes, note])
     return report
 
 
-def _with_this_run(lines: list[str], report, *, spec, run, started: float) -> list[str]:
+def _with_this_run(lines: list[str], report, *, spec, run, started: float, searched: str = "") -> list[str]:
     """The summary with what only this command knows: the trainer's run it planned, the time before the plan's own
-    clock, the memory planning held, and where the weights come from."""
+    clock (``searched``: what else it went to, ", finding the largest batch"), the memory planning held, and where the
+    weights come from."""
     from autofit.device import peak_resident_bytes
     from autofit.spec import weights_held
 
@@ -213,7 +238,8 @@ def _with_this_run(lines: list[str], report, *, spec, run, started: float) -> li
     before = time.perf_counter() - started - report.seconds
     if before >= 1.0:  # building the model and checking one step of it come before the plan's own clock
         at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
-        lines.insert(at, f"    before that, {before:.1f} s loading the model and checking that it trains ({time.perf_counter() - started:.1f} s in all)")
+        total = time.perf_counter() - started
+        lines.insert(at, f"    before that, {before:.1f} s loading the model and checking that it trains{searched} ({total:.1f} s in all)")
     at = next(i for i, line in enumerate(lines) if "planned in" in line) + 1
     lines.insert(at, f"    planning held at most {format_bytes(peak_resident_bytes())} of this machine's memory (the process's peak resident set)")
     if spec.weights_note:  # planning used none: weights change no byte
@@ -247,6 +273,28 @@ def _batch_size(text: str | None, *, gpus: int, nodes: int, from_trainer_args: b
     if size < 1:
         raise UserError(f"--batch-size {size} must be at least 1")
     return size
+
+
+def _seq_len(text: str | None, *, batch_size: int | None, gpus: int) -> tuple[bool, int | None]:
+    """``--seq-len``: whether it is max (the longest the budget trains), else the tokens it names (None: not given).
+
+    Raises:
+        UserError: not a whole number; max without a global batch (``batch_size`` None: max or missing) or for
+            several processes (``gpus``: all of them).
+    """
+    if text is None:
+        return False, None
+    if text.strip().lower() != "max":
+        try:
+            return False, int(text)
+        except ValueError:
+            raise UserError(f"--seq-len {text!r} is not a whole number of tokens; give e.g. 2048, or max for the longest the budget trains") from None
+    if batch_size is None or gpus > 1:
+        raise UserError(
+            "--seq-len max is planned at a given global batch on one process; give --batch-size N"
+            + (" (not max) with it" if batch_size is None else "") + (f", and no --gpus {gpus}" if gpus > 1 else "")
+        )
+    return True, None
 
 
 def _precisions(text: str | None) -> list[str] | None:

@@ -9,7 +9,13 @@ lossless lever traced, since the least budget needs them all. Everything after t
 - ``best_at``: the configuration the search chooses for a card's memory at a global batch, with its speed;
 - ``largest_one_step``: the largest batch one micro-step holds on a card. With accumulation a step's memory grows
   with the global batch by the inputs' copy only, so batches far larger train once one micro-batch fits; the most
-  samples one step holds is the figure that bounds the batch.
+  samples one step holds is the figure that bounds the batch;
+- ``longest_at``: the longest sequence a global batch trains on a card, from records at a few traced lengths with
+  every term fitted through them (``lengths``); ``longest_seq_len`` (``plan --seq-len max``) traces again at its
+  answer until the answer is a traced length.
+
+The declared lossy choices (8-bit optimizer state, bf16-pure, an NF4 base) are traced where the user allows them and
+answered apart: ``lossless`` takes them out of the lossless answers, ``lossy_answer`` gives a card's with them.
 
 A card's speeds come from the FLOP counts with its row of ``GPU_PEAKS`` (``card_speeds``, kept in the cache beside
 the costs); its memory's headroom is the estimated GPU's (``Headroom``), the one ``plan --simulate`` keeps.
@@ -28,8 +34,10 @@ from autofit.planning.memory.headroom import Headroom
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.lever_timings import Levers, card_host_update, lever_search
 from autofit.planning.memory.levers import LeverChoice
+from autofit.planning.lengths import LengthRecords, LengthsDiffer, longest_sequence, traced_lengths
 from autofit.planning.modelling import (
-    add_loss_chunks, add_recomputations, add_speeds, micro_batch_sizes, save, stored_or_new, timing_sizes, trace_full, trace_offload,
+    add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, micro_batch_sizes, save,
+    stored_or_new, timing_sizes, trace_full, trace_offload,
 )
 from autofit.planning.request import PlanRequest
 from autofit.planning.search.space import Allowed, Evaluation, LeverSearch, cheapest_for, score_all, score_point
@@ -107,6 +115,10 @@ class CardAnswer:
     largest_one_step: int
     """The most samples one micro-step holds there (0: not even the smallest micro-batch fits)."""
     largest_one_step_config: TrainingConfig | None = None
+    longest: Longest | None = None
+    """The longest sequence a global batch trains there (None: no text model, or its lengths not modelled)."""
+    lossy: LossyAnswer | None = None
+    """The same answers with the declared lossy choices the user allows (None: none allowed)."""
 
     @property
     def fits(self) -> bool:
@@ -123,7 +135,41 @@ class CardAnswer:
             "tokens_per_s": chosen.samples_per_s * tokens_per_sample if chosen and tokens_per_sample else None,
             "largest_batch_one_step": self.largest_one_step,
             "largest_batch_config": asdict(self.largest_one_step_config) if self.largest_one_step_config else None,
+            "longest_seq_len": self.longest.seq_len if self.longest else None,
+            "longest_seq_len_nearest_traced": self.longest.nearest_traced if self.longest else None,
+            "longest_seq_len_config": asdict(self.longest.config) if self.longest and self.longest.config else None,
+            "lossy": asdict(self.lossy) if self.lossy else None,
         }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Longest:
+    """The longest sequence (a multiple of ``lengths.SEQ_LEN_STEP`` tokens) a global batch trains on a card, and the
+    traced length nearest it: how far the answer rests on the fit through the traced lengths."""
+
+    seq_len: int
+    """0: not even ``SEQ_LEN_STEP`` tokens fit."""
+    nearest_traced: int
+    config: TrainingConfig | None = None
+    """The fastest configuration the search finds at that length (None: none, or not asked)."""
+
+    def words(self) -> str:
+        """"2048 (traced)", "2960 (+912 from 2048)", "-" for none."""
+        if not self.seq_len:
+            return "-"
+        distance = self.seq_len - self.nearest_traced
+        return f"{self.seq_len} (traced)" if not distance else f"{self.seq_len} ({distance:+d} from {self.nearest_traced})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossyAnswer:
+    """A card's answers with the declared lossy choices allowed (8-bit optimizer state, bf16-pure, an NF4 base):
+    always beside the lossless ones, never mixed with them."""
+
+    fits: bool
+    largest_one_step: int
+    longest_seq_len: int | None = None
+    longest_seq_len_nearest_traced: int | None = None
 
 
 def usable_for(headroom: Headroom, resident_bytes: dict[str, int], budget_bytes: int) -> dict[str, float]:
@@ -171,6 +217,32 @@ def point_fits(model: CostModel, precision: str, micro_batch_size: int, *, usabl
         cheapest_for(model, precision, micro_batch_size, limit_bytes=limit, levers=choice, search=search) is not None
         for choice in choices
     )
+
+
+def lossless(allowed: Allowed) -> Allowed:
+    """``allowed`` without the declared lossy choices (8-bit optimizer state, frozen weights in NF4, bf16-pure): what
+    the lossless columns answer with."""
+    levers = allowed.levers
+    return replace(
+        allowed, precisions=tuple(p for p in allowed.precisions if p != PURE_BF16),
+        levers=None if levers is None else replace(levers, eight_bit=None, nf4=None),
+    )
+
+
+def is_lossy(allowed: Allowed) -> bool:
+    """Whether ``allowed`` holds a declared lossy choice (``lossless`` takes them away)."""
+    return lossless(allowed) != allowed
+
+
+def batch_fits(model: CostModel, *, usable_bytes: dict[str, float], allowed: Allowed, smallest: int = 1) -> bool:
+    """Whether the search finds any configuration for ``model``'s global batch within ``usable_bytes``.
+
+    Only the smallest micro-batch and the whole batch in one are asked: with accumulation a smaller micro-batch
+    never needs more (fewer activations, the rest the same), and the whole batch in one step is where the step in
+    backward, which frees the gradients, is tried."""
+    G = model.global_batch_size
+    sizes, order = sorted({G, min(smallest, G)}), _least_memory_first(allowed)
+    return any(point_fits(model, p, m, usable_bytes=usable_bytes, allowed=allowed) for m in sizes for p in order)
 
 
 def _least_memory_first(allowed: Allowed) -> list[str]:
@@ -248,17 +320,13 @@ def least_budget(
     with every lever ``allowed``, within ``BUDGET_RESOLUTION_BYTES`` (or 0.2% of it) above it; None where none fits
     even in 16 times ``start_bytes`` (the largest card asked about: the bisection starts there).
 
-    Only the smallest micro-batch and the whole batch in one are scored: with accumulation a smaller micro-batch
-    never needs more (fewer activations, the rest the same), and the whole batch in one step is where the step in
-    backward, which frees the gradients, is tried. An 8B model's least budget took 75 s with every size, loaded.
+    Each budget is asked the short way (``batch_fits``): an 8B model's least budget took 75 s with every micro-batch
+    size scored, loaded.
     """
-    G = global_batch_size
-    at = replace(model, global_batch_size=G)
-    sizes, order = sorted({G, min(smallest, G)}), _least_memory_first(allowed)
+    at = replace(model, global_batch_size=global_batch_size)
 
     def fits(budget: int) -> bool:
-        usable = usable_for(headroom, resident_bytes, budget)
-        return any(point_fits(at, p, m, usable_bytes=usable, allowed=allowed) for m in sizes for p in order)
+        return batch_fits(at, usable_bytes=usable_for(headroom, resident_bytes, budget), allowed=allowed, smallest=smallest)
 
     high = start_bytes
     while not fits(high):
@@ -364,6 +432,10 @@ def capacity_record(context: PlanContext, *, levers: Levers) -> CapacityRecord:
                 trace_full(context, costs, precision, recompute=True)
                 add_recomputations(context, costs, precision)
             search = lever_search(context, costs, levers)
+            if search.eight_bit is not None:  # the lossy columns' (``lossless`` leaves them out of the others)
+                add_eight_bit_state(context, costs)
+            if search.nf4 is not None:
+                add_nf4_state(context, costs)
             # Every card's least budget may need any lever: traced whatever the budget (usable 0).
             if search.loss_chunks > 1:
                 add_loss_chunks(context, costs, chunks=search.loss_chunks, usable_bytes=0.0)
@@ -486,6 +558,125 @@ def largest_batch(spec: ModelSpec, request: PlanRequest, *, log=None) -> tuple[i
     return size, note.format(size)
 
 
+def traced_record(spec: ModelSpec, request: PlanRequest, *, levers: Levers, log=None) -> tuple[CapacityRecord, int]:
+    """``capacity_record`` of ``spec`` for ``request`` in a context of its own, and the budget's bytes."""
+    context = plan_context(spec, request, log=log)
+    try:
+        return capacity_record(context, levers=levers), context.budget_bytes
+    finally:
+        context.trace_pool.close()
+
+
+def length_records(
+    given_record: CapacityRecord, *, given: int, context_length: int | None, trace: Callable[[int], CapacityRecord],
+) -> LengthRecords:
+    """The records the longest-sequence answers fit through: ``given_record`` (traced at the user's length) and
+    ``trace(length)`` at each other of ``lengths.traced_lengths``."""
+    records = LengthRecords(records={given: given_record}, given=given, context_length=context_length)
+    for length in traced_lengths(given, context_length=context_length):
+        if length != given:
+            records.add(length, trace(length))
+    return records
+
+
+def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: int, lossy: bool = False) -> Longest:
+    """The longest sequence a global batch trains within ``budget_bytes`` (with any micro-batch and accumulation; the
+    declared lossy choices only with ``lossy``), from the records fitted through the traced lengths. Pure.
+
+    Raises:
+        lengths.LengthsDiffer: the traced lengths' steps differ in structure.
+    """
+    def fits(length: int) -> bool:
+        record = lengths.at(length)
+        at = replace(record.model, global_batch_size=global_batch_size)
+        usable = usable_for(record.headroom, record.resident_bytes, budget_bytes)
+        allowed = record.allowed if lossy else lossless(record.allowed)
+        return batch_fits(at, usable_bytes=usable, allowed=allowed, smallest=record.smallest)
+
+    found = longest_sequence(fits, context_length=lengths.context_length, known=tuple(lengths.lengths))
+    if not found:
+        return Longest(seq_len=0, nearest_traced=0)
+    record = lengths.at(found)
+    best = best_at(
+        record.model, global_batch_size=global_batch_size, usable_bytes=usable_for(record.headroom, record.resident_bytes, budget_bytes),
+        allowed=record.allowed if lossy else lossless(record.allowed), smallest=record.smallest,
+    )
+    return Longest(seq_len=found, nearest_traced=lengths.nearest(found), config=best.config if best else None)
+
+
+def lossy_answer(
+    model: CostModel, card: Card, *, global_batch_size: int, record: CapacityRecord, lengths: LengthRecords | None,
+) -> LossyAnswer:
+    """A card's answers with every choice ``record.allowed`` holds, the declared lossy ones among them. Pure."""
+    usable = usable_for(record.headroom, record.resident_bytes, card.memory_bytes)
+    at = replace(model, global_batch_size=global_batch_size)
+    largest, _ = largest_one_step(model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
+    longest = None if lengths is None else longest_at(
+        lengths, global_batch_size=global_batch_size, budget_bytes=card.memory_bytes, lossy=True,
+    )
+    return LossyAnswer(
+        fits=batch_fits(at, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest), largest_one_step=largest,
+        longest_seq_len=longest.seq_len if longest else None, longest_seq_len_nearest_traced=longest.nearest_traced if longest else None,
+    )
+
+
+LENGTH_REFINEMENTS = 4
+"""``longest_seq_len`` traces at most this many answers again (each answer nearer the one before)."""
+
+
+def longest_seq_len(spec_at: Callable[[int | None], ModelSpec], request: PlanRequest, *, log=None) -> tuple[ModelSpec, str]:
+    """The spec at the longest sequence ``request``'s budget trains a global batch of ``request.batch_size`` with
+    (``plan --seq-len max``), lossless, and the line the plan keeps about it.
+
+    Traced at the model's default length and the others of ``lengths.traced_lengths``, answered purely
+    (``longest_at``), then traced again at the answer and answered again until the answer is a traced length, so
+    that it never rests on a fit far from a trace.
+
+    Args:
+        spec_at: the model's spec at a sequence length (None: its default).
+
+    Raises:
+        UserError: a model of no sequence length, or not even ``SEQ_LEN_STEP`` tokens fit the budget.
+    """
+    from autofit.planning.lengths import SEQ_LEN_STEP
+
+    spec = spec_at(None)
+    given = spec.source_options.get("seq_len")
+    if given is None:
+        raise UserError(f"--seq-len max: {spec.source} takes no sequence (a text model's --task does); give --batch-size max instead")
+    request = replace(request, gpus=1, nodes=1)
+    levers, budget_bytes = Levers(max_grad_norm=request.max_grad_norm), 0
+
+    def trace(length: int) -> CapacityRecord:
+        nonlocal budget_bytes
+        if log is not None:
+            log(f"--seq-len max: the costs at {length} tokens a sequence")
+        record, budget_bytes = traced_record(spec_at(length), request, levers=levers, log=log)
+        return record
+
+    lengths = length_records(trace(given), given=given, context_length=spec.context_length, trace=trace)
+    for _ in range(LENGTH_REFINEMENTS):
+        found = longest_at(lengths, global_batch_size=request.batch_size, budget_bytes=budget_bytes).seq_len
+        if found == 0:
+            raise UserError(
+                f"--seq-len max: not even {SEQ_LEN_STEP} tokens a sequence fit {format_bytes(budget_bytes)} at a batch of "
+                f"{request.batch_size} with every lossless lever; give a larger --budget or a smaller --batch-size"
+            )
+        if found in lengths.records:
+            break
+        lengths.add(found, trace(found))
+    traced = ", ".join(map(str, lengths.lengths))
+    bound = (
+        f"the model's context length, {found}" if found == spec.context_length
+        else f"{found + SEQ_LEN_STEP} does not fit"
+    )
+    note = (
+        f"--seq-len max: {found} tokens is the longest sequence (a multiple of {SEQ_LEN_STEP}) a batch of {request.batch_size} "
+        f"trains within {format_bytes(budget_bytes)}, lossless ({bound}; fitted through traces at {traced} tokens)"
+    )
+    return spec_at(found), note
+
+
 def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[str, ...]) -> dict[str, list[float]]:
     """Predicted peaks (bytes, before headroom) of the whole batch in one micro-step at each of ``batch_sizes``, per
     precision with no block checkpointed and with every block checkpointed (no other lever): the lines
@@ -500,23 +691,58 @@ def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[s
     return curves
 
 
-def answer_cards(context: PlanContext, record: CapacityRecord, cards: list[Card], *, global_batch_size: int) -> tuple[int | None, list[CardAnswer]]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CapacityAnswers:
+    """The least budget and every card's row (lossless), and with the declared lossy choices allowed, the least
+    budget with them (each row's ``lossy``)."""
+
+    least_bytes: int | None
+    rows: list[CardAnswer]
+    least_lossy_bytes: int | None = None
+    """None: no lossy choice allowed (or none fits)."""
+    lengths_note: str = ""
+    """Why the longest column is missing where it was asked for ("" where it is not)."""
+
+
+def answer_cards(
+    context: PlanContext, record: CapacityRecord, cards: list[Card], *, global_batch_size: int, lengths: LengthRecords | None = None,
+) -> CapacityAnswers:
     """The least budget the batch trains in, and each card's row (its speeds the card's where its kind is known),
-    all from ``record`` (``capacity_record``; the bisection for the least budget starts at the largest card)."""
-    least = least_budget(
-        record.model, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-        allowed=record.allowed, smallest=record.smallest, start_bytes=max(card.memory_bytes for card in cards),
-    )
+    all from ``record`` (``capacity_record``; the bisection for the least budget starts at the largest card): lossless,
+    and apart from that with the declared lossy choices ``record.allowed`` holds; with ``lengths``, each card's
+    longest sequence too."""
+    kept, lossy, note = lossless(record.allowed), is_lossy(record.allowed), ""
+
+    def least(allowed: Allowed) -> int | None:
+        return least_budget(
+            record.model, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
+            allowed=allowed, smallest=record.smallest, start_bytes=max(card.memory_bytes for card in cards),
+        )
+
     rows = []
     for card in cards:
         card_model = record.model if card.kind is None else with_speeds(record.model, card_speeds(context, record, card.kind))
-        # Each card's typical host updates the masters and host state (the record's: an A100's, for a card named by memory).
-        allowed = record.allowed if card.kind is None else replace(
-            record.allowed, levers=card_host_update(context, record.allowed.levers, card.kind),
-        )
-        rows.append(answer_card(
+
+        def priced(allowed: Allowed, kind: str | None = card.kind) -> Allowed:
+            # Each card's typical host updates the masters and host state (the record's: an A100's, for a card named by memory).
+            return allowed if kind is None else replace(allowed, levers=card_host_update(context, allowed.levers, kind))
+
+        row = answer_card(
             card_model, card, global_batch_size=global_batch_size, headroom=record.headroom, resident_bytes=record.resident_bytes,
-            allowed=allowed, smallest=record.smallest,
-        ))
-    return least, rows
+            allowed=priced(kept), smallest=record.smallest,
+        )
+        if lengths is not None:
+            try:
+                row = replace(row, longest=longest_at(lengths, global_batch_size=global_batch_size, budget_bytes=card.memory_bytes))
+            except LengthsDiffer as error:  # said under the table; the other answers stand
+                lengths, note = None, f"the step differs in structure between lengths ({error}): not modelled"
+        if lossy:
+            row = replace(row, lossy=lossy_answer(
+                card_model, card, global_batch_size=global_batch_size, record=replace(record, allowed=priced(record.allowed)),
+                lengths=lengths,
+            ))
+        rows.append(row)
+    return CapacityAnswers(
+        least_bytes=least(kept), rows=rows, least_lossy_bytes=least(record.allowed) if lossy else None, lengths_note=note,
+    )
 

@@ -37,9 +37,10 @@ def train_tokenizer(lines: list[str]):
 
 def tiny_lm_dir(
     path: str | Path, *, tokenizer: bool = True, weights: bool = True, seed: int = 0, hidden: int = 32, layers: int = 2,
+    context: int = 128,
 ) -> Path:
     """Write a tiny LlamaForCausalLM (and, by default, its tokenizer) to ``path``; returns ``path``. Its MLP is twice
-    ``hidden`` wide, with two attention heads and one key-value head."""
+    ``hidden`` wide, with two attention heads and one key-value head; ``context``: its context length."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -48,7 +49,7 @@ def tiny_lm_dir(
     text_tokenizer = train_tokenizer(corpus_lines())
     config = LlamaConfig(
         vocab_size=len(text_tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, eos_token_id=text_tokenizer.eos_token_id,
+        num_key_value_heads=1, max_position_embeddings=context, eos_token_id=text_tokenizer.eos_token_id,
         pad_token_id=text_tokenizer.pad_token_id, bos_token_id=None, architectures=["LlamaForCausalLM"],
     )
     if weights:

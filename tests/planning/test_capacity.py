@@ -77,6 +77,17 @@ def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_
     assert 0.99 * largest <= again <= largest
 
 
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
+def test_a_batch_of_one_still_has_a_largest_batch(run_cli, tiny_lm):
+    """Traces at a batch of 1 alone draw no line in the batch: the table said 1048576 (the search's cap) there."""
+    code, out, err = run_cli(
+        "capacity", f"hf:{tiny_lm}", *MODEL, "--batch-size", "1", "--on", CARD, "--precisions", "fp32", "--host-memory", HOST, "--json", "-q",
+    )
+    assert code == 0, err
+    row, = json.loads(out)["cards"]
+    assert row["fits"] and row["global_batch_size"] == 1 and 8 < row["largest_batch_one_step"] < 10_000
+
+
 def test_plan_batch_size_max_plans_the_largest_batch_and_one_more_is_refused(run_cli, tmp_path):
     """On the CPU the global batch waits in the budget's memory: the largest batch is bounded, planned and verified."""
     from tests.helpers.planning import CNN_MODEL_FILE

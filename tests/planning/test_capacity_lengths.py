@@ -1,0 +1,109 @@
+"""Sequence length as a modelled dimension: records at a few lengths, every term fitted through them; the longest
+sequence in `capacity --longest` and `plan --seq-len max`, and the lossy columns apart from the lossless ones."""
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from autofit.planning.lengths import SEQ_LEN_STEP, LengthsDiffer, fit_at, longest_sequence, traced_lengths
+
+CARD = "1400MiB"
+"""Just above the estimated GPU's fixed headroom (1.25 GiB): the tiny model's longest sequence at a batch of 1 lies
+between its traced lengths (32, 1448 and 65536 tokens)."""
+
+
+@dataclass
+class Terms:
+    peak: int
+    seconds: float
+    blocks: list[str]
+    flags: list[bool]
+
+
+def test_every_term_is_fitted_through_the_traced_lengths_and_other_shapes_are_refused():
+    def at(t: int) -> Terms:  # a quadratic byte term, a linear time, and what does not change with the length
+        return Terms(peak=1000 + 24 * t + 3 * t * t, seconds=0.5 + 0.01 * t, blocks=["a", "b"], flags=[True, False])
+
+    lengths = [32, 1448, 65536]
+    fitted = fit_at([at(t) for t in lengths], lengths, 29072)
+    assert fitted == at(29072)
+    assert fit_at([at(32), at(64)], [32, 64], 48).seconds == pytest.approx(at(48).seconds)  # linear through two
+    with pytest.raises(LengthsDiffer):
+        fit_at([at(32), Terms(peak=1, seconds=1.0, blocks=["a"], flags=[True])], [32, 64], 48)
+    assert traced_lengths(32, context_length=65536) == [32, 1448, 65536]
+    assert traced_lengths(128, context_length=128) == [32, 64, 128]
+    assert longest_sequence(lambda t: t <= 100, context_length=65536) == 96
+    assert longest_sequence(lambda t: True, context_length=4100) == 4096  # the context length bounds it
+    assert longest_sequence(lambda t: False, context_length=128) == 0
+
+
+def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from_its_own_traces(run_cli, tiny_lm_long):
+    """`capacity --longest` with the lossy choices allowed: the lossless longest sequence, fitted between traced
+    lengths, is probed in its configuration and fits the card; a record traced at one step more holds no configuration
+    there; the lossy answers stand in columns of their own."""
+    from autofit.commands.common import load_model_spec
+    from autofit.measure.probe import probe
+    from autofit.planning.capacity import batch_fits, lossless, traced_record, usable_for
+    from autofit.planning.lever_timings import Levers
+    from autofit.planning.memory.headroom import Headroom, persistent_bytes
+    from autofit.planning.request import PlanRequest
+
+    model = f"hf:{tiny_lm_long}"
+    code, out, err = run_cli(
+        "capacity", model, "--task", "causal-lm", "--seq-len", "32", "--batch-size", "1", "--on", CARD, "--precisions", "fp32",
+        "--host-memory", "64KiB", "--longest", "--allow-lossy-optimizer", "--json", "-q",
+    )
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["traced_seq_lens"] == [32, 1448, 65536] and answer["lossy"] == ["8-bit optimizer state"]
+    row, = answer["cards"]
+    longest, config = row["longest_seq_len"], row["longest_seq_len_config"]
+    assert 1448 < longest < 65536 and longest % SEQ_LEN_STEP == 0 and row["longest_seq_len_nearest_traced"] == 1448
+    assert config["optimizer_state"] != "8bit"  # lossless: the lossy choices stay in their own columns
+    lossy = row["lossy"]
+    assert lossy["fits"] and lossy["longest_seq_len"] >= longest and lossy["largest_one_step"] >= row["largest_batch_one_step"]
+
+    spec = load_model_spec(model, input_shape="3x224x224", num_classes=None, task="causal-lm", seq_len=longest)
+    result = probe(
+        spec, micro_batch_size=config["micro_batch_size"], precision=config["precision"], checkpoint=list(config["checkpoint"]),
+        selective_checkpoint=list(config["selective_checkpoint"]), offload=list(config["offload"]),
+        optimizer_in_backward=config["optimizer_in_backward"], optimizer_state=config["optimizer_state"],
+        loss_chunks=config["loss_chunks"], device="cuda", simulate=True,
+    )
+    room = Headroom.estimated_cuda(row["memory_bytes"], expandable_segments=True)
+    assert room.fits(result.peak_bytes, persistent_bytes=persistent_bytes(result.breakdown))
+    request = PlanRequest(
+        budget=CARD, batch_size=1, device="cuda", simulate=True, device_memory=CARD, precisions=("fp32",), host_memory="64KiB",
+    )
+    further = load_model_spec(model, input_shape="3x224x224", num_classes=None, task="causal-lm", seq_len=longest + SEQ_LEN_STEP)
+    record, _ = traced_record(further, request, levers=Levers())
+    usable = usable_for(record.headroom, record.resident_bytes, row["memory_bytes"])
+    assert not batch_fits(record.model, usable_bytes=usable, allowed=lossless(record.allowed), smallest=record.smallest)
+
+
+def test_plan_seq_len_max_on_the_cpu_plans_the_longest_sequence_within_the_budget(run_cli, tiny_lm, tmp_path):
+    """Traced at 32, 64 and 128 tokens (the context), answered, traced again at the answer: the plan at it is verified
+    within the budget, and the budget binds below the context length."""
+    common = ["--task", "causal-lm", "--batch-size", "1", "--budget", "560KiB", "--simulate", "--precisions", "fp32", "--json", "-q"]
+    code, out, err = run_cli("plan", f"hf:{tiny_lm}", "--seq-len", "max", *common, "-o", tmp_path / "plan.json")
+    assert code == 0, err
+    plan = json.loads(out)
+    longest = plan["model"]["seq_len"]
+    assert 32 < longest < 128 and longest % SEQ_LEN_STEP == 0
+    assert any(f"--seq-len max: {longest} tokens" in note and f"{longest + SEQ_LEN_STEP} does not fit" in note for note in plan["notes"])
+    assert plan["measured"]["peak_bytes"] + sum(plan["headroom"].values()) <= plan["budget_bytes"]  # verified
+
+
+def test_seq_len_max_needs_a_batch_and_a_text_model_each_refusal_one_line(run_cli, tmp_path):
+    from tests.helpers.planning import CNN_MODEL_FILE
+
+    model = tmp_path / "model.py"
+    model.write_text(CNN_MODEL_FILE)
+    for asked, expected in (
+        (["--batch-size", "max", "--seq-len", "max"], "--batch-size N (not max)"),
+        (["--batch-size", "4", "--seq-len", "long"], "'long'"),
+    ):
+        code, out, err = run_cli("plan", model, "--budget", "2MiB", *asked)
+        assert code == 2 and expected in err and "Traceback" not in err
+    code, out, err = run_cli("capacity", model, "--batch-size", "4", "--on", CARD, "--longest")
+    assert code == 2 and "takes no sequence" in err and "Traceback" not in err
