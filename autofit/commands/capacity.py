@@ -89,8 +89,7 @@ def capacity(
             check_model_runs_simulated(spec)
         largest = max(card.memory_bytes for card in cards)
         # One simulated GPU as large as the largest card: its traces (and the cache's) serve every card.
-        # Traced at 2 samples at least: the largest batch follows the peak's line in the micro-batch, which traces at
-        # one size cannot draw (a batch of 1 answered the search's cap, 1048576); the rows are answered at batch_size.
+        # Traced at 2 samples at least: traces at one size draw no line in the batch for the largest batch to follow.
         request = PlanRequest(
             budget=largest, batch_size=max(batch_size, 2), device="cuda", simulate=True, device_memory=largest, host_memory=host_memory, host_speed=host_speed,
             precisions=wanted, num_classes=spec.source_options.get("num_classes"), cache=not no_cache, allow_lossy_optimizer=allow_lossy_optimizer,
