@@ -113,10 +113,17 @@ def checkpoint_granularities(model: nn.Module, *, example_inputs=None) -> list[l
         kept.sort(key=order.__getitem__)
         if kept and kept not in called:
             called.append(kept)
-    per_call = _per_call_level(called[-1] if called else [], calls)
+    per_call = None if _per_sample(example_inputs) else _per_call_level(called[-1] if called else [], calls)
     if per_call is not None and per_call not in called:
         called.append(per_call)
     return called or [[]]
+
+
+def _per_sample(inputs) -> bool:
+    """Whether the inputs hold lists (one entry per sample: torchvision detection's images). A forward over them calls
+    its layers once per sample, a count that follows the micro-batch, not the model: no layer is named per call."""
+    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple) else ()
+    return isinstance(inputs, list) or any(isinstance(value, list) for value in values)
 
 
 def _may_be_shared(module: nn.Module) -> bool:
