@@ -114,7 +114,7 @@ def test_the_masters_survive_a_saved_optimizer_state():
 
 
 @pytest.mark.parametrize("choices, words", [
-    (dict(optimizer_state="host"), "leave --optimizer-state at device"),
+    (dict(optimizer_state="host"), "leave optimizer_state at device"),  # built in Python: the keyword
     (dict(optimizer_in_backward=True), "cannot run with bf16-master"),
 ])
 def test_impossible_companions_are_one_line(choices, words):
