@@ -125,7 +125,7 @@ def stored_or_new(context: PlanContext) -> Costs:
     stored = context.study.load("costs")
     if stored is not None:
         try:
-            costs = _from_store(stored)
+            costs = from_store(stored)
         except (KeyError, TypeError, ValueError, AttributeError):  # another version's store, or a damaged one
             context.log("the stored costs could not be read: measuring again")
             costs = None
@@ -142,7 +142,7 @@ def stored_or_new(context: PlanContext) -> Costs:
     return Costs(model=model, micro_batch_sizes=micro_batch_sizes(G, smallest=smallest))
 
 
-def _from_store(stored: dict) -> Costs:
+def from_store(stored: dict) -> Costs:
     costs = Costs(
         model=CostModel.from_dict(stored["cost_model"]), micro_batch_sizes=list(stored["micro_batch_sizes"]),
         speeds={p: SpeedCosts(**s) for p, s in stored["speeds"].items()},

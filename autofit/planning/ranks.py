@@ -220,7 +220,7 @@ class _RankShares:
         # Autocast's copies are 2-byte ones under bf16 and fp16 alike (``weight_casts``): one fake forward for both.
         half = precision in HALF_PRECISIONS
         if half not in self._casts_of:
-            self._casts_of[half] = _casts_by_block(self.model.blocks, weight_casts(self.context, precision))
+            self._casts_of[half] = casts_by_block(self.model.blocks, weight_casts(self.context, precision))
         return self._casts_of[half]
 
     def candidates(self, precision: str, size: int) -> list[_Candidate]:
@@ -275,7 +275,7 @@ class _RankShares:
             rank_segments = _before_backward_lighter(self.compute, rank_segments, size, global_batch_size=global_batch_size, lighter=lighter)
             return apart_from_step(rank_segments)[0], drops, self.compute_weights
         backward, held = _without_state(memory, size, global_batch_size=global_batch_size, segments=segments, state=self.state)
-        backward, drops = _without_casts(backward, drops, self.casts_for(precision))
+        backward, drops = without_casts(backward, drops, self.casts_for(precision))
         return backward, drops, held
 
 
@@ -308,13 +308,13 @@ def _without_state(memory, size: int, *, global_batch_size: int, segments: list[
     return apart_from_step(segments)[0], sum(state.values())
 
 
-def _casts_by_block(blocks: list[str], casts: dict[str, int]) -> tuple[list[int], int]:
+def casts_by_block(blocks: list[str], casts: dict[str, int]) -> tuple[list[int], int]:
     """Autocast's weight copies (``modelling.weight_casts``) per block, and those of the weights outside every block."""
     per_block = [sum(nbytes for name, nbytes in casts.items() if name.startswith(block + ".")) for block in blocks]
     return per_block, sum(casts.values()) - sum(per_block)
 
 
-def _without_casts(segments: list[Segment], drops: list[float], casts: tuple[list[int], int]) -> tuple[list[Segment], list[float]]:
+def without_casts(segments: list[Segment], drops: list[float], casts: tuple[list[int], int]) -> tuple[list[Segment], list[float]]:
     """The one-process segments without autocast's copies of the weights, which a rank under FSDP2 never makes (it
     gathers the weights in the autocast dtype already, ``mixed_precision_policy``).
 

@@ -114,7 +114,7 @@ def write_plan(
         ),
         measured=measured,
         headroom=measurement.headroom,
-        alternatives=_alternatives(context, model, evaluations, chosen=chosen, usable_bytes=usable_bytes, verified=verified),
+        alternatives=alternatives_table(context, model, evaluations, chosen=chosen, usable_bytes=usable_bytes, verified=verified),
     )
 
 
@@ -141,7 +141,7 @@ class PlanBasics:
 
 def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_size: int, global_batch_size: int) -> PlanBasics:
     """The fields every plan starts with (``PlanBasics``)."""
-    model_info = _model_info(context, output_shape=output_shape)
+    model_info = model_info_of(context, output_shape=output_shape)
     notes = batch_norm_notes(model_info, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
     if context.host_budget_note.startswith("assumed"):
         notes.append(f"host memory {format_bytes(context.host_budget_bytes)}: {context.host_budget_note}")
@@ -156,7 +156,7 @@ def plan_basics(context: PlanContext, *, output_shape: list[int], micro_batch_si
     )
 
 
-def _alternatives(
+def alternatives_table(
     context: PlanContext, model: CostModel, evaluations: list[Evaluation], *, chosen: Verified, usable_bytes: float | dict[str, float],
     verified: dict[str, VerifiedPoint],
 ) -> list[dict]:
@@ -214,7 +214,7 @@ def _alternatives(
     return alternatives
 
 
-def _model_info(context: PlanContext, *, output_shape: list[int]) -> ModelInfo:
+def model_info_of(context: PlanContext, *, output_shape: list[int]) -> ModelInfo:
     model = context.meta_model
     options = dict(context.spec.source_options)  # what else rebuilds it (hf: task, seq_len; torchvision, timm: num_classes)
     given = options.pop("num_classes", None)

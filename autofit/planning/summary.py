@@ -24,7 +24,7 @@ def summary_lines(report: PlanReport, *, path: Path | None = None) -> list[str]:
         *_speed_lines(report),
         *_note_lines(report),
         *_alternative_lines(report),
-        *_timing_lines(report),
+        *timing_lines(report),
         *_start_lines(report.plan, path=path),
         *_planning_lines(report, path=path),
     ]
@@ -221,7 +221,7 @@ def _levers(plan: Plan) -> str:
     return "".join(f", {lever}" for lever in levers)
 
 
-def _timing_lines(report: PlanReport) -> list[str]:
+def timing_lines(report: PlanReport) -> list[str]:
     """How noisy the timings were, and what that left undecided."""
     lines = []
     timing = report.timing

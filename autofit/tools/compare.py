@@ -11,7 +11,7 @@ With data, each configuration also trains ``train_steps`` optimizer steps from
 the same seed on the same batches, and the loss and accuracy it reached are
 reported: checkpointing must not change them, precision may.
 
-The run is in pieces: which rows (``_contenders``: the AMP precisions the planner's precision check would leave
+The run is in pieces: which rows (``contenders_of``: the AMP precisions the planner's precision check would leave
 out are left out, ``left_out_precisions``), each measured in turn (``_measure_rows``), and timed (``_Timing``).
 A row's memory (and training) is measured row by row, its first training step timed as soon as it is, and each
 finished row is handed to ``on_update`` (the command writes its files then), so an interrupted compare keeps every
@@ -271,7 +271,7 @@ def compare(
         # with the threads the timing decided on (on a busy CPU fewer: every step, the first look's too, goes faster).
         timing = _Timing(spec, comparison, device=device, rounds=rounds, seed=seed, progress=progress)
         with timing, intra_op_threads(timing.threads):
-            contenders, notes = _contenders(
+            contenders, notes = contenders_of(
                 spec, comparison, kept, device=device, seed=seed, all_rows=all_rows, clock=timing.clock, progress=progress,
             )
             _measure_rows(
@@ -280,12 +280,12 @@ def compare(
             )
             comparison.rows += notes
             timing.rounds(on_update=on_update)
-        _fill_ratios(comparison)
+        fill_ratios(comparison)
         on_update(comparison)
         return comparison
 
 
-def _contenders(
+def contenders_of(
     spec: ModelSpec, comparison: Comparison, kept: dict[str, Row], *, device: str, seed: int, all_rows: bool, progress: Progress,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[Contender], list[Row]]:
@@ -378,7 +378,7 @@ def _measure_rows(
                 timing.time_once(row)
         row.memory_done = True
         comparison.rows.append(row)
-        _fill_ratios(comparison)
+        fill_ratios(comparison)
         on_update(comparison)
 
 
@@ -536,7 +536,7 @@ class _Timing:
             for number, row in enumerate(running[shift:] + running[:shift], start=1):  # rotate: no row is always first after a pause
                 with self.progress.doing(f"speed round {round_ + 1} of {self.rounds_wanted}, {row.name}", step=number, of=len(running)):
                     self._record(row, self._step_seconds(row))
-            _fill_ratios(self.comparison)
+            fill_ratios(self.comparison)
             on_update(self.comparison)
 
 
@@ -546,7 +546,7 @@ def _device_total_bytes(device: str) -> int | None:
     return device_info(device).total_bytes
 
 
-def _fill_ratios(comparison: Comparison) -> None:
+def fill_ratios(comparison: Comparison) -> None:
     base = next((r for r in comparison.rows if r.name == "fp32"), None)
     for row in comparison.rows:
         if row.peak_bytes is None:
@@ -668,7 +668,7 @@ def _columns(comparison: Comparison) -> list[tuple[str, Callable[[Row], str]]]:
         ("activations", lambda r: "-" if r.activation_bytes is None else format_bytes(r.activation_bytes)),
         ("samples/s", lambda r: ratio(r.samples_per_s, "{:.1f}")),
         ("noise", lambda r: "-" if r.noise is None else f"±{100 * r.noise:.0f}%"),
-        ("vs fp32", _versus),
+        ("vs fp32", versus),
     ]
     if comparison.budget_bytes is not None:
         columns.append((f"fits {format_bytes(comparison.budget_bytes)}", lambda r: "-" if r.fits_budget is None else ("yes" if r.fits_budget else "no")))
@@ -680,7 +680,7 @@ def _columns(comparison: Comparison) -> list[tuple[str, Callable[[Row], str]]]:
     return columns
 
 
-def _versus(row: Row) -> str:
+def versus(row: Row) -> str:
     """The speed ratio, "~" before it where it is fp32's within the noise (no difference shown), "(1 round)" where
     timed once (no noise known)."""
     if row.speed_ratio is None:
@@ -769,7 +769,7 @@ def plot_comparison(comparison: Comparison, out: str | Path) -> Path:
             bar.set_alpha(0.5)
         if row.speed_ratio and row.noise is not None:
             axes[1].errorbar(bar.get_x() + bar.get_width() / 2, row.speed_ratio, yerr=row.noise * row.speed_ratio, color="black", capsize=3)
-    axes[1].bar_label(bars, labels=[_versus(r) if r.speed_ratio else "" for r in rows], fontsize=8)
+    axes[1].bar_label(bars, labels=[versus(r) if r.speed_ratio else "" for r in rows], fontsize=8)
     axes[1].axhline(1.0, color="grey", linewidth=1)
     axes[1].set_ylabel("samples/s relative to fp32")
     axes[1].set_title("speed (hatched: fp32's within the noise)")

@@ -298,19 +298,19 @@ def test_a_decoder_trains_below_its_parameters_gradients_and_adamw_state(run_cli
 
 
 def test_lever_lines_say_more_or_less_in_the_right_sense():
-    from autofit.planning.verify.below_floor import _against_floor
+    from autofit.planning.verify.below_floor import against_floor
 
-    assert _against_floor(100 * 2**20, 110 * 2**20) == "10.00 MiB less than the floor's"
-    assert _against_floor(120 * 2**20, 110 * 2**20) == "10.00 MiB more than the floor's"  # was "-10.00 MiB less"
-    assert _against_floor(5, 5) == "the floor's"
+    assert against_floor(100 * 2**20, 110 * 2**20) == "10.00 MiB less than the floor's"
+    assert against_floor(120 * 2**20, 110 * 2**20) == "10.00 MiB more than the floor's"  # was "-10.00 MiB less"
+    assert against_floor(5, 5) == "the floor's"
 
 
 def test_an_optimizer_without_state_is_not_told_to_keep_less():
     from types import SimpleNamespace
 
-    from autofit.planning.verify.floor import _less_state
+    from autofit.planning.verify.floor import less_state
 
-    assert _less_state(SimpleNamespace(), 0) == ""
+    assert less_state(SimpleNamespace(), 0) == ""
 
 
 @pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds

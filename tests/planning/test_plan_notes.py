@@ -24,7 +24,7 @@ def test_model_info_of_a_library_model_names_its_classes_once():
     """torchvision and timm specs carry num_classes in their source options too: the plan's ModelInfo takes it once."""
     from types import SimpleNamespace
 
-    from autofit.planning.report import _model_info
+    from autofit.planning.report import model_info_of
     from autofit.spec import load_spec
 
     spec = load_spec("torchvision:resnet18", input_shape="3x32x32", num_classes=10)
@@ -32,5 +32,5 @@ def test_model_info_of_a_library_model_names_its_classes_once():
     with torch.device("meta"):
         model = spec.build_model()
     for asked in (10, None):
-        info = _model_info(SimpleNamespace(spec=spec, meta_model=model, num_classes=asked), output_shape=[4, 10])
+        info = model_info_of(SimpleNamespace(spec=spec, meta_model=model, num_classes=asked), output_shape=[4, 10])
         assert info.source == "torchvision:resnet18" and info.num_classes == 10 and info.input_shape == [3, 32, 32]

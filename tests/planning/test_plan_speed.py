@@ -125,7 +125,7 @@ def test_a_busy_machine_ties_speeds_within_its_wider_band():
 
 
 def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
-    from autofit.planning.summary import _timing_lines
+    from autofit.planning.summary import timing_lines
     from autofit.planning.context import plan_context
 
     context = plan_context(
@@ -142,15 +142,15 @@ def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
         timing = {"rounds": 4, "noise": 0.02, "worst_noise": 0.02, "within_noise": [], "behind": {}, "tie": POLICY.busy_tie_share}
         speed_noise, threads_note = 0.0, note
 
-    assert any("speeds within 10% count as a tie" in line for line in _timing_lines(Report()))
+    assert any("speeds within 10% count as a tie" in line for line in timing_lines(Report()))
     Report.timing = {**Report.timing, "tie": POLICY.tie_share}
-    assert not any("count as a tie" in line for line in _timing_lines(Report()))
+    assert not any("count as a tie" in line for line in timing_lines(Report()))
 
     # The tie note named the others as if chosen ("as fast within that noise: fp32, micro-batch 3, checkpoint none (the
     # simpler configuration is chosen)"): it names the chosen one first, the others as tied with it.
     Report.plan = Plan(budget_bytes=1, config=TrainingConfig(global_batch_size=4, micro_batch_size=4))
     Report.timing = {**Report.timing, "within_noise": ["fp32:2:"]}
-    (tie,) = [line.strip() for line in _timing_lines(Report()) if "within that noise" in line]
+    (tie,) = [line.strip() for line in timing_lines(Report()) if "within that noise" in line]
     assert tie == (
         "as fast as the chosen fp32, micro-batch 4, checkpoint none within that noise: fp32, micro-batch 2, checkpoint none; "
         "a tie goes to the simpler configuration, the chosen one"
@@ -520,7 +520,7 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
     twice as slow: priced against the old plain step, recompute looked far dearer than it is (and full and
     selective lost their order once clamped). The plain step timed beside them gives each its own price."""
     from autofit.planning.costs import SpeedCosts
-    from autofit.planning.speed.measured import StepParts, _measure_recompute
+    from autofit.planning.speed.measured import StepParts, measure_recompute
     from strategies import checkpoint_candidates
 
     spec = mixed_spec()
@@ -537,7 +537,7 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
         sizes=[4], step_seconds=[1.0], forward_seconds=[0.4], block_seconds=[[0.1, 0.1, 0.05]], optimizer_seconds=0.0,
         selective_shares=[0.0, 0.5, 0.5],
     )}
-    _measure_recompute(model, spec, results, blocks=blocks, sizes=[4], device="cpu", one_step=one_step, clock=None)
+    measure_recompute(model, spec, results, blocks=blocks, sizes=[4], device="cpu", one_step=one_step, clock=None)
     costs = results["fp32"]
     assert sum(costs.recompute_seconds(4)) == pytest.approx(2.0 * 0.25)
     assert sum(costs.selective_recompute_seconds(4)) == pytest.approx(2.0 * 0.1)
@@ -547,7 +547,7 @@ def test_precisions_sharing_traces_share_them_again_when_loaded_from_the_cache()
     """A stored study's fp16 and bf16 are one set of traces again: what a later plan adds (offload's runs,
     the recomputations) is traced once for both, as in the run that first traced them."""
     from autofit.planning.costs import CostModel, PrecisionCosts, SpeedCosts, memory_costs
-    from autofit.planning.modelling import Costs, _from_store
+    from autofit.planning.modelling import Costs, from_store
 
     spec = uneven_spec()
     memory = memory_costs(spec, precision="bf16", low=1, high=4, device_type="cpu", recompute=False)
@@ -557,9 +557,9 @@ def test_precisions_sharing_traces_share_them_again_when_loaded_from_the_cache()
         precisions={p: PrecisionCosts(precision=p, memory=memory, speed=speed) for p in ("bf16", "fp16")},
     )
     costs = Costs(model=model, micro_batch_sizes=[4, 2, 1], speeds={"bf16": speed, "fp16": speed}, shared={"fp16": "bf16"})
-    loaded = _from_store(costs.to_store()).model.precisions
+    loaded = from_store(costs.to_store()).model.precisions
     assert loaded["fp16"].memory is loaded["bf16"].memory
-    unshared = _from_store({**costs.to_store(), "shared": {}}).model.precisions
+    unshared = from_store({**costs.to_store(), "shared": {}}).model.precisions
     assert unshared["fp16"].memory is not unshared["bf16"].memory
 
 

@@ -7,7 +7,7 @@ from autofit.config import TrainingConfig
 from autofit.planning.summary import summary_lines
 from autofit.plan_file import Measured, ModelInfo, Plan, Predicted
 from autofit.planning.search.space import Evaluation
-from autofit.planning.report import PlanReport, _alternatives
+from autofit.planning.report import PlanReport, alternatives_table
 from autofit.planning.records import Candidate, Measurement, Verified, VerifiedPoint
 
 CHOSEN = TrainingConfig(global_batch_size=8, precision="bf16", micro_batch_size=4, checkpoint=("b0",))
@@ -37,7 +37,7 @@ def alternatives() -> list[dict]:
         candidate=Candidate(config=CHOSEN, predicted_peak_bytes=150, predicted_samples_per_s=15.0),
         measurement=Measurement(peak_bytes=140, samples_per_s=14.0, meter="cpu"),
     )
-    return _alternatives(
+    return alternatives_table(
         SimpleNamespace(global_batch_size=8), SimpleNamespace(memory_scale=1.0), evaluations, chosen=chosen, usable_bytes=250, verified=verified,
     )
 

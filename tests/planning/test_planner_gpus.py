@@ -177,7 +177,7 @@ def test_a_rank_holds_none_of_autocasts_weight_copies_that_one_process_holds(spe
     from autofit.planning.context import plan_context
     from autofit.planning.memory.segments import Segment
     from autofit.planning.modelling import weight_casts
-    from autofit.planning.ranks import _casts_by_block, _without_casts
+    from autofit.planning.ranks import casts_by_block, without_casts
 
     context = plan_context(spec, PlanRequest(budget="1GB", batch_size=GLOBAL_BATCH_SIZE, cache=False))
     try:
@@ -188,12 +188,12 @@ def test_a_rank_holds_none_of_autocasts_weight_copies_that_one_process_holds(spe
     trained = dict(context.meta_model.named_parameters())
     assert casts == {name: 2 * param.numel() for name, param in trained.items()}  # every weight and bias of a Linear
     blocks = [f"blocks.{i}" for i in range(6)]
-    per_block, outside = _casts_by_block(blocks, casts)
+    per_block, outside = casts_by_block(blocks, casts)
     assert per_block == [2 * (128 * 128 + 128)] * 6 and outside == 2 * (16 * 128 + 128 + 128 * 3 + 3)
     segments = [
         Segment(peak_bytes=10**6, dropped=[0, 1], phase="first"), Segment(peak_bytes=10**6, dropped=[], phase="optimizer"),
     ]
-    kept, drops = _without_casts(segments, [40_000.0] * 6, (per_block, outside))
+    kept, drops = without_casts(segments, [40_000.0] * 6, (per_block, outside))
     assert [s.peak_bytes for s in kept] == [10**6 - outside - 2 * per_block[0], 10**6]
     assert drops == [40_000.0 - per_block[0]] * 6
 

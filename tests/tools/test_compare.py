@@ -244,7 +244,7 @@ def test_rows_are_written_as_they_finish_and_resume_measures_only_the_rest(cnn_f
 
 
 def test_differences_within_the_noise_are_marked(cnn_file):
-    from autofit.tools.compare import Comparison, Row, _fill_ratios, _versus
+    from autofit.tools.compare import Comparison, Row, fill_ratios, versus
 
     def row(name, seconds):
         return Row(name=name, precision="fp32", checkpoint_blocks=0, micro_batch_size=4, grad_accum_steps=1, peak_bytes=10,
@@ -253,9 +253,9 @@ def test_differences_within_the_noise_are_marked(cnn_file):
     comparison = Comparison(model="m", device="cpu", global_batch_size=4, rows=[
         row("fp32", [1.0, 1.1]), row("close", [1.05, 1.06]), row("far", [2.0, 2.02]),
     ])
-    _fill_ratios(comparison)
+    fill_ratios(comparison)
     assert [r.within_noise for r in comparison.rows] == [None, True, False]
-    assert [_versus(r) for r in comparison.rows] == ["1.00x", "~0.95x", "0.50x"]
+    assert [versus(r) for r in comparison.rows] == ["1.00x", "~0.95x", "0.50x"]
     assert "~0.95x" in format_table(comparison)
 
 
@@ -288,7 +288,7 @@ def test_precisions_the_planner_would_leave_out_are_left_out(cnn_file, monkeypat
 def test_left_out_rows_are_said_in_one_line_and_the_plan_searches_without_them(cnn_file, monkeypatch):
     import autofit.tools.compare as compare_module
     from autofit.progress import as_progress
-    from autofit.tools.compare import Comparison, _contenders
+    from autofit.tools.compare import Comparison, contenders_of
 
     monkeypatch.setattr(compare_module, "runnable_amp_precisions", lambda device: ["bf16", "fp16"])
     monkeypatch.setattr(compare_module, "left_out_precisions", lambda spec, amp, **settings: {"fp16": (21.5, "fp32")})
@@ -301,7 +301,7 @@ def test_left_out_rows_are_said_in_one_line_and_the_plan_searches_without_them(c
     monkeypatch.setattr(compare_module, "plan_configuration", plan_row)
     lines = []
     comparison = Comparison(model="m", device="cpu", global_batch_size=4, budget_bytes=10**9)
-    contenders, notes = _contenders(load_spec(str(cnn_file)), comparison, {}, device="cpu", seed=0, all_rows=False, progress=as_progress(lines.append))
+    contenders, notes = contenders_of(load_spec(str(cnn_file)), comparison, {}, device="cpu", seed=0, all_rows=False, progress=as_progress(lines.append))
     assert not any("fp16" in c.name for c in contenders) and "bf16 AMP" in [c.name for c in contenders]
     assert [row.name for row in notes] == ["fp16 AMP"] and "21.5x fp32's" in notes[0].note
     said = [line for line in lines if "left out" in line]

@@ -59,7 +59,7 @@ def flop_speed_costs(
         )
         for name in precisions
     }
-    flops = _forward_flops(spec, size, repeat=repeat)
+    flops = forward_flops_of(spec, size, repeat=repeat)
     block_flops = block_flops()
     total_flops = max(sum(flops.values()), 1)
     param_bytes = _parameter_bytes(spec)
@@ -223,13 +223,13 @@ def _block_flops(spec: ModelSpec, *, micro_batch_size: int, repeat: Repeat | Non
     return repeat.widen([p.name for p in profiles], [p.forward_flops for p in profiles], SHORT_LENGTHS[0])
 
 
-def _forward_flops(spec: ModelSpec, size: int, *, repeat: Repeat | None = None) -> dict[str, int]:
+def forward_flops_of(spec: ModelSpec, size: int, *, repeat: Repeat | None = None) -> dict[str, int]:
     """Forward FLOPs of a micro-batch of ``size``, by operator family: "conv" and "matmul" (everything else counted).
 
     With ``repeat``, counted with the run cut to its two short lengths and carried on to its whole length: each
     block adds the same FLOPs."""
     if repeat is not None:
-        short, longer = (_forward_flops(shortened(spec, repeat, n), size) for n in SHORT_LENGTHS)
+        short, longer = (forward_flops_of(shortened(spec, repeat, n), size) for n in SHORT_LENGTHS)
         more = repeat.length - SHORT_LENGTHS[0]
         return {family: short[family] + more * (longer[family] - short[family]) for family in short}
     meter = simulated_meter(spec, for_device="cpu")

@@ -85,7 +85,7 @@ def time_precisions(
         _add_selective_shares(results, timer.applied(), spec, blocks=blocks, size=sizes[0], device=device_)
         model.zero_grad(set_to_none=True)
     with progress.doing("timing steps with every block checkpointed beside plain ones"):
-        _measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=timer.steps.one_step, clock=clock)
+        measure_recompute(model, spec, results, blocks=blocks, sizes=sizes, device=device_, one_step=timer.steps.one_step, clock=clock)
     for name, run in timer.runs.items():
         if run.slower_than:
             results[name] = _follow_reference(results[name], results[run.slower_than])
@@ -327,7 +327,7 @@ def _optimizer_seconds(
     return best
 
 
-def _measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, clock) -> None:
+def measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, clock) -> None:
     """Time steps with every block checkpointed, fully and selectively, interleaved with plain steps: the real
     price of a second of recompute (of the blocks' forward; of its selective share, ``SpeedCosts.selective_shares``).
 

@@ -311,7 +311,7 @@ def plan_with_levers(
         excess = measurements.host_excess(measured.host_peak_bytes)
         fits = measurements.fits_peak(measured.peak_bytes, measured.breakdown) and excess is None
         context.log(
-            f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured ({_against_floor(measured.peak_bytes, floor_peak)}); "
+            f"  {candidate.name}: peak {format_bytes(measured.peak_bytes)} measured ({against_floor(measured.peak_bytes, floor_peak)}); "
             + ("fits" if fits else excess or "does not fit")
             + ("" if candidate.allowed(**flags) else f" (not allowed without {candidate.flag})")
         )
@@ -335,7 +335,7 @@ def plan_with_levers(
     )
 
 
-def _against_floor(peak: int, floor_peak: int) -> str:
+def against_floor(peak: int, floor_peak: int) -> str:
     """"1.5 MiB less than the floor's", "89.66 MiB more than the floor's" or "the floor's": a lever's peak against it."""
     if peak == floor_peak:
         return "the floor's"

@@ -194,7 +194,7 @@ def below_floor(
         stated = f"{format_bytes(floor.budget_bytes)} for a batch of {context.global_batch_size} ({without})"
     return (
         f"budget {format_bytes(context.budget_bytes)} is below the floor {stated}; "
-        f"to lower it: {_ways_out(levers + _less_state(context, state), gpus)}"
+        f"to lower it: {_ways_out(levers + less_state(context, state), gpus)}"
     )
 
 
@@ -205,7 +205,7 @@ def _ways_out(first: str, gpus: str) -> str:
     return f"{first}{gpus}"
 
 
-def _less_state(context: PlanContext, state: int) -> str:
+def less_state(context: PlanContext, state: int) -> str:
     """The way out through the optimizer: one with less state, unless it keeps none already."""
     if state <= 0:
         return ""

@@ -72,14 +72,14 @@ def test_the_cpus_fused_attention_counts_its_flops_forward_and_backward():
     counter had no formula for: every SDPA model's estimated speed left attention out. Counted now as CUDA flash is."""
     from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-    from autofit.planning.speed.estimated import _forward_flops
+    from autofit.planning.speed.estimated import forward_flops_of
 
     shape = (2, 4, 256, 32)
     spec = ModelSpec(
         source="attention", build_model=_Attention, example_batch=lambda n: (torch.randn(n, *shape[1:]), None),
         loss_fn=torch.nn.functional.mse_loss, build_optimizer=default_optimizer,
     )
-    assert _forward_flops(spec, 2) == {"conv": 0, "matmul": sdpa_flop_count(shape, shape, shape)}
+    assert forward_flops_of(spec, 2) == {"conv": 0, "matmul": sdpa_flop_count(shape, shape, shape)}
     x = torch.randn(*shape, requires_grad=True)
     with FlopCounterMode(display=False) as counter:
         _Attention()(x).sum().backward()
