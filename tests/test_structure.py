@@ -123,6 +123,18 @@ def test_no_module_imports_a_private_name_of_another():
     assert found == []
 
 
+def test_no_test_imports_a_private_name():
+    """Tests read the code through the names its modules offer (#51): a test of a private helper ties the test to how
+    the module is cut, not to what it does."""
+    modules = _modules()
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []
+
+
 MAX_FUNCTION_LINES = 80
 ONE_ORDERED_STORY = {"autofit.apply.apply_config", "autofit.training.loop._train_epochs"}
 """The two functions allowed to be longer: each reads top to bottom as one ordered story (the strategies applied in

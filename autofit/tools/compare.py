@@ -264,7 +264,7 @@ def compare(
             data=None if data is None else str(data), train_steps=train_steps if data is not None else 0, rounds=rounds,
         )
         kept = _resumable(resume, comparison)
-        training = _TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
+        training = TrainingData.load(spec, data, global_batch_size=global_batch_size, steps=train_steps, seed=seed) if data is not None else None
         if training is not None:
             comparison.eval_data = training.eval_dir
         # The pieces in order: which rows, each measured (and timed once) as it comes, then the further rounds; all
@@ -337,7 +337,7 @@ def contenders_of(
 
 def _measure_rows(
     spec: ModelSpec, comparison: Comparison, contenders: list[Contender], kept: dict[str, Row], *, device: str,
-    probe_steps: int, seed: int, training: "_TrainingData | None", timing: "_Timing", progress: Progress,
+    probe_steps: int, seed: int, training: "TrainingData | None", timing: "_Timing", progress: Progress,
     on_update: Callable[[Comparison], None],
 ) -> None:
     """Each row in turn: its peak, with data its training, and its first timed step; handed to ``on_update`` when
@@ -574,7 +574,7 @@ class TrainingOutcome:
     """Optimizer steps fp16's GradScaler skipped."""
 
 
-class _TrainingData:
+class TrainingData:
     """The batches every configuration trains on, decoded once, and the set it is scored on."""
 
     def __init__(self, *, batches: list[tuple[torch.Tensor, torch.Tensor]], eval_set, classes: list[str], eval_dir: str) -> None:
@@ -584,7 +584,7 @@ class _TrainingData:
         self.eval_dir = eval_dir
 
     @classmethod
-    def load(cls, spec: ModelSpec, data: str | Path, *, global_batch_size: int, steps: int, seed: int) -> "_TrainingData":
+    def load(cls, spec: ModelSpec, data: str | Path, *, global_batch_size: int, steps: int, seed: int) -> "TrainingData":
         from autofit.tools.evaluate import input_shape_of
         from autofit.training.images import image_folder
 

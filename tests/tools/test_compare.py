@@ -124,11 +124,11 @@ def test_cli_table_markdown_png_and_training(cnn_file, data_dir, tmp_path, run_c
 
 def test_training_sees_the_same_batches_for_every_row(cnn_file, data_dir):
     from autofit.config import TrainingConfig
-    from autofit.tools.compare import _TrainingData
+    from autofit.tools.compare import TrainingData
 
     spec = load_spec(str(cnn_file))
-    first = _TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
-    again = _TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
+    first = TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
+    again = TrainingData.load(spec, data_dir, global_batch_size=8, steps=5, seed=0)
     assert len(first.batches) == 5 and all(len(targets) == 8 for _, targets in first.batches)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first.batches, again.batches))
     # micro-batches of 3 (3 + 3 + 2) train the same model as the full batch of 8, up to float rounding
