@@ -60,7 +60,7 @@ EXPANDABLE_SEGMENTS_OPTION = typer.Option(
 HOST_SPEED_OPTION = typer.Option(
     None, "--host-speed",
     help="Parameter elements per second the training machine's host updates with the optimizer (e.g. 2e9), "
-    "for a GPU plan's host levers; default timed on this CPU.",
+    "for a GPU plan's host levers; default: timed on this CPU for a GPU here, a typical host of the kind for one that is not (docs/planner.md).",
 )
 ALLOW_LOSSY_BASE_OPTION = typer.Option(
     False, "--allow-lossy-base",
