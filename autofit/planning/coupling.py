@@ -72,10 +72,8 @@ def batch_coupling(spec: ModelSpec, *, global_batch_size: int, smallest: int, fi
     found = _checked(spec, size=size, half=half)
     if found is None:
         return None
-    (whole_loss, whole_grad), (split_loss, split_grad) = found
+    whole_loss, split_loss, grad_apart = found
     loss_apart = abs(whole_loss - split_loss) / max(abs(whole_loss), abs(split_loss), 1e-12)
-    apart_squared = sum(float(torch.sub(a, b).square().sum()) for a, b in zip(whole_grad, split_grad))
-    grad_apart = math.sqrt(apart_squared) / max(math.sqrt(sum(float(g.square().sum()) for g in whole_grad)), 1e-12)
     if loss_apart <= LOSS_TOLERANCE and grad_apart <= GRADIENT_TOLERANCE:
         return None
     reason = (
@@ -89,19 +87,26 @@ def batch_coupling(spec: ModelSpec, *, global_batch_size: int, smallest: int, fi
     )
 
 
-_RECENT: list[tuple[ModelSpec, int, int, object]] = []
+_RECENT: list[tuple[ModelSpec, int, int, tuple[float, float, float] | None]] = []
 """The last few checks' results with the spec they ran on: a plan's one-process floor, its ranks and a second plan of
 the same spec (a refusal, then ``--gpus``) ask the same question, and each answer is a real step of the model. The
-spec itself is kept, so its ``id`` cannot be reused by another."""
+spec itself is kept, so its ``id`` cannot be reused by another; the gradients are not (three numbers are)."""
 _RECENT_KEPT = 4
 
 
-def _checked(spec: ModelSpec, *, size: int, half: int):
-    """``_whole_and_split``, run once per spec and split in this process."""
+def _checked(spec: ModelSpec, *, size: int, half: int) -> tuple[float, float, float] | None:
+    """(the whole batch's loss, the split one's, their gradients' difference relative to the whole's norm) of
+    ``_whole_and_split``, run once per spec and split in this process; None where that cannot tell."""
     for kept, kept_size, kept_half, found in _RECENT:
         if kept is spec and (kept_size, kept_half) == (size, half):
             return found
-    found = _whole_and_split(spec, size=size, half=half)
+    stepped = _whole_and_split(spec, size=size, half=half)
+    found = None
+    if stepped is not None:
+        (whole_loss, whole_grad), (split_loss, split_grad) = stepped
+        apart_squared = sum(float(torch.sub(a, b).square().sum()) for a, b in zip(whole_grad, split_grad))
+        grad_apart = math.sqrt(apart_squared) / max(math.sqrt(sum(float(g.square().sum()) for g in whole_grad)), 1e-12)
+        found = (whole_loss, split_loss, grad_apart)
     _RECENT.append((spec, size, half, found))
     del _RECENT[:-_RECENT_KEPT]
     return found

@@ -72,3 +72,18 @@ def test_training_never_halves_a_coupled_micro_batch_after_running_out_of_memory
     plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, min_micro_batch_size=4))
     with pytest.raises(UserError, match=r"out of memory at micro-batch 4 .*couples the samples.*at least 4"):
         run(model, plan, tmp_path / "run", max_steps=1)
+
+
+def test_the_same_spec_and_split_is_stepped_once_in_a_process():
+    """A refusal, its ranks and a --gpus plan of one spec ask the same question: the model is built and stepped once."""
+    spec = two_towers_spec()
+    built = []
+
+    def build_model():
+        built.append(1)
+        return spec.build_model()
+
+    counted = dataclasses.replace(spec, build_model=build_model)
+    first = batch_coupling(counted, global_batch_size=8, smallest=1, fits_here=True)
+    again = batch_coupling(counted, global_batch_size=8, smallest=1, fits_here=True)
+    assert first == again and first is not None and len(built) == 1
