@@ -145,3 +145,19 @@ def fastest_fitting_row(plan) -> dict:
     """The row of a plan's alternatives table that its own numbers make the fastest that fits (the first on a tie)."""
     fitting = [row for row in plan.alternatives if row["fits_budget"]]
     return max(fitting, key=lambda row: row.get("measured_samples_per_s") or row["predicted_samples_per_s"])
+
+
+def probed_fits_card(spec: ModelSpec, config: dict, *, micro_batch_size: int, memory_bytes: int) -> bool:
+    """Whether a capacity row's configuration (its JSON ``config``), probed on the simulated GPU, fits a card of
+    ``memory_bytes`` with the estimated headroom (context, allocator reserve) the table counts."""
+    from autofit.measure.probe import probe
+    from autofit.planning.memory.headroom import Headroom, persistent_bytes
+
+    result = probe(
+        spec, micro_batch_size=micro_batch_size, precision=config["precision"], checkpoint=list(config["checkpoint"]),
+        selective_checkpoint=list(config["selective_checkpoint"]), offload=list(config["offload"]),
+        optimizer_in_backward=config["optimizer_in_backward"], optimizer_state=config["optimizer_state"],
+        loss_chunks=config["loss_chunks"], device="cuda", simulate=True,
+    )
+    room = Headroom.estimated_cuda(memory_bytes, expandable_segments=True)
+    return room.fits(result.peak_bytes, persistent_bytes=persistent_bytes(result.breakdown))

@@ -5,7 +5,7 @@ import pytest
 
 from autofit.errors import UserError
 from autofit.planning.capacity import parse_cards
-from autofit.planning.memory.headroom import Headroom, persistent_bytes
+from tests.helpers.planning import probed_fits_card
 
 CARD = "1400MiB"
 """A card just above the estimated GPU's fixed headroom (context and allocator reserve, 1.25 GiB): the tiny model's
@@ -34,7 +34,6 @@ def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_
     """The table's largest batch in one step, from traces at batch 4: its configuration probed exactly fits the card,
     and a record traced at one sample more (no extrapolation) holds that one in no single step either."""
     from autofit.commands.common import load_model_spec
-    from autofit.measure.probe import probe
     from autofit.planning.capacity import capacity_record, largest_one_step, one_step, usable_for
     from autofit.planning.context import plan_context
     from autofit.planning.lever_timings import Levers
@@ -53,14 +52,7 @@ def test_the_largest_batch_in_one_step_fits_when_probed_and_one_more_is_refused_
     largest, config = row["largest_batch_one_step"], row["largest_batch_config"]
     assert 8 < largest < 10_000 and config["micro_batch_size"] == largest
     spec = load_model_spec(f"hf:{tiny_lm}", input_shape="3x224x224", num_classes=None, task="causal-lm", seq_len=32)
-    result = probe(
-        spec, micro_batch_size=largest, precision=config["precision"], checkpoint=list(config["checkpoint"]),
-        selective_checkpoint=list(config["selective_checkpoint"]), offload=list(config["offload"]),
-        optimizer_in_backward=config["optimizer_in_backward"], optimizer_state=config["optimizer_state"],
-        loss_chunks=config["loss_chunks"], device="cuda", simulate=True,
-    )
-    room = Headroom.estimated_cuda(row["memory_bytes"], expandable_segments=True)
-    assert room.fits(result.peak_bytes, persistent_bytes=persistent_bytes(result.breakdown))
+    assert probed_fits_card(spec, config, micro_batch_size=largest, memory_bytes=row["memory_bytes"])
     request = PlanRequest(
         budget=CARD, batch_size=largest + 1, device="cuda", simulate=True, device_memory=CARD, precisions=("fp32",), host_memory=HOST,
         cache=False,

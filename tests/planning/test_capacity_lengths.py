@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from autofit.planning.lengths import SEQ_LEN_STEP, LengthsDiffer, fit_at, longest_sequence, traced_lengths
+from tests.helpers.planning import probed_fits_card
 
 CARD = "1400MiB"
 """Just above the estimated GPU's fixed headroom (1.25 GiB): the tiny model's longest sequence at a batch of 1 lies
@@ -42,10 +43,8 @@ def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from
     lengths, is probed in its configuration and fits the card; a record traced at one step more holds no configuration
     there; the lossy answers stand in columns of their own."""
     from autofit.commands.common import load_model_spec
-    from autofit.measure.probe import probe
     from autofit.planning.capacity import batch_fits, lossless, traced_record, usable_for
     from autofit.planning.lever_timings import Levers
-    from autofit.planning.memory.headroom import Headroom, persistent_bytes
     from autofit.planning.request import PlanRequest
 
     model = f"hf:{tiny_lm_long}"
@@ -64,14 +63,7 @@ def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from
     assert lossy["fits"] and lossy["longest_seq_len"] >= longest and lossy["largest_one_step"] >= row["largest_batch_one_step"]
 
     spec = load_model_spec(model, input_shape="3x224x224", num_classes=None, task="causal-lm", seq_len=longest)
-    result = probe(
-        spec, micro_batch_size=config["micro_batch_size"], precision=config["precision"], checkpoint=list(config["checkpoint"]),
-        selective_checkpoint=list(config["selective_checkpoint"]), offload=list(config["offload"]),
-        optimizer_in_backward=config["optimizer_in_backward"], optimizer_state=config["optimizer_state"],
-        loss_chunks=config["loss_chunks"], device="cuda", simulate=True,
-    )
-    room = Headroom.estimated_cuda(row["memory_bytes"], expandable_segments=True)
-    assert room.fits(result.peak_bytes, persistent_bytes=persistent_bytes(result.breakdown))
+    assert probed_fits_card(spec, config, micro_batch_size=config["micro_batch_size"], memory_bytes=row["memory_bytes"])
     request = PlanRequest(
         budget=CARD, batch_size=1, device="cuda", simulate=True, device_memory=CARD, precisions=("fp32",), host_memory="64KiB",
     )
