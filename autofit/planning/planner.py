@@ -305,19 +305,20 @@ def _below_floor(
     larger micro-batch with it and fewer blocks checkpointed may fit too: where the ladder finds nothing the search
     has the last word, before the levers the flags do not allow are measured for the refusal's advice.
     """
-    found: list[PlanReport] = []
+    searched: PlanReport | None = None
 
-    def searched() -> PlanReport | None:
+    def search() -> PlanReport | None:
+        nonlocal searched
         if _lever_search_may_fit(context, measurements, below):
-            found.extend(filter(None, [_searched_below_floor(context, costs, measurements, below, None, levers=levers)]))
-        return found[0] if found else None
+            searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers)
+        return searched
 
     with context.phase("levers"):
         ladder = plan_with_levers(
             context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
-            max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base, then=searched,
+            max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base, then=search,
         )
-    if found:  # the search's plan, where the ladder found none
+    if searched is not None:  # the search's plan, where the ladder found none
         return ladder
     return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
 
