@@ -103,7 +103,7 @@ def capacity(
             record = capacity_record(context, levers=levers)
             lengths = _traced_lengths(record, spec, request, levers=levers, progress=progress, spec_at=spec_at) if longest else None
             with progress.doing("searching every card"):
-                answers = answer_cards(context, record, cards, global_batch_size=batch_size, lengths=lengths)
+                answers = answer_cards(context, record, cards, global_batch_size=batch_size, lengths=lengths, longest_configs=as_json)
         finally:
             context.trace_pool.close()
     if plot is not None:

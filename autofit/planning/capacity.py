@@ -579,9 +579,12 @@ def length_records(
     return records
 
 
-def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: int, lossy: bool = False) -> Longest:
+def longest_at(
+    lengths: LengthRecords, *, global_batch_size: int, budget_bytes: int, lossy: bool = False, with_config: bool = True,
+) -> Longest:
     """The longest sequence a global batch trains within ``budget_bytes`` (with any micro-batch and accumulation; the
-    declared lossy choices only with ``lossy``), from the records fitted through the traced lengths. Pure.
+    declared lossy choices only with ``lossy``), from the records fitted through the traced lengths, and with
+    ``with_config`` the fastest configuration there (a search of every point: seconds for an 8B model). Pure.
 
     Raises:
         lengths.LengthsDiffer: the traced lengths' steps differ in structure.
@@ -596,6 +599,8 @@ def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: 
     found = longest_sequence(fits, context_length=lengths.context_length, known=tuple(lengths.lengths))
     if not found:
         return Longest(seq_len=0, nearest_traced=0)
+    if not with_config:
+        return Longest(seq_len=found, nearest_traced=lengths.nearest(found))
     record = lengths.at(found)
     best = best_at(
         record.model, global_batch_size=global_batch_size, usable_bytes=usable_for(record.headroom, record.resident_bytes, budget_bytes),
@@ -605,15 +610,13 @@ def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: 
 
 
 def lossy_answer(
-    model: CostModel, card: Card, *, global_batch_size: int, record: CapacityRecord, lengths: LengthRecords | None,
+    model: CostModel, card: Card, *, global_batch_size: int, record: CapacityRecord, longest: Longest | None,
 ) -> LossyAnswer:
-    """A card's answers with every choice ``record.allowed`` holds, the declared lossy ones among them. Pure."""
+    """A card's answers with every choice ``record.allowed`` holds, the declared lossy ones among them (``longest``:
+    the longest sequence with them, ``longest_at``'s, where asked). Pure."""
     usable = usable_for(record.headroom, record.resident_bytes, card.memory_bytes)
     at = replace(model, global_batch_size=global_batch_size)
     largest, _ = largest_one_step(model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
-    longest = None if lengths is None else longest_at(
-        lengths, global_batch_size=global_batch_size, budget_bytes=card.memory_bytes, lossy=True,
-    )
     return LossyAnswer(
         fits=batch_fits(at, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest), largest_one_step=largest,
         longest_seq_len=longest.seq_len if longest else None, longest_seq_len_nearest_traced=longest.nearest_traced if longest else None,
@@ -706,12 +709,24 @@ class CapacityAnswers:
 
 def answer_cards(
     context: PlanContext, record: CapacityRecord, cards: list[Card], *, global_batch_size: int, lengths: LengthRecords | None = None,
+    longest_configs: bool = True,
 ) -> CapacityAnswers:
     """The least budget the batch trains in, and each card's row (its speeds the card's where its kind is known),
     all from ``record`` (``capacity_record``; the bisection for the least budget starts at the largest card): lossless,
     and apart from that with the declared lossy choices ``record.allowed`` holds; with ``lengths``, each card's
-    longest sequence too."""
+    longest sequence too (``longest_configs``: with the configuration there; the table shows none).
+
+    Cards of the same memory share their longest sequence: it depends on the memory alone, not the card's speeds.
+    """
     kept, lossy, note = lossless(record.allowed), is_lossy(record.allowed), ""
+    longest_by_memory: dict[tuple[int, bool], Longest] = {}
+
+    def longest(budget_bytes: int, *, lossy: bool) -> Longest:
+        if (budget_bytes, lossy) not in longest_by_memory:
+            longest_by_memory[budget_bytes, lossy] = longest_at(
+                lengths, global_batch_size=global_batch_size, budget_bytes=budget_bytes, lossy=lossy, with_config=longest_configs,
+            )
+        return longest_by_memory[budget_bytes, lossy]
 
     def least(allowed: Allowed) -> int | None:
         return least_budget(
@@ -733,13 +748,13 @@ def answer_cards(
         )
         if lengths is not None:
             try:
-                row = replace(row, longest=longest_at(lengths, global_batch_size=global_batch_size, budget_bytes=card.memory_bytes))
+                row = replace(row, longest=longest(card.memory_bytes, lossy=False))
             except LengthsDiffer as error:  # said under the table; the other answers stand
                 lengths, note = None, f"the step differs in structure between lengths ({error}): not modelled"
         if lossy:
             row = replace(row, lossy=lossy_answer(
                 card_model, card, global_batch_size=global_batch_size, record=replace(record, allowed=priced(record.allowed)),
-                lengths=lengths,
+                longest=None if lengths is None else longest(card.memory_bytes, lossy=True),
             ))
         rows.append(row)
     return CapacityAnswers(

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from autofit.planning.lengths import SEQ_LEN_STEP, LengthsDiffer, fit_at, longest_sequence, traced_lengths
+from autofit.planning.lengths import SEQ_LEN_STEP, FittedPrecisions, LengthsDiffer, fit_at, longest_sequence, traced_lengths
 from tests.helpers.planning import probed_fits_card
 
 CARD = "1400MiB"
@@ -36,6 +36,25 @@ def test_every_term_is_fitted_through_the_traced_lengths_and_other_shapes_are_re
     assert longest_sequence(lambda t: t <= 100, context_length=65536) == 96
     assert longest_sequence(lambda t: True, context_length=4100) == 4096  # the context length bounds it
     assert longest_sequence(lambda t: False, context_length=128) == 0
+
+
+def test_a_records_precisions_are_fitted_when_read_and_a_record_two_share_is_fitted_once():
+    """``capacity --longest`` asks most lengths of one precision only; fp16 holds bf16's traces (the same objects)."""
+    @dataclass
+    class Costs:
+        memory: Terms
+
+    def at(t: int) -> dict:
+        shared = Terms(peak=3 * t * t, seconds=0.01 * t, blocks=["a"], flags=[True])
+        return {"fp32": Costs(memory=Terms(peak=24 * t, seconds=0.5, blocks=["a"], flags=[False])), "bf16": Costs(memory=shared),
+                "fp16": Costs(memory=shared)}
+
+    lengths = [32, 1448, 65536]
+    fitted = FittedPrecisions([at(t) for t in lengths], lengths, 29072)
+    assert list(fitted) == ["fp32", "bf16", "fp16"] and fitted["bf16"] == at(29072)["bf16"]
+    assert fitted["fp16"].memory is fitted["bf16"].memory
+    with pytest.raises(LengthsDiffer):
+        FittedPrecisions([at(32), {"fp32": at(64)["fp32"]}], [32, 64], 48)
 
 
 def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from_its_own_traces(run_cli, tiny_lm_long):
