@@ -22,6 +22,7 @@ the costs); its memory's headroom is the estimated GPU's (``Headroom``), the one
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -34,7 +35,7 @@ from autofit.planning.memory.headroom import Headroom
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.lever_timings import Levers, card_host_update, lever_search
 from autofit.planning.memory.levers import LeverChoice
-from autofit.planning.lengths import LengthRecords, LengthsDiffer, longest_sequence, traced_lengths
+from autofit.planning.lengths import SEQ_LEN_STEP, LengthRecords, LengthsDiffer, longest_sequence, traced_lengths
 from autofit.planning.modelling import (
     add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, micro_batch_sizes, save,
     stored_or_new, timing_sizes, trace_full, trace_offload,
@@ -42,6 +43,7 @@ from autofit.planning.modelling import (
 from autofit.planning.request import PlanRequest
 from autofit.planning.search.space import Allowed, Evaluation, LeverSearch, cheapest_for, score_all, score_point
 from autofit.planning.speed.estimated import GPU_PEAKS, flop_speed_costs, gpu_kind
+from autofit.planning.verify.candidates import predicted_peak
 from autofit.planning.verify.measurements import Measurements
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes, parse_budget
@@ -641,8 +643,6 @@ def longest_seq_len(spec_at: Callable[[int | None], ModelSpec], request: PlanReq
     Raises:
         UserError: a model of no sequence length, or not even ``SEQ_LEN_STEP`` tokens fit the budget.
     """
-    from autofit.planning.lengths import SEQ_LEN_STEP
-
     spec = spec_at(None)
     given = spec.source_options.get("seq_len")
     if given is None:
@@ -692,6 +692,53 @@ def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[s
                 replace(model, global_batch_size=size).peak_bytes(precision, size, blocks) for size in batch_sizes
             ]
     return curves
+
+
+def chosen_configs(rows: list[CardAnswer]) -> dict[str, TrainingConfig]:
+    """Each configuration the rows chose, labelled with the cards that chose it ("RTX 3090, RTX 4090: bf16-master,
+    4 x 2"): the lines ``--plot`` draws (cards of one memory often choose the same)."""
+    found: dict[TrainingConfig, list[str]] = {}
+    for row in rows:
+        if row.chosen is not None:
+            found.setdefault(row.chosen.config, []).append(row.card.name)
+    return {
+        f"{', '.join(cards)}: {config.precision}, {config.micro_batch_size} x {config.grad_accum_steps}": config
+        for config, cards in found.items()
+    }
+
+
+def batch_curves(model: CostModel, configs: dict[str, TrainingConfig], *, batch_sizes: list[int]) -> dict[str, list[float]]:
+    """Per configuration (label -> it), its predicted peak with the whole batch in one micro-step at each of
+    ``batch_sizes`` (its precision, blocks and levers kept). Pure."""
+    return {
+        label: [
+            predicted_peak(replace(model, global_batch_size=size), replace(config, global_batch_size=size, micro_batch_size=size))
+            for size in batch_sizes
+        ]
+        for label, config in configs.items()
+    }
+
+
+def length_curves(lengths: LengthRecords, configs: dict[str, TrainingConfig], *, seq_lens: list[int]) -> dict[str, list[float]]:
+    """Per configuration (label -> it), its predicted peak at each of ``seq_lens`` from the records fitted through
+    the traced lengths (``LengthRecords.at``). Pure.
+
+    Raises:
+        lengths.LengthsDiffer: the traced lengths' steps differ in structure.
+    """
+    curves: dict[str, list[float]] = {label: [] for label in configs}
+    for length in seq_lens:
+        model = lengths.at(length).model
+        for label, config in configs.items():
+            curves[label].append(predicted_peak(replace(model, global_batch_size=config.global_batch_size), config))
+    return curves
+
+
+def plotted_lengths(lengths: LengthRecords) -> list[int]:
+    """Sequence lengths to draw: 16 spread on a log scale from 8 tokens to the longest traced, and the traced ones."""
+    top = max(lengths.lengths)
+    spread = {max(SEQ_LEN_STEP, round(top * 2 ** (-i * math.log2(top / SEQ_LEN_STEP) / 15) / SEQ_LEN_STEP) * SEQ_LEN_STEP) for i in range(16)}
+    return sorted(spread | set(lengths.lengths))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

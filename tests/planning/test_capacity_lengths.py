@@ -57,7 +57,7 @@ def test_a_records_precisions_are_fitted_when_read_and_a_record_two_share_is_fit
         FittedPrecisions([at(32), {"fp32": at(64)["fp32"]}], [32, 64], 48)
 
 
-def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from_its_own_traces(run_cli, tiny_lm_long):
+def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from_its_own_traces(run_cli, tiny_lm_long, tmp_path):
     """`capacity --longest` with the lossy choices allowed: the lossless longest sequence, fitted between traced
     lengths, is probed in its configuration and fits the card; a record traced at one step more holds no configuration
     there; the lossy answers stand in columns of their own."""
@@ -69,10 +69,11 @@ def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from
     model = f"hf:{tiny_lm_long}"
     code, out, err = run_cli(
         "capacity", model, "--task", "causal-lm", "--seq-len", "32", "--batch-size", "1", "--on", CARD, "--precisions", "fp32",
-        "--host-memory", "64KiB", "--longest", "--allow-lossy-optimizer", "--json", "-q",
+        "--host-memory", "64KiB", "--longest", "--allow-lossy-optimizer", "--json", "-q", "--plot", tmp_path / "capacity.png",
     )
     assert code == 0, err
     answer = json.loads(out)
+    assert (tmp_path / "capacity.png").read_bytes().startswith(b"\x89PNG")
     assert answer["traced_seq_lens"] == [32, 1448, 65536] and answer["lossy"] == ["8-bit optimizer state"]
     row, = answer["cards"]
     longest, config = row["longest_seq_len"], row["longest_seq_len_config"]
