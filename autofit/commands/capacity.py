@@ -67,6 +67,8 @@ def capacity(
     its estimated speed, the largest batch in one step (--longest: the longest sequence), from one simulated trace set."""
     from autofit.measure.meters import check_model_runs_simulated
     from autofit.planning.capacity import DEFAULT_CARDS, answer_cards, capacity_record, parse_cards
+    from autofit.planning.length_workers import LengthWorkers
+    from autofit.planning.lengths import traced_lengths
     from autofit.planning.context import plan_context
     from autofit.planning.lever_timings import Levers
     from autofit.planning.request import PlanRequest
@@ -99,13 +101,24 @@ def capacity(
         if longest and spec.source_options.get("seq_len") is None:
             raise UserError(f"--longest: {model} takes no sequence (a text model's --task does); leave --longest out")
         levers = Levers(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)
+        # --longest: the other lengths traced beside this one where the cores are free (before this process's own
+        # trace workers are counted: they see these as other work).
+        others = [] if not longest else [
+            length for length in traced_lengths(spec.source_options["seq_len"], context_length=spec.context_length)
+            if length != spec.source_options["seq_len"]
+        ]
+        aside = LengthWorkers(spec_at, others, request, levers, progress=progress)
         context = plan_context(spec, request, log=progress)
         try:
+            own_started = time.perf_counter()
             record = capacity_record(context, levers=levers)
-            lengths = _traced_lengths(record, spec, request, levers=levers, progress=progress, spec_at=spec_at) if longest else None
+            lengths = _traced_lengths(
+                record, spec, request, levers=levers, progress=progress, spec_at=spec_at, aside=aside, own_s=time.perf_counter() - own_started,
+            ) if longest else None
             with progress.doing("searching every card"):
                 answers = answer_cards(context, record, cards, global_batch_size=batch_size, lengths=lengths, longest_configs=as_json)
         finally:
+            aside.close()
             context.trace_pool.close()
     plotted = _plot(plot, spec.source, batch_size, record, answers.rows, lengths) if plot is not None else None
     _print_answers(spec, batch_size, answers, record, lengths, seconds=time.perf_counter() - started, as_json=as_json, plot=plot,
@@ -124,12 +137,16 @@ def _precisions(text: str | None) -> tuple[str, ...] | None:
     return wanted
 
 
-def _traced_lengths(record, spec, request, *, levers, progress, spec_at):
-    """``--longest``: the records at the given length (``record``) and the others the fit goes through, each traced
-    as the given one was (``spec_at(seq_len=...)``: the spec at a length)."""
+def _traced_lengths(record, spec, request, *, levers, progress, spec_at, aside, own_s: float):
+    """``--longest``: the records at the given length (``record``, traced in ``own_s``) and the others the fit goes
+    through, each traced as the given one was (``spec_at(seq_len=...)``: the spec at a length), by its process in
+    ``aside`` (``length_workers.LengthWorkers``) where it has one, else here."""
     from autofit.planning.capacity import length_records, traced_record
 
     def trace(length: int):
+        found = aside.record(length, own_s=own_s)
+        if found is not None:
+            return found
         progress(f"--longest: the costs at {length} tokens a sequence")
         return traced_record(spec_at(seq_len=length), request, levers=levers, log=progress)[0]
 

@@ -1,6 +1,7 @@
 """Sequence length as a modelled dimension: records at a few lengths, every term fitted through them; the longest
 sequence in `capacity --longest` and `plan --seq-len max`, and the lossy columns apart from the lossless ones."""
 import json
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -119,3 +120,30 @@ def test_seq_len_max_needs_a_batch_and_a_text_model_each_refusal_one_line(run_cl
         assert code == 2 and expected in err and "Traceback" not in err
     code, out, err = run_cli("capacity", model, "--batch-size", "4", "--on", CARD, "--longest")
     assert code == 2 and "takes no sequence" in err and "Traceback" not in err
+
+
+def test_a_length_process_that_hangs_dies_or_fails_is_stopped_and_its_length_left_to_this_process(monkeypatch):
+    """No wait without a deadline: each other length's process answers, or is stopped with one line and its length
+    traced here (``record`` None)."""
+    from autofit.planning.length_workers import LengthDeadline, LengthWorkers
+    from autofit.progress import as_progress
+    from tests.helpers import length_targets
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "2")  # the suite's 0: no processes
+    lines = []
+    workers = LengthWorkers(
+        None, [8, 16, 24, 32], None, None, target=length_targets.by_length, deadline=LengthDeadline(floor_s=6.0, times=1.0),
+        progress=as_progress(lines.append),
+    )
+    try:
+        assert workers.lengths == [8, 16, 24, 32]
+        assert workers.record(8, own_s=0.0) == "record at 8"
+        started = time.monotonic()
+        assert workers.record(16, own_s=0.0) is None and time.monotonic() - started < 10
+        assert workers.record(24, own_s=0.0) is None and workers.record(32, own_s=0.0) is None
+        assert workers.record(40, own_s=0.0) is None  # none was started for it
+    finally:
+        workers.close()
+    said = [line for line in lines if "traced here instead" in line]
+    assert len(said) == 3 and "passed its deadline of 6 s" in said[0] and "died (exit code 3)" in said[1], said
+    assert "failed (ValueError: no such length)" in said[2]
