@@ -66,10 +66,7 @@ def capacity(
     """For each card: does the batch train there (lossless), the least memory it needs, the planner's configuration and
     its estimated speed, the largest batch in one step (--longest: the longest sequence), from one simulated trace set."""
     from autofit.measure.meters import check_model_runs_simulated
-    from autofit.planning.capacity import DEFAULT_CARDS, answer_cards, capacity_record, parse_cards
-    from autofit.planning.length_workers import LengthWorkers
-    from autofit.planning.lengths import traced_lengths
-    from autofit.planning.context import plan_context
+    from autofit.planning.capacity import DEFAULT_CARDS, parse_cards
     from autofit.planning.lever_timings import Levers
     from autofit.planning.request import PlanRequest
     from autofit.progress import as_progress, print_progress
@@ -101,28 +98,40 @@ def capacity(
         if longest and spec.source_options.get("seq_len") is None:
             raise UserError(f"--longest: {model} takes no sequence (a text model's --task does); leave --longest out")
         levers = Levers(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)
-        # --longest: the other lengths traced beside this one where the cores are free (before this process's own
-        # trace workers are counted: they see these as other work).
-        others = [] if not longest else [
-            length for length in traced_lengths(spec.source_options["seq_len"], context_length=spec.context_length)
-            if length != spec.source_options["seq_len"]
-        ]
-        aside = LengthWorkers(spec_at, others, request, levers, progress=progress)
-        context = plan_context(spec, request, log=progress)
-        try:
-            own_started = time.perf_counter()
-            record = capacity_record(context, levers=levers)
-            lengths = _traced_lengths(
-                record, spec, request, levers=levers, progress=progress, spec_at=spec_at, aside=aside, own_s=time.perf_counter() - own_started,
-            ) if longest else None
-            with progress.doing("searching every card"):
-                answers = answer_cards(context, record, cards, global_batch_size=batch_size, lengths=lengths, longest_configs=as_json)
-        finally:
-            aside.close()
-            context.trace_pool.close()
+        record, lengths, answers = _answers(
+            spec, spec_at, request, levers, cards, global_batch_size=batch_size, longest=longest, configs=as_json, progress=progress,
+        )
     plotted = _plot(plot, spec.source, batch_size, record, answers.rows, lengths) if plot is not None else None
     _print_answers(spec, batch_size, answers, record, lengths, seconds=time.perf_counter() - started, as_json=as_json, plot=plot,
                    plotted=plotted, host_speed_given=host_speed is not None)
+
+
+def _answers(spec, spec_at, request, levers, cards, *, global_batch_size: int, longest: bool, configs: bool, progress):
+    """The record at the user's length, with ``longest`` the records at the lengths the fit goes through, and every
+    card's answers from them (``configs``: the longest sequence's configuration too, for --json)."""
+    from autofit.planning.capacity import answer_cards, capacity_record
+    from autofit.planning.context import plan_context
+    from autofit.planning.length_workers import LengthWorkers
+    from autofit.planning.lengths import traced_lengths
+
+    given = spec.source_options.get("seq_len")
+    # --longest: the other lengths traced beside this one where the cores are free (before this process's own
+    # trace workers are counted: they see these as other work).
+    others = [length for length in traced_lengths(given, context_length=spec.context_length) if length != given] if longest else []
+    aside = LengthWorkers(spec_at, others, request, levers, progress=progress)
+    context = plan_context(spec, request, log=progress)
+    try:
+        own_started = time.perf_counter()
+        record = capacity_record(context, levers=levers)
+        lengths = _traced_lengths(
+            record, spec, request, levers=levers, progress=progress, spec_at=spec_at, aside=aside, own_s=time.perf_counter() - own_started,
+        ) if longest else None
+        with progress.doing("searching every card"):
+            answers = answer_cards(context, record, cards, global_batch_size=global_batch_size, lengths=lengths, longest_configs=configs)
+    finally:
+        aside.close()
+        context.trace_pool.close()
+    return record, lengths, answers
 
 
 def _precisions(text: str | None) -> tuple[str, ...] | None:
