@@ -205,9 +205,12 @@ def _plot(out: Path, source: str, batch_size: int, record, rows, lengths) -> str
     top = max([batch_size, *(row.largest_one_step for row in rows)])
     sizes = sorted({max(1, round(1.25 * top * 2 ** (-i / 2))) for i in range(16)})
     configs = chosen_configs(rows)
-    curves = batch_curves(record.model, configs, batch_sizes=sizes) if configs else peak_curves(
-        record.model, batch_sizes=sizes, precisions=record.allowed.precisions,
-    )
+    try:
+        curves = batch_curves(record.model, configs, batch_sizes=sizes) if configs else None
+    except ValueError:  # a configuration the cost model cannot price at another batch: the precisions' lines instead
+        configs, curves = {}, None
+    if curves is None:
+        curves = peak_curves(record.model, batch_sizes=sizes, precisions=record.allowed.precisions)
     drawn = "each card's chosen configuration" if configs else "each precision with no block and with every block checkpointed"
     panels = [Panel(xs=sizes, curves=curves, xlabel="batch in one micro-step (samples)", title=f"{source}: peak against the batch in one step")]
     against = "the batch in one step"
@@ -215,7 +218,7 @@ def _plot(out: Path, source: str, batch_size: int, record, rows, lengths) -> str
         seq_lens = plotted_lengths(lengths)
         try:
             by_length = length_curves(lengths, configs, seq_lens=seq_lens)
-        except LengthsDiffer:  # said under the table already: the batch's panel stands
+        except (LengthsDiffer, ValueError):  # said under the table already, or not priced there: the batch's panel stands
             by_length = None
         if by_length is not None:
             marks = {}

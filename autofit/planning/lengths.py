@@ -128,7 +128,7 @@ def _number(values, weights: list[float]):
 class FittedPrecisions(Mapping):
     """A cost model's precisions at one length, each fitted (``fit_at``) the first time it is read: the
     longest-sequence search asks most lengths of one precision only (the first that fits), and each precision of an
-    8B model's record is a fit of about a third of a second."""
+    8B model's record is a fit of most of a second."""
 
     def __init__(self, traced: list[dict], lengths: list[int], length: int) -> None:
         """Raises:
