@@ -41,6 +41,7 @@ def time_precisions(
     time_limit_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
     progress: Progress = QUIET,
+    most_noise: float | None = None,
 ) -> dict[str, SpeedCosts]:
     """Time forward, backward, each block and the optimizer step on the device.
 
@@ -61,9 +62,14 @@ def time_precisions(
         time_limit_s: seconds a precision's timing may take (default: the timing policy's).
         clock: seconds now (tests pass a noisy one).
         progress: hears which size is timed, k of n, and which round.
+        most_noise: stop once a size's rounds (``min_rounds`` of them) repeat worse than this (their ``noise_of``),
+            raising ``NoisyTiming``; None: time on whatever the noise.
 
     Returns:
         Precision -> its speeds; ``SpeedCosts.noise`` is the largest spread of its timings.
+
+    Raises:
+        NoisyTiming: a size's rounds repeated worse than ``most_noise``.
     """
     time_limit_s = timing_policy().precision_timing_limit_s if time_limit_s is None else time_limit_s
     device_ = torch.device(device)
@@ -77,7 +83,7 @@ def time_precisions(
         spec, model, precisions, blocks=blocks, largest=sizes[-1], device=device_, time_limit_s=time_limit_s, clock=clock,
     )
     for number, size in enumerate(sizes, start=1):
-        if not timer.time_size(size, progress=progress, number=number, of=len(sizes)):
+        if not timer.time_size(size, progress=progress, number=number, of=len(sizes), most_noise=most_noise):
             break
     results = {name: timer.speed_costs(name) for name in precisions}
     timer.steps.stop_block_timing()
@@ -92,6 +98,14 @@ def time_precisions(
     model = timer = None  # freed before the release
     release_device_memory(device)
     return results
+
+
+class NoisyTiming(Exception):
+    """A size of ``time_precisions`` repeated worse than its ``most_noise``: the timing stops, its samples dropped."""
+
+    def __init__(self, *, noise: float, size: int) -> None:
+        super().__init__(f"timings at micro-batch {size} repeated within {noise:.0%}")
+        self.noise, self.size = noise, size
 
 
 @dataclass(frozen=True)
@@ -200,20 +214,34 @@ class _PrecisionTimer:
             running.append(name)
         return running
 
-    def time_size(self, size: int, *, progress: Progress, number: int, of: int) -> bool:
-        """Time the precisions still running at ``size``; False when none is."""
+    def time_size(self, size: int, *, progress: Progress, number: int, of: int, most_noise: float | None = None) -> bool:
+        """Time the precisions still running at ``size``; False when none is.
+
+        Raises:
+            NoisyTiming: the rounds repeat worse than ``most_noise`` (None: never), said after ``min_rounds``.
+        """
         running = self.still_running(size)
         if not running:
             return False
         self.batches[size] = self.spec.example_batch(size)
+
+        def noise(current: dict) -> float:
+            return noise_of([current[name, size] for name in running])
+
+        def settled(current: dict) -> bool:
+            if most_noise is not None and noise(current) > most_noise:
+                return True  # no more rounds of a timing that will be dropped
+            return "unsure" not in self.verdicts(current, running, size).values()
+
         with progress.doing(f"timing {', '.join(running)} at micro-batch {size}", step=number, of=of):
             for name in running:
                 with progress.doing(f"a warm-up step of {name}"):
                     self.warm_up(name, size)
             interleaved_rounds(
-                {(name, size): self.measure(name, size) for name in running}, samples=self.samples,
-                settled=lambda current: "unsure" not in self.verdicts(current, running, size).values(), progress=progress,
+                {(name, size): self.measure(name, size) for name in running}, samples=self.samples, settled=settled, progress=progress,
             )
+        if most_noise is not None and noise(self.samples) > most_noise:
+            raise NoisyTiming(noise=noise(self.samples), size=size)
         for name in running:
             self.runs[name].sizes.append(size)
         self.stop_the_slow(running, size)
