@@ -200,11 +200,17 @@ def test_a_precision_is_not_ruled_out_by_one_disturbed_step():
 
 @pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_precision_far_slower_every_time_stops_early():
-    results = time_precisions(
-        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=SyntheticClock(every_bf16=10.0),
-    )
+    clock = SyntheticClock(every_bf16=10.0)
+    results = time_precisions(uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=clock)
     assert "slower than fp32" in results["bf16"].note and results["bf16"].sizes == [1, 2]  # the rest follows fp32, scaled
     assert results["bf16"].step_seconds[0] > 3 * results["fp32"].step_seconds[0]
+    # #47: its warm-up, far slower already, counts as its first round: one round more decides (fp16 on a CPU: ~40x).
+    assert clock.forwards == 2
+    # A warm-up that one disturbance made far slower rules nothing out: the rounds go on.
+    results = time_precisions(
+        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=SyntheticClock(disturbed={1}),
+    )
+    assert results["bf16"].note == "" and results["bf16"].sizes == [1, 2]
 
 
 @pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
