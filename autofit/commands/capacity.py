@@ -49,7 +49,8 @@ def capacity(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON on stdout (progress goes to stderr)."),
     plot: Path = typer.Option(
-        None, "--plot", help="Also draw the predicted peak against the batch in one step, each card's usable memory a line (PNG).",
+        None, "--plot", help="Also draw each card's chosen configuration's predicted peak against the batch in one step (with --longest, and "
+        "against the sequence length), each card's usable memory a line (PNG).",
     ),
     longest: bool = LONGEST_OPTION,
     allow_lossy_optimizer: bool = ALLOW_LOSSY_OPTIMIZER_OPTION,
@@ -65,8 +66,7 @@ def capacity(
     """For each card: does the batch train there (lossless), the least memory it needs, the planner's configuration and
     its estimated speed, the largest batch in one step (--longest: the longest sequence), from one simulated trace set."""
     from autofit.measure.meters import check_model_runs_simulated
-    from autofit.planning.capacity import DEFAULT_CARDS, answer_cards, capacity_record, parse_cards
-    from autofit.planning.context import plan_context
+    from autofit.planning.capacity import DEFAULT_CARDS, parse_cards
     from autofit.planning.lever_timings import Levers
     from autofit.planning.request import PlanRequest
     from autofit.progress import as_progress, print_progress
@@ -98,18 +98,40 @@ def capacity(
         if longest and spec.source_options.get("seq_len") is None:
             raise UserError(f"--longest: {model} takes no sequence (a text model's --task does); leave --longest out")
         levers = Levers(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)
-        context = plan_context(spec, request, log=progress)
-        try:
-            record = capacity_record(context, levers=levers)
-            lengths = _traced_lengths(record, spec, request, levers=levers, progress=progress, spec_at=spec_at) if longest else None
-            with progress.doing("searching every card"):
-                answers = answer_cards(context, record, cards, global_batch_size=batch_size, lengths=lengths)
-        finally:
-            context.trace_pool.close()
-    if plot is not None:
-        _plot(plot, spec.source, batch_size, record, answers.rows)
+        record, lengths, answers = _answers(
+            spec, spec_at, request, levers, cards, global_batch_size=batch_size, longest=longest, configs=as_json, progress=progress,
+        )
+    plotted = _plot(plot, spec.source, batch_size, record, answers.rows, lengths) if plot is not None else None
     _print_answers(spec, batch_size, answers, record, lengths, seconds=time.perf_counter() - started, as_json=as_json, plot=plot,
-                   host_speed_given=host_speed is not None)
+                   plotted=plotted, host_speed_given=host_speed is not None)
+
+
+def _answers(spec, spec_at, request, levers, cards, *, global_batch_size: int, longest: bool, configs: bool, progress):
+    """The record at the user's length, with ``longest`` the records at the lengths the fit goes through, and every
+    card's answers from them (``configs``: the longest sequence's configuration too, for --json)."""
+    from autofit.planning.capacity import answer_cards, capacity_record
+    from autofit.planning.context import plan_context
+    from autofit.planning.length_workers import LengthWorkers
+    from autofit.planning.lengths import traced_lengths
+
+    given = spec.source_options.get("seq_len")
+    # --longest: the other lengths traced beside this one where the cores are free (before this process's own
+    # trace workers are counted: they see these as other work).
+    others = [length for length in traced_lengths(given, context_length=spec.context_length) if length != given] if longest else []
+    aside = LengthWorkers(spec_at, others, request, levers, progress=progress)
+    context = plan_context(spec, request, log=progress)
+    try:
+        own_started = time.perf_counter()
+        record = capacity_record(context, levers=levers)
+        lengths = _traced_lengths(
+            record, spec, request, levers=levers, progress=progress, spec_at=spec_at, aside=aside, own_s=time.perf_counter() - own_started,
+        ) if longest else None
+        with progress.doing("searching every card"):
+            answers = answer_cards(context, record, cards, global_batch_size=global_batch_size, lengths=lengths, longest_configs=configs)
+    finally:
+        aside.close()
+        context.trace_pool.close()
+    return record, lengths, answers
 
 
 def _precisions(text: str | None) -> tuple[str, ...] | None:
@@ -124,12 +146,16 @@ def _precisions(text: str | None) -> tuple[str, ...] | None:
     return wanted
 
 
-def _traced_lengths(record, spec, request, *, levers, progress, spec_at):
-    """``--longest``: the records at the given length (``record``) and the others the fit goes through, each traced
-    as the given one was (``spec_at(seq_len=...)``: the spec at a length)."""
+def _traced_lengths(record, spec, request, *, levers, progress, spec_at, aside, own_s: float):
+    """``--longest``: the records at the given length (``record``, traced in ``own_s``) and the others the fit goes
+    through, each traced as the given one was (``spec_at(seq_len=...)``: the spec at a length), by its process in
+    ``aside`` (``length_workers.LengthWorkers``) where it has one, else here."""
     from autofit.planning.capacity import length_records, traced_record
 
     def trace(length: int):
+        found = aside.record(length, own_s=own_s)
+        if found is not None:
+            return found
         progress(f"--longest: the costs at {length} tokens a sequence")
         return traced_record(spec_at(seq_len=length), request, levers=levers, log=progress)[0]
 
@@ -137,7 +163,7 @@ def _traced_lengths(record, spec, request, *, levers, progress, spec_at):
 
 
 def _print_answers(spec, batch_size: int, answers, record, lengths, *, seconds: float, as_json: bool, plot: Path | None,
-                   host_speed_given: bool) -> None:
+                   plotted: str | None, host_speed_given: bool) -> None:
     """The rows as JSON, or as the table with what its speeds rest on and where the plot went (``answers``:
     ``capacity.answer_cards``'; ``lengths``: the traced lengths where --longest asked for them)."""
     from autofit.planning.capacity import is_lossy, lossless
@@ -163,24 +189,51 @@ def _print_answers(spec, batch_size: int, answers, record, lengths, *, seconds: 
     if not host_speed_given and any(row.chosen and row.chosen.config.updates_on_host for row in answers.rows):
         lines.insert(-1, "  speed: the host's optimizer update (bf16-master's fp32 masters, host state) is assumed at each card's typical "
                      "host's rate (the device table, docs/planner.md), not timed here; --host-speed gives the training machine's")
-    if plot is not None:
-        lines.append(f"  wrote {plot}: the predicted peak against the batch in one step, each card's usable memory a line")
+    if plotted is not None:
+        lines.append(plotted)
     print("\n".join(lines))
 
 
-def _plot(out: Path, source: str, batch_size: int, record, rows) -> None:
-    """``--plot``: the peak lines from the batch of 1 to past every card's largest batch in one step."""
-    from autofit.planning.capacity import peak_curves
-    from autofit.tools.capacity_plot import plot_capacity
+def _plot(out: Path, source: str, batch_size: int, record, rows, lengths) -> str:
+    """``--plot``: each card's chosen configuration's peak from the batch of 1 to past every card's largest batch in
+    one step (where no card has one: each precision with no block and with every block checkpointed), and with
+    ``lengths`` (--longest) against the sequence length too; the line that says what it drew."""
+    from autofit.planning.capacity import batch_curves, chosen_configs, length_curves, peak_curves, plotted_lengths
+    from autofit.planning.lengths import LengthsDiffer
+    from autofit.tools.capacity_plot import Panel, plot_capacity
 
     top = max([batch_size, *(row.largest_one_step for row in rows)])
     sizes = sorted({max(1, round(1.25 * top * 2 ** (-i / 2))) for i in range(16)})
-    curves = peak_curves(record.model, batch_sizes=sizes, precisions=record.allowed.precisions)
+    configs = chosen_configs(rows)
+    curves = batch_curves(record.model, configs, batch_sizes=sizes) if configs else peak_curves(
+        record.model, batch_sizes=sizes, precisions=record.allowed.precisions,
+    )
+    drawn = "each card's chosen configuration" if configs else "each precision with no block and with every block checkpointed"
+    panels = [Panel(xs=sizes, curves=curves, xlabel="batch in one micro-step (samples)", title=f"{source}: peak against the batch in one step")]
+    against = "the batch in one step"
+    if lengths is not None and configs:
+        seq_lens = plotted_lengths(lengths)
+        try:
+            by_length = length_curves(lengths, configs, seq_lens=seq_lens)
+        except LengthsDiffer:  # said under the table already: the batch's panel stands
+            by_length = None
+        if by_length is not None:
+            marks = {}
+            for row in rows:  # cards of one memory share the answer: one line, named after them all
+                if row.longest is not None and row.longest.seq_len:
+                    marks.setdefault(row.longest.seq_len, []).append(row.card.name)
+            panels.append(Panel(
+                xs=seq_lens, curves=by_length, xlabel="sequence length (tokens)",
+                title=f"{source}: peak against the sequence length, batch {batch_size}",
+                marks={f"{', '.join(names)}: longest {length} (with the levers it needs there)": length for length, names in marks.items()},
+            ))
+            against += " and the sequence length"
     cards = {
         f"{row.card.name}: what its headroom leaves": min((row.usable_bytes[p] for p in record.allowed.precisions), default=row.card.memory_bytes)
         for row in rows
     }
-    plot_capacity(curves, sizes, cards, out, title=f"{source}: peak against the batch in one step")
+    plot_capacity(panels, cards, out)
+    return f"  wrote {out}: the predicted peak of {drawn} against {against}, each card's usable memory a line"
 
 
 def _table(source: str, batch_size: int, tokens: int | None, least: int | None, record, rows, seconds: float, *, lengths) -> list[str]:

@@ -91,11 +91,23 @@ def host_step_bytes(context: PlanContext, stepper: HostStepper) -> int | None:
     counts a measured configuration's host bytes (``optimizer_step_measurement``: the fp32 copies, the gradients'
     buffers, the optimizer's state and its step's temporaries, as the meter rounds them; activations left out); None
     where the optimizer cannot step over fake tensors."""
-    try:
-        with context.progress.doing(f"counting what {stepper} keeps in host memory (simulated meter, no trace)"):
-            return optimizer_step_measurement(context.spec, _STEPPING_ON_HOST[stepper], device=context.device).host_peak_bytes
-    except Exception:  # a model file's optimizer may do anything a fake tensor cannot; the traces will say
-        return None
+    # The step's bytes follow the parameters and the optimizer, not the inputs: a model asked at other sequence
+    # lengths (``capacity --longest``, ``plan --seq-len max``) is counted once.
+    options = {k: v for k, v in context.spec.source_options.items() if k != "seq_len"}
+    parameters = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in context.meta_model.named_parameters())
+    key = (context.spec.source, repr(sorted(options.items())), parameters, stepper, context.device)
+    if key not in _host_step_bytes:
+        try:
+            with context.progress.doing(f"counting what {stepper} keeps in host memory (simulated meter, no trace)"):
+                _host_step_bytes[key] = optimizer_step_measurement(context.spec, _STEPPING_ON_HOST[stepper], device=context.device).host_peak_bytes
+        except Exception:  # a model file's optimizer may do anything a fake tensor cannot; the traces will say
+            _host_step_bytes[key] = None
+    return _host_step_bytes[key]
+
+
+_host_step_bytes: dict[tuple, int | None] = {}
+"""``host_step_bytes`` by the model's source, its options but the sequence length, its parameters, the stepper and
+the device."""
 
 
 def host_state_bytes(context: PlanContext) -> int | None:

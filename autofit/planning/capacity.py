@@ -22,6 +22,7 @@ the costs); its memory's headroom is the estimated GPU's (``Headroom``), the one
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -34,7 +35,7 @@ from autofit.planning.memory.headroom import Headroom
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.lever_timings import Levers, card_host_update, lever_search
 from autofit.planning.memory.levers import LeverChoice
-from autofit.planning.lengths import LengthRecords, LengthsDiffer, longest_sequence, traced_lengths
+from autofit.planning.lengths import SEQ_LEN_STEP, LengthRecords, LengthsDiffer, longest_sequence, traced_lengths
 from autofit.planning.modelling import (
     add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, micro_batch_sizes, save,
     stored_or_new, timing_sizes, trace_full, trace_offload,
@@ -42,6 +43,7 @@ from autofit.planning.modelling import (
 from autofit.planning.request import PlanRequest
 from autofit.planning.search.space import Allowed, Evaluation, LeverSearch, cheapest_for, score_all, score_point
 from autofit.planning.speed.estimated import GPU_PEAKS, flop_speed_costs, gpu_kind
+from autofit.planning.verify.candidates import predicted_peak
 from autofit.planning.verify.measurements import Measurements
 from autofit.spec import ModelSpec
 from autofit.units import format_bytes, parse_budget
@@ -579,9 +581,12 @@ def length_records(
     return records
 
 
-def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: int, lossy: bool = False) -> Longest:
+def longest_at(
+    lengths: LengthRecords, *, global_batch_size: int, budget_bytes: int, lossy: bool = False, with_config: bool = True,
+) -> Longest:
     """The longest sequence a global batch trains within ``budget_bytes`` (with any micro-batch and accumulation; the
-    declared lossy choices only with ``lossy``), from the records fitted through the traced lengths. Pure.
+    declared lossy choices only with ``lossy``), from the records fitted through the traced lengths, and with
+    ``with_config`` the fastest configuration there (a search of every point: seconds for an 8B model). Pure.
 
     Raises:
         lengths.LengthsDiffer: the traced lengths' steps differ in structure.
@@ -596,6 +601,8 @@ def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: 
     found = longest_sequence(fits, context_length=lengths.context_length, known=tuple(lengths.lengths))
     if not found:
         return Longest(seq_len=0, nearest_traced=0)
+    if not with_config:
+        return Longest(seq_len=found, nearest_traced=lengths.nearest(found))
     record = lengths.at(found)
     best = best_at(
         record.model, global_batch_size=global_batch_size, usable_bytes=usable_for(record.headroom, record.resident_bytes, budget_bytes),
@@ -605,15 +612,13 @@ def longest_at(lengths: LengthRecords, *, global_batch_size: int, budget_bytes: 
 
 
 def lossy_answer(
-    model: CostModel, card: Card, *, global_batch_size: int, record: CapacityRecord, lengths: LengthRecords | None,
+    model: CostModel, card: Card, *, global_batch_size: int, record: CapacityRecord, longest: Longest | None,
 ) -> LossyAnswer:
-    """A card's answers with every choice ``record.allowed`` holds, the declared lossy ones among them. Pure."""
+    """A card's answers with every choice ``record.allowed`` holds, the declared lossy ones among them (``longest``:
+    the longest sequence with them, ``longest_at``'s, where asked). Pure."""
     usable = usable_for(record.headroom, record.resident_bytes, card.memory_bytes)
     at = replace(model, global_batch_size=global_batch_size)
     largest, _ = largest_one_step(model, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest)
-    longest = None if lengths is None else longest_at(
-        lengths, global_batch_size=global_batch_size, budget_bytes=card.memory_bytes, lossy=True,
-    )
     return LossyAnswer(
         fits=batch_fits(at, usable_bytes=usable, allowed=record.allowed, smallest=record.smallest), largest_one_step=largest,
         longest_seq_len=longest.seq_len if longest else None, longest_seq_len_nearest_traced=longest.nearest_traced if longest else None,
@@ -638,8 +643,6 @@ def longest_seq_len(spec_at: Callable[[int | None], ModelSpec], request: PlanReq
     Raises:
         UserError: a model of no sequence length, or not even ``SEQ_LEN_STEP`` tokens fit the budget.
     """
-    from autofit.planning.lengths import SEQ_LEN_STEP
-
     spec = spec_at(None)
     given = spec.source_options.get("seq_len")
     if given is None:
@@ -691,6 +694,53 @@ def peak_curves(model: CostModel, *, batch_sizes: list[int], precisions: tuple[s
     return curves
 
 
+def chosen_configs(rows: list[CardAnswer]) -> dict[str, TrainingConfig]:
+    """Each configuration the rows chose, labelled with the cards that chose it ("RTX 3090, RTX 4090: bf16-master,
+    4 x 2"): the lines ``--plot`` draws (cards of one memory often choose the same)."""
+    found: dict[TrainingConfig, list[str]] = {}
+    for row in rows:
+        if row.chosen is not None:
+            found.setdefault(row.chosen.config, []).append(row.card.name)
+    return {
+        f"{', '.join(cards)}: {config.precision}, {config.micro_batch_size} x {config.grad_accum_steps}": config
+        for config, cards in found.items()
+    }
+
+
+def batch_curves(model: CostModel, configs: dict[str, TrainingConfig], *, batch_sizes: list[int]) -> dict[str, list[float]]:
+    """Per configuration (label -> it), its predicted peak with the whole batch in one micro-step at each of
+    ``batch_sizes`` (its precision, blocks and levers kept). Pure."""
+    return {
+        label: [
+            predicted_peak(replace(model, global_batch_size=size), replace(config, global_batch_size=size, micro_batch_size=size))
+            for size in batch_sizes
+        ]
+        for label, config in configs.items()
+    }
+
+
+def length_curves(lengths: LengthRecords, configs: dict[str, TrainingConfig], *, seq_lens: list[int]) -> dict[str, list[float]]:
+    """Per configuration (label -> it), its predicted peak at each of ``seq_lens`` from the records fitted through
+    the traced lengths (``LengthRecords.at``). Pure.
+
+    Raises:
+        lengths.LengthsDiffer: the traced lengths' steps differ in structure.
+    """
+    curves: dict[str, list[float]] = {label: [] for label in configs}
+    for length in seq_lens:
+        model = lengths.at(length).model
+        for label, config in configs.items():
+            curves[label].append(predicted_peak(replace(model, global_batch_size=config.global_batch_size), config))
+    return curves
+
+
+def plotted_lengths(lengths: LengthRecords) -> list[int]:
+    """Sequence lengths to draw: 16 spread on a log scale from 8 tokens to the longest traced, and the traced ones."""
+    top = max(lengths.lengths)
+    spread = {max(SEQ_LEN_STEP, round(top * 2 ** (-i * math.log2(top / SEQ_LEN_STEP) / 15) / SEQ_LEN_STEP) * SEQ_LEN_STEP) for i in range(16)}
+    return sorted(spread | set(lengths.lengths))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CapacityAnswers:
     """The least budget and every card's row (lossless), and with the declared lossy choices allowed, the least
@@ -706,12 +756,24 @@ class CapacityAnswers:
 
 def answer_cards(
     context: PlanContext, record: CapacityRecord, cards: list[Card], *, global_batch_size: int, lengths: LengthRecords | None = None,
+    longest_configs: bool = True,
 ) -> CapacityAnswers:
     """The least budget the batch trains in, and each card's row (its speeds the card's where its kind is known),
     all from ``record`` (``capacity_record``; the bisection for the least budget starts at the largest card): lossless,
     and apart from that with the declared lossy choices ``record.allowed`` holds; with ``lengths``, each card's
-    longest sequence too."""
+    longest sequence too (``longest_configs``: with the configuration there; the table shows none).
+
+    Cards of the same memory share their longest sequence: it depends on the memory alone, not the card's speeds.
+    """
     kept, lossy, note = lossless(record.allowed), is_lossy(record.allowed), ""
+    longest_by_memory: dict[tuple[int, bool], Longest] = {}
+
+    def longest(budget_bytes: int, *, lossy: bool) -> Longest:
+        if (budget_bytes, lossy) not in longest_by_memory:
+            longest_by_memory[budget_bytes, lossy] = longest_at(
+                lengths, global_batch_size=global_batch_size, budget_bytes=budget_bytes, lossy=lossy, with_config=longest_configs,
+            )
+        return longest_by_memory[budget_bytes, lossy]
 
     def least(allowed: Allowed) -> int | None:
         return least_budget(
@@ -733,13 +795,13 @@ def answer_cards(
         )
         if lengths is not None:
             try:
-                row = replace(row, longest=longest_at(lengths, global_batch_size=global_batch_size, budget_bytes=card.memory_bytes))
+                row = replace(row, longest=longest(card.memory_bytes, lossy=False))
             except LengthsDiffer as error:  # said under the table; the other answers stand
                 lengths, note = None, f"the step differs in structure between lengths ({error}): not modelled"
         if lossy:
             row = replace(row, lossy=lossy_answer(
                 card_model, card, global_batch_size=global_batch_size, record=replace(record, allowed=priced(record.allowed)),
-                lengths=lengths,
+                longest=None if lengths is None else longest(card.memory_bytes, lossy=True),
             ))
         rows.append(row)
     return CapacityAnswers(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 SEQ_LEN_STEP = 8
@@ -51,10 +51,14 @@ def traced_lengths(given: int, *, context_length: int | None) -> list[int]:
     return sorted({given, *others})
 
 
-def fit_at(values: list, lengths: list[int], length: int):
+def fit_at(values: list, lengths: list[int], length: int, *, memo: dict | None = None):
     """``values`` (one per traced length: numbers, or lists, dicts and dataclasses of them of the same shape) at
     ``length``, each number on the polynomial through its values at ``lengths`` (Lagrange's form: linear through
     two, quadratic through three). Whole numbers stay whole; equal values stay as they are; a string is the first's.
+
+    Args:
+        memo: fitted records (dataclasses) by their values' ids, kept across calls at the same ``length`` and
+            ``lengths``: a record two precisions share (fp16 traced as bf16) is fitted once.
 
     Raises:
         LengthsDiffer: two values of other shapes (list lengths, keys, types) or other flags.
@@ -63,10 +67,10 @@ def fit_at(values: list, lengths: list[int], length: int):
         math.prod((length - other) / (at - other) for j, other in enumerate(lengths) if j != i)
         for i, at in enumerate(lengths)
     ]
-    return _fit(values, weights)
+    return _fit(values, weights, {} if memo is None else memo)
 
 
-def _fit(values: list, weights: list[float]):
+def _fit(values: list, weights: list[float], memo: dict):
     """``fit_at``'s walk: numbers fitted, containers walked (a list of numbers in one pass: the records hold long
     ones), anything else the same in every value. An 8B model's record is a few million terms."""
     first = values[0]
@@ -83,14 +87,17 @@ def _fit(values: list, weights: list[float]):
         try:  # most lists are of numbers: in one pass
             return kind([_number(column, weights) for column in zip(*values)])
         except LengthsDiffer:  # of anything else (or a number against another type, said below)
-            return kind(_fit(list(items), weights) for items in zip(*values))
+            return kind(_fit(list(items), weights, memo) for items in zip(*values))
     if kind is dict:
         if any(v.keys() != first.keys() for v in values):
             raise LengthsDiffer("dictionaries with other keys")
-        return {key: _fit([v[key] for v in values], weights) for key in first}
+        return {key: _fit([v[key] for v in values], weights, memo) for key in first}
     if dataclasses.is_dataclass(first):
-        changes = {f.name: _fit([getattr(v, f.name) for v in values], weights) for f in dataclasses.fields(first) if f.init}
-        return replace(first, **changes)
+        key = tuple(map(id, values))  # the values outlive the walk (the records hold them): their ids stay theirs
+        if key not in memo:
+            changes = {f.name: _fit([getattr(v, f.name) for v in values], weights, memo) for f in dataclasses.fields(first) if f.init}
+            memo[key] = replace(first, **changes)
+        return memo[key]
     if kind is str:  # a note: the first length's
         return first
     if any(v != first for v in values):
@@ -116,6 +123,32 @@ def _number(values, weights: list[float]):
     for w, v in zip(weights, values):
         value += w * v
     return round(value) if whole else value
+
+
+class FittedPrecisions(Mapping):
+    """A cost model's precisions at one length, each fitted (``fit_at``) the first time it is read: the
+    longest-sequence search asks most lengths of one precision only (the first that fits), and each precision of an
+    8B model's record is a fit of about a third of a second."""
+
+    def __init__(self, traced: list[dict], lengths: list[int], length: int) -> None:
+        """Raises:
+            LengthsDiffer: the lengths' records hold other precisions."""
+        if any(p.keys() != traced[0].keys() for p in traced):
+            raise LengthsDiffer(f"precisions {[sorted(p) for p in traced]}")
+        self._traced, self._lengths, self._length = traced, lengths, length
+        self._fitted: dict = {}
+        self._memo: dict = {}
+
+    def __getitem__(self, precision: str):
+        if precision not in self._fitted:
+            self._fitted[precision] = fit_at([p[precision] for p in self._traced], self._lengths, self._length, memo=self._memo)
+        return self._fitted[precision]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._traced[0])
+
+    def __len__(self) -> int:
+        return len(self._traced[0])
 
 
 @dataclass(kw_only=True)
@@ -150,7 +183,9 @@ class LengthRecords:
             return self.records[length]
         if length not in self._fitted:
             near = sorted(sorted(self.lengths, key=lambda traced: (abs(traced - length), traced))[:TRACED_LENGTHS])
-            model = fit_at([self.records[n].model for n in near], near, length)
+            models = [self.records[n].model for n in near]
+            fields = {f.name: fit_at([getattr(m, f.name) for m in models], near, length) for f in dataclasses.fields(models[0]) if f.name != "precisions"}
+            model = replace(models[0], **fields, precisions=FittedPrecisions([m.precisions for m in models], near, length))
             self._fitted[length] = replace(self.records[self.given], model=model)
         return self._fitted[length]
 

@@ -1,11 +1,12 @@
 """Sequence length as a modelled dimension: records at a few lengths, every term fitted through them; the longest
 sequence in `capacity --longest` and `plan --seq-len max`, and the lossy columns apart from the lossless ones."""
 import json
+import time
 from dataclasses import dataclass
 
 import pytest
 
-from autofit.planning.lengths import SEQ_LEN_STEP, LengthsDiffer, fit_at, longest_sequence, traced_lengths
+from autofit.planning.lengths import SEQ_LEN_STEP, FittedPrecisions, LengthsDiffer, fit_at, longest_sequence, traced_lengths
 from tests.helpers.planning import probed_fits_card
 
 CARD = "1400MiB"
@@ -38,7 +39,26 @@ def test_every_term_is_fitted_through_the_traced_lengths_and_other_shapes_are_re
     assert longest_sequence(lambda t: False, context_length=128) == 0
 
 
-def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from_its_own_traces(run_cli, tiny_lm_long):
+def test_a_records_precisions_are_fitted_when_read_and_a_record_two_share_is_fitted_once():
+    """``capacity --longest`` asks most lengths of one precision only; fp16 holds bf16's traces (the same objects)."""
+    @dataclass
+    class Costs:
+        memory: Terms
+
+    def at(t: int) -> dict:
+        shared = Terms(peak=3 * t * t, seconds=0.01 * t, blocks=["a"], flags=[True])
+        return {"fp32": Costs(memory=Terms(peak=24 * t, seconds=0.5, blocks=["a"], flags=[False])), "bf16": Costs(memory=shared),
+                "fp16": Costs(memory=shared)}
+
+    lengths = [32, 1448, 65536]
+    fitted = FittedPrecisions([at(t) for t in lengths], lengths, 29072)
+    assert list(fitted) == ["fp32", "bf16", "fp16"] and fitted["bf16"] == at(29072)["bf16"]
+    assert fitted["fp16"].memory is fitted["bf16"].memory
+    with pytest.raises(LengthsDiffer):
+        FittedPrecisions([at(32), {"fp32": at(64)["fp32"]}], [32, 64], 48)
+
+
+def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from_its_own_traces(run_cli, tiny_lm_long, tmp_path):
     """`capacity --longest` with the lossy choices allowed: the lossless longest sequence, fitted between traced
     lengths, is probed in its configuration and fits the card; a record traced at one step more holds no configuration
     there; the lossy answers stand in columns of their own."""
@@ -50,10 +70,11 @@ def test_the_longest_sequence_fits_when_probed_and_one_step_more_is_refused_from
     model = f"hf:{tiny_lm_long}"
     code, out, err = run_cli(
         "capacity", model, "--task", "causal-lm", "--seq-len", "32", "--batch-size", "1", "--on", CARD, "--precisions", "fp32",
-        "--host-memory", "64KiB", "--longest", "--allow-lossy-optimizer", "--json", "-q",
+        "--host-memory", "64KiB", "--longest", "--allow-lossy-optimizer", "--json", "-q", "--plot", tmp_path / "capacity.png",
     )
     assert code == 0, err
     answer = json.loads(out)
+    assert (tmp_path / "capacity.png").read_bytes().startswith(b"\x89PNG")
     assert answer["traced_seq_lens"] == [32, 1448, 65536] and answer["lossy"] == ["8-bit optimizer state"]
     row, = answer["cards"]
     longest, config = row["longest_seq_len"], row["longest_seq_len_config"]
@@ -99,3 +120,30 @@ def test_seq_len_max_needs_a_batch_and_a_text_model_each_refusal_one_line(run_cl
         assert code == 2 and expected in err and "Traceback" not in err
     code, out, err = run_cli("capacity", model, "--batch-size", "4", "--on", CARD, "--longest")
     assert code == 2 and "takes no sequence" in err and "Traceback" not in err
+
+
+def test_a_length_process_that_hangs_dies_or_fails_is_stopped_and_its_length_left_to_this_process(monkeypatch):
+    """No wait without a deadline: each other length's process answers, or is stopped with one line and its length
+    traced here (``record`` None)."""
+    from autofit.planning.length_workers import LengthDeadline, LengthWorkers
+    from autofit.progress import as_progress
+    from tests.helpers import length_targets
+
+    monkeypatch.setenv("AUTOFIT_TRACE_WORKERS", "2")  # the suite's 0: no processes
+    lines = []
+    workers = LengthWorkers(
+        None, [8, 16, 24, 32], None, None, target=length_targets.by_length, deadline=LengthDeadline(floor_s=6.0, times=1.0),
+        progress=as_progress(lines.append),
+    )
+    try:
+        assert workers.lengths == [8, 16, 24, 32]
+        assert workers.record(8, own_s=0.0) == "record at 8"
+        started = time.monotonic()
+        assert workers.record(16, own_s=0.0) is None and time.monotonic() - started < 10
+        assert workers.record(24, own_s=0.0) is None and workers.record(32, own_s=0.0) is None
+        assert workers.record(40, own_s=0.0) is None  # none was started for it
+    finally:
+        workers.close()
+    said = [line for line in lines if "traced here instead" in line]
+    assert len(said) == 3 and "passed its deadline of 6 s" in said[0] and "died (exit code 3)" in said[1], said
+    assert "failed (ValueError: no such length)" in said[2]

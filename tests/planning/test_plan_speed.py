@@ -633,3 +633,23 @@ def test_a_file_that_is_not_a_database_is_one_note_of_one_line(tmp_path):
     assert study.load("measurements") is None
     assert len(study.problems) == 1 and "\n" not in study.problems[0], study.problems
     assert "DatabaseError" in study.problems[0] and study.problems[0].endswith("--no-cache skips it")
+
+
+def test_the_stored_attributes_are_read_once_and_each_caller_after_the_first_gets_its_own_copy(tmp_path, monkeypatch):
+    """Optuna reads and copies every stored attribute whichever one is asked (an 8B model's costs: a third of a
+    second a time): a run reads them once, until it saves."""
+    import optuna
+
+    from autofit.planning.search.space import Study
+
+    study = Study(storage=f"sqlite:///{tmp_path / 'plans.db'}", prefix="p:", name="p:budget1", strict=False, keep_trials=False)
+    study.save("costs", {"terms": [1, 2]})
+    study.save("measurements", {"seen": []})
+    reads = []
+    real = optuna.Study.user_attrs
+    monkeypatch.setattr(optuna.Study, "user_attrs", property(lambda self: reads.append(1) or real.fget(self)))
+    first = study.load("costs")
+    first["terms"].append(3)  # a caller's change stays its own
+    assert study.load("costs") == {"terms": [1, 2]} and study.load("measurements") == {"seen": []} and len(reads) == 1
+    study.save("measurements", {"seen": [1]})
+    assert study.load("measurements") == {"seen": [1]} and len(reads) == 2

@@ -184,7 +184,7 @@ def _decided(model: CostModel, config: TrainingConfig, measurements: Measurement
     """Whether the memory model alone says this configuration fits, with ``POLICY.decided_margin_share`` to spare."""
     if not measurements.model_is_exact or config.frozen_nf4:  # NF4's dequantization is bounded, not traced: measure it
         return False
-    predicted = _predicted_peak(model, config) * measurements.scale(config.precision)
+    predicted = predicted_peak(model, config) * measurements.scale(config.precision)
     return predicted <= measurements.usable_bytes(config.precision) * (1 - POLICY.decided_margin_share)
 
 
@@ -200,13 +200,13 @@ def _fitting_checkpoint_set(
     limit = measurements.usable_bytes(precision) / model.memory_scale / measurements.scale(precision) * (1 + measurements.slack)
     gradient_levers = replace(lever_choice(model, config), offload=frozenset())
     for _attempt in range(POLICY.verify_attempts):
-        raw = _predicted_peak(model, config) / model.memory_scale
+        raw = predicted_peak(model, config) / model.memory_scale
         if raw > limit:  # the scale learnt from an earlier measurement rules this set out
             choice = cheapest_for(model, precision, size, limit_bytes=limit, levers=gradient_levers, search=levers)
             if choice is None:
                 return None, model
             config = _config(model, config, choice, gradient_levers)
-            raw = _predicted_peak(model, config) / model.memory_scale
+            raw = predicted_peak(model, config) / model.memory_scale
         if _decided(model, config, measurements) and config.key() not in measurements.peaks:
             return _candidate(model, config, levers), model
         peak, breakdown = measurements.checked_peak(config)
@@ -253,7 +253,8 @@ def lever_choice(model: CostModel, config: TrainingConfig) -> LeverChoice:
     )
 
 
-def _predicted_peak(model: CostModel, config: TrainingConfig) -> float:
+def predicted_peak(model: CostModel, config: TrainingConfig) -> float:
+    """The cost model's peak of ``config`` (its precision, micro-batch, blocks and levers), before headroom."""
     blocks, selective = _indices(model, config)
     return model.peak_bytes(config.precision, config.micro_batch_size, blocks, selective, levers=lever_choice(model, config))
 
@@ -264,7 +265,7 @@ def _candidate(model: CostModel, config: TrainingConfig, levers: LeverSearch) ->
     seconds = model.step_seconds(precision, size, blocks, selective)
     seconds += levers.lever_seconds(model, precision, size, lever_choice(model, config), checkpoint=blocks)
     return Candidate(
-        config=config, predicted_samples_per_s=model.global_batch_size / seconds, predicted_peak_bytes=_predicted_peak(model, config),
+        config=config, predicted_samples_per_s=model.global_batch_size / seconds, predicted_peak_bytes=predicted_peak(model, config),
     )
 
 
