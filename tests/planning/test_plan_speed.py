@@ -449,6 +449,7 @@ def test_threads_that_time_too_noisily_fall_back_to_one(monkeypatch):
     measurements.race(contenders)
     assert set_to == [1, 1] and context.threads == 1 and "the candidates' steps on 2 threads repeated within" in context.threads_note
     assert {t["threads"] for t in measurements.timings.values()} == {1}
+    assert measurements.timing["tie"] == context.tie == POLICY.busy_tie_share  # the cut run's tie, as a busy one's
 
 
 def test_threads_and_workers_are_cut_by_the_work_running_now(monkeypatch):

@@ -437,6 +437,7 @@ class Measurements:
                     f"the candidates' steps on {threads} threads repeated within {noise:.0%} (more than "
                     f"{POLICY.threads_noise_share:.0%}): timed again with 1 thread, by its CPU time"
                 ))
+                race.tie = self.context.tie  # the run's tie from here on (``PlanContext.tie``: a cut run's wider one)
                 return self._time_now(configs, race)
             # The chosen one's median round is what the plan promises: a few more rounds of it alone, deciding nothing.
             chosen = race.chosen(samples)
