@@ -120,13 +120,18 @@ def main() -> None:
 
 
 def run() -> None:
-    """The process's entry point (the ``autofit`` script, ``python -m autofit``): ``main``, and then the collector
-    leaves the objects the run made alone while Python ends.
+    """The process's entry point (the ``autofit`` script, ``python -m autofit``): ``main`` with what the imports made
+    out of the collector's reach, and then the collector leaves the objects the run made alone while Python ends.
 
-    At exit Python would walk every object still held, to collect cycles that are about to go anyway: 1.1-1.5 s
-    after importing torchvision, a quarter of a simulated plan's start. ``gc.freeze`` moves them out of its reach;
-    everything else about exit (threads joined, exit handlers, files flushed and closed) stays as it was.
+    Every full collection walks every object the process holds: the imports' (torch, typer, the commands), which
+    live as long as the process, included. A plan frees memory between its probes (``release_device_memory``), and a
+    ResNet-18 plan's 19 full collections took 2.9 s (bench/RESULTS.md, "Noisy threads"); ``gc.freeze`` first moves
+    the imports' objects out of their walk. At exit Python would walk every object still held, to collect cycles
+    that are about to go anyway: 1.1-1.5 s after importing torchvision, a quarter of a simulated plan's start. A
+    second ``gc.freeze`` moves them out of its reach; everything else about exit (threads joined, exit handlers,
+    files flushed and closed) stays as it was.
     """
+    gc.freeze()
     try:
         main()
     finally:

@@ -56,6 +56,22 @@ CACHE_FILE = "plans.db"
 """The cache's SQLite file in ``cache_dir()``."""
 
 
+@dataclass(kw_only=True, slots=True)
+class TimingThreads:
+    """The intra-op threads a plan times with. They are decided where the plan starts (``timing_threads``) and may
+    only fall during it (``PlanContext.cut_threads``): samples timed with different counts are never compared."""
+
+    count: int
+    note: str = ""
+    """Why they are fewer than PyTorch's, when they are."""
+    given: bool = False
+    """``--threads`` chose them: kept whatever the machine or the timings show."""
+
+    def may_cut(self, device: str) -> bool:
+        """Whether the run may time with fewer threads from here on (on the CPU, more than one, not given)."""
+        return device == "cpu" and self.count > 1 and not self.given
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanContext:
     """One planning run's fixed inputs, shared by its steps."""
@@ -90,10 +106,9 @@ class PlanContext:
     """Receives the progress lines (``log``) and what runs now (``progress.doing``), for its heartbeat."""
     started: float = field(default_factory=time.perf_counter)
     """``time.perf_counter()`` when the run started."""
-    threads: int = 1
-    """Intra-op threads the run measures with (``timing_threads``)."""
-    threads_note: str = ""
-    """Why they are fewer than PyTorch's, when they are."""
+    thread_choice: TimingThreads = field(default_factory=lambda: TimingThreads(count=1))
+    """The intra-op threads the run measures with, and why when fewer than PyTorch's: decided at the start, and
+    cut again where the timing begins on a busier machine or its rounds on several threads repeat too poorly."""
     compile: bool = False
     """Measure the chosen configuration compiled too (``PlanRequest.compile``, decided for the device)."""
     phases: dict[str, float] = field(default_factory=dict)
@@ -133,6 +148,16 @@ class PlanContext:
         """How the memory traces measure, as the progress lines say it: "simulated", or the cpu meter after the
         simulated one could not run the model (``sim_spec``)."""
         return "cpu meter: fake tensors cannot run this model" if self.sim_spec.simulation_fallback else "simulated"
+
+    @property
+    def threads(self) -> int:
+        """Intra-op threads the run measures with now (``TimingThreads.count``): the plan's ``measured.threads``."""
+        return self.thread_choice.count
+
+    @property
+    def threads_note(self) -> str:
+        """Why they are fewer than PyTorch's, when they are (one line: the progress's and the summary's)."""
+        return self.thread_choice.note
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -183,6 +208,22 @@ class PlanContext:
             context_bytes=assumed if context_bytes is None else context_bytes,
             expandable_segments=self.info.allocator_settings == EXPANDABLE_SEGMENTS,
         )
+
+    def recheck_threads(self) -> None:
+        """Where timing begins, read the other work again (``timing_threads``): a machine that has become busy since
+        the plan started times with the threads it leaves free from here on, said in one line."""
+        if not self.thread_choice.may_cut(self.device):
+            return
+        count, note = timing_threads(self.device)
+        if count < self.threads:
+            self.cut_threads(count, note)
+
+    def cut_threads(self, count: int, note: str) -> None:
+        """Time with ``count`` intra-op threads from here on, saying ``note`` once (the progress's line, the summary's
+        and the plan's ``measured.threads``, which training uses). The planner puts PyTorch's setting back after."""
+        self.thread_choice.count, self.thread_choice.note = count, note
+        torch.set_num_threads(count)
+        self.log(note)
 
     def log(self, line: str) -> None:
         """A progress line (stamped by ``progress``: ``autofit.progress.as_progress``)."""
@@ -265,7 +306,8 @@ def plan_context(spec: ModelSpec, request: PlanRequest, *, log: Callable[[str], 
         global_batch_size=batch_size, precisions=kept, excluded_precisions=excluded, num_classes=request.num_classes,
         host_budget_bytes=host_budget, host_budget_note=host_note, host_speed=host_speed,
         host_speed_source=host_speed_source,
-        study=where, progress=as_progress(log, started_s=started), started=started, threads=count, threads_note=note, meta_model=meta_model,
+        study=where, progress=as_progress(log, started_s=started), started=started,
+        thread_choice=TimingThreads(count=count, note=note, given=threads is not None), meta_model=meta_model,
         compile=request.compile if request.compile is not None else device == "cuda" and not simulate,
     )
 

@@ -44,7 +44,7 @@ from autofit.planning.memory.levers import add_eight_bit, add_nf4
 from autofit.planning.memory.nf4 import nf4_record, nf4_weight_dtype
 from autofit.planning.memory.optimizer import eight_bit_record
 from autofit.planning.memory.traces import add_chunk_deltas, add_offloaded, trace_memory_sizes
-from autofit.planning.speed.measured import time_precisions
+from autofit.planning.speed.measured import NoisyTiming, time_precisions
 from autofit.planning.policy import POLICY
 from strategies import MASTER_WEIGHTS, PURE_BF16, checkpoint_candidates
 
@@ -579,9 +579,7 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
                     speeds = flop_speed_costs(context.sim_spec, **settings)
         else:
             context.log(f"speed: timing {', '.join(timed)} at micro-batch {', '.join(map(str, sizes))} on {context.device}, interleaved")
-            speeds = time_precisions(
-                context.spec, precisions=timed, sizes=sizes, device=context.device, clock=context.clock, progress=context.progress,
-            )
+            speeds = _timed_speeds(context, precisions=timed, sizes=sizes)
         costs.speeds.update(speeds)
     borrowed = {
         MASTER_WEIGHTS: "bf16's compute; the fp32 masters' update on the host and its copies are priced apart",
@@ -600,6 +598,30 @@ def add_speeds(context: PlanContext, costs: Costs) -> dict[str, str]:
             if precision in costs.model.precisions:
                 costs.model = costs.model.with_precisions({precision: replace(costs.model.precisions[precision], speed=speed)})
     return {p: costs.notes[p] for p in context.precisions if p in costs.notes}
+
+
+def _timed_speeds(context: PlanContext, *, precisions: list[str], sizes: list[int]) -> dict[str, SpeedCosts]:
+    """``time_precisions`` with the threads the machine leaves free now, and with one where several time too noisily.
+
+    Several intra-op threads over a model of many small ops wait for each other at every parallel region, and
+    on a shared CPU their steps repeat so far apart (``POLICY.threads_noise_share``) that the rounds cannot rank
+    anything and run to their limits. Where the run may still cut its threads (``TimingThreads.may_cut``), a size
+    whose rounds repeat worse than that stops the timing: its samples are dropped, and every size is timed again with
+    one thread and its CPU-time clock (``PlanContext.clock``). Samples of two thread counts are never compared.
+    """
+    context.recheck_threads()
+    settings = dict(precisions=precisions, sizes=sizes, device=context.device, progress=context.progress)
+    if not context.thread_choice.may_cut(context.device):
+        return time_precisions(context.spec, clock=context.clock, **settings)
+    threads = context.threads
+    try:
+        return time_precisions(context.spec, clock=context.clock, most_noise=POLICY.threads_noise_share, **settings)
+    except NoisyTiming as noisy:
+        context.cut_threads(1, (
+            f"timings on {threads} threads repeated within {noisy.noise:.0%} at micro-batch {noisy.size} (more than "
+            f"{POLICY.threads_noise_share:.0%}): measured again with 1 thread, steps timed by its CPU time"
+        ))
+        return time_precisions(context.spec, clock=context.clock, **settings)
 
 
 def best_plain_samples_per_s(costs: Costs, precision: str) -> float:

@@ -77,6 +77,14 @@ class PlanPolicy:
     within 2-20% of each other trade first place from run to run while each run reported 2-19% noise. Within this,
     the simpler configuration wins, as in any tie."""
 
+    threads_noise_share: float = 0.25
+    """Where a size of the speed model, timed with several intra-op threads on the CPU, repeats worse than this (its
+    rounds' ``noise_of``; for the verification's race, its median spread), the timing is dropped and done again with
+    one thread (``modelling._timed_speeds``, ``verify.measurements``).
+    With one thread the first sizes of bench/models47's models repeated within 1-5% and the busiest one-thread runs
+    within 19% (``busy_tie_share``); with two, a loop of small ops (the Mamba-like model) repeated within 31-48% and
+    its rounds ran to their limits at several times the CPU time (bench/RESULTS.md, "Noisy threads")."""
+
     # Speed: the timed cost model (speed/measured.py, modelling.py).
     timing_sizes_apart: int = 4
     """Micro-batch sizes timed are about this many times apart: step time is close to linear in the size, so a

@@ -236,6 +236,23 @@ def assert_one_line(code: int, stderr: str, expected: str) -> None:
     assert "Traceback" not in stderr and expected in lines[0], stderr
 
 
+def test_the_entry_point_runs_with_the_imports_out_of_the_collectors_walk(monkeypatch):
+    """#47: every full collection of a plan (its probes free memory between them) walked the imports' objects too:
+    ``cli.run`` freezes them before the command runs."""
+    import gc
+
+    from autofit import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda: seen.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        cli.run()
+    finally:
+        gc.unfreeze()
+    assert seen and seen[0] > 0
+
+
 def test_the_entry_point_leaves_the_run_s_objects_out_of_the_collector_at_exit(files, monkeypatch, capsys):
     """``cli.run`` (the script and ``python -m autofit``) freezes what the run made, an error's exit included: Python's
     exit then skips walking it (1.1-1.5 s after importing torchvision). The error stays one line and exit code 2."""

@@ -7,7 +7,7 @@ from torch import nn
 
 from autofit.config import TrainingConfig
 from autofit.plan_file import Plan
-from autofit.planning.context import cache_dir
+from autofit.planning.context import TimingThreads, cache_dir
 
 from autofit.planning.speed.measured import time_precisions
 from autofit.planning.planner import plan_with_report
@@ -136,7 +136,7 @@ def test_the_busy_tie_is_the_runs_and_the_summary_says_so():
     )
     assert context.tie == POLICY.tie_share
     note = "the machine was busy (load average 4.0 on 2 cores): measured with 1 of 2 threads"
-    assert replace(context, threads_note=note).tie == POLICY.busy_tie_share
+    assert replace(context, thread_choice=TimingThreads(count=1, note=note)).tie == POLICY.busy_tie_share
 
     class Report:
         timing = {"rounds": 4, "noise": 0.02, "worst_noise": 0.02, "within_noise": [], "behind": {}, "tie": POLICY.busy_tie_share}
@@ -200,11 +200,17 @@ def test_a_precision_is_not_ruled_out_by_one_disturbed_step():
 
 @pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
 def test_a_precision_far_slower_every_time_stops_early():
-    results = time_precisions(
-        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=SyntheticClock(every_bf16=10.0),
-    )
+    clock = SyntheticClock(every_bf16=10.0)
+    results = time_precisions(uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=clock)
     assert "slower than fp32" in results["bf16"].note and results["bf16"].sizes == [1, 2]  # the rest follows fp32, scaled
     assert results["bf16"].step_seconds[0] > 3 * results["fp32"].step_seconds[0]
+    # #47: its warm-up, far slower already, counts as its first round: one round more decides (fp16 on a CPU: ~40x).
+    assert clock.forwards == 2
+    # A warm-up that one disturbance made far slower rules nothing out: the rounds go on.
+    results = time_precisions(
+        uneven_spec(), precisions=["fp32", "bf16"], sizes=[1, 2], device="cpu", time_limit_s=1e12, clock=SyntheticClock(disturbed={1}),
+    )
+    assert results["bf16"].note == "" and results["bf16"].sizes == [1, 2]
 
 
 @pytest.mark.usefixtures("full_timing")  # the rounds are what these test (a noisy clock: no real time)
@@ -382,7 +388,8 @@ def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
         log=None,
     )
     assert one.clock is time.thread_time
-    assert replace(one, threads=2).clock is time.perf_counter and replace(one, device="cuda").clock is time.perf_counter
+    two = replace(one, thread_choice=TimingThreads(count=2))
+    assert two.clock is time.perf_counter and replace(one, device="cuda").clock is time.perf_counter
     read = []
     real = time.thread_time
     monkeypatch.setattr(time, "thread_time", lambda: read.append(1) or real())
@@ -391,6 +398,58 @@ def test_one_thread_on_the_cpu_times_steps_by_its_cpu_time(monkeypatch):
     read.clear()
     plan_with_report(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, precisions=["fp32", "bf16"], cache=False, threads=2))
     assert not read
+
+
+def test_threads_that_time_too_noisily_fall_back_to_one(monkeypatch):
+    """#47: two intra-op threads over a loop of small ops timed within 4321%, and the speed step's rounds ran to their
+    limits. Where a size repeats worse than ``POLICY.threads_noise_share`` on several threads, the speed step drops
+    those samples and times with one thread and its CPU-time clock; the run's threads (the plan's
+    ``measured.threads``, which training uses) and its one threads line say so."""
+    import random
+    import time
+
+    from autofit.planning import context as context_module
+    from autofit.planning.costs import CostModel
+    from autofit.planning.modelling import Costs, add_speeds
+
+    real_clock, jitter = context_module.step_clock, random.Random(0)
+
+    def noisy_on_several(device: str, threads: int):
+        if threads == 1:
+            return real_clock(device, threads)
+        now = [0.0]
+
+        def clock() -> float:  # 10 to 110 ms between readings: no two rounds repeat
+            now[0] += 0.01 + 0.1 * jitter.random()
+            return now[0]
+        return clock
+
+    monkeypatch.setattr(context_module, "step_clock", noisy_on_several)
+    monkeypatch.setattr(context_module, "timing_threads", lambda device: (2, ""))  # a quiet machine: PyTorch's 2
+    set_to, set_threads = [], torch.set_num_threads  # the steps themselves run on the fixture's one thread: a busy
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: set_to.append(count) or set_threads(1))  # machine's 2 are slow
+    lines = []
+    context = context_module.plan_context(
+        uneven_spec(), PlanRequest(budget="1GB", batch_size=2, precisions=["fp32"], cache=False), log=lines.append,
+    )
+    costs = Costs(model=CostModel(blocks=[], global_batch_size=2, device_type="cpu", estimated=False), micro_batch_sizes=[1])
+    assert context.threads == 2
+    add_speeds(context, costs)
+    assert set_to == [1] and context.threads == 1 and context.clock is time.thread_time
+    assert "timings on 2 threads repeated within" in context.threads_note and "again with 1 thread" in context.threads_note
+    assert sum(context.threads_note in line for line in lines) == 1
+    assert costs.speeds["fp32"].noise < 1.0  # the noisy samples were dropped, not kept beside the one-thread ones
+
+    # The verification's race falls back the same way, and its timings say with how many threads they were made.
+    from autofit.planning.verify.measurements import Measurements
+
+    context = context_module.plan_context(uneven_spec(), PlanRequest(budget="1GB", batch_size=2, precisions=["fp32"], cache=False))
+    measurements = Measurements(context, host_sample_bytes=0)
+    contenders = [TrainingConfig(global_batch_size=2, micro_batch_size=m) for m in (2, 1)]
+    measurements.race(contenders)
+    assert set_to == [1, 1] and context.threads == 1 and "the candidates' steps on 2 threads repeated within" in context.threads_note
+    assert {t["threads"] for t in measurements.timings.values()} == {1}
+    assert measurements.timing["tie"] == context.tie == POLICY.busy_tie_share  # the cut run's tie, as a busy one's
 
 
 def test_threads_and_workers_are_cut_by_the_work_running_now(monkeypatch):

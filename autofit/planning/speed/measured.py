@@ -41,6 +41,7 @@ def time_precisions(
     time_limit_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
     progress: Progress = QUIET,
+    most_noise: float | None = None,
 ) -> dict[str, SpeedCosts]:
     """Time forward, backward, each block and the optimizer step on the device.
 
@@ -53,7 +54,10 @@ def time_precisions(
     but only once the noise of both cannot explain the ratio (rounds continue
     while it could), and follows the fastest one's curve scaled: it costs
     seconds to learn that fp16 on a CPU is slow, not minutes, and one
-    disturbed step cannot rule a precision out. A precision whose remaining
+    disturbed step cannot rule a precision out. A precision whose warm-up alone
+    is that many times slower than the quickest warm-up counts it as its first
+    round and waits for the others' rounds: one round more, and two steps far
+    slower stop it there. A precision whose remaining
     sizes would take more than ``time_limit_s`` stops too, its larger sizes
     extrapolated. The verification probes time whatever is chosen for real.
 
@@ -61,9 +65,14 @@ def time_precisions(
         time_limit_s: seconds a precision's timing may take (default: the timing policy's).
         clock: seconds now (tests pass a noisy one).
         progress: hears which size is timed, k of n, and which round.
+        most_noise: stop once a size's rounds (``min_rounds`` of them) repeat worse than this (their ``noise_of``),
+            raising ``NoisyTiming``; None: time on whatever the noise.
 
     Returns:
         Precision -> its speeds; ``SpeedCosts.noise`` is the largest spread of its timings.
+
+    Raises:
+        NoisyTiming: a size's rounds repeated worse than ``most_noise``.
     """
     time_limit_s = timing_policy().precision_timing_limit_s if time_limit_s is None else time_limit_s
     device_ = torch.device(device)
@@ -77,7 +86,7 @@ def time_precisions(
         spec, model, precisions, blocks=blocks, largest=sizes[-1], device=device_, time_limit_s=time_limit_s, clock=clock,
     )
     for number, size in enumerate(sizes, start=1):
-        if not timer.time_size(size, progress=progress, number=number, of=len(sizes)):
+        if not timer.time_size(size, progress=progress, number=number, of=len(sizes), most_noise=most_noise):
             break
     results = {name: timer.speed_costs(name) for name in precisions}
     timer.steps.stop_block_timing()
@@ -92,6 +101,14 @@ def time_precisions(
     model = timer = None  # freed before the release
     release_device_memory(device)
     return results
+
+
+class NoisyTiming(Exception):
+    """A size of ``time_precisions`` repeated worse than its ``most_noise``: the timing stops, its samples dropped."""
+
+    def __init__(self, *, noise: float, size: int) -> None:
+        super().__init__(f"timings at micro-batch {size} repeated within {noise:.0%}")
+        self.noise, self.size = noise, size
 
 
 @dataclass(frozen=True)
@@ -200,34 +217,76 @@ class _PrecisionTimer:
             running.append(name)
         return running
 
-    def time_size(self, size: int, *, progress: Progress, number: int, of: int) -> bool:
-        """Time the precisions still running at ``size``; False when none is."""
+    def time_size(self, size: int, *, progress: Progress, number: int, of: int, most_noise: float | None = None) -> bool:
+        """Time the precisions still running at ``size``; False when none is.
+
+        Raises:
+            NoisyTiming: the rounds repeat worse than ``most_noise`` (None: never), said after ``min_rounds``.
+        """
         running = self.still_running(size)
         if not running:
             return False
         self.batches[size] = self.spec.example_batch(size)
+
+        def noise(current: dict, names: list[str]) -> float:
+            return noise_of([current[name, size] for name in names])
+
+        def settled(names: list[str]) -> Callable[[dict], bool]:
+            def decided(current: dict) -> bool:
+                if most_noise is not None and noise(current, names) > most_noise:
+                    return True  # no more rounds of a timing that will be dropped
+                return "unsure" not in self.verdicts(current, names, size).values()
+            return decided
+
         with progress.doing(f"timing {', '.join(running)} at micro-batch {size}", step=number, of=of):
+            warm = {}
             for name in running:
                 with progress.doing(f"a warm-up step of {name}"):
-                    self.warm_up(name, size)
+                    warm[name] = self.warm_up(name, size)
+            # A precision whose warm-up step alone took more than ``slow_precision_ratio`` times the quickest warm-up
+            # (which set the shape's kernels up too) counts that step as its first round and is timed once, after the
+            # others' rounds: where those two steps decide it far slower, it is timed no more (fp16 autocast's steps
+            # on a CPU, ~40x fp32's, were a third of a ResNet-18 plan's speed step). Else the rounds go on for all.
+            quickest = min(parts.step_s for parts in warm.values())
+            far = [
+                name for name in running
+                if self.runs[name].repeats[size] == 1 and warm[name].step_s > POLICY.slow_precision_ratio * quickest
+            ]
+            near = [name for name in running if name not in far]
             interleaved_rounds(
-                {(name, size): self.measure(name, size) for name in running}, samples=self.samples,
-                settled=lambda current: "unsure" not in self.verdicts(current, running, size).values(), progress=progress,
+                {(name, size): self.measure(name, size) for name in near}, samples=self.samples, settled=settled(near), progress=progress,
             )
+            for name in far:
+                self.samples[name, size] = Samples(seconds=[warm[name].step_s])
+                self.runs[name].fastest[size] = warm[name]
+                with progress.doing(f"one round of {name}, far slower in its warm-up"):
+                    self.samples[name, size].seconds.append(self.measure(name, size)())
+            if far:
+                interleaved_rounds(
+                    {(name, size): self.measure(name, size) for name in running}, samples=self.samples, settled=settled(running),
+                    progress=progress,
+                )
+        if most_noise is not None and noise(self.samples, running) > most_noise:
+            raise NoisyTiming(noise=noise(self.samples, running), size=size)
         for name in running:
             self.runs[name].sizes.append(size)
         self.stop_the_slow(running, size)
         return True
 
-    def warm_up(self, name: str, size: int) -> None:
-        """One untimed step (kernels and allocator are set up per shape); its time sets the repeats per measurement."""
+    def warm_up(self, name: str, size: int) -> StepParts:
+        """One step that sets kernels and allocator up for the shape; its time sets the repeats per measurement.
+
+        Returns:
+            Its parts (a far slower precision's first round: ``time_size``).
+        """
         run = self.runs[name]
         started = self.clock()
-        self.steps.one_step(run.applied, *self.batches[size])
+        parts = self.steps.one_step(run.applied, *self.batches[size])
         self.optimizer.zero_grad(set_to_none=True)
         warm_up = self.clock() - started
         run.spent_s += warm_up
         run.repeats[size] = min(max(math.ceil(POLICY.shortest_measurement_s / max(warm_up, 1e-6)), 1), POLICY.max_repeats_per_measurement)
+        return parts
 
     def measure(self, name: str, size: int) -> Callable[[], float]:
         """One measurement of ``name`` at ``size`` for the rounds: the fastest of its repeats, in seconds."""

@@ -376,7 +376,13 @@ class Measurements:
         return samples
 
     def _time_now(self, configs: dict[str, TrainingConfig], race: Race) -> dict[str, Samples]:
-        """Interleaved rounds of the configurations in this run (``StepTimer``s kept between rounds where memory allows)."""
+        """Interleaved rounds of the configurations in this run (``StepTimer``s kept between rounds where memory allows).
+
+        With the threads the machine leaves free now (``PlanContext.recheck_threads``); where several repeat worse
+        than ``POLICY.threads_noise_share`` after ``min_rounds``, the rounds are dropped and timed again with one
+        thread (as the speed model's are: ``modelling._timed_speeds``)."""
+        self.context.recheck_threads()
+        may_cut, threads = self.context.thread_choice.may_cut(self.context.device), self.context.threads
         timers: dict[str, StepTimer] = {}
         keys = list(configs)
         on_gpu = self.context.device == "cuda"
@@ -404,7 +410,13 @@ class Measurements:
         started = time.perf_counter()
         before = started - self.context.started
 
+        def threads_noise(current: dict[str, Samples]) -> float:
+            spreads = sorted(current[k].spread for k in race.running(current) if len(current[k].seconds) >= 2)
+            return spreads[len(spreads) // 2] if spreads else 0.0
+
         def settled(current: dict[str, Samples]) -> bool:
+            if may_cut and threads_noise(current) > POLICY.threads_noise_share:
+                return True  # dropped: timed again with one thread
             # Past ``max_rounds`` only a noisy race goes on, while it has taken less than ``noisy_race_time_share`` of the plan before it.
             return race.done(current, may_go_on=time.perf_counter() - started < timing_policy().noisy_race_time_share * before)
 
@@ -416,6 +428,17 @@ class Measurements:
                     {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds,
                     max_rounds=timing_policy().max_noisy_rounds, progress=progress,
                 )
+            noise = threads_noise(samples)
+            if may_cut and noise > POLICY.threads_noise_share:
+                for timer in timers.values():
+                    timer.close()
+                timers.clear()
+                self.context.cut_threads(1, (
+                    f"the candidates' steps on {threads} threads repeated within {noise:.0%} (more than "
+                    f"{POLICY.threads_noise_share:.0%}): timed again with 1 thread, by its CPU time"
+                ))
+                race.tie = self.context.tie  # the run's tie from here on (``PlanContext.tie``: a cut run's wider one)
+                return self._time_now(configs, race)
             # The chosen one's median round is what the plan promises: a few more rounds of it alone, deciding nothing.
             chosen = race.chosen(samples)
             once_more = measure(chosen)
