@@ -87,7 +87,8 @@ class LengthWorkers:
         for length in lengths:
             mine, its = context.Pipe(duplex=False)
             try:
-                process = context.Process(target=target, args=(its, spec_at, length, request, levers), daemon=True)
+                # Not a daemon: its own trace workers (``TracePool``, where it finds cores free) are its children.
+                process = context.Process(target=target, args=(its, spec_at, length, request, levers), daemon=False)
                 process.start()
             except (OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError):  # no process to be had: traced here
                 mine.close()
