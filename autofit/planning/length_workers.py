@@ -110,7 +110,7 @@ class LengthWorkers:
         if worker is None:
             return None
         given_s = self.deadline.seconds(own_s)
-        with self.progress.doing(f"--longest: the costs at {length} tokens a sequence, traced in a process of its own"):
+        with self.progress.doing(f"waiting for the costs at {length} tokens a sequence (--longest), traced in a process of its own"):
             ready = wait([worker.conn, worker.process.sentinel], timeout=max(0.0, worker.started_s + given_s - time.monotonic()))
         why = _outcome(worker, ready, given_s=given_s)
         if isinstance(why, str):
