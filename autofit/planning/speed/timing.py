@@ -173,8 +173,12 @@ class Race:
 
     def noisy(self, samples: dict[Hashable, Samples]) -> bool:
         """Whether the contenders still timed repeat their fastest rounds worse than ``POLICY.max_tie_share`` (median spread)."""
+        return self.median_spread(samples) > POLICY.max_tie_share
+
+    def median_spread(self, samples: dict[Hashable, Samples]) -> float:
+        """How well the contenders still timed repeat their fastest rounds: their median spread (0 before any has two rounds)."""
         spreads = sorted(samples[k].spread for k in self.running(samples) if len(samples[k].seconds) >= 2)
-        return bool(spreads) and spreads[len(spreads) // 2] > POLICY.max_tie_share
+        return spreads[len(spreads) // 2] if spreads else 0.0
 
     def behind(self, samples: dict[Hashable, Samples]) -> dict[Hashable, float]:
         """Each contender's fastest round over the chosen one's, less 1 (0.08: 8% slower; negative: faster)."""

@@ -410,12 +410,8 @@ class Measurements:
         started = time.perf_counter()
         before = started - self.context.started
 
-        def threads_noise(current: dict[str, Samples]) -> float:
-            spreads = sorted(current[k].spread for k in race.running(current) if len(current[k].seconds) >= 2)
-            return spreads[len(spreads) // 2] if spreads else 0.0
-
         def settled(current: dict[str, Samples]) -> bool:
-            if may_cut and threads_noise(current) > POLICY.threads_noise_share:
+            if may_cut and race.median_spread(current) > POLICY.threads_noise_share:
                 return True  # dropped: timed again with one thread
             # Past ``max_rounds`` only a noisy race goes on, while it has taken less than ``noisy_race_time_share`` of the plan before it.
             return race.done(current, may_go_on=time.perf_counter() - started < timing_policy().noisy_race_time_share * before)
@@ -428,7 +424,7 @@ class Measurements:
                     {k: measure(k) for k in keys}, settled=settled, active=active, min_rounds=rounds,
                     max_rounds=timing_policy().max_noisy_rounds, progress=progress,
                 )
-            noise = threads_noise(samples)
+            noise = race.median_spread(samples)
             if may_cut and noise > POLICY.threads_noise_share:
                 for timer in timers.values():
                     timer.close()
