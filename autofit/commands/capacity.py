@@ -119,8 +119,8 @@ def _answers(spec, spec_at, request, levers, cards, *, global_batch_size: int, l
     # --longest: the other lengths traced beside this one where the cores are free, started before this process's
     # own trace workers are counted (they see these as other work); not where the cache holds the user's length's
     # costs (the others' are likely there too: loading them here is quicker than starting a process for each).
-    cached = context.study.load("costs") is not None
-    others = [length for length in traced_lengths(given, context_length=spec.context_length) if length != given] if longest and not cached else []
+    traced_aside = longest and context.study.load("costs") is None
+    others = [length for length in traced_lengths(given, context_length=spec.context_length) if length != given] if traced_aside else []
     aside = LengthWorkers(spec_at, others, request, levers, progress=progress)
     try:
         own_started = time.perf_counter()

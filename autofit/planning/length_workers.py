@@ -64,7 +64,6 @@ def trace_length(conn: Connection, spec_at: Callable, length: int, request, leve
 
 @dataclass(eq=False)
 class _Worker:
-    length: int
     process: BaseProcess
     conn: Connection
     started_s: float
@@ -95,7 +94,7 @@ class LengthWorkers:
                 its.close()
                 break
             its.close()
-            self._workers[length] = _Worker(length=length, process=process, conn=mine, started_s=time.monotonic())
+            self._workers[length] = _Worker(process=process, conn=mine, started_s=time.monotonic())
 
     @property
     def lengths(self) -> list[int]:
