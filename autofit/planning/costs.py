@@ -15,6 +15,7 @@ from __future__ import annotations
 
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 
 from autofit.planning.memory.levers import LeverChoice, lever_peak_bytes
@@ -358,7 +359,8 @@ def memory_trace_from_dict(data: dict) -> MemoryTrace:
 
 def memory_costs(
     spec: ModelSpec, *, precision: str, low: int, high: int, device_type: str, low_trace: MemoryTrace | None = None,
-    blocks: list[str] | None = None, pool=None, recompute: bool = True, offload: bool = False, progress: Progress = QUIET,
+    blocks: list[str] | None = None, pool=None, recompute: bool = True, offload: bool = False, real_sizes: Collection[int] = (),
+    progress: Progress = QUIET,
 ) -> MemoryCosts:
     """Trace one precision at the smallest and the largest micro-batch size (simulated: no arithmetic).
 
@@ -378,6 +380,7 @@ def memory_costs(
             are known, until ``complete_memory`` adds them.
         offload: also trace each size with every block offloaded (``memory.levers.add_offloaded``), so that the
             model predicts activation offload (a GPU lever: the planner asks for it for a GPU only).
+        real_sizes: the sizes traced on real tensors (``trace_memory_sizes``).
         progress: hears which run is awaited, k of n.
     """
     def with_offload(trace: MemoryTrace | None) -> MemoryTrace | None:
@@ -391,13 +394,13 @@ def memory_costs(
     if high == low:
         low_trace = low_trace or with_offload(trace_memory_sizes(
             spec, sizes=[low], precision=precision, device_type=device_type, blocks=blocks, pool=pool, recompute=recompute,
-            progress=progress,
+            real_sizes=real_sizes, progress=progress,
         )[0])
         return MemoryCosts(low=floor or low_trace, high=floor or low_trace)
     sizes = [high] + ([2] if low == 1 and high > 2 else []) + ([] if low_trace else [low])
     traced = trace_memory_sizes(
         spec, sizes=sizes, precision=precision, device_type=device_type, blocks=low_trace.blocks if low_trace else blocks, pool=pool,
-        recompute=recompute, progress=progress,
+        recompute=recompute, real_sizes=real_sizes, progress=progress,
     )
     if offload:
         traced = add_offloaded(traced, spec, precision=precision, device_type=device_type, pool=pool, progress=progress)
@@ -407,9 +410,11 @@ def memory_costs(
 
 
 def complete_memory(
-    spec: ModelSpec, memory: MemoryCosts, *, precision: str, device_type: str, pool=None, progress: Progress = QUIET,
+    spec: ModelSpec, memory: MemoryCosts, *, precision: str, device_type: str, pool=None, real_sizes: Collection[int] = (),
+    progress: Progress = QUIET,
 ) -> MemoryCosts:
-    """``memory`` with the recomputations its traces were made without (``memory_costs``' ``recompute``)."""
+    """``memory`` with the recomputations its traces were made without (``memory_costs``' ``recompute``; ``real_sizes``
+    as there)."""
     if memory.recomputed:
         return memory
     own = {t.micro_batch_size: t for t in memory.traces() if not t.scaled}
@@ -417,7 +422,7 @@ def complete_memory(
         # The whole trace the low one was cut from (``_plain_part``), selective left out where ``_assembled`` left it out.
         own[memory.floor.micro_batch_size] = memory.floor if memory.low.selective_drop_bytes else _without_selective(memory.floor)
     done = dict(zip(own, add_recomputes(
-        spec, list(own.values()), precision=precision, device_type=device_type, pool=pool, progress=progress,
+        spec, list(own.values()), precision=precision, device_type=device_type, pool=pool, real_sizes=real_sizes, progress=progress,
     )))
     high = done[memory.high.micro_batch_size]
     if memory.low.micro_batch_size == memory.high.micro_batch_size:

@@ -32,6 +32,7 @@ import torch
 from autofit._torch_private import TorchDispatchMode, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
+from autofit.device import host_memory_bytes
 from autofit.errors import UserError
 from autofit.measure.meters import simulated_meter
 from autofit.model_io import as_loss, call_model
@@ -194,10 +195,11 @@ def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
     if shared is not None:
         costs.low_only[precision] = costs.memory_for_floor()[shared]
         return
-    context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} ({context.trace_meter})")
+    real = real_trace_sizes(context, costs, precision, [costs.smallest])
+    context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} ({_meter_words(context, [costs.smallest], real)})")
     trace = trace_memory_sizes(
         context.sim_spec, sizes=[costs.smallest], precision=precision, device_type=context.device, blocks=_traced_blocks(costs),
-        pool=context.trace_pool, progress=context.progress,
+        pool=context.trace_pool, real_sizes=real, progress=context.progress,
     )[0]
     _check_blocks(costs, trace.blocks)
     costs.low_only[precision] = _low_memory(trace)
@@ -218,11 +220,13 @@ def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute:
         memory = costs.model.precisions[shared].memory
     else:
         low = costs.low_only.get(precision)
-        context.log(f"memory: tracing {precision} at micro-batch {G}" + ("" if low else f" and {costs.smallest}") + f" ({context.trace_meter})")
+        sizes = [G] + ([] if low else [costs.smallest])
+        real = real_trace_sizes(context, costs, precision, [*sizes, 2])  # 2: the middle trace where the smallest is 1
+        context.log(f"memory: tracing {precision} at micro-batch {' and '.join(map(str, sizes))} ({_meter_words(context, sizes, real)})")
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
             low_trace=low.low if low else None, blocks=_traced_blocks(costs), pool=context.trace_pool, recompute=recompute,
-            progress=context.progress,
+            real_sizes=real, progress=context.progress,
         )
         _check_blocks(costs, memory.low.blocks)
     costs.low_only.pop(precision, None)
@@ -261,9 +265,12 @@ def add_recomputations(context: PlanContext, costs: Costs, precision: str) -> No
         add_recomputations(context, costs, shared)
         completed = costs.model.precisions[shared].memory
     else:
-        context.log(f"memory: tracing {precision}'s recomputations (checkpointed blocks; simulated)")
+        sizes = sorted({t.micro_batch_size for t in memory.traces() if not t.scaled})
+        real = real_trace_sizes(context, costs, precision, sizes)
+        context.log(f"memory: tracing {precision}'s recomputations (checkpointed blocks; {_meter_words(context, sizes, real)})")
         completed = complete_memory(
-            context.sim_spec, memory, precision=precision, device_type=context.device, pool=context.trace_pool, progress=context.progress,
+            context.sim_spec, memory, precision=precision, device_type=context.device, pool=context.trace_pool, real_sizes=real,
+            progress=context.progress,
         )
     costs.model = costs.model.with_precisions({
         name: replace(costs_of, memory=completed) for name, costs_of in costs.model.precisions.items()
@@ -309,6 +316,42 @@ def _bound_could_win(e, *, best: float, within: float) -> bool:
     reaches now (nothing where it does not fit) and comes within ``within`` of ``best``, the best that fits."""
     bound = e.plain_samples_per_s if e.bound_samples_per_s is None else e.bound_samples_per_s
     return bound > 0 and bound > (e.samples_per_s if e.fits else 0.0) and bound >= within * best
+
+
+def real_trace_sizes(context: PlanContext, costs: Costs, precision: str, sizes: list[int]) -> frozenset[int]:
+    """Of ``sizes``, those whose runs are traced on real tensors with the cpu meter rather than over fake tensors.
+
+    Where a plan for this CPU times real steps anyway (not ``--simulate``), the cpu meter is what the simulated one
+    stands for, to the byte. A traced run is two micro-steps and an optimizer step, through the tracker's Python per
+    op; over fake tensors each op costs the same whatever its size (FakeTensor's dispatch cache and rebuilt outputs:
+    a Python loop of small ops traces slowly, #47). A size is traced for real where ``POLICY.real_trace_steps`` of
+    its micro-steps, as the speed model timed them (per thread: a trace worker has one), take no longer than a run
+    over fake tensors took (the slowest so far), and its activations (the floor's trace, scaled) leave most of this
+    machine's free memory to the others traced at once. Nothing before both are known.
+    """
+    if context.device != "cpu" or context.simulate or context.sim_spec.simulation_fallback or precision not in costs.speeds:
+        return frozenset()
+    memories = [*(c.memory for c in costs.model.precisions.values()), *costs.low_only.values()]
+    fake_s = max((t.fake_cpu_seconds for memory in memories for t in memory.traces()), default=0.0)
+    floor = next((memory.low for memory in costs.memory_for_floor().values()), None)
+    if fake_s <= 0.0 or floor is None:
+        return frozenset()
+    speed, threads = costs.speeds[precision], max(1, context.threads)
+    room = POLICY.real_trace_memory_share * host_memory_bytes(available=True) / max(1, context.trace_pool.workers)
+    per_sample = max(s.peak_bytes for s in floor.segments) / floor.micro_batch_size
+    return frozenset(
+        size for size in sizes
+        if POLICY.real_trace_steps * threads * speed.micro_step_seconds(size) <= fake_s and per_sample * size <= room
+    )
+
+
+def _meter_words(context: PlanContext, sizes: list[int], real: frozenset[int]) -> str:
+    """How the runs at ``sizes`` measure, as a progress line says it (``real``: those on real tensors)."""
+    if not real:
+        return context.trace_meter
+    if all(size in real for size in sizes):
+        return "cpu meter: a real step here costs less than a run over fake tensors"
+    return f"cpu meter at {', '.join(str(s) for s in sizes if s in real)}, {context.trace_meter} at {', '.join(str(s) for s in sizes if s not in real)}"
 
 
 def _traced_blocks(costs: Costs) -> list[str] | None:

@@ -39,6 +39,13 @@ class PlanPolicy:
     estimated_cuda_context_bytes: int = 768 * 2**20
     """CUDA context and library workspaces assumed when planning for a GPU that is not here: the calibration
     cases' process held 0.74-0.75 GiB outside the allocator in every case."""
+    real_trace_steps: float = 8.0
+    """On the CPU a run is traced on real tensors where this many of its micro-steps (as timed, per thread) take no
+    longer than a run over fake tensors: a traced run is two micro-steps and a step, plus the tracker's Python per op,
+    about a quarter of fake tensors' (bench/RESULTS.md, "Traces on real tensors"); 8 leaves room for the recomputing runs' second forward."""
+    real_trace_memory_share: float = 0.25
+    """A run is traced on real tensors only where its activations (the floor's trace, scaled) fit in this share of
+    this machine's free memory, split between the runs traced at once."""
     max_trace_workers: int = 8
     """Most worker processes tracing at once: a plan makes up to nine traced runs per precision (three sizes,
     plain, all-checkpointed and all-selective), so more workers would mostly wait."""

@@ -167,3 +167,26 @@ def test_every_fake_mode_autofit_makes_keeps_torch_s_fake_kernel_log_quiet_and_n
         nn.functional.grouped_mm(torch.randn(4, 16), torch.randn(2, 16, 16), offs=torch.tensor([2, 4], dtype=torch.int32))
     assert failed_fake_kernel(raised.value) == "aten._grouped_mm.default"
     assert not [record for record in caplog.records if "attempting to run meta" in record.getMessage()]
+
+
+def test_a_trace_on_real_tensors_equals_the_one_over_fake_tensors(one_thread):
+    """On the CPU a traced run may be made on real tensors with the cpu meter (``real_sizes``): the same trace,
+    checkpointed and selective runs included, as over fake tensors."""
+    from autofit.planning.memory.traces import simulation_spec, trace_memory_sizes
+
+    spec = simulation_spec(stack_spec(freeze=1))
+    fake = trace_memory_sizes(spec, sizes=[8, 2], precision="bf16")
+    real = trace_memory_sizes(spec, sizes=[8, 2], precision="bf16", real_sizes={8, 2})
+    assert real == fake
+    assert all(t.fake_cpu_seconds > 0 for t in fake) and all(t.fake_cpu_seconds == 0 for t in real)
+
+
+def test_a_plan_for_this_cpu_traces_on_real_tensors_where_a_step_costs_less(one_thread):
+    """Where the speed model's steps are cheap beside a run over fake tensors, the plan's later traces are made on
+    real tensors and say so; what it predicts is what the cpu meter measures."""
+    lines = []
+    plan = make_plan(stack_spec(), PlanRequest(budget="400KB", batch_size=16, device="cpu"), log=lines.append)
+    traces = [line for line in lines if "memory: tracing" in line]
+    assert "(simulated)" in traces[0]  # the floor's trace comes before any step is timed
+    assert any("(cpu meter: a real step here costs less than a run over fake tensors)" in line for line in traces[1:]), traces
+    assert plan.measured.peak_bytes == plan.predicted.peak_bytes

@@ -390,6 +390,7 @@ class _Expansion:
             selective_drop_bytes=self.values(blocks, short.selective_drop_bytes, longer.selective_drop_bytes),
             shared_call_bytes=self.values(blocks, short.shared_call_bytes, longer.shared_call_bytes),
             levers=levers,
+            cpu_seconds=short.cpu_seconds + longer.cpu_seconds,
         )
 
     def _storages(self, a, b, short: dict, longer: dict, *, items: bool) -> dict:

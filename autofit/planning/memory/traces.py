@@ -30,7 +30,9 @@ and with real probes; the model only has to rank configurations well.
 """
 from __future__ import annotations
 
+import time
 import weakref
+from collections.abc import Collection
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
@@ -40,7 +42,7 @@ from autofit._torch_private import call_when_backward_ends, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.boundaries import block_boundaries
-from autofit.measure.meters import SimulatedMeter, made_of_real_tensors, noting_padding, simulated_meter
+from autofit.measure.meters import SimulatedMeter, TrackedMeter, made_of_real_tensors, noting_padding, simulated_meter
 from autofit.measure.optimizer_state import create_optimizer_state
 from autofit.measure.tracker import StorageTracker
 from autofit.planning.memory.levers import LeverRecord, LeverRecorder, LeverTrace, lever_trace, with_offloaded
@@ -92,6 +94,10 @@ class MemoryTrace:
     """Per block that is a call of a shared layer (``strategies.per_call``): what it saved that the layer's other
     calls saved too (autocast's cached copies of its weights), left out of its drop (``_saved_by_other_calls``);
     [] where no block is such a call."""
+    fake_cpu_seconds: float = field(default=0.0, compare=False)
+    """CPU seconds its plain run took over fake tensors, what a run on real tensors is weighed against
+    (``modelling.real_trace_sizes``); 0 where it ran on real tensors. What making the trace cost, not what it
+    says: traces that say the same compare equal whatever it is."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +190,7 @@ def trace_memory(
 
 def trace_memory_sizes(
     spec: ModelSpec, *, sizes: list[int], precision: str, device_type: str = "cpu", blocks: list[str] | None = None,
-    pool=None, recompute: bool = True, progress: Progress = QUIET,
+    pool=None, recompute: bool = True, real_sizes: Collection[int] = (), progress: Progress = QUIET,
 ) -> list[MemoryTrace]:
     """``trace_memory`` at each size; with a started ``memory.workers.TracePool`` of ``spec``, its runs at once in its workers.
 
@@ -193,10 +199,15 @@ def trace_memory_sizes(
     run); then every plain run is handed out at once, and with ``recompute``
     the all-checkpointed and all-selective runs after them (``add_recomputes``,
     which adds them later otherwise). Without a pool the same runs go one after
-    another in this process. ``progress`` hears which run is awaited, k of n.
+    another in this process. The runs at ``real_sizes`` are made on real tensors with the cpu meter (which the
+    simulated one equals on the CPU), where a real step costs less than a run over fake tensors.
+    ``progress`` hears which run is awaited, k of n.
     """
     def start(size: int):
-        return call(pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode="none", blocks=blocks)
+        return call(
+            pool, run_trace, spec, micro_batch_size=size, precision=precision, device_type=device_type, mode="none", blocks=blocks,
+            real=size in real_sizes,
+        )
 
     def awaited(size: int, result):
         with progress.doing(f"tracing {precision} at micro-batch {size}", step=len(plain) + 1, of=len(sizes)):
@@ -229,10 +240,11 @@ def trace_memory_sizes(
             recomputed=not blocks,
             levers=lever_trace(raw.levers, raw.marks, raw.peaks, spec=spec, device_type=device_type),
             shared_call_bytes=raw.shared_call_bytes if any(raw.shared_call_bytes) else [],
+            fake_cpu_seconds=0.0 if size in real_sizes else raw.cpu_seconds,
         ))
     if not recompute:
         return traces
-    return add_recomputes(spec, traces, precision=precision, device_type=device_type, pool=pool, progress=progress)
+    return add_recomputes(spec, traces, precision=precision, device_type=device_type, pool=pool, real_sizes=real_sizes, progress=progress)
 
 
 _RECOMPUTED = {"full": "every block checkpointed", "selective": "every block selectively checkpointed"}
@@ -241,10 +253,10 @@ _RECOMPUTED = {"full": "every block checkpointed", "selective": "every block sel
 
 def add_recomputes(
     spec: ModelSpec, traces: list[MemoryTrace], *, precision: str, device_type: str = "cpu", pool=None,
-    progress: Progress = QUIET,
+    real_sizes: Collection[int] = (), progress: Progress = QUIET,
 ) -> list[MemoryTrace]:
     """``traces`` (made without ``recompute``) with their all-checkpointed and all-selective runs' segments added:
-    what ``trace_memory_sizes`` would have made. Traces already recomputed come back as they are."""
+    what ``trace_memory_sizes`` would have made (``real_sizes`` as there). Traces already recomputed come back as they are."""
     pending = []
     for trace in traces:
         runs = []
@@ -253,7 +265,7 @@ def add_recomputes(
                 if drops:
                     runs.append((mode, drops, call(
                         pool, run_trace, spec, micro_batch_size=trace.micro_batch_size, precision=precision,
-                        device_type=device_type, mode=mode, blocks=trace.blocks,
+                        device_type=device_type, mode=mode, blocks=trace.blocks, real=trace.micro_batch_size in real_sizes,
                     )))
         pending.append(runs)
     completed, done, total = [], 0, sum(map(len, pending))
@@ -301,14 +313,17 @@ class _RawTrace:
     selective_drop_bytes: list[int]
     levers: LeverRecord | None = None
     shared_call_bytes: list[int] = field(default_factory=list)
+    cpu_seconds: float = 0.0
+    """The CPU seconds the run took (its thread's: a run over fake tensors is Python on one thread)."""
 
 
 def run_trace(
     spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, mode: str,
-    blocks: list[str] | None = None, loss_chunks: int = 1,
+    blocks: list[str] | None = None, loss_chunks: int = 1, real: bool = False,
 ) -> _RawTrace:
     """One traced step with every block in ``mode`` ("none", "full", "selective" or "offload"); ``blocks`` are the
-    candidates when already found (else one fake forward finds them); ``loss_chunks`` chunks the output layer and loss.
+    candidates when already found (else one fake forward finds them); ``loss_chunks`` chunks the output layer and loss;
+    ``real``: on real tensors, with the cpu meter (``device_type`` "cpu" only).
 
     A model with a long run of identical blocks is traced with that run cut short, twice, and its whole trace
     inferred from the two (``memory.repeats``); where they do not line up, it is traced whole.
@@ -322,7 +337,7 @@ def run_trace(
             model = meter.build_model(spec.build_model)
             names = _candidates(model, spec, micro_batch_size=micro_batch_size)
             repeat = find_repeat(model, names)
-    settings = dict(micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode=mode, loss_chunks=loss_chunks)
+    settings = dict(micro_batch_size=micro_batch_size, precision=precision, device_type=device_type, mode=mode, loss_chunks=loss_chunks, real=real)
     if repeat is not None:
         try:
             short, longer = (_traced_run(spec, names=repeat.short_names(names, n), shorten=(repeat, n), **settings) for n in SHORT_LENGTHS)
@@ -336,10 +351,13 @@ def run_trace(
 
 def _traced_run(
     spec: ModelSpec, *, micro_batch_size: int, precision: str, device_type: str, mode: str, names: list[str],
-    loss_chunks: int, shorten: tuple[Repeat, int] | None = None,
+    loss_chunks: int, real: bool, shorten: tuple[Repeat, int] | None = None,
 ) -> _RawTrace:
     """``run_trace``'s one traced step over the model, with its run of identical blocks cut to ``shorten``'s length."""
-    meter = simulated_meter(spec, for_device=device_type)
+    if real and device_type != "cpu":
+        raise ValueError(f"a trace on real tensors measures the CPU, not {device_type}")
+    started = time.thread_time()
+    meter = TrackedMeter() if real else simulated_meter(spec, for_device=device_type)
     torch.manual_seed(0)
     with meter.environment():
         model = meter.build_model((shortened(spec, *shorten) if shorten is not None else spec).build_model)
@@ -385,7 +403,7 @@ def _traced_run(
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=recorder.output_shape, selective_drop_bytes=selective_drop_bytes,
-        levers=tracker.levers.record(freed=mode == "offload"), shared_call_bytes=shared,
+        levers=tracker.levers.record(freed=mode == "offload"), shared_call_bytes=shared, cpu_seconds=time.thread_time() - started,
     )
 
 

@@ -27,12 +27,12 @@ def deep_lm(tmp_path_factory):
     return simulation_spec(load_spec(f"hf:{path}", task="causal-lm", seq_len=8))
 
 
-def _all_traces(spec, *, precision: str, device_type: str, size: int, levers: bool) -> list[dict]:
+def _all_traces(spec, *, precision: str, device_type: str, size: int, levers: bool) -> list:
     traces = trace_memory_sizes(spec, sizes=[size], precision=precision, device_type=device_type)
     if levers:
         traces = add_offloaded(traces, spec, precision=precision, device_type=device_type)
         traces = add_chunk_deltas(traces, spec, precision=precision, device_type=device_type, chunks=4)
-    return [t.to_dict() for t in traces]
+    return traces
 
 
 @pytest.mark.parametrize("precision, device_type, size, levers", [("bf16", "cuda", 1, True), ("fp32", "cpu", 2, False)])
@@ -52,7 +52,7 @@ def test_traces_from_short_runs_equal_the_whole_models(deep_lm, monkeypatch, pre
     whole = _all_traces(deep_lm, **settings)
     assert len(expanded) == (5 if levers else 3)  # traced whole
     assert short == whole
-    assert whole[0]["blocks"] == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert whole[0].blocks == [f"model.layers.{i}" for i in range(LAYERS)]
 
 
 class _Block(nn.Module):
