@@ -143,6 +143,15 @@ class PlanContext:
         whether the model runs, or what each kind of block does, are made on (None: the model has no such run)."""
         return None if self.repeat is None else shortened(spec, self.repeat, SHORT_LENGTHS[0])
 
+    @cached_property
+    def cpu_rates(self) -> tuple[float, float]:
+        """(FLOP/s, bytes/s) a CPU step is estimated at before any is timed: a matmul's rate measured here, once
+        (``speed.estimated.roofline_rates``)."""
+        from autofit.planning.speed.estimated import roofline_rates
+
+        flops_per_s, bytes_per_s = roofline_rates("cpu", "")
+        return flops_per_s["fp32"]["matmul"], bytes_per_s
+
     @property
     def trace_meter(self) -> str:
         """How the memory traces measure, as the progress lines say it: "simulated", or the cpu meter after the

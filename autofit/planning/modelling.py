@@ -44,7 +44,7 @@ from autofit.planning.speed.estimated import flop_speed_costs
 from autofit.planning.memory.levers import add_eight_bit, add_nf4
 from autofit.planning.memory.nf4 import nf4_record, nf4_weight_dtype
 from autofit.planning.memory.optimizer import eight_bit_record
-from autofit.planning.memory.traces import add_chunk_deltas, add_offloaded, trace_memory_sizes
+from autofit.planning.memory.traces import MemoryTrace, add_chunk_deltas, add_offloaded, add_recomputes, trace_memory_sizes
 from autofit.planning.speed.measured import NoisyTiming, time_precisions
 from autofit.planning.policy import POLICY
 from strategies import MASTER_WEIGHTS, PURE_BF16, checkpoint_candidates
@@ -195,11 +195,20 @@ def trace_low(context: PlanContext, costs: Costs, precision: str) -> None:
     if shared is not None:
         costs.low_only[precision] = costs.memory_for_floor()[shared]
         return
-    real = real_trace_sizes(context, costs, precision, [costs.smallest])
-    context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} ({_meter_words(context, [costs.smallest], real)})")
-    trace = trace_memory_sizes(
-        context.sim_spec, sizes=[costs.smallest], precision=precision, device_type=context.device, blocks=_traced_blocks(costs),
-        pool=context.trace_pool, real_sizes=real, progress=context.progress,
+    sizes = [costs.smallest]
+    real = real_trace_sizes(context, costs, precision, sizes)
+    context.log(f"memory: tracing {precision} at micro-batch {costs.smallest} ({_meter_words(context, sizes, real)})")
+    plain = trace_memory_sizes(
+        context.sim_spec, sizes=sizes, precision=precision, device_type=context.device, blocks=_traced_blocks(costs),
+        pool=context.trace_pool, recompute=False, real_sizes=real, progress=context.progress,
+    )
+    # Before any step is timed, the plain run's FLOPs and time say where its recomputing runs cost less for real.
+    recomputing = real_trace_sizes(context, costs, precision, sizes, traced=plain)
+    if recomputing != real:
+        context.log(f"memory: tracing {precision}'s recomputations at micro-batch {costs.smallest} ({_meter_words(context, sizes, recomputing)})")
+    trace = add_recomputes(
+        context.sim_spec, plain, precision=precision, device_type=context.device, pool=context.trace_pool, real_sizes=recomputing,
+        progress=context.progress,
     )[0]
     _check_blocks(costs, trace.blocks)
     costs.low_only[precision] = _low_memory(trace)
@@ -221,8 +230,9 @@ def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute:
     else:
         low = costs.low_only.get(precision)
         sizes = [G] + ([] if low else [costs.smallest])
-        real = real_trace_sizes(context, costs, precision, [*sizes, 2])  # 2: the middle trace where the smallest is 1
-        context.log(f"memory: tracing {precision} at micro-batch {' and '.join(map(str, sizes))} ({_meter_words(context, sizes, real)})")
+        traced = sorted({*sizes, *([2] if costs.smallest == 1 and G > 2 else [])})  # 2: ``memory_costs``' middle trace
+        real = real_trace_sizes(context, costs, precision, traced)
+        context.log(f"memory: tracing {precision} at micro-batch {' and '.join(map(str, sizes))} ({_meter_words(context, traced, real)})")
         memory = memory_costs(
             context.sim_spec, precision=precision, low=costs.smallest, high=G, device_type=context.device,
             low_trace=low.low if low else None, blocks=_traced_blocks(costs), pool=context.trace_pool, recompute=recompute,
@@ -318,31 +328,45 @@ def _bound_could_win(e, *, best: float, within: float) -> bool:
     return bound > 0 and bound > (e.samples_per_s if e.fits else 0.0) and bound >= within * best
 
 
-def real_trace_sizes(context: PlanContext, costs: Costs, precision: str, sizes: list[int]) -> frozenset[int]:
+def real_trace_sizes(
+    context: PlanContext, costs: Costs, precision: str, sizes: list[int], *, traced: list[MemoryTrace] = (),
+) -> frozenset[int]:
     """Of ``sizes``, those whose runs are traced on real tensors with the cpu meter rather than over fake tensors.
 
     Where a plan for this CPU times real steps anyway (not ``--simulate``), the cpu meter is what the simulated one
-    stands for, to the byte. A traced run is two micro-steps and an optimizer step, through the tracker's Python per
-    op; over fake tensors each op costs the same whatever its size (FakeTensor's dispatch cache and rebuilt outputs:
-    a Python loop of small ops traces slowly, #47). A size is traced for real where ``POLICY.real_trace_steps`` of
-    its micro-steps, as the speed model timed them (per thread: a trace worker has one), take no longer than a run
-    over fake tensors took (the slowest so far), and its activations (the floor's trace, scaled) leave most of this
-    machine's free memory to the others traced at once. Nothing before both are known.
+    stands for. A traced run is two micro-steps and an optimizer step, through the tracker's Python per op; over
+    fake tensors each op costs the same whatever its size (FakeTensor's dispatch cache and rebuilt outputs: a
+    Python loop of small ops traces slowly, #47). A size is traced for real where ``POLICY.real_trace_steps`` of its
+    micro-steps take no longer than a run over fake tensors took (the slowest so far, of ``costs`` and ``traced``),
+    and its activations (the smallest trace's, scaled) leave most of this machine's free memory to the runs traced
+    at once. A micro-step's seconds are the speed model's (per thread: a trace worker has one); before any step is
+    timed, its FLOPs at this CPU's measured matmul rate and its optimizer step's bytes (``PlanContext.cpu_rates``),
+    from a run over fake tensors that counted them. Nothing before a run over fake tensors.
     """
-    if context.device != "cpu" or context.simulate or context.sim_spec.simulation_fallback or precision not in costs.speeds:
+    if context.device != "cpu" or context.simulate or context.sim_spec.simulation_fallback:
         return frozenset()
     memories = [*(c.memory for c in costs.model.precisions.values()), *costs.low_only.values()]
-    fake_s = max((t.fake_cpu_seconds for memory in memories for t in memory.traces()), default=0.0)
-    floor = next((memory.low for memory in costs.memory_for_floor().values()), None)
-    if fake_s <= 0.0 or floor is None:
+    known = [*(t for memory in memories for t in memory.traces()), *traced]
+    fake_s = max((t.fake_cpu_seconds for t in known), default=0.0)
+    counted = [t for t in known if t.flops > 0]
+    if fake_s <= 0.0 or (precision not in costs.speeds and not counted):
         return frozenset()
-    speed, threads = costs.speeds[precision], max(1, context.threads)
+    if precision in costs.speeds:
+        speed, threads = costs.speeds[precision], max(1, context.threads)
+
+        def step_s(size: int) -> float:
+            return threads * speed.micro_step_seconds(size)
+    else:
+        flops_per_s, bytes_per_s = context.cpu_rates
+        per_sample = max(t.flops / (2 * t.micro_batch_size) for t in counted)
+        optimizer_s = 4 * sum(p.numel() * p.element_size() for p in context.meta_model.parameters()) / bytes_per_s
+
+        def step_s(size: int) -> float:
+            return size * per_sample / flops_per_s + optimizer_s / 2
+    smallest = min(known, key=lambda t: t.micro_batch_size)
+    per_sample_bytes = max(s.peak_bytes for s in smallest.segments) / smallest.micro_batch_size
     room = POLICY.real_trace_memory_share * host_memory_bytes(available=True) / max(1, context.trace_pool.workers)
-    per_sample = max(s.peak_bytes for s in floor.segments) / floor.micro_batch_size
-    return frozenset(
-        size for size in sizes
-        if POLICY.real_trace_steps * threads * speed.micro_step_seconds(size) <= fake_s and per_sample * size <= room
-    )
+    return frozenset(size for size in sizes if POLICY.real_trace_steps * step_s(size) <= fake_s and per_sample_bytes * size <= room)
 
 
 def _meter_words(context: PlanContext, sizes: list[int], real: frozenset[int]) -> str:

@@ -29,9 +29,9 @@ def _mispredicting(context, costs, measurements):
         type(costs).memory_for_floor = memory_for_floor
 
 
-def _floor(request: PlanRequest):
+def _floor(request: PlanRequest, spec=None):
     with pytest.raises(InfeasibleBudget) as error:
-        planner.make_plan(uneven_spec(), request)
+        planner.make_plan(spec or uneven_spec(), request)
     return error.value
 
 
@@ -221,3 +221,36 @@ def test_a_precision_sharing_anothers_traces_is_not_measured_again_for_the_floor
         planner.make_plan(uneven_spec(), PlanRequest(budget=1000, batch_size=4, precisions=("fp16", "bf16"), simulate=True, cache=False))
     assert "bf16" in measured and "fp16" not in measured
     assert checked.value.args[0].floor.config.precision == "bf16"
+
+
+@pytest.mark.slow  # plans, probes or trains: seconds to tens of seconds
+def test_the_floor_does_not_probe_what_the_model_proved_exact_puts_above_the_least_measured(monkeypatch):
+    """On the CPU, once the model predicted what was measured within ``exact_slack_share``, an option it predicts
+    at or above the least measured is not probed: the same floor, fewer probes. Weights dominate here, so every
+    option's peak is the optimizer step's (as the ResNet-18 of #47 at its floor)."""
+    from torch import nn
+
+    from autofit.planning.verify.measurements import Measurements
+    from autofit.spec import ModelSpec, default_optimizer
+
+    spec = ModelSpec(
+        source="tests:weights", build_model=lambda: nn.Sequential(*(nn.Linear(256, 256) for _ in range(3))),
+        example_batch=lambda n: (torch.randn(n, 256), torch.randint(0, 256, (n,))),
+        loss_fn=nn.functional.cross_entropy, build_optimizer=default_optimizer,
+    )
+    request = PlanRequest(budget=1000, batch_size=4, precisions=("fp32", "bf16"), device="cpu", cache=False)
+    probed, real_peak = [], Measurements.checked_peak
+
+    def counted(self, config, **kwargs):
+        if config.key() not in self.peaks:
+            probed.append(config.key())
+        return real_peak(self, config, **kwargs)
+
+    monkeypatch.setattr(Measurements, "checked_peak", counted)
+    fewer = _floor(request, spec)
+    skipped = len(probed)
+    monkeypatch.setattr("autofit.planning.verify.floor._cannot_measure_less", lambda *args, **kwargs: False)
+    probed.clear()
+    every = _floor(request, spec)
+    assert (fewer.floor_bytes, fewer.floor.config) == (every.floor_bytes, every.floor.config)
+    assert 0 < skipped < len(probed), (skipped, probed)

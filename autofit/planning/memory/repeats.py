@@ -391,6 +391,7 @@ class _Expansion:
             shared_call_bytes=self.values(blocks, short.shared_call_bytes, longer.shared_call_bytes),
             levers=levers,
             cpu_seconds=short.cpu_seconds + longer.cpu_seconds,
+            flops=short.flops + (len(names) - len(short.names)) * (longer.flops - short.flops),
         )
 
     def _storages(self, a, b, short: dict, longer: dict, *, items: bool) -> dict:

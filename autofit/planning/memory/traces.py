@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from autofit._torch_private import call_when_backward_ends, tree_leaves
+from autofit._torch_private import call_when_backward_ends, op_flops, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.measure.boundaries import block_boundaries
@@ -94,6 +94,9 @@ class MemoryTrace:
     """Per block that is a call of a shared layer (``strategies.per_call``): what it saved that the layer's other
     calls saved too (autocast's cached copies of its weights), left out of its drop (``_saved_by_other_calls``);
     [] where no block is such a call."""
+    flops: int = field(default=0, compare=False)
+    """FLOPs its plain run counted (two micro-steps and an optimizer step): what a real run of it would compute;
+    0 where not counted (a trace stored before they were)."""
     fake_cpu_seconds: float = field(default=0.0, compare=False)
     """CPU seconds its plain run took over fake tensors, what a run on real tensors is weighed against
     (``modelling.real_trace_sizes``); 0 where it ran on real tensors. What making the trace cost, not what it
@@ -129,12 +132,15 @@ class _TimelineTracker(StorageTracker):
         """Called with (op, outputs) after every op while set."""
         self.levers = LeverRecorder(self)
         """What the memory levers' terms need (``memory.levers``): gradients' and saved tensors' bytes over time."""
+        self.flops = 0
+        """FLOPs of the ops seen (``torch.utils.flop_counter``'s formulas: matmuls, convolutions, attention)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = StorageTracker.__torch_dispatch__(self, func, types, args, kwargs)
         if self.watch is not None:
             self.watch(func, out)
         self.levers.made(func, out)
+        self.flops += op_flops(func, args, kwargs, out)
         return out
 
     def _grow(self, nbytes: int) -> None:
@@ -240,7 +246,7 @@ def trace_memory_sizes(
             recomputed=not blocks,
             levers=lever_trace(raw.levers, raw.marks, raw.peaks, spec=spec, device_type=device_type),
             shared_call_bytes=raw.shared_call_bytes if any(raw.shared_call_bytes) else [],
-            fake_cpu_seconds=0.0 if size in real_sizes else raw.cpu_seconds,
+            flops=raw.flops, fake_cpu_seconds=0.0 if size in real_sizes else raw.cpu_seconds,
         ))
     if not recompute:
         return traces
@@ -315,6 +321,8 @@ class _RawTrace:
     shared_call_bytes: list[int] = field(default_factory=list)
     cpu_seconds: float = 0.0
     """The CPU seconds the run took (its thread's: a run over fake tensors is Python on one thread)."""
+    flops: int = 0
+    """The FLOPs of its ops."""
 
 
 def run_trace(
@@ -404,6 +412,7 @@ def _traced_run(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=recorder.output_shape, selective_drop_bytes=selective_drop_bytes,
         levers=tracker.levers.record(freed=mode == "offload"), shared_call_bytes=shared, cpu_seconds=time.thread_time() - started,
+        flops=tracker.flops,
     )
 
 
