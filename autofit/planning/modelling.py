@@ -24,12 +24,13 @@ Only what the search can use is traced:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from autofit._torch_private import TorchDispatchMode, tree_leaves
+from autofit._torch_private import TorchDispatchMode, op_flops, tree_leaves
 from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.device import host_memory_bytes
@@ -76,6 +77,9 @@ class Costs:
     update_seconds: dict[str, float] = field(default_factory=dict)
     """What a lever adds to the optimizer's update on this device, timed once ("step_in_backward": per parameter
     tensor, ``levers.step_in_backward_time``)."""
+    first_step: FakeStep | None = None
+    """``smallest_runnable``'s micro-step over fake tensors, where it ran the whole model: what the first traced run
+    is weighed by before any run is (``real_trace_sizes``); not stored."""
     resumed: bool = False
     """The cost model came from a stored study."""
     changed: bool = False
@@ -111,6 +115,17 @@ class Costs:
         }
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FakeStep:
+    """One micro-step (forward, loss, backward) over fake tensors: what it cost and what it would compute."""
+
+    micro_batch_size: int
+    cpu_seconds: float
+    """Its process's CPU seconds."""
+    flops: int
+    """FLOPs of its ops (``torch.utils.flop_counter``'s formulas)."""
+
+
 def _speed_dict(speed: SpeedCosts) -> dict:
     from dataclasses import asdict
 
@@ -138,9 +153,9 @@ def stored_or_new(context: PlanContext) -> Costs:
             return costs
     G = context.global_batch_size
     blocks = checkpoint_candidates(context.meta_model)
-    smallest = smallest_runnable(context)
+    smallest, step = smallest_runnable(context)
     model = CostModel(blocks=blocks, global_batch_size=G, device_type=context.device, estimated=context.simulate)
-    return Costs(model=model, micro_batch_sizes=micro_batch_sizes(G, smallest=smallest))
+    return Costs(model=model, micro_batch_sizes=micro_batch_sizes(G, smallest=smallest), first_step=step)
 
 
 def from_store(stored: dict) -> Costs:
@@ -164,8 +179,9 @@ def _low_memory(trace) -> MemoryCosts:
     return MemoryCosts(low=trace, high=trace)
 
 
-def smallest_runnable(context: PlanContext) -> int:
-    """The smallest micro-batch the model trains with (BatchNorm refuses 1 sample per channel).
+def smallest_runnable(context: PlanContext) -> tuple[int, FakeStep | None]:
+    """The smallest micro-batch the model trains with (BatchNorm refuses 1 sample per channel), and what its
+    simulated step cost where it ran the whole model (None where it ran a stand-in).
 
     A simulated forward and backward per size (no arithmetic), smallest first; a model with a long run of
     identical blocks has it cut short for them (``PlanContext.stand_in``).
@@ -177,13 +193,16 @@ def smallest_runnable(context: PlanContext) -> int:
     for number, size in enumerate(sizes, start=1):
         try:
             with context.progress.doing(f"simulating a step at micro-batch {size}, the smallest it may train with", step=number, of=len(sizes)):
-                _simulated_forward(context, size=size, precision=context.precisions[0], backward=True, stand_in=True)
+                started = time.process_time()
+                flops = _simulated_forward(context, size=size, precision=context.precisions[0], backward=True, stand_in=True, log=_FlopLog)
+                seconds = time.process_time() - started
         except Exception as error:  # the user's model refused this batch size
             errors.append(f"micro-batch {size}: {type(error).__name__}: {error}")
             continue
         if errors:
             context.log(f"the model does not train below micro-batch {size} ({errors[0]})")
-        return size
+        whole = context.stand_in(context.sim_spec) is None
+        return size, FakeStep(micro_batch_size=size, cpu_seconds=seconds, flops=sum(flops)) if whole else None
     raise UserError(f"the model fails to train even at micro-batch {context.global_batch_size}: {errors[-1]}; fix the model file or the batch size")
 
 
@@ -348,7 +367,10 @@ def real_trace_sizes(
     memories = [*(c.memory for c in costs.model.precisions.values()), *costs.low_only.values()]
     known = [*(t for memory in memories for t in memory.traces()), *traced]
     fake_s = max((t.fake_cpu_seconds for t in known), default=0.0)
-    counted = [t for t in known if t.flops > 0]
+    counted = [t.flops / (2 * t.micro_batch_size) for t in known if t.flops > 0]  # per sample and micro-step
+    if costs.first_step is not None:  # a run is two such micro-steps and an optimizer step
+        fake_s = max(fake_s, 2 * costs.first_step.cpu_seconds)
+        counted.append(costs.first_step.flops / costs.first_step.micro_batch_size)
     if fake_s <= 0.0 or (precision not in costs.speeds and not counted):
         return frozenset()
     if precision in costs.speeds:
@@ -358,13 +380,17 @@ def real_trace_sizes(
             return threads * speed.micro_step_seconds(size)
     else:
         flops_per_s, bytes_per_s = context.cpu_rates
-        per_sample = max(t.flops / (2 * t.micro_batch_size) for t in counted)
+        per_sample = max(counted)
         optimizer_s = 4 * sum(p.numel() * p.element_size() for p in context.meta_model.parameters()) / bytes_per_s
 
         def step_s(size: int) -> float:
             return size * per_sample / flops_per_s + optimizer_s / 2
-    smallest = min(known, key=lambda t: t.micro_batch_size)
-    per_sample_bytes = max(s.peak_bytes for s in smallest.segments) / smallest.micro_batch_size
+    # The activations a real run holds, by the smallest trace (before one: the weights, gradients and AdamW state).
+    smallest = min(known, key=lambda t: t.micro_batch_size, default=None)
+    per_sample_bytes = (
+        max(s.peak_bytes for s in smallest.segments) / smallest.micro_batch_size if smallest is not None
+        else 16 * sum(p.numel() for p in context.meta_model.parameters())
+    )
     room = POLICY.real_trace_memory_share * host_memory_bytes(available=True) / max(1, context.trace_pool.workers)
     return frozenset(size for size in sizes if POLICY.real_trace_steps * step_s(size) <= fake_s and per_sample_bytes * size <= room)
 
@@ -535,6 +561,19 @@ def same_autocast_bytes(context: PlanContext, first: str, second: str, *, size: 
             )
     except Exception:  # a model the comparison cannot run: trace both
         return False
+
+
+class _FlopLog(TorchDispatchMode):
+    """Each operator's FLOPs (``torch.utils.flop_counter``'s formulas; 0 for most)."""
+
+    def __init__(self, model=None) -> None:
+        super().__init__()
+        self.entries: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.entries.append(op_flops(func, args, kwargs, out))
+        return out
 
 
 class _OperatorLog(TorchDispatchMode):

@@ -183,15 +183,14 @@ def test_a_trace_on_real_tensors_equals_the_one_over_fake_tensors(one_thread):
 
 def test_a_plan_for_this_cpu_traces_on_real_tensors_where_a_step_costs_less(one_thread):
     """Where a step is cheap beside a run over fake tensors, the plan's traces are made on real tensors and say so:
-    the floor's recomputations by the FLOPs its first run counted (no step timed yet), the later ones by the speed
-    model's steps. What it predicts is what the cpu meter measures."""
+    the floor's by the FLOPs and seconds of the simulated step that found the smallest micro-batch (no step timed
+    yet), the later ones by the speed model's steps. What it predicts is what the cpu meter measures."""
     said = []
     plan = make_plan(stack_spec(), PlanRequest(budget="400KB", batch_size=16, device="cpu"), log=said.append)
     lines = [line.split("] ", 1)[-1] for line in said]  # less the time stamp
     real = "(cpu meter: a real step here costs less than a run over fake tensors)"
     timed = next(i for i, line in enumerate(lines) if line.startswith("speed: timing"))
     traces = [(i, line) for i, line in enumerate(lines) if line.startswith("memory: tracing")]
-    assert traces[0][1].endswith("(simulated)")  # the first run counts the FLOPs and the seconds of one over fake tensors
-    assert traces[1][0] < timed and "recomputations at micro-batch 1" in traces[1][1] and traces[1][1].endswith(real), traces
+    assert traces[0][0] < timed and traces[0][1] == f"memory: tracing fp32 at micro-batch 1 {real}", traces
     assert any(line.endswith(real) for i, line in traces if i > timed), traces
     assert plan.measured.peak_bytes == plan.predicted.peak_bytes

@@ -320,7 +320,7 @@ class _RawTrace:
     levers: LeverRecord | None = None
     shared_call_bytes: list[int] = field(default_factory=list)
     cpu_seconds: float = 0.0
-    """The CPU seconds the run took (its thread's: a run over fake tensors is Python on one thread)."""
+    """The CPU seconds the run took (its process's: a run over fake tensors is Python on one thread)."""
     flops: int = 0
     """The FLOPs of its ops."""
 
@@ -364,7 +364,7 @@ def _traced_run(
     """``run_trace``'s one traced step over the model, with its run of identical blocks cut to ``shorten``'s length."""
     if real and device_type != "cpu":
         raise ValueError(f"a trace on real tensors measures the CPU, not {device_type}")
-    started = time.thread_time()
+    started = time.process_time()
     meter = TrackedMeter() if real else simulated_meter(spec, for_device=device_type)
     torch.manual_seed(0)
     with meter.environment():
@@ -411,7 +411,7 @@ def _traced_run(
     return _RawTrace(
         names=names, marks=tracker.marks, peaks=tracker.segment_peaks, drop_bytes=drop_bytes,
         host_bytes=host_bytes, output_shape=recorder.output_shape, selective_drop_bytes=selective_drop_bytes,
-        levers=tracker.levers.record(freed=mode == "offload"), shared_call_bytes=shared, cpu_seconds=time.thread_time() - started,
+        levers=tracker.levers.record(freed=mode == "offload"), shared_call_bytes=shared, cpu_seconds=time.process_time() - started,
         flops=tracker.flops,
     )
 
