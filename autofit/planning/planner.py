@@ -551,9 +551,10 @@ class _Scores:
                 add_nf4_state(context, costs)
 
     def _depends_on(self) -> list:
-        """What the scores depend on that tracing changes (a precision stored in the cache adds nothing)."""
+        """What the scores depend on that tracing changes (a precision stored in the cache adds nothing), and the
+        slack the probes so far allow."""
         memories = [(p, self.costs.model.precisions[p].memory) for p in _traced(self.context, self.costs)]
-        return [
+        return [self.measurements.slack] + [
             (p, memory.recomputed, memory.has_chunks(), [t.levers.offloaded is not None for t in memory.traces() if t.levers])
             for p, memory in memories
         ]

@@ -254,3 +254,20 @@ def test_the_floor_does_not_probe_what_the_model_proved_exact_puts_above_the_lea
     every = _floor(request, spec)
     assert (fewer.floor_bytes, fewer.floor.config) == (every.floor_bytes, every.floor.config)
     assert 0 < skipped < len(probed), (skipped, probed)
+
+
+def test_the_slack_a_cpu_plan_probes_within_is_what_its_probes_showed_the_model_off_by():
+    """On the CPU the model is exact or optimistic: once probes were compared with it, a point predicted over the
+    usable bytes by more than twice their largest difference is not probed (a GPU's model keeps its slack)."""
+    from autofit.planning.context import plan_context
+    from autofit.planning.policy import POLICY
+    from autofit.planning.verify.measurements import Measurements
+
+    context = plan_context(uneven_spec(), PlanRequest(budget="1GB", batch_size=4, device="cpu", cache=False), log=None)
+    measurements = Measurements(context, host_sample_bytes=0)
+    assert measurements.slack == POLICY.exact_slack_share  # nothing compared yet
+    measurements.compared(measured=1_000_004, predicted=1_000_000)
+    assert measurements.slack == pytest.approx(2 * 5 / 1_000_000)
+    measurements.learn("fp32", measured=1_010_000, predicted=1_000_000)  # off by 1%: the policy's share again
+    assert measurements.slack == POLICY.exact_slack_share and measurements.scale("fp32") == pytest.approx(1.01)
+    context.trace_pool.close()

@@ -81,14 +81,14 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
         return Floor(config=config, budget_bytes=predicted_budget, measured=False)
     peaks = {}  # config key -> (config, peak, breakdown), of every option measured
     # Those measured by an earlier check first: the least measured is known before any other is probed.
-    errors = []  # of the model on the options measured: what says whether it can be taken at its word
     for predicted, config in sorted(options, key=lambda option: not measurements.has_peak(option[1])):
         least = min((peak for _, peak, _ in peaks.values()), default=None)
-        if least is not None and not measurements.has_peak(config) and _cannot_measure_less(context, predicted, least, errors=errors):
+        if least is not None and not measurements.has_peak(config) and _cannot_measure_less(context, predicted, least, measurements=measurements):
             continue
         if least is None or predicted <= least * (1 + POLICY.floor_measured_margin_share) or measurements.has_peak(config):
             peaks[config.key()] = (config, *measurements.checked_peak(config))
-            errors.append(abs(peaks[config.key()][1] - predicted) / max(predicted, 1.0))
+            if measurements.model_is_exact:
+                measurements.compared(measured=peaks[config.key()][1], predicted=predicted)
     headroom = measurements.headroom  # after the probes: on a GPU it holds the context just measured
     budgets = {key: headroom.smallest_budget(peak, persistent_bytes=persistent_bytes(breakdown)) for key, (_, peak, breakdown) in peaks.items()}
     config, peak, breakdown = peaks[min(budgets, key=budgets.get)]
@@ -106,15 +106,16 @@ def check_floor(context: PlanContext, costs: Costs, measurements: Measurements) 
     return floor
 
 
-def _cannot_measure_less(context: PlanContext, predicted: float, least_measured: float, *, errors: list[float]) -> bool:
+def _cannot_measure_less(context: PlanContext, predicted: float, least_measured: float, *, measurements: Measurements) -> bool:
     """Whether an option predicted at ``predicted`` cannot measure below ``least_measured`` (within
     ``POLICY.exact_slack_share``): on the CPU, where the budget a peak needs grows with the peak alone (no
-    allocator), and the memory model, the meter's twin, predicted every option measured within that share
-    (``errors``, relative). Else the model may order them wrongly, and the margin rule measures. The ResNet-18 of
-    #47 measured fp32's and bf16's floors alike, each with every block checkpointed and without (the model 4 and 24
-    bytes under the meter): four probes, one of them enough."""
+    allocator), and the memory model, the meter's twin, predicted every probe so far within that share
+    (``Measurements.model_error``). Else the model may order them wrongly, and the margin rule measures. The
+    ResNet-18 of #47 measured fp32's and bf16's floors alike, each with every block checkpointed and without (the
+    model 4 and 24 bytes under the meter): four probes, one of them enough."""
+    error = measurements.model_error
     return (
-        context.device == "cpu" and bool(errors) and max(errors) <= POLICY.exact_slack_share
+        context.device == "cpu" and error is not None and error <= POLICY.exact_slack_share
         and predicted >= least_measured * (1 - POLICY.exact_slack_share)
     )
 
