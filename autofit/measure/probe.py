@@ -19,7 +19,7 @@ from autofit.device import check_device, steady_host_allocations
 from autofit.measure.kernels import precision_failure
 from autofit.measure.meters import (
     Measurement, SimulatedMeter, compiled_step_on_cpu, fails_only_on_fake_tensors, fall_back_from_simulation, make_meter, noting_padding,
-    release_device_memory,
+    release_device_memory, state_bytes,
 )
 from autofit.measure.tracker import ACTIVATIONS
 from autofit.measure.optimizer_state import create_optimizer_state
@@ -255,8 +255,9 @@ def _measure(
     timed = step_seconds[1:] or step_seconds
     samples_per_s = None if simulate else config.global_batch_size * len(timed) / sum(timed)
     # Rebound, not deleted (inner functions name them): the model and its state are freed before the release.
+    held = state_bytes(model)
     model = applied = optimizer = inputs = targets = None
-    release_device_memory(device)
+    release_device_memory(device, held_bytes=held)
     return ProbeResult(
         peak_bytes=measurement.peak_bytes,
         samples_per_s=samples_per_s,

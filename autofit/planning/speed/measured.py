@@ -20,7 +20,7 @@ from autofit.apply import AppliedPlan, apply_config
 from autofit.config import TrainingConfig
 from autofit.device import steady_host_allocations
 from autofit.measure.boundaries import block_boundaries
-from autofit.measure.meters import release_device_memory
+from autofit.measure.meters import release_device_memory, state_bytes
 from autofit.model_io import as_loss, call_model
 from autofit.planning.costs import SpeedCosts
 from autofit.planning.policy import POLICY, timing_policy
@@ -98,8 +98,9 @@ def time_precisions(
     for name, run in timer.runs.items():
         if run.slower_than:
             results[name] = _follow_reference(results[name], results[run.slower_than])
+    held = state_bytes(model)
     model = timer = None  # freed before the release
-    release_device_memory(device)
+    release_device_memory(device, held_bytes=held)
     return results
 
 
@@ -508,8 +509,9 @@ class StepTimer:
 
     def close(self) -> None:
         """Free the model, optimizer and batch (the device's cache too)."""
+        held = state_bytes(self.applied.model)
         del self.applied, self.optimizer, self.inputs, self.targets
-        release_device_memory(self.device)
+        release_device_memory(self.device, held_bytes=held)
 
 
 def _warm_up(config: TrainingConfig) -> TrainingConfig:
