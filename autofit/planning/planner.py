@@ -52,7 +52,7 @@ from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanKeywords, PlanRequest, plan_request
 from autofit.planning.verify.floor import ONE_PROCESS_PRECISIONS, InfeasibleBudget, check_floor, far_above_budget
-from autofit.planning.verify.below_floor import plan_with_levers, searched_lever_notes
+from autofit.planning.verify.below_floor import plan_with_levers, searched_lever_notes, timed_ladder
 from autofit.planning.lever_timings import Levers, lever_search
 from autofit.planning.coupling import check_rank_share, kept_together
 from autofit.planning.modelling import (
@@ -320,7 +320,8 @@ def _below_floor(
         )
     if searched is not None:  # the search's plan, where the ladder found none
         return ladder
-    return _searched_below_floor(context, costs, measurements, below, ladder, levers=levers) or ladder
+    found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers)
+    return found if found is not None else timed_ladder(context, ladder, measurements)
 
 
 def _lever_search_may_fit(context: PlanContext, measurements: Measurements, below: InfeasibleBudget) -> bool:
@@ -369,14 +370,11 @@ def _searched_below_floor(
     if chosen.config.key() == fallback.key():
         return None
     if plan is not None:
-        speed, ladder_speed = (
-            (chosen.candidate.predicted_samples_per_s, plan.predicted.samples_per_s) if context.simulate
-            else (chosen.measurement.samples_per_s, plan.measured.samples_per_s)
-        )
+        speed, ladder_speed, how = _weighed_against_ladder(context, chosen, ladder, measurements)
         if not speed or not ladder_speed or speed <= ladder_speed:
             return None
-        context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {ladder_speed:.1f}")
-        found = f"this configuration faster than the floor configuration with them ({ladder_speed:.1f} samples/s)"
+        context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {ladder_speed:.1f}{how}")
+        found = f"this configuration faster than the floor configuration with them ({ladder_speed:.1f} samples/s{how})"
     else:
         context.log("below the floor: the floor configuration with the memory levers does not fit; the search with them found one that does")
         found = ("this configuration, measured to fit, where the floor configuration with them does not (it takes several "
@@ -400,6 +398,18 @@ def _searched_below_floor(
         rejected=measurements.rejected, costs=costs.model, phases=dict(context.phases),
         timing=measurements.timing, study=context.study.storage or "", study_problems=list(context.study.problems),
     )
+
+
+def _weighed_against_ladder(context: PlanContext, chosen, ladder: PlanReport, measurements: Measurements) -> tuple[float | None, float | None, str]:
+    """The search's speed and the ladder's (the floor configuration with the levers), and how the ladder's is known:
+    "" timed (or simulated: both predicted), " predicted" where the search's measured speed beats the ladder's
+    prediction by ``POLICY.ladder_untimed_share`` (its timing would decide nothing)."""
+    if context.simulate:
+        return chosen.candidate.predicted_samples_per_s, ladder.plan.predicted.samples_per_s, ""
+    speed, predicted = chosen.measurement.samples_per_s, ladder.plan.predicted.samples_per_s
+    if speed and predicted and speed > predicted * (1 + POLICY.ladder_untimed_share):
+        return speed, predicted, " predicted"
+    return speed, timed_ladder(context, ladder, measurements).plan.measured.samples_per_s, ""
 
 
 def _fastest(context: PlanContext, costs: Costs, *, leaving_out=()) -> str:

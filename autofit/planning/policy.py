@@ -39,6 +39,10 @@ class PlanPolicy:
     estimated_cuda_context_bytes: int = 768 * 2**20
     """CUDA context and library workspaces assumed when planning for a GPU that is not here: the calibration
     cases' process held 0.74-0.75 GiB outside the allocator in every case."""
+    ladder_untimed_share: float = 0.25
+    """Below the floor, the floor configuration with the levers (the ladder) is not timed where the search's
+    configuration, measured, beats its predicted speed by this share: the timing could not reverse that (the speed
+    model's noise falls back on one thread above 25%, ``threads_noise_share``), and it cost a ResNet-18 plan a second."""
     real_trace_steps: float = 8.0
     """On the CPU a run is traced on real tensors where this many of its micro-steps (as timed, per thread) take no
     longer than a run over fake tensors: a traced run is two micro-steps and a step, plus the tracker's Python per op,

@@ -102,6 +102,7 @@ def test_below_a_floor_of_micro_steps_the_search_steps_the_whole_batch_in_backwa
     budget = (lever_floor + min(floor, plain)) // 2
     plan = make_plan(spec, PlanRequest(budget=budget, batch_size=2, precisions=["fp32"]))
     assert plan.config.micro_batch_size == 2 and plan.config.grad_accum_steps == 1 and plan.config.optimizer_in_backward
+    assert plan.measured.samples_per_s > 0  # timed, the ladder's plan too (``timed_ladder``: once it is the plan)
     # The ladder measures the whole batch stepping in backward (the search may then find it faster): measured to fit.
     assert any(
         "optimizer step in backward with the whole batch of 2 in one micro-batch lowers" in note

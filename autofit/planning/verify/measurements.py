@@ -73,6 +73,8 @@ class Measurements:
         """What the verification's timing saw: rounds, noise, and the configurations within it of the fastest."""
         self.learned: dict[str, float] = {}
         """Precision -> measured / predicted peak, where a probe showed the model optimistic (``scale``)."""
+        self.ladder_samples_per_s: float | None = None
+        """The floor configuration with the levers, timed (``below_floor.timed_ladder``); None until it is."""
         self.model_error: float | None = None
         """The largest relative difference of a probe's peak from the memory model's (``compared``; a byte counted
         beside it); None before any probe was compared."""
