@@ -27,6 +27,9 @@ offload adds one trace with every block offloaded, made only when asked.
 
 The planner verifies what this model predicts with the exact simulated meter
 and with real probes; the model only has to rank configurations well.
+
+A plan for this CPU may make a run on real tensors with the cpu meter instead (``run_trace``'s ``real``), where a
+real step costs less than a run over fake tensors (``modelling.real_trace_sizes``): the same trace, made quicker.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Worker processes for the planner's runs over fake tensors: one plan's runs at once on the machine's cores.
+"""Worker processes for the planner's traced runs (over fake tensors, or on real ones where those cost less): one
+plan's runs at once on the machine's cores.
 
 A traced run (``memory.traces.run_trace``) is Python over fake tensors: one core
 each, and a plan makes up to nine per precision (three micro-batch sizes,
