@@ -356,11 +356,13 @@ def real_trace_sizes(
     stands for. A traced run is two micro-steps and an optimizer step, through the tracker's Python per op; over
     fake tensors each op costs the same whatever its size (FakeTensor's dispatch cache and rebuilt outputs: a
     Python loop of small ops traces slowly, #47). A size is traced for real where ``POLICY.real_trace_steps`` of its
-    micro-steps take no longer than a run over fake tensors took (the slowest so far, of ``costs`` and ``traced``),
-    and its activations (the smallest trace's, scaled) leave most of this machine's free memory to the runs traced
-    at once. A micro-step's seconds are the speed model's (per thread: a trace worker has one); before any step is
-    timed, its FLOPs at this CPU's measured matmul rate and its optimizer step's bytes (``PlanContext.cpu_rates``),
-    from a run over fake tensors that counted them. Nothing before a run over fake tensors.
+    micro-steps take no longer than a run over fake tensors took (the slowest so far, of ``costs`` and ``traced``;
+    before any, twice ``Costs.first_step``, the simulated micro-step that found the smallest micro-batch), and its
+    activations (the smallest trace's, scaled; before any, the training state) leave most of this machine's free
+    memory to the runs traced at once. A micro-step's seconds are the speed model's (per thread: a trace worker has
+    one); before any step is timed, its FLOPs at this CPU's measured matmul rate and its optimizer step's bytes
+    (``PlanContext.cpu_rates``), as that step or a traced run counted them. Nothing where neither is known (a model
+    whose first step ran cut short, before its first trace).
     """
     if context.device != "cpu" or context.simulate or context.sim_spec.simulation_fallback:
         return frozenset()
