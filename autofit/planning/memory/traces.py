@@ -593,7 +593,7 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
 
     Models from files and torchvision build under the meta device. A model
     object from the Python API is copied by ``deepcopy``, which fails under fake tensors;
-    its copy is then made from a meta template with fresh empty tensors
+    its copy is then made from a meta template with fresh tensors of zeros
     (fake ones when built inside the simulated meter).
     """
     import copy
@@ -614,7 +614,8 @@ def simulation_spec(spec: ModelSpec) -> ModelSpec:
     def build_model() -> nn.Module:
         memo = {}
         for tensor in list(template.parameters()) + list(template.buffers()):
-            fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            # Zeros, not whatever memory held: a run on real tensors (``run_trace``'s ``real``) steps these values.
+            fresh = torch.zeros(tensor.shape, dtype=tensor.dtype, device="cpu")
             memo[id(tensor)] = nn.Parameter(fresh, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fresh
         return copy.deepcopy(template, memo)
 
