@@ -397,7 +397,7 @@ def memory_costs(
             real_sizes=real_sizes, progress=progress,
         )[0])
         return MemoryCosts(low=floor or low_trace, high=floor or low_trace)
-    sizes = [high] + ([2] if low == 1 and high > 2 else []) + ([] if low_trace else [low])
+    sizes = traced_sizes(low=low, high=high, have_low=low_trace is not None)
     traced = trace_memory_sizes(
         spec, sizes=sizes, precision=precision, device_type=device_type, blocks=low_trace.blocks if low_trace else blocks, pool=pool,
         recompute=recompute, real_sizes=real_sizes, progress=progress,
@@ -407,6 +407,14 @@ def memory_costs(
     traces = dict(zip(sizes, traced))
     memory = _assembled(low_trace or traces[low], traces.get(2) if low == 1 and high > 2 else None, traces[high])
     return replace(memory, floor=floor) if not memory.recomputed else memory
+
+
+def traced_sizes(*, low: int, high: int, have_low: bool) -> list[int]:
+    """The micro-batch sizes ``memory_costs`` traces from ``low`` to ``high``: ``high``, 2 where ``low`` is 1 (a trace
+    at 1 lies off the line), and ``low`` unless its trace is at hand (``have_low``)."""
+    if high == low:
+        return [] if have_low else [low]
+    return [high] + ([2] if low == 1 and high > 2 else []) + ([] if have_low else [low])
 
 
 def complete_memory(

@@ -35,11 +35,11 @@ from autofit.apply import apply_config
 from autofit.config import TrainingConfig
 from autofit.device import host_memory_bytes
 from autofit.errors import UserError
-from autofit.measure.meters import simulated_meter
+from autofit.measure.meters import simulated_meter, state_bytes
 from autofit.model_io import as_loss, call_model
 from autofit.planning.context import PlanContext
 from autofit.planning.costs import (
-    CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs, memory_trace_from_dict, scaled_trace,
+    CostModel, MemoryCosts, PrecisionCosts, SpeedCosts, complete_memory, memory_costs, memory_trace_from_dict, scaled_trace, traced_sizes,
 )
 from autofit.planning.speed.estimated import flop_speed_costs
 from autofit.planning.memory.levers import add_eight_bit, add_nf4
@@ -249,7 +249,7 @@ def trace_full(context: PlanContext, costs: Costs, precision: str, *, recompute:
     else:
         low = costs.low_only.get(precision)
         sizes = [G] + ([] if low else [costs.smallest])
-        traced = sorted({*sizes, *([2] if costs.smallest == 1 and G > 2 else [])})  # 2: ``memory_costs``' middle trace
+        traced = traced_sizes(low=costs.smallest, high=G, have_low=low is not None)
         real = real_trace_sizes(context, costs, precision, traced)
         context.log(f"memory: tracing {precision} at micro-batch {' and '.join(map(str, sizes))} ({_meter_words(context, traced, real)})")
         memory = memory_costs(
@@ -383,7 +383,7 @@ def real_trace_sizes(
     else:
         flops_per_s, bytes_per_s = context.cpu_rates
         per_sample = max(counted)
-        optimizer_s = 4 * sum(p.numel() * p.element_size() for p in context.meta_model.parameters()) / bytes_per_s
+        optimizer_s = state_bytes(context.meta_model) / bytes_per_s
 
         def step_s(size: int) -> float:
             return size * per_sample / flops_per_s + optimizer_s / 2
@@ -391,7 +391,7 @@ def real_trace_sizes(
     smallest = min(known, key=lambda t: t.micro_batch_size, default=None)
     per_sample_bytes = (
         max(s.peak_bytes for s in smallest.segments) / smallest.micro_batch_size if smallest is not None
-        else 16 * sum(p.numel() for p in context.meta_model.parameters())
+        else state_bytes(context.meta_model)
     )
     room = POLICY.real_trace_memory_share * host_memory_bytes(available=True) / max(1, context.trace_pool.workers)
     return frozenset(size for size in sizes if POLICY.real_trace_steps * step_s(size) <= fake_s and per_sample_bytes * size <= room)
