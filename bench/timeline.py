@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autofit.progress as progress  # noqa: E402
 
 STARTED = time.monotonic()
-SHORTEST_S = 0.3
+SHORTEST_S = float(__import__("os").environ.get("SHORTEST_S", 0.3))
 _depth = 0
 
 

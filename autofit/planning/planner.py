@@ -39,20 +39,20 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from strategies import MASTER_WEIGHTS, PRECISIONS, PURE_BF16
-from autofit.config import step_in_backward_refusal
+from autofit.config import TrainingConfig, step_in_backward_refusal
 from autofit.errors import UserError
 from autofit.plan_file import Plan
 from autofit.planning.bounds import check_state_fits
 from autofit.planning.context import PlanContext, intra_op_threads, plan_context
 from autofit.planning.request import PlanKeywords, PlanRequest, plan_request
 from autofit.planning.verify.floor import ONE_PROCESS_PRECISIONS, InfeasibleBudget, check_floor, far_above_budget
-from autofit.planning.verify.below_floor import plan_with_levers, searched_lever_notes, timed_ladder
+from autofit.planning.verify.below_floor import ladder_speed_bound, plan_with_levers, searched_lever_notes, timed_ladder
 from autofit.planning.lever_timings import Levers, lever_search
 from autofit.planning.coupling import check_rank_share, kept_together
 from autofit.planning.modelling import (
@@ -66,6 +66,7 @@ from autofit.planning.policy import POLICY
 from autofit.planning.verify.candidates import measure_unconstrained, timed_reference, verify
 from autofit.planning.speed.timing import tie_cap
 from autofit.planning.verify.compiled import with_compile
+from autofit.planning.records import Verified
 from autofit.planning.report import PlanReport, write_plan
 from autofit.spec import ModelSpec, spec_from_model
 from autofit.units import format_bytes
@@ -304,23 +305,53 @@ def _below_floor(
     backward (one micro-batch per step) is tried only with the whole batch and the floor's checkpointing, yet a
     larger micro-batch with it and fewer blocks checkpointed may fit too: where the ladder finds nothing the search
     has the last word, before the levers the flags do not allow are measured for the refusal's advice.
+
+    Where the device runs and the budget has room for what every configuration with the step in backward holds,
+    the search goes first: a configuration it measured faster by ``POLICY.ladder_untimed_share``
+    than the fastest the ladder is predicted at (``ladder_speed_bound``) is the plan, and the ladder is not measured
+    (a ResNet-18 plan's levers' probe, of a configuration the search beat by 40%). Else the ladder is measured as
+    above, and weighed against what the search verified.
     """
+    flags = {"allow_lossy_optimizer": levers.allow_lossy_optimizer, "allow_lossy_base": levers.allow_lossy_base}
+    verified: _Searched | None = None
+    searched_first = False
+    if not context.simulate and below.floor is not None and _room_for_the_search(context, measurements, below):
+        with context.phase("speed"):
+            bound = ladder_speed_bound(context, costs, below.floor, max_grad_norm=levers.max_grad_norm, **flags)
+        if bound is not None:
+            context.log(
+                f"below the floor without levers, {format_bytes(below.floor_bytes)}: the search with the memory levers first, "
+                f"against the floor configuration with them (at most {bound:.1f} samples/s predicted)"
+            )
+            verified, searched_first = _verified_search(context, costs, measurements, below, below.floor.config, levers=levers), True
+            speed = verified.chosen.measurement.samples_per_s if verified is not None else None
+            if speed and speed > bound * (1 + POLICY.ladder_untimed_share):
+                how = f"at most {bound:.1f} samples/s predicted"
+                context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {how}")
+                return _searched_plan(
+                    context, costs, measurements, below, verified,
+                    found=f"this configuration faster than the floor configuration with them ({how}), which was not measured",
+                )
     searched: PlanReport | None = None
 
     def search() -> PlanReport | None:
         nonlocal searched
-        if _lever_search_may_fit(context, measurements, below):
+        if searched_first:  # already searched with nothing to fall back on: the same search, the same answer
+            searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers, verified=verified)
+        elif _lever_search_may_fit(context, measurements, below):
             searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers)
         return searched
 
     with context.phase("levers"):
         ladder = plan_with_levers(
-            context, costs, measurements, below, allow_lossy_optimizer=levers.allow_lossy_optimizer,
-            max_grad_norm=levers.max_grad_norm, allow_lossy_base=levers.allow_lossy_base, then=search,
+            context, costs, measurements, below, max_grad_norm=levers.max_grad_norm, then=search, **flags,
         )
     if searched is not None:  # the search's plan, where the ladder found none
         return ladder
-    found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers)
+    if searched_first:
+        found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers, verified=verified)
+    else:
+        found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers)
     return found if found is not None else timed_ladder(context, ladder, measurements)
 
 
@@ -332,25 +363,35 @@ def _lever_search_may_fit(context: PlanContext, measurements: Measurements, belo
     floor = below.floor
     if floor is None or floor.config.grad_accum_steps == 1:
         return False
+    return _room_for_the_search(context, measurements, below)
+
+
+def _room_for_the_search(context: PlanContext, measurements: Measurements, below: InfeasibleBudget) -> bool:
+    """Whether the budget leaves room for the parameters and the optimizer state, which every configuration with the
+    step in backward holds (measured at the floor), and on the CPU for the global batch."""
     resident = below.breakdown.get("parameters", 0) + below.breakdown.get("optimizer_state", 0)
     # On the CPU the global batch waits in the same memory (the host is the device): every configuration holds it.
     batch = 0 if context.device == "cuda" else context.global_batch_size * measurements.host_sample_bytes
     return measurements.usable_bytes() >= resident + batch
 
 
-def _searched_below_floor(
-    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport | None, *,
-    levers: Levers,
-) -> PlanReport | None:
-    """Below the floor: the search with the memory levers, for a configuration measured to fit (a larger micro-batch
-    with the step in backward or host state, fewer checkpointed blocks). With the floor configuration's levers
-    fitting (``ladder``), None when it finds none faster; without (None), None when it finds none that fits.
+@dataclass(frozen=True)
+class _Searched:
+    """What the search with the memory levers found below the floor, verified: its points, how it scored them, the
+    levers it used, and the configuration measured to fit."""
 
-    The verification falls back on the ladder's plan (measured to fit) or, without one, on the floor
-    configuration (which does not fit: the verification then raises, and None is returned).
-    """
-    plan = ladder.plan if ladder is not None else None
-    fallback = below.floor.config if plan is None else plan.config
+    evaluations: list[Evaluation]
+    sampler: str
+    levers: LeverSearch
+    chosen: Verified
+
+
+def _verified_search(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, fallback: TrainingConfig, *,
+    levers: Levers,
+) -> _Searched | None:
+    """The search with the memory levers and its verification, falling back on ``fallback`` (the ladder's plan, or the
+    floor configuration, which does not fit); None where nothing it found fits as measured, or the fallback won."""
     with context.phase("speed"):
         add_speeds(context, costs)
         search = lever_search(context, costs, levers)
@@ -369,8 +410,32 @@ def _searched_below_floor(
         costs.model = replace(costs.model, memory_scale=chosen.memory_scale)  # what the measurements calibrated
     if chosen.config.key() == fallback.key():
         return None
+    return _Searched(evaluations=evaluations, sampler=sampler, levers=search, chosen=chosen)
+
+
+_UNSEARCHED = object()
+
+
+def _searched_below_floor(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport | None, *,
+    levers: Levers, verified=_UNSEARCHED,
+) -> PlanReport | None:
+    """Below the floor: the search with the memory levers, for a configuration measured to fit (a larger micro-batch
+    with the step in backward or host state, fewer checkpointed blocks). With the floor configuration's levers
+    fitting (``ladder``), None when it finds none faster; without (None), None when it finds none that fits.
+
+    The verification falls back on the ladder's plan (measured to fit) or, without one, on the floor
+    configuration (which does not fit: the verification then raises, and None is returned). ``verified``: what a
+    search made before the ladder was measured found (``_verified_search`` with the floor configuration to fall back
+    on: where it found nothing, falling back on the ladder's plan would have chosen that plan).
+    """
+    plan = ladder.plan if ladder is not None else None
+    if verified is _UNSEARCHED:
+        verified = _verified_search(context, costs, measurements, below, below.floor.config if plan is None else plan.config, levers=levers)
+    if verified is None:
+        return None
     if plan is not None:
-        speed, ladder_speed, how = _weighed_against_ladder(context, chosen, ladder, measurements)
+        speed, ladder_speed, how = _weighed_against_ladder(context, verified.chosen, ladder, measurements)
         if not speed or not ladder_speed or speed <= ladder_speed:
             return None
         context.log(f"below the floor: the search with the memory levers found {speed:.1f} samples/s, the floor configuration {ladder_speed:.1f}{how}")
@@ -379,6 +444,14 @@ def _searched_below_floor(
         context.log("below the floor: the floor configuration with the memory levers does not fit; the search with them found one that does")
         found = ("this configuration, measured to fit, where the floor configuration with them does not (it takes several "
                  "micro-batches a step, and the step in backward needs one)")
+    return _searched_plan(context, costs, measurements, below, verified, found=found)
+
+
+def _searched_plan(
+    context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, verified: _Searched, *, found: str,
+) -> PlanReport:
+    """The plan of the search's configuration below the floor, ``found`` saying what it was found against."""
+    chosen, evaluations, search = verified.chosen, verified.evaluations, verified.levers
     with context.phase("write"):
         plan = write_plan(
             context, costs.model, chosen=chosen, evaluations=evaluations, unconstrained=None,
@@ -392,7 +465,7 @@ def _searched_below_floor(
         context.study.save("measurements", measurements.to_store())
     return PlanReport(
         plan=plan, floor_bytes=below.floor_bytes, floor_breakdown=below.breakdown, excluded_precisions=context.excluded_precisions,
-        precision_notes=_precision_notes(context, costs, evaluations, measurements), sampler=sampler, evaluations=len(evaluations),
+        precision_notes=_precision_notes(context, costs, evaluations, measurements), sampler=verified.sampler, evaluations=len(evaluations),
         simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes,
         real_probes=measurements.real_probes, resumed=costs.resumed, seconds=time.perf_counter() - context.started,
         rejected=measurements.rejected, costs=costs.model, phases=dict(context.phases),

@@ -424,12 +424,7 @@ def _report(
         add_loss_chunks(context, costs, chunks=config.loss_chunks, usable_bytes=measurements.usable_bytes())
     if config.frozen_nf4:
         add_nf4_state(context, costs)
-    known = model.precisions.get(config.precision)
-    if known is None or known.memory.with_checkpointing(config.micro_batch_size) is None:
-        # Only the floor's trace (at the smallest micro-batch, the floor's) was needed: it predicts this configuration.
-        memory = costs.memory_for_floor()[config.precision]
-        speed = costs.speeds[config.precision]
-        model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
+    model = _predicting(costs, config)
     blocks = model.indices(floor.config.checkpoint)
     levers_time = lever_time_for(context, costs, model, config)
     modelled = _modelled_peak(model, config, blocks)
@@ -438,10 +433,7 @@ def _report(
             config=config,
             # The memory model's lever terms where it has them: else the floor configuration's.
             predicted_peak_bytes=modelled if modelled is not None else model.peak_bytes(config.precision, config.micro_batch_size, blocks),
-            # The speed model's step of the floor configuration, plus what the levers cost (``speed.levers``).
-            predicted_samples_per_s=context.global_batch_size / (
-                model.step_seconds(config.precision, config.micro_batch_size, blocks) + levers_time.seconds
-            ),
+            predicted_samples_per_s=_predicted_samples_per_s(context, model, config, floor=floor, levers_seconds=levers_time.seconds),
         ),
         measurement=Measurement(  # its speed timed once it is needed (``timed_ladder``)
             peak_bytes=chosen.peak_bytes, samples_per_s=None, host_peak_bytes=chosen.host_peak_bytes,
@@ -466,6 +458,52 @@ def _report(
         simulated_checks=measurements.simulated_checks, memory_probes=measurements.memory_probes, real_probes=measurements.real_probes,
         resumed=costs.resumed, seconds=time.perf_counter() - context.started, rejected=measurements.rejected, costs=model,
     )
+
+
+def _predicting(costs: Costs, config: TrainingConfig):
+    """The cost model that predicts a lever candidate: the run's, with the floor's trace for its precision where the
+    traces so far do not reach its micro-batch (only the floor's trace, at the smallest micro-batch, was needed)."""
+    model = costs.model
+    known = model.precisions.get(config.precision)
+    if known is None or known.memory.with_checkpointing(config.micro_batch_size) is None:
+        memory = costs.memory_for_floor()[config.precision]
+        speed = costs.speeds[config.precision]
+        model = replace(model, precisions={**model.precisions, config.precision: PrecisionCosts(precision=config.precision, memory=memory, speed=speed)})
+    return model
+
+
+def _predicted_samples_per_s(context: PlanContext, model, config: TrainingConfig, *, floor: Floor, levers_seconds: float) -> float:
+    """The speed model's step of the floor configuration at the candidate's micro-batch, plus what its levers cost
+    (``speed.levers``)."""
+    step_s = model.step_seconds(config.precision, config.micro_batch_size, model.indices(floor.config.checkpoint))
+    return context.global_batch_size / (step_s + levers_seconds)
+
+
+def ladder_speed_bound(
+    context: PlanContext, costs: Costs, floor: Floor, *, allow_lossy_optimizer: bool, max_grad_norm: float | None = None,
+    allow_lossy_base: bool = False,
+) -> float | None:
+    """The most samples/s the floor configuration with the levers (``plan_with_levers``) could be predicted at: the
+    fastest lever candidate the flags allow, whichever of them fits (None: the flags allow none, or one of a precision
+    not timed). A configuration of
+    the search measured faster than it by ``POLICY.ladder_untimed_share`` is the plan whatever the ladder measures,
+    so the ladder need not be measured first (``planner._below_floor``)."""
+    candidates, _ = lever_candidates(
+        context, floor, blocks=list(costs.model.blocks), allow_lossy_optimizer=allow_lossy_optimizer, max_grad_norm=max_grad_norm,
+        allow_lossy_base=allow_lossy_base,
+    )
+    allowed = [c for c in candidates if c.allowed(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)]
+    if not allowed:
+        return None
+    add_speeds(context, costs)  # only what the costs do not hold yet (the search needs them too)
+    if any(c.config.precision not in costs.speeds for c in allowed):  # bf16-pure's: not timed unless it is the plan
+        return None
+    speeds = []
+    for candidate in allowed:
+        model = _predicting(costs, candidate.config)
+        seconds = lever_time_for(context, costs, model, candidate.config).seconds
+        speeds.append(_predicted_samples_per_s(context, model, candidate.config, floor=floor, levers_seconds=seconds))
+    return max(speeds)
 
 
 def timed_ladder(context: PlanContext, ladder: PlanReport, measurements: Measurements) -> PlanReport:
