@@ -241,6 +241,9 @@ def test_the_optimizer_step_is_timed_after_the_quickest_precisions_micro_step():
     assert results["bf16"].step_seconds[0] > 3 * results["fp32"].step_seconds[0]
     assert after and set(after) == {"none"}, after  # bf16, the slow one here, made none of the gradients stepped
     assert results["bf16"].optimizer_seconds > 0
+    # fp32 and bf16 step the same fp32 weights from fp32 gradients, neither with a loss scaler: one step timed for both.
+    assert len(after) == timing_policy().optimizer_step_timings
+    assert results["bf16"].optimizer_seconds == results["fp32"].optimizer_seconds
 
 
 # -- traces shared only when checked ----------------------------------------------------------------
@@ -314,9 +317,14 @@ def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(mon
 
 # -- the cache -------------------------------------------------------------------------------------------
 def test_the_cache_serves_another_budget(tmp_path, monkeypatch):
+    import optuna
+
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    opened, get_storage = [], optuna.storages.get_storage
+    monkeypatch.setattr(optuna.storages, "get_storage", lambda storage: (opened.append(storage) if isinstance(storage, str) else None) or get_storage(storage))
     first = plan_with_report(uneven_spec(), PlanRequest(budget="3MB", batch_size=16, precisions=["fp32"]))
     assert (tmp_path / "cache" / "plans.db").is_file() and cache_dir() == tmp_path / "cache"
+    assert len(opened) == 1, opened  # #47: the storage opened once a run, not at each load and save (30-70 ms each)
     second = plan_with_report(uneven_spec(), PlanRequest(budget="2MB", batch_size=16, precisions=["fp32"]))
     assert not first.resumed and second.resumed
     assert second.phases.get("speed", 0.0) < 0.01  # nothing timed for the speed model again

@@ -514,6 +514,9 @@ class Study:
     read: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """The stored attributes as first read (``load``), until this run saves one: Optuna reads and copies all of
     them whichever one is asked (an 8B model's costs: a third of a second each time); ``load`` copies the one asked."""
+    opened: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The storage as first opened ("storage"), for every later load and save of the run: given a URL, Optuna
+    builds an engine and checks the schema at each call (30-70 ms each, a plan makes about ten)."""
 
     @property
     def search_storage(self) -> str | None:
@@ -549,15 +552,23 @@ class Study:
         if create:
             if self.storage.startswith("sqlite:///"):
                 Path(self.storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-            return open_study(name, storage=self.storage) if self.strict else optuna.create_study(
-                study_name=name, storage=self.storage, load_if_exists=True
-            )
+            # An unusable storage raises here: ``save`` makes it the one-line error (``--study``) or a problem noted (the cache).
+            direction = "maximize" if self.strict else "minimize"  # as each was first created (``open_study``, the cache)
+            return optuna.create_study(study_name=name, storage=self._opened(), direction=direction, load_if_exists=True)
         if self.storage.startswith("sqlite:///") and not Path(self.storage.removeprefix("sqlite:///")).exists():
             return None
         try:
-            return optuna.load_study(study_name=name, storage=self.storage)
+            return optuna.load_study(study_name=name, storage=self._opened())
         except KeyError:  # no such study yet
             return None
+
+    def _opened(self):
+        """The run's one storage object for ``storage`` (``opened``); Optuna's errors for an unusable URL pass through."""
+        import optuna
+
+        if "storage" not in self.opened:
+            self.opened["storage"] = optuna.storages.get_storage(self.storage)
+        return self.opened["storage"]
 
     def _failed(self, error: Exception) -> None:
         # SQLAlchemy's messages run over several lines (the SQL, a link): the first says what went wrong.

@@ -198,6 +198,8 @@ class _PrecisionTimer:
         }
         self.samples: dict[tuple[str, int], Samples] = {}
         self.batches: dict[int, tuple] = {}
+        self._optimizer_s: dict[bool, float] = {}
+        """Whether a loss scaler steps -> seconds of the optimizer step (``optimizer_seconds``)."""
 
     def applied(self) -> dict[str, AppliedPlan]:
         return {name: run.applied for name, run in self.runs.items()}
@@ -330,6 +332,19 @@ class _PrecisionTimer:
         autocast's on a CPU take many times as long, #47)."""
         return min(self.runs.values(), key=lambda run: run.fastest[run.sizes[0]].step_s).applied
 
+    def optimizer_seconds(self, name: str) -> float:
+        """``name``'s optimizer step, timed once per way of stepping: every precision here steps the same fp32 weights
+        from fp32 gradients (autocast changes the compute, not them), so only a loss scaler, which unscales the
+        gradients first (fp16), makes another step to time; fp32's and bf16's are one."""
+        run = self.runs[name]
+        scaled = run.applied.scaler.is_enabled()
+        if scaled not in self._optimizer_s:
+            self._optimizer_s[scaled] = _optimizer_seconds(
+                self.model, self.optimizer, run.applied, self.steps.one_step, self.spec, run.sizes[0], clock=self.clock,
+                gradients=self.quickest(),
+            )
+        return self._optimizer_s[scaled]
+
     def speed_costs(self, name: str) -> SpeedCosts:
         """``name``'s speeds at the sizes it was timed at, and its optimizer step's."""
         run = self.runs[name]
@@ -338,10 +353,7 @@ class _PrecisionTimer:
             step_seconds=[run.fastest[s].step_s for s in run.sizes],
             forward_seconds=[run.fastest[s].forward_s for s in run.sizes],
             block_seconds=[run.fastest[s].block_s for s in run.sizes],
-            optimizer_seconds=_optimizer_seconds(
-                self.model, self.optimizer, run.applied, self.steps.one_step, self.spec, run.sizes[0], clock=self.clock,
-                gradients=self.quickest(),
-            ),
+            optimizer_seconds=self.optimizer_seconds(name),
             note=run.note,
             noise=noise_of([self.samples[name, s] for s in run.sizes]),
         )
