@@ -315,6 +315,34 @@ def test_a_simulated_plan_traces_no_precision_slower_than_the_best_that_fits(mon
     assert report.plan.config.precision == "bf16"
 
 
+def test_a_candidate_probed_here_is_timed_from_its_first_step(monkeypatch):
+    """#47: the race built each candidate and stepped it once untimed, though its probe had just stepped it in this
+    process (0.2 s a candidate of a ResNet-18 plan); one not probed here still warms up first."""
+    import autofit.planning.verify.measurements as measurements
+    from autofit.planning.speed.measured import StepTimer
+
+    made = {}
+
+    class Recording(measurements.StepTimer):
+        def __init__(self, spec, config, *, set_up=False, **kwargs):
+            made[config.key()] = set_up
+            super().__init__(spec, config, set_up=set_up, **kwargs)
+
+    monkeypatch.setattr(measurements, "StepTimer", Recording)
+    import autofit.planning.verify.candidates as candidates
+
+    monkeypatch.setattr(candidates, "POLICY", replace(POLICY, decided_margin_share=1.0))  # every candidate probed
+    report = plan_with_report(uneven_spec(), PlanRequest(budget="2MB", batch_size=16, precisions=["fp32"], cache=False))
+    assert report.memory_probes >= 1 and True in made.values() and False in made.values(), made
+    forwards = []
+    spec = uneven_spec()
+    build = spec.build_model
+    spec = replace(spec, build_model=lambda: (model := build(), model.register_forward_pre_hook(lambda *args: forwards.append(1)))[0])
+    timer = StepTimer(spec, TrainingConfig(global_batch_size=4, micro_batch_size=4), device="cpu", set_up=True)
+    assert timer.step_seconds() > 0 and len(forwards) == 1  # timed from the first step, its optimizer state made before
+    timer.close()
+
+
 # -- the cache -------------------------------------------------------------------------------------------
 def test_the_cache_serves_another_budget(tmp_path, monkeypatch):
     import optuna

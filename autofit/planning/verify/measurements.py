@@ -416,6 +416,7 @@ class Measurements:
                             timers.pop(other).close()
                     timers[key] = StepTimer(
                         self.context.spec, configs[key], device=self.context.device, clock=self.context.clock,
+                        set_up=self._probed_here(configs[key]),
                     )
                 return timers[key].step_seconds()
             return run
@@ -469,6 +470,14 @@ class Measurements:
             self.timings[key] = {"session": self.session, "threads": self.context.threads, "seconds": samples[key].seconds}
         self.real_probes += len(keys)
         return samples
+
+    def _probed_here(self, config: TrainingConfig) -> bool:
+        """Whether this run probed ``config`` on the CPU, every micro-batch of one size: its kernels are set up in this
+        process (``StepTimer``'s ``set_up``)."""
+        return (
+            self.context.device == "cpu" and not self.context.simulate and config.key() in self.fresh
+            and config.global_batch_size % config.micro_batch_size == 0
+        )
 
     def _peak_or_predicted(self, config: TrainingConfig) -> float:
         entry = self.peaks.get(config.key())
