@@ -623,7 +623,10 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
     blocks = checkpoint_candidates(model)
     assert len(blocks) == 3
 
+    steps = []
+
     def one_step(applied, inputs, targets):
+        steps.append(applied)
         flags = [(getattr(m, "_autofit_checkpointed", False), getattr(m, "_autofit_selective", False)) for m in applied.model.modules()]
         seconds = 1.25 if any(f for f, _ in flags) else 1.1 if any(s for _, s in flags) else 1.0
         return StepParts(0.0, 2.0 * seconds, [])  # twice the load the speed model was timed under
@@ -636,6 +639,8 @@ def test_recompute_is_priced_against_plain_steps_timed_in_the_same_rounds():
     costs = results["fp32"]
     assert sum(costs.recompute_seconds(4)) == pytest.approx(2.0 * 0.25)
     assert sum(costs.selective_recompute_seconds(4)) == pytest.approx(2.0 * 0.1)
+    # #47: no warm-up steps: the size was timed just before, in this process (its kernels set up); rounds only.
+    assert len(steps) == 3 * timing_policy().min_rounds
 
 
 def test_precisions_sharing_traces_share_them_again_when_loaded_from_the_cache():

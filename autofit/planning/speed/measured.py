@@ -436,8 +436,9 @@ def measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, 
         applied[key].model.zero_grad(set_to_none=True)
         return seconds
 
-    for key in applied:
-        step(key)  # warm-up
+    # No warm-up: this size was just timed in this process with each precision timed here, so its kernels are set
+    # up, and a checkpointed step runs the same forwards again; a first round repeated the next within 2-6% (a
+    # ResNet-18), and the fastest round counts (six warm-up steps were 0.55 s of its plan).
     samples = interleaved_rounds({key: (lambda key=key: step(key)) for key in applied}, settled=lambda _: True)
     for name in timed:
         costs = results[name]
