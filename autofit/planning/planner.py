@@ -56,8 +56,8 @@ from autofit.planning.verify.below_floor import ladder_speed_bound, plan_with_le
 from autofit.planning.lever_timings import Levers, lever_search
 from autofit.planning.coupling import check_rank_share, kept_together
 from autofit.planning.modelling import (
-    Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, needs_offload, needs_recomputations,
-    save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
+    Costs, add_eight_bit_state, add_loss_chunks, add_nf4_state, add_recomputations, add_speeds, best_plain_samples_per_s, compare_halves,
+    needs_offload, needs_recomputations, save, stored_or_new, trace_full, trace_low, trace_offload, worth_tracing,
 )
 from autofit.planning.ranks import check_ranks, gradient_bytes, plan_fsdp, restate_for_ddp, restate_for_hsdp
 from autofit.planning.search.space import Evaluation, LeverSearch, score_space
@@ -244,7 +244,8 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     )
     with context.phase("memory"):
         if not costs.memory_for_floor():  # of those whose weights leave a peak room: a 70B's fp32 ones do not
-            trace_low(context, costs, _fastest(context, costs, leaving_out=_weights_over_budget(context, measurements)))
+            first = _fastest(context, costs, leaving_out=_weights_over_budget(context, measurements))
+            trace_low(context, costs, first, meanwhile=lambda: compare_halves(context, costs))
     measurements.host_sample_bytes = costs.host_sample_bytes  # what a trace says
     try:
         with context.phase("floor"):

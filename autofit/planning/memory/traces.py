@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
@@ -200,6 +200,7 @@ def trace_memory(
 def trace_memory_sizes(
     spec: ModelSpec, *, sizes: list[int], precision: str, device_type: str = "cpu", blocks: list[str] | None = None,
     pool=None, recompute: bool = True, real_sizes: Collection[int] = (), progress: Progress = QUIET,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[MemoryTrace]:
     """``trace_memory`` at each size; with a started ``memory.workers.TracePool`` of ``spec``, its runs at once in its workers.
 
@@ -210,7 +211,9 @@ def trace_memory_sizes(
     which adds them later otherwise). Without a pool the same runs go one after
     another in this process. The runs at ``real_sizes`` are made on real tensors with the cpu meter (which the
     simulated one equals on the CPU), where a real step costs less than a run over fake tensors.
-    ``progress`` hears which run is awaited, k of n.
+    ``progress`` hears which run is awaited, k of n. ``meanwhile``: this process's own work, done once the plain runs
+    are handed to the pool's workers and before they are awaited (their runs leave this process's core free); not
+    done without workers, where nothing would run beside it.
     """
     def start(size: int):
         return call(
@@ -230,6 +233,8 @@ def trace_memory_sizes(
         first = awaited(sizes[0], start(sizes[0]))
         blocks, plain[sizes[0]] = first.names, first
     pending = {size: start(size) for size in sizes if size not in plain}
+    if meanwhile is not None and pool is not None and pool.workers and pool.spec is spec:
+        meanwhile()
     for size, result in pending.items():
         plain[size] = awaited(size, result)
     traces = []
