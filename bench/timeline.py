@@ -1,7 +1,7 @@
 """`autofit ARGS` with every step its progress names (``progress.doing``) printed with its seconds, on stderr.
 
 Where a plan's time goes, step by step and nested (a warm-up inside a size's timing inside the speed step): the
-summary's "time by step" line splits it in five. Steps under 0.3 s are left out.
+summary's "time by step" line splits it in five. Steps under 0.3 s are left out (SHORTEST_S=0.05 shows more).
 
     AUTOFIT_CACHE_DIR=$(mktemp -d) python bench/timeline.py plan bench/models47/resnet18_10.py --budget 200MiB --batch-size 32
 """
