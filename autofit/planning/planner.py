@@ -297,6 +297,10 @@ def _plan_one_process(context: PlanContext, costs: Costs, *, levers: Levers | No
     return report
 
 
+_UNSEARCHED = object()
+"""``_searched_below_floor``'s ``verified`` where the search with the levers has not run yet."""
+
+
 def _below_floor(
     context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, *, levers: Levers,
 ) -> PlanReport:
@@ -307,16 +311,15 @@ def _below_floor(
     larger micro-batch with it and fewer blocks checkpointed may fit too: where the ladder finds nothing the search
     has the last word, before the levers the flags do not allow are measured for the refusal's advice.
 
-    Where the device runs and the budget has room for what every configuration with the step in backward holds,
-    the search goes first: a configuration it measured faster by ``POLICY.ladder_untimed_share``
+    Where the device runs and the search would run whatever the ladder finds (``_lever_search_may_fit``: a refusal
+    stays as fast as before), the search goes first: a configuration it measured faster by ``POLICY.ladder_untimed_share``
     than the fastest the ladder is predicted at (``ladder_speed_bound``) is the plan, and the ladder is not measured
     (a ResNet-18 plan's levers' probe, of a configuration the search beat by 40%). Else the ladder is measured as
     above, and weighed against what the search verified.
     """
     flags = {"allow_lossy_optimizer": levers.allow_lossy_optimizer, "allow_lossy_base": levers.allow_lossy_base}
-    verified: _Searched | None = None
-    searched_first = False
-    if not context.simulate and below.floor is not None and _room_for_the_search(context, measurements, below):
+    verified = _UNSEARCHED  # what the search found, once it has run
+    if not context.simulate and _lever_search_may_fit(context, measurements, below):
         with context.phase("speed"):
             bound = ladder_speed_bound(context, costs, below.floor, max_grad_norm=levers.max_grad_norm, **flags)
         if bound is not None:
@@ -324,7 +327,7 @@ def _below_floor(
                 f"below the floor without levers, {format_bytes(below.floor_bytes)}: the search with the memory levers first, "
                 f"against the floor configuration with them (at most {bound:.1f} samples/s predicted)"
             )
-            verified, searched_first = _verified_search(context, costs, measurements, below, below.floor.config, levers=levers), True
+            verified = _verified_search(context, costs, measurements, below, below.floor.config, levers=levers)
             speed = verified.chosen.measurement.samples_per_s if verified is not None else None
             if speed and speed > bound * (1 + POLICY.ladder_untimed_share):
                 how = f"at most {bound:.1f} samples/s predicted"
@@ -337,10 +340,8 @@ def _below_floor(
 
     def search() -> PlanReport | None:
         nonlocal searched
-        if searched_first:  # already searched with nothing to fall back on: the same search, the same answer
+        if verified is not _UNSEARCHED or _lever_search_may_fit(context, measurements, below):
             searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers, verified=verified)
-        elif _lever_search_may_fit(context, measurements, below):
-            searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers)
         return searched
 
     with context.phase("levers"):
@@ -349,10 +350,7 @@ def _below_floor(
         )
     if searched is not None:  # the search's plan, where the ladder found none
         return ladder
-    if searched_first:
-        found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers, verified=verified)
-    else:
-        found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers)
+    found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers, verified=verified)
     return found if found is not None else timed_ladder(context, ladder, measurements)
 
 
@@ -364,12 +362,6 @@ def _lever_search_may_fit(context: PlanContext, measurements: Measurements, belo
     floor = below.floor
     if floor is None or floor.config.grad_accum_steps == 1:
         return False
-    return _room_for_the_search(context, measurements, below)
-
-
-def _room_for_the_search(context: PlanContext, measurements: Measurements, below: InfeasibleBudget) -> bool:
-    """Whether the budget leaves room for the parameters and the optimizer state, which every configuration with the
-    step in backward holds (measured at the floor), and on the CPU for the global batch."""
     resident = below.breakdown.get("parameters", 0) + below.breakdown.get("optimizer_state", 0)
     # On the CPU the global batch waits in the same memory (the host is the device): every configuration holds it.
     batch = 0 if context.device == "cuda" else context.global_batch_size * measurements.host_sample_bytes
@@ -412,9 +404,6 @@ def _verified_search(
     if chosen.config.key() == fallback.key():
         return None
     return _Searched(evaluations=evaluations, sampler=sampler, levers=search, chosen=chosen)
-
-
-_UNSEARCHED = object()
 
 
 def _searched_below_floor(

@@ -93,11 +93,16 @@ def test_a_search_measured_far_faster_than_the_ladder_can_be_leaves_the_ladder_u
     import autofit.planning.planner as planner
 
     _, spec = lm
-    budget = (smallest_budget(floor_peak(spec)) + smallest_budget(floor_peak(spec, optimizer_in_backward=True))) // 2
+
+    def budget(micro_batch_size: int, **levers) -> int:  # a batch of 2: the floor takes two micro-batches a step
+        config = TrainingConfig(global_batch_size=2, micro_batch_size=micro_batch_size, checkpoint=LM_BLOCKS, **levers)
+        return smallest_budget(measure(spec, config, device="cpu", steps=2).peak_bytes)
+
+    between = (budget(2, optimizer_in_backward=True) + min(budget(1), budget(2))) // 2
     monkeypatch.setattr(planner, "ladder_speed_bound", lambda *args, **kwargs: 1e-6)  # a ladder no search can lose to
     lines: list[str] = []
-    plan = make_plan(spec, PlanRequest(budget=budget, batch_size=1, precisions=["fp32"], cache=False), log=lines.append)
-    assert plan.config.optimizer_in_backward and plan.measured.peak_bytes + sum(plan.headroom.values()) <= budget
+    plan = make_plan(spec, PlanRequest(budget=between, batch_size=2, precisions=["fp32"], cache=False), log=lines.append)
+    assert plan.config.optimizer_in_backward and plan.measured.peak_bytes + sum(plan.headroom.values()) <= between
     assert any("faster than the floor configuration with them (at most 0.0 samples/s predicted), which was not measured" in note
                for note in plan.notes), plan.notes
     assert not any("the floor configuration with the memory levers" in line for line in lines), lines  # the ladder's first line
