@@ -437,8 +437,8 @@ def measure_recompute(model, spec, results, *, blocks, sizes, device, one_step, 
         return seconds
 
     # No warm-up: this size was just timed in this process with each precision timed here, so its kernels are set
-    # up, and a checkpointed step runs the same forwards again; a first round repeated the next within 2-6% (a
-    # ResNet-18), and the fastest round counts (six warm-up steps were 0.55 s of its plan).
+    # up, and a checkpointed step runs the same forwards again; a ResNet-18's first rounds were within 6% of the
+    # fastest of the next two, and the fastest round counts (its six warm-up steps were 0.55 s of the plan).
     samples = interleaved_rounds({key: (lambda key=key: step(key)) for key in applied}, settled=lambda _: True)
     for name in timed:
         costs = results[name]

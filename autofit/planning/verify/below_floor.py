@@ -485,9 +485,8 @@ def ladder_speed_bound(
 ) -> float | None:
     """The most samples/s the floor configuration with the levers (``plan_with_levers``) could be predicted at: the
     fastest lever candidate the flags allow, whichever of them fits (None: the flags allow none, or one of a precision
-    not timed). A configuration of
-    the search measured faster than it by ``POLICY.ladder_untimed_share`` is the plan whatever the ladder measures,
-    so the ladder need not be measured first (``planner._below_floor``)."""
+    not timed). A configuration of the search measured faster than it by ``POLICY.ladder_untimed_share`` is the plan
+    whatever the ladder measures, so the ladder need not be measured first (``planner._below_floor``)."""
     candidates, _ = lever_candidates(
         context, floor, blocks=list(costs.model.blocks), allow_lossy_optimizer=allow_lossy_optimizer, max_grad_norm=max_grad_norm,
         allow_lossy_base=allow_lossy_base,
