@@ -319,15 +319,18 @@ def _below_floor(
     """
     flags = {"allow_lossy_optimizer": levers.allow_lossy_optimizer, "allow_lossy_base": levers.allow_lossy_base}
     verified = _UNSEARCHED  # what the search found, once it has run
+    priced: LeverSearch | None = None  # the levers and their timings, made once for the bound and the search
     if not context.simulate and _lever_search_may_fit(context, measurements, below):
         with context.phase("speed"):
-            bound = ladder_speed_bound(context, costs, below.floor, max_grad_norm=levers.max_grad_norm, **flags)
+            add_speeds(context, costs)
+            priced = lever_search(context, costs, levers)
+            bound = ladder_speed_bound(context, costs, below.floor, priced, max_grad_norm=levers.max_grad_norm, **flags)
         if bound is not None:
             context.log(
                 f"below the floor without levers, {format_bytes(below.floor_bytes)}: the search with the memory levers first, "
                 f"against the floor configuration with them (at most {bound:.1f} samples/s predicted)"
             )
-            verified = _verified_search(context, costs, measurements, below, below.floor.config, levers=levers)
+            verified = _verified_search(context, costs, measurements, below, below.floor.config, levers=levers, search=priced)
             speed = verified.chosen.measurement.samples_per_s if verified is not None else None
             if speed and speed > bound * (1 + POLICY.ladder_untimed_share):
                 how = f"at most {bound:.1f} samples/s predicted"
@@ -341,7 +344,7 @@ def _below_floor(
     def search() -> PlanReport | None:
         nonlocal searched
         if verified is not _UNSEARCHED or _lever_search_may_fit(context, measurements, below):
-            searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers, verified=verified)
+            searched = _searched_below_floor(context, costs, measurements, below, None, levers=levers, verified=verified, search=priced)
         return searched
 
     with context.phase("levers"):
@@ -350,7 +353,7 @@ def _below_floor(
         )
     if searched is not None:  # the search's plan, where the ladder found none
         return ladder
-    found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers, verified=verified)
+    found = _searched_below_floor(context, costs, measurements, below, ladder, levers=levers, verified=verified, search=priced)
     return found if found is not None else timed_ladder(context, ladder, measurements)
 
 
@@ -381,13 +384,15 @@ class _Searched:
 
 def _verified_search(
     context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, fallback: TrainingConfig, *,
-    levers: Levers,
+    levers: Levers, search: LeverSearch | None = None,
 ) -> _Searched | None:
     """The search with the memory levers and its verification, falling back on ``fallback`` (the ladder's plan, or the
-    floor configuration, which does not fit); None where nothing it found fits as measured, or the fallback won."""
-    with context.phase("speed"):
-        add_speeds(context, costs)
-        search = lever_search(context, costs, levers)
+    floor configuration, which does not fit); None where nothing it found fits as measured, or the fallback won.
+    ``search``: the levers' ``lever_search``, where already made."""
+    if search is None:
+        with context.phase("speed"):
+            add_speeds(context, costs)
+            search = lever_search(context, costs, levers)
     evaluations, sampler = _search(context, costs, measurements, levers=search)
     save(context, costs)
     if not any(e.fits for e in evaluations):
@@ -408,7 +413,7 @@ def _verified_search(
 
 def _searched_below_floor(
     context: PlanContext, costs: Costs, measurements: Measurements, below: InfeasibleBudget, ladder: PlanReport | None, *,
-    levers: Levers, verified=_UNSEARCHED,
+    levers: Levers, verified=_UNSEARCHED, search: LeverSearch | None = None,
 ) -> PlanReport | None:
     """Below the floor: the search with the memory levers, for a configuration measured to fit (a larger micro-batch
     with the step in backward or host state, fewer checkpointed blocks). With the floor configuration's levers
@@ -417,11 +422,13 @@ def _searched_below_floor(
     The verification falls back on the ladder's plan (measured to fit) or, without one, on the floor
     configuration (which does not fit: the verification then raises, and None is returned). ``verified``: what a
     search made before the ladder was measured found (``_verified_search`` with the floor configuration to fall back
-    on: where it found nothing, falling back on the ladder's plan would have chosen that plan).
+    on: where it found nothing, falling back on the ladder's plan would have chosen that plan). ``search`` as
+    ``_verified_search``'s.
     """
     plan = ladder.plan if ladder is not None else None
     if verified is _UNSEARCHED:
-        verified = _verified_search(context, costs, measurements, below, below.floor.config if plan is None else plan.config, levers=levers)
+        fallback = below.floor.config if plan is None else plan.config
+        verified = _verified_search(context, costs, measurements, below, fallback, levers=levers, search=search)
     if verified is None:
         return None
     if plan is not None:

@@ -480,13 +480,16 @@ def _predicted_samples_per_s(context: PlanContext, model, config: TrainingConfig
 
 
 def ladder_speed_bound(
-    context: PlanContext, costs: Costs, floor: Floor, *, allow_lossy_optimizer: bool, max_grad_norm: float | None = None,
-    allow_lossy_base: bool = False,
+    context: PlanContext, costs: Costs, floor: Floor, search: LeverSearch, *, allow_lossy_optimizer: bool,
+    max_grad_norm: float | None = None, allow_lossy_base: bool = False,
 ) -> float | None:
     """The most samples/s the floor configuration with the levers (``plan_with_levers``) could be predicted at: the
     fastest lever candidate the flags allow, whichever of them fits (None: the flags allow none, or one of a precision
     not timed). A configuration of the search measured faster than it by ``POLICY.ladder_untimed_share`` is the plan
-    whatever the ladder measures, so the ladder need not be measured first (``planner._below_floor``)."""
+    whatever the ladder measures, so the ladder need not be measured first (``planner._below_floor``).
+
+    The levers are priced by ``search`` (``lever_timings.lever_search``: the search's own, each lever timed once),
+    over the speeds ``add_speeds`` made."""
     candidates, _ = lever_candidates(
         context, floor, blocks=list(costs.model.blocks), allow_lossy_optimizer=allow_lossy_optimizer, max_grad_norm=max_grad_norm,
         allow_lossy_base=allow_lossy_base,
@@ -494,13 +497,12 @@ def ladder_speed_bound(
     allowed = [c for c in candidates if c.allowed(allow_lossy_optimizer=allow_lossy_optimizer, allow_lossy_base=allow_lossy_base)]
     if not allowed:
         return None
-    add_speeds(context, costs)  # only what the costs do not hold yet (the search needs them too)
     if any(c.config.precision not in costs.speeds for c in allowed):  # bf16-pure's: not timed unless it is the plan
         return None
     speeds = []
     for candidate in allowed:
         model = _predicting(costs, candidate.config)
-        seconds = lever_time_for(context, costs, model, candidate.config).seconds
+        seconds = search.lever_time(model, candidate.config).seconds
         speeds.append(_predicted_samples_per_s(context, model, candidate.config, floor=floor, levers_seconds=seconds))
     return max(speeds)
 
